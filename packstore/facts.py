@@ -1,0 +1,49 @@
+"""Read fact and question files: plain text (one item a line) or JSONL with a text field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from packstore.errors import InvalidInput
+
+
+def _read_lines(path: str | Path) -> list[tuple[int, str]]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InvalidInput(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"{path}: cannot read: {exc}") from None
+    return [(number, line.strip()) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+
+
+def _json_field(path: str | Path, number: int, line: str, field: str) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"{path}:{number}: not valid JSON: {exc.msg}") from None
+    value = record.get(field) if isinstance(record, dict) else None
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidInput(f"{path}:{number}: needs a non-empty string field {field!r}")
+    return value.strip()
+
+
+def read_items(path: str | Path, field: str) -> list[str]:
+    """Items of a file: JSONL objects' ``field`` if every line is a JSON object, else one item per line."""
+    lines = _read_lines(path)
+    if not lines:
+        raise InvalidInput(f"{path}: is empty")
+    if all(line.startswith("{") for _, line in lines):
+        return [_json_field(path, number, line, field) for number, line in lines]
+    return [line for _, line in lines]
+
+
+def read_facts(path: str | Path) -> list[str]:
+    """Facts: one per line, or JSONL with ``text``."""
+    return read_items(path, "text")
+
+
+def read_questions(path: str | Path) -> list[str]:
+    """Questions: JSONL with ``question`` (or one per line)."""
+    return read_items(path, "question")

@@ -1,0 +1,1 @@
+"""Model side: load models, fingerprint them, build packs, inject them and generate."""

@@ -1,0 +1,75 @@
+"""Build a knowledge pack: facts -> single-pass chat rendering -> prefix ids -> prefill -> per-layer K/V."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Sequence
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from packstore.errors import InvalidInput
+from packstore.format import Pack, PackHeader
+from packstore.kv.models import LoadedModel
+from packstore.kv.render import pack_prefix_ids
+
+PREFILL_CHUNK_TOKENS = 512
+
+
+def prefill(lm: LoadedModel, token_ids: Sequence[int], *, chunk: int | None = None, progress: bool = False) -> DynamicCache:
+    """Run ``token_ids`` through the model and return its KV cache.
+
+    ``chunk`` splits the forward pass (bounded activation memory and a progress bar for long packs);
+    ``None`` runs one pass. Layers are plain full-length caches, also for sliding-window attention:
+    the model's masks apply the window, and the stored pack keeps every position.
+    """
+    cache = DynamicCache()
+    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=lm.device)
+    step = chunk or ids.shape[1]
+    with torch.inference_mode(), tqdm(
+        total=ids.shape[1], unit="tok", desc="prefill", disable=not progress, leave=False
+    ) as bar:
+        for start in range(0, ids.shape[1], step):
+            piece = ids[:, start : start + step]
+            lm.model(input_ids=piece, past_key_values=cache, use_cache=True)
+            bar.update(piece.shape[1])
+    return cache
+
+
+def cache_tensors(cache: DynamicCache, tokens: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer K and V as ``[kv_heads, tokens, head_dim]`` CPU tensors (the first ``tokens`` positions)."""
+    keys = [layer.keys[0, :, :tokens].to("cpu").contiguous() for layer in cache.layers]
+    values = [layer.values[0, :, :tokens].to("cpu").contiguous() for layer in cache.layers]
+    return keys, values
+
+
+def clean_facts(facts: Sequence[str]) -> list[str]:
+    """Strip each fact and drop empty ones; refuse a list with nothing left."""
+    cleaned = [f.strip() for f in facts if f and f.strip()]
+    if not cleaned:
+        raise InvalidInput("no facts: a pack needs at least one non-empty fact")
+    return cleaned
+
+
+def build_pack(lm: LoadedModel, facts: Sequence[str], *, raw: bool = False, progress: bool = False) -> Pack:
+    """Compute the pack for ``facts`` on ``lm``. ``raw`` skips the chat template (to measure that pitfall)."""
+    facts = clean_facts(facts)
+    token_ids = pack_prefix_ids(lm.tokenizer, facts, raw=raw)
+    cache = prefill(lm, token_ids, chunk=PREFILL_CHUNK_TOKENS, progress=progress)
+    keys, values = cache_tensors(cache)
+    header = PackHeader(
+        kind="knowledge",
+        model_fp=lm.model_fp,
+        template_fp=lm.template_fp,
+        model_name=lm.name,
+        token_ids=tuple(token_ids),
+        layers=len(keys),
+        kv_heads=keys[0].shape[0],
+        head_dim=keys[0].shape[2],
+        dtype=lm.dtype_name,
+        facts=tuple(facts),
+        raw=raw,
+        created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    )
+    return Pack(header=header, keys=keys, values=values)

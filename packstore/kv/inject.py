@@ -1,0 +1,125 @@
+"""Use a pack: check identities and tokens, inject its K/V as ``past_key_values``, generate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache, GenerationConfig
+
+from packstore.errors import InvalidInput, PackMismatch
+from packstore.format import Pack, PackHeader
+from packstore.kv.build import cache_tensors, prefill
+from packstore.kv.models import LoadedModel
+from packstore.kv.render import Rendering, check_prefix, render
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Decoding options; ``temperature`` 0 means greedy (the default, and what equivalence is checked on)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise InvalidInput("max_new_tokens must be at least 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise InvalidInput("temperature must be >= 0 and top_p in (0, 1]")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Generated text and ids, and how many prompt tokens the model had to prefill for it."""
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+
+
+def check_identity(lm: LoadedModel, header: PackHeader) -> None:
+    """Raise PackMismatch naming the model or template when the pack was built for another."""
+    if header.kind != "knowledge":
+        raise PackMismatch("kind", f"pack {header.key} is a {header.kind} pack, not a knowledge pack")
+    if header.model_fp != lm.model_fp:
+        raise PackMismatch(
+            "model",
+            f"model mismatch: pack was built for model {header.model_name!r} (model_fp {header.model_fp[:12]}), "
+            f"the loaded model {lm.name!r} ({lm.dtype_name}) has model_fp {lm.model_fp[:12]}",
+        )
+    if header.template_fp != lm.template_fp:
+        raise PackMismatch(
+            "template",
+            f"template mismatch: pack was built with template_fp {header.template_fp[:12]}, "
+            f"the loaded tokenizer and chat template of {lm.name!r} have template_fp {lm.template_fp[:12]}",
+        )
+
+
+def prepare(lm: LoadedModel, header: PackHeader, question: str) -> Rendering:
+    """Render pack facts + question in one pass and check the pack is exactly its prefix."""
+    check_identity(lm, header)
+    rendering = render(lm.tokenizer, header.facts, question.strip(), raw=header.raw)
+    check_prefix(header.token_ids, rendering, lm.tokenizer)
+    return rendering
+
+
+def cache_from_pack(pack: Pack, device: torch.device) -> DynamicCache:
+    """A fresh DynamicCache holding the pack's K/V on ``device`` (generation extends it in place)."""
+    cache = DynamicCache()
+    for layer, (k, v) in enumerate(zip(pack.keys, pack.values)):
+        cache.update(k.unsqueeze(0).to(device), v.unsqueeze(0).to(device), layer)
+    return cache
+
+
+def generate(lm: LoadedModel, token_ids: Sequence[int], sampling: Sampling, cache: DynamicCache | None = None) -> Answer:
+    """Generate after ``token_ids``; with ``cache`` the model prefills only the ids the cache lacks."""
+    cached = cache.get_seq_length() if cache is not None else 0
+    options = dict(
+        max_new_tokens=sampling.max_new_tokens,
+        eos_token_id=list(lm.stop_token_ids),
+        pad_token_id=lm.stop_token_ids[0],
+        do_sample=sampling.temperature > 0,
+    )
+    if sampling.temperature > 0:
+        options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=lm.device)
+    if sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
+    with torch.inference_mode():
+        out = lm.model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            generation_config=GenerationConfig(**options),
+        )
+    new = out[0, ids.shape[1] :].tolist()
+    while new and new[-1] in lm.stop_token_ids:
+        new.pop()
+    text = lm.tokenizer.decode(new, skip_special_tokens=True).strip()
+    return Answer(text=text, token_ids=new, prompt_tokens=ids.shape[1] - cached)
+
+
+def answer_with_pack(lm: LoadedModel, pack: Pack, question: str, sampling: Sampling = Sampling()) -> Answer:
+    """Answer with the pack injected: the model prefills only the question's tokens."""
+    rendering = prepare(lm, pack.header, question)
+    return generate(lm, rendering.token_ids, sampling, cache_from_pack(pack, lm.device))
+
+
+def answer_with_text(
+    lm: LoadedModel, facts: Sequence[str], question: str, *, raw: bool = False, sampling: Sampling = Sampling()
+) -> Answer:
+    """The RAG baseline: the same facts rendered into the prompt as text."""
+    rendering = render(lm.tokenizer, facts, question.strip(), raw=raw)
+    return generate(lm, rendering.token_ids, sampling)
+
+
+def prefill_divergence(lm: LoadedModel, pack: Pack, question: str) -> tuple[float, float]:
+    """max |dK| and max |dV| between the pack (standalone prefill) and a joint prefill of pack + question."""
+    rendering = prepare(lm, pack.header, question)
+    keys, values = cache_tensors(prefill(lm, rendering.token_ids), pack.header.tokens)
+    dk = max((a.float() - b.float()).abs().max().item() for a, b in zip(pack.keys, keys))
+    dv = max((a.float() - b.float()).abs().max().item() for a, b in zip(pack.values, values))
+    return dk, dv

