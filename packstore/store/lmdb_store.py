@@ -17,6 +17,7 @@ from packstore.format.body import verify_chunk
 
 STORE_LAYOUT_VERSION = b"1"
 INITIAL_MAP_SIZE = 1 << 30
+_HASH_PREFIX_RE = re.compile(r"^[0-9a-f]{8,64}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
 T = TypeVar("T")
 
@@ -155,7 +156,10 @@ class PackStore:
     # -- reads ----------------------------------------------------------------------------
 
     def resolve(self, ref: str, *, model_fp: str | None = None) -> str:
-        """Turn a key or a name into a stored key. A name is looked up under ``model_fp`` if given."""
+        """Turn a REF into a stored key: a full key, a name, or a unique prefix (8+ hex) of a content hash.
+
+        Names and prefixes are looked up among ``model_fp``'s packs when it is given.
+        """
         with self._env.begin() as txn:
             if parse_key(ref):
                 if txn.get(ref.encode(), db=self._packs) is None:
@@ -163,14 +167,20 @@ class PackStore:
                 return ref
             if model_fp is not None:
                 found = txn.get(_name_key(model_fp, ref), db=self._names)
-                if found is None:
-                    raise PackNotFound(f"no pack named {ref!r} for model {model_fp[:12]}")
-                return found.decode()
-            matches = [v.decode() for k, v in txn.cursor(db=self._names) if k.decode().split("/", 1)[1] == ref]
+                matches = [found.decode()] if found is not None else []
+            else:
+                matches = [v.decode() for k, v in txn.cursor(db=self._names) if k.decode().split("/", 1)[1] == ref]
+            if not matches and _HASH_PREFIX_RE.match(ref):
+                matches = [
+                    key
+                    for key in (k.decode() for k, _ in txn.cursor(db=self._packs))
+                    if key.rsplit("/", 1)[1].startswith(ref) and (model_fp is None or key.startswith(model_fp))
+                ]
         if not matches:
-            raise PackNotFound(f"no pack named {ref!r}")
+            scope = f" for model {model_fp[:12]}" if model_fp else ""
+            raise PackNotFound(f"no pack named {ref!r}{scope}")
         if len(set(matches)) > 1:
-            raise AmbiguousRef(f"name {ref!r} exists for {len(matches)} models; pass --model to choose")
+            raise AmbiguousRef(f"name {ref!r} exists for {len(set(matches))} models; use the full key (see packctl ls) or pass --model")
         return matches[0]
 
     def _header_in(self, txn: lmdb.Transaction, key: str) -> PackHeader:

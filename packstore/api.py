@@ -1,0 +1,121 @@
+"""The Python API that packctl shells over: build, store, load and ask with knowledge packs."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+from packstore.errors import PackNotFound
+from packstore.format import Pack, decode_pack, encode_pack
+from packstore.kv.build import build_pack
+from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text, check_identity
+from packstore.kv.models import LoadedModel
+from packstore.store import PackStore, StoredPack
+
+
+def pack_summary(stored: StoredPack) -> dict[str, Any]:
+    """The JSON record of a stored pack shared by ``build``, ``inspect`` and ``ls``."""
+    h = stored.header
+    return {
+        "key": stored.key,
+        "name": stored.names[0] if stored.names else None,
+        "names": list(stored.names),
+        "kind": h.kind,
+        "model_fp": h.model_fp,
+        "template_fp": h.template_fp,
+        "model_name": h.model_name,
+        "tokens": h.tokens,
+        "dtype": h.dtype,
+        "raw": h.raw,
+        "raw_bytes": h.raw_bytes,
+        "stored_bytes": stored.stored_bytes,
+        "facts": len(h.facts),
+        "created": h.created,
+    }
+
+
+def pack_details(stored: StoredPack) -> dict[str, Any]:
+    """``pack_summary`` plus the full header: shapes, codec, chunks, facts and token ids."""
+    h = stored.header
+    return pack_summary(stored) | {
+        "layers": h.layers,
+        "kv_heads": h.kv_heads,
+        "head_dim": h.head_dim,
+        "codec": h.codec,
+        "parents": list(h.parents),
+        "chunks": [asdict(c) for c in h.chunks],
+        "facts": list(h.facts),
+        "token_ids": list(h.token_ids),
+    }
+
+
+def store_pack(store: PackStore, pack: Pack, *, name: str | None = None) -> tuple[StoredPack, bool]:
+    """Encode and store a pack; returns its stored record and whether it was new."""
+    key, created = store.put(encode_pack(pack), name=name)
+    return store.stat(key), created
+
+
+def build_and_store(
+    store: PackStore,
+    lm: LoadedModel,
+    facts: Sequence[str],
+    *,
+    name: str | None = None,
+    raw: bool = False,
+    progress: bool = False,
+) -> tuple[StoredPack, bool]:
+    """Build the pack for ``facts`` on ``lm`` and store it (idempotent: same facts, same key)."""
+    return store_pack(store, build_pack(lm, facts, raw=raw, progress=progress), name=name)
+
+
+def load_pack(store: PackStore, ref: str, lm: LoadedModel) -> Pack:
+    """Fetch, verify and decode the pack ``ref`` for ``lm``; a pack of another model or template is refused.
+
+    A name is looked up among ``lm``'s packs first; if it names another model's pack only, the
+    refusal says which model that pack belongs to.
+    """
+    try:
+        key = store.resolve(ref, model_fp=lm.model_fp)
+    except PackNotFound:
+        key = store.resolve(ref)
+    check_identity(lm, store.stat(key).header)
+    return decode_pack(store.get(key))
+
+
+@dataclass(frozen=True)
+class AskResult:
+    """One question answered with the pack, and optionally with the same facts as prompt text."""
+
+    question: str
+    answer: str
+    kv_prompt_tokens: int
+    rag_answer: str | None = None
+    rag_prompt_tokens: int | None = None
+    identical: bool | None = None
+    pack: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def ask(
+    lm: LoadedModel, pack: Pack, question: str, *, compare_rag: bool = False, sampling: Sampling = Sampling()
+) -> AskResult:
+    """Answer ``question`` with ``pack`` injected; ``compare_rag`` also answers with the facts in the prompt.
+
+    ``identical`` compares the generated token ids, not just the decoded text.
+    """
+    answer = answer_with_pack(lm, pack, question, sampling)
+    result = AskResult(question=question, answer=answer.text, kv_prompt_tokens=answer.prompt_tokens, pack=pack.header.key)
+    if not compare_rag:
+        return result
+    rag = answer_with_text(lm, pack.header.facts, question, raw=pack.header.raw, sampling=sampling)
+    return AskResult(
+        question=question,
+        answer=answer.text,
+        kv_prompt_tokens=answer.prompt_tokens,
+        rag_answer=rag.text,
+        rag_prompt_tokens=rag.prompt_tokens,
+        identical=answer.token_ids == rag.token_ids,
+        pack=pack.header.key,
+    )

@@ -1,0 +1,1 @@
+"""Command-line shells over the library: ``packctl`` (admin/user) and ``packstore`` (services)."""

@@ -1,0 +1,228 @@
+"""packctl: build, ask with, list, inspect and remove knowledge packs (DESIGN §4)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from packstore import __version__
+from packstore.cli.common import EXIT_ERROR, emit_json, global_options, run_command
+from packstore.errors import InvalidInput, PackMismatch
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    return not args.quiet and sys.stderr.isatty()
+
+
+def _open_store(args: argparse.Namespace, *, readonly: bool = False):
+    from packstore.store import PackStore, default_store_path
+
+    return PackStore(args.store or default_store_path(), readonly=readonly)
+
+
+def _load_model(args: argparse.Namespace):
+    from packstore.kv.models import load_model
+
+    template = None
+    if args.chat_template:
+        try:
+            template = Path(args.chat_template).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise InvalidInput(f"--chat-template {args.chat_template}: {exc.strerror}") from None
+    return load_model(args.model, device=args.device, dtype=args.dtype, chat_template=template, progress=_progress(args))
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _print_summary(record: dict[str, Any]) -> None:
+    names = ", ".join(record["names"]) or "-"
+    print(f"key:          {record['key']}")
+    print(f"names:        {names}")
+    print(f"kind:         {record['kind']}{' (raw: built without chat template)' if record['raw'] else ''}")
+    print(f"model:        {record['model_name']}  model_fp {record['model_fp'][:16]}…")
+    print(f"template_fp:  {record['template_fp'][:16]}…")
+    print(f"tokens:       {record['tokens']}  ({record['dtype']})")
+    print(f"size:         {_human_bytes(record['raw_bytes'])} KV, {_human_bytes(record['stored_bytes'])} stored")
+
+
+# -- commands -----------------------------------------------------------------------------------
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from packstore.api import build_and_store, pack_summary
+    from packstore.facts import read_facts
+
+    facts = read_facts(args.facts)
+    lm = _load_model(args)
+    with _open_store(args) as store:
+        stored, created = build_and_store(store, lm, facts, name=args.name, raw=args.raw, progress=_progress(args))
+    record = pack_summary(stored) | {"created_new": created}
+    if args.json:
+        emit_json(record)
+    else:
+        print(stored.key)
+        state = "stored" if created else "already stored"
+        print(
+            f"{state}: {record['tokens']} tokens from {len(facts)} facts, "
+            f"{_human_bytes(record['stored_bytes'])}{', name ' + args.name if args.name else ''}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _print_answer(result: Any, compare: bool) -> None:
+    if not compare:
+        print(result.answer)
+        return
+    print(f"Q:    {result.question}")
+    print(f"pack: {result.answer}    [prompt {result.kv_prompt_tokens} tokens]")
+    print(f"rag:  {result.rag_answer}    [prompt {result.rag_prompt_tokens} tokens]")
+    saved = result.rag_prompt_tokens - result.kv_prompt_tokens
+    verdict = "yes" if result.identical else "NO - answers differ"
+    print(f"identical: {verdict}; the pack saved {saved} prompt tokens")
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    from packstore.api import ask, load_pack
+    from packstore.facts import read_questions
+    from packstore.kv.inject import Sampling
+
+    if (args.question is None) == (args.questions is None):
+        raise InvalidInput("give either a QUESTION or --questions FILE")
+    questions = [args.question] if args.question is not None else read_questions(args.questions)
+    sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    lm = _load_model(args)
+    with _open_store(args, readonly=True) as store:
+        pack = load_pack(store, args.ref, lm)
+    as_lines = args.json or args.questions is not None
+    status = 0
+    for question in questions:
+        try:
+            result = ask(lm, pack, question, compare_rag=args.compare_rag, sampling=sampling)
+        except (PackMismatch, InvalidInput) as exc:
+            if not as_lines:
+                raise
+            emit_json({"question": question, "error": str(exc)})
+            status = EXIT_ERROR
+            continue
+        if as_lines:
+            emit_json(result.to_json())
+        else:
+            _print_answer(result, args.compare_rag)
+    return status
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from packstore.api import pack_summary
+
+    with _open_store(args) as store:
+        records = [pack_summary(p) for p in store.list()]
+    if args.json:
+        emit_json(records)
+        return 0
+    if not records:
+        print("no packs", file=sys.stderr)
+        return 0
+    print(f"{'NAME':<20} {'KIND':<10} {'TOKENS':>7} {'DTYPE':<9} {'RAW':<4} {'STORED':>10}  {'MODEL':<14} CONTENT HASH")
+    for r in records:
+        print(
+            f"{(r['name'] or '-'):<20} {r['kind']:<10} {r['tokens']:>7} {r['dtype']:<9} {('yes' if r['raw'] else 'no'):<4} "
+            f"{_human_bytes(r['stored_bytes']):>10}  {r['model_name'][:14]:<14} {r['key'].rsplit('/', 1)[1][:16]}"
+        )
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from packstore.api import pack_details
+
+    with _open_store(args, readonly=True) as store:
+        record = pack_details(store.stat(args.ref))
+    if args.json:
+        emit_json(record)
+        return 0
+    _print_summary(record)
+    print(f"shape:        {record['layers']} layers x {record['kv_heads']} KV heads x {record['head_dim']} head dim")
+    print(f"codec:        {record['codec']}, {len(record['chunks'])} chunks")
+    print(f"created:      {record['created']}")
+    print(f"facts:        {len(record['facts'])}")
+    for fact in record["facts"]:
+        print(f"  - {fact if len(fact) <= 100 else fact[:99] + '…'}")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    with _open_store(args) as store:
+        removed = [store.delete(ref) for ref in args.refs]
+    if args.json:
+        emit_json({"removed": removed})
+    else:
+        for key in removed:
+            print(f"removed {key}")
+    return 0
+
+
+# -- parser -------------------------------------------------------------------------------------
+
+
+def _model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="M", help="smollm2-135m, gemma3-270m, or a local Hugging Face model directory")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="compute dtype (part of the model identity)")
+    parser.add_argument("--chat-template", metavar="FILE", help="use this Jinja chat template instead of the tokenizer's own")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = global_options(add_defaults=False)
+    parser = argparse.ArgumentParser(
+        prog="packctl", description="Build, store and use knowledge packs (pre-computed KV caches).", parents=[global_options(add_defaults=True)]
+    )
+    parser.add_argument("--version", action="version", version=f"packctl {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("build", parents=[common], help="build a pack from a facts file and store it; prints the key")
+    p.add_argument("facts", metavar="FACTS", help="one fact per line, or JSONL with a 'text' field")
+    _model_options(p)
+    p.add_argument("--name", help="name (alias) for the pack, per model")
+    p.add_argument("--raw", action="store_true", help="no chat template around the facts (to measure that pitfall)")
+    p.set_defaults(handler=cmd_build)
+
+    p = sub.add_parser("ask", parents=[common], help="answer with a pack injected as past_key_values")
+    p.add_argument("ref", metavar="REF", help="pack key or name")
+    p.add_argument("question", metavar="QUESTION", nargs="?")
+    p.add_argument("--questions", metavar="FILE", help='JSONL lines {"question": ...}; prints one JSON object per line')
+    _model_options(p)
+    p.add_argument("--compare-rag", action="store_true", help="also answer with the facts in the prompt and compare")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(handler=cmd_ask)
+
+    p = sub.add_parser("ls", parents=[common], help="list stored packs")
+    p.set_defaults(handler=cmd_ls)
+
+    p = sub.add_parser("inspect", parents=[common], help="show a pack's header")
+    p.add_argument("ref", metavar="REF")
+    p.set_defaults(handler=cmd_inspect)
+
+    p = sub.add_parser("rm", parents=[common], help="delete packs and their names")
+    p.add_argument("refs", metavar="REF", nargs="+")
+    p.set_defaults(handler=cmd_rm)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command("packctl", args.handler, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""packstore: the service-side command. ``packstore info`` reports what this installation would use."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from packstore import __version__
+from packstore.cli.common import emit_json, global_options, run_command
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import torch
+    import transformers
+
+    from packstore.kv.models import WHEEL_MODELS, default_device, model_cache_dir
+    from packstore.store import default_store_path
+
+    record = {
+        "version": __version__,
+        "store": str(args.store or default_store_path()),
+        "model_cache": str(model_cache_dir()),
+        "device": str(default_device()),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "models": {
+            alias: {"description": wheel.description, "installed": wheel.installed} for alias, wheel in WHEEL_MODELS.items()
+        },
+    }
+    if args.json:
+        emit_json(record)
+        return 0
+    for key in ("version", "store", "model_cache", "device", "torch", "transformers"):
+        print(f"{key + ':':<14}{record[key]}")
+    for alias, entry in record["models"].items():
+        state = "installed" if entry["installed"] else "NOT installed"
+        print(f"{'model:':<14}{alias} ({state}) - {entry['description']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = global_options(add_defaults=False)
+    parser = argparse.ArgumentParser(prog="packstore", description="packstore services.", parents=[global_options(add_defaults=True)])
+    parser.add_argument("--version", action="version", version=f"packstore {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("info", parents=[common], help="version, default store and model cache, device, installed models")
+    p.set_defaults(handler=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command("packstore", args.handler, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
