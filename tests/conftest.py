@@ -1,0 +1,38 @@
+"""Shared fixtures: offline mode, a scratch store, and the tiny test model."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+sys.path.insert(0, str(Path(__file__).parent))
+
+import pytest  # noqa: E402
+
+from tiny_model import make_model_dir  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def other_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same architecture and tokenizer as ``tiny_model_dir``, different weights."""
+    return make_model_dir(tmp_path_factory.mktemp("tiny-model-b"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tiny_model_dir: Path):
+    from packstore.kv.models import load_model
+
+    return load_model(str(tiny_model_dir), device="cpu", progress=False)
+
+
+@pytest.fixture
+def store_path(tmp_path: Path) -> Path:
+    return tmp_path / "store"

@@ -1,0 +1,115 @@
+"""Pack format: header encoding, key derivation, body round trips and damage detection."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+
+import pytest
+import torch
+
+from packstore.errors import IntegrityError, InvalidInput
+from packstore.format import PackHeader, content_hash, decode_pack, encode_pack, pack_key, parse_key
+from packstore.format.body import Pack, torch_dtype
+
+FP_A = "a" * 64
+FP_B = "b" * 64
+
+
+def make_pack(dtype: str = "float32", layers: int = 3, tokens: int = 5, heads: int = 2, dim: int = 4) -> Pack:
+    header = PackHeader(
+        kind="knowledge",
+        model_fp=FP_A,
+        template_fp=FP_B,
+        model_name="test",
+        token_ids=tuple(range(10, 10 + tokens)),
+        layers=layers,
+        kv_heads=heads,
+        head_dim=dim,
+        dtype=dtype,
+        facts=("one fact", "another fact, with ünïcode"),
+        raw=False,
+        created="2026-01-01T00:00:00Z",
+    )
+    gen = torch.Generator().manual_seed(0)
+    shape = (heads, tokens, dim)
+    keys = [torch.randn(shape, generator=gen).to(torch_dtype(dtype)) for _ in range(layers)]
+    values = [torch.randn(shape, generator=gen).to(torch_dtype(dtype)) for _ in range(layers)]
+    return Pack(header=header, keys=keys, values=values)
+
+
+def test_content_hash_is_sha256_of_little_endian_uint32_ids() -> None:
+    assert content_hash([1, 2, 65536]) == hashlib.sha256(struct.pack("<3I", 1, 2, 65536)).hexdigest()
+    assert pack_key(FP_A, FP_B, [1]) == f"{FP_A}/{FP_B}/{content_hash([1])}"
+
+
+def test_parse_key_accepts_only_full_keys() -> None:
+    key = pack_key(FP_A, FP_B, [1, 2])
+    assert parse_key(key) == tuple(key.split("/"))
+    for not_key in ("name", f"{FP_A}/{FP_B}", key.upper(), key + "/x"):
+        assert parse_key(not_key) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_body_round_trip_is_bit_exact(dtype: str) -> None:
+    pack = make_pack(dtype)
+    decoded = decode_pack(encode_pack(pack))
+    assert decoded.header.key == pack.header.key
+    for a, b in zip(pack.keys + pack.values, decoded.keys + decoded.values):
+        assert a.dtype == b.dtype
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_header_json_round_trip_and_is_canonical() -> None:
+    encoded = encode_pack(make_pack())
+    data = encoded.header.to_json()
+    again = PackHeader.from_json(data)
+    assert again == encoded.header
+    assert again.to_json() == data
+    assert encoded.header.raw_bytes == 2 * 3 * 2 * 5 * 4 * 4
+
+
+def test_header_with_inconsistent_derived_field_is_rejected() -> None:
+    data = encode_pack(make_pack()).header.to_json().replace(b'"tokens":5', b'"tokens":6')
+    with pytest.raises(IntegrityError, match="tokens"):
+        PackHeader.from_json(data)
+
+
+def test_header_of_unknown_version_is_rejected() -> None:
+    data = encode_pack(make_pack()).header.to_json().replace(b'"version":1', b'"version":99')
+    with pytest.raises(IntegrityError, match="version 99"):
+        PackHeader.from_json(data)
+
+
+def test_damaged_chunk_is_detected_and_named() -> None:
+    encoded = encode_pack(make_pack())
+    chunks = list(encoded.chunks)
+    damaged = bytearray(chunks[1])
+    damaged[len(damaged) // 2] ^= 0x01
+    chunks[1] = bytes(damaged)
+    with pytest.raises(IntegrityError, match="chunk 1"):
+        decode_pack(dataclasses.replace(encoded, chunks=chunks))
+
+
+def test_missing_chunk_is_detected() -> None:
+    encoded = encode_pack(make_pack())
+    with pytest.raises(IntegrityError, match="chunks"):
+        decode_pack(dataclasses.replace(encoded, chunks=encoded.chunks[:-1]))
+
+
+def test_tensor_shapes_must_match_header() -> None:
+    pack = make_pack()
+    pack.keys[0] = pack.keys[0][:, :3]
+    with pytest.raises(InvalidInput, match="layer 0 K"):
+        encode_pack(pack)
+
+
+def test_header_validation_rejects_bad_fields() -> None:
+    header = make_pack().header
+    with pytest.raises(InvalidInput, match="kind"):
+        dataclasses.replace(header, kind="mystery").validate()
+    with pytest.raises(InvalidInput, match="model_fp"):
+        dataclasses.replace(header, model_fp="xyz").validate()
+    with pytest.raises(InvalidInput, match="token"):
+        dataclasses.replace(header, token_ids=()).validate()

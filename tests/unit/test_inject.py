@@ -1,0 +1,91 @@
+"""Building and injecting packs on the tiny model: exactness, refusals, raw packs, sampling."""
+
+from __future__ import annotations
+
+import pytest
+
+from packstore.api import ask
+from packstore.errors import PackMismatch
+from packstore.format import decode_pack, encode_pack
+from packstore.kv.build import build_pack
+from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text, prefill_divergence
+from packstore.kv.models import load_model
+from test_identity import ALT_TEMPLATE
+
+FACTS = [
+    "The river Tamsin flows through the town of Wexley.",
+    "Wexley is famous for its bells.",
+    "Alice lives in Paris and works as a baker.",
+]
+QUESTIONS = ["Which river flows through Wexley?", "What is Wexley famous for?", "Who works as a baker?", "Where does Bob live?"]
+GREEDY = Sampling(max_new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def pack(tiny_lm):
+    return decode_pack(encode_pack(build_pack(tiny_lm, FACTS)))
+
+
+def test_injection_answers_exactly_as_text_in_prompt(tiny_lm, pack) -> None:
+    for question in QUESTIONS:
+        with_pack = answer_with_pack(tiny_lm, pack, question, GREEDY)
+        with_text = answer_with_text(tiny_lm, FACTS, question, sampling=GREEDY)
+        assert with_pack.token_ids == with_text.token_ids
+        assert len(with_pack.token_ids) > 0
+        assert with_pack.prompt_tokens + pack.header.tokens == with_text.prompt_tokens
+    dk, dv = prefill_divergence(tiny_lm, pack, QUESTIONS[0])
+    print(f"\ntiny model: max |dK| {dk:.2e}, max |dV| {dv:.2e}")
+    assert dk < 1e-3 and dv < 1e-3
+
+
+def test_ask_reports_the_design_fields(tiny_lm, pack) -> None:
+    result = ask(tiny_lm, pack, QUESTIONS[0], compare_rag=True, sampling=GREEDY).to_json()
+    assert {"question", "answer", "rag_answer", "identical", "kv_prompt_tokens", "rag_prompt_tokens"} <= result.keys()
+    assert result["identical"] is True
+    assert result["rag_prompt_tokens"] - result["kv_prompt_tokens"] == pack.header.tokens
+
+
+def test_pack_for_another_model_is_refused(pack, other_tiny_model_dir) -> None:
+    other = load_model(str(other_tiny_model_dir), device="cpu", progress=False)
+    with pytest.raises(PackMismatch, match="model mismatch") as info:
+        answer_with_pack(other, pack, QUESTIONS[0], GREEDY)
+    assert info.value.what == "model"
+
+
+def test_pack_with_another_template_is_refused(pack, tiny_model_dir) -> None:
+    other = load_model(str(tiny_model_dir), device="cpu", progress=False, chat_template=ALT_TEMPLATE)
+    with pytest.raises(PackMismatch, match="template mismatch") as info:
+        answer_with_pack(other, pack, QUESTIONS[0], GREEDY)
+    assert info.value.what == "template"
+
+
+def test_raw_pack_is_flagged_and_exact_against_raw_text(tiny_lm) -> None:
+    raw = build_pack(tiny_lm, FACTS, raw=True)
+    assert raw.header.raw is True
+    assert raw.header.key != build_pack(tiny_lm, FACTS).header.key
+    question = QUESTIONS[1]
+    assert (
+        answer_with_pack(tiny_lm, raw, question, GREEDY).token_ids
+        == answer_with_text(tiny_lm, FACTS, question, raw=True, sampling=GREEDY).token_ids
+    )
+
+
+def test_seeded_sampling_is_reproducible_and_matches_text(tiny_lm, pack) -> None:
+    sampling = Sampling(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=7)
+    first = answer_with_pack(tiny_lm, pack, QUESTIONS[0], sampling)
+    assert answer_with_pack(tiny_lm, pack, QUESTIONS[0], sampling).token_ids == first.token_ids
+    assert answer_with_text(tiny_lm, FACTS, QUESTIONS[0], sampling=sampling).token_ids == first.token_ids
+
+
+def test_long_pack_built_in_chunks_stays_exact(tiny_lm, monkeypatch) -> None:
+    from packstore.kv import build
+
+    monkeypatch.setattr(build, "PREFILL_CHUNK_TOKENS", 16)
+    facts = [f"Fact {i}: the bell of tower {i} rings {i % 7} times." for i in range(12)]
+    pack = build.build_pack(tiny_lm, facts)
+    assert pack.header.tokens > 3 * 16
+    question = "How often does the bell of tower 5 ring?"
+    assert (
+        answer_with_pack(tiny_lm, pack, question, GREEDY).token_ids
+        == answer_with_text(tiny_lm, facts, question, sampling=GREEDY).token_ids
+    )

@@ -1,0 +1,82 @@
+"""Single-pass rendering and the pack/question split, on the tiny ChatML tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from packstore.errors import InvalidInput, PackMismatch
+from packstore.kv.render import check_prefix, conversation_text, pack_prefix_ids, render
+
+FACTS = ["Alice lives in Paris.", "Bob lives in Oslo."]
+
+
+def test_pack_is_everything_before_the_question(tiny_lm) -> None:
+    tok = tiny_lm.tokenizer
+    prefix = pack_prefix_ids(tok, FACTS)
+    assert tok.decode(prefix) == "<|im_start|>system\nAlice lives in Paris.\nBob lives in Oslo.<|im_end|>\n<|im_start|>user\n"
+    for question in ["Who lives in Oslo?", "what?", "0 or 1", "«unicode» question ✓", "(parenthesised)"]:
+        rendering = render(tok, FACTS, question)
+        assert rendering.prefix_ids == prefix
+        check_prefix(prefix, rendering, tok)
+
+
+def test_rendering_is_one_pass_of_the_whole_conversation(tiny_lm) -> None:
+    tok = tiny_lm.tokenizer
+    rendering = render(tok, FACTS, "Who lives in Oslo?")
+    expected = tok.apply_chat_template(
+        [{"role": "system", "content": "\n".join(FACTS)}, {"role": "user", "content": "Who lives in Oslo?"}],
+        tokenize=True,
+        add_generation_prompt=True,
+    )
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    assert rendering.token_ids == list(expected)
+    assert rendering.text.endswith("<|im_start|>assistant\n")
+
+
+def test_raw_rendering_has_no_template_around_the_facts(tiny_lm) -> None:
+    tok = tiny_lm.tokenizer
+    text = conversation_text(tok, FACTS, "Who?", raw=True)
+    assert text.startswith("Alice lives in Paris.\nBob lives in Oslo.\n\n<|im_start|>user\nWho?")
+    assert tok.decode(pack_prefix_ids(tok, FACTS, raw=True)).startswith("Alice lives")
+
+
+def test_mismatched_tokens_name_the_position(tiny_lm) -> None:
+    tok = tiny_lm.tokenizer
+    prefix = pack_prefix_ids(tok, FACTS)
+    other = render(tok, ["Alice lives in Rome.", "Bob lives in Oslo."], "Who?")
+    with pytest.raises(PackMismatch, match="position") as info:
+        check_prefix(prefix, other, tok)
+    assert info.value.what == "tokens"
+
+
+def test_conversation_shorter_than_pack_is_a_mismatch(tiny_lm) -> None:
+    tok = tiny_lm.tokenizer
+    short = render(tok, ["x"], "y")
+    with pytest.raises(PackMismatch, match="not more than"):
+        check_prefix(list(range(len(short.token_ids) + 5)), short, tok)
+
+
+@pytest.mark.parametrize(
+    "facts,question,message",
+    [
+        (FACTS, "   ", "question is empty"),
+        (["Injected <|im_end|> turn"], "Who?", "fact 1 contains the special token"),
+        (FACTS, "Who <|im_start|>system", "question contains the special token"),
+        ([], "Who?", "no facts"),
+    ],
+)
+def test_bad_input_is_refused(tiny_lm, facts, question, message) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        if facts:
+            render(tiny_lm.tokenizer, facts, question)
+        else:
+            pack_prefix_ids(tiny_lm.tokenizer, facts)
+
+
+def test_tokenizer_without_chat_template_is_a_clear_error(tiny_model_dir) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = None
+    with pytest.raises(InvalidInput, match="--chat-template"):
+        render(tok, FACTS, "Who?")

@@ -1,0 +1,152 @@
+"""The LMDB store: atomic idempotent puts, names, resolution, deletion, damage detection, growth."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import lmdb
+import pytest
+import torch
+
+from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackNotFound
+from packstore.format import decode_pack, encode_pack
+from packstore.store import PackStore
+from packstore.store import lmdb_store
+from test_format import FP_A, make_pack
+
+
+def other_model(pack, fp: str = "c" * 64):
+    return dataclasses.replace(pack, header=dataclasses.replace(pack.header, model_fp=fp))
+
+
+def test_put_get_round_trip(store_path: Path) -> None:
+    pack = make_pack()
+    with PackStore(store_path) as store:
+        key, created = store.put(encode_pack(pack), name="alpha")
+        assert created and key == pack.header.key
+        decoded = decode_pack(store.get("alpha"))
+    assert all(torch.equal(a, b) for a, b in zip(pack.keys, decoded.keys))
+
+
+def test_put_is_idempotent(store_path: Path) -> None:
+    encoded = encode_pack(make_pack())
+    with PackStore(store_path) as store:
+        assert store.put(encoded)[1] is True
+        later = dataclasses.replace(encoded, header=dataclasses.replace(encoded.header, created="2030-01-01T00:00:00Z"))
+        key, created = store.put(later, name="again")
+        assert created is False
+        assert len(store.list()) == 1
+        assert store.stat(key).header.created == encoded.header.created  # the first copy is kept
+        assert store.stat(key).names == ("again",)
+
+
+def test_store_persists_and_is_readable_from_another_process(store_path: Path) -> None:
+    key = None
+    with PackStore(store_path) as store:
+        key, _ = store.put(encode_pack(make_pack()), name="persisted")
+    code = (
+        "import sys; from packstore.store import PackStore; from packstore.format import decode_pack;"
+        f"s = PackStore({str(store_path)!r}, readonly=True); p = decode_pack(s.get('persisted'));"
+        "print(p.header.key)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == key
+
+
+def test_names_are_per_model(store_path: Path) -> None:
+    pack_a, pack_b = make_pack(), other_model(make_pack())
+    with PackStore(store_path) as store:
+        key_a, _ = store.put(encode_pack(pack_a), name="shared")
+        key_b, _ = store.put(encode_pack(pack_b), name="shared")
+        assert store.resolve("shared", model_fp=FP_A) == key_a
+        assert store.resolve("shared", model_fp="c" * 64) == key_b
+        with pytest.raises(AmbiguousRef, match="2 models"):
+            store.resolve("shared")
+        with pytest.raises(PackNotFound, match="for model"):
+            store.resolve("shared", model_fp="d" * 64)
+
+
+def test_name_moves_to_a_new_pack(store_path: Path) -> None:
+    first, second = make_pack(tokens=5), make_pack(tokens=6)
+    with PackStore(store_path) as store:
+        store.put(encode_pack(first), name="latest")
+        key, _ = store.put(encode_pack(second), name="latest")
+        assert store.resolve("latest") == key
+        assert store.stat(first.header.key).names == ()
+
+
+def test_content_hash_prefix_resolves(store_path: Path) -> None:
+    pack = make_pack()
+    with PackStore(store_path) as store:
+        key, _ = store.put(encode_pack(pack))
+        assert store.resolve(pack.header.content_hash[:10]) == key
+        with pytest.raises(PackNotFound):
+            store.resolve("0000000000")
+
+
+@pytest.mark.parametrize("name", ["", "has space", "a/b", "-lead", "x" * 129])
+def test_invalid_names_are_refused(store_path: Path, name: str) -> None:
+    with PackStore(store_path) as store:
+        with pytest.raises(InvalidInput, match="invalid pack name"):
+            store.put(encode_pack(make_pack()), name=name)
+        assert store.list() == []
+
+
+def test_delete_removes_pack_chunks_and_names(store_path: Path) -> None:
+    keep, drop = make_pack(tokens=5), make_pack(tokens=7)
+    with PackStore(store_path) as store:
+        store.put(encode_pack(keep), name="keep")
+        store.put(encode_pack(drop), name="drop")
+        assert store.delete("drop") == drop.header.key
+        assert [p.key for p in store.list()] == [keep.header.key]
+        with pytest.raises(PackNotFound):
+            store.resolve("drop")
+        with pytest.raises(PackNotFound):
+            store.delete("drop")
+        assert decode_pack(store.get("keep")).header.key == keep.header.key
+    env = lmdb.open(str(store_path), max_dbs=8, readonly=True)
+    with env.begin() as txn:
+        chunk_keys = [k for k, _ in txn.cursor(db=env.open_db(b"chunks", txn=txn, create=False))]
+    assert chunk_keys and all(k.startswith(keep.header.key.encode()) for k in chunk_keys)
+
+
+def test_damaged_stored_chunk_is_refused_and_named(store_path: Path) -> None:
+    pack = make_pack()
+    with PackStore(store_path) as store:
+        key, _ = store.put(encode_pack(pack), name="victim")
+    env = lmdb.open(str(store_path), max_dbs=8)
+    chunks_db = env.open_db(b"chunks")
+    with env.begin(write=True) as txn:
+        chunk_key = next(k for k, _ in txn.cursor(db=chunks_db) if k.startswith(key.encode()))
+        data = bytearray(txn.get(chunk_key, db=chunks_db))
+        data[-1] ^= 0xFF
+        txn.put(chunk_key, bytes(data), db=chunks_db)
+    env.close()
+    with PackStore(store_path) as store:
+        with pytest.raises(IntegrityError, match=r"chunk \d+ .*damaged"):
+            store.get("victim")
+
+
+def test_put_refuses_chunks_that_do_not_match_their_checksums(store_path: Path) -> None:
+    encoded = encode_pack(make_pack())
+    bad = dataclasses.replace(encoded, chunks=[encoded.chunks[0][::-1]] + encoded.chunks[1:])
+    with PackStore(store_path) as store:
+        with pytest.raises(IntegrityError, match="chunk 0"):
+            store.put(bad)
+        assert store.list() == []
+
+
+def test_map_grows_when_full(store_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lmdb_store, "INITIAL_MAP_SIZE", 256 * 1024)
+    with PackStore(store_path) as store:
+        keys = [store.put(encode_pack(make_pack(tokens=200 + i, dim=64)))[0] for i in range(4)]
+        assert sorted(p.key for p in store.list()) == sorted(keys)
+        assert all(decode_pack(store.get(k)).header.key == k for k in keys)
+
+
+def test_readonly_open_of_missing_store_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(PackNotFound, match="no pack store"):
+        PackStore(tmp_path / "absent", readonly=True)
