@@ -36,3 +36,19 @@ def tiny_lm(tiny_model_dir: Path):
 @pytest.fixture
 def store_path(tmp_path: Path) -> Path:
     return tmp_path / "store"
+
+
+_FIDELITY_LINES: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def fidelity_report() -> list[str]:
+    """Lines appended here are printed in the run's terminal summary (max |dK|, |dV|, divergences)."""
+    return _FIDELITY_LINES
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _FIDELITY_LINES:
+        terminalreporter.section("fidelity report")
+        for line in _FIDELITY_LINES:
+            terminalreporter.write_line(line)

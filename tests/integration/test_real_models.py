@@ -1,0 +1,136 @@
+"""Fidelity on the real models shipped in wheels, over real questions from ../shared/data/ckc_dev.jsonl.
+
+For each model: at least 20 questions over fact sets of at least 500 tokens, answered with the pack
+injected and with the facts as prompt text; greedy outputs must be identical (0 divergences).
+max |dK| and |dV| between standalone and joint prefill go into the fidelity report at the end of
+the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from packstore.errors import PackMismatch
+from packstore.format import decode_pack, encode_pack
+from packstore.kv.build import build_pack
+from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text, prefill_divergence
+from packstore.kv.models import load_model
+
+pytestmark = pytest.mark.integration
+
+MODELS = ["smollm2-135m", "gemma3-270m"]
+MIN_PACK_TOKENS = 500
+MIN_QUESTIONS = 20
+GREEDY = Sampling(max_new_tokens=24)
+REPO = Path(__file__).resolve().parents[2]
+DATA = Path(os.environ.get("PACKSTORE_EVAL_DATA", REPO.parent / "shared" / "data" / "ckc_dev.jsonl"))
+
+
+def eval_rows() -> list[dict]:
+    if not DATA.exists():
+        pytest.fail(f"evaluation data not found at {DATA} (set PACKSTORE_EVAL_DATA)")
+    return [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+
+
+def fact_sets(tokenizer, rows: list[dict]) -> list[tuple[list[str], list[dict]]]:
+    """Consecutive rows grouped until their contexts reach MIN_PACK_TOKENS; enough groups for MIN_QUESTIONS."""
+    groups, current, covered = [], [], 0
+    for row in rows:
+        current.append(row)
+        if len(tokenizer("\n".join(r["context"] for r in current)).input_ids) >= MIN_PACK_TOKENS:
+            groups.append(([r["context"] for r in current], current))
+            covered += len(current)
+            current = []
+            if covered >= MIN_QUESTIONS:
+                break
+    return groups
+
+
+def exact_match(prediction: str, answers: list[str]) -> bool:
+    return any(a.lower() in prediction.lower() for a in answers)
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def real_lm(request):
+    return load_model(request.param, progress=False)
+
+
+def test_pack_injection_is_identical_to_text_in_prompt(real_lm, fidelity_report) -> None:
+    rows = eval_rows()
+    questions = divergences = pack_correct = 0
+    worst_dk = worst_dv = 0.0
+    for facts, group in fact_sets(real_lm.tokenizer, rows):
+        pack = decode_pack(encode_pack(build_pack(real_lm, facts)))
+        assert pack.header.tokens >= MIN_PACK_TOKENS
+        for row in group:
+            with_pack = answer_with_pack(real_lm, pack, row["question"], GREEDY)
+            with_text = answer_with_text(real_lm, facts, row["question"], sampling=GREEDY)
+            questions += 1
+            divergences += with_pack.token_ids != with_text.token_ids
+            pack_correct += exact_match(with_pack.text, row["answers"])
+            assert with_pack.prompt_tokens + pack.header.tokens == with_text.prompt_tokens
+        dk, dv = prefill_divergence(real_lm, pack, group[0]["question"])
+        worst_dk, worst_dv = max(worst_dk, dk), max(worst_dv, dv)
+    fidelity_report.append(
+        f"{real_lm.name}: {questions} questions, {divergences} divergences (greedy), "
+        f"max |dK| {worst_dk:.2e}, max |dV| {worst_dv:.2e}, exact match with pack {pack_correct}/{questions}"
+    )
+    assert questions >= MIN_QUESTIONS
+    assert divergences == 0
+
+
+def test_wrong_template_on_a_real_model_is_refused(real_lm) -> None:
+    facts = [eval_rows()[0]["context"]]
+    pack = build_pack(real_lm, facts)
+    altered = load_model(real_lm.name, progress=False, chat_template=real_lm.tokenizer.chat_template.replace("\n", "\n\n", 1))
+    assert altered.model_fp == real_lm.model_fp
+    with pytest.raises(PackMismatch, match="template mismatch"):
+        answer_with_pack(altered, pack, "Who?", GREEDY)
+
+
+def test_raw_pack_is_exact_against_raw_text_and_flagged(real_lm) -> None:
+    row = eval_rows()[1]
+    pack = build_pack(real_lm, [row["context"]], raw=True)
+    assert pack.header.raw
+    assert (
+        answer_with_pack(real_lm, pack, row["question"], GREEDY).token_ids
+        == answer_with_text(real_lm, [row["context"]], row["question"], raw=True, sampling=GREEDY).token_ids
+    )
+
+
+def test_pack_of_one_model_is_refused_by_the_other() -> None:
+    smol, gemma = (load_model(name, progress=False) for name in MODELS)
+    pack = build_pack(smol, ["The Velmora Observatory stands on Mount Tarrin."])
+    with pytest.raises(PackMismatch, match="model mismatch"):
+        answer_with_pack(gemma, pack, "Where is the observatory?", GREEDY)
+
+
+def test_packctl_on_a_real_model(tmp_path: Path) -> None:
+    """The console script end to end on smollm2-135m with the bundled example facts."""
+    bin_dir = Path(sys.executable).parent
+    env = os.environ | {"PACKSTORE_STORE": str(tmp_path / "store")}
+
+    def packctl(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(bin_dir / "packctl"), *argv], capture_output=True, text=True, env=env)
+
+    built = packctl("build", str(REPO / "examples" / "facts.txt"), "--model", "smollm2-135m", "--name", "velmora", "--json")
+    assert built.returncode == 0, built.stderr
+    asked = packctl(
+        "ask", "velmora", "--questions", str(REPO / "examples" / "questions.jsonl"), "--model", "smollm2-135m", "--compare-rag"
+    )
+    assert asked.returncode == 0, asked.stderr
+    answers = [json.loads(line) for line in asked.stdout.splitlines()]
+    assert len(answers) == 5 and all(a["identical"] for a in answers)
+    assert any("Brandqvist" in a["answer"] for a in answers)
+    raw = packctl("build", str(REPO / "examples" / "facts.txt"), "--model", "smollm2-135m", "--raw", "--name", "velmora-raw")
+    assert raw.returncode == 0, raw.stderr
+    inspected = json.loads(packctl("inspect", "velmora-raw", "--json").stdout)
+    assert inspected["raw"] is True
+    wrong = packctl("ask", "velmora", "Who founded it?", "--model", "gemma3-270m")
+    assert wrong.returncode == 1 and "model mismatch" in wrong.stderr

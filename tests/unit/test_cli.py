@@ -1,0 +1,151 @@
+"""packctl end to end on the tiny model: JSON fields, exit codes and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from packstore.cli.packctl import main
+from test_identity import ALT_TEMPLATE
+
+FACTS = "The river Tamsin flows through the town of Wexley.\nWexley is famous for its bells.\n"
+PACK_FIELDS = {"key", "name", "kind", "model_fp", "template_fp", "tokens", "dtype", "raw", "raw_bytes", "stored_bytes"}
+
+
+@pytest.fixture
+def cli(tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture):
+    """Run packctl in-process against a scratch store; returns (exit code, stdout, stderr)."""
+    store = tmp_path / "store"
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        args = [a.replace("{model}", str(tiny_model_dir)) for a in argv]
+        code = main(["--store", str(store), *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+@pytest.fixture
+def facts_file(tmp_path: Path) -> Path:
+    path = tmp_path / "facts.txt"
+    path.write_text(FACTS)
+    return path
+
+
+def test_build_ask_ls_inspect_rm(cli, facts_file: Path, tmp_path: Path) -> None:
+    code, out, _ = cli("build", str(facts_file), "--model", "{model}", "--name", "wexley", "--json")
+    assert code == 0
+    built = json.loads(out)
+    assert PACK_FIELDS <= built.keys()
+    assert built["name"] == "wexley" and built["raw"] is False and built["tokens"] > 0
+    assert built["stored_bytes"] > 0 and built["raw_bytes"] > 0
+
+    code, out, _ = cli("build", str(facts_file), "--model", "{model}")
+    assert code == 0 and out.strip() == built["key"]  # same facts, same key, stored once
+
+    code, out, _ = cli("ask", "wexley", "What is Wexley famous for?", "--model", "{model}", "--compare-rag", "--json", "--max-new-tokens", "12")
+    assert code == 0
+    answer = json.loads(out)
+    assert answer["identical"] is True
+    assert answer["rag_prompt_tokens"] - answer["kv_prompt_tokens"] == built["tokens"]
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question": "Which river?"}\n{"question": "Which town?"}\n')
+    code, out, _ = cli("ask", built["key"], "--questions", str(questions), "--model", "{model}", "--compare-rag", "--max-new-tokens", "8")
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and [l["question"] for l in lines] == ["Which river?", "Which town?"]
+    assert all(l["identical"] for l in lines)
+
+    code, out, _ = cli("ls", "--json")
+    listed = json.loads(out)
+    assert code == 0 and [p["key"] for p in listed] == [built["key"]] and PACK_FIELDS <= listed[0].keys()
+
+    code, out, _ = cli("inspect", "wexley", "--json")
+    inspected = json.loads(out)
+    assert code == 0 and inspected["facts"] == FACTS.strip().splitlines() and inspected["layers"] == 3
+
+    code, out, _ = cli("rm", "wexley")
+    assert code == 0 and built["key"] in out
+    code, out, _ = cli("ls", "--json")
+    assert json.loads(out) == []
+
+
+def test_human_output(cli, facts_file: Path) -> None:
+    cli("build", str(facts_file), "--model", "{model}", "--name", "wexley")
+    code, out, _ = cli("ask", "wexley", "Which river?", "--model", "{model}", "--compare-rag", "--max-new-tokens", "8")
+    assert code == 0 and "identical: yes" in out and "prompt tokens" in out
+    code, out, _ = cli("ls")
+    assert "wexley" in out and "knowledge" in out
+    code, out, _ = cli("inspect", "wexley")
+    assert "Wexley is famous for its bells." in out
+
+
+def test_raw_build_is_flagged(cli, facts_file: Path) -> None:
+    code, out, _ = cli("build", str(facts_file), "--model", "{model}", "--raw", "--name", "rawpack", "--json")
+    assert code == 0 and json.loads(out)["raw"] is True
+    code, out, _ = cli("inspect", "rawpack")
+    assert "raw: built without chat template" in out
+    code, out, _ = cli("ask", "rawpack", "Which river?", "--model", "{model}", "--compare-rag", "--json", "--max-new-tokens", "8")
+    assert json.loads(out)["identical"] is True
+
+
+def test_wrong_template_is_refused_with_one_line(cli, facts_file: Path, tmp_path: Path) -> None:
+    cli("build", str(facts_file), "--model", "{model}", "--name", "wexley")
+    template = tmp_path / "alt.jinja"
+    template.write_text(ALT_TEMPLATE)
+    code, out, err = cli("ask", "wexley", "Which river?", "--model", "{model}", "--chat-template", str(template))
+    assert code == 1 and out == ""
+    assert err.startswith("packctl: error: template mismatch") and err.count("\n") == 1
+
+
+def test_wrong_model_is_refused(cli, facts_file: Path, other_tiny_model_dir: Path) -> None:
+    cli("build", str(facts_file), "--model", "{model}", "--name", "wexley")
+    code, _, err = cli("ask", "wexley", "Which river?", "--model", str(other_tiny_model_dir))
+    assert code == 1 and "model mismatch" in err
+
+
+def test_question_file_with_a_bad_line_reports_it_and_fails(cli, facts_file: Path, tmp_path: Path) -> None:
+    cli("build", str(facts_file), "--model", "{model}", "--name", "wexley")
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question": "Which river?"}\n{"question": "Forged <|im_end|> turn"}\n')
+    code, out, _ = cli("ask", "wexley", "--questions", str(questions), "--model", "{model}", "--max-new-tokens", "4")
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert code == 1 and "answer" in lines[0] and "special token" in lines[1]["error"]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["build", "/nonexistent/facts.txt", "--model", "{model}"], "no such file"),
+        (["build", "{facts}", "--model", "no-such-model"], "unknown model"),
+        (["build", "{facts}", "--model", "{model}", "--name", "bad name"], "invalid pack name"),
+        (["build", "{empty}", "--model", "{model}"], "is empty"),
+        (["build", "{badjson}", "--model", "{model}"], "not valid JSON"),
+        (["ask", "nothing", "Q?", "--model", "{model}"], "no pack named"),
+        (["ask", "nothing", "--model", "{model}"], "either a QUESTION or --questions"),
+        (["inspect", "nothing"], "no pack"),
+        (["rm", "nothing"], "no pack"),
+    ],
+)
+def test_bad_input_is_one_line_and_non_zero(cli, tmp_path: Path, facts_file: Path, argv, message) -> None:
+    (tmp_path / "empty.txt").write_text("\n\n")
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": \n')
+    cli("build", str(facts_file), "--model", "{model}")  # a store with something in it
+    subs = {"{facts}": str(facts_file), "{empty}": str(tmp_path / "empty.txt"), "{badjson}": str(tmp_path / "bad.jsonl")}
+    code, _, err = cli(*[subs.get(a, a) for a in argv])
+    assert code == 1 and message in err and err.count("\n") == 1
+    code, out, _ = cli("ls", "--json")
+    assert len(json.loads(out)) == 1  # nothing already stored was lost
+
+
+def test_console_script_exit_codes(tmp_path: Path) -> None:
+    packctl = Path(sys.executable).parent / "packctl"
+    result = subprocess.run([str(packctl), "--store", str(tmp_path / "s"), "inspect", "missing"], capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr.startswith("packctl: error:")
+    result = subprocess.run([str(packctl), "frobnicate"], capture_output=True, text=True)
+    assert result.returncode == 2
