@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any, Callable
 
+from packstore import __version__
 from packstore.errors import PackstoreError
 
 EXIT_ERROR = 1
@@ -44,3 +45,23 @@ def run_command(program: str, handler: Callable[[argparse.Namespace], int], args
         return fail(program, str(exc))
     except KeyboardInterrupt:
         return fail(program, "interrupted")
+
+
+class CommandLine:
+    """A program whose subcommands all take the global options; ``main`` runs one and returns its exit code."""
+
+    def __init__(self, prog: str, description: str) -> None:
+        self.prog = prog
+        self.parser = argparse.ArgumentParser(prog=prog, description=description, parents=[global_options(add_defaults=True)])
+        self.parser.add_argument("--version", action="version", version=f"{prog} {__version__}")
+        self._commands = self.parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+        self._common = global_options(add_defaults=False)
+
+    def command(self, name: str, handler: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        parser = self._commands.add_parser(name, parents=[self._common], help=help, description=help)
+        parser.set_defaults(handler=handler)
+        return parser
+
+    def main(self, argv: list[str] | None = None) -> int:
+        args = self.parser.parse_args(argv)
+        return run_command(self.prog, args.handler, args)

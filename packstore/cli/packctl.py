@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from packstore import __version__
-from packstore.cli.common import EXIT_ERROR, emit_json, global_options, run_command
+from packstore.cli.common import EXIT_ERROR, CommandLine, emit_json
 from packstore.errors import InvalidInput, PackMismatch
 
 
@@ -179,23 +178,17 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", metavar="FILE", help="use this Jinja chat template instead of the tokenizer's own")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = global_options(add_defaults=False)
-    parser = argparse.ArgumentParser(
-        prog="packctl", description="Build, store and use knowledge packs (pre-computed KV caches).", parents=[global_options(add_defaults=True)]
-    )
-    parser.add_argument("--version", action="version", version=f"packctl {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def build_cli() -> CommandLine:
+    cli = CommandLine("packctl", "Build, store and use knowledge packs (pre-computed KV caches).")
 
-    p = sub.add_parser("build", parents=[common], help="build a pack from a facts file and store it; prints the key")
+    p = cli.command("build", cmd_build, "build a pack from a facts file and store it; prints the key")
     p.add_argument("facts", metavar="FACTS", help="one fact per line, or JSONL with a 'text' field")
     _model_options(p)
     p.add_argument("--name", help="name (alias) for the pack, per model")
     p.add_argument("--raw", action="store_true", help="no chat template around the facts (to measure that pitfall)")
-    p.set_defaults(handler=cmd_build)
 
-    p = sub.add_parser("ask", parents=[common], help="answer with a pack injected as past_key_values")
-    p.add_argument("ref", metavar="REF", help="pack key or name")
+    p = cli.command("ask", cmd_ask, "answer with a pack injected as past_key_values")
+    p.add_argument("ref", metavar="REF", help="pack key, name, or content-hash prefix")
     p.add_argument("question", metavar="QUESTION", nargs="?")
     p.add_argument("--questions", metavar="FILE", help='JSONL lines {"question": ...}; prints one JSON object per line')
     _model_options(p)
@@ -204,24 +197,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.set_defaults(handler=cmd_ask)
 
-    p = sub.add_parser("ls", parents=[common], help="list stored packs")
-    p.set_defaults(handler=cmd_ls)
+    cli.command("ls", cmd_ls, "list stored packs")
 
-    p = sub.add_parser("inspect", parents=[common], help="show a pack's header")
+    p = cli.command("inspect", cmd_inspect, "show a pack's header")
     p.add_argument("ref", metavar="REF")
-    p.set_defaults(handler=cmd_inspect)
 
-    p = sub.add_parser("rm", parents=[common], help="delete packs and their names")
+    p = cli.command("rm", cmd_rm, "delete packs and their names")
     p.add_argument("refs", metavar="REF", nargs="+")
-    p.set_defaults(handler=cmd_rm)
-    return parser
+    return cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_command("packctl", args.handler, args)
+    return build_cli().main(argv)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from packstore import __version__
-from packstore.cli.common import emit_json, global_options, run_command
+from packstore.cli.common import CommandLine, emit_json
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -38,19 +38,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = global_options(add_defaults=False)
-    parser = argparse.ArgumentParser(prog="packstore", description="packstore services.", parents=[global_options(add_defaults=True)])
-    parser.add_argument("--version", action="version", version=f"packstore {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("info", parents=[common], help="version, default store and model cache, device, installed models")
-    p.set_defaults(handler=cmd_info)
-    return parser
+def build_cli() -> CommandLine:
+    cli = CommandLine("packstore", "packstore services.")
+    cli.command("info", cmd_info, "version, default store and model cache, device, installed models")
+    return cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_command("packstore", args.handler, args)
+    return build_cli().main(argv)
 
 
 if __name__ == "__main__":

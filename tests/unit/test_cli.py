@@ -149,3 +149,13 @@ def test_console_script_exit_codes(tmp_path: Path) -> None:
     assert result.returncode == 1 and result.stderr.startswith("packctl: error:")
     result = subprocess.run([str(packctl), "frobnicate"], capture_output=True, text=True)
     assert result.returncode == 2
+
+
+def test_packstore_info_reports_paths_and_models(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from packstore.cli.packstore_main import main as packstore_main
+
+    assert packstore_main(["info", "--json", "--store", str(tmp_path / "s")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["store"] == str(tmp_path / "s")
+    assert set(info["models"]) == {"smollm2-135m", "gemma3-270m"}
+    assert all(m["installed"] for m in info["models"].values())
