@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Callable
 
@@ -45,6 +46,9 @@ def run_command(program: str, handler: Callable[[argparse.Namespace], int], args
         return fail(program, str(exc))
     except KeyboardInterrupt:
         return fail(program, "interrupted")
+    except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_ERROR
 
 
 class CommandLine:
