@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-import zstandard
 from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from packstore.errors import IntegrityError, InvalidInput
+from packstore.format import codec
 from packstore.format.header import ChunkInfo, PackHeader
 
-CODEC = "zstd"
-ZSTD_LEVEL = 3
+CODEC = "byteplane-zstd"
 LAYERS_PER_CHUNK = 1
+# zstd releases the GIL, so chunks are coded in parallel threads.
+_WORKERS = max(1, min(8, os.cpu_count() or 1))
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -63,66 +66,73 @@ def _layer_names(layer: int) -> tuple[str, str]:
     return f"layers.{layer}.key", f"layers.{layer}.value"
 
 
+def _encode_chunk(pack: Pack, first: int, stop: int) -> tuple[bytes, ChunkInfo]:
+    tensors = {}
+    for layer in range(first, stop):
+        k_name, v_name = _layer_names(layer)
+        tensors[k_name] = pack.keys[layer].contiguous()
+        tensors[v_name] = pack.values[layer].contiguous()
+    stored = codec.encode(safetensors_save(tensors), pack.keys[first].element_size())
+    info = ChunkInfo(
+        first_layer=first,
+        stop_layer=stop,
+        raw_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+        stored_bytes=len(stored),
+        sha256=hashlib.sha256(stored).hexdigest(),
+    )
+    return stored, info
+
+
 def encode_pack(pack: Pack) -> EncodedPack:
-    """Serialize each run of ``LAYERS_PER_CHUNK`` layers as safetensors, compress, checksum."""
+    """Serialize each run of ``LAYERS_PER_CHUNK`` layers as safetensors, compress and checksum it."""
     pack.check_shapes()
-    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-    chunks: list[bytes] = []
-    infos: list[ChunkInfo] = []
-    for first in range(0, pack.header.layers, LAYERS_PER_CHUNK):
-        stop = min(first + LAYERS_PER_CHUNK, pack.header.layers)
-        tensors = {}
-        for layer in range(first, stop):
-            k_name, v_name = _layer_names(layer)
-            tensors[k_name] = pack.keys[layer].contiguous()
-            tensors[v_name] = pack.values[layer].contiguous()
-        plain = safetensors_save(tensors)
-        stored = compressor.compress(plain)
-        chunks.append(stored)
-        infos.append(
-            ChunkInfo(
-                first_layer=first,
-                stop_layer=stop,
-                raw_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
-                stored_bytes=len(stored),
-                sha256=hashlib.sha256(stored).hexdigest(),
-            )
-        )
-    header = dataclasses.replace(pack.header, codec=CODEC, chunks=tuple(infos))
-    return EncodedPack(header=header, chunks=chunks)
+    runs = [(first, min(first + LAYERS_PER_CHUNK, pack.header.layers)) for first in range(0, pack.header.layers, LAYERS_PER_CHUNK)]
+    with ThreadPoolExecutor(_WORKERS) as pool:
+        results = list(pool.map(lambda run: _encode_chunk(pack, *run), runs))
+    header = dataclasses.replace(pack.header, codec=CODEC, chunks=tuple(info for _, info in results))
+    return EncodedPack(header=header, chunks=[stored for stored, _ in results])
 
 
 def verify_chunk(header: PackHeader, index: int, data: bytes) -> None:
     """Raise IntegrityError if chunk ``index`` does not match its size and sha256."""
     info = header.chunks[index]
     if len(data) != info.stored_bytes or hashlib.sha256(data).hexdigest() != info.sha256:
-        raise IntegrityError(f"pack {header.key}: chunk {index} (layers {info.first_layer}-{info.stop_layer - 1}) is damaged: checksum mismatch")
+        raise IntegrityError(
+            f"pack {header.key}: chunk {index} (layers {info.first_layer}-{info.stop_layer - 1}) is damaged: checksum mismatch"
+        )
+
+
+def decode_chunk(header: PackHeader, index: int, data: bytes) -> dict[str, torch.Tensor]:
+    """Verify one chunk's checksum, then decode it to its named tensors."""
+    verify_chunk(header, index, data)
+    try:
+        tensors = safetensors_load(codec.decode(data))
+    except (IntegrityError, SafetensorError) as exc:
+        raise IntegrityError(f"pack {header.key}: chunk {index} cannot be decoded: {exc}") from None
+    info = header.chunks[index]
+    expected = {name for layer in range(info.first_layer, info.stop_layer) for name in _layer_names(layer)}
+    if set(tensors) != expected:
+        raise IntegrityError(f"pack {header.key}: chunk {index} does not hold exactly layers {info.first_layer}-{info.stop_layer - 1}")
+    return tensors
 
 
 def decode_pack(encoded: EncodedPack) -> Pack:
-    """Verify every chunk's checksum, then decompress and load its tensors."""
+    """Verify every chunk's checksum, then decode the chunks (in parallel) into per-layer tensors."""
     header = encoded.header
     if header.codec != CODEC:
         raise IntegrityError(f"pack {header.key}: unknown codec {header.codec!r}")
     if len(encoded.chunks) != len(header.chunks):
         raise IntegrityError(f"pack {header.key}: has {len(encoded.chunks)} chunks, header lists {len(header.chunks)}")
-    decompressor = zstandard.ZstdDecompressor()
-    keys: list[torch.Tensor] = [None] * header.layers  # type: ignore[list-item]
-    values: list[torch.Tensor] = [None] * header.layers  # type: ignore[list-item]
-    for index, (info, data) in enumerate(zip(header.chunks, encoded.chunks)):
-        verify_chunk(header, index, data)
-        try:
-            tensors = safetensors_load(decompressor.decompress(data, max_output_size=info.raw_bytes + (1 << 20)))
-        except (zstandard.ZstdError, SafetensorError) as exc:
-            raise IntegrityError(f"pack {header.key}: chunk {index} cannot be decoded: {exc}") from None
-        for layer in range(info.first_layer, info.stop_layer):
-            k_name, v_name = _layer_names(layer)
-            if k_name not in tensors or v_name not in tensors:
-                raise IntegrityError(f"pack {header.key}: chunk {index} lacks layer {layer}")
-            keys[layer], values[layer] = tensors[k_name], tensors[v_name]
-    missing = [layer for layer, k in enumerate(keys) if k is None]
-    if missing:
-        raise IntegrityError(f"pack {header.key}: no chunk holds layers {missing}")
+    with ThreadPoolExecutor(_WORKERS) as pool:
+        decoded = list(pool.map(lambda item: decode_chunk(header, *item), enumerate(encoded.chunks)))
+    tensors = {name: tensor for part in decoded for name, tensor in part.items()}
+    keys, values = [], []
+    for layer in range(header.layers):
+        k_name, v_name = _layer_names(layer)
+        if k_name not in tensors:
+            raise IntegrityError(f"pack {header.key}: no chunk holds layer {layer}")
+        keys.append(tensors[k_name])
+        values.append(tensors[v_name])
     pack = Pack(header=header, keys=keys, values=values)
     try:
         pack.check_shapes()

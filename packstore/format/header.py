@@ -95,6 +95,11 @@ class PackHeader:
         return pack_key(self.model_fp, self.template_fp, self.token_ids)
 
     @property
+    def pack_sha256(self) -> str:
+        """sha256 of the header without this field: it covers every chunk through the chunk digests."""
+        return json.loads(self.to_json())["pack_sha256"]
+
+    @property
     def raw_bytes(self) -> int:
         """Bytes of K and V once decoded."""
         return sum(c.raw_bytes for c in self.chunks)
@@ -107,6 +112,7 @@ class PackHeader:
         record["tokens"] = self.tokens
         record["content_hash"] = self.content_hash
         record["source_sha256"] = facts_digest(self.facts)
+        record["pack_sha256"] = sha256_hex(canonical_json(record))
         return canonical_json(record)
 
     @classmethod
@@ -117,6 +123,9 @@ class PackHeader:
             raise IntegrityError(f"pack header is not valid JSON: {exc}") from None
         if not isinstance(record, dict) or record.get("format") != FORMAT_NAME:
             raise IntegrityError("not a packstore pack header")
+        digest = record.pop("pack_sha256", None)
+        if digest != sha256_hex(canonical_json(record)):
+            raise IntegrityError("pack header is damaged: pack_sha256 does not match its contents")
         if record.get("version") != FORMAT_VERSION:
             raise IntegrityError(
                 f"pack format version {record.get('version')!r} is not supported (this build reads {FORMAT_VERSION})"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
 
 import torch
@@ -66,10 +65,10 @@ def model_fingerprint(model: torch.nn.Module, dtype: torch.dtype) -> str:
 def template_identity(tokenizer: Any) -> dict[str, Any]:
     """Chat template source, special tokens and ids, BOS/EOS behaviour, and a digest of the vocabulary."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        vocabulary: Any = json.loads(backend.to_str())
+    if backend is not None:  # tokenizer.json as the tokenizers library serializes it (deterministic)
+        vocabulary_digest = sha256_hex(backend.to_str().encode("utf-8"))
     else:
-        vocabulary = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+        vocabulary_digest = sha256_hex(canonical_json(sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])))
     return {
         "chat_template": tokenizer.chat_template,
         "special_tokens": {t: tokenizer.convert_tokens_to_ids(t) for t in sorted(tokenizer.all_special_tokens)},
@@ -79,7 +78,7 @@ def template_identity(tokenizer: Any) -> dict[str, Any]:
         "add_eos_token": getattr(tokenizer, "add_eos_token", None),
         # What the tokenizer really adds around plain text, whatever its flags claim.
         "plain_text_probe": tokenizer("a b").input_ids,
-        "vocabulary_sha256": sha256_hex(canonical_json(vocabulary)),
+        "vocabulary_sha256": vocabulary_digest,
     }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import struct
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from packstore.errors import IntegrityError, InvalidInput
 from packstore.format import PackHeader, content_hash, decode_pack, encode_pack, pack_key, parse_key
 from packstore.format.body import Pack, torch_dtype
+from packstore.format.header import canonical_json, sha256_hex
 
 FP_A = "a" * 64
 FP_B = "b" * 64
@@ -70,16 +72,32 @@ def test_header_json_round_trip_and_is_canonical() -> None:
     assert encoded.header.raw_bytes == 2 * 3 * 2 * 5 * 4 * 4
 
 
+def reseal(record: dict) -> bytes:
+    """Re-encode a header record with a matching pack_sha256, as a careless writer would."""
+    record = {k: v for k, v in record.items() if k != "pack_sha256"}
+    record["pack_sha256"] = sha256_hex(canonical_json(record))
+    return canonical_json(record)
+
+
 def test_header_with_inconsistent_derived_field_is_rejected() -> None:
-    data = encode_pack(make_pack()).header.to_json().replace(b'"tokens":5', b'"tokens":6')
+    record = json.loads(encode_pack(make_pack()).header.to_json())
+    record["tokens"] = 6
     with pytest.raises(IntegrityError, match="tokens"):
-        PackHeader.from_json(data)
+        PackHeader.from_json(reseal(record))
+
+
+def test_any_damaged_header_byte_is_detected() -> None:
+    data = encode_pack(make_pack()).header.to_json()
+    damaged = data.replace(b"2026-01-01", b"2026-01-02")
+    with pytest.raises(IntegrityError, match="pack_sha256"):
+        PackHeader.from_json(damaged)
 
 
 def test_header_of_unknown_version_is_rejected() -> None:
-    data = encode_pack(make_pack()).header.to_json().replace(b'"version":1', b'"version":99')
+    record = json.loads(encode_pack(make_pack()).header.to_json())
+    record["version"] = 99
     with pytest.raises(IntegrityError, match="version 99"):
-        PackHeader.from_json(data)
+        PackHeader.from_json(reseal(record))
 
 
 def test_damaged_chunk_is_detected_and_named() -> None:

@@ -21,6 +21,25 @@ def canonical(value) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+def byteplane_decode(stored: bytes) -> bytes:
+    """The byte-plane container of docs/format.md §1.4, decoded from its description."""
+    magic, version, element_size, count = struct.unpack_from("<4sBBB", stored)
+    assert (magic, version, count) == (b"PSBP", 1, element_size + 1)
+    table = [struct.unpack_from("<BQQ", stored, 7 + 17 * i) for i in range(count)]
+    offset, parts = 7 + 17 * count, []
+    for method, plain_len, stored_len in table:
+        body = stored[offset : offset + stored_len]
+        offset += stored_len
+        part = body if method == 0 else zstandard.ZstdDecompressor().decompress(body, max_output_size=plain_len)
+        assert len(part) == plain_len
+        parts.append(part)
+    header, planes = parts[0], parts[1:]
+    data = bytearray(len(planes[0]) * element_size)
+    for j, plane in enumerate(planes):
+        data[j::element_size] = plane
+    return header + bytes(data)
+
+
 def test_stored_pack_decodes_by_the_document_alone(store_path: Path) -> None:
     pack = make_pack("bfloat16")
     with PackStore(store_path) as store:
@@ -35,6 +54,8 @@ def test_stored_pack_decodes_by_the_document_alone(store_path: Path) -> None:
         header = json.loads(raw_header)
         assert canonical(header) == raw_header
         assert header["format"] == "packstore-pack" and header["version"] == 1
+        sealed = {k: v for k, v in header.items() if k != "pack_sha256"}
+        assert header["pack_sha256"] == hashlib.sha256(canonical(sealed)).hexdigest()
 
         ids = header["token_ids"]
         content_hash = hashlib.sha256(struct.pack(f"<{len(ids)}I", *ids)).hexdigest()
@@ -47,7 +68,7 @@ def test_stored_pack_decodes_by_the_document_alone(store_path: Path) -> None:
             data = txn.get(key.encode() + b"#" + struct.pack(">I", index), db=chunks)
             assert len(data) == info["stored_bytes"]
             assert hashlib.sha256(data).hexdigest() == info["sha256"]
-            part = safetensors_load(zstandard.ZstdDecompressor().decompress(data))
+            part = safetensors_load(byteplane_decode(data))
             assert set(part) == {f"layers.{i}.{kv}" for i in range(info["first_layer"], info["stop_layer"]) for kv in ("key", "value")}
             assert sum(t.numel() * t.element_size() for t in part.values()) == info["raw_bytes"]
             tensors.update(part)

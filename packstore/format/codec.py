@@ -1,0 +1,101 @@
+"""Byte-plane codec: lossless compression of tensor bytes that plain zstd handles poorly.
+
+Float elements compress badly as a byte stream because their low mantissa bytes are noise
+interleaved with well-behaved exponent bytes. This codec splits a safetensors blob into its
+header and, per byte position of the element, one *plane* (plane j holds byte j of every
+element, little-endian, so the last plane holds the sign and high exponent bits). Each part is
+coded as an independent zstd frame, or kept raw when zstd saves less than ``RAW_THRESHOLD``.
+Container layout (all integers little-endian), see docs/format.md §1.4:
+
+    magic b"PSBP" | version u8 = 1 | element_size u8 | frame_count u8
+    frame_count x (method u8: 0 raw, 1 zstd | plain_len u64 | stored_len u64)
+    frame bytes, in order: safetensors header, plane 0 .. plane element_size-1
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import zstandard
+
+from packstore.errors import IntegrityError
+
+MAGIC = b"PSBP"
+VERSION = 1
+RAW, ZSTD = 0, 1
+RAW_THRESHOLD = 0.98
+DEFAULT_LEVEL = 3
+_PREAMBLE = struct.Struct("<4sBBB")
+_FRAME = struct.Struct("<BQQ")
+
+
+def _code_frame(plain: bytes | memoryview, compressor: zstandard.ZstdCompressor) -> tuple[int, bytes]:
+    coded = compressor.compress(plain)
+    if len(coded) >= RAW_THRESHOLD * len(plain):
+        return RAW, bytes(plain)
+    return ZSTD, coded
+
+
+def safetensors_split(blob: bytes) -> int:
+    """Length of a safetensors blob's header (8-byte size + JSON); the tensor data follows it."""
+    if len(blob) < 8:
+        raise IntegrityError("safetensors blob is shorter than its size field")
+    return 8 + struct.unpack_from("<Q", blob)[0]
+
+
+def encode(blob: bytes, element_size: int, level: int = DEFAULT_LEVEL) -> bytes:
+    """Compress a safetensors blob whose tensors all have ``element_size``-byte elements."""
+    split = safetensors_split(blob)
+    data = np.frombuffer(blob, dtype=np.uint8, offset=split)
+    if data.size % element_size:
+        raise ValueError(f"tensor data of {data.size} bytes is not a whole number of {element_size}-byte elements")
+    elements = data.reshape(-1, element_size)
+    parts: list[bytes | memoryview] = [memoryview(blob)[:split]]
+    parts += [np.ascontiguousarray(elements[:, j]).data for j in range(element_size)]
+    compressor = zstandard.ZstdCompressor(level=level)
+    coded = [_code_frame(part, compressor) for part in parts]
+    table = b"".join(_FRAME.pack(method, len(part), len(body)) for (method, body), part in zip(coded, parts))
+    return b"".join([_PREAMBLE.pack(MAGIC, VERSION, element_size, len(parts)), table] + [body for _, body in coded])
+
+
+def decode(stored: bytes) -> bytes:
+    """Invert ``encode`` exactly; raise IntegrityError on any malformed container."""
+    try:
+        magic, version, element_size, count = _PREAMBLE.unpack_from(stored)
+    except struct.error:
+        raise IntegrityError("byte-plane container is truncated") from None
+    if magic != MAGIC or version != VERSION or count != element_size + 1 or element_size == 0:
+        raise IntegrityError("not a byte-plane container of a known version")
+    offset = _PREAMBLE.size + count * _FRAME.size
+    if len(stored) < offset:
+        raise IntegrityError("byte-plane container is truncated")
+    frames = [_FRAME.unpack_from(stored, _PREAMBLE.size + i * _FRAME.size) for i in range(count)]
+    if offset + sum(f[2] for f in frames) != len(stored):
+        raise IntegrityError("byte-plane container length does not match its frame table")
+    decompressor = zstandard.ZstdDecompressor()
+    parts = []
+    for method, plain_len, stored_len in frames:
+        body = memoryview(stored)[offset : offset + stored_len]
+        offset += stored_len
+        if method == RAW:
+            part = body
+        elif method == ZSTD:
+            try:
+                part = decompressor.decompress(body, max_output_size=plain_len)
+            except zstandard.ZstdError as exc:
+                raise IntegrityError(f"byte-plane frame cannot be decompressed: {exc}") from None
+        else:
+            raise IntegrityError(f"unknown byte-plane frame method {method}")
+        if len(part) != plain_len:
+            raise IntegrityError("byte-plane frame has the wrong decoded length")
+        parts.append(part)
+    header, planes = parts[0], parts[1:]
+    if len({len(p) for p in planes}) != 1:
+        raise IntegrityError("byte-plane planes differ in length")
+    out = bytearray(len(header) + len(planes[0]) * element_size)
+    out[: len(header)] = header
+    elements = np.frombuffer(out, dtype=np.uint8, offset=len(header)).reshape(-1, element_size)
+    for j, plane in enumerate(planes):
+        elements[:, j] = np.frombuffer(plane, dtype=np.uint8)
+    return bytes(out)
