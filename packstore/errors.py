@@ -30,3 +30,7 @@ class IntegrityError(PackstoreError):
 
 class InvalidInput(PackstoreError):
     """A facts file, question file, model specifier or argument is unusable."""
+
+
+class StoreBusy(PackstoreError):
+    """An operation needs the store to itself, and another process has it open."""

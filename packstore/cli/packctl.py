@@ -168,6 +168,60 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    with _open_store(args, readonly=True) as store:
+        results = [store.verify(ref) for ref in args.refs] if args.refs else store.verify_all()
+    damaged = [r for r in results if not r.ok]
+    if args.json:
+        emit_json([{"key": r.key, "ok": r.ok, "error": r.error} for r in results])
+    else:
+        for r in results:
+            print(f"ok       {r.key}" if r.ok else f"DAMAGED  {r.key}: {r.error}")
+        print(f"{len(results)} packs verified, {len(damaged)} damaged", file=sys.stderr)
+    return EXIT_ERROR if damaged else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from packstore.api import export_pack
+
+    with _open_store(args, readonly=True) as store:
+        key, size = export_pack(store, args.ref, args.output)
+    if args.json:
+        emit_json({"key": key, "file": args.output, "bytes": size})
+    else:
+        print(f"exported {key} to {args.output} ({_human_bytes(size)})")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from packstore.api import import_pack, pack_summary
+
+    with _open_store(args) as store:
+        stored, created = import_pack(store, args.file, name=args.name)
+    if args.json:
+        emit_json(pack_summary(stored) | {"created_new": created})
+    else:
+        print(stored.key)
+        print("imported" if created else "already stored", file=sys.stderr)
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    with _open_store(args) as store:
+        report = store.gc(compact=args.compact)
+    if args.json:
+        emit_json(asdict(report))
+    else:
+        print(
+            f"removed {report.orphan_chunks} unreferenced chunks ({_human_bytes(report.orphan_chunk_bytes)}) "
+            f"and {report.dangling_names} dangling names; data file {_human_bytes(report.file_bytes_before)} -> "
+            f"{_human_bytes(report.file_bytes_after)}{'' if report.compacted else ' (freed pages are reused; --compact shrinks the file)'}"
+        )
+    return 0
+
+
 # -- parser -------------------------------------------------------------------------------------
 
 
@@ -205,6 +259,20 @@ def build_cli() -> CommandLine:
 
     p = cli.command("rm", cmd_rm, "delete packs and their names")
     p.add_argument("refs", metavar="REF", nargs="+")
+
+    p = cli.command("verify", cmd_verify, "check every checksum of the given packs (default: all); exit 1 on damage")
+    p.add_argument("refs", metavar="REF", nargs="*")
+
+    p = cli.command("export", cmd_export, "write a pack to a single self-describing file")
+    p.add_argument("ref", metavar="REF")
+    p.add_argument("-o", "--output", required=True, metavar="FILE")
+
+    p = cli.command("import", cmd_import, "verify a pack file and store it")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--name", help="name (alias) for the pack, per model")
+
+    p = cli.command("gc", cmd_gc, "remove what no pack references; --compact also shrinks the data file")
+    p.add_argument("--compact", action="store_true", help="rewrite the data file without free pages (needs the store to itself)")
     return cli
 
 

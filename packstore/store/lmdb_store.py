@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, TypeVar
 
 import lmdb
 
-from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackNotFound
-from packstore.format import EncodedPack, PackHeader, parse_key
+from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackNotFound, StoreBusy
+from packstore.format import EncodedPack, PackHeader, decode_pack, parse_key
 from packstore.format.body import verify_chunk
 
 STORE_LAYOUT_VERSION = b"1"
+LOCK_FILE = "packstore.lock"
 INITIAL_MAP_SIZE = 1 << 30
 _HASH_PREFIX_RE = re.compile(r"^[0-9a-f]{8,64}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
@@ -48,6 +51,30 @@ def _name_key(model_fp: str, name: str) -> bytes:
 
 
 @dataclass(frozen=True)
+class VerifyResult:
+    """One pack's integrity check: ``error`` is None when every byte checked out."""
+
+    key: str
+    error: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What ``gc`` removed, and the data file size before and after (compaction shrinks it)."""
+
+    orphan_chunks: int
+    orphan_chunk_bytes: int
+    dangling_names: int
+    file_bytes_before: int
+    file_bytes_after: int
+    compacted: bool
+
+
+@dataclass(frozen=True)
 class StoredPack:
     """A stored pack's header, the names that point at it, and its size on disk."""
 
@@ -68,12 +95,18 @@ class PackStore:
 
     def __init__(self, path: str | os.PathLike[str], *, readonly: bool = False) -> None:
         self.path = Path(path)
+        self.readonly = readonly
         if readonly and not (self.path / "data.mdb").exists():
             raise PackNotFound(f"no pack store at {self.path}")
         self.path.mkdir(parents=True, exist_ok=True)
-        self._env = lmdb.open(
-            str(self.path), map_size=INITIAL_MAP_SIZE, max_dbs=8, readonly=readonly, subdir=True
-        )
+        # Every open holds a shared advisory lock; compaction, which swaps the data file, needs it exclusive.
+        self._lock = open(self.path / LOCK_FILE, "rb" if readonly and (self.path / LOCK_FILE).exists() else "a+b")
+        fcntl.flock(self._lock, fcntl.LOCK_SH)
+        self._open_env()
+
+    def _open_env(self) -> None:
+        readonly = self.readonly
+        self._env = lmdb.open(str(self.path), map_size=INITIAL_MAP_SIZE, max_dbs=8, readonly=readonly, subdir=True)
         self._meta = self._env.open_db(b"meta", create=not readonly)
         self._packs = self._env.open_db(b"packs", create=not readonly)
         self._chunks = self._env.open_db(b"chunks", create=not readonly)
@@ -87,6 +120,7 @@ class PackStore:
 
     def close(self) -> None:
         self._env.close()
+        self._lock.close()
 
     def __enter__(self) -> "PackStore":
         return self
@@ -228,6 +262,68 @@ class PackStore:
                 chunks.append(data)
         return EncodedPack(header=header, chunks=chunks)
 
-    def iter_keys(self) -> Iterator[str]:
+    def keys(self) -> list[str]:
+        """Every stored key, whether or not its header still parses."""
         with self._env.begin() as txn:
-            yield from [k.decode() for k, _ in txn.cursor(db=self._packs)]
+            return [k.decode() for k, _ in txn.cursor(db=self._packs)]
+
+    # -- integrity and maintenance ---------------------------------------------------------
+
+    def verify(self, ref: str) -> VerifyResult:
+        """Check one pack's header seal, every chunk's checksum, and that every chunk decodes."""
+        key = ref if parse_key(ref) else self.resolve(ref)
+        try:
+            decode_pack(self.get(key))
+        except (IntegrityError, PackNotFound) as exc:
+            return VerifyResult(key=key, error=str(exc))
+        return VerifyResult(key=key, error=None)
+
+    def verify_all(self) -> list[VerifyResult]:
+        return [self.verify(key) for key in self.keys()]
+
+    def _data_file_bytes(self) -> int:
+        return (self.path / "data.mdb").stat().st_size
+
+    def gc(self, *, compact: bool = False) -> GcReport:
+        """Remove chunks no header references and names pointing at no pack; optionally compact the file.
+
+        Freed pages are reused by later writes; ``compact`` also returns them to the file system and
+        needs the store to itself (no other process may have it open).
+        """
+        before = self._data_file_bytes()
+
+        def body(txn: lmdb.Transaction) -> tuple[int, int, int]:
+            live = {k.decode() for k, _ in txn.cursor(db=self._packs)}
+            orphans = [(k, len(v)) for k, v in txn.cursor(db=self._chunks) if k.rsplit(b"#", 1)[0].decode() not in live]
+            dangling = [k for k, v in txn.cursor(db=self._names) if v.decode() not in live]
+            for k, _ in orphans:
+                txn.delete(k, db=self._chunks)
+            for k in dangling:
+                txn.delete(k, db=self._names)
+            return len(orphans), sum(size for _, size in orphans), len(dangling)
+
+        orphan_chunks, orphan_bytes, dangling = self._write(body)
+        if compact:
+            self._compact()
+        return GcReport(orphan_chunks, orphan_bytes, dangling, before, self._data_file_bytes(), compact)
+
+    def _compact(self) -> None:
+        """Rewrite the data file without free pages, under an exclusive lock, and swap it in atomically."""
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fcntl.flock(self._lock, fcntl.LOCK_SH)
+            raise StoreBusy(f"store {self.path} is open in another process; compaction needs it alone") from None
+        scratch = self.path / ".compact"
+        try:
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir()
+            self._env.copy(str(scratch), compact=True)
+            self._env.close()
+            try:
+                os.replace(scratch / "data.mdb", self.path / "data.mdb")
+            finally:
+                self._open_env()
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+            fcntl.flock(self._lock, fcntl.LOCK_SH)
