@@ -159,3 +159,19 @@ def test_packstore_info_reports_paths_and_models(tmp_path: Path, capsys: pytest.
     assert info["store"] == str(tmp_path / "s")
     assert set(info["models"]) == {"smollm2-135m", "gemma3-270m"}
     assert all(m["installed"] for m in info["models"].values())
+
+
+def test_export_import_and_gc_commands(cli, facts_file: Path, tmp_path: Path) -> None:
+    code, out, _ = cli("build", str(facts_file), "--model", "{model}", "--name", "wexley", "--json")
+    key = json.loads(out)["key"]
+    code, out, _ = cli("export", "wexley", "-o", str(tmp_path / "w.pack"), "--json")
+    assert code == 0 and json.loads(out) == {"key": key, "file": str(tmp_path / "w.pack"), "bytes": (tmp_path / "w.pack").stat().st_size}
+    code, out, _ = cli("rm", "wexley")
+    code, out, _ = cli("gc", "--compact", "--json")
+    assert code == 0 and json.loads(out)["compacted"] is True
+    code, out, _ = cli("import", str(tmp_path / "w.pack"), "--name", "back", "--json")
+    assert code == 0 and json.loads(out)["key"] == key and json.loads(out)["name"] == "back"
+    code, out, _ = cli("ask", "back", "Which river?", "--model", "{model}", "--compare-rag", "--json", "--max-new-tokens", "6")
+    assert code == 0 and json.loads(out)["identical"] is True
+    code, _, err = cli("import", str(facts_file))
+    assert code == 1 and "not a packstore pack file" in err
