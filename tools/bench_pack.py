@@ -1,0 +1,422 @@
+"""Packs on smollm2-135m: time to first token, store get throughput, and the chunk codec.
+
+Three measurements, each reported as ratios taken within this one run (the machines are shared
+and noisy: repetitions are interleaved and every figure is a median over them):
+
+1. Time to first token (``max_new_tokens=1``) for packs of about 512, 2k and 8k tokens built
+   from consecutive contexts of ``ckc_dev.jsonl``:
+   stored = ``load_pack`` from an LMDB store (read, verify, decode) + inject + first token;
+   prefill = the same facts as prompt text (``answer_with_text``);
+   floor = the same KV already decoded in memory (``answer_with_pack``).
+2. Store get throughput: ``PackStore.get`` (read + sha256 verify) in stored MB/s, get + decode in
+   decoded-KV MB/s, against reading a scratch file of the same size from the page cache.
+3. Codec on the real KV of the ~2k pack in float32, bfloat16 and float16 (model loaded in that
+   dtype): packstore's byteplane-zstd vs. plain zstd level 3 on the same safetensors chunk blobs
+   vs. ZipNN. Ratio = raw / stored bytes; MB/s in raw MB (10^6 bytes), one thread, timed per
+   chunk and summed over all chunks. Every decode is checked bit-exact.
+
+Run from the repository root (about 10 minutes on a 2-core CPU):
+
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_pack.py [--sizes 512 2048 8000] [--repeats 3]
+
+Progress goes to stderr, the tables to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence, TypeVar
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+import zstandard  # noqa: E402
+
+from packstore.api import load_pack  # noqa: E402
+from packstore.format import Pack, codec, decode_pack, encode_pack  # noqa: E402
+from packstore.kv.build import build_pack  # noqa: E402
+from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text  # noqa: E402
+from packstore.kv.models import LoadedModel, load_model  # noqa: E402
+from packstore.kv.render import render  # noqa: E402
+from packstore.store import PackStore  # noqa: E402
+
+MODEL = "smollm2-135m"
+MAX_CONTEXT = 8192
+DATA = Path("/work/shared/data/ckc_dev.jsonl")
+FIRST_TOKEN = Sampling(max_new_tokens=1)
+MB = 1e6
+T = TypeVar("T")
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def log(message: str) -> None:
+    print(f"[bench_pack] {message}", file=sys.stderr, flush=True)
+
+
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
+    """Seconds one call of ``fn`` takes (after a garbage collection), and its result."""
+    gc.collect()
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """A plain-text table: first column left-aligned, the others right-aligned."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    print(f"\n{title}")
+    print(line(headers))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print(line(row))
+    sys.stdout.flush()
+
+
+def machine_description() -> str:
+    cpu = platform.processor()
+    try:
+        for text in Path("/proc/cpuinfo").read_text().splitlines():
+            if text.startswith("model name"):
+                cpu = text.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory = ""
+    try:
+        kib = int(Path("/proc/meminfo").read_text().split()[1])
+        memory = f", {kib / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    return (
+        f"{os.cpu_count()} CPUs ({cpu or 'unknown CPU'}){memory}, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
+        f"zstandard {zstandard.__version__}, python {platform.python_version()}"
+    )
+
+
+# -- inputs -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Record:
+    context: str
+    question: str
+
+
+def read_records(path: Path) -> list[Record]:
+    with path.open() as f:
+        return [Record(d["context"], d["question"]) for d in map(json.loads, f)]
+
+
+def select_facts(lm: LoadedModel, records: Sequence[Record], target: int) -> tuple[list[str], str]:
+    """Consecutive contexts whose joined text stays within ``target`` tokens, and the first one's question."""
+    facts: list[str] = []
+    for record in records:
+        joined = "\n".join(facts + [record.context])
+        if facts and len(lm.tokenizer(joined, add_special_tokens=False).input_ids) > target:
+            break
+        facts.append(record.context)
+    else:
+        raise SystemExit(f"{DATA} holds fewer than {target} tokens of contexts")
+    return facts, records[0].question
+
+
+@dataclass
+class Case:
+    """One pack size: its facts and question, its key in the store, and the pack decoded from it."""
+
+    target: int
+    facts: list[str]
+    question: str
+    key: str
+    pack: Pack
+    stored_bytes: int
+
+    @property
+    def tokens(self) -> int:
+        return self.pack.header.tokens
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.pack.header.raw_bytes
+
+
+def make_case(lm: LoadedModel, store: PackStore, records: Sequence[Record], target: int) -> Case:
+    facts, question = select_facts(lm, records, target)
+    pack = build_pack(lm, facts)
+    encoded = encode_pack(pack)
+    key, _ = store.put(encoded)
+    prompt = len(render(lm.tokenizer, facts, question).token_ids)
+    if prompt + FIRST_TOKEN.max_new_tokens > MAX_CONTEXT:
+        raise SystemExit(f"size {target}: prompt of {prompt} tokens does not fit {MODEL}'s {MAX_CONTEXT}-token context")
+    return Case(target, facts, question, key, load_pack(store, key, lm), encoded.stored_bytes)
+
+
+# -- 1. time to first token ---------------------------------------------------------------
+
+TTFT_MODES = ("stored", "prefill", "floor")
+
+
+def first_token(lm: LoadedModel, store: PackStore, case: Case, mode: str) -> tuple[float, list[int]]:
+    """Seconds to the first generated token in ``mode``, and the generated ids."""
+    if mode == "stored":
+        run = lambda: answer_with_pack(lm, load_pack(store, case.key, lm), case.question, FIRST_TOKEN)  # noqa: E731
+    elif mode == "prefill":
+        run = lambda: answer_with_text(lm, case.facts, case.question, sampling=FIRST_TOKEN)  # noqa: E731
+    else:
+        run = lambda: answer_with_pack(lm, case.pack, case.question, FIRST_TOKEN)  # noqa: E731
+    seconds, answer = timed(run)
+    return seconds, answer.token_ids
+
+
+def bench_ttft(lm: LoadedModel, store: PackStore, cases: Sequence[Case], repeats: int) -> None:
+    log("time to first token: warm-up")
+    for mode in TTFT_MODES:
+        first_token(lm, store, cases[0], mode)
+    times = {(c.target, m): [] for c in cases for m in TTFT_MODES}
+    tokens: dict[tuple[int, str], list[int]] = {}
+    for r in range(repeats):
+        for case in cases:
+            order = TTFT_MODES[r % 3 :] + TTFT_MODES[: r % 3]  # rotate so no mode always runs first
+            for mode in order:
+                seconds, ids = first_token(lm, store, case, mode)
+                times[case.target, mode].append(seconds)
+                tokens[case.target, mode] = ids
+            log(f"  repeat {r + 1}/{repeats}, {case.tokens} tokens: " + ", ".join(f"{m} {times[case.target, m][-1]:.2f}s" for m in TTFT_MODES))
+    rows = []
+    for case in cases:
+        stored, prefill, floor = (median(times[case.target, m]) for m in TTFT_MODES)
+        same = len({tuple(tokens[case.target, m]) for m in TTFT_MODES}) == 1
+        rows.append([
+            str(case.target), str(case.tokens), f"{stored:.3f}", f"{prefill:.3f}", f"{floor:.3f}",
+            f"{prefill / stored:.1f}x", f"{stored / floor:.2f}x", "yes" if same else "NO",
+        ])
+    print_table(
+        f"1. Time to first token, {MODEL} float32 (median of {repeats}, seconds)",
+        ["size", "pack tokens", "stored s", "prefill s", "floor s", "prefill/stored", "stored/floor", "same token"],
+        rows,
+    )
+
+
+# -- 2. store get throughput --------------------------------------------------------------
+
+
+def read_file(path: Path) -> bytes:
+    return path.read_bytes()
+
+
+def bench_get(store: PackStore, cases: Sequence[Case], workdir: Path, repeats: int) -> None:
+    scratch = {}
+    for case in cases:
+        scratch[case.target] = workdir / f"scratch-{case.target}.bin"
+        scratch[case.target].write_bytes(os.urandom(case.stored_bytes))
+        read_file(scratch[case.target])  # warm the page cache
+        store.get(case.key)  # and the LMDB pages
+    ops: dict[str, Callable[[Case], object]] = {
+        "raw": lambda c: read_file(scratch[c.target]),
+        "get": lambda c: store.get(c.key),
+        "get+decode": lambda c: decode_pack(store.get(c.key)),
+    }
+    times = {(c.target, name): [] for c in cases for name in ops}
+    for r in range(repeats):
+        for case in cases:
+            for name, op in ops.items():
+                times[case.target, name].append(timed(lambda: op(case))[0])
+        log(f"get throughput: repeat {r + 1}/{repeats} done")
+    rows = []
+    for case in cases:
+        raw = case.stored_bytes / median(times[case.target, "raw"]) / MB
+        get = case.stored_bytes / median(times[case.target, "get"]) / MB
+        full = case.kv_bytes / median(times[case.target, "get+decode"]) / MB
+        rows.append([
+            str(case.target), f"{case.stored_bytes / MB:.1f}", f"{case.kv_bytes / MB:.1f}", f"{raw:.0f}",
+            f"{get:.0f}", f"{full:.0f}", f"{get / raw:.2f}x", f"{full / raw:.2f}x",
+        ])
+    print_table(
+        f"2. Store get throughput (median of {repeats}; get in stored MB/s, get+decode in decoded-KV MB/s)",
+        ["size", "stored MB", "KV MB", "raw read MB/s", "get MB/s", "get+decode MB/s", "get/raw", "get+decode/raw"],
+        rows,
+    )
+
+
+# -- 3. codec -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Codec:
+    name: str
+    compress: Callable[[bytes], bytes]
+    decompress: Callable[[bytes], bytes]
+    mutates_input: bool = False  # compress scribbles on its input: hand it a private copy
+
+
+def codecs_for(dtype: str, element_size: int) -> tuple[list[Codec], str | None]:
+    """The codecs to compare on ``dtype`` chunks, and a note when ZipNN is unavailable."""
+    zstd_c, zstd_d = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
+    found = [
+        Codec("byteplane", lambda b: codec.encode(b, element_size), codec.decode),
+        Codec("zstd-3", zstd_c.compress, zstd_d.decompress),
+    ]
+    try:
+        from zipnn import ZipNN
+    except ImportError as exc:
+        return found, f"zipnn not installed ({exc})"
+    zipnn = ZipNN(input_format="byte", bytearray_dtype=dtype, threads=1)
+    # ZipNN 0.5.4 reorders float32/bfloat16 input bytes in place, so it gets a copy (made untimed).
+    found.append(Codec("zipnn", zipnn.compress, zipnn.decompress, mutates_input=True))
+    return found, None
+
+
+@dataclass
+class CodecPack:
+    dtype: str
+    note: str
+    blobs: list[bytes]  # the pack's safetensors chunk blobs, exactly as packstore builds them
+    element_size: int
+
+
+def codec_pack(pack: Pack, note: str) -> CodecPack:
+    """The raw chunk blobs of ``pack``: its encoded chunks decoded back (checked against a re-encode)."""
+    encoded = encode_pack(pack)
+    element_size = pack.keys[0].element_size()
+    blobs = [codec.decode(chunk) for chunk in encoded.chunks]
+    assert codec.encode(blobs[0], element_size) == encoded.chunks[0], "byteplane encode is not deterministic"
+    return CodecPack(pack.header.dtype, note, blobs, element_size)
+
+
+def build_in_dtype(dtype: str, facts: Sequence[str], fallback: Pack) -> tuple[Pack, str]:
+    """The pack for ``facts`` built by the model loaded in ``dtype``; else ``fallback`` cast to it."""
+    try:
+        lm = load_model(MODEL, dtype=dtype, progress=False)
+        pack = build_pack(lm, facts)
+        del lm
+        return pack, f"real KV from the model loaded in {dtype}"
+    except Exception as exc:  # noqa: BLE001 - any failure here means: fall back and say so
+        cast = torch.float16 if dtype == "float16" else torch.bfloat16
+        header = dataclasses.replace(fallback.header, dtype=dtype, chunks=())
+        pack = Pack(header, [k.to(cast) for k in fallback.keys], [v.to(cast) for v in fallback.values])
+        return pack, f"float32 KV cast to {dtype} (building in {dtype} failed: {type(exc).__name__}: {exc})"
+
+
+def time_codec(c: Codec, blobs: Sequence[bytes]) -> tuple[float, float, int]:
+    """Summed per-chunk compress and decompress seconds and stored bytes; asserts bit-exact decodes."""
+    compress_s = decompress_s = 0.0
+    stored = 0
+    for blob in blobs:
+        source = bytearray(blob) if c.mutates_input else blob
+        seconds, packed = timed(lambda: c.compress(source))
+        compress_s += seconds
+        seconds, plain = timed(lambda: c.decompress(packed))
+        decompress_s += seconds
+        assert plain == blob, f"{c.name}: decode is not bit-exact"
+        stored += len(packed)
+    return compress_s, decompress_s, stored
+
+
+def bench_codec(packs: Sequence[CodecPack], repeats: int) -> None:
+    results: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
+    notes: list[str] = []
+    for r in range(repeats):
+        for p in packs:
+            found, missing = codecs_for(p.dtype, p.element_size)
+            if missing and r == 0:
+                notes.append(f"{p.dtype}: {missing}")
+            for c in found:
+                results.setdefault((p.dtype, c.name), []).append(time_codec(c, p.blobs))
+        log(f"codec: repeat {r + 1}/{repeats} done")
+    rows = []
+    for p in packs:
+        raw = sum(len(b) for b in p.blobs)
+        zstd_ratio = zstd_decompress = None
+        for name in ("zstd-3", "byteplane", "zipnn"):
+            runs = results.get((p.dtype, name))
+            if runs is None:
+                rows.append([p.dtype, name, "not installed", "", "", "", ""])
+                continue
+            ratio = raw / runs[0][2]
+            compress = raw / median([run[0] for run in runs]) / MB
+            decompress = raw / median([run[1] for run in runs]) / MB
+            if name == "zstd-3":
+                zstd_ratio, zstd_decompress = ratio, decompress
+            rows.append([
+                p.dtype, name, f"{ratio:.3f}", f"{compress:.0f}", f"{decompress:.0f}",
+                f"{ratio / zstd_ratio:.3f}x", f"{decompress / zstd_decompress:.2f}x",
+            ])
+    size = sum(len(b) for b in packs[0].blobs) / MB
+    print_table(
+        f"3. Chunk codecs on the ~2k pack's real KV ({len(packs[0].blobs)} chunks, {size:.1f} MB raw in float32; "
+        f"median of {repeats}, one thread, MB/s of raw bytes)",
+        ["dtype", "codec", "ratio", "compress MB/s", "decompress MB/s", "ratio vs zstd", "decompress vs zstd"],
+        rows,
+    )
+    for p in packs:
+        print(f"   {p.dtype}: {p.note}")
+    for note in notes:
+        print(f"   {note}")
+    print("   all decodes bit-exact (asserted)")
+
+
+# -- main ---------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[512, 2048, 8000], help="target pack sizes in tokens")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions for time to first token")
+    parser.add_argument("--get-repeats", type=int, default=5, help="interleaved repetitions for get throughput")
+    parser.add_argument("--codec-repeats", type=int, default=5, help="interleaved repetitions for the codecs")
+    parser.add_argument("--codec-size", type=int, default=2048, help="which size's facts the codec table uses")
+    parser.add_argument("--data", type=Path, default=DATA, help="JSON lines with 'context' and 'question'")
+    parser.add_argument("--workdir", type=Path, default=None, help="where the scratch store goes (default: a temp dir)")
+    args = parser.parse_args()
+    if args.codec_size not in args.sizes:
+        parser.error("--codec-size must be one of --sizes")
+
+    started = time.perf_counter()
+    print(f"Machine: {machine_description()}")
+    print(f"Model: {MODEL}; facts: consecutive contexts of {args.data.name}; question: the first context's")
+    records = read_records(args.data)
+    lm = load_model(MODEL, dtype="float32", progress=False)
+    with tempfile.TemporaryDirectory(prefix="packstore-bench-", dir=args.workdir) as tmp:
+        workdir = Path(tmp)
+        with PackStore(workdir / "store") as store:
+            cases = []
+            for target in sorted(args.sizes):
+                log(f"building the {target}-token pack")
+                cases.append(make_case(lm, store, records, target))
+            bench_ttft(lm, store, cases, args.repeats)
+            bench_get(store, cases, workdir, args.get_repeats)
+        codec_case = next(c for c in cases if c.target == args.codec_size)
+        packs = [codec_pack(codec_case.pack, "real KV from the model loaded in float32")]
+        del lm, cases
+        for dtype in ("bfloat16", "float16"):
+            log(f"building the {args.codec_size}-token pack in {dtype}")
+            packs.append(codec_pack(*build_in_dtype(dtype, codec_case.facts, codec_case.pack)))
+        bench_codec(packs, args.codec_repeats)
+    print(f"\nTotal run time: {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
