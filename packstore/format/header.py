@@ -9,7 +9,7 @@ import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-from packstore.errors import IntegrityError, InvalidInput
+from packstore.errors import IntegrityError, InvalidInput, PackMismatch
 
 FORMAT_NAME = "packstore-pack"
 FORMAT_VERSION = 1
@@ -160,6 +160,21 @@ class PackHeader:
                 raise IntegrityError(f"pack header field {name!r} does not match its contents")
         header.validate()
         return header
+
+    def check_identities(self, model_fp: str | None, template_fp: str | None) -> None:
+        """Raise PackMismatch naming the model or template when a caller states identities this pack lacks."""
+        if model_fp and model_fp != self.model_fp:
+            raise PackMismatch(
+                "model",
+                f"model mismatch: pack was built for model {self.model_name!r} (model_fp {self.model_fp[:12]}), "
+                f"the caller's model has model_fp {model_fp[:12]}",
+            )
+        if template_fp and template_fp != self.template_fp:
+            raise PackMismatch(
+                "template",
+                f"template mismatch: pack was built with template_fp {self.template_fp[:12]}, "
+                f"the caller's tokenizer and chat template have template_fp {template_fp[:12]}",
+            )
 
     def validate(self) -> None:
         """Reject headers whose fields are out of range (raises InvalidInput)."""

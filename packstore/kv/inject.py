@@ -44,18 +44,10 @@ def check_identity(lm: LoadedModel, header: PackHeader) -> None:
     """Raise PackMismatch naming the model or template when the pack was built for another."""
     if header.kind != "knowledge":
         raise PackMismatch("kind", f"pack {header.key} is a {header.kind} pack, not a knowledge pack")
-    if header.model_fp != lm.model_fp:
-        raise PackMismatch(
-            "model",
-            f"model mismatch: pack was built for model {header.model_name!r} (model_fp {header.model_fp[:12]}), "
-            f"the loaded model {lm.name!r} ({lm.dtype_name}) has model_fp {lm.model_fp[:12]}",
-        )
-    if header.template_fp != lm.template_fp:
-        raise PackMismatch(
-            "template",
-            f"template mismatch: pack was built with template_fp {header.template_fp[:12]}, "
-            f"the loaded tokenizer and chat template of {lm.name!r} have template_fp {lm.template_fp[:12]}",
-        )
+    try:
+        header.check_identities(lm.model_fp, lm.template_fp)
+    except PackMismatch as exc:
+        raise PackMismatch(exc.what, f"{exc} (loaded: {lm.name!r}, {lm.dtype_name})") from None
 
 
 def prepare(lm: LoadedModel, header: PackHeader, question: str) -> Rendering:

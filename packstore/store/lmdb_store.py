@@ -7,6 +7,8 @@ import os
 import re
 import shutil
 import struct
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -14,12 +16,13 @@ from typing import Callable, TypeVar
 import lmdb
 
 from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackNotFound, StoreBusy
-from packstore.format import EncodedPack, PackHeader, decode_pack, parse_key
+from packstore.format import EncodedPack, Pack, PackHeader, decode_pack, parse_key
 from packstore.format.body import verify_chunk
 
 STORE_LAYOUT_VERSION = b"1"
 LOCK_FILE = "packstore.lock"
 INITIAL_MAP_SIZE = 1 << 30
+STALE_UPLOAD_SECONDS = 3600
 _HASH_PREFIX_RE = re.compile(r"^[0-9a-f]{8,64}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
 T = TypeVar("T")
@@ -111,6 +114,7 @@ class PackStore:
         self._packs = self._env.open_db(b"packs", create=not readonly)
         self._chunks = self._env.open_db(b"chunks", create=not readonly)
         self._names = self._env.open_db(b"names", create=not readonly)
+        self._staging = self._env.open_db(b"staging", create=not readonly) if not readonly else None
         if not readonly:
             self._write(lambda txn: txn.put(b"layout", STORE_LAYOUT_VERSION, db=self._meta, overwrite=False))
         with self._env.begin() as txn:
@@ -149,20 +153,21 @@ class PackStore:
             verify_chunk(header, index, data)
         if name is not None:
             check_name(name)
+        return header.key, self._write(lambda txn: self._commit_in(txn, header, encoded.chunks.__getitem__, name))
+
+    def _commit_in(
+        self, txn: lmdb.Transaction, header: PackHeader, chunk: Callable[[int], bytes], name: str | None
+    ) -> bool:
+        """Write chunks (``chunk(i)`` gives chunk i), header and name unless the key is stored; True if new."""
         key = header.key
-        header_bytes = header.to_json()
-
-        def body(txn: lmdb.Transaction) -> bool:
-            created = txn.get(key.encode(), db=self._packs) is None
-            if created:
-                for index, data in enumerate(encoded.chunks):
-                    txn.put(_chunk_key(key, index), data, db=self._chunks)
-                txn.put(key.encode(), header_bytes, db=self._packs)
-            if name is not None:
-                txn.put(_name_key(header.model_fp, name), key.encode(), db=self._names)
-            return created
-
-        return key, self._write(body)
+        created = txn.get(key.encode(), db=self._packs) is None
+        if created:
+            for index in range(len(header.chunks)):
+                txn.put(_chunk_key(key, index), chunk(index), db=self._chunks)
+            txn.put(key.encode(), header.to_json(), db=self._packs)
+        if name is not None:
+            txn.put(_name_key(header.model_fp, name), key.encode(), db=self._names)
+        return created
 
     def set_name(self, ref: str, name: str, *, model_fp: str | None = None) -> str:
         """Point ``name`` at the pack ``ref`` (within the pack's model); returns the key."""
@@ -171,6 +176,17 @@ class PackStore:
         model = parse_key(key)[0]  # type: ignore[index]
         self._write(lambda txn: txn.put(_name_key(model, name), key.encode(), db=self._names))
         return key
+
+    def delete_name(self, name: str, *, model_fp: str) -> str:
+        """Remove one name of one model (the pack stays); returns the key it pointed at."""
+
+        def body(txn: lmdb.Transaction) -> str:
+            found = txn.pop(_name_key(model_fp, name), db=self._names)
+            if found is None:
+                raise PackNotFound(f"no pack named {name!r} for model {model_fp[:12]}")
+            return found.decode()
+
+        return self._write(body)
 
     def delete(self, ref: str, *, model_fp: str | None = None) -> str:
         """Remove a pack, its chunks and every name pointing at it, in one transaction; returns the key."""
@@ -262,6 +278,31 @@ class PackStore:
                 chunks.append(data)
         return EncodedPack(header=header, chunks=chunks)
 
+    def fetch(
+        self, ref: str, *, device: str | None = None, model_fp: str | None = None, template_fp: str | None = None
+    ) -> Pack:
+        """Get, verify and decode a pack; refuses one whose identities differ from those the caller states."""
+        encoded = self.get(ref, model_fp=model_fp)
+        encoded.header.check_identities(model_fp, template_fp)
+        pack = decode_pack(encoded)
+        if device is not None and str(device) != "cpu":
+            pack = Pack(header=pack.header, keys=[k.to(device) for k in pack.keys], values=[v.to(device) for v in pack.values])
+        return pack
+
+    def read_chunk(self, header: PackHeader, index: int) -> bytes:
+        """One stored chunk of a pack, checked against its sha256 (for streaming without the whole pack)."""
+        with self._env.begin() as txn:
+            data = txn.get(_chunk_key(header.key, index), db=self._chunks)
+        if data is None:
+            raise PackNotFound(f"pack {header.key}: chunk {index} is gone (was the pack deleted during the transfer?)")
+        verify_chunk(header, index, data)
+        return data
+
+    def begin_upload(self, header: PackHeader) -> "Upload":
+        """Start a staged upload: chunks land in ``staging`` one transaction each, then commit atomically."""
+        header.validate()
+        return Upload(self, header)
+
     def keys(self) -> list[str]:
         """Every stored key, whether or not its header still parses."""
         with self._env.begin() as txn:
@@ -293,6 +334,10 @@ class PackStore:
         before = self._data_file_bytes()
 
         def body(txn: lmdb.Transaction) -> tuple[int, int, int]:
+            cutoff = time.time() - STALE_UPLOAD_SECONDS
+            stale = [k for k, _ in txn.cursor(db=self._staging) if int(k.split(b"-", 1)[0]) < cutoff]
+            for k in stale:
+                txn.delete(k, db=self._staging)
             live = {k.decode() for k, _ in txn.cursor(db=self._packs)}
             orphans = [(k, len(v)) for k, v in txn.cursor(db=self._chunks) if k.rsplit(b"#", 1)[0].decode() not in live]
             dangling = [k for k, v in txn.cursor(db=self._names) if v.decode() not in live]
@@ -300,7 +345,7 @@ class PackStore:
                 txn.delete(k, db=self._chunks)
             for k in dangling:
                 txn.delete(k, db=self._names)
-            return len(orphans), sum(size for _, size in orphans), len(dangling)
+            return len(orphans) + len(stale), sum(size for _, size in orphans), len(dangling)
 
         orphan_chunks, orphan_bytes, dangling = self._write(body)
         if compact:
@@ -327,3 +372,47 @@ class PackStore:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
             fcntl.flock(self._lock, fcntl.LOCK_SH)
+
+
+class Upload:
+    """A pack arriving chunk by chunk. Each chunk is verified and staged in its own transaction, so
+    memory holds one chunk at a time; ``commit`` moves them into place in one transaction."""
+
+    def __init__(self, store: PackStore, header: PackHeader) -> None:
+        self.store = store
+        self.header = header
+        self._id = f"{int(time.time())}-{uuid.uuid4().hex}".encode()
+        self._received = 0
+
+    def _staging_key(self, index: int) -> bytes:
+        return self._id + b"#" + struct.pack(">I", index)
+
+    def add_chunk(self, index: int, data: bytes) -> None:
+        if index != self._received:
+            raise InvalidInput(f"chunk {index} arrived out of order; expected chunk {self._received}")
+        if index >= len(self.header.chunks):
+            raise InvalidInput(f"chunk {index} is beyond the {len(self.header.chunks)} chunks the header lists")
+        verify_chunk(self.header, index, data)
+        self.store._write(lambda txn: txn.put(self._staging_key(index), data, db=self.store._staging))
+        self._received += 1
+
+    def commit(self, *, name: str | None = None) -> tuple[str, bool]:
+        """Store the pack atomically (idempotent by key) and drop the staged chunks."""
+        if self._received != len(self.header.chunks):
+            raise InvalidInput(f"upload ended after {self._received} of {len(self.header.chunks)} chunks")
+        if name is not None:
+            check_name(name)
+        store = self.store
+
+        def body(txn: lmdb.Transaction) -> bool:
+            created = store._commit_in(txn, self.header, lambda i: txn.get(self._staging_key(i), db=store._staging), name)
+            for index in range(self._received):
+                txn.delete(self._staging_key(index), db=store._staging)
+            return created
+
+        return self.header.key, store._write(body)
+
+    def abort(self) -> None:
+        """Drop whatever was staged (an unfinished upload leaves nothing behind)."""
+        received, self._received = self._received, 0
+        self.store._write(lambda txn: [txn.delete(self._staging_key(i), db=self.store._staging) for i in range(received)])

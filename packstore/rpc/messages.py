@@ -1,0 +1,76 @@
+"""Conversions between packstore records and protocol messages."""
+
+from __future__ import annotations
+
+from packstore.format import PackHeader
+from packstore.store import StoredPack
+from packstore.v1 import store_pb2
+
+PIECE_BYTES = 1 << 20  # chunks travel in pieces of at most 1 MiB, whatever the message-size limits
+
+
+def pack_info(stored: StoredPack) -> store_pb2.PackInfo:
+    h = stored.header
+    return store_pb2.PackInfo(
+        key=stored.key,
+        names=list(stored.names),
+        kind=h.kind,
+        model_fp=h.model_fp,
+        template_fp=h.template_fp,
+        model_name=h.model_name,
+        tokens=h.tokens,
+        dtype=h.dtype,
+        raw=h.raw,
+        raw_bytes=h.raw_bytes,
+        stored_bytes=stored.stored_bytes,
+        created=h.created,
+        header_json=h.to_json(),
+    )
+
+
+def stored_pack(info: store_pb2.PackInfo) -> StoredPack:
+    """A PackInfo back to a StoredPack; the header's seal is checked on the way."""
+    return StoredPack(header=PackHeader.from_json(info.header_json), names=tuple(info.names), stored_bytes=info.stored_bytes)
+
+
+def chunk_pieces(index: int, data: bytes, sha256: str) -> list[store_pb2.Chunk]:
+    """A chunk as consecutive Chunk messages with the same index (at least one, even when empty)."""
+    view = memoryview(data)
+    return [
+        store_pb2.Chunk(index=index, data=bytes(view[start : start + PIECE_BYTES]), sha256=sha256)
+        for start in range(0, max(len(data), 1), PIECE_BYTES)
+    ]
+
+
+class ChunkAssembler:
+    """Joins Chunk pieces back into whole chunks, using the header's stored sizes to know when each ends."""
+
+    def __init__(self, header: PackHeader) -> None:
+        self.header = header
+        self.next_index = 0
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    def add(self, piece: store_pb2.Chunk) -> bytes | None:
+        """Add one piece; returns the whole chunk when this piece completes it."""
+        from packstore.errors import InvalidInput
+
+        if piece.index != self.next_index:
+            raise InvalidInput(f"chunk {piece.index} arrived where chunk {self.next_index} was expected")
+        if self.next_index >= len(self.header.chunks):
+            raise InvalidInput(f"more chunks than the {len(self.header.chunks)} the header lists")
+        expected = self.header.chunks[self.next_index].stored_bytes
+        self._parts.append(piece.data)
+        self._size += len(piece.data)
+        if self._size > expected:
+            raise InvalidInput(f"chunk {piece.index} is longer than the {expected} bytes the header states")
+        if self._size < expected:
+            return None
+        data = b"".join(self._parts)
+        self._parts, self._size = [], 0
+        self.next_index += 1
+        return data
+
+    @property
+    def complete(self) -> bool:
+        return self.next_index == len(self.header.chunks) and not self._parts

@@ -1,0 +1,1 @@
+"""The gRPC pack service over the LMDB store: ``packstore serve``."""

@@ -1,0 +1,62 @@
+"""Service settings: defaults, then a TOML config file, then ``PACKSTORE_*`` environment, then flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from packstore.errors import InvalidInput
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Everything ``packstore serve`` can be told. Each field F also reads ``$PACKSTORE_<F upper>``."""
+
+    data: str = ""
+    listen: str = "127.0.0.1:50551"
+    metrics: str = ""  # HOST:PORT for Prometheus; empty disables
+    workers: int = 16  # concurrent RPCs served
+    max_message_bytes: int = 4 << 20  # per gRPC message, both directions
+    max_pack_bytes: int = 4 << 30  # stored bytes of one uploaded pack
+    max_header_bytes: int = 64 << 20
+    shutdown_grace_seconds: float = 30.0
+    log_level: str = "info"
+
+
+def _coerce(field: dataclasses.Field, value: Any, source: str) -> Any:
+    try:
+        return type(field.default)(value)
+    except (TypeError, ValueError):
+        raise InvalidInput(f"{source}: {field.name} must be a {type(field.default).__name__}, got {value!r}") from None
+
+
+def load_config(config_file: str | None = None, overrides: dict[str, Any] | None = None) -> ServiceConfig:
+    """Merge the config file, environment and explicit overrides (None values are ignored)."""
+    values: dict[str, Any] = {}
+    known = {f.name: f for f in fields(ServiceConfig)}
+    if config_file:
+        try:
+            table = tomllib.loads(Path(config_file).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise InvalidInput(f"config file {config_file}: {exc}") from None
+        for name, value in table.items():
+            if name not in known:
+                raise InvalidInput(f"config file {config_file}: unknown setting {name!r}")
+            values[name] = _coerce(known[name], value, config_file)
+    for name, field in known.items():
+        env = os.environ.get(f"PACKSTORE_{name.upper()}")
+        if env is not None:
+            values[name] = _coerce(field, env, f"$PACKSTORE_{name.upper()}")
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            values[name] = _coerce(known[name], value, f"--{name.replace('_', '-')}")
+    config = ServiceConfig(**values)
+    if not config.data:
+        raise InvalidInput("no data directory: pass --data DIR (or set data in the config file / $PACKSTORE_DATA)")
+    if config.workers < 1 or config.max_message_bytes < (1 << 20) + 4096:
+        raise InvalidInput("workers must be >= 1 and max_message_bytes at least 1 MiB + 4 KiB (chunk pieces are 1 MiB)")
+    return config

@@ -1,0 +1,22 @@
+"""Prometheus metrics of the service, served on their own port."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class ServiceMetrics:
+    """Requests, bytes, latencies and errors per method, and the store's size."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("packstore_requests", "RPCs finished, by method and status code", ["method", "code"], registry=self.registry)
+        self.latency = Histogram("packstore_request_seconds", "RPC latency, by method", ["method"], registry=self.registry)
+        self.bytes_sent = Counter("packstore_sent_bytes", "Pack bytes streamed to clients", registry=self.registry)
+        self.bytes_received = Counter("packstore_received_bytes", "Pack bytes received from clients", registry=self.registry)
+        self.store_packs = Gauge("packstore_store_packs", "Packs in the store", registry=self.registry)
+        self.store_bytes = Gauge("packstore_store_file_bytes", "Size of the store's data file", registry=self.registry)
+
+    def serve(self, address: str) -> None:
+        host, _, port = address.rpartition(":")
+        start_http_server(int(port), addr=host or "0.0.0.0", registry=self.registry)

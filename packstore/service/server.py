@@ -1,0 +1,209 @@
+"""The PackStore gRPC servicer and ``serve``: streams packs chunk by chunk, never a whole pack in memory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+from contextlib import contextmanager
+from typing import Iterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from packstore.errors import InvalidInput, PackstoreError
+from packstore.format import PackHeader
+from packstore.rpc.messages import ChunkAssembler, chunk_pieces, pack_info
+from packstore.rpc.status import LimitExceeded, status_for
+from packstore.service.config import ServiceConfig
+from packstore.service.metrics import ServiceMetrics
+from packstore.store import PackStore
+from packstore.v1 import store_pb2, store_pb2_grpc
+
+SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["PackStore"].full_name
+DEFAULT_PAGE, MAX_PAGE = 100, 1000
+log = logging.getLogger("packstore.service")
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line: time, level, message, and any structured fields passed in ``extra``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": round(record.created, 3), "level": record.levelname.lower(), "msg": record.getMessage()}
+        entry.update(getattr(record, "fields", {}))
+        return json.dumps(entry, ensure_ascii=False)
+
+
+class PackStoreService(store_pb2_grpc.PackStoreServicer):
+    def __init__(self, store: PackStore, config: ServiceConfig, metrics: ServiceMetrics) -> None:
+        self.store = store
+        self.config = config
+        self.metrics = metrics
+
+    @contextmanager
+    def _call(self, method: str, context: grpc.ServicerContext, **fields: object) -> Iterator[dict]:
+        """Time, count and log one RPC; turn packstore errors into a status with a clear message."""
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        info: dict = dict(fields)
+        try:
+            yield info
+        except PackstoreError as exc:
+            code = status_for(exc)
+            info["error"] = str(exc)
+            context.abort(code, str(exc))
+        except Exception as exc:  # an unexpected failure: report INTERNAL, keep serving
+            if isinstance(exc, grpc.RpcError) or type(exc).__name__ == "_AbortionError":
+                raise
+            code = grpc.StatusCode.INTERNAL
+            log.exception("internal error", extra={"fields": {"method": method}})
+            context.abort(code, f"internal error: {exc}")
+        finally:
+            elapsed = time.perf_counter() - start
+            self.metrics.requests.labels(method, code.name).inc()
+            self.metrics.latency.labels(method).observe(elapsed)
+            level = logging.INFO if code == grpc.StatusCode.OK else logging.WARNING
+            log.log(level, method, extra={"fields": {"method": method, "code": code.name, "ms": round(elapsed * 1000, 2), "peer": context.peer(), **info}})
+
+    def _refresh_store_gauges(self) -> None:
+        self.metrics.store_packs.set(len(self.store.keys()))
+        self.metrics.store_bytes.set((self.store.path / "data.mdb").stat().st_size)
+
+    # -- RPCs ------------------------------------------------------------------------------------
+
+    def PutPack(self, request_iterator, context):
+        with self._call("PutPack", context) as info:
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("item") != "begin":
+                raise InvalidInput("PutPack must start with a PutPackBegin message carrying the header")
+            if len(first.begin.header_json) > self.config.max_header_bytes:
+                raise LimitExceeded(f"header of {len(first.begin.header_json)} bytes exceeds the limit of {self.config.max_header_bytes}")
+            header = PackHeader.from_json(first.begin.header_json)
+            total = sum(c.stored_bytes for c in header.chunks)
+            if total > self.config.max_pack_bytes:
+                raise LimitExceeded(f"pack of {total} stored bytes exceeds the limit of {self.config.max_pack_bytes}")
+            info["key"] = header.key
+            upload = self.store.begin_upload(header)
+            assembler = ChunkAssembler(header)
+            try:
+                for message in request_iterator:
+                    if message.WhichOneof("item") != "chunk":
+                        raise InvalidInput("after the header, PutPack takes only chunks")
+                    self.metrics.bytes_received.inc(len(message.chunk.data))
+                    whole = assembler.add(message.chunk)
+                    if whole is not None:
+                        upload.add_chunk(assembler.next_index - 1, whole)
+                if not assembler.complete:
+                    raise InvalidInput(f"upload ended after {assembler.next_index} of {len(header.chunks)} chunks")
+                key, created = upload.commit(name=first.begin.name or None)
+            except BaseException:
+                upload.abort()
+                raise
+            info["created"] = created
+            self._refresh_store_gauges()
+            return store_pb2.PutPackResponse(pack=pack_info(self.store.stat(key)), created=created)
+
+    def GetPack(self, request, context):
+        with self._call("GetPack", context, ref=request.ref) as info:
+            stored = self.store.stat(request.ref, model_fp=request.model_fp or None)
+            header = stored.header
+            info["key"] = header.key
+            header.check_identities(request.model_fp, request.template_fp)
+            yield store_pb2.GetPackResponse(header=pack_info(stored))
+            for index, chunk in enumerate(header.chunks):
+                if not context.is_active():
+                    info["cancelled"] = True
+                    return
+                data = self.store.read_chunk(header, index)
+                for piece in chunk_pieces(index, data, chunk.sha256):
+                    yield store_pb2.GetPackResponse(chunk=piece)
+                self.metrics.bytes_sent.inc(len(data))
+
+    def StatPack(self, request, context):
+        with self._call("StatPack", context, ref=request.ref):
+            return pack_info(self.store.stat(request.ref, model_fp=request.model_fp or None))
+
+    def ListPacks(self, request, context):
+        with self._call("ListPacks", context):
+            size = request.page_size or DEFAULT_PAGE
+            if size > MAX_PAGE:
+                raise InvalidInput(f"page_size {size} exceeds the maximum of {MAX_PAGE}")
+            packs = [
+                p
+                for p in self.store.list(model_fp=request.model_fp or None)
+                if (not request.template_fp or p.header.template_fp == request.template_fp)
+                and (not request.name or request.name in p.names)
+                and p.key > request.page_token
+            ]
+            page = packs[:size]
+            token = page[-1].key if len(packs) > size else ""
+            return store_pb2.ListPacksResponse(packs=[pack_info(p) for p in page], next_page_token=token)
+
+    def DeletePack(self, request, context):
+        with self._call("DeletePack", context, ref=request.ref) as info:
+            info["key"] = key = self.store.delete(request.ref, model_fp=request.model_fp or None)
+            self._refresh_store_gauges()
+            return store_pb2.DeletePackResponse(key=key)
+
+    def SetName(self, request, context):
+        with self._call("SetName", context, ref=request.ref, name=request.name):
+            return store_pb2.SetNameResponse(key=self.store.set_name(request.ref, request.name, model_fp=request.model_fp or None))
+
+    def DeleteName(self, request, context):
+        with self._call("DeleteName", context, name=request.name):
+            if not request.model_fp:
+                raise InvalidInput("DeleteName needs model_fp: names are scoped per model")
+            return store_pb2.DeleteNameResponse(key=self.store.delete_name(request.name, model_fp=request.model_fp))
+
+    def VerifyPacks(self, request, context):
+        with self._call("VerifyPacks", context):
+            keys = [self.store.resolve(ref) for ref in request.refs] if request.refs else self.store.keys()
+            for key in keys:
+                result = self.store.verify(key)
+                yield store_pb2.VerifyResult(key=result.key, ok=result.ok, error=result.error or "")
+
+
+def build_server(config: ServiceConfig, store: PackStore, metrics: ServiceMetrics) -> tuple[grpc.Server, health.HealthServicer]:
+    """A gRPC server with the pack service, health and reflection, bound to ``config.listen``."""
+    limits = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+    ]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers), options=limits, maximum_concurrent_rpcs=config.workers * 4)
+    store_pb2_grpc.add_PackStoreServicer_to_server(PackStoreService(store, config, metrics), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    if server.add_insecure_port(config.listen) == 0:
+        raise InvalidInput(f"cannot listen on {config.listen}")
+    return server, health_servicer
+
+
+def serve(config: ServiceConfig) -> None:
+    """Run until SIGTERM/SIGINT, then stop taking calls and let in-flight ones finish (up to the grace period)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLogFormatter())
+    logging.basicConfig(level=config.log_level.upper(), handlers=[handler], force=True)
+    metrics = ServiceMetrics()
+    with PackStore(config.data) as store:
+        server, health_servicer = build_server(config, store, metrics)
+        if config.metrics:
+            metrics.serve(config.metrics)
+        server.start()
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        PackStoreService(store, config, metrics)._refresh_store_gauges()
+        log.info("serving", extra={"fields": {"listen": config.listen, "data": config.data, "metrics": config.metrics or None}})
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        log.info("shutting down", extra={"fields": {"grace_seconds": config.shutdown_grace_seconds}})
+        health_servicer.enter_graceful_shutdown()
+        server.stop(config.shutdown_grace_seconds).wait()
+        log.info("stopped")
