@@ -32,11 +32,16 @@ def stored_pack(store_path: Path, **shape):
 
 
 def flip_in_file(path: Path, needle: bytes, at: int) -> None:
-    """Flip one bit of the byte ``at`` positions into the first occurrence of ``needle`` in the file."""
+    """Flip one bit of the byte ``at`` positions into every copy of ``needle`` in the file.
+
+    Every copy: freed LMDB pages (e.g. of a staged upload) may still hold stale copies of the bytes.
+    """
     data = bytearray(path.read_bytes())
     offset = data.find(needle)
     assert offset >= 0, "the bytes to damage are not in the file"
-    data[offset + at] ^= 0x10
+    while offset >= 0:
+        data[offset + at] ^= 0x10
+        offset = data.find(needle, offset + 1)
     path.write_bytes(bytes(data))
 
 

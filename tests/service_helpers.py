@@ -1,0 +1,69 @@
+"""Start ``packstore serve`` as a real subprocess on loopback for tests, and stop it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server at {address} did not become SERVING")
+            time.sleep(0.1)
+
+
+class RunningServer:
+    def __init__(self, process: subprocess.Popen, address: str, metrics: str, data: Path) -> None:
+        self.process, self.address, self.metrics, self.data = process, address, metrics, data
+
+    @property
+    def url(self) -> str:
+        return f"grpc://{self.address}"
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=60)
+
+
+@contextmanager
+def running_server(data: Path, *extra: str) -> Iterator[RunningServer]:
+    address, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    packstore = Path(sys.executable).parent / "packstore"
+    log = open(data.parent / f"{data.name}-server.log", "w")
+    process = subprocess.Popen(
+        [str(packstore), "serve", "--data", str(data), "--listen", address, "--metrics", metrics, *extra],
+        stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"HF_HUB_OFFLINE": "1"},
+    )
+    server = RunningServer(process, address, metrics, data)
+    try:
+        wait_serving(address)
+        yield server
+    finally:
+        server.stop()
+        log.close()

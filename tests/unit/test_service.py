@@ -1,0 +1,255 @@
+"""The pack service over real loopback sockets, with ``packstore serve`` started as a subprocess."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from packstore.client import RemoteStore
+from packstore.errors import IntegrityError, PackMismatch, PackNotFound, PackstoreError
+from packstore.format import decode_pack, encode_pack
+from packstore.format.packfile import pack_file_parts
+from packstore.v1 import store_pb2, store_pb2_grpc
+from service_helpers import running_server
+from test_format import make_pack
+from test_lifecycle import flip_in_file
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("svc") / "data") as running:
+        yield running
+
+
+@pytest.fixture
+def remote(server):
+    with RemoteStore(server.url) as store:
+        yield store
+        for key in store.keys():
+            store.delete(key)
+
+
+def stub_for(server) -> store_pb2_grpc.PackStoreStub:
+    return store_pb2_grpc.PackStoreStub(grpc.insecure_channel(server.address))
+
+
+def test_put_list_get_delete(remote) -> None:
+    pack = make_pack(tokens=300, dim=64)
+    key, created = remote.put(encode_pack(pack), name="alpha")
+    assert created and remote.put(encode_pack(pack))[1] is False
+    assert [p.key for p in remote.list()] == [key] and remote.stat("alpha").names == ("alpha",)
+    fetched = remote.fetch("alpha")
+    assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, fetched.keys + fetched.values))
+    assert decode_pack(remote.get(key)).header == fetched.header
+    assert remote.verify_all()[0].ok
+    assert remote.delete("alpha") == key and remote.list() == []
+    with pytest.raises(PackNotFound):
+        remote.stat(key)
+
+
+def test_list_is_paged_and_filtered(remote, server) -> None:
+    keys = sorted(remote.put(encode_pack(make_pack(tokens=t)))[0] for t in range(3, 8))
+    remote.put(encode_pack(make_pack(tokens=9)), name="named")
+    stub = stub_for(server)
+    first = stub.ListPacks(store_pb2.ListPacksRequest(page_size=2))
+    second = stub.ListPacks(store_pb2.ListPacksRequest(page_size=2, page_token=first.next_page_token))
+    assert [p.key for p in list(first.packs) + list(second.packs)] == sorted(keys + [remote.resolve("named")])[:4]
+    assert len(remote.list()) == 6
+    assert [p.names for p in remote.list(name="named")] == [("named",)]
+    assert remote.list(model_fp="c" * 64) == []
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ListPacks(store_pb2.ListPacksRequest(page_size=5000))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_names(remote) -> None:
+    key, _ = remote.put(encode_pack(make_pack()))
+    assert remote.set_name(key, "tagged") == key and remote.resolve("tagged") == key
+    assert remote.delete_name("tagged", model_fp="a" * 64) == key
+    with pytest.raises(PackNotFound):
+        remote.resolve("tagged")
+
+
+def test_mismatched_identities_are_refused_with_failed_precondition(remote, server) -> None:
+    key, _ = remote.put(encode_pack(make_pack()))
+    with pytest.raises(PackMismatch, match="model mismatch"):
+        remote.fetch(key, model_fp="c" * 64)
+    with pytest.raises(grpc.RpcError) as info:
+        next(stub_for(server).GetPack(store_pb2.GetPackRequest(ref=key, model_fp="a" * 64, template_fp="d" * 64)))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "template mismatch" in info.value.details()
+
+
+@pytest.mark.parametrize(
+    "requests,code",
+    [
+        ([store_pb2.PutPackRequest(chunk=store_pb2.Chunk(index=0, data=b"x"))], grpc.StatusCode.INVALID_ARGUMENT),
+        ([store_pb2.PutPackRequest(begin=store_pb2.PutPackBegin(header_json=b"{not json"))], grpc.StatusCode.DATA_LOSS),
+        ([], grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
+def test_bad_uploads_get_a_clear_status_and_the_server_keeps_serving(server, remote, requests, code) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        stub_for(server).PutPack(iter(requests))
+    assert info.value.code() == code and info.value.details()
+    assert remote.list() == []
+
+
+def test_truncated_or_damaged_upload_stores_nothing(server, remote) -> None:
+    encoded = encode_pack(make_pack())
+    begin = store_pb2.PutPackRequest(begin=store_pb2.PutPackBegin(header_json=encoded.header.to_json()))
+    chunk = lambda i, data: store_pb2.PutPackRequest(chunk=store_pb2.Chunk(index=i, data=data, sha256=encoded.header.chunks[i].sha256))  # noqa: E731
+    with pytest.raises(grpc.RpcError) as info:
+        stub_for(server).PutPack(iter([begin, chunk(0, encoded.chunks[0])]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "1 of 3 chunks" in info.value.details()
+    damaged = bytes([encoded.chunks[1][0] ^ 1]) + encoded.chunks[1][1:]
+    with pytest.raises(grpc.RpcError) as info:
+        stub_for(server).PutPack(iter([begin, chunk(0, encoded.chunks[0]), chunk(1, damaged)]))
+    assert info.value.code() == grpc.StatusCode.DATA_LOSS and "chunk 1" in info.value.details()
+    assert remote.list() == []
+
+
+def test_health_and_reflection(server) -> None:
+    channel = grpc.insecure_channel(server.address)
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "packstore.v1.PackStore"):
+        assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"packstore.v1.PackStore", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
+
+
+def test_metrics_count_requests_and_bytes(server, remote) -> None:
+    remote.put(encode_pack(make_pack()), name="m")
+    remote.fetch("m")
+    text = urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10).read().decode()
+    assert 'packstore_requests_total{code="OK",method="PutPack"}' in text
+    assert "packstore_sent_bytes_total" in text and "packstore_store_packs 1.0" in text
+
+
+PROTO_ONLY_CLIENT = """
+import hashlib, json, sys
+import grpc
+sys.path.insert(0, sys.argv[1])
+import store_pb2, store_pb2_grpc  # generated by the test from protos/, nothing of packstore imported
+assert "packstore" not in sys.modules
+header_json, chunks = open(sys.argv[2], "rb").read(), [open(p, "rb").read() for p in sys.argv[4:]]
+header = json.loads(header_json)
+stub = store_pb2_grpc.PackStoreStub(grpc.insecure_channel(sys.argv[3]))
+def upload():
+    yield store_pb2.PutPackRequest(begin=store_pb2.PutPackBegin(header_json=header_json, name="from-proto"))
+    for i, data in enumerate(chunks):
+        yield store_pb2.PutPackRequest(chunk=store_pb2.Chunk(index=i, data=data, sha256=header["chunks"][i]["sha256"]))
+put = stub.PutPack(upload())
+listed = [p.key for p in stub.ListPacks(store_pb2.ListPacksRequest()).packs]
+got = list(stub.GetPack(store_pb2.GetPackRequest(ref="from-proto")))
+received = {}
+for message in got[1:]:
+    received[message.chunk.index] = received.get(message.chunk.index, b"") + message.chunk.data
+ok = all(hashlib.sha256(received[i]).hexdigest() == c["sha256"] for i, c in enumerate(header["chunks"]))
+print(json.dumps({"created": put.created, "key": put.pack.key, "listed": listed, "header_key": got[0].header.key, "chunks_ok": ok}))
+"""
+
+
+def test_a_client_that_knows_only_the_protos(tmp_path: Path, server, remote) -> None:
+    from grpc_tools import protoc
+    from importlib import resources
+
+    proto_dir = Path(__file__).resolve().parents[2] / "protos" / "packstore" / "v1"
+    out = tmp_path / "stubs"
+    out.mkdir()
+    include = str(resources.files("grpc_tools") / "_proto")
+    assert protoc.main(["protoc", f"-I{proto_dir}", f"-I{include}", f"--python_out={out}", f"--grpc_python_out={out}", str(proto_dir / "store.proto")]) == 0
+    encoded = encode_pack(make_pack(tokens=2000, dim=64))  # chunks above 1 MiB: sent whole, received in pieces
+    (tmp_path / "header.json").write_bytes(encoded.header.to_json())
+    chunk_files = []
+    for i, data in enumerate(encoded.chunks):
+        chunk_files.append(tmp_path / f"chunk{i}")
+        chunk_files[-1].write_bytes(data)
+    result = subprocess.run(
+        [sys.executable, "-c", PROTO_ONLY_CLIENT, str(out), str(tmp_path / "header.json"), server.address, *map(str, chunk_files)],
+        capture_output=True, text=True, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report == {"created": True, "key": encoded.header.key, "listed": [encoded.header.key], "header_key": encoded.header.key, "chunks_ok": True}
+    assert remote.verify("from-proto").ok
+
+
+def test_damaged_pack_is_never_served(tmp_path: Path) -> None:
+    encoded = encode_pack(make_pack(tokens=64, dim=16))
+    with running_server(tmp_path / "data") as server, RemoteStore(server.url) as remote:
+        key, _ = remote.put(encoded, name="victim")
+        flip_in_file(server.data / "data.mdb", encoded.chunks[2], 30)
+        with pytest.raises(IntegrityError, match="chunk 2"):
+            remote.fetch("victim")
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub_for(server).GetPack(store_pb2.GetPackRequest(ref=key)))
+        assert info.value.code() == grpc.StatusCode.DATA_LOSS
+        assert not remote.verify("victim").ok
+        assert remote.stat("victim").key == key  # still serving
+
+
+def test_size_limit_is_enforced(tmp_path: Path) -> None:
+    with running_server(tmp_path / "data", "--max-pack-bytes", "10000") as server, RemoteStore(server.url) as remote:
+        with pytest.raises(PackstoreError, match="exceeds the limit"):
+            remote.put(encode_pack(make_pack(tokens=500, dim=64)))
+        assert remote.put(encode_pack(make_pack(tokens=2, dim=2)))[1] is True
+
+
+def test_sigterm_lets_in_flight_streams_finish(tmp_path: Path) -> None:
+    pack = make_pack(layers=8, tokens=4000, dim=64)
+    with running_server(tmp_path / "data") as server:
+        with RemoteStore(server.url) as remote:
+            key, _ = remote.put(encode_pack(pack))
+        stream = stub_for(server).GetPack(store_pb2.GetPackRequest(ref=key))
+        header = next(stream)
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        pieces = list(stream)  # the stream in flight completes
+        assert sum(len(p.chunk.data) for p in pieces) == header.header.stored_bytes - len(header.header.header_json)
+        assert server.process.wait(timeout=60) == 0
+        with pytest.raises(grpc.RpcError):
+            stub_for(server).StatPack(store_pb2.StatPackRequest(ref=key), timeout=2)
+
+
+def test_many_concurrent_large_reads_keep_server_memory_bounded(tmp_path: Path) -> None:
+    """16 slow readers of a ~100 MB pack: the server holds chunks, never whole packs, per stream."""
+    pack = make_pack(layers=24, tokens=16000, dim=64)
+    with running_server(tmp_path / "data") as server:
+        with RemoteStore(server.url) as remote:
+            key, _ = remote.put(encode_pack(pack))
+            stored = remote.stat(key).stored_bytes
+        rss = lambda: int(next(l for l in open(f"/proc/{server.process.pid}/status") if l.startswith("VmRSS")).split()[1]) * 1024  # noqa: E731
+        before, peak = rss(), [0]
+        streams = [stub_for(server).GetPack(store_pb2.GetPackRequest(ref=key)) for _ in range(16)]
+        headers = [next(s) for s in streams]  # every stream started; each now reads slowly
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], rss())
+                time.sleep(0.05)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        for s in streams:
+            for _ in s:
+                pass
+        done.set()
+        sampler.join()
+        assert len(headers) == 16
+        assert peak[0] - before < 4 * stored, f"server grew by {(peak[0] - before) >> 20} MiB for 16 readers of a {stored >> 20} MiB pack"
