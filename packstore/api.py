@@ -115,16 +115,17 @@ def import_pack(store: PackStore, path: str | os.PathLike[str], *, name: str | N
     return store.stat(key), created
 
 
-def load_pack(store: PackStore, ref: str, lm: LoadedModel) -> Pack:
-    """Fetch, verify and decode the pack ``ref`` for ``lm``; a pack of another model or template is refused.
-
-    A name is looked up among ``lm``'s packs first; if it names another model's pack only, the
-    refusal says which model that pack belongs to.
-    """
+def resolve_for_model(store: Any, ref: str, lm: LoadedModel) -> str:
+    """The key ``ref`` names for ``lm``: its own packs first, then any model's (so a refusal can name the model)."""
     try:
-        key = store.resolve(ref, model_fp=lm.model_fp)
+        return store.resolve(ref, model_fp=lm.model_fp)
     except PackNotFound:
-        key = store.resolve(ref)
+        return store.resolve(ref)
+
+
+def load_pack(store: Any, ref: str, lm: LoadedModel) -> Pack:
+    """Fetch, verify and decode the pack ``ref`` onto ``lm``'s device; a pack of another model or template is refused."""
+    key = resolve_for_model(store, ref, lm)
     check_identity(lm, store.stat(key).header)
     return store.fetch(key, device=lm.device, model_fp=lm.model_fp, template_fp=lm.template_fp)
 

@@ -191,3 +191,79 @@ class RemoteStore:
         request = store_pb2.VerifyPacksRequest(refs=refs)
         results = self._call(lambda: list(self._stub.VerifyPacks(request, timeout=self.timeout)))
         return [VerifyResult(key=r.key, error=r.error or None) for r in results]
+
+
+class WorkerClient:
+    """Client of a ``packstore worker``: ask questions with a pack, streaming tokens as they come."""
+
+    def __init__(self, address: str, *, timeout: float | None = None) -> None:
+        from packstore.v1 import worker_pb2_grpc
+
+        self.address = address.removeprefix(GRPC_SCHEME)
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(self.address)
+        self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "WorkerClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _error(self, exc: grpc.RpcError) -> PackstoreError:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            return PackstoreError(f"worker at {self.address} is unavailable: {exc.details()}")
+        return error_for(exc.code(), exc.details())
+
+    def ask(self, ref: str, question: str, *, sampling=None, compare_rag: bool = False, on_token: Callable[[str], None] | None = None):
+        """Answer ``question`` with pack ``ref`` on the worker; ``on_token`` receives text as it is generated.
+
+        Returns a ``packstore.api.AskResult`` with the same fields as a local ``ask``.
+        """
+        from packstore.api import AskResult
+        from packstore.kv.inject import Sampling
+        from packstore.v1 import worker_pb2
+
+        sampling = sampling or Sampling()
+        request = worker_pb2.GenerateRequest(
+            packs=[ref],
+            question=question,
+            compare_rag=compare_rag,
+            sampling=worker_pb2.Sampling(
+                max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed
+            ),
+        )
+        done = None
+        try:
+            for response in self._stub.Generate(request, timeout=self.timeout):
+                if response.WhichOneof("item") == "token" and on_token is not None:
+                    on_token(response.token.text)
+                elif response.WhichOneof("item") == "done":
+                    done = response.done
+        except grpc.RpcError as exc:
+            raise self._error(exc) from None
+        if done is None:
+            raise PackstoreError(f"worker at {self.address} ended the answer without a summary")
+        return AskResult(
+            question=question,
+            answer=done.answer,
+            kv_prompt_tokens=done.kv_prompt_tokens,
+            rag_answer=done.rag_answer if done.compared else None,
+            rag_prompt_tokens=done.rag_prompt_tokens if done.compared else None,
+            identical=done.identical if done.compared else None,
+            pack=done.pack,
+        )
+
+    def status(self) -> dict:
+        from google.protobuf.json_format import MessageToDict
+
+        from packstore.v1 import worker_pb2
+
+        try:
+            reply = self._stub.Status(worker_pb2.WorkerStatusRequest(), timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise self._error(exc) from None
+        return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)

@@ -96,16 +96,25 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
     if (args.question is None) == (args.questions is None):
         raise InvalidInput("give either a QUESTION or --questions FILE")
+    if (args.model is None) == (args.worker is None):
+        raise InvalidInput("give --model M to answer here, or --worker HOST:PORT to answer on a worker")
     questions = [args.question] if args.question is not None else read_questions(args.questions)
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    lm = _load_model(args)
-    with _open_store(args, readonly=True) as store:
-        pack = load_pack(store, args.ref, lm)
+    if args.worker:
+        from packstore.client import WorkerClient
+
+        worker = WorkerClient(args.worker)
+        answer_one = lambda q: worker.ask(args.ref, q, sampling=sampling, compare_rag=args.compare_rag)  # noqa: E731
+    else:
+        lm = _load_model(args)
+        with _open_store(args, readonly=True) as store:
+            pack = load_pack(store, args.ref, lm)
+        answer_one = lambda q: ask(lm, pack, q, compare_rag=args.compare_rag, sampling=sampling)  # noqa: E731
     as_lines = args.json or args.questions is not None
     status = 0
     for question in questions:
         try:
-            result = ask(lm, pack, question, compare_rag=args.compare_rag, sampling=sampling)
+            result = answer_one(question)
         except (PackMismatch, InvalidInput) as exc:
             if not as_lines:
                 raise
@@ -227,8 +236,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 # -- parser -------------------------------------------------------------------------------------
 
 
-def _model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="M", help="smollm2-135m, gemma3-270m, or a local Hugging Face model directory")
+def _model_options(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    parser.add_argument("--model", required=required, metavar="M", help="smollm2-135m, gemma3-270m, or a local Hugging Face model directory")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="compute dtype (part of the model identity)")
     parser.add_argument("--chat-template", metavar="FILE", help="use this Jinja chat template instead of the tokenizer's own")
@@ -247,7 +256,8 @@ def build_cli() -> CommandLine:
     p.add_argument("ref", metavar="REF", help="pack key, name, or content-hash prefix")
     p.add_argument("question", metavar="QUESTION", nargs="?")
     p.add_argument("--questions", metavar="FILE", help='JSONL lines {"question": ...}; prints one JSON object per line')
-    _model_options(p)
+    _model_options(p, required=False)
+    p.add_argument("--worker", metavar="HOST:PORT", help="answer on a packstore worker instead of loading the model here")
     p.add_argument("--compare-rag", action="store_true", help="also answer with the facts in the prompt and compare")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")

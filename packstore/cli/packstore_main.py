@@ -47,6 +47,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from packstore.api import open_store
+    from packstore.kv.models import load_model
+    from packstore.worker.server import serve_worker
+
+    template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
+    lm = load_model(args.model, device=args.device, dtype=args.dtype, chat_template=template, progress=not args.quiet and sys.stderr.isatty())
+    with open_store(args.store, readonly=True) as store:
+        serve_worker(lm, store, args.listen, args.cache_bytes)
+    return 0
+
+
 def build_cli() -> CommandLine:
     cli = CommandLine("packstore", "packstore services.")
     cli.command("info", cmd_info, "version, default store and model cache, device, installed models")
@@ -59,6 +73,14 @@ def build_cli() -> CommandLine:
     p.add_argument("--workers", type=int, help="concurrent RPCs (default 16)")
     p.add_argument("--max-message-bytes", type=int, help="gRPC message size limit (default 4 MiB)")
     p.add_argument("--max-pack-bytes", type=int, help="largest pack accepted by PutPack, in stored bytes (default 4 GiB)")
+
+    p = cli.command("worker", cmd_worker, "load a model next to the accelerator and answer with packs from --store")
+    p.add_argument("--model", required=True, metavar="M", help="smollm2-135m, gemma3-270m, or a local Hugging Face model directory")
+    p.add_argument("--listen", default="127.0.0.1:50552", metavar="HOST:PORT", help="gRPC address of the Worker service")
+    p.add_argument("--cache-bytes", type=int, default=2 << 30, metavar="N", help="LRU of ready packs, in decoded KV bytes (default 2 GiB)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--chat-template", metavar="FILE")
     return cli
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Sequence
+from queue import Queue
+from typing import Generator, Sequence
 
 import torch
 from transformers import DynamicCache, GenerationConfig
+from transformers.generation.streamers import BaseStreamer
 
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.format import Pack, PackHeader
@@ -66,9 +69,7 @@ def cache_from_pack(pack: Pack, device: torch.device) -> DynamicCache:
     return cache
 
 
-def generate(lm: LoadedModel, token_ids: Sequence[int], sampling: Sampling, cache: DynamicCache | None = None) -> Answer:
-    """Generate after ``token_ids``; with ``cache`` the model prefills only the ids the cache lacks."""
-    cached = cache.get_seq_length() if cache is not None else 0
+def _generation_config(lm: LoadedModel, sampling: Sampling) -> GenerationConfig:
     options = dict(
         max_new_tokens=sampling.max_new_tokens,
         eos_token_id=list(lm.stop_token_ids),
@@ -77,21 +78,84 @@ def generate(lm: LoadedModel, token_ids: Sequence[int], sampling: Sampling, cach
     )
     if sampling.temperature > 0:
         options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
-    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=lm.device)
+    return GenerationConfig(**options)
+
+
+def _run_generate(lm: LoadedModel, ids: torch.Tensor, sampling: Sampling, cache: DynamicCache | None, streamer=None) -> torch.Tensor:
     if sampling.seed is not None:
         torch.manual_seed(sampling.seed)
     with torch.inference_mode():
-        out = lm.model.generate(
+        return lm.model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             past_key_values=cache,
-            generation_config=GenerationConfig(**options),
+            generation_config=_generation_config(lm, sampling),
+            streamer=streamer,
         )
-    new = out[0, ids.shape[1] :].tolist()
+
+
+def _answer(lm: LoadedModel, new: list[int], prompt_tokens: int) -> Answer:
     while new and new[-1] in lm.stop_token_ids:
         new.pop()
-    text = lm.tokenizer.decode(new, skip_special_tokens=True).strip()
-    return Answer(text=text, token_ids=new, prompt_tokens=ids.shape[1] - cached)
+    return Answer(text=lm.tokenizer.decode(new, skip_special_tokens=True).strip(), token_ids=new, prompt_tokens=prompt_tokens)
+
+
+def generate(lm: LoadedModel, token_ids: Sequence[int], sampling: Sampling, cache: DynamicCache | None = None) -> Answer:
+    """Generate after ``token_ids``; with ``cache`` the model prefills only the ids the cache lacks."""
+    cached = cache.get_seq_length() if cache is not None else 0
+    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=lm.device)
+    out = _run_generate(lm, ids, sampling, cache)
+    return _answer(lm, out[0, ids.shape[1] :].tolist(), ids.shape[1] - cached)
+
+
+class _TokenQueue(BaseStreamer):
+    """Receives token ids from ``generate`` (the first put is the prompt) and hands them to a reader."""
+
+    def __init__(self) -> None:
+        self.queue: Queue = Queue()
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        for token in value.reshape(-1).tolist():
+            self.queue.put(token)
+
+    def end(self) -> None:
+        self.queue.put(None)
+
+
+def generate_stream(
+    lm: LoadedModel, token_ids: Sequence[int], sampling: Sampling, cache: DynamicCache | None = None
+) -> Generator[int, None, Answer]:
+    """Like ``generate``, yielding each new token id (stop tokens excluded) as soon as it exists.
+
+    The generator's return value is the final Answer.
+    """
+    cached = cache.get_seq_length() if cache is not None else 0
+    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=lm.device)
+    streamer = _TokenQueue()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            _run_generate(lm, ids, sampling, cache, streamer)
+        except BaseException as exc:  # surfaced to the reader below
+            failure.append(exc)
+            streamer.end()
+
+    worker = threading.Thread(target=run, name="packstore-generate", daemon=True)
+    worker.start()
+    new: list[int] = []
+    while (token := streamer.queue.get()) is not None:
+        new.append(token)
+        if token not in lm.stop_token_ids:
+            yield token
+    worker.join()
+    if failure:
+        raise failure[0]
+    return _answer(lm, new, ids.shape[1] - cached)
 
 
 def answer_with_pack(lm: LoadedModel, pack: Pack, question: str, sampling: Sampling = Sampling()) -> Answer:

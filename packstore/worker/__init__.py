@@ -1,0 +1,1 @@
+"""The worker sidecar: ``packstore worker`` loads a model, fetches packs and serves Generate."""
