@@ -9,6 +9,8 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "unit"))
+sys.path.insert(0, str(Path(__file__).parent / "integration"))
 
 import pytest  # noqa: E402
 

@@ -67,3 +67,22 @@ def running_server(data: Path, *extra: str) -> Iterator[RunningServer]:
     finally:
         server.stop()
         log.close()
+
+
+@contextmanager
+def running_worker(store_url: str, model: str, log_dir: Path, *extra: str) -> Iterator[RunningServer]:
+    """``packstore worker`` against ``store_url``; yields once its health reports SERVING."""
+    address = f"127.0.0.1:{free_port()}"
+    packstore = Path(sys.executable).parent / "packstore"
+    log = open(log_dir / "worker.log", "w")
+    process = subprocess.Popen(
+        [str(packstore), "--store", store_url, "worker", "--model", model, "--listen", address, *extra],
+        stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"HF_HUB_OFFLINE": "1"},
+    )
+    worker = RunningServer(process, address, "", log_dir)
+    try:
+        wait_serving(address, timeout=300)
+        yield worker
+    finally:
+        worker.stop()
+        log.close()

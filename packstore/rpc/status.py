@@ -23,8 +23,8 @@ _CODES: list[tuple[type[PackstoreError], grpc.StatusCode]] = [
     (PackNotFound, grpc.StatusCode.NOT_FOUND),
     (PackMismatch, grpc.StatusCode.FAILED_PRECONDITION),
     (IntegrityError, grpc.StatusCode.DATA_LOSS),
+    (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),  # first: clients map INVALID_ARGUMENT back to it
     (AmbiguousRef, grpc.StatusCode.INVALID_ARGUMENT),
-    (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
     (StoreBusy, grpc.StatusCode.UNAVAILABLE),
     (LimitExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
 ]

@@ -1,0 +1,49 @@
+"""A pack built locally with smollm2-135m, uploaded to the service, answered through the worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from packstore.client import RemoteStore, WorkerClient
+from packstore.errors import PackMismatch
+from packstore.format import encode_pack
+from packstore.kv.build import build_pack
+from packstore.kv.inject import Sampling
+from packstore.kv.models import load_model
+from service_helpers import running_server, running_worker
+from test_real_models import eval_rows, fact_sets
+
+pytestmark = pytest.mark.integration
+GREEDY = Sampling(max_new_tokens=24)
+
+
+def test_upload_and_answer_through_the_worker(tmp_path: Path) -> None:
+    lm = load_model("smollm2-135m", progress=False)
+    facts, rows = fact_sets(lm.tokenizer, eval_rows())[0]
+    with running_server(tmp_path / "data") as server, running_worker(server.url, "smollm2-135m", tmp_path) as worker:
+        env = os.environ | {"PACKSTORE_STORE": server.url}
+        facts_file = tmp_path / "facts.jsonl"
+        facts_file.write_text("".join(json.dumps({"text": f}) + "\n" for f in facts))
+        built = subprocess.run(
+            [str(Path(sys.executable).parent / "packctl"), "build", str(facts_file), "--model", "smollm2-135m", "--name", "ckc", "--json"],
+            capture_output=True, text=True, env=env,
+        )
+        assert built.returncode == 0, built.stderr
+        assert json.loads(built.stdout)["tokens"] >= 500
+        with WorkerClient(worker.address) as client:
+            for row in rows:
+                result = client.ask("ckc", row["question"], sampling=GREEDY, compare_rag=True)
+                assert result.identical is True, row["question"]
+                assert result.rag_prompt_tokens - result.kv_prompt_tokens >= 500
+
+            gemma = load_model("gemma3-270m", progress=False)
+            with RemoteStore(server.url) as remote:
+                remote.put(encode_pack(build_pack(gemma, facts[:1])), name="gemma-pack")
+            with pytest.raises(PackMismatch, match="model mismatch"):
+                client.ask("gemma-pack", rows[0]["question"], sampling=GREEDY)
