@@ -29,25 +29,26 @@ def is_remote(spec: str | None) -> bool:
     return bool(spec) and str(spec).startswith(GRPC_SCHEME)
 
 
-class RemoteStore:
-    """A pack store served by ``packstore serve``, addressed as ``grpc://HOST:PORT``."""
+class _GrpcClient:
+    """A channel to one server, closed with the client; failed calls become packstore errors."""
+
+    what = "server"
 
     def __init__(self, target: str, *, timeout: float | None = None) -> None:
-        address = target.removeprefix(GRPC_SCHEME)
-        if not address or ":" not in address:
-            raise InvalidInput(f"bad store address {target!r}: use grpc://HOST:PORT")
+        self.address = target.removeprefix(GRPC_SCHEME)
+        if not self.address or ":" not in self.address:
+            raise InvalidInput(f"bad address {target!r}: use HOST:PORT (or grpc://HOST:PORT)")
         self.target = target
         self.timeout = timeout
         self._channel = grpc.insecure_channel(
-            address,
+            self.address,
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
         )
-        self._stub = store_pb2_grpc.PackStoreStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> "RemoteStore":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -56,7 +57,7 @@ class RemoteStore:
     def _error(self, exc: grpc.RpcError) -> PackstoreError:
         """The packstore error a failed call's status stands for."""
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            return PackstoreError(f"pack service at {self.target} is unavailable: {exc.details()}")
+            return PackstoreError(f"{self.what} at {self.target} is unavailable: {exc.details()}")
         return error_for(exc.code(), exc.details())
 
     def _call(self, invoke: Callable[[], T]) -> T:
@@ -64,6 +65,16 @@ class RemoteStore:
             return invoke()
         except grpc.RpcError as exc:
             raise self._error(exc) from None
+
+
+class RemoteStore(_GrpcClient):
+    """A pack store served by ``packstore serve``, addressed as ``grpc://HOST:PORT``."""
+
+    what = "pack service"
+
+    def __init__(self, target: str, *, timeout: float | None = None) -> None:
+        super().__init__(target, timeout=timeout)
+        self._stub = store_pb2_grpc.PackStoreStub(self._channel)
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -193,30 +204,16 @@ class RemoteStore:
         return [VerifyResult(key=r.key, error=r.error or None) for r in results]
 
 
-class WorkerClient:
+class WorkerClient(_GrpcClient):
     """Client of a ``packstore worker``: ask questions with a pack, streaming tokens as they come."""
+
+    what = "worker"
 
     def __init__(self, address: str, *, timeout: float | None = None) -> None:
         from packstore.v1 import worker_pb2_grpc
 
-        self.address = address.removeprefix(GRPC_SCHEME)
-        self.timeout = timeout
-        self._channel = grpc.insecure_channel(self.address)
+        super().__init__(address, timeout=timeout)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> "WorkerClient":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _error(self, exc: grpc.RpcError) -> PackstoreError:
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            return PackstoreError(f"worker at {self.address} is unavailable: {exc.details()}")
-        return error_for(exc.code(), exc.details())
 
     def ask(self, ref: str, question: str, *, sampling=None, compare_rag: bool = False, on_token: Callable[[str], None] | None = None):
         """Answer ``question`` with pack ``ref`` on the worker; ``on_token`` receives text as it is generated.
@@ -262,8 +259,5 @@ class WorkerClient:
 
         from packstore.v1 import worker_pb2
 
-        try:
-            reply = self._stub.Status(worker_pb2.WorkerStatusRequest(), timeout=self.timeout)
-        except grpc.RpcError as exc:
-            raise self._error(exc) from None
+        reply = self._call(lambda: self._stub.Status(worker_pb2.WorkerStatusRequest(), timeout=self.timeout))
         return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
