@@ -9,15 +9,18 @@ and noisy: repetitions are interleaved and every figure is a median over them):
    prefill = the same facts as prompt text (``answer_with_text``);
    floor = the same KV already decoded in memory (``answer_with_pack``).
 2. Store get throughput: ``PackStore.get`` (read + sha256 verify) in stored MB/s, get + decode in
-   decoded-KV MB/s, against reading a scratch file of the same size from the page cache.
+   decoded-KV MB/s, against reading a scratch file of the same size from the page cache (in the
+   same pieces as the pack's header and chunks, each into a new bytes object, as ``get`` does).
 3. Codec on the real KV of the ~2k pack in float32, bfloat16 and float16 (model loaded in that
    dtype): packstore's byteplane-zstd vs. plain zstd level 3 on the same safetensors chunk blobs
    vs. ZipNN. Ratio = raw / stored bytes; MB/s in raw MB (10^6 bytes), one thread, timed per
    chunk and summed over all chunks. Every decode is checked bit-exact.
 
-Run from the repository root (about 10 minutes on a 2-core CPU):
+Timed calls run with the garbage collector paused (a collection costs ~0.2 s with a model loaded);
+it collects between them. Run from the repository root (about 10 minutes on a 2-core CPU, most of
+it the 8k-token prefills):
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_pack.py [--sizes 512 2048 8000] [--repeats 3]
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_pack.py [--sizes 512 2048 8000] [--repeats 5]
 
 Progress goes to stderr, the tables to stdout.
 """
@@ -31,6 +34,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,16 +67,26 @@ T = TypeVar("T")
 # -- helpers ------------------------------------------------------------------------------
 
 
+_STARTED = time.perf_counter()
+
+
 def log(message: str) -> None:
-    print(f"[bench_pack] {message}", file=sys.stderr, flush=True)
+    print(f"[bench_pack {time.perf_counter() - _STARTED:5.0f}s] {message}", file=sys.stderr, flush=True)
 
 
 def timed(fn: Callable[[], T]) -> tuple[float, T]:
-    """Seconds one call of ``fn`` takes (after a garbage collection), and its result."""
-    gc.collect()
-    start = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - start, result
+    """Seconds one call of ``fn`` takes, with the garbage collector paused, and its result.
+
+    With the model loaded a full collection takes ~0.2 s, so callers collect once per round
+    (``gc.collect()``) instead of letting one land inside a timed call.
+    """
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        result = fn()
+        return time.perf_counter() - start, result
+    finally:
+        gc.enable()
 
 
 def median(values: Sequence[float]) -> float:
@@ -114,6 +128,21 @@ def machine_description() -> str:
         f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
         f"zstandard {zstandard.__version__}, python {platform.python_version()}"
     )
+
+
+def source_description() -> str:
+    """The packstore commit measured, and whether its package sources had uncommitted changes."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--", "packstore")
+    except (OSError, subprocess.CalledProcessError):
+        return "packstore: not a git checkout"
+    return f"packstore: commit {commit}" + (" + uncommitted changes in packstore/" if dirty else "")
 
 
 # -- inputs -------------------------------------------------------------------------------
@@ -207,6 +236,7 @@ def bench_ttft(lm: LoadedModel, store: PackStore, cases: Sequence[Case], repeats
         for case in cases:
             order = TTFT_MODES[r % 3 :] + TTFT_MODES[: r % 3]  # rotate so no mode always runs first
             for mode in order:
+                gc.collect()
                 seconds, ids = first_token(lm, store, case, mode)
                 times[case.target, mode].append(seconds)
                 tokens[case.target, mode] = ids
@@ -229,19 +259,22 @@ def bench_ttft(lm: LoadedModel, store: PackStore, cases: Sequence[Case], repeats
 # -- 2. store get throughput --------------------------------------------------------------
 
 
-def read_file(path: Path) -> bytes:
-    return path.read_bytes()
+def read_pieces(path: Path, sizes: Sequence[int]) -> list[bytes]:
+    """Read ``path`` whole, in pieces of ``sizes`` bytes, each into a new bytes object (as ``get`` does)."""
+    with path.open("rb") as f:
+        return [f.read(size) for size in sizes]
 
 
 def bench_get(store: PackStore, cases: Sequence[Case], workdir: Path, repeats: int) -> None:
-    scratch = {}
+    scratch, pieces = {}, {}
     for case in cases:
+        encoded = store.get(case.key)  # also warms the LMDB pages
+        pieces[case.target] = [len(encoded.header.to_json())] + [len(chunk) for chunk in encoded.chunks]
         scratch[case.target] = workdir / f"scratch-{case.target}.bin"
         scratch[case.target].write_bytes(os.urandom(case.stored_bytes))
-        read_file(scratch[case.target])  # warm the page cache
-        store.get(case.key)  # and the LMDB pages
+        read_pieces(scratch[case.target], pieces[case.target])  # warm the page cache
     ops: dict[str, Callable[[Case], object]] = {
-        "raw": lambda c: read_file(scratch[c.target]),
+        "raw": lambda c: read_pieces(scratch[c.target], pieces[c.target]),
         "get": lambda c: store.get(c.key),
         "get+decode": lambda c: decode_pack(store.get(c.key)),
     }
@@ -249,6 +282,7 @@ def bench_get(store: PackStore, cases: Sequence[Case], workdir: Path, repeats: i
     for r in range(repeats):
         for case in cases:
             for name, op in ops.items():
+                gc.collect()
                 times[case.target, name].append(timed(lambda: op(case))[0])
         log(f"get throughput: repeat {r + 1}/{repeats} done")
     rows = []
@@ -307,7 +341,7 @@ def codec_pack(pack: Pack, note: str) -> CodecPack:
     """The raw chunk blobs of ``pack``: its encoded chunks decoded back (checked against a re-encode)."""
     encoded = encode_pack(pack)
     element_size = pack.keys[0].element_size()
-    blobs = [codec.decode(chunk) for chunk in encoded.chunks]
+    blobs = [bytes(codec.decode(chunk)) for chunk in encoded.chunks]
     assert codec.encode(blobs[0], element_size) == encoded.chunks[0], "byteplane encode is not deterministic"
     return CodecPack(pack.header.dtype, note, blobs, element_size)
 
@@ -346,6 +380,7 @@ def bench_codec(packs: Sequence[CodecPack], repeats: int) -> None:
     notes: list[str] = []
     for r in range(repeats):
         for p in packs:
+            gc.collect()
             found, missing = codecs_for(p.dtype, p.element_size)
             if missing and r == 0:
                 notes.append(f"{p.dtype}: {missing}")
@@ -390,7 +425,7 @@ def bench_codec(packs: Sequence[CodecPack], repeats: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 2048, 8000], help="target pack sizes in tokens")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions for time to first token")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions for time to first token")
     parser.add_argument("--get-repeats", type=int, default=5, help="interleaved repetitions for get throughput")
     parser.add_argument("--codec-repeats", type=int, default=5, help="interleaved repetitions for the codecs")
     parser.add_argument("--codec-size", type=int, default=2048, help="which size's facts the codec table uses")
@@ -402,6 +437,7 @@ def main() -> None:
 
     started = time.perf_counter()
     print(f"Machine: {machine_description()}")
+    print(f"Source: {source_description()}")
     print(f"Model: {MODEL}; facts: consecutive contexts of {args.data.name} (the last cut to the size); question: the first context's")
     records = read_records(args.data)
     lm = load_model(MODEL, dtype="float32", progress=False)

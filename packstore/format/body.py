@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import math
 import os
+import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from packstore.errors import IntegrityError, InvalidInput
@@ -102,12 +103,36 @@ def verify_chunk(header: PackHeader, index: int, data: bytes) -> None:
         )
 
 
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def tensors_in(blob: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors blob as views of it (no copy); raises IntegrityError if malformed."""
+    try:
+        size = struct.unpack_from("<Q", blob)[0]
+        table = json.loads(bytes(blob[8 : 8 + size]))
+        tensors = {}
+        for name, entry in table.items():
+            if name == "__metadata__":
+                continue
+            start, stop = entry["data_offsets"]
+            dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+            count = (stop - start) // dtype.itemsize
+            if not 0 <= start <= stop <= len(blob) - 8 - size or count != math.prod(entry["shape"]):
+                raise ValueError(f"tensor {name} does not fit its declared shape and offsets")
+            flat = torch.frombuffer(blob, dtype=dtype, count=count, offset=8 + size + start) if count else torch.empty(0, dtype=dtype)
+            tensors[name] = flat.reshape(entry["shape"])
+        return tensors
+    except (struct.error, ValueError, KeyError, TypeError) as exc:
+        raise IntegrityError(f"malformed safetensors data: {exc}") from None
+
+
 def decode_chunk(header: PackHeader, index: int, data: bytes) -> dict[str, torch.Tensor]:
-    """Verify one chunk's checksum, then decode it to its named tensors."""
+    """Verify one chunk's checksum, then decode it to its named tensors (views of one decoded buffer)."""
     verify_chunk(header, index, data)
     try:
-        tensors = safetensors_load(codec.decode(data))
-    except (IntegrityError, SafetensorError) as exc:
+        tensors = tensors_in(codec.decode(data))
+    except IntegrityError as exc:
         raise IntegrityError(f"pack {header.key}: chunk {index} cannot be decoded: {exc}") from None
     info = header.chunks[index]
     expected = {name for layer in range(info.first_layer, info.stop_layer) for name in _layer_names(layer)}

@@ -59,8 +59,21 @@ def encode(blob: bytes, element_size: int, level: int = DEFAULT_LEVEL) -> bytes:
     return b"".join([_PREAMBLE.pack(MAGIC, VERSION, element_size, len(parts)), table] + [body for _, body in coded])
 
 
-def decode(stored: bytes) -> bytes:
-    """Invert ``encode`` exactly; raise IntegrityError on any malformed container."""
+def _interleave(planes: list, out: memoryview, element_size: int) -> None:
+    """Write ``planes`` back into element order: out[i*w + j] = planes[j][i]."""
+    arrays = [np.frombuffer(p, dtype=np.uint8) for p in planes]
+    if element_size == 2:  # one vectorized shift-or straight into the output, no strided byte writes
+        target = np.frombuffer(out, dtype="<u2")
+        np.left_shift(arrays[1], 8, out=target, dtype="<u2")
+        np.bitwise_or(target, arrays[0], out=target)
+        return
+    elements = np.frombuffer(out, dtype=np.uint8).reshape(-1, element_size)
+    for j, plane in enumerate(arrays):
+        elements[:, j] = plane
+
+
+def decode(stored: bytes) -> bytearray:
+    """Invert ``encode`` exactly (into a new buffer, not copied again); raise IntegrityError on a malformed container."""
     try:
         magic, version, element_size, count = _PREAMBLE.unpack_from(stored)
     except struct.error:
@@ -95,7 +108,6 @@ def decode(stored: bytes) -> bytes:
         raise IntegrityError("byte-plane planes differ in length")
     out = bytearray(len(header) + len(planes[0]) * element_size)
     out[: len(header)] = header
-    elements = np.frombuffer(out, dtype=np.uint8, offset=len(header)).reshape(-1, element_size)
-    for j, plane in enumerate(planes):
-        elements[:, j] = np.frombuffer(plane, dtype=np.uint8)
-    return bytes(out)
+    if planes[0]:
+        _interleave(planes, memoryview(out)[len(header) :], element_size)
+    return out
