@@ -100,17 +100,20 @@ def cmd_ask(args: argparse.Namespace) -> int:
         raise InvalidInput("give --model M to answer here, or --worker HOST:PORT to answer on a worker")
     questions = [args.question] if args.question is not None else read_questions(args.questions)
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    as_lines = args.json or args.questions is not None
     if args.worker:
         from packstore.client import WorkerClient
 
         worker = WorkerClient(args.worker)
-        answer_one = lambda q: worker.ask(args.ref, q, sampling=sampling, compare_rag=args.compare_rag)  # noqa: E731
+        live = not as_lines and not args.compare_rag  # a person reading one answer sees it as it is generated
+        show = (lambda text: print(text, end="", flush=True)) if live else None
+        answer_one = lambda q: worker.ask(args.ref, q, sampling=sampling, compare_rag=args.compare_rag, on_token=show)  # noqa: E731
     else:
         lm = _load_model(args)
         with _open_store(args, readonly=True) as store:
             pack = load_pack(store, args.ref, lm)
         answer_one = lambda q: ask(lm, pack, q, compare_rag=args.compare_rag, sampling=sampling)  # noqa: E731
-    as_lines = args.json or args.questions is not None
+        live = False
     status = 0
     for question in questions:
         try:
@@ -123,6 +126,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
             continue
         if as_lines:
             emit_json(result.to_json())
+        elif live:
+            print()
         else:
             _print_answer(result, args.compare_rag)
     return status

@@ -100,6 +100,10 @@ def test_packctl_ask_with_a_worker(stack, tiny_lm, tmp_path: Path, capsys) -> No
         remote.put(encode_pack(build_pack(tiny_lm, FACTS)), name="wexley")
     assert packctl(["ask", "wexley", "Which river?", "--worker", worker.address, "--compare-rag", "--json", "--max-new-tokens", "8"]) == 0
     assert json.loads(capsys.readouterr().out)["identical"] is True
+    assert packctl(["ask", "wexley", "Which river?", "--worker", worker.address, "--max-new-tokens", "8"]) == 0
+    streamed = capsys.readouterr().out  # printed token by token as the worker streams them
+    with WorkerClient(worker.address) as client:
+        assert streamed.strip() == client.ask("wexley", "Which river?", sampling=Sampling(max_new_tokens=8)).answer
     assert packctl(["ask", "wexley", "Which river?"]) == 1
     assert "--model M" in capsys.readouterr().err
 
