@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from packstore.errors import InvalidInput, PackNotFound
-from packstore.format import Pack, decode_pack, encode_pack
+from packstore.format import Pack, decode_pack, encode_pack, pack_key
 from packstore.format.packfile import pack_file_parts, parse_pack_file
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text, check_identity
 from packstore.kv.models import LoadedModel
+from packstore.kv.render import pack_prefix_ids
 from packstore.store import PackStore, StoredPack, default_store_path
 
 
@@ -141,6 +142,9 @@ class AskResult:
     rag_prompt_tokens: int | None = None
     identical: bool | None = None
     pack: str | None = None
+    bank: str | None = None
+    facts: list[str] | None = None  # with a bank: the routed facts the pack holds, best first
+    pack_reused: bool | None = None  # with a bank: the facts' pack was already stored
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -167,3 +171,40 @@ def ask(
         identical=answer.token_ids == rag.token_ids,
         pack=pack.header.key,
     )
+
+
+def pack_for_facts(store: Any, lm: LoadedModel, facts: Sequence[str], *, progress: bool = False) -> tuple[Pack, bool]:
+    """The pack of exactly ``facts`` (in order) for ``lm``: fetched by content key if stored, else built and written back."""
+    key = pack_key(lm.model_fp, lm.template_fp, pack_prefix_ids(lm.tokenizer, list(facts)))
+    try:
+        return store.fetch(key, device=lm.device, model_fp=lm.model_fp, template_fp=lm.template_fp), True
+    except PackNotFound:
+        pack = build_pack(lm, facts, progress=progress)
+        store_pack(store, pack)
+        return pack, False
+
+
+def ask_bank(
+    store: Any,
+    lm: LoadedModel,
+    embedder: Any,
+    bank: str,
+    question: str,
+    *,
+    top_k: int = 5,
+    probe: int = 3,
+    compare_rag: bool = False,
+    sampling: Sampling = Sampling(),
+) -> AskResult:
+    """Route ``question`` in ``bank``, get the pack of its top facts (lazily computed, cached in the store), answer.
+
+    With ``compare_rag`` the same facts, in the same order, go into the prompt instead.
+    """
+    from packstore.bank.bank import route
+
+    facts = [text for text, _ in route(store, bank, [question], embedder, top_k=top_k, probe=probe)[0].facts]
+    if not facts:
+        raise InvalidInput(f"bank {bank!r} routed the question to no facts")
+    pack, reused = pack_for_facts(store, lm, facts)
+    result = ask(lm, pack, question, compare_rag=compare_rag, sampling=sampling)
+    return AskResult(**{**asdict(result), "bank": bank, "facts": facts, "pack_reused": reused})

@@ -16,7 +16,7 @@ class AmbiguousRef(PackstoreError):
 class PackMismatch(PackstoreError):
     """A pack does not apply to this model, template or conversation; never generate with it.
 
-    ``what`` is one of ``"model"``, ``"template"``, ``"tokens"``, ``"kind"``.
+    ``what`` is one of ``"model"``, ``"template"``, ``"tokens"``, ``"kind"``, ``"embedder"``.
     """
 
     def __init__(self, what: str, message: str) -> None:

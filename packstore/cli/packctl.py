@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from packstore.cli.common import EXIT_ERROR, CommandLine, emit_json
+from packstore.cli.common import EXIT_ERROR, CommandLine, emit_json, global_options
 from packstore.errors import InvalidInput, PackMismatch
 
 
@@ -94,8 +94,14 @@ def cmd_ask(args: argparse.Namespace) -> int:
     from packstore.facts import read_questions
     from packstore.kv.inject import Sampling
 
+    if args.bank is not None:  # `ask --bank N QUESTION`: the first positional is the question
+        if args.question is not None:
+            raise InvalidInput("with --bank, give only the QUESTION (no pack REF)")
+        args.question, args.ref = args.ref, None
     if (args.question is None) == (args.questions is None):
         raise InvalidInput("give either a QUESTION or --questions FILE")
+    if args.ref is None and args.bank is None:
+        raise InvalidInput("give a pack REF, or --bank N")
     if (args.model is None) == (args.worker is None):
         raise InvalidInput("give --model M to answer here, or --worker HOST:PORT to answer on a worker")
     questions = [args.question] if args.question is not None else read_questions(args.questions)
@@ -108,6 +114,15 @@ def cmd_ask(args: argparse.Namespace) -> int:
         live = not as_lines and not args.compare_rag  # a person reading one answer sees it as it is generated
         show = (lambda text: print(text, end="", flush=True)) if live else None
         answer_one = lambda q: worker.ask(args.ref, q, sampling=sampling, compare_rag=args.compare_rag, on_token=show)  # noqa: E731
+    elif args.bank is not None:
+        from packstore.api import ask_bank
+        from packstore.bank.embedder import load_embedder
+
+        lm, embedder, store = _load_model(args), load_embedder(args.embedder), _open_store(args)
+        answer_one = lambda q: ask_bank(  # noqa: E731
+            store, lm, embedder, args.bank, q, top_k=args.top_k, probe=args.probe, compare_rag=args.compare_rag, sampling=sampling
+        )
+        live = False
     else:
         lm = _load_model(args)
         with _open_store(args, readonly=True) as store:
@@ -238,6 +253,49 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bank(args: argparse.Namespace) -> int:
+    from packstore.bank import bank as banks
+    from packstore.bank.embedder import load_embedder
+    from packstore.facts import read_facts, read_items
+
+    with _open_store(args, readonly=args.bank_command in ("route", "ls")) as store:
+        if args.bank_command == "build":
+            facts = read_facts(args.facts)
+            meta = banks.build_bank(store, args.name, facts, load_embedder(args.embedder), progress=_progress(args))
+        elif args.bank_command == "add":
+            meta = banks.add_facts(store, args.name, read_facts(args.facts), load_embedder(args.embedder), progress=_progress(args))
+        elif args.bank_command == "route":
+            if (args.query is None) == (args.queries is None):
+                raise InvalidInput("give either a QUERY or --queries FILE")
+            queries = [args.query] if args.query is not None else read_items(args.queries, "query")
+            for result in banks.route(store, args.name, queries, load_embedder(args.embedder), top_k=args.top_k, probe=args.probe):
+                if args.json or args.queries is not None:
+                    emit_json(result.to_json())
+                else:
+                    print(f"Q: {result.query}    clusters {result.clusters}")
+                    for text, score in result.facts:
+                        print(f"  {score:6.3f}  {text}")
+            return 0
+        elif args.bank_command == "ls":
+            records = [m.__dict__ | {"stored_bytes": store.bank_stored_bytes(m.name)} for m in store.banks()]
+            if args.json:
+                emit_json(records)
+            for r in [] if args.json else records:
+                print(f"{r['name']:<24} {r['facts']:>9} facts {r['clusters']:>7} clusters  {r['stored_bytes'] / max(r['facts'], 1):6.0f} B/fact  {r['embedder']}")
+            return 0
+        else:
+            store.delete_bank(args.name)
+            print(f"removed bank {args.name}", file=sys.stderr)
+            return 0
+        record = meta.__dict__ | {"stored_bytes": store.bank_stored_bytes(meta.name)}
+    if args.json:
+        emit_json(record)
+    else:
+        print(f"bank {record['name']}: {record['facts']} facts in {record['clusters']} clusters, "
+              f"{record['stored_bytes'] / record['facts']:.0f} bytes per fact ({record['embedder']})")
+    return 0
+
+
 # -- parser -------------------------------------------------------------------------------------
 
 
@@ -246,6 +304,13 @@ def _model_options(parser: argparse.ArgumentParser, *, required: bool = True) ->
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="compute dtype (part of the model identity)")
     parser.add_argument("--chat-template", metavar="FILE", help="use this Jinja chat template instead of the tokenizer's own")
+
+
+def _bank_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--top-k", type=int, default=5, metavar="K", help="facts to keep (default 5)")
+    parser.add_argument("--probe", type=int, default=3, metavar="P", help="nearest clusters to search (default 3)")
+    if not any(a.dest == "embedder" for a in parser._actions):
+        parser.add_argument("--embedder", default="all-minilm-l6-v2", help="must be the embedder the bank was built with")
 
 
 def build_cli() -> CommandLine:
@@ -258,11 +323,13 @@ def build_cli() -> CommandLine:
     p.add_argument("--raw", action="store_true", help="no chat template around the facts (to measure that pitfall)")
 
     p = cli.command("ask", cmd_ask, "answer with a pack injected as past_key_values")
-    p.add_argument("ref", metavar="REF", help="pack key, name, or content-hash prefix")
+    p.add_argument("ref", metavar="REF", nargs="?", help="pack key, name, or content-hash prefix (not with --bank)")
     p.add_argument("question", metavar="QUESTION", nargs="?")
     p.add_argument("--questions", metavar="FILE", help='JSONL lines {"question": ...}; prints one JSON object per line')
     _model_options(p, required=False)
     p.add_argument("--worker", metavar="HOST:PORT", help="answer on a packstore worker instead of loading the model here")
+    p.add_argument("--bank", metavar="N", help="route the question in bank N and answer with its top facts' pack (computed lazily)")
+    _bank_options(p)
     p.add_argument("--compare-rag", action="store_true", help="also answer with the facts in the prompt and compare")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -287,6 +354,26 @@ def build_cli() -> CommandLine:
     p = cli.command("import", cmd_import, "verify a pack file and store it")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--name", help="name (alias) for the pack, per model")
+
+    bank = cli.command("bank", cmd_bank, "banks: thousands to millions of facts, routed by embedding")
+    sub = bank.add_subparsers(dest="bank_command", required=True, metavar="BANK_COMMAND")
+    common = [global_options(add_defaults=False)]
+    p = sub.add_parser("build", parents=common, help="embed and cluster a facts file into bank N (replaces it)")
+    p.add_argument("facts", metavar="FACTS")
+    p.add_argument("--name", required=True)
+    p.add_argument("--embedder", default="all-minilm-l6-v2", help="embedder alias or local sentence-transformers directory")
+    p = sub.add_parser("add", parents=common, help="add a facts file to bank N without re-clustering")
+    p.add_argument("name", metavar="N")
+    p.add_argument("facts", metavar="FACTS")
+    p.add_argument("--embedder", default="all-minilm-l6-v2")
+    p = sub.add_parser("route", parents=common, help="show the clusters and ranked facts a query routes to")
+    p.add_argument("name", metavar="N")
+    p.add_argument("query", metavar="QUERY", nargs="?")
+    p.add_argument("--queries", metavar="FILE", help='JSONL lines {"query": ...} (or one per line); one JSON object per line out')
+    _bank_options(p)
+    sub.add_parser("ls", parents=common, help="list banks")
+    p = sub.add_parser("rm", parents=common, help="delete bank N")
+    p.add_argument("name", metavar="N")
 
     p = cli.command("gc", cmd_gc, "remove what no pack references; --compact also shrinks the data file")
     p.add_argument("--compact", action="store_true", help="rewrite the data file without free pages (needs the store to itself)")

@@ -18,6 +18,7 @@ import lmdb
 from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackNotFound, StoreBusy
 from packstore.format import EncodedPack, Pack, PackHeader, decode_pack, parse_key
 from packstore.format.body import verify_chunk
+from packstore.store.banks import BankTables
 
 STORE_LAYOUT_VERSION = b"1"
 LOCK_FILE = "packstore.lock"
@@ -90,7 +91,7 @@ class StoredPack:
         return self.header.key
 
 
-class PackStore:
+class PackStore(BankTables):
     """A directory holding one LMDB environment with databases ``meta``, ``packs``, ``chunks``, ``names``.
 
     Every write is one LMDB write transaction, so a pack is either fully present or absent.
@@ -115,12 +116,17 @@ class PackStore:
         self._chunks = self._env.open_db(b"chunks", create=not readonly)
         self._names = self._env.open_db(b"names", create=not readonly)
         self._staging = self._env.open_db(b"staging", create=not readonly) if not readonly else None
+        self._banks = self._env.open_db(b"banks", create=not readonly) if not readonly or self._has_db(b"banks") else None
         if not readonly:
             self._write(lambda txn: txn.put(b"layout", STORE_LAYOUT_VERSION, db=self._meta, overwrite=False))
         with self._env.begin() as txn:
             layout = txn.get(b"layout", db=self._meta)
         if layout is not None and layout != STORE_LAYOUT_VERSION:
             raise IntegrityError(f"store {self.path} has layout {layout!r}, this build reads {STORE_LAYOUT_VERSION!r}")
+
+    def _has_db(self, name: bytes) -> bool:
+        with self._env.begin() as txn:
+            return txn.get(name) is not None
 
     def close(self) -> None:
         self._env.close()

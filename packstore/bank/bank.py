@@ -1,0 +1,166 @@
+"""Build, extend and route banks: k-means over fact embeddings (faiss), ranking inside routed clusters."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Sequence
+
+import numpy as np
+
+from packstore.bank.embedder import Embedder
+from packstore.errors import InvalidInput, PackMismatch
+from packstore.format.bank import BankMeta, Cluster
+from packstore.store import PackStore
+from packstore.store.lmdb_store import check_name
+
+FACTS_PER_CLUSTER = 20
+MAX_QUERY_CHARS = 100_000
+DEFAULT_TOP_K = 5
+DEFAULT_PROBE = 3
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def unique_facts(facts: Sequence[str]) -> list[str]:
+    """Stripped, non-empty, first occurrence of each: a bank holds every fact once."""
+    seen: dict[str, None] = {}
+    for fact in facts:
+        if fact and fact.strip():
+            seen.setdefault(fact.strip(), None)
+    if not seen:
+        raise InvalidInput("no facts: a bank needs at least one non-empty fact")
+    return list(seen)
+
+
+def kmeans(vectors: np.ndarray, clusters: int, *, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Spherical k-means (faiss): unit-length centroids and each vector's cluster."""
+    import faiss
+
+    if clusters == 1:
+        centroid = vectors.mean(axis=0, keepdims=True)
+        return centroid / max(np.linalg.norm(centroid), 1e-12), np.zeros(len(vectors), dtype=np.int64)
+    model = faiss.Kmeans(vectors.shape[1], clusters, niter=25, seed=seed, spherical=True, min_points_per_centroid=1, max_points_per_centroid=1 << 30)
+    model.train(vectors)
+    _, assignment = model.index.search(vectors, 1)
+    return np.ascontiguousarray(model.centroids, dtype=np.float32), assignment[:, 0]
+
+
+def _check_embedder(meta: BankMeta, embedder: Embedder) -> None:
+    if meta.embedder_fp != embedder.fingerprint:
+        raise PackMismatch(
+            "embedder",
+            f"embedder mismatch: bank {meta.name!r} was built with {meta.embedder!r} (embedder_fp {meta.embedder_fp[:12]}), "
+            f"the query embedder {embedder.name!r} has embedder_fp {embedder.fingerprint[:12]}",
+        )
+
+
+def _group(ids: np.ndarray, vectors: np.ndarray, texts: list[str], assignment: np.ndarray) -> dict[int, Cluster]:
+    clusters: dict[int, Cluster] = {}
+    for cluster_id in np.unique(assignment).tolist():
+        members = np.flatnonzero(assignment == cluster_id)
+        clusters[cluster_id] = Cluster(ids=ids[members], embeddings=vectors[members].astype(np.float16), texts=[texts[i] for i in members])
+    return clusters
+
+
+def build_bank(store: PackStore, name: str, facts: Sequence[str], embedder: Embedder, *, progress: bool = False) -> BankMeta:
+    """Embed every fact, cluster into about N/20 clusters, and store the bank (replacing one of that name)."""
+    check_name(name)
+    facts = unique_facts(facts)
+    vectors = embedder.embed(facts, progress=progress)
+    count = max(1, round(len(facts) / FACTS_PER_CLUSTER))
+    centroids, assignment = kmeans(vectors, count)
+    now = _now()
+    meta = BankMeta(
+        name=name, embedder=embedder.name, embedder_fp=embedder.fingerprint, dim=vectors.shape[1],
+        facts=len(facts), clusters=count, next_fact_id=len(facts), created=now, updated=now,
+    )
+    store.put_bank(meta, centroids, _group(np.arange(len(facts), dtype=np.uint32), vectors, facts, assignment))
+    return meta
+
+
+def add_facts(store: PackStore, name: str, facts: Sequence[str], embedder: Embedder, *, progress: bool = False) -> BankMeta:
+    """Add facts to an existing bank without re-clustering: each joins its nearest centroid's cluster."""
+    meta = store.bank(name)
+    _check_embedder(meta, embedder)
+    facts = unique_facts(facts)
+    vectors = embedder.embed(facts, progress=progress)
+    assignment = np.argmax(vectors @ store.bank_centroids(name).T, axis=1)
+    ids = np.arange(meta.next_fact_id, meta.next_fact_id + len(facts), dtype=np.uint32)
+    additions = _group(ids, vectors, facts, assignment)
+    current = store.bank_clusters(name, list(additions))
+    merged = {}
+    for cluster_id, added in additions.items():
+        old = current[cluster_id]
+        if old is None:
+            merged[cluster_id] = added
+            continue
+        known = set(old.texts)
+        keep = [i for i, text in enumerate(added.texts) if text not in known]
+        merged[cluster_id] = Cluster(
+            ids=np.concatenate([old.ids, added.ids[keep]]),
+            embeddings=np.concatenate([old.embeddings, added.embeddings[keep]]),
+            texts=old.texts + [added.texts[i] for i in keep],
+        )
+    added_count = sum(len(c.texts) for c in merged.values()) - sum(len(current[c].texts) for c in merged if current[c] is not None)
+    meta = BankMeta(**{**meta.__dict__, "facts": meta.facts + added_count, "next_fact_id": int(ids[-1]) + 1, "updated": _now()})
+    store.update_bank(meta, merged)
+    return meta
+
+
+@dataclass
+class Route:
+    """Where a query went: the clusters probed, the best facts with their cosine scores, and timings."""
+
+    query: str
+    clusters: list[int]
+    facts: list[tuple[str, float]]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "query": self.query,
+            "clusters": self.clusters,
+            "facts": [{"text": text, "score": round(score, 6)} for text, score in self.facts],
+        }
+
+
+def route(
+    store: PackStore, name: str, queries: Sequence[str], embedder: Embedder, *, top_k: int = DEFAULT_TOP_K, probe: int = DEFAULT_PROBE
+) -> list[Route]:
+    """Embed each query, pick the ``probe`` nearest centroids, rank those clusters' facts, keep ``top_k``."""
+    if top_k < 1 or probe < 1:
+        raise InvalidInput("--top-k and --probe must be at least 1")
+    for query in queries:
+        if not query.strip():
+            raise InvalidInput("the query is empty")
+        if len(query) > MAX_QUERY_CHARS:
+            raise InvalidInput(f"the query has {len(query)} characters; the limit is {MAX_QUERY_CHARS}")
+    meta = store.bank(name)
+    _check_embedder(meta, embedder)
+    started = time.perf_counter()
+    vectors = embedder.embed([q.strip() for q in queries])
+    embedded = time.perf_counter()
+    centroid_scores = vectors @ store.bank_centroids(name).T
+    nearest = np.argsort(-centroid_scores, axis=1)[:, : min(probe, meta.clusters)]
+    routed = time.perf_counter()
+    per_query = (embedded - started) / len(queries), (routed - embedded) / len(queries)
+    results = []
+    for query, vector, cluster_ids in zip(queries, vectors, nearest.tolist()):
+        ranking = time.perf_counter()
+        found = [c for c in store.bank_clusters(name, cluster_ids).values() if c is not None]
+        texts = [t for c in found for t in c.texts]
+        scores = np.concatenate([c.embeddings.astype(np.float32) @ vector for c in found]) if found else np.zeros(0)
+        best = np.argsort(-scores, kind="stable")[:top_k]
+        results.append(
+            Route(
+                query=query,
+                clusters=cluster_ids,
+                facts=[(texts[i], float(scores[i])) for i in best],
+                seconds={"embed": per_query[0], "route": per_query[1], "rank": time.perf_counter() - ranking},
+            )
+        )
+    return results

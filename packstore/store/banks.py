@@ -1,0 +1,131 @@
+"""Bank tables of the store: metadata, centroids and cluster blobs in the ``banks`` database."""
+
+from __future__ import annotations
+
+import struct
+
+import lmdb
+import numpy as np
+
+from packstore.errors import PackNotFound
+from packstore.format.bank import BankMeta, Cluster, decode_centroids, decode_cluster, encode_centroids, encode_cluster
+
+
+def _meta_key(name: str) -> bytes:
+    return b"meta/" + name.encode()
+
+
+def _centroids_key(name: str) -> bytes:
+    return b"centroids/" + name.encode()
+
+
+def _cluster_prefix(name: str) -> bytes:
+    return b"cluster/" + name.encode() + b"/"
+
+
+def _cluster_key(name: str, cluster: int) -> bytes:
+    return _cluster_prefix(name) + struct.pack(">I", cluster)
+
+
+class BankTables:
+    """Mixed into PackStore: every bank write is one LMDB transaction, like every pack write."""
+
+    _env: lmdb.Environment
+    _banks: object
+
+    def _bank_db(self, name: str):
+        if self._banks is None:  # a read-only store made before banks existed
+            raise PackNotFound(f"no bank named {name!r}")
+        return self._banks
+
+    def _delete_bank_in(self, txn: lmdb.Transaction, name: str) -> bool:
+        existed = txn.delete(_meta_key(name), db=self._banks)
+        txn.delete(_centroids_key(name), db=self._banks)
+        prefix = _cluster_prefix(name)
+        cursor = txn.cursor(db=self._banks)
+        if cursor.set_range(prefix):
+            while cursor.key().startswith(prefix):
+                if not cursor.delete():
+                    break
+        return existed
+
+    def put_bank(self, meta: BankMeta, centroids: np.ndarray, clusters: dict[int, Cluster]) -> None:
+        """Store (or replace) a whole bank atomically."""
+
+        def body(txn: lmdb.Transaction) -> None:
+            self._delete_bank_in(txn, meta.name)
+            txn.put(_centroids_key(meta.name), encode_centroids(centroids), db=self._banks)
+            for cluster_id, cluster in clusters.items():
+                txn.put(_cluster_key(meta.name, cluster_id), encode_cluster(cluster), db=self._banks)
+            txn.put(_meta_key(meta.name), meta.to_json(), db=self._banks)
+
+        self._write(body)
+
+    def update_bank(self, meta: BankMeta, clusters: dict[int, Cluster]) -> None:
+        """Replace some clusters and the metadata atomically (adding facts)."""
+
+        def body(txn: lmdb.Transaction) -> None:
+            for cluster_id, cluster in clusters.items():
+                txn.put(_cluster_key(meta.name, cluster_id), encode_cluster(cluster), db=self._banks)
+            txn.put(_meta_key(meta.name), meta.to_json(), db=self._banks)
+
+        self._write(body)
+
+    def bank(self, name: str) -> BankMeta:
+        self._bank_db(name)
+        with self._env.begin() as txn:
+            data = txn.get(_meta_key(name), db=self._banks)
+        if data is None:
+            raise PackNotFound(f"no bank named {name!r}")
+        return BankMeta.from_json(data)
+
+    def bank_centroids(self, name: str) -> np.ndarray:
+        self._bank_db(name)
+        with self._env.begin() as txn:
+            data = txn.get(_centroids_key(name), db=self._banks)
+        if data is None:
+            raise PackNotFound(f"no bank named {name!r}")
+        return decode_centroids(data)
+
+    def bank_clusters(self, name: str, cluster_ids: list[int]) -> dict[int, Cluster]:
+        """The given clusters (a cluster with no facts yet is empty)."""
+        self._bank_db(name)
+        found = {}
+        with self._env.begin() as txn:
+            for cluster_id in cluster_ids:
+                data = txn.get(_cluster_key(name, cluster_id), db=self._banks)
+                found[cluster_id] = decode_cluster(data) if data is not None else None
+        return found
+
+    def bank_stored_bytes(self, name: str) -> int:
+        """Bytes of every value the bank stores (metadata, centroids, clusters)."""
+        with self._env.begin() as txn:
+            total = sum(len(txn.get(k, db=self._banks) or b"") for k in (_meta_key(name), _centroids_key(name)))
+            cursor = txn.cursor(db=self._banks)
+            prefix = _cluster_prefix(name)
+            if cursor.set_range(prefix):
+                for key, value in cursor:
+                    if not key.startswith(prefix):
+                        break
+                    total += len(value)
+        return total
+
+    def banks(self) -> list[BankMeta]:
+        if self._banks is None:
+            return []
+        with self._env.begin() as txn:
+            cursor = txn.cursor(db=self._banks)
+            metas = []
+            if cursor.set_range(b"meta/"):
+                for key, value in cursor:
+                    if not key.startswith(b"meta/"):
+                        break
+                    metas.append(BankMeta.from_json(value))
+        return metas
+
+    def delete_bank(self, name: str) -> None:
+        def body(txn: lmdb.Transaction) -> None:
+            if not self._delete_bank_in(txn, name):
+                raise PackNotFound(f"no bank named {name!r}")
+
+        self._write(body)

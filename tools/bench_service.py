@@ -1,0 +1,549 @@
+"""The pack service on smollm2-135m: GetPack throughput, and time to first token through the worker.
+
+Everything runs on loopback (127.0.0.1); the script starts ``packstore serve``, ``packstore
+worker`` and ``redis-server`` as subprocesses and stops them on the way out, errors included.
+The machines are shared and noisy, so repetitions are interleaved (the order of the variants
+rotates), every figure is a median, and the ratios within this one run are what count.
+
+1. GetPack throughput, in MB/s of decoded KV delivered (``header.raw_bytes`` per fetch / wall
+   seconds), for 1 and for 16 concurrent clients (threads started together on a barrier) fetching
+   a ~2k-token pack (~94 MB of KV, ~80 MB stored) into CPU tensors:
+   service = ``RemoteStore.fetch`` over gRPC from ``packstore serve`` (one RemoteStore per thread);
+   local = ``PackStore.fetch`` on a local LMDB store holding the same pack (one store, shared by
+   the threads, as LMDB allows one environment per process);
+   redis = a ``redis-server`` holding the same stored chunks as plain values (one key per chunk,
+   plus the header JSON): the client GETs the header and every chunk on its own connection and
+   decodes each chunk with ``decode_chunk`` in a pool as large as the library's, as it arrives.
+   Each variant's first fetch is compared tensor by tensor with the pack as built (asserted).
+2. Time to first token (``max_new_tokens=1``) for packs of ~512 and ~2k tokens:
+   cold = ``Generate`` on the worker with a pack not yet in its LRU (a distinct pack per
+   repetition, all uploaded beforehand: the worker fetches it from the service, injects it and
+   prefills the question); warm = the same pack asked again (now in the LRU; asserted through
+   ``GenerateDone.cache_hit``); prefill = the same facts as prompt text (``answer_with_text``) in
+   this process while the worker is idle. Time to first token is until the first streamed
+   response. The first generated token id is compared between the three.
+
+Building the packs (prefills on CPU) takes most of the setup. Run from the repository root
+(about 6-10 minutes on a 2-core CPU):
+
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_service.py [--repeats 5] [--ttft-repeats 3]
+
+Progress goes to stderr, the tables to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence, TypeVar
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import grpc  # noqa: E402
+import redis  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from packstore.client import RemoteStore  # noqa: E402
+from packstore.format import EncodedPack, Pack, PackHeader, encode_pack  # noqa: E402
+from packstore.format.body import _WORKERS, decode_chunk  # noqa: E402  (the decode pool size fetch uses)
+from packstore.kv.build import build_pack  # noqa: E402
+from packstore.kv.inject import Sampling, answer_with_text  # noqa: E402
+from packstore.kv.models import LoadedModel, load_model  # noqa: E402
+from packstore.store import PackStore  # noqa: E402
+from packstore.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from service_helpers import free_port, running_server, running_worker  # noqa: E402
+
+MODEL = "smollm2-135m"
+DATA = Path("/work/shared/data/ckc_dev.jsonl")
+FIRST_TOKEN = Sampling(max_new_tokens=1)
+WORKER_CACHE_BYTES = 2 << 30  # the worker's LRU; every pack of this run must fit (checked)
+MB = 1e6
+MODES = ("service", "local", "redis")
+TTFT_MODES = ("prefill", "cold", "warm")
+TTFT_ORDERS = (TTFT_MODES, ("cold", "prefill", "warm"), ("cold", "warm", "prefill"))  # cold precedes warm; prefill moves
+T = TypeVar("T")
+
+_STARTED = time.perf_counter()
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def log(message: str) -> None:
+    print(f"[bench_service {time.perf_counter() - _STARTED:5.0f}s] {message}", file=sys.stderr, flush=True)
+
+
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
+    """Seconds one call of ``fn`` takes with the garbage collector paused (callers collect between calls)."""
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        result = fn()
+        return time.perf_counter() - start, result
+    finally:
+        gc.enable()
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def rotated(items: Sequence[T], by: int) -> list[T]:
+    by %= len(items)
+    return list(items[by:]) + list(items[:by])
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """A plain-text table: first column left-aligned, the others right-aligned."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    print(f"\n{title}")
+    print(line(headers))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print(line(row))
+    sys.stdout.flush()
+
+
+def cpu_model() -> str:
+    """The CPU model name from ``lscpu`` (else /proc/cpuinfo, else platform)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for text in out.splitlines():
+            if text.startswith("Model name:"):
+                return text.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    try:
+        for text in Path("/proc/cpuinfo").read_text().splitlines():
+            if text.startswith("model name"):
+                return text.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine_description() -> str:
+    memory = ""
+    try:
+        kib = int(Path("/proc/meminfo").read_text().split()[1])
+        memory = f", {kib / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    return (
+        f"{os.cpu_count()} CPUs ({cpu_model()}){memory}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"transformers {transformers.__version__}, grpcio {grpc.__version__}, redis-py {redis.__version__}, "
+        f"python {platform.python_version()}"
+    )
+
+
+def tcp_connections_to(port: int) -> int:
+    """Established loopback TCP connections whose remote end is ``port`` (clients' side only)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if int(fields[2].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                count += 1
+    return count
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+# -- inputs -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Record:
+    context: str
+    question: str
+
+
+class FactSource:
+    """Hands out disjoint runs of consecutive contexts, each cut to about a target token count."""
+
+    def __init__(self, lm: LoadedModel, path: Path) -> None:
+        with path.open() as f:
+            self.records = [Record(d["context"], d["question"]) for d in map(json.loads, f)]
+        self.tokenizer = lm.tokenizer
+        self.lengths = [len(self.tokenizer(r.context, add_special_tokens=False).input_ids) for r in self.records]
+        self.cursor = 0
+
+    def take(self, target: int) -> tuple[list[str], str]:
+        """The next contexts, joined to about ``target`` tokens (the last one cut), and the first one's question."""
+        first, facts, tokens = self.cursor, [], 0
+        while self.cursor < len(self.records):
+            index = self.cursor
+            self.cursor += 1
+            room = target - tokens - (1 if facts else 0)  # 1 for the joining newline
+            if self.lengths[index] <= room:
+                facts.append(self.records[index].context)
+                tokens += self.lengths[index] + (1 if len(facts) > 1 else 0)
+                continue
+            head = self.tokenizer(self.records[index].context, add_special_tokens=False).input_ids[: max(room, 0)]
+            if head:
+                facts.append(self.tokenizer.decode(head).strip())
+            return facts, self.records[first].question
+        raise SystemExit(f"{DATA.name} ran out of contexts: ask for fewer repetitions or smaller packs")
+
+
+@dataclass
+class Built:
+    """One pack built for this run: its facts and question, the pack in memory and as stored."""
+
+    facts: list[str]
+    question: str
+    pack: Pack
+    encoded: EncodedPack
+
+    @property
+    def key(self) -> str:
+        return self.encoded.header.key
+
+    @property
+    def tokens(self) -> int:
+        return self.encoded.header.tokens
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.encoded.header.raw_bytes
+
+
+def build(lm: LoadedModel, source: FactSource, target: int) -> Built:
+    facts, question = source.take(target)
+    pack = build_pack(lm, facts)
+    return Built(facts, question, pack, encode_pack(pack))
+
+
+def same_tensors(a: Pack, b: Pack) -> bool:
+    return a.header.key == b.header.key and all(
+        torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values, strict=True)
+    )
+
+
+# -- servers ------------------------------------------------------------------------------
+
+
+def stop_process(process: subprocess.Popen, grace: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``grace`` seconds."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextmanager
+def running_redis(workdir: Path) -> Iterator[str]:
+    """``redis-server`` on a free loopback port without persistence; yields HOST:PORT once it answers PING."""
+    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+    port = free_port()
+    log_file = open(workdir / "redis.log", "w")
+    process = subprocess.Popen(
+        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+        stdout=log_file, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with redis.Redis(host="127.0.0.1", port=port) as probe:
+                    probe.ping()
+                break
+            except redis.ConnectionError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start (see {workdir / 'redis.log'})") from None
+                time.sleep(0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_process(process)
+        log_file.close()
+
+
+def redis_client(address: str) -> redis.Redis:
+    host, port = address.rsplit(":", 1)
+    return redis.Redis(host=host, port=int(port))
+
+
+def redis_put(client: redis.Redis, encoded: EncodedPack) -> None:
+    """The pack as plain values: ``KEY:header`` (header JSON) and ``KEY:chunk:I`` (stored chunk bytes)."""
+    key = encoded.header.key
+    client.set(f"{key}:header", encoded.header.to_json())
+    for index, chunk in enumerate(encoded.chunks):
+        client.set(f"{key}:chunk:{index}", chunk)
+
+
+def redis_fetch(client: redis.Redis, key: str) -> Pack:
+    """GET the header and every chunk; decode (verify + decompress) each chunk in a pool as it arrives."""
+    header = PackHeader.from_json(client.get(f"{key}:header"))
+    with ThreadPoolExecutor(_WORKERS) as pool:
+        pending = [pool.submit(decode_chunk, header, i, client.get(f"{key}:chunk:{i}")) for i in range(len(header.chunks))]
+        tensors = {name: t for future in pending for name, t in future.result().items()}
+    pack = Pack(
+        header=header,
+        keys=[tensors[f"layers.{layer}.key"] for layer in range(header.layers)],
+        values=[tensors[f"layers.{layer}.value"] for layer in range(header.layers)],
+    )
+    pack.check_shapes()
+    return pack
+
+
+# -- 1. GetPack throughput ----------------------------------------------------------------
+
+
+@dataclass
+class Clients:
+    """Per-thread fetch functions for each mode, ``clients`` of them, and what must be closed after."""
+
+    fetchers: dict[str, list[Callable[[], Pack]]]
+    close: list[Callable[[], None]]
+
+
+def make_clients(clients: int, service_url: str, local: PackStore, redis_address: str, key: str) -> Clients:
+    remotes = [RemoteStore(service_url) for _ in range(clients)]
+    caches = [redis_client(redis_address) for _ in range(clients)]
+    return Clients(
+        fetchers={
+            "service": [lambda r=r: r.fetch(key) for r in remotes],
+            "local": [lambda: local.fetch(key) for _ in range(clients)],
+            "redis": [lambda c=c: redis_fetch(c, key) for c in caches],
+        },
+        close=[r.close for r in remotes] + [c.close for c in caches],
+    )
+
+
+def run_together(fetchers: Sequence[Callable[[], Pack]]) -> tuple[float, list[Pack]]:
+    """Start one thread per fetcher on a barrier; wall seconds until the last finishes, and the packs."""
+    barrier = threading.Barrier(len(fetchers) + 1)
+    results: list[Pack | None] = [None] * len(fetchers)
+    errors: list[BaseException] = []
+
+    def body(index: int) -> None:
+        try:
+            barrier.wait()
+            results[index] = fetchers[index]()
+        except BaseException as exc:  # re-raised in the main thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(fetchers))]
+    for thread in threads:
+        thread.start()
+
+    def release_and_join() -> None:
+        barrier.wait()
+        for thread in threads:
+            thread.join()
+
+    seconds, _ = timed(release_and_join)
+    if errors:
+        raise errors[0]
+    return seconds, results  # type: ignore[return-value]
+
+
+def bench_throughput(
+    built: Built, service_url: str, local: PackStore, redis_address: str, concurrency: Sequence[int], repeats: int
+) -> None:
+    kv = built.kv_bytes
+    sets = {n: make_clients(n, service_url, local, redis_address, built.key) for n in concurrency}
+    try:
+        log("throughput: warm-up and correctness check")
+        for mode in MODES:
+            pack = sets[min(concurrency)].fetchers[mode][0]()
+            assert same_tensors(pack, built.pack), f"{mode}: fetched tensors differ from the pack as built"
+        times: dict[tuple[int, str], list[float]] = {(n, m): [] for n in concurrency for m in MODES}
+        for r in range(repeats):
+            for n in concurrency:
+                for mode in rotated(MODES, r):
+                    gc.collect()
+                    seconds, packs = run_together(sets[n].fetchers[mode])
+                    assert all(p.header.key == built.key and p.header.raw_bytes == kv for p in packs)
+                    times[n, mode].append(seconds)
+                    del packs
+            log(f"throughput: repeat {r + 1}/{repeats}: " + "; ".join(
+                f"{n} clients " + ", ".join(f"{m} {n * kv / times[n, m][-1] / MB:.0f}" for m in MODES) for n in concurrency
+            ) + " MB/s")
+        service_conns = tcp_connections_to(port_of(service_url.removeprefix("grpc://")))
+        redis_conns = tcp_connections_to(port_of(redis_address))
+    finally:
+        for n in sets:
+            for close in sets[n].close:
+                close()
+    rows = []
+    for n in concurrency:
+        rate = {m: n * kv / median(times[n, m]) / MB for m in MODES}
+        rows.append([
+            str(n), f"{rate['service']:.0f}", f"{rate['local']:.0f}", f"{rate['redis']:.0f}",
+            f"{rate['service'] / rate['local']:.2f}x", f"{rate['service'] / rate['redis']:.2f}x",
+        ])
+    print_table(
+        f"1. GetPack throughput, decoded-KV MB/s (median of {repeats}; {built.tokens}-token pack, "
+        f"{kv / MB:.1f} MB KV, {built.encoded.stored_bytes / MB:.1f} MB stored, {len(built.encoded.chunks)} chunks)",
+        ["clients", "service MB/s", "local MB/s", "redis MB/s", "service/local", "service/redis"],
+        rows,
+    )
+    print("   MB/s = clients x decoded KV bytes per fetch / wall seconds until the last client has its tensors")
+    print("   each mode's first fetch equals the pack as built, tensor for tensor (asserted)")
+    print(f"   {sum(concurrency)} RemoteStores and {sum(concurrency)} redis clients were open; TCP connections from them: "
+          f"to the service {service_conns}, to redis {redis_conns}")
+
+
+# -- 2. time to first token ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    seconds: float
+    token_id: int | None  # None when the first generated token was a stop token
+    cache_hit: bool | None = None
+
+
+def worker_first_token(stub: worker_pb2_grpc.WorkerStub, key: str, question: str) -> FirstToken:
+    """Seconds until the worker's first streamed response for ``key``; drains the stream for the summary."""
+    request = worker_pb2.GenerateRequest(packs=[key], question=question, sampling=worker_pb2.Sampling(max_new_tokens=FIRST_TOKEN.max_new_tokens))
+
+    def first() -> tuple[worker_pb2.GenerateResponse, Iterator[worker_pb2.GenerateResponse]]:
+        responses = stub.Generate(request)
+        return next(responses), responses
+
+    seconds, (response, rest) = timed(first)
+    token_id = response.token.id if response.WhichOneof("item") == "token" else None
+    done = response.done if response.WhichOneof("item") == "done" else None
+    for later in rest:
+        if later.WhichOneof("item") == "done":
+            done = later.done
+    assert done is not None and done.pack == key, "the worker ended without a summary for the pack"
+    return FirstToken(seconds, token_id, done.cache_hit)
+
+
+def prefill_first_token(lm: LoadedModel, case: Built) -> FirstToken:
+    seconds, answer = timed(lambda: answer_with_text(lm, case.facts, case.question, sampling=FIRST_TOKEN))
+    return FirstToken(seconds, answer.token_ids[0] if answer.token_ids else None)
+
+
+def measure(lm: LoadedModel, stub: worker_pb2_grpc.WorkerStub, case: Built, mode: str) -> FirstToken:
+    gc.collect()
+    if mode == "prefill":
+        return prefill_first_token(lm, case)
+    result = worker_first_token(stub, case.key, case.question)
+    assert result.cache_hit == (mode == "warm"), f"{mode} request reported cache_hit={result.cache_hit}"
+    return result
+
+
+def bench_ttft(lm: LoadedModel, worker_address: str, cases: dict[int, list[Built]], repeats: int) -> None:
+    """``cases[size]``: repeats + 1 distinct packs of that size; the first warms the worker up."""
+    results: dict[tuple[int, str], list[FirstToken]] = {(s, m): [] for s in cases for m in TTFT_MODES}
+    with grpc.insecure_channel(worker_address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        log("time to first token: warm-up")
+        for size, packs in cases.items():
+            for mode in TTFT_MODES:
+                measure(lm, stub, packs[0], mode)
+        for r in range(repeats):
+            for size, packs in cases.items():
+                case = packs[r + 1]
+                for mode in TTFT_ORDERS[r % len(TTFT_ORDERS)]:
+                    results[size, mode].append(measure(lm, stub, case, mode))
+                log(f"time to first token: repeat {r + 1}/{repeats}, {case.tokens} tokens: "
+                    + ", ".join(f"{m} {results[size, m][-1].seconds:.2f}s" for m in TTFT_MODES))
+    rows = []
+    for size, packs in cases.items():
+        cold, warm, prefill = (median([x.seconds for x in results[size, m]]) for m in ("cold", "warm", "prefill"))
+        same = sum(len({results[size, m][r].token_id for m in TTFT_MODES}) == 1 for r in range(repeats))
+        tokens = median([p.tokens for p in packs[1:]])
+        kv = median([p.kv_bytes for p in packs[1:]])
+        rows.append([
+            str(size), f"{tokens:.0f}", f"{kv / MB:.1f}", f"{cold:.3f}", f"{warm:.3f}", f"{prefill:.3f}",
+            f"{prefill / warm:.1f}x", f"{prefill / cold:.1f}x", f"{cold / warm:.1f}x", f"{same}/{repeats}",
+        ])
+    print_table(
+        f"2. Time to first token through the worker, {MODEL} float32 (median of {repeats}, seconds)",
+        ["size", "pack tokens", "KV MB", "cold s", "warm s", "prefill s", "prefill/warm", "prefill/cold", "cold/warm", "same token"],
+        rows,
+    )
+    print("   cold: a pack not yet in the worker's LRU (cache_hit false, asserted): fetch from the service + decode + inject + question")
+    print("   warm: the same pack again, from the LRU (cache_hit true, asserted); prefill: facts as prompt text, in this process")
+    print("   same token: repetitions where cold, warm and prefill produced the same first token id")
+
+
+# -- main ---------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions for GetPack throughput")
+    parser.add_argument("--ttft-repeats", type=int, default=3, help="interleaved repetitions (distinct packs) per size for time to first token")
+    parser.add_argument("--throughput-size", type=int, default=2048, help="target tokens of the throughput pack")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 16], help="concurrent clients to measure")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[512, 2048], help="target pack sizes (tokens) for time to first token")
+    parser.add_argument("--data", type=Path, default=DATA, help="JSON lines with 'context' and 'question'")
+    parser.add_argument("--workdir", type=Path, default=None, help="where stores and logs go (default: a temp dir, removed after)")
+    args = parser.parse_args()
+    if min(args.repeats, args.ttft_repeats, *args.clients) < 1:
+        parser.error("repetitions and client counts must be at least 1")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the servers are stopped
+
+    print(f"Machine: {machine_description()}")
+    print(f"Model: {MODEL} float32 on CPU; facts: consecutive contexts of {args.data.name} (the last cut to the size); "
+          "question: the first context's; all servers on 127.0.0.1")
+    lm = load_model(MODEL, dtype="float32", progress=False)
+    source = FactSource(lm, args.data)
+    log(f"building the {args.throughput_size}-token throughput pack")
+    throughput_pack = build(lm, source, args.throughput_size)
+    cases: dict[int, list[Built]] = {}
+    for size in sorted(args.sizes):
+        log(f"building {args.ttft_repeats + 1} packs of {size} tokens")
+        cases[size] = [build(lm, source, size) for _ in range(args.ttft_repeats + 1)]
+    worker_bytes = sum(p.kv_bytes for packs in cases.values() for p in packs)
+    if worker_bytes > WORKER_CACHE_BYTES:
+        raise SystemExit(f"the time-to-first-token packs ({worker_bytes / MB:.0f} MB) do not fit the worker's LRU")
+
+    with tempfile.TemporaryDirectory(prefix="packstore-bench-service-", dir=args.workdir) as tmp, ExitStack() as stack:
+        workdir = Path(tmp)
+        local = stack.enter_context(PackStore(workdir / "local"))
+        local.put(throughput_pack.encoded)
+        server = stack.enter_context(running_server(workdir / "service"))
+        redis_address = stack.enter_context(running_redis(workdir))
+        log(f"servers up: service {server.address}, redis {redis_address}; uploading packs")
+        with RemoteStore(server.url) as remote:
+            for built in [throughput_pack, *(p for packs in cases.values() for p in packs)]:
+                remote.put(built.encoded)
+        with redis_client(redis_address) as cache:
+            redis_put(cache, throughput_pack.encoded)
+        bench_throughput(throughput_pack, server.url, local, redis_address, sorted(args.clients), args.repeats)
+        log("starting the worker")
+        worker = stack.enter_context(running_worker(server.url, MODEL, workdir, "--cache-bytes", str(WORKER_CACHE_BYTES)))
+        bench_ttft(lm, worker.address, cases, args.ttft_repeats)
+    print(f"\nTotal run time: {time.perf_counter() - _STARTED:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
