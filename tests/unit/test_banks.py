@@ -1,0 +1,130 @@
+"""Banks with the real all-MiniLM-L6-v2 embedder: build, route, add, refusals, damage, lazy recompute."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from packstore.api import ask_bank
+from packstore.bank.bank import add_facts, build_bank, route
+from packstore.bank.embedder import load_embedder, resolve_embedder_dir
+from packstore.bank.synthetic import synthetic_facts
+from packstore.cli.packctl import main as packctl
+from packstore.errors import IntegrityError, InvalidInput, PackMismatch, PackNotFound
+from packstore.kv.inject import Sampling
+from packstore.store import PackStore
+
+N = 400
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    return load_embedder()
+
+
+@pytest.fixture(scope="module")
+def bank_store(tmp_path_factory, embedder):
+    store = PackStore(tmp_path_factory.mktemp("banks") / "store")
+    build_bank(store, "synthetic", [s.fact for s in synthetic_facts(N)], embedder)
+    yield store
+    store.close()
+
+
+def test_build_clusters_about_n_over_20_and_stays_under_1kb_per_fact(bank_store) -> None:
+    meta = bank_store.bank("synthetic")
+    assert (meta.facts, meta.clusters, meta.dim) == (N, N // 20, 384)
+    assert bank_store.bank_stored_bytes("synthetic") / N < 1024
+
+
+def test_paraphrased_queries_route_to_their_fact(bank_store, embedder) -> None:
+    cases = synthetic_facts(N)[::8]
+    results = route(bank_store, "synthetic", [c.query for c in cases], embedder, top_k=3)
+    first = sum(r.facts[0][0] == c.fact for r, c in zip(results, cases))
+    assert first / len(cases) >= 0.95
+    assert all(len(r.clusters) == 3 and len(r.facts) == 3 for r in results)
+    assert all(r.facts[0][1] >= r.facts[1][1] >= r.facts[2][1] for r in results)
+
+
+def test_adding_facts_needs_no_rebuild(bank_store, embedder) -> None:
+    before = bank_store.bank("synthetic")
+    new = "The lighthouse Qwertzuiop on the Glass coast was painted by Hemlo Vantrix."
+    meta = add_facts(bank_store, "synthetic", [new, synthetic_facts(1)[0].fact], embedder)  # the second is already there
+    assert meta.facts == before.facts + 1 and meta.clusters == before.clusters
+    assert route(bank_store, "synthetic", ["Who painted Qwertzuiop?"], embedder, top_k=1)[0].facts[0][0] == new
+
+
+def test_queries_embedded_by_another_embedder_are_refused(bank_store, tmp_path: Path) -> None:
+    copy = tmp_path / "other-embedder"
+    shutil.copytree(resolve_embedder_dir("all-minilm-l6-v2"), copy)
+    (copy / "README.md").write_text("a different embedder identity\n")
+    with pytest.raises(PackMismatch, match="embedder mismatch") as info:
+        route(bank_store, "synthetic", ["Who?"], load_embedder(str(copy)))
+    assert info.value.what == "embedder"
+
+
+def test_empty_huge_and_unicode_queries(bank_store, embedder) -> None:
+    with pytest.raises(InvalidInput, match="empty"):
+        route(bank_store, "synthetic", ["  "], embedder)
+    with pytest.raises(InvalidInput, match="limit"):
+        route(bank_store, "synthetic", ["x" * 100_001], embedder)
+    long_query = "Who established the lighthouse? " * 2000  # past the embedder's 256 tokens: truncated, still routed
+    assert len(route(bank_store, "synthetic", [long_query], embedder)[0].facts) == 5
+    unicode_query = "Qui a fondé l'observatoire « Ŧelvarn » à 東京? 🚀"
+    assert route(bank_store, "synthetic", [unicode_query], embedder)[0].facts
+    with pytest.raises(PackNotFound, match="no bank"):
+        route(bank_store, "absent", ["Who?"], embedder)
+
+
+def test_damaged_cluster_is_detected(tmp_path: Path, embedder) -> None:
+    facts = [s.fact for s in synthetic_facts(40)]
+    with PackStore(tmp_path / "s") as store:
+        build_bank(store, "small", facts, embedder)
+    env = lmdb.open(str(tmp_path / "s"), max_dbs=8)
+    with env.begin(write=True) as txn:
+        db = env.open_db(b"banks", txn=txn)
+        key = next(k for k, _ in txn.cursor(db=db) if k.startswith(b"cluster/small/"))
+        data = bytearray(txn.get(key, db=db))
+        data[100] ^= 1
+        txn.put(key, bytes(data), db=db)
+    env.close()
+    with PackStore(tmp_path / "s") as store:
+        with pytest.raises(IntegrityError, match="bank cluster is damaged"):
+            route(store, "small", [synthetic_facts(1)[0].query], embedder, probe=2)
+
+
+def test_lazy_recompute_matches_text_in_prompt_and_reuses_packs(bank_store, embedder, tiny_lm) -> None:
+    question = synthetic_facts(N)[5].query
+    first = ask_bank(bank_store, tiny_lm, embedder, "synthetic", question, top_k=3, compare_rag=True, sampling=Sampling(max_new_tokens=8))
+    assert first.identical is True and first.pack_reused is False and len(first.facts) == 3
+    assert first.facts[0] == synthetic_facts(N)[5].fact
+    again = ask_bank(bank_store, tiny_lm, embedder, "synthetic", question, top_k=3, sampling=Sampling(max_new_tokens=8))
+    assert again.pack_reused is True and again.pack == first.pack and again.answer == first.answer
+
+
+def test_bank_commands(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
+    facts = tmp_path / "facts.txt"
+    facts.write_text("\n".join(s.fact for s in synthetic_facts(60)))
+    store = ["--store", str(tmp_path / "store")]
+    assert packctl([*store, "bank", "build", str(facts), "--name", "b", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["clusters"] == 3
+    query = synthetic_facts(60)[7].query
+    assert packctl([*store, "bank", "route", "b", query, "--json", "--top-k", "2"]) == 0
+    routed = json.loads(capsys.readouterr().out)
+    assert routed["query"] == query and routed["facts"][0]["text"] == synthetic_facts(60)[7].fact and len(routed["clusters"]) == 3
+    assert set(routed["facts"][0]) == {"text", "score"}
+    queries = tmp_path / "q.jsonl"
+    queries.write_text(json.dumps({"query": query}) + "\n" + json.dumps({"query": "Who?"}) + "\n")
+    assert packctl([*store, "bank", "route", "b", "--queries", str(queries)]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+    assert packctl([*store, "ask", "--bank", "b", query, "--model", str(tiny_model_dir), "--compare-rag", "--json", "--max-new-tokens", "6", "--top-k", "2"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["identical"] is True and answer["bank"] == "b" and len(answer["facts"]) == 2
+    assert packctl([*store, "bank", "ls", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["facts"] == 60
+    assert packctl([*store, "bank", "rm", "b"]) == 0
+    assert packctl([*store, "bank", "route", "b", "Who?"]) == 1
+    assert "no bank named" in capsys.readouterr().err
