@@ -184,10 +184,18 @@ def pack_for_facts(store: Any, lm: LoadedModel, facts: Sequence[str], *, progres
         return pack, False
 
 
+def banks_of(store: Any) -> Any:
+    """Bank operations for a store: ``LocalBanks`` next to an LMDB store, ``RemoteBanks`` over the service."""
+    from packstore.bank.bank import LocalBanks
+    from packstore.client import RemoteBanks, RemoteStore
+
+    return RemoteBanks(store) if isinstance(store, RemoteStore) else LocalBanks(store)
+
+
 def ask_bank(
     store: Any,
     lm: LoadedModel,
-    embedder: Any,
+    embedder: str,
     bank: str,
     question: str,
     *,
@@ -200,9 +208,7 @@ def ask_bank(
 
     With ``compare_rag`` the same facts, in the same order, go into the prompt instead.
     """
-    from packstore.bank.bank import route
-
-    facts = [text for text, _ in route(store, bank, [question], embedder, top_k=top_k, probe=probe)[0].facts]
+    facts = [text for text, _ in banks_of(store).route(bank, [question], embedder, top_k=top_k, probe=probe)[0].facts]
     if not facts:
         raise InvalidInput(f"bank {bank!r} routed the question to no facts")
     pack, reused = pack_for_facts(store, lm, facts)

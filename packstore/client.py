@@ -215,8 +215,22 @@ class WorkerClient(_GrpcClient):
         super().__init__(address, timeout=timeout)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 
-    def ask(self, ref: str, question: str, *, sampling=None, compare_rag: bool = False, on_token: Callable[[str], None] | None = None):
-        """Answer ``question`` with pack ``ref`` on the worker; ``on_token`` receives text as it is generated.
+    def ask(
+        self,
+        ref: str | None,
+        question: str,
+        *,
+        sampling=None,
+        compare_rag: bool = False,
+        on_token: Callable[[str], None] | None = None,
+        bank: str | None = None,
+        top_k: int = 5,
+        probe: int = 3,
+        embedder: str = "",
+    ):
+        """Answer ``question`` with pack ``ref`` (or the routed facts of ``bank``) on the worker.
+
+        ``on_token`` receives text as it is generated.
 
         Returns a ``packstore.api.AskResult`` with the same fields as a local ``ask``.
         """
@@ -226,7 +240,11 @@ class WorkerClient(_GrpcClient):
 
         sampling = sampling or Sampling()
         request = worker_pb2.GenerateRequest(
-            packs=[ref],
+            packs=[ref] if ref else [],
+            bank=bank or "",
+            top_k=top_k,
+            probe=probe,
+            embedder=embedder,
             question=question,
             compare_rag=compare_rag,
             sampling=worker_pb2.Sampling(
@@ -252,6 +270,8 @@ class WorkerClient(_GrpcClient):
             rag_prompt_tokens=done.rag_prompt_tokens if done.compared else None,
             identical=done.identical if done.compared else None,
             pack=done.pack,
+            bank=bank,
+            facts=list(done.facts) if bank else None,
         )
 
     def status(self) -> dict:
@@ -261,3 +281,53 @@ class WorkerClient(_GrpcClient):
 
         reply = self._call(lambda: self._stub.Status(worker_pb2.WorkerStatusRequest(), timeout=self.timeout))
         return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+FACT_BATCH = 1000
+
+
+class RemoteBanks:
+    """Bank operations on the service: the same methods as ``packstore.bank.bank.LocalBanks``."""
+
+    def __init__(self, store: RemoteStore) -> None:
+        self.store = store
+
+    def _upload(self, rpc: Callable, name: str, facts: list[str], embedder: str):
+        from packstore.rpc.messages import bank_meta
+
+        def batches() -> Iterator[store_pb2.BankFacts]:
+            for start in range(0, max(len(facts), 1), FACT_BATCH):
+                yield store_pb2.BankFacts(name=name, embedder=embedder, facts=facts[start : start + FACT_BATCH])
+
+        return bank_meta(self.store._call(lambda: rpc(batches(), timeout=self.store.timeout)))[0]
+
+    def build(self, name: str, facts: list[str], embedder: str = "all-minilm-l6-v2", *, progress: bool = False):
+        return self._upload(self.store._stub.BuildBank, name, list(facts), embedder)
+
+    def add(self, name: str, facts: list[str], embedder: str = "all-minilm-l6-v2", *, progress: bool = False):
+        return self._upload(self.store._stub.AddFacts, name, list(facts), embedder)
+
+    def route(self, name: str, queries: list[str], embedder: str = "all-minilm-l6-v2", *, top_k: int = 5, probe: int = 3):
+        from packstore.bank.bank import Route
+
+        request = store_pb2.RouteQueryRequest(name=name, queries=list(queries), top_k=top_k, probe=probe, embedder=embedder)
+        reply = self.store._call(lambda: self.store._stub.RouteQuery(request, timeout=self.store.timeout))
+        return [Route(query=r.query, clusters=list(r.clusters), facts=[(f.text, f.score) for f in r.facts]) for r in reply.routes]
+
+    def list(self) -> list:
+        from packstore.rpc.messages import bank_meta
+
+        reply = self.store._call(lambda: self.store._stub.ListBanks(store_pb2.ListBanksRequest(), timeout=self.store.timeout))
+        return [bank_meta(info) for info in reply.banks]
+
+    def stored_bytes(self, name: str) -> int:
+        from packstore.errors import PackNotFound
+
+        for meta, size in self.list():
+            if meta.name == name:
+                return size
+        raise PackNotFound(f"no bank named {name!r}")
+
+    def delete(self, name: str) -> None:
+        request = store_pb2.DeleteBankRequest(name=name)
+        self.store._call(lambda: self.store._stub.DeleteBank(request, timeout=self.store.timeout))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -9,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from packstore.bank.embedder import Embedder
+from packstore.bank.embedder import DEFAULT_EMBEDDER, Embedder, load_embedder
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.format.bank import BankMeta, Cluster
 from packstore.store import PackStore
@@ -164,3 +165,44 @@ def route(
             )
         )
     return results
+
+
+_EMBEDDERS: dict[str, Embedder] = {}
+_EMBEDDERS_LOCK = threading.Lock()
+
+
+def cached_embedder(spec: str) -> Embedder:
+    """One loaded embedder per specifier per process (loading and fingerprinting cost about a second)."""
+    with _EMBEDDERS_LOCK:
+        if spec not in _EMBEDDERS:
+            _EMBEDDERS[spec] = load_embedder(spec)
+        return _EMBEDDERS[spec]
+
+
+class LocalBanks:
+    """Bank operations on a local store, with embedders named by specifier (as over the service)."""
+
+    def __init__(self, store: PackStore) -> None:
+        self.store = store
+
+    def build(self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, progress: bool = False) -> BankMeta:
+        return build_bank(self.store, name, facts, cached_embedder(embedder), progress=progress)
+
+    def add(self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, progress: bool = False) -> BankMeta:
+        return add_facts(self.store, name, facts, cached_embedder(embedder), progress=progress)
+
+    def route(
+        self, name: str, queries: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, top_k: int = DEFAULT_TOP_K, probe: int = DEFAULT_PROBE
+    ) -> list[Route]:
+        return route(self.store, name, queries, cached_embedder(embedder), top_k=top_k, probe=probe)
+
+    def list(self) -> list[tuple[BankMeta, int]]:
+        """Every bank with its stored bytes."""
+        return [(meta, self.store.bank_stored_bytes(meta.name)) for meta in self.store.banks()]
+
+    def stored_bytes(self, name: str) -> int:
+        self.store.bank(name)
+        return self.store.bank_stored_bytes(name)
+
+    def delete(self, name: str) -> None:
+        self.store.delete_bank(name)

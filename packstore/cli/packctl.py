@@ -113,14 +113,16 @@ def cmd_ask(args: argparse.Namespace) -> int:
         worker = WorkerClient(args.worker)
         live = not as_lines and not args.compare_rag  # a person reading one answer sees it as it is generated
         show = (lambda text: print(text, end="", flush=True)) if live else None
-        answer_one = lambda q: worker.ask(args.ref, q, sampling=sampling, compare_rag=args.compare_rag, on_token=show)  # noqa: E731
+        answer_one = lambda q: worker.ask(  # noqa: E731
+            args.ref, q, sampling=sampling, compare_rag=args.compare_rag, on_token=show, bank=args.bank,
+            top_k=args.top_k, probe=args.probe, embedder=args.embedder,
+        )
     elif args.bank is not None:
         from packstore.api import ask_bank
-        from packstore.bank.embedder import load_embedder
 
-        lm, embedder, store = _load_model(args), load_embedder(args.embedder), _open_store(args)
+        lm, store = _load_model(args), _open_store(args)
         answer_one = lambda q: ask_bank(  # noqa: E731
-            store, lm, embedder, args.bank, q, top_k=args.top_k, probe=args.probe, compare_rag=args.compare_rag, sampling=sampling
+            store, lm, args.embedder, args.bank, q, top_k=args.top_k, probe=args.probe, compare_rag=args.compare_rag, sampling=sampling
         )
         live = False
     else:
@@ -253,46 +255,44 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bank_record(meta: Any, stored_bytes: int) -> dict[str, Any]:
+    return meta.__dict__ | {"stored_bytes": stored_bytes, "bytes_per_fact": round(stored_bytes / max(meta.facts, 1), 1)}
+
+
 def cmd_bank(args: argparse.Namespace) -> int:
-    from packstore.bank import bank as banks
-    from packstore.bank.embedder import load_embedder
+    from packstore.api import banks_of
     from packstore.facts import read_facts, read_items
 
     with _open_store(args, readonly=args.bank_command in ("route", "ls")) as store:
-        if args.bank_command == "build":
-            facts = read_facts(args.facts)
-            meta = banks.build_bank(store, args.name, facts, load_embedder(args.embedder), progress=_progress(args))
-        elif args.bank_command == "add":
-            meta = banks.add_facts(store, args.name, read_facts(args.facts), load_embedder(args.embedder), progress=_progress(args))
+        banks = banks_of(store)
+        if args.bank_command in ("build", "add"):
+            operation = banks.build if args.bank_command == "build" else banks.add
+            meta = operation(args.name, read_facts(args.facts), args.embedder, progress=_progress(args))
+            record = _bank_record(meta, banks.stored_bytes(meta.name))
+            if args.json:
+                emit_json(record)
+            else:
+                print(f"bank {meta.name}: {meta.facts} facts in {meta.clusters} clusters, {record['bytes_per_fact']:.0f} bytes per fact ({meta.embedder})")
         elif args.bank_command == "route":
             if (args.query is None) == (args.queries is None):
                 raise InvalidInput("give either a QUERY or --queries FILE")
             queries = [args.query] if args.query is not None else read_items(args.queries, "query")
-            for result in banks.route(store, args.name, queries, load_embedder(args.embedder), top_k=args.top_k, probe=args.probe):
+            for result in banks.route(args.name, queries, args.embedder, top_k=args.top_k, probe=args.probe):
                 if args.json or args.queries is not None:
                     emit_json(result.to_json())
-                else:
-                    print(f"Q: {result.query}    clusters {result.clusters}")
-                    for text, score in result.facts:
-                        print(f"  {score:6.3f}  {text}")
-            return 0
+                    continue
+                print(f"Q: {result.query}    clusters {result.clusters}")
+                for text, score in result.facts:
+                    print(f"  {score:6.3f}  {text}")
         elif args.bank_command == "ls":
-            records = [m.__dict__ | {"stored_bytes": store.bank_stored_bytes(m.name)} for m in store.banks()]
+            records = [_bank_record(meta, size) for meta, size in banks.list()]
             if args.json:
                 emit_json(records)
             for r in [] if args.json else records:
-                print(f"{r['name']:<24} {r['facts']:>9} facts {r['clusters']:>7} clusters  {r['stored_bytes'] / max(r['facts'], 1):6.0f} B/fact  {r['embedder']}")
-            return 0
+                print(f"{r['name']:<24} {r['facts']:>9} facts {r['clusters']:>7} clusters {r['bytes_per_fact']:>7.0f} B/fact  {r['embedder']}")
         else:
-            store.delete_bank(args.name)
+            banks.delete(args.name)
             print(f"removed bank {args.name}", file=sys.stderr)
-            return 0
-        record = meta.__dict__ | {"stored_bytes": store.bank_stored_bytes(meta.name)}
-    if args.json:
-        emit_json(record)
-    else:
-        print(f"bank {record['name']}: {record['facts']} facts in {record['clusters']} clusters, "
-              f"{record['stored_bytes'] / record['facts']:.0f} bytes per fact ({record['embedder']})")
     return 0
 
 

@@ -74,3 +74,15 @@ class ChunkAssembler:
     @property
     def complete(self) -> bool:
         return self.next_index == len(self.header.chunks) and not self._parts
+
+
+def bank_info(meta, stored_bytes: int) -> store_pb2.BankInfo:
+    return store_pb2.BankInfo(stored_bytes=stored_bytes, **meta.__dict__)
+
+
+def bank_meta(info: store_pb2.BankInfo):
+    """A BankInfo back to (BankMeta, stored bytes)."""
+    from packstore.format.bank import BankMeta
+
+    fields = {f: getattr(info, f) for f in BankMeta.__dataclass_fields__}
+    return BankMeta(**fields), info.stored_bytes

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from packstore.errors import InvalidInput, PackstoreError
 from packstore.format import PackHeader
-from packstore.rpc.messages import ChunkAssembler, chunk_pieces, pack_info
+from packstore.rpc.messages import ChunkAssembler, bank_info, chunk_pieces, pack_info
 from packstore.rpc.status import LimitExceeded, status_for
 from packstore.service.config import ServiceConfig
 from packstore.service.metrics import ServiceMetrics
@@ -166,6 +166,71 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             for key in keys:
                 result = self.store.verify(key)
                 yield store_pb2.VerifyResult(key=result.key, ok=result.ok, error=result.error or "")
+
+
+    # -- banks ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _embedder(spec: str) -> str:
+        """Over the service an embedder is an installed alias, never a path on the server."""
+        from packstore.bank.embedder import DEFAULT_EMBEDDER, WHEEL_EMBEDDERS
+
+        spec = spec or DEFAULT_EMBEDDER
+        if spec not in WHEEL_EMBEDDERS:
+            raise InvalidInput(f"embedder {spec!r}: over the service, use one of {', '.join(WHEEL_EMBEDDERS)}")
+        return spec
+
+    def _bank_stream(self, request_iterator) -> tuple[str, str, list[str]]:
+        name, embedder, facts = None, None, []
+        for message in request_iterator:
+            if name is None:
+                name, embedder = message.name, self._embedder(message.embedder)
+            facts.extend(message.facts)
+            if sum(map(len, facts)) > self.config.max_pack_bytes:
+                raise LimitExceeded(f"facts exceed the limit of {self.config.max_pack_bytes} bytes")
+        if name is None:
+            raise InvalidInput("no facts were sent")
+        return name, embedder, facts
+
+    def _banks(self):
+        from packstore.bank.bank import LocalBanks
+
+        return LocalBanks(self.store)
+
+    def BuildBank(self, request_iterator, context):
+        with self._call("BuildBank", context) as info:
+            name, embedder, facts = self._bank_stream(request_iterator)
+            info["bank"] = name
+            meta = self._banks().build(name, facts, embedder)
+            return bank_info(meta, self.store.bank_stored_bytes(name))
+
+    def AddFacts(self, request_iterator, context):
+        with self._call("AddFacts", context) as info:
+            name, embedder, facts = self._bank_stream(request_iterator)
+            info["bank"] = name
+            meta = self._banks().add(name, facts, embedder)
+            return bank_info(meta, self.store.bank_stored_bytes(name))
+
+    def RouteQuery(self, request, context):
+        with self._call("RouteQuery", context, bank=request.name):
+            routes = self._banks().route(
+                request.name, list(request.queries), self._embedder(request.embedder), top_k=request.top_k or 5, probe=request.probe or 3
+            )
+            return store_pb2.RouteQueryResponse(
+                routes=[
+                    store_pb2.Route(query=r.query, clusters=r.clusters, facts=[store_pb2.RoutedFact(text=t, score=s) for t, s in r.facts])
+                    for r in routes
+                ]
+            )
+
+    def ListBanks(self, request, context):
+        with self._call("ListBanks", context):
+            return store_pb2.ListBanksResponse(banks=[bank_info(meta, size) for meta, size in self._banks().list()])
+
+    def DeleteBank(self, request, context):
+        with self._call("DeleteBank", context, bank=request.name):
+            self._banks().delete(request.name)
+            return store_pb2.DeleteBankResponse()
 
 
 def build_server(config: ServiceConfig, store: PackStore, metrics: ServiceMetrics) -> tuple[grpc.Server, health.HealthServicer]:

@@ -13,10 +13,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from packstore.api import load_pack, resolve_for_model
+from packstore.api import banks_of, load_pack, pack_for_facts, resolve_for_model
+from packstore.bank.embedder import DEFAULT_EMBEDDER
 from packstore.errors import InvalidInput, PackstoreError
+from packstore.format import pack_key
 from packstore.kv.inject import Sampling, answer_with_text, cache_from_pack, generate_stream, prepare
 from packstore.kv.models import LoadedModel
+from packstore.kv.render import pack_prefix_ids
 from packstore.rpc.status import status_for
 from packstore.service.server import JsonLogFormatter
 from packstore.v1 import worker_pb2, worker_pb2_grpc
@@ -44,16 +47,33 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.cache = cache
         self._device_lock = threading.Lock()
 
+    def _route(self, request) -> tuple[list[str], str]:
+        """The bank's top facts for the question, and the key their pack has for this model."""
+        routed = banks_of(self.store).route(
+            request.bank, [request.question], request.embedder or DEFAULT_EMBEDDER, top_k=request.top_k or 5, probe=request.probe or 3
+        )[0]
+        facts = [text for text, _ in routed.facts]
+        if not facts:
+            raise InvalidInput(f"bank {request.bank!r} routed the question to no facts")
+        return facts, pack_key(self.lm.model_fp, self.lm.template_fp, pack_prefix_ids(self.lm.tokenizer, facts))
+
     def Generate(self, request, context):
         start = time.perf_counter()
         fields: dict = {"method": "Generate"}
         try:
-            if len(request.packs) != 1:
-                raise InvalidInput(f"Generate takes exactly one pack in this version, got {len(request.packs)}")
             sampling = sampling_from(request.sampling)
-            key = resolve_for_model(self.store, request.packs[0], self.lm)
+            facts: list[str] = []
+            if request.bank:
+                if request.packs:
+                    raise InvalidInput("give either packs or a bank, not both")
+                facts, key = self._route(request)
+                pack, hit = self.cache.get(key, lambda k: pack_for_facts(self.store, self.lm, facts)[0])
+            else:
+                if len(request.packs) != 1:
+                    raise InvalidInput(f"Generate takes exactly one pack in this version, got {len(request.packs)}")
+                key = resolve_for_model(self.store, request.packs[0], self.lm)
+                pack, hit = self.cache.get(key, lambda k: load_pack(self.store, k, self.lm))
             fields["key"] = key
-            pack, hit = self.cache.get(key, lambda k: load_pack(self.store, k, self.lm))
             rendering = prepare(self.lm, pack.header, request.question)
             with self._device_lock:
                 tokens = generate_stream(self.lm, rendering.token_ids, sampling, cache_from_pack(pack, self.lm.device))
@@ -74,6 +94,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     kv_prompt_tokens=answer.prompt_tokens,
                     generated_tokens=len(answer.token_ids),
                     cache_hit=hit,
+                    facts=facts,
                 )
                 if request.compare_rag:
                     rag = answer_with_text(self.lm, pack.header.facts, request.question, raw=pack.header.raw, sampling=sampling)

@@ -98,10 +98,10 @@ def test_damaged_cluster_is_detected(tmp_path: Path, embedder) -> None:
 
 def test_lazy_recompute_matches_text_in_prompt_and_reuses_packs(bank_store, embedder, tiny_lm) -> None:
     question = synthetic_facts(N)[5].query
-    first = ask_bank(bank_store, tiny_lm, embedder, "synthetic", question, top_k=3, compare_rag=True, sampling=Sampling(max_new_tokens=8))
+    first = ask_bank(bank_store, tiny_lm, "all-minilm-l6-v2", "synthetic", question, top_k=3, compare_rag=True, sampling=Sampling(max_new_tokens=8))
     assert first.identical is True and first.pack_reused is False and len(first.facts) == 3
     assert first.facts[0] == synthetic_facts(N)[5].fact
-    again = ask_bank(bank_store, tiny_lm, embedder, "synthetic", question, top_k=3, sampling=Sampling(max_new_tokens=8))
+    again = ask_bank(bank_store, tiny_lm, "all-minilm-l6-v2", "synthetic", question, top_k=3, sampling=Sampling(max_new_tokens=8))
     assert again.pack_reused is True and again.pack == first.pack and again.answer == first.answer
 
 

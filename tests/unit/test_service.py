@@ -253,3 +253,28 @@ def test_many_concurrent_large_reads_keep_server_memory_bounded(tmp_path: Path) 
         sampler.join()
         assert len(headers) == 16
         assert peak[0] - before < 4 * stored, f"server grew by {(peak[0] - before) >> 20} MiB for 16 readers of a {stored >> 20} MiB pack"
+
+
+def test_banks_over_the_service(server, remote) -> None:
+    from packstore.api import banks_of
+    from packstore.bank.synthetic import synthetic_facts
+
+    banks = banks_of(remote)
+    cases = synthetic_facts(120)
+    meta = banks.build("remote-bank", [c.fact for c in cases])
+    assert (meta.facts, meta.clusters) == (120, 6)
+    routes = banks.route("remote-bank", [c.query for c in cases[:10]], top_k=2)
+    assert sum(r.facts[0][0] == c.fact for r, c in zip(routes, cases)) >= 9
+    assert all(len(r.clusters) == 3 for r in routes)
+    assert banks.add("remote-bank", ["The mill Xyloquent was built by Ferro."]).facts == 121
+    assert [m.name for m, _ in banks.list()] == ["remote-bank"] and banks.stored_bytes("remote-bank") / 121 < 1024
+    stub = stub_for(server)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.RouteQuery(store_pb2.RouteQueryRequest(name="remote-bank", queries=["Who?"], embedder="/etc"))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "over the service" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.RouteQuery(store_pb2.RouteQueryRequest(name="remote-bank", queries=[" "]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    banks.delete("remote-bank")
+    with pytest.raises(PackNotFound):
+        banks.route("remote-bank", ["Who?"])

@@ -134,3 +134,22 @@ def test_pack_cache_is_an_lru_bounded_in_bytes() -> None:
     cache.get("d", load)  # larger than the whole cache: served, not kept
     assert cache.get("d", load)[1] is False and cache.stats[1] <= 100
     assert loads == ["a", "b", "c", "b", "d", "d"]
+
+
+def test_worker_answers_from_a_bank_with_lazy_recompute(stack, tiny_lm) -> None:
+    from packstore.api import banks_of
+    from packstore.bank.synthetic import synthetic_facts
+
+    server, worker = stack
+    cases = synthetic_facts(60)
+    with RemoteStore(server.url) as remote:
+        banks_of(remote).build("wbank", [c.fact for c in cases])
+        before = len(remote.list())
+        with WorkerClient(worker.address) as client:
+            first = client.ask(None, cases[3].query, bank="wbank", top_k=2, sampling=GREEDY, compare_rag=True)
+            assert first.identical is True and first.facts[0] == cases[3].fact and len(first.facts) == 2
+            assert len(remote.list()) == before + 1  # the computed fact pack was written back
+            again = client.ask(None, cases[3].query, bank="wbank", top_k=2, sampling=GREEDY)
+            assert again.pack == first.pack and again.answer == first.answer
+            with pytest.raises(InvalidInput, match="not both"):
+                client.ask("wexley", "Which river?", bank="wbank")
