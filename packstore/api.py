@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from packstore.bank.bank import DEFAULT_PROBE, DEFAULT_TOP_K
 from packstore.errors import InvalidInput, PackNotFound
 from packstore.format import Pack, decode_pack, encode_pack, pack_key
 from packstore.format.packfile import pack_file_parts, parse_pack_file
@@ -199,8 +200,8 @@ def ask_bank(
     bank: str,
     question: str,
     *,
-    top_k: int = 5,
-    probe: int = 3,
+    top_k: int = DEFAULT_TOP_K,
+    probe: int = DEFAULT_PROBE,
     compare_rag: bool = False,
     sampling: Sampling = Sampling(),
 ) -> AskResult:

@@ -12,6 +12,8 @@ from typing import Callable, Iterator, TypeVar
 import grpc
 import torch
 
+from packstore.bank.bank import DEFAULT_PROBE, DEFAULT_TOP_K
+from packstore.bank.embedder import DEFAULT_EMBEDDER
 from packstore.errors import InvalidInput, PackstoreError
 from packstore.format import EncodedPack, Pack, PackHeader
 from packstore.format.body import _WORKERS, decode_chunk, torch_dtype
@@ -224,8 +226,8 @@ class WorkerClient(_GrpcClient):
         compare_rag: bool = False,
         on_token: Callable[[str], None] | None = None,
         bank: str | None = None,
-        top_k: int = 5,
-        probe: int = 3,
+        top_k: int = DEFAULT_TOP_K,
+        probe: int = DEFAULT_PROBE,
         embedder: str = "",
     ):
         """Answer ``question`` with pack ``ref`` (or the routed facts of ``bank``) on the worker.
@@ -301,13 +303,13 @@ class RemoteBanks:
 
         return bank_meta(self.store._call(lambda: rpc(batches(), timeout=self.store.timeout)))[0]
 
-    def build(self, name: str, facts: list[str], embedder: str = "all-minilm-l6-v2", *, progress: bool = False):
+    def build(self, name: str, facts: list[str], embedder: str = DEFAULT_EMBEDDER, *, progress: bool = False):
         return self._upload(self.store._stub.BuildBank, name, list(facts), embedder)
 
-    def add(self, name: str, facts: list[str], embedder: str = "all-minilm-l6-v2", *, progress: bool = False):
+    def add(self, name: str, facts: list[str], embedder: str = DEFAULT_EMBEDDER, *, progress: bool = False):
         return self._upload(self.store._stub.AddFacts, name, list(facts), embedder)
 
-    def route(self, name: str, queries: list[str], embedder: str = "all-minilm-l6-v2", *, top_k: int = 5, probe: int = 3):
+    def route(self, name: str, queries: list[str], embedder: str = DEFAULT_EMBEDDER, *, top_k: int = DEFAULT_TOP_K, probe: int = DEFAULT_PROBE):
         from packstore.bank.bank import Route
 
         request = store_pb2.RouteQueryRequest(name=name, queries=list(queries), top_k=top_k, probe=probe, embedder=embedder)

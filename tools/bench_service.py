@@ -26,7 +26,7 @@ rotates), every figure is a median, and the ratios within this one run are what 
 Building the packs (prefills on CPU) takes most of the setup. Run from the repository root
 (about 6-10 minutes on a 2-core CPU):
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_service.py [--repeats 5] [--ttft-repeats 3]
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_service.py [--repeats 5] [--ttft-repeats 5]
 
 Progress goes to stderr, the tables to stdout.
 """
@@ -104,6 +104,19 @@ def timed(fn: Callable[[], T]) -> tuple[float, T]:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
+
+
+def paired_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> float:
+    """Median over repetitions of numerator / denominator (both measured back to back in one repetition)."""
+    return median([a / b for a, b in zip(numerators, denominators, strict=True)])
+
+
+def load_average() -> str:
+    """The 1-minute load average (this benchmark's own processes included), for judging how shared the CPU was."""
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except OSError:
+        return "unknown"
 
 
 def rotated(items: Sequence[T], by: int) -> list[T]:
@@ -373,6 +386,7 @@ def bench_throughput(
     built: Built, service_url: str, local: PackStore, redis_address: str, concurrency: Sequence[int], repeats: int
 ) -> None:
     kv = built.kv_bytes
+    load_start = load_average()
     sets = {n: make_clients(n, service_url, local, redis_address, built.key) for n in concurrency}
     try:
         log("throughput: warm-up and correctness check")
@@ -400,9 +414,11 @@ def bench_throughput(
     rows = []
     for n in concurrency:
         rate = {m: n * kv / median(times[n, m]) / MB for m in MODES}
+        # a throughput ratio is the inverse ratio of wall times
+        vs_local, vs_redis = (paired_ratio(times[n, other], times[n, "service"]) for other in ("local", "redis"))
         rows.append([
             str(n), f"{rate['service']:.0f}", f"{rate['local']:.0f}", f"{rate['redis']:.0f}",
-            f"{rate['service'] / rate['local']:.2f}x", f"{rate['service'] / rate['redis']:.2f}x",
+            f"{vs_local:.2f}x", f"{vs_redis:.2f}x",
         ])
     print_table(
         f"1. GetPack throughput, decoded-KV MB/s (median of {repeats}; {built.tokens}-token pack, "
@@ -410,10 +426,12 @@ def bench_throughput(
         ["clients", "service MB/s", "local MB/s", "redis MB/s", "service/local", "service/redis"],
         rows,
     )
-    print("   MB/s = clients x decoded KV bytes per fetch / wall seconds until the last client has its tensors")
+    print("   MB/s = clients x decoded KV bytes per fetch / wall seconds until the last client has its tensors;")
+    print("   ratios = median over repetitions of the ratio within each repetition (the variants run back to back)")
     print("   each mode's first fetch equals the pack as built, tensor for tensor (asserted)")
     print(f"   {sum(concurrency)} RemoteStores and {sum(concurrency)} redis clients were open; TCP connections from them: "
           f"to the service {service_conns}, to redis {redis_conns}")
+    print(f"   1-minute load average at the start and end of this section: {load_start}, {load_average()}")
 
 
 # -- 2. time to first token ---------------------------------------------------------------
@@ -461,6 +479,7 @@ def measure(lm: LoadedModel, stub: worker_pb2_grpc.WorkerStub, case: Built, mode
 def bench_ttft(lm: LoadedModel, worker_address: str, cases: dict[int, list[Built]], repeats: int) -> None:
     """``cases[size]``: repeats + 1 distinct packs of that size; the first warms the worker up."""
     results: dict[tuple[int, str], list[FirstToken]] = {(s, m): [] for s in cases for m in TTFT_MODES}
+    load_start = load_average()
     with grpc.insecure_channel(worker_address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         log("time to first token: warm-up")
@@ -476,13 +495,14 @@ def bench_ttft(lm: LoadedModel, worker_address: str, cases: dict[int, list[Built
                     + ", ".join(f"{m} {results[size, m][-1].seconds:.2f}s" for m in TTFT_MODES))
     rows = []
     for size, packs in cases.items():
-        cold, warm, prefill = (median([x.seconds for x in results[size, m]]) for m in ("cold", "warm", "prefill"))
+        cold, warm, prefill = ([x.seconds for x in results[size, m]] for m in ("cold", "warm", "prefill"))
         same = sum(len({results[size, m][r].token_id for m in TTFT_MODES}) == 1 for r in range(repeats))
         tokens = median([p.tokens for p in packs[1:]])
         kv = median([p.kv_bytes for p in packs[1:]])
         rows.append([
-            str(size), f"{tokens:.0f}", f"{kv / MB:.1f}", f"{cold:.3f}", f"{warm:.3f}", f"{prefill:.3f}",
-            f"{prefill / warm:.1f}x", f"{prefill / cold:.1f}x", f"{cold / warm:.1f}x", f"{same}/{repeats}",
+            str(size), f"{tokens:.0f}", f"{kv / MB:.1f}", f"{median(cold):.3f}", f"{median(warm):.3f}", f"{median(prefill):.3f}",
+            f"{paired_ratio(prefill, warm):.1f}x", f"{paired_ratio(prefill, cold):.1f}x", f"{paired_ratio(cold, warm):.1f}x",
+            f"{same}/{repeats}",
         ])
     print_table(
         f"2. Time to first token through the worker, {MODEL} float32 (median of {repeats}, seconds)",
@@ -491,7 +511,9 @@ def bench_ttft(lm: LoadedModel, worker_address: str, cases: dict[int, list[Built
     )
     print("   cold: a pack not yet in the worker's LRU (cache_hit false, asserted): fetch from the service + decode + inject + question")
     print("   warm: the same pack again, from the LRU (cache_hit true, asserted); prefill: facts as prompt text, in this process")
+    print("   ratios: median over repetitions of the ratio within each repetition (one pack, its three measurements back to back)")
     print("   same token: repetitions where cold, warm and prefill produced the same first token id")
+    print(f"   1-minute load average at the start and end of this section: {load_start}, {load_average()}")
 
 
 # -- main ---------------------------------------------------------------------------------
@@ -500,7 +522,7 @@ def bench_ttft(lm: LoadedModel, worker_address: str, cases: dict[int, list[Built
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions for GetPack throughput")
-    parser.add_argument("--ttft-repeats", type=int, default=3, help="interleaved repetitions (distinct packs) per size for time to first token")
+    parser.add_argument("--ttft-repeats", type=int, default=5, help="interleaved repetitions (distinct packs) per size for time to first token")
     parser.add_argument("--throughput-size", type=int, default=2048, help="target tokens of the throughput pack")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 16], help="concurrent clients to measure")
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 2048], help="target pack sizes (tokens) for time to first token")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,9 +18,13 @@ from packstore.store import PackStore
 from packstore.store.lmdb_store import check_name
 
 FACTS_PER_CLUSTER = 20
+_EMBEDDERS: dict[str, "Embedder"] = {}
+_EMBEDDERS_LOCK = threading.Lock()
 MAX_QUERY_CHARS = 100_000
+LEXICAL_WEIGHT = 0.5
+_WORD = re.compile(r"\w{3,}")
 DEFAULT_TOP_K = 5
-DEFAULT_PROBE = 3
+DEFAULT_PROBE = 5
 
 
 def _now() -> str:
@@ -37,17 +42,44 @@ def unique_facts(facts: Sequence[str]) -> list[str]:
     return list(seen)
 
 
-def kmeans(vectors: np.ndarray, clusters: int, *, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Spherical k-means (faiss): unit-length centroids and each vector's cluster."""
+FLAT_KMEANS_MAX_CLUSTERS = 1024
+
+
+def _flat_kmeans(vectors: np.ndarray, clusters: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     import faiss
 
     if clusters == 1:
         centroid = vectors.mean(axis=0, keepdims=True)
-        return centroid / max(np.linalg.norm(centroid), 1e-12), np.zeros(len(vectors), dtype=np.int64)
-    model = faiss.Kmeans(vectors.shape[1], clusters, niter=25, seed=seed, spherical=True, min_points_per_centroid=1, max_points_per_centroid=1 << 30)
+        return centroid / max(float(np.linalg.norm(centroid)), 1e-12), np.zeros(len(vectors), dtype=np.int64)
+    model = faiss.Kmeans(
+        vectors.shape[1], clusters, niter=20, seed=seed, spherical=True, min_points_per_centroid=1, max_points_per_centroid=1 << 30
+    )
     model.train(vectors)
     _, assignment = model.index.search(vectors, 1)
     return np.ascontiguousarray(model.centroids, dtype=np.float32), assignment[:, 0]
+
+
+def kmeans(vectors: np.ndarray, clusters: int, *, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Spherical k-means (faiss): unit-length centroids and each vector's cluster.
+
+    Flat k-means costs N x k per iteration, so past ``FLAT_KMEANS_MAX_CLUSTERS`` it runs in two
+    levels: about sqrt(k) coarse clusters, each split into clusters in proportion to its size.
+    """
+    clusters = min(clusters, len(vectors))
+    if clusters <= FLAT_KMEANS_MAX_CLUSTERS:
+        return _flat_kmeans(vectors, clusters, seed)
+    coarse = round(clusters**0.5)
+    _, groups = _flat_kmeans(vectors, coarse, seed)
+    centroids, assignment = [], np.zeros(len(vectors), dtype=np.int64)
+    for group in range(coarse):
+        members = np.flatnonzero(groups == group)
+        if not len(members):
+            continue
+        share = max(1, min(len(members), round(clusters * len(members) / len(vectors))))
+        fine_centroids, fine = _flat_kmeans(vectors[members], share, seed + 1 + group)
+        assignment[members] = fine + sum(len(c) for c in centroids)
+        centroids.append(fine_centroids)
+    return np.concatenate(centroids), assignment
 
 
 def _check_embedder(meta: BankMeta, embedder: Embedder) -> None:
@@ -72,15 +104,32 @@ def build_bank(store: PackStore, name: str, facts: Sequence[str], embedder: Embe
     check_name(name)
     facts = unique_facts(facts)
     vectors = embedder.embed(facts, progress=progress)
-    count = max(1, round(len(facts) / FACTS_PER_CLUSTER))
-    centroids, assignment = kmeans(vectors, count)
+    centroids, assignment = kmeans(vectors, max(1, round(len(facts) / FACTS_PER_CLUSTER)))
     now = _now()
     meta = BankMeta(
         name=name, embedder=embedder.name, embedder_fp=embedder.fingerprint, dim=vectors.shape[1],
-        facts=len(facts), clusters=count, next_fact_id=len(facts), created=now, updated=now,
+        facts=len(facts), clusters=len(centroids), next_fact_id=len(facts), created=now, updated=now,
     )
     store.put_bank(meta, centroids, _group(np.arange(len(facts), dtype=np.uint32), vectors, facts, assignment))
     return meta
+
+
+_CENTROIDS: dict[tuple[str, str, str], np.ndarray] = {}
+_CENTROIDS_KEPT = 8
+
+
+def centroids_of(store: PackStore, meta: BankMeta) -> np.ndarray:
+    """A bank's centroid matrix, read and verified once per bank build (adding facts keeps centroids)."""
+    key = (str(store.path), meta.name, meta.created)
+    with _EMBEDDERS_LOCK:
+        found = _CENTROIDS.get(key)
+    if found is None:
+        found = store.bank_centroids(meta.name)
+        with _EMBEDDERS_LOCK:
+            if len(_CENTROIDS) >= _CENTROIDS_KEPT:
+                _CENTROIDS.pop(next(iter(_CENTROIDS)))
+            _CENTROIDS[key] = found
+    return found
 
 
 def add_facts(store: PackStore, name: str, facts: Sequence[str], embedder: Embedder, *, progress: bool = False) -> BankMeta:
@@ -89,7 +138,7 @@ def add_facts(store: PackStore, name: str, facts: Sequence[str], embedder: Embed
     _check_embedder(meta, embedder)
     facts = unique_facts(facts)
     vectors = embedder.embed(facts, progress=progress)
-    assignment = np.argmax(vectors @ store.bank_centroids(name).T, axis=1)
+    assignment = np.argmax(vectors @ centroids_of(store, meta).T, axis=1)
     ids = np.arange(meta.next_fact_id, meta.next_fact_id + len(facts), dtype=np.uint32)
     additions = _group(ids, vectors, facts, assignment)
     current = store.bank_clusters(name, list(additions))
@@ -112,9 +161,27 @@ def add_facts(store: PackStore, name: str, facts: Sequence[str], embedder: Embed
     return meta
 
 
+def _words(text: str) -> set[str]:
+    return set(_WORD.findall(text.lower()))
+
+
+def rank_scores(query: str, query_vector: np.ndarray, texts: list[str], embeddings: np.ndarray) -> np.ndarray:
+    """Hybrid ranking: cosine similarity plus ``LEXICAL_WEIGHT`` x the share of the query's words in the fact.
+
+    Dense embeddings blur rare names (a person, a product code) that a question and its fact share
+    verbatim; the lexical term restores them.
+    """
+    dense = embeddings.astype(np.float32) @ query_vector
+    words = _words(query)
+    if not words:
+        return dense
+    lexical = np.array([len(words & _words(text)) / len(words) for text in texts], dtype=np.float32)
+    return dense + LEXICAL_WEIGHT * lexical
+
+
 @dataclass
 class Route:
-    """Where a query went: the clusters probed, the best facts with their cosine scores, and timings."""
+    """Where a query went: the clusters probed, the best facts with their ranking scores, and timings."""
 
     query: str
     clusters: list[int]
@@ -145,7 +212,7 @@ def route(
     started = time.perf_counter()
     vectors = embedder.embed([q.strip() for q in queries])
     embedded = time.perf_counter()
-    centroid_scores = vectors @ store.bank_centroids(name).T
+    centroid_scores = vectors @ centroids_of(store, meta).T
     nearest = np.argsort(-centroid_scores, axis=1)[:, : min(probe, meta.clusters)]
     routed = time.perf_counter()
     per_query = (embedded - started) / len(queries), (routed - embedded) / len(queries)
@@ -154,7 +221,7 @@ def route(
         ranking = time.perf_counter()
         found = [c for c in store.bank_clusters(name, cluster_ids).values() if c is not None]
         texts = [t for c in found for t in c.texts]
-        scores = np.concatenate([c.embeddings.astype(np.float32) @ vector for c in found]) if found else np.zeros(0)
+        scores = rank_scores(query, vector, texts, np.concatenate([c.embeddings for c in found])) if found else np.zeros(0)
         best = np.argsort(-scores, kind="stable")[:top_k]
         results.append(
             Route(
@@ -165,10 +232,6 @@ def route(
             )
         )
     return results
-
-
-_EMBEDDERS: dict[str, Embedder] = {}
-_EMBEDDERS_LOCK = threading.Lock()
 
 
 def cached_embedder(spec: str) -> Embedder:

@@ -307,8 +307,10 @@ def _model_options(parser: argparse.ArgumentParser, *, required: bool = True) ->
 
 
 def _bank_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--top-k", type=int, default=5, metavar="K", help="facts to keep (default 5)")
-    parser.add_argument("--probe", type=int, default=3, metavar="P", help="nearest clusters to search (default 3)")
+    from packstore.bank.bank import DEFAULT_PROBE, DEFAULT_TOP_K
+
+    parser.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, metavar="K", help=f"facts to keep (default {DEFAULT_TOP_K})")
+    parser.add_argument("--probe", type=int, default=DEFAULT_PROBE, metavar="P", help=f"nearest clusters to search (default {DEFAULT_PROBE})")
     if not any(a.dest == "embedder" for a in parser._actions):
         parser.add_argument("--embedder", default="all-minilm-l6-v2", help="must be the embedder the bank was built with")
 

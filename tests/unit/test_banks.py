@@ -10,7 +10,7 @@ import lmdb
 import pytest
 
 from packstore.api import ask_bank
-from packstore.bank.bank import add_facts, build_bank, route
+from packstore.bank.bank import DEFAULT_PROBE, add_facts, build_bank, route
 from packstore.bank.embedder import load_embedder, resolve_embedder_dir
 from packstore.bank.synthetic import synthetic_facts
 from packstore.cli.packctl import main as packctl
@@ -45,7 +45,7 @@ def test_paraphrased_queries_route_to_their_fact(bank_store, embedder) -> None:
     results = route(bank_store, "synthetic", [c.query for c in cases], embedder, top_k=3)
     first = sum(r.facts[0][0] == c.fact for r, c in zip(results, cases))
     assert first / len(cases) >= 0.95
-    assert all(len(r.clusters) == 3 and len(r.facts) == 3 for r in results)
+    assert all(len(r.clusters) == DEFAULT_PROBE and len(r.facts) == 3 for r in results)
     assert all(r.facts[0][1] >= r.facts[1][1] >= r.facts[2][1] for r in results)
 
 
@@ -114,7 +114,7 @@ def test_bank_commands(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     query = synthetic_facts(60)[7].query
     assert packctl([*store, "bank", "route", "b", query, "--json", "--top-k", "2"]) == 0
     routed = json.loads(capsys.readouterr().out)
-    assert routed["query"] == query and routed["facts"][0]["text"] == synthetic_facts(60)[7].fact and len(routed["clusters"]) == 3
+    assert routed["query"] == query and routed["facts"][0]["text"] == synthetic_facts(60)[7].fact and len(routed["clusters"]) == 3  # all there are
     assert set(routed["facts"][0]) == {"text", "score"}
     queries = tmp_path / "q.jsonl"
     queries.write_text(json.dumps({"query": query}) + "\n" + json.dumps({"query": "Who?"}) + "\n")
@@ -128,3 +128,15 @@ def test_bank_commands(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     assert packctl([*store, "bank", "rm", "b"]) == 0
     assert packctl([*store, "bank", "route", "b", "Who?"]) == 1
     assert "no bank named" in capsys.readouterr().err
+
+
+def test_two_level_kmeans_for_many_clusters(tmp_path: Path, embedder, monkeypatch) -> None:
+    from packstore.bank import bank
+
+    monkeypatch.setattr(bank, "FLAT_KMEANS_MAX_CLUSTERS", 4)
+    cases = synthetic_facts(200)
+    with PackStore(tmp_path / "s") as store:
+        meta = build_bank(store, "two-level", [c.fact for c in cases], embedder)
+        assert 8 <= meta.clusters <= 12
+        routes = route(store, "two-level", [c.query for c in cases[::10]], embedder)
+        assert sum(r.facts[0][0] == c.fact for r, c in zip(routes, cases[::10])) >= 19

@@ -265,7 +265,7 @@ def test_banks_over_the_service(server, remote) -> None:
     assert (meta.facts, meta.clusters) == (120, 6)
     routes = banks.route("remote-bank", [c.query for c in cases[:10]], top_k=2)
     assert sum(r.facts[0][0] == c.fact for r, c in zip(routes, cases)) >= 9
-    assert all(len(r.clusters) == 3 for r in routes)
+    assert all(len(r.clusters) == 5 for r in routes)  # the default probe
     assert banks.add("remote-bank", ["The mill Xyloquent was built by Ferro."]).facts == 121
     assert [m.name for m, _ in banks.list()] == ["remote-bank"] and banks.stored_bytes("remote-bank") / 121 < 1024
     stub = stub_for(server)
