@@ -1,7 +1,7 @@
 """Bank records: metadata JSON, centroid matrix, and one blob per cluster (fp16 embeddings + texts).
 
 Each binary record ends with the sha256 of what precedes it, so damage is detected on read.
-See docs/format.md §7.
+See docs/format.md §6.
 """
 
 from __future__ import annotations
