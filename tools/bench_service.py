@@ -171,6 +171,22 @@ def machine_description() -> str:
     )
 
 
+def source_description() -> str:
+    """The packstore commit measured, and whether packstore/ had uncommitted changes (read-only git calls)."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        command = ["git", "--no-optional-locks", *args]
+        return subprocess.run(command, cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--", "packstore")
+    except (OSError, subprocess.CalledProcessError):
+        return "packstore: not a git checkout"
+    return f"packstore: commit {commit}" + (" + uncommitted changes in packstore/" if dirty else "")
+
+
 def tcp_connections_to(port: int) -> int:
     """Established loopback TCP connections whose remote end is ``port`` (clients' side only)."""
     count = 0
@@ -534,6 +550,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the servers are stopped
 
     print(f"Machine: {machine_description()}")
+    print(f"Source: {source_description()}")
     print(f"Model: {MODEL} float32 on CPU; facts: consecutive contexts of {args.data.name} (the last cut to the size); "
           "question: the first context's; all servers on 127.0.0.1")
     lm = load_model(MODEL, dtype="float32", progress=False)
