@@ -16,11 +16,13 @@ and noisy: repetitions are interleaved and every figure is a median over them):
    vs. ZipNN. Ratio = raw / stored bytes; MB/s in raw MB (10^6 bytes), one thread, timed per
    chunk and summed over all chunks. Every decode is checked bit-exact.
 
-Timed calls run with the garbage collector paused (a collection costs ~0.2 s with a model loaded);
-it collects between them. Run from the repository root (about 10 minutes on a 2-core CPU, most of
-it the 8k-token prefills):
+Torch runs one intra-op thread by default (``--threads``): on a shared 2-core machine two threads
+stall at every parallel region whenever another process holds a core (a 0.2 s first token became
+13 s), while one thread only loses its fair share. Timed calls run with the garbage collector paused
+(a collection costs ~0.2 s with a model loaded); it collects between them. Run from the repository
+root (about 10 minutes on a 2-core CPU, most of it the 8k-token prefills):
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_pack.py [--sizes 512 2048 8000] [--repeats 5]
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_pack.py [--sizes 512 2048 8000] [--repeats 3]
 
 Progress goes to stderr, the tables to stdout.
 """
@@ -125,7 +127,7 @@ def machine_description() -> str:
         pass
     return (
         f"{os.cpu_count()} CPUs ({cpu or 'unknown CPU'}){memory}, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
+        f"({torch.get_num_threads()} intra-op thread{'s' if torch.get_num_threads() != 1 else ''}), transformers {transformers.__version__}, "
         f"zstandard {zstandard.__version__}, python {platform.python_version()}"
     )
 
@@ -425,16 +427,18 @@ def bench_codec(packs: Sequence[CodecPack], repeats: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 2048, 8000], help="target pack sizes in tokens")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions for time to first token")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions for time to first token")
     parser.add_argument("--get-repeats", type=int, default=5, help="interleaved repetitions for get throughput")
     parser.add_argument("--codec-repeats", type=int, default=5, help="interleaved repetitions for the codecs")
     parser.add_argument("--codec-size", type=int, default=2048, help="which size's facts the codec table uses")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (see above)")
     parser.add_argument("--data", type=Path, default=DATA, help="JSON lines with 'context' and 'question'")
     parser.add_argument("--workdir", type=Path, default=None, help="where the scratch store goes (default: a temp dir)")
     args = parser.parse_args()
     if args.codec_size not in args.sizes:
         parser.error("--codec-size must be one of --sizes")
 
+    torch.set_num_threads(args.threads)
     started = time.perf_counter()
     print(f"Machine: {machine_description()}")
     print(f"Source: {source_description()}")
