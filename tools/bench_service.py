@@ -202,6 +202,16 @@ def tcp_connections_to(port: int) -> int:
     return count
 
 
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds so far of the processes ``pids`` (all their threads), from /proc."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat(5)
+    return total / ticks
+
+
 def port_of(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
 
@@ -291,9 +301,15 @@ def stop_process(process: subprocess.Popen, grace: float = 15.0) -> None:
             process.wait()
 
 
+@dataclass(frozen=True)
+class RedisServer:
+    address: str
+    process: subprocess.Popen
+
+
 @contextmanager
-def running_redis(workdir: Path) -> Iterator[str]:
-    """``redis-server`` on a free loopback port without persistence; yields HOST:PORT once it answers PING."""
+def running_redis(workdir: Path) -> Iterator[RedisServer]:
+    """``redis-server`` on a free loopback port without persistence; yields once it answers PING."""
     binary = shutil.which("redis-server") or "/usr/bin/redis-server"
     port = free_port()
     log_file = open(workdir / "redis.log", "w")
@@ -312,7 +328,7 @@ def running_redis(workdir: Path) -> Iterator[str]:
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"redis-server did not start (see {workdir / 'redis.log'})") from None
                 time.sleep(0.1)
-        yield f"127.0.0.1:{port}"
+        yield RedisServer(f"127.0.0.1:{port}", process)
     finally:
         stop_process(process)
         log_file.close()
@@ -399,9 +415,12 @@ def run_together(fetchers: Sequence[Callable[[], Pack]]) -> tuple[float, list[Pa
 
 
 def bench_throughput(
-    built: Built, service_url: str, local: PackStore, redis_address: str, concurrency: Sequence[int], repeats: int
+    built: Built, service_url: str, local: PackStore, redis_address: str, concurrency: Sequence[int], repeats: int,
+    server_pids: Sequence[int],
 ) -> None:
+    """``server_pids``: the pack service's and redis-server's, whose CPU time is counted with this process's."""
     kv = built.kv_bytes
+    pids = [os.getpid(), *server_pids]
     load_start = load_average()
     sets = {n: make_clients(n, service_url, local, redis_address, built.key) for n in concurrency}
     try:
@@ -410,11 +429,14 @@ def bench_throughput(
             pack = sets[min(concurrency)].fetchers[mode][0]()
             assert same_tensors(pack, built.pack), f"{mode}: fetched tensors differ from the pack as built"
         times: dict[tuple[int, str], list[float]] = {(n, m): [] for n in concurrency for m in MODES}
+        cpu: dict[tuple[int, str], list[float]] = {(n, m): [] for n in concurrency for m in MODES}
         for r in range(repeats):
             for n in concurrency:
                 for mode in rotated(MODES, r):
                     gc.collect()
+                    cpu_before = cpu_seconds(pids)
                     seconds, packs = run_together(sets[n].fetchers[mode])
+                    cpu[n, mode].append(cpu_seconds(pids) - cpu_before)
                     assert all(p.header.key == built.key and p.header.raw_bytes == kv for p in packs)
                     times[n, mode].append(seconds)
                     del packs
@@ -448,6 +470,20 @@ def bench_throughput(
     print(f"   {sum(concurrency)} RemoteStores and {sum(concurrency)} redis clients were open; TCP connections from them: "
           f"to the service {service_conns}, to redis {redis_conns}")
     print(f"   1-minute load average at the start and end of this section: {load_start}, {load_average()}")
+    rows = []
+    for n in concurrency:
+        per_gb = {m: median(cpu[n, m]) / (n * kv / 1e9) for m in MODES}
+        vs_local, vs_redis = (paired_ratio(cpu[n, "service"], cpu[n, other]) for other in ("local", "redis"))
+        rows.append([
+            str(n), f"{per_gb['service']:.2f}", f"{per_gb['local']:.2f}", f"{per_gb['redis']:.2f}", f"{vs_local:.2f}x", f"{vs_redis:.2f}x",
+        ])
+    print_table(
+        f"1b. CPU cost of the same fetches, CPU seconds per GB of decoded KV (median of {repeats}; "
+        "this process + packstore serve + redis-server, user + system)",
+        ["clients", "service CPU s/GB", "local CPU s/GB", "redis CPU s/GB", "service/local", "service/redis"],
+        rows,
+    )
+    print("   CPU time is less sensitive than wall time to other load on a shared machine (10 ms tick resolution)")
 
 
 # -- 2. time to first token ---------------------------------------------------------------
@@ -570,14 +606,18 @@ def main() -> None:
         local = stack.enter_context(PackStore(workdir / "local"))
         local.put(throughput_pack.encoded)
         server = stack.enter_context(running_server(workdir / "service"))
-        redis_address = stack.enter_context(running_redis(workdir))
+        redis_server = stack.enter_context(running_redis(workdir))
+        redis_address = redis_server.address
         log(f"servers up: service {server.address}, redis {redis_address}; uploading packs")
         with RemoteStore(server.url) as remote:
             for built in [throughput_pack, *(p for packs in cases.values() for p in packs)]:
                 remote.put(built.encoded)
         with redis_client(redis_address) as cache:
             redis_put(cache, throughput_pack.encoded)
-        bench_throughput(throughput_pack, server.url, local, redis_address, sorted(args.clients), args.repeats)
+        bench_throughput(
+            throughput_pack, server.url, local, redis_address, sorted(args.clients), args.repeats,
+            [server.process.pid, redis_server.process.pid],
+        )
         log("starting the worker")
         worker = stack.enter_context(running_worker(server.url, MODEL, workdir, "--cache-bytes", str(WORKER_CACHE_BYTES)))
         bench_ttft(lm, worker.address, cases, args.ttft_repeats)

@@ -270,8 +270,8 @@ class PackStore(BankTables):
             packs = [self._stored(txn, key) for key in keys]
         return [p for p in packs if model_fp is None or p.header.model_fp == model_fp]
 
-    def get(self, ref: str, *, model_fp: str | None = None) -> EncodedPack:
-        """Read a pack's header and every chunk, verifying each chunk's checksum."""
+    def _read(self, ref: str, *, model_fp: str | None = None) -> EncodedPack:
+        """A pack's header and chunks as stored, not yet checked against their checksums."""
         key = self.resolve(ref, model_fp=model_fp)
         with self._env.begin(buffers=False) as txn:
             header = self._header_in(txn, key)
@@ -280,17 +280,23 @@ class PackStore(BankTables):
                 data = txn.get(_chunk_key(key, index), db=self._chunks)
                 if data is None:
                     raise IntegrityError(f"pack {key}: chunk {index} is missing")
-                verify_chunk(header, index, data)
                 chunks.append(data)
         return EncodedPack(header=header, chunks=chunks)
+
+    def get(self, ref: str, *, model_fp: str | None = None) -> EncodedPack:
+        """Read a pack's header and every chunk, verifying each chunk's checksum."""
+        encoded = self._read(ref, model_fp=model_fp)
+        for index, data in enumerate(encoded.chunks):
+            verify_chunk(encoded.header, index, data)
+        return encoded
 
     def fetch(
         self, ref: str, *, device: str | None = None, model_fp: str | None = None, template_fp: str | None = None
     ) -> Pack:
         """Get, verify and decode a pack; refuses one whose identities differ from those the caller states."""
-        encoded = self.get(ref, model_fp=model_fp)
+        encoded = self._read(ref, model_fp=model_fp)
         encoded.header.check_identities(model_fp, template_fp)
-        pack = decode_pack(encoded)
+        pack = decode_pack(encoded)  # verifies every chunk's checksum before decoding it
         if device is not None and str(device) != "cpu":
             pack = Pack(header=pack.header, keys=[k.to(device) for k in pack.keys], values=[v.to(device) for v in pack.values])
         return pack
@@ -320,7 +326,7 @@ class PackStore(BankTables):
         """Check one pack's header seal, every chunk's checksum, and that every chunk decodes."""
         key = ref if parse_key(ref) else self.resolve(ref)
         try:
-            decode_pack(self.get(key))
+            decode_pack(self._read(key))  # checks every checksum, then that every chunk decodes
         except (IntegrityError, PackNotFound) as exc:
             return VerifyResult(key=key, error=str(exc))
         return VerifyResult(key=key, error=None)
