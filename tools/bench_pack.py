@@ -34,9 +34,6 @@ import dataclasses
 import gc
 import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,6 +55,18 @@ from packstore.kv.models import LoadedModel, load_model  # noqa: E402
 from packstore.kv.render import render  # noqa: E402
 from packstore.store import PackStore  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import logger, median, print_table, source_description, timed  # noqa: E402
+from benchlib import machine_description as describe_machine  # noqa: E402
+
+log = logger("bench_pack")
+
+
+def machine_description() -> str:
+    return describe_machine({"transformers": transformers.__version__, "zstandard": zstandard.__version__})
+
+
+
 MODEL = "smollm2-135m"
 MAX_CONTEXT = 8192
 DATA = Path("/work/shared/data/ckc_dev.jsonl")
@@ -69,82 +78,6 @@ T = TypeVar("T")
 # -- helpers ------------------------------------------------------------------------------
 
 
-_STARTED = time.perf_counter()
-
-
-def log(message: str) -> None:
-    print(f"[bench_pack {time.perf_counter() - _STARTED:5.0f}s] {message}", file=sys.stderr, flush=True)
-
-
-def timed(fn: Callable[[], T]) -> tuple[float, T]:
-    """Seconds one call of ``fn`` takes, with the garbage collector paused, and its result.
-
-    With the model loaded a full collection takes ~0.2 s, so callers collect once per round
-    (``gc.collect()``) instead of letting one land inside a timed call.
-    """
-    gc.disable()
-    try:
-        start = time.perf_counter()
-        result = fn()
-        return time.perf_counter() - start, result
-    finally:
-        gc.enable()
-
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values)
-
-
-def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """A plain-text table: first column left-aligned, the others right-aligned."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    print(f"\n{title}")
-    print(line(headers))
-    print("  ".join("-" * w for w in widths))
-    for row in rows:
-        print(line(row))
-    sys.stdout.flush()
-
-
-def machine_description() -> str:
-    cpu = platform.processor()
-    try:
-        for text in Path("/proc/cpuinfo").read_text().splitlines():
-            if text.startswith("model name"):
-                cpu = text.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    memory = ""
-    try:
-        kib = int(Path("/proc/meminfo").read_text().split()[1])
-        memory = f", {kib / 2**20:.0f} GiB RAM"
-    except (OSError, ValueError, IndexError):
-        pass
-    return (
-        f"{os.cpu_count()} CPUs ({cpu or 'unknown CPU'}){memory}, torch {torch.__version__} "
-        f"({torch.get_num_threads()} intra-op thread{'s' if torch.get_num_threads() != 1 else ''}), transformers {transformers.__version__}, "
-        f"zstandard {zstandard.__version__}, python {platform.python_version()}"
-    )
-
-
-def source_description() -> str:
-    """The packstore commit measured, and whether its package sources had uncommitted changes."""
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--", "packstore")
-    except (OSError, subprocess.CalledProcessError):
-        return "packstore: not a git checkout"
-    return f"packstore: commit {commit}" + (" + uncommitted changes in packstore/" if dirty else "")
 
 
 # -- inputs -------------------------------------------------------------------------------

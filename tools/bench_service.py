@@ -37,10 +37,8 @@ import argparse
 import gc
 import json
 import os
-import platform
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -71,6 +69,18 @@ from packstore.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from service_helpers import free_port, running_server, running_worker  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import elapsed, logger, median, print_table, source_description, timed  # noqa: E402
+from benchlib import machine_description as describe_machine  # noqa: E402
+
+log = logger("bench_service")
+
+
+def machine_description() -> str:
+    return describe_machine({"transformers": transformers.__version__, "grpcio": grpc.__version__, "redis-py": redis.__version__})
+
+
+
 MODEL = "smollm2-135m"
 DATA = Path("/work/shared/data/ckc_dev.jsonl")
 FIRST_TOKEN = Sampling(max_new_tokens=1)
@@ -81,29 +91,9 @@ TTFT_MODES = ("prefill", "cold", "warm")
 TTFT_ORDERS = (TTFT_MODES, ("cold", "prefill", "warm"), ("cold", "warm", "prefill"))  # cold precedes warm; prefill moves
 T = TypeVar("T")
 
-_STARTED = time.perf_counter()
 
 
 # -- helpers ------------------------------------------------------------------------------
-
-
-def log(message: str) -> None:
-    print(f"[bench_service {time.perf_counter() - _STARTED:5.0f}s] {message}", file=sys.stderr, flush=True)
-
-
-def timed(fn: Callable[[], T]) -> tuple[float, T]:
-    """Seconds one call of ``fn`` takes with the garbage collector paused (callers collect between calls)."""
-    gc.disable()
-    try:
-        start = time.perf_counter()
-        result = fn()
-        return time.perf_counter() - start, result
-    finally:
-        gc.enable()
-
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values)
 
 
 def paired_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> float:
@@ -122,69 +112,6 @@ def load_average() -> str:
 def rotated(items: Sequence[T], by: int) -> list[T]:
     by %= len(items)
     return list(items[by:]) + list(items[:by])
-
-
-def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """A plain-text table: first column left-aligned, the others right-aligned."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    print(f"\n{title}")
-    print(line(headers))
-    print("  ".join("-" * w for w in widths))
-    for row in rows:
-        print(line(row))
-    sys.stdout.flush()
-
-
-def cpu_model() -> str:
-    """The CPU model name from ``lscpu`` (else /proc/cpuinfo, else platform)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for text in out.splitlines():
-            if text.startswith("Model name:"):
-                return text.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    try:
-        for text in Path("/proc/cpuinfo").read_text().splitlines():
-            if text.startswith("model name"):
-                return text.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def machine_description() -> str:
-    memory = ""
-    try:
-        kib = int(Path("/proc/meminfo").read_text().split()[1])
-        memory = f", {kib / 2**20:.0f} GiB RAM"
-    except (OSError, ValueError, IndexError):
-        pass
-    return (
-        f"{os.cpu_count()} CPUs ({cpu_model()}){memory}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"transformers {transformers.__version__}, grpcio {grpc.__version__}, redis-py {redis.__version__}, "
-        f"python {platform.python_version()}"
-    )
-
-
-def source_description() -> str:
-    """The packstore commit measured, and whether packstore/ had uncommitted changes (read-only git calls)."""
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str:
-        command = ["git", "--no-optional-locks", *args]
-        return subprocess.run(command, cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--", "packstore")
-    except (OSError, subprocess.CalledProcessError):
-        return "packstore: not a git checkout"
-    return f"packstore: commit {commit}" + (" + uncommitted changes in packstore/" if dirty else "")
 
 
 def tcp_connections_to(port: int) -> int:
@@ -621,7 +548,7 @@ def main() -> None:
         log("starting the worker")
         worker = stack.enter_context(running_worker(server.url, MODEL, workdir, "--cache-bytes", str(WORKER_CACHE_BYTES)))
         bench_ttft(lm, worker.address, cases, args.ttft_repeats)
-    print(f"\nTotal run time: {time.perf_counter() - _STARTED:.0f} s")
+    print(f"\nTotal run time: {elapsed():.0f} s")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -21,7 +19,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from packstore.client import RemoteStore
 from packstore.errors import IntegrityError, PackMismatch, PackNotFound, PackstoreError
 from packstore.format import decode_pack, encode_pack
-from packstore.format.packfile import pack_file_parts
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 from test_format import make_pack
