@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import lmdb
+import numpy as np
 import pytest
 
 from packstore.api import ask_bank
@@ -47,6 +48,17 @@ def test_paraphrased_queries_route_to_their_fact(bank_store, embedder) -> None:
     assert first / len(cases) >= 0.95
     assert all(len(r.clusters) == DEFAULT_PROBE and len(r.facts) == 3 for r in results)
     assert all(r.facts[0][1] >= r.facts[1][1] >= r.facts[2][1] for r in results)
+
+
+def test_routed_clusters_are_the_nearest_centroids_best_first(bank_store, embedder) -> None:
+    query = synthetic_facts(N)[5].query
+    result = route(bank_store, "synthetic", [query], embedder, probe=7)[0]
+    scores = bank_store.bank_centroids("synthetic") @ embedder.embed([query])[0]
+    assert result.clusters == np.argsort(-scores, kind="stable")[:7].tolist()
+    clusters = bank_store.bank_clusters("synthetic", list(range(N // 20))).values()
+    stored = [text for cluster in clusters for text in cluster.texts]
+    assert sorted(stored) == sorted(s.fact for s in synthetic_facts(N))
+    assert all(list(c.ids) == sorted(c.ids) for c in clusters)
 
 
 def test_adding_facts_needs_no_rebuild(bank_store, embedder) -> None:
