@@ -39,7 +39,7 @@ def bench_size(n: int, queries: int, recomputes: int, embedder, lm, workdir: Pat
     cases = synthetic_facts(n)
     with PackStore(workdir / f"bank-{n}") as store:
         started = time.perf_counter()
-        meta = build_bank(store, "synthetic", [c.fact for c in cases], embedder)
+        meta = build_bank(store, "synthetic", [c.fact for c in cases], embedder, progress=True)
         build_seconds = time.perf_counter() - started
         per_fact = store.bank_stored_bytes("synthetic") / n
         sample = cases[:: max(1, n // queries)][:queries]
