@@ -158,6 +158,27 @@ def generate_stream(
     return _answer(lm, new, ids.shape[1] - cached)
 
 
+class TextDeltas:
+    """The text each streamed token adds to the answer, so the pieces concatenate to the decoded answer.
+
+    A byte-level token can end inside a UTF-8 character; its text is held back (``""``) until the
+    character is complete instead of sending a replacement character.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        now = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if now.endswith("\ufffd"):
+            return ""
+        delta, self.text = now[len(self.text) :], now
+        return delta
+
+
 def answer_with_pack(lm: LoadedModel, pack: Pack, question: str, sampling: Sampling = Sampling()) -> Answer:
     """Answer with the pack injected: the model prefills only the question's tokens."""
     rendering = prepare(lm, pack.header, question)

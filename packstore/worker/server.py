@@ -18,7 +18,7 @@ from packstore.bank.bank import DEFAULT_PROBE, DEFAULT_TOP_K
 from packstore.bank.embedder import DEFAULT_EMBEDDER
 from packstore.errors import InvalidInput, PackstoreError
 from packstore.format import pack_key
-from packstore.kv.inject import Sampling, answer_with_text, cache_from_pack, generate_stream, prepare
+from packstore.kv.inject import Sampling, TextDeltas, answer_with_text, cache_from_pack, generate_stream, prepare
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import pack_prefix_ids
 from packstore.rpc.status import status_for
@@ -78,15 +78,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             rendering = prepare(self.lm, pack.header, request.question)
             with self._device_lock:
                 tokens = generate_stream(self.lm, rendering.token_ids, sampling, cache_from_pack(pack, self.lm.device))
-                ids: list[int] = []
-                text = ""
+                deltas = TextDeltas(self.lm.tokenizer)
                 try:
                     while True:
                         token = next(tokens)
-                        ids.append(token)
-                        now = self.lm.tokenizer.decode(ids, skip_special_tokens=True)
-                        yield worker_pb2.GenerateResponse(token=worker_pb2.Token(id=token, text=now[len(text) :]))
-                        text = now
+                        yield worker_pb2.GenerateResponse(token=worker_pb2.Token(id=token, text=deltas.add(token)))
                 except StopIteration as finished:
                     answer = finished.value
                 done = worker_pb2.GenerateDone(

@@ -8,7 +8,7 @@ from packstore.api import ask
 from packstore.errors import PackMismatch
 from packstore.format import decode_pack, encode_pack
 from packstore.kv.build import build_pack
-from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text, prefill_divergence
+from packstore.kv.inject import Sampling, TextDeltas, answer_with_pack, answer_with_text, prefill_divergence
 from packstore.kv.models import load_model
 from test_identity import ALT_TEMPLATE
 
@@ -89,3 +89,13 @@ def test_long_pack_built_in_chunks_stays_exact(tiny_lm, monkeypatch) -> None:
         answer_with_pack(tiny_lm, pack, question, GREEDY).token_ids
         == answer_with_text(tiny_lm, facts, question, sampling=GREEDY).token_ids
     )
+
+
+def test_streamed_text_pieces_concatenate_to_the_answer_even_inside_utf8_characters(tiny_lm) -> None:
+    text = "Tōkyō 東京 café 🚀!"
+    ids = tiny_lm.tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text)  # the tiny byte-level vocabulary splits these characters across tokens
+    deltas = TextDeltas(tiny_lm.tokenizer)
+    pieces = [deltas.add(token) for token in ids]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in piece for piece in pieces)
