@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from packstore.bank.embedder import DEFAULT_EMBEDDER, Embedder, load_embedder
 from packstore.errors import InvalidInput, PackMismatch
@@ -117,22 +118,32 @@ def build_bank(store: PackStore, name: str, facts: Sequence[str], embedder: Embe
     return meta
 
 
-_CENTROIDS: dict[tuple[str, str, str], np.ndarray] = {}
+_CENTROIDS: dict[tuple[str, str, bytes], torch.Tensor] = {}
 _CENTROIDS_KEPT = 8
 
 
-def centroids_of(store: PackStore, meta: BankMeta) -> np.ndarray:
-    """A bank's centroid matrix, read and verified once per bank build (adding facts keeps centroids)."""
-    key = (str(store.path), meta.name, meta.created)
+def centroids_of(store: PackStore, name: str) -> torch.Tensor:
+    """A bank's centroid matrix, read and verified once per build: cached under the centroid record's seal."""
+    key = (str(store.path), name, store.bank_centroids_seal(name))
     with _EMBEDDERS_LOCK:
         found = _CENTROIDS.get(key)
     if found is None:
-        found = store.bank_centroids(meta.name)
+        found = torch.tensor(store.bank_centroids(name))
         with _EMBEDDERS_LOCK:
             if len(_CENTROIDS) >= _CENTROIDS_KEPT:
                 _CENTROIDS.pop(next(iter(_CENTROIDS)))
             _CENTROIDS[key] = found
     return found
+
+
+def nearest_centroids(vectors: np.ndarray, centroids: torch.Tensor, count: int) -> np.ndarray:
+    """Per vector, the indices of the ``count`` centroids of highest cosine, best first.
+
+    Torch, not NumPy: the matmul then runs on the embedder's thread pool, where a NumPy BLAS pool
+    beside it would oversubscribe the cores.
+    """
+    scores = torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32)) @ centroids.T
+    return torch.topk(scores, min(count, centroids.shape[0]), dim=1).indices.numpy()
 
 
 def add_facts(store: PackStore, name: str, facts: Sequence[str], embedder: Embedder, *, progress: bool = False) -> BankMeta:
@@ -141,7 +152,7 @@ def add_facts(store: PackStore, name: str, facts: Sequence[str], embedder: Embed
     _check_embedder(meta, embedder)
     facts = unique_facts(facts)
     vectors = embedder.embed(facts, progress=progress)
-    assignment = np.argmax(vectors @ centroids_of(store, meta).T, axis=1)
+    assignment = nearest_centroids(vectors, centroids_of(store, name), 1)[:, 0]
     ids = np.arange(meta.next_fact_id, meta.next_fact_id + len(facts), dtype=np.uint32)
     additions = _group(ids, vectors, facts, assignment)
     current = store.bank_clusters(name, list(additions))
@@ -199,14 +210,6 @@ class Route:
         }
 
 
-def _top_columns(scores: np.ndarray, count: int) -> np.ndarray:
-    """Per row, the indices of the ``count`` highest scores, best first (a partial sort: k is small, N/20 is not)."""
-    if count >= scores.shape[1]:
-        return np.argsort(-scores, axis=1, kind="stable")
-    top = np.argpartition(-scores, count - 1, axis=1)[:, :count]
-    return np.take_along_axis(top, np.argsort(-np.take_along_axis(scores, top, axis=1), axis=1, kind="stable"), axis=1)
-
-
 def route(
     store: PackStore, name: str, queries: Sequence[str], embedder: Embedder, *, top_k: int = DEFAULT_TOP_K, probe: int = DEFAULT_PROBE
 ) -> list[Route]:
@@ -223,8 +226,7 @@ def route(
     started = time.perf_counter()
     vectors = embedder.embed([q.strip() for q in queries])
     embedded = time.perf_counter()
-    centroid_scores = vectors @ centroids_of(store, meta).T
-    nearest = _top_columns(centroid_scores, min(probe, meta.clusters))
+    nearest = nearest_centroids(vectors, centroids_of(store, name), probe)
     routed = time.perf_counter()
     per_query = (embedded - started) / len(queries), (routed - embedded) / len(queries)
     results = []

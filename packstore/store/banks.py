@@ -87,6 +87,15 @@ class BankTables:
             raise PackNotFound(f"no bank named {name!r}")
         return decode_centroids(data)
 
+    def bank_centroids_seal(self, name: str) -> bytes:
+        """The sha256 that ends the centroid record: names one build's centroids without reading them."""
+        self._bank_db(name)
+        with self._env.begin(buffers=True) as txn:
+            data = txn.get(_centroids_key(name), db=self._banks)
+            if data is None:
+                raise PackNotFound(f"no bank named {name!r}")
+            return bytes(data[-32:])
+
     def bank_clusters(self, name: str, cluster_ids: list[int]) -> dict[int, Cluster]:
         """The given clusters (a cluster with no facts yet is empty)."""
         self._bank_db(name)

@@ -91,6 +91,16 @@ def test_empty_huge_and_unicode_queries(bank_store, embedder) -> None:
         route(bank_store, "absent", ["Who?"], embedder)
 
 
+def test_a_bank_rebuilt_under_its_name_is_routed_with_its_new_centroids(tmp_path: Path, embedder) -> None:
+    old, new = synthetic_facts(200)[:100], synthetic_facts(200)[100:120]
+    with PackStore(tmp_path / "s") as store:
+        build_bank(store, "b", [s.fact for s in old], embedder)
+        assert route(store, "b", [old[3].query], embedder, top_k=1)[0].facts[0][0] == old[3].fact
+        build_bank(store, "b", [s.fact for s in new], embedder)  # same second, same name: a routing cache must not serve the old build
+        result = route(store, "b", [new[3].query], embedder, top_k=1, probe=50)[0]
+        assert result.facts[0][0] == new[3].fact and len(result.clusters) == 1
+
+
 def test_damaged_cluster_is_detected(tmp_path: Path, embedder) -> None:
     facts = [s.fact for s in synthetic_facts(40)]
     with PackStore(tmp_path / "s") as store:
