@@ -7,6 +7,7 @@ import sys
 
 from packstore import __version__
 from packstore.cli.common import CommandLine, emit_json
+from packstore.errors import InvalidInput
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -54,6 +55,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from packstore.kv.models import load_model
     from packstore.worker.server import serve_worker
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidInput("--threads must be at least 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     lm = load_model(args.model, device=args.device, dtype=args.dtype, chat_template=template, progress=not args.quiet and sys.stderr.isatty())
     with open_store(args.store, readonly=True) as store:
@@ -81,6 +88,7 @@ def build_cli() -> CommandLine:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--chat-template", metavar="FILE")
+    p.add_argument("--threads", type=int, metavar="N", help="CPU threads for the model (default: torch's, one per core)")
     return cli
 
 

@@ -10,6 +10,7 @@ import time
 from concurrent import futures
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -118,6 +119,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             cached_bytes=size,
             cache_limit_bytes=self.cache.limit_bytes,
             store=str(getattr(self.store, "target", getattr(self.store, "path", ""))),
+            cpu_threads=torch.get_num_threads(),
         )
 
 

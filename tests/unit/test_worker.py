@@ -27,7 +27,7 @@ GREEDY = Sampling(max_new_tokens=12)
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("stack")
-    with running_server(root / "data") as server, running_worker(server.url, str(tiny_model_dir), root) as worker:
+    with running_server(root / "data") as server, running_worker(server.url, str(tiny_model_dir), root, "--threads", "1") as worker:
         yield server, worker
 
 
@@ -44,7 +44,7 @@ def test_answers_through_the_worker_match_text_in_prompt(stack, tiny_lm) -> None
         local = ask(tiny_lm, pack, "What is Wexley famous for?", compare_rag=True, sampling=GREEDY)
         assert (result.answer, result.kv_prompt_tokens, result.rag_prompt_tokens) == (local.answer, local.kv_prompt_tokens, local.rag_prompt_tokens)
         status = client.status()
-        assert status["cached_packs"] == 1 and status["model_fp"] == tiny_lm.model_fp
+        assert status["cached_packs"] == 1 and status["model_fp"] == tiny_lm.model_fp and status["cpu_threads"] == 1
 
 
 def test_second_request_hits_the_cache(stack, tiny_lm) -> None:
