@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from packstore.bank.bank import DEFAULT_PROBE, DEFAULT_TOP_K
+from packstore.bank.bank import DEFAULT_TOP_K
 from packstore.errors import InvalidInput, PackNotFound
 from packstore.format import Pack, decode_pack, encode_pack, pack_key
 from packstore.format.packfile import pack_file_parts, parse_pack_file
@@ -201,7 +201,7 @@ def ask_bank(
     question: str,
     *,
     top_k: int = DEFAULT_TOP_K,
-    probe: int = DEFAULT_PROBE,
+    probe: int | None = None,
     compare_rag: bool = False,
     sampling: Sampling = Sampling(),
 ) -> AskResult:

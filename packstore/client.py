@@ -12,7 +12,7 @@ from typing import Callable, Iterator, TypeVar
 import grpc
 import torch
 
-from packstore.bank.bank import DEFAULT_PROBE, DEFAULT_TOP_K
+from packstore.bank.bank import DEFAULT_TOP_K
 from packstore.bank.embedder import DEFAULT_EMBEDDER
 from packstore.errors import InvalidInput, PackstoreError
 from packstore.format import EncodedPack, Pack, PackHeader
@@ -227,7 +227,7 @@ class WorkerClient(_GrpcClient):
         on_token: Callable[[str], None] | None = None,
         bank: str | None = None,
         top_k: int = DEFAULT_TOP_K,
-        probe: int = DEFAULT_PROBE,
+        probe: int | None = None,
         embedder: str = "",
     ):
         """Answer ``question`` with pack ``ref`` (or the routed facts of ``bank``) on the worker.
@@ -245,7 +245,7 @@ class WorkerClient(_GrpcClient):
             packs=[ref] if ref else [],
             bank=bank or "",
             top_k=top_k,
-            probe=probe,
+            probe=probe or 0,
             embedder=embedder,
             question=question,
             compare_rag=compare_rag,
@@ -309,10 +309,10 @@ class RemoteBanks:
     def add(self, name: str, facts: list[str], embedder: str = DEFAULT_EMBEDDER, *, progress: bool = False):
         return self._upload(self.store._stub.AddFacts, name, list(facts), embedder)
 
-    def route(self, name: str, queries: list[str], embedder: str = DEFAULT_EMBEDDER, *, top_k: int = DEFAULT_TOP_K, probe: int = DEFAULT_PROBE):
+    def route(self, name: str, queries: list[str], embedder: str = DEFAULT_EMBEDDER, *, top_k: int = DEFAULT_TOP_K, probe: int | None = None):
         from packstore.bank.bank import Route
 
-        request = store_pb2.RouteQueryRequest(name=name, queries=list(queries), top_k=top_k, probe=probe, embedder=embedder)
+        request = store_pb2.RouteQueryRequest(name=name, queries=list(queries), top_k=top_k, probe=probe or 0, embedder=embedder)
         reply = self.store._call(lambda: self.store._stub.RouteQuery(request, timeout=self.store.timeout))
         return [Route(query=r.query, clusters=list(r.clusters), facts=[(f.text, f.score) for f in r.facts]) for r in reply.routes]
 

@@ -307,10 +307,13 @@ def _model_options(parser: argparse.ArgumentParser, *, required: bool = True) ->
 
 
 def _bank_options(parser: argparse.ArgumentParser) -> None:
-    from packstore.bank.bank import DEFAULT_PROBE, DEFAULT_TOP_K
+    from packstore.bank.bank import DEFAULT_TOP_K, MIN_PROBE, PROBED_SHARE
 
     parser.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, metavar="K", help=f"facts to keep (default {DEFAULT_TOP_K})")
-    parser.add_argument("--probe", type=int, default=DEFAULT_PROBE, metavar="P", help=f"nearest clusters to search (default {DEFAULT_PROBE})")
+    parser.add_argument(
+        "--probe", type=int, metavar="P",
+        help=f"nearest clusters to search (default {PROBED_SHARE * 100:g} %% of the bank's clusters, at least {MIN_PROBE})",
+    )
     if not any(a.dest == "embedder" for a in parser._actions):
         parser.add_argument("--embedder", default="all-minilm-l6-v2", help="must be the embedder the bank was built with")
 

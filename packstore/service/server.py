@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from packstore.bank.bank import DEFAULT_PROBE, DEFAULT_TOP_K
+from packstore.bank.bank import DEFAULT_TOP_K
 from packstore.errors import InvalidInput, PackstoreError
 from packstore.format import PackHeader
 from packstore.rpc.messages import ChunkAssembler, bank_info, chunk_pieces, pack_info
@@ -215,7 +215,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
     def RouteQuery(self, request, context):
         with self._call("RouteQuery", context, bank=request.name):
             routes = self._banks().route(
-                request.name, list(request.queries), self._embedder(request.embedder), top_k=request.top_k or DEFAULT_TOP_K, probe=request.probe or DEFAULT_PROBE
+                request.name, list(request.queries), self._embedder(request.embedder), top_k=request.top_k or DEFAULT_TOP_K, probe=request.probe or None
             )
             return store_pb2.RouteQueryResponse(
                 routes=[

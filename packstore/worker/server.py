@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from packstore.api import banks_of, load_pack, pack_for_facts, resolve_for_model
-from packstore.bank.bank import DEFAULT_PROBE, DEFAULT_TOP_K
+from packstore.bank.bank import DEFAULT_TOP_K
 from packstore.bank.embedder import DEFAULT_EMBEDDER
 from packstore.errors import InvalidInput, PackstoreError
 from packstore.format import pack_key
@@ -52,7 +52,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def _route(self, request) -> tuple[list[str], str]:
         """The bank's top facts for the question, and the key their pack has for this model."""
         routed = banks_of(self.store).route(
-            request.bank, [request.question], request.embedder or DEFAULT_EMBEDDER, top_k=request.top_k or DEFAULT_TOP_K, probe=request.probe or DEFAULT_PROBE
+            request.bank, [request.question], request.embedder or DEFAULT_EMBEDDER, top_k=request.top_k or DEFAULT_TOP_K, probe=request.probe or None
         )[0]
         facts = [text for text, _ in routed.facts]
         if not facts:

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from packstore.api import ask_bank
-from packstore.bank.bank import DEFAULT_PROBE, add_facts, build_bank, route
+from packstore.bank.bank import MIN_PROBE, add_facts, build_bank, default_probe, route
 from packstore.bank.embedder import load_embedder, resolve_embedder_dir
 from packstore.bank.synthetic import synthetic_facts
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch, PackNotFound
+from packstore.format.bank import encode_centroids, encode_cluster
 from packstore.kv.inject import Sampling
 from packstore.store import PackStore
 
@@ -41,13 +42,32 @@ def test_build_clusters_about_n_over_20_and_stays_under_1kb_per_fact(bank_store)
     assert bank_store.bank_stored_bytes("synthetic") / N < 1024
 
 
+def test_stored_bytes_are_exactly_the_bank_records(bank_store) -> None:
+    meta = bank_store.bank("synthetic")
+    clusters = bank_store.bank_clusters("synthetic", list(range(meta.clusters))).values()
+    records = [meta.to_json(), encode_centroids(bank_store.bank_centroids("synthetic")), *map(encode_cluster, clusters)]
+    assert bank_store.bank_stored_bytes("synthetic") == sum(map(len, records))
+
+
 def test_paraphrased_queries_route_to_their_fact(bank_store, embedder) -> None:
     cases = synthetic_facts(N)[::8]
     results = route(bank_store, "synthetic", [c.query for c in cases], embedder, top_k=3)
     first = sum(r.facts[0][0] == c.fact for r, c in zip(results, cases))
     assert first / len(cases) >= 0.95
-    assert all(len(r.clusters) == DEFAULT_PROBE and len(r.facts) == 3 for r in results)
+    assert all(len(r.clusters) == MIN_PROBE and len(r.facts) == 3 for r in results)
     assert all(r.facts[0][1] >= r.facts[1][1] >= r.facts[2][1] for r in results)
+
+
+def test_default_probe_grows_with_the_clusters() -> None:
+    assert [default_probe(c) for c in (1, 20, 2_500, 2_501, 5_000, 50_000, 500_000)] == [5, 5, 5, 6, 10, 100, 1000]
+
+
+def test_routing_without_a_probe_count_probes_the_default_share(tmp_path: Path, embedder, monkeypatch) -> None:
+    monkeypatch.setattr("packstore.bank.bank.PROBED_SHARE", 0.5)
+    with PackStore(tmp_path / "store") as store:
+        meta = build_bank(store, "b", [s.fact for s in synthetic_facts(400)], embedder)
+        assert len(route(store, "b", [synthetic_facts(400)[0].query], embedder)[0].clusters) == meta.clusters // 2
+        assert len(route(store, "b", [synthetic_facts(400)[0].query], embedder, probe=3)[0].clusters) == 3
 
 
 def test_routed_clusters_are_the_nearest_centroids_best_first(bank_store, embedder) -> None:
