@@ -1,19 +1,25 @@
 """Banks at growing N: build cost, stored bytes per fact, routing accuracy, per-query latency.
 
 Facts are deterministic synthetic fictional facts (packstore.bank.synthetic: one invented entity
-per fact), and each query is a paraphrase of one fact's question, so the right answer is known.
+per fact), and each query is a paraphrase of one fact, drawn at random with a fixed seed, so the
+right answer is known.
 Routing accuracy = the answering fact is in the probed clusters / is ranked first. Latency per
 query is split into embed, route (nearest centroids), rank (facts of the probed clusters) and
 recompute (building the KV pack of the top facts with smollm2-135m, which does not depend on N).
 The first query after a build is timed apart ("cold route"): it reads and verifies the centroid
-matrix, which later queries find cached.
+matrix, which later queries find cached. Probe 0 is the default probe count (default_probe).
 
-    python tools/bench_banks.py [--sizes 1000 5000 100000 1000000] [--queries 200] [--threads 2]
+With --keep DIR the banks are built in DIR and kept; a later run with the same DIR measures
+routing on a kept bank of the same N facts and embedder instead of embedding them again (its
+build row then says "kept").
+
+    python tools/bench_banks.py [--sizes 1000 5000 100000 1000000] [--probes 0 5 20] [--threads 2] [--keep DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import resource
 import sys
 import tempfile
@@ -27,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import logger, machine_description, print_table, source_description  # noqa: E402
 
-from packstore.bank.bank import build_bank, route  # noqa: E402
+from packstore.bank.bank import build_bank, default_probe, route  # noqa: E402
 from packstore.bank.embedder import Embedder, load_embedder  # noqa: E402
-from packstore.bank.synthetic import synthetic_facts  # noqa: E402
+from packstore.bank.synthetic import synthetic_fact, synthetic_facts  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.models import load_model  # noqa: E402
 from packstore.store import PackStore  # noqa: E402
@@ -61,24 +67,44 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def kept_bank(store: PackStore, n: int, embedder: Embedder):
+    """The bank a ``--keep`` run left for these ``n`` synthetic facts and this embedder, else None."""
+    metas = [m for m in store.banks() if m.name == "synthetic"]
+    if metas and metas[0].facts == n and metas[0].embedder_fp == embedder.fingerprint:
+        return metas[0]
+    return None
+
+
+def bytes_per_fact(store: PackStore, n: int) -> str:
+    return f"{store.bank_stored_bytes('synthetic') / n:.0f}"
+
+
+def build_row(n: int, store: PackStore, embedder: TimedEmbedder):
+    """Build (or, with --keep, reuse) the bank of ``n`` synthetic facts; its metadata and build row."""
+    meta = kept_bank(store, n, embedder)
+    if meta is not None:
+        log(f"{n} facts: reusing the kept bank")
+        return meta, [f"{n:,}", f"{meta.clusters:,}", "kept", "-", "-", "-", bytes_per_fact(store, n), "-"]
+    log(f"{n} facts: building")
+    embedder.seconds = 0.0
+    started = time.perf_counter()
+    meta = build_bank(store, "synthetic", [c.fact for c in synthetic_facts(n)], embedder, progress=True)
+    seconds = time.perf_counter() - started
+    return meta, [
+        f"{n:,}", f"{meta.clusters:,}", f"{seconds:.1f}", f"{embedder.seconds:.1f}",
+        f"{seconds - embedder.seconds:.1f}", f"{n / seconds:.0f}", bytes_per_fact(store, n), f"{peak_rss_gib():.1f}",
+    ]
+
+
 def bench_size(n: int, args: argparse.Namespace, embedder: TimedEmbedder, lm, workdir: Path) -> dict[str, list[str]]:
-    """One bank of ``n`` facts: its build row and one routing row per probe count."""
-    cases = synthetic_facts(n)
+    """One bank of ``n`` facts: its build row and one routing row per probe count (0: the default)."""
     with PackStore(workdir / f"bank-{n}") as store:
-        log(f"{n} facts: building")
-        embedder.seconds = 0.0
-        started = time.perf_counter()
-        meta = build_bank(store, "synthetic", [c.fact for c in cases], embedder, progress=True)
-        build_seconds = time.perf_counter() - started
-        per_fact = store.bank_stored_bytes("synthetic") / n
-        build = [
-            f"{n:,}", f"{meta.clusters:,}", f"{build_seconds:.1f}", f"{embedder.seconds:.1f}",
-            f"{build_seconds - embedder.seconds:.1f}", f"{n / build_seconds:.0f}", f"{per_fact:.0f}", f"{peak_rss_gib():.1f}",
-        ]
-        sample = cases[:: max(1, n // args.queries)][: args.queries]
-        cold = route(store, "synthetic", [sample[0].query], embedder, top_k=TOP_K, probe=args.probes[0])[0].seconds["route"]
+        meta, build = build_row(n, store, embedder)
+        sample = [synthetic_fact(i) for i in random.Random(n).sample(range(n), min(args.queries, n))]
+        cold = route(store, "synthetic", [sample[0].query], embedder, top_k=TOP_K, probe=args.probes[0] or None)[0].seconds["route"]
         routing = []
-        for probe in args.probes:
+        default = default_probe(meta.clusters)
+        for probe in dict.fromkeys(p or default for p in args.probes):
             log(f"{n} facts: routing {len(sample)} queries, probe {probe}")
             timings: dict[str, list[float]] = {"embed": [], "route": [], "rank": [], "recompute": []}
             in_clusters = first = 0
@@ -89,13 +115,14 @@ def bench_size(n: int, args: argparse.Namespace, embedder: TimedEmbedder, lm, wo
                 first += result.facts[0][0] == case.fact
                 probed = store.bank_clusters("synthetic", result.clusters).values()
                 in_clusters += any(c is not None and case.fact in c.texts for c in probed)
-                if probe == args.probes[0] and index < args.recomputes:
+                if not routing and index < args.recomputes:
                     started = time.perf_counter()
                     build_pack(lm, [text for text, _ in result.facts])
                     timings["recompute"].append(time.perf_counter() - started)
             routing.append([
-                f"{n:,}", str(probe), f"{100 * in_clusters / len(sample):.1f} %", f"{100 * first / len(sample):.1f} %",
-                f"{cold * 1000:.1f}", *(percentiles(timings[p]) if timings[p] else "-" for p in ("embed", "route", "rank", "recompute")),
+                f"{n:,}", f"{probe}{' (default)' if probe == default else ''}",
+                f"{100 * in_clusters / len(sample):.1f} %", f"{100 * first / len(sample):.1f} %", f"{cold * 1000:.1f}",
+                *(percentiles(timings[p]) if timings[p] else "-" for p in ("embed", "route", "rank", "recompute")),
             ])
     return {"build": build, "routing": routing}
 
@@ -104,9 +131,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 5000, 100_000, 1_000_000])
     parser.add_argument("--queries", type=int, default=200, help="paraphrased queries per size")
-    parser.add_argument("--probes", type=int, nargs="+", default=[5], help="clusters probed per query (one routing row each)")
+    parser.add_argument("--probes", type=int, nargs="+", default=[0], help="clusters probed per query, one routing row each (0: the default)")
     parser.add_argument("--recomputes", type=int, default=10, help="queries per size whose top facts' pack is built")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps timings stable on shared cores)")
+    parser.add_argument("--keep", type=Path, metavar="DIR", help="build the banks in DIR and keep them; reuse banks kept there")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"Machine: {machine_description({})}")
@@ -117,7 +145,7 @@ def main() -> None:
     builds, routings = [], []
     with tempfile.TemporaryDirectory(prefix="packstore-bench-banks-") as tmp:
         for n in args.sizes:
-            rows = bench_size(n, args, embedder, lm, Path(tmp))
+            rows = bench_size(n, args, embedder, lm, args.keep or Path(tmp))
             builds.append(rows["build"])
             routings.extend(rows["routing"])
             print_table("Build", ["facts", "clusters", "build s", "embed s", "cluster+store s", "facts/s", "B/fact", "peak RSS GiB"], builds)
