@@ -195,9 +195,10 @@ def rank_scores(query: str, query_vector: np.ndarray, texts: list[str], embeddin
     """Hybrid ranking: cosine similarity plus ``LEXICAL_WEIGHT`` x the share of the query's words in the fact.
 
     Dense embeddings blur rare names (a person, a product code) that a question and its fact share
-    verbatim; the lexical term restores them.
+    verbatim; the lexical term restores them. The product runs in torch, on the embedder's thread
+    pool: NumPy's BLAS threads, woken by a large probe, spun on and slowed the next query's embedding.
     """
-    dense = embeddings.astype(np.float32) @ query_vector
+    dense = (torch.from_numpy(embeddings).float() @ torch.from_numpy(np.ascontiguousarray(query_vector, dtype=np.float32))).numpy()
     words = _words(query)
     if not words:
         return dense
