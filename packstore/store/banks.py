@@ -107,18 +107,14 @@ class BankTables:
         return found
 
     def bank_stored_bytes(self, name: str) -> int:
-        """Bytes of every value the bank stores (metadata, centroids, clusters).
-
-        Values are taken as buffers: their lengths come from the B-tree leaves without copying
-        (or even reading) the cluster blobs, so listing a million-fact bank stays cheap.
-        """
-        with self._env.begin(buffers=True) as txn:
+        """Bytes of every value the bank stores (metadata, centroids, clusters)."""
+        with self._env.begin() as txn:
             total = sum(len(txn.get(k, db=self._banks) or b"") for k in (_meta_key(name), _centroids_key(name)))
             cursor = txn.cursor(db=self._banks)
             prefix = _cluster_prefix(name)
             if cursor.set_range(prefix):
                 for key, value in cursor:
-                    if bytes(key[: len(prefix)]) != prefix:
+                    if not key.startswith(prefix):
                         break
                     total += len(value)
         return total
