@@ -36,6 +36,7 @@ from benchlib import logger, machine_description, print_table, source_descriptio
 from packstore.bank.bank import build_bank, default_probe, route  # noqa: E402
 from packstore.bank.embedder import Embedder, load_embedder  # noqa: E402
 from packstore.bank.synthetic import synthetic_fact, synthetic_facts  # noqa: E402
+from packstore.errors import PackNotFound  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.models import load_model  # noqa: E402
 from packstore.store import PackStore  # noqa: E402
@@ -69,10 +70,11 @@ def peak_rss_gib() -> float:
 
 def kept_bank(store: PackStore, n: int, embedder: Embedder):
     """The bank a ``--keep`` run left for these ``n`` synthetic facts and this embedder, else None."""
-    metas = [m for m in store.banks() if m.name == "synthetic"]
-    if metas and metas[0].facts == n and metas[0].embedder_fp == embedder.fingerprint:
-        return metas[0]
-    return None
+    try:
+        meta = store.bank("synthetic")
+    except PackNotFound:
+        return None
+    return meta if meta.facts == n and meta.embedder_fp == embedder.fingerprint else None
 
 
 def bytes_per_fact(store: PackStore, n: int) -> str:
@@ -140,7 +142,8 @@ def main() -> None:
     print(f"Machine: {machine_description({})}")
     print(source_description())
     print(f"Embedder all-minilm-l6-v2 (384-d, stored fp16); about N/20 clusters; top {TOP_K} facts; {args.queries} queries per size")
-    embedder = TimedEmbedder(**load_embedder().__dict__)
+    loaded = load_embedder()
+    embedder = TimedEmbedder(name=loaded.name, directory=loaded.directory)
     lm = load_model("smollm2-135m", progress=False)
     builds, routings = [], []
     with tempfile.TemporaryDirectory(prefix="packstore-bench-banks-") as tmp:

@@ -34,7 +34,7 @@ def default_probe(clusters: int) -> int:
     """Clusters to probe when the caller names none: 0.2 % of the bank's clusters, at least 5.
 
     A fixed count does not scale: as clusters get finer, a paraphrased query's own fact sits
-    further down the centroid ranking (at a million facts, within the nearest 5 clusters for 57 %
+    further down the centroid ranking (at a million facts, within the nearest 5 clusters for 55 %
     of queries, within 100 for all; docs/benchmarks.md). Ranking cost stays ~20 facts a probe.
     """
     return max(MIN_PROBE, math.ceil(clusters * PROBED_SHARE))
@@ -198,7 +198,7 @@ def rank_scores(query: str, query_vector: np.ndarray, texts: list[str], embeddin
     verbatim; the lexical term restores them. The product runs in torch, on the embedder's thread
     pool: NumPy's BLAS threads, woken by a large probe, spun on and slowed the next query's embedding.
     """
-    dense = (torch.from_numpy(embeddings).float() @ torch.from_numpy(np.ascontiguousarray(query_vector, dtype=np.float32))).numpy()
+    dense = (torch.from_numpy(embeddings).float() @ torch.from_numpy(query_vector)).numpy()
     words = _words(query)
     if not words:
         return dense
@@ -239,7 +239,8 @@ def route(
             raise InvalidInput(f"the query has {len(query)} characters; the limit is {MAX_QUERY_CHARS}")
     meta = store.bank(name)
     _check_embedder(meta, embedder)
-    probe = probe or default_probe(meta.clusters)
+    if probe is None:
+        probe = default_probe(meta.clusters)
     started = time.perf_counter()
     vectors = embedder.embed([q.strip() for q in queries])
     embedded = time.perf_counter()
