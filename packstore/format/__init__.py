@@ -1,4 +1,7 @@
-"""Pack format: pure bytes <-> tensors, no I/O. See docs/format.md."""
+"""Pack format: bytes <-> header, chunks, pack file and bank records; no torch, no I/O. See docs/format.md.
+
+The tensor side (chunk bytes <-> K/V tensors) is ``packstore.tensors``.
+"""
 
 from packstore.format.header import (
     FORMAT_VERSION,
@@ -8,7 +11,7 @@ from packstore.format.header import (
     pack_key,
     parse_key,
 )
-from packstore.format.body import Pack, EncodedPack, decode_pack, encode_pack
+from packstore.format.body import EncodedPack
 
 __all__ = [
     "FORMAT_VERSION",
@@ -17,8 +20,5 @@ __all__ = [
     "content_hash",
     "pack_key",
     "parse_key",
-    "Pack",
     "EncodedPack",
-    "decode_pack",
-    "encode_pack",
 ]

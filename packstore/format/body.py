@@ -1,54 +1,27 @@
-"""Pack body: per-layer K/V tensors <-> checksummed, compressed safetensors chunks."""
+"""Pack body without tensors: stored chunks, their checksums, and a strict safetensors table reader.
+
+A chunk's plain bytes are a safetensors blob; ``tensor_table`` validates its layout as strictly
+as safetensors does and says where each tensor's bytes are. Turning those bytes into K/V
+tensors is the torch side, in ``packstore.tensors``.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import math
-import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
-import torch
-from safetensors.torch import save as safetensors_save
-
-from packstore.errors import IntegrityError, InvalidInput
-from packstore.format import codec
+from packstore.errors import IntegrityError
 from packstore.format.header import ChunkInfo, PackHeader
 
 CODEC = "byteplane-zstd"
 LAYERS_PER_CHUNK = 1
-# zstd releases the GIL, so chunks are coded in parallel threads.
-_WORKERS = max(1, min(8, os.cpu_count() or 1))
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return _TORCH_DTYPES[name]
-
-
-@dataclass
-class Pack:
-    """A pack in memory: header plus per-layer K and V, each ``[kv_heads, tokens, head_dim]`` on CPU."""
-
-    header: PackHeader
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-
-    def check_shapes(self) -> None:
-        """Raise InvalidInput unless every tensor matches the header's shape and dtype."""
-        h = self.header
-        expected = (h.kv_heads, h.tokens, h.head_dim)
-        if len(self.keys) != h.layers or len(self.values) != h.layers:
-            raise InvalidInput(f"pack has {len(self.keys)} K / {len(self.values)} V layers, header says {h.layers}")
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            for name, t in (("K", k), ("V", v)):
-                if tuple(t.shape) != expected or t.dtype != torch_dtype(h.dtype):
-                    raise InvalidInput(
-                        f"layer {i} {name} is {tuple(t.shape)} {t.dtype}, header says {expected} {h.dtype}"
-                    )
+MAX_TABLE_BYTES = 100_000_000  # the cap safetensors itself puts on its JSON header
+# safetensors dtype -> (header dtype name, element size): the dtypes a pack body may hold
+SAFETENSORS_DTYPES = {"F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2)}
+_ENTRY_FIELDS = {"dtype", "shape", "data_offsets"}
 
 
 @dataclass(frozen=True)
@@ -63,35 +36,14 @@ class EncodedPack:
         return len(self.header.to_json()) + sum(len(c) for c in self.chunks)
 
 
-def _layer_names(layer: int) -> tuple[str, str]:
+def layer_names(layer: int) -> tuple[str, str]:
+    """The names of layer ``layer``'s K and V tensors in a chunk."""
     return f"layers.{layer}.key", f"layers.{layer}.value"
 
 
-def _encode_chunk(pack: Pack, first: int, stop: int) -> tuple[bytes, ChunkInfo]:
-    tensors = {}
-    for layer in range(first, stop):
-        k_name, v_name = _layer_names(layer)
-        tensors[k_name] = pack.keys[layer].contiguous()
-        tensors[v_name] = pack.values[layer].contiguous()
-    stored = codec.encode(safetensors_save(tensors), pack.keys[first].element_size())
-    info = ChunkInfo(
-        first_layer=first,
-        stop_layer=stop,
-        raw_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
-        stored_bytes=len(stored),
-        sha256=hashlib.sha256(stored).hexdigest(),
-    )
-    return stored, info
-
-
-def encode_pack(pack: Pack) -> EncodedPack:
-    """Serialize each run of ``LAYERS_PER_CHUNK`` layers as safetensors, compress and checksum it."""
-    pack.check_shapes()
-    runs = [(first, min(first + LAYERS_PER_CHUNK, pack.header.layers)) for first in range(0, pack.header.layers, LAYERS_PER_CHUNK)]
-    with ThreadPoolExecutor(_WORKERS) as pool:
-        results = list(pool.map(lambda run: _encode_chunk(pack, *run), runs))
-    header = dataclasses.replace(pack.header, codec=CODEC, chunks=tuple(info for _, info in results))
-    return EncodedPack(header=header, chunks=[stored for stored, _ in results])
+def chunk_tensor_names(info: ChunkInfo) -> set[str]:
+    """The names a chunk must hold: K and V of each of its layers, nothing else."""
+    return {name for layer in range(info.first_layer, info.stop_layer) for name in layer_names(layer)}
 
 
 def verify_chunk(header: PackHeader, index: int, data: bytes) -> None:
@@ -103,64 +55,109 @@ def verify_chunk(header: PackHeader, index: int, data: bytes) -> None:
         )
 
 
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors blob: its header dtype name, shape and bytes ``blob[start:stop]``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
 
 
-def tensors_in(blob: bytearray) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors blob as views of it (no copy); raises IntegrityError if malformed."""
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object hook: a name given twice would hide one of its entries."""
+    seen: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in seen:
+            raise IntegrityError(f"safetensors header names {name!r} twice (names must be unique)")
+        seen[name] = value
+    return seen
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _byte_length(shape: list[int], itemsize: int, cap: int) -> int:
+    """``prod(shape) * itemsize``, or any number above ``cap`` once it exceeds it (a hostile shape stays cheap)."""
+    if 0 in shape:
+        return 0
+    length = itemsize
+    for dim in shape:
+        if length > cap:
+            break
+        length *= dim
+    return length
+
+
+def _read_entry(name: str, entry: Any, data_len: int) -> tuple[str, tuple[int, ...], int, int]:
+    """Check one tensor's table entry on its own; returns (dtype name, shape, start, stop) in the data section."""
+    if not isinstance(entry, dict) or set(entry) != _ENTRY_FIELDS:
+        raise IntegrityError(f"tensor {name!r}: entry must be an object with exactly dtype, shape and data_offsets")
+    if entry["dtype"] not in SAFETENSORS_DTYPES:
+        raise IntegrityError(f"tensor {name!r}: unknown dtype {entry['dtype']!r} (known: {', '.join(SAFETENSORS_DTYPES)})")
+    dtype, itemsize = SAFETENSORS_DTYPES[entry["dtype"]]
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_count(dim) for dim in shape):
+        raise IntegrityError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets) or offsets[0] > offsets[1]:
+        raise IntegrityError(f"tensor {name!r}: data_offsets {offsets!r} are not [start, stop] integers with 0 <= start <= stop")
+    start, stop = offsets
+    if stop > data_len:
+        raise IntegrityError(f"tensor {name!r}: data_offsets [{start}, {stop}] run past the {data_len}-byte data section")
+    needed = _byte_length(shape, itemsize, data_len)
+    if needed > data_len:
+        raise IntegrityError(f"tensor {name!r}: its shape of {entry['dtype']} needs more than the {data_len}-byte data section")
+    if stop - start != needed:
+        raise IntegrityError(f"tensor {name!r}: holds {stop - start} bytes, but shape {shape} of {entry['dtype']} needs {needed}")
+    return dtype, tuple(shape), start, stop
+
+
+def tensor_table(blob: bytes | bytearray | memoryview) -> list[TensorEntry]:
+    """The tensors of a safetensors blob, in data order, after checking its layout strictly.
+
+    Refused with IntegrityError (naming the tensor and the rule): a header size beyond
+    ``MAX_TABLE_BYTES`` or the buffer, a table that is not a JSON object of tensor entries (plus an
+    optional ``__metadata__`` of strings), an unknown dtype, a shape that is not non-negative
+    integers, a byte length other than ``prod(shape) * itemsize``, and data offsets that are not
+    contiguous from 0 to the end of the buffer (a gap, an overlap, two tensors sharing bytes,
+    trailing bytes). Only the table is copied; the byte ranges index ``blob`` itself.
+    """
+    if len(blob) < 8:
+        raise IntegrityError(f"safetensors blob of {len(blob)} bytes is shorter than its 8-byte header size")
+    (table_len,) = struct.unpack_from("<Q", blob)
+    if table_len > MAX_TABLE_BYTES:
+        raise IntegrityError(f"safetensors header size {table_len} exceeds the {MAX_TABLE_BYTES}-byte limit")
+    if 8 + table_len > len(blob):
+        raise IntegrityError(f"safetensors header size {table_len} runs past the end of the {len(blob)}-byte blob")
+    data_start, data_len = 8 + table_len, len(blob) - 8 - table_len
     try:
-        size = struct.unpack_from("<Q", blob)[0]
-        table = json.loads(bytes(blob[8 : 8 + size]))
-        tensors = {}
-        for name, entry in table.items():
-            if name == "__metadata__":
-                continue
-            start, stop = entry["data_offsets"]
-            dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
-            count = (stop - start) // dtype.itemsize
-            if not 0 <= start <= stop <= len(blob) - 8 - size or count != math.prod(entry["shape"]):
-                raise ValueError(f"tensor {name} does not fit its declared shape and offsets")
-            flat = torch.frombuffer(blob, dtype=dtype, count=count, offset=8 + size + start) if count else torch.empty(0, dtype=dtype)
-            tensors[name] = flat.reshape(entry["shape"])
-        return tensors
-    except (struct.error, ValueError, KeyError, TypeError) as exc:
-        raise IntegrityError(f"malformed safetensors data: {exc}") from None
+        table = json.loads(bytes(blob[8:data_start]).decode("utf-8"), object_pairs_hook=_refuse_duplicates)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise IntegrityError(f"safetensors header is not valid JSON: {exc}") from None
+    if not isinstance(table, dict):
+        raise IntegrityError(f"safetensors header is a JSON {type(table).__name__}, not an object of tensor entries")
+    metadata = table.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise IntegrityError("safetensors __metadata__ must be an object of strings")
 
-
-def decode_chunk(header: PackHeader, index: int, data: bytes) -> dict[str, torch.Tensor]:
-    """Verify one chunk's checksum, then decode it to its named tensors (views of one decoded buffer)."""
-    verify_chunk(header, index, data)
-    try:
-        tensors = tensors_in(codec.decode(data))
-    except IntegrityError as exc:
-        raise IntegrityError(f"pack {header.key}: chunk {index} cannot be decoded: {exc}") from None
-    info = header.chunks[index]
-    expected = {name for layer in range(info.first_layer, info.stop_layer) for name in _layer_names(layer)}
-    if set(tensors) != expected:
-        raise IntegrityError(f"pack {header.key}: chunk {index} does not hold exactly layers {info.first_layer}-{info.stop_layer - 1}")
-    return tensors
-
-
-def decode_pack(encoded: EncodedPack) -> Pack:
-    """Verify every chunk's checksum, then decode the chunks (in parallel) into per-layer tensors."""
-    header = encoded.header
-    if header.codec != CODEC:
-        raise IntegrityError(f"pack {header.key}: unknown codec {header.codec!r}")
-    if len(encoded.chunks) != len(header.chunks):
-        raise IntegrityError(f"pack {header.key}: has {len(encoded.chunks)} chunks, header lists {len(header.chunks)}")
-    with ThreadPoolExecutor(_WORKERS) as pool:
-        decoded = list(pool.map(lambda item: decode_chunk(header, *item), enumerate(encoded.chunks)))
-    tensors = {name: tensor for part in decoded for name, tensor in part.items()}
-    keys, values = [], []
-    for layer in range(header.layers):
-        k_name, v_name = _layer_names(layer)
-        if k_name not in tensors:
-            raise IntegrityError(f"pack {header.key}: no chunk holds layer {layer}")
-        keys.append(tensors[k_name])
-        values.append(tensors[v_name])
-    pack = Pack(header=header, keys=keys, values=values)
-    try:
-        pack.check_shapes()
-    except InvalidInput as exc:
-        raise IntegrityError(f"pack {header.key}: {exc}") from None
-    return pack
+    entries = sorted(
+        (TensorEntry(name, *_read_entry(name, entry, data_len)) for name, entry in table.items()),
+        key=lambda e: (e.start, e.stop),
+    )
+    end, previous = 0, None
+    for entry in entries:
+        if entry.start > end:
+            where = f"after tensor {previous.name!r}" if previous else "at the start of the data section"
+            raise IntegrityError(f"tensor {entry.name!r}: {entry.start - end} unused bytes {where} (tensors must be contiguous from 0)")
+        if entry.start < end:
+            if (entry.start, entry.stop) == (previous.start, previous.stop):
+                raise IntegrityError(f"tensor {entry.name!r}: aliases the bytes of tensor {previous.name!r} (tensors must not share bytes)")
+            raise IntegrityError(f"tensor {entry.name!r}: overlaps tensor {previous.name!r} (tensors must not share bytes)")
+        end, previous = entry.stop, entry
+    if end != data_len:
+        after = f"after tensor {previous.name!r}" if previous else "and no tensors"
+        raise IntegrityError(f"safetensors data section has {data_len - end} trailing bytes {after} (tensors must cover it exactly)")
+    return [TensorEntry(e.name, e.dtype, e.shape, data_start + e.start, data_start + e.stop) for e in entries]

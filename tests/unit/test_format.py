@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from packstore.errors import IntegrityError, InvalidInput
-from packstore.format import PackHeader, content_hash, decode_pack, encode_pack, pack_key, parse_key
-from packstore.format.body import Pack, torch_dtype
+from packstore.format import PackHeader, content_hash, pack_key, parse_key
+from packstore.tensors import Pack, decode_pack, encode_pack, torch_dtype
 from packstore.format.header import canonical_json, sha256_hex
 
 FP_A = "a" * 64

@@ -1,0 +1,135 @@
+"""The torch side of the format: chunk bytes <-> K/V tensors.
+
+``packstore.format`` holds everything about a pack's bytes that needs no torch (header, codec,
+chunk checksums, the strict safetensors table); this module builds tensors on top of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import save as safetensors_save
+
+from packstore.errors import IntegrityError, InvalidInput
+from packstore.format import codec
+from packstore.format.body import (
+    CODEC,
+    LAYERS_PER_CHUNK,
+    EncodedPack,
+    chunk_tensor_names,
+    layer_names,
+    tensor_table,
+    verify_chunk,
+)
+from packstore.format.header import ChunkInfo, PackHeader
+
+# zstd releases the GIL, so chunks are coded in parallel threads.
+WORKERS = max(1, min(8, os.cpu_count() or 1))
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _TORCH_DTYPES[name]
+
+
+@dataclass
+class Pack:
+    """A pack in memory: header plus per-layer K and V, each ``[kv_heads, tokens, head_dim]`` on CPU."""
+
+    header: PackHeader
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    def check_shapes(self) -> None:
+        """Raise InvalidInput unless every tensor matches the header's shape and dtype."""
+        h = self.header
+        expected = (h.kv_heads, h.tokens, h.head_dim)
+        if len(self.keys) != h.layers or len(self.values) != h.layers:
+            raise InvalidInput(f"pack has {len(self.keys)} K / {len(self.values)} V layers, header says {h.layers}")
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            for name, t in (("K", k), ("V", v)):
+                if tuple(t.shape) != expected or t.dtype != torch_dtype(h.dtype):
+                    raise InvalidInput(
+                        f"layer {i} {name} is {tuple(t.shape)} {t.dtype}, header says {expected} {h.dtype}"
+                    )
+
+
+def _encode_chunk(pack: Pack, first: int, stop: int) -> tuple[bytes, ChunkInfo]:
+    tensors = {}
+    for layer in range(first, stop):
+        k_name, v_name = layer_names(layer)
+        tensors[k_name] = pack.keys[layer].contiguous()
+        tensors[v_name] = pack.values[layer].contiguous()
+    stored = codec.encode(safetensors_save(tensors), pack.keys[first].element_size())
+    info = ChunkInfo(
+        first_layer=first,
+        stop_layer=stop,
+        raw_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+        stored_bytes=len(stored),
+        sha256=hashlib.sha256(stored).hexdigest(),
+    )
+    return stored, info
+
+
+def encode_pack(pack: Pack) -> EncodedPack:
+    """Serialize each run of ``LAYERS_PER_CHUNK`` layers as safetensors, compress and checksum it."""
+    pack.check_shapes()
+    runs = [(first, min(first + LAYERS_PER_CHUNK, pack.header.layers)) for first in range(0, pack.header.layers, LAYERS_PER_CHUNK)]
+    with ThreadPoolExecutor(WORKERS) as pool:
+        results = list(pool.map(lambda run: _encode_chunk(pack, *run), runs))
+    header = dataclasses.replace(pack.header, codec=CODEC, chunks=tuple(info for _, info in results))
+    return EncodedPack(header=header, chunks=[stored for stored, _ in results])
+
+
+def tensors_in(blob: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors blob as views of it (no copy); raises IntegrityError if its layout is not strict."""
+    tensors = {}
+    for entry in tensor_table(blob):
+        dtype = torch_dtype(entry.dtype)
+        count = (entry.stop - entry.start) // dtype.itemsize
+        flat = torch.frombuffer(blob, dtype=dtype, count=count, offset=entry.start) if count else torch.empty(0, dtype=dtype)
+        tensors[entry.name] = flat.reshape(entry.shape)
+    return tensors
+
+
+def decode_chunk(header: PackHeader, index: int, data: bytes) -> dict[str, torch.Tensor]:
+    """Verify one chunk's checksum, then decode it to its named tensors (views of one decoded buffer)."""
+    verify_chunk(header, index, data)
+    try:
+        tensors = tensors_in(codec.decode(data))
+    except IntegrityError as exc:
+        raise IntegrityError(f"pack {header.key}: chunk {index} cannot be decoded: {exc}") from None
+    info = header.chunks[index]
+    if set(tensors) != chunk_tensor_names(info):
+        raise IntegrityError(f"pack {header.key}: chunk {index} does not hold exactly layers {info.first_layer}-{info.stop_layer - 1}")
+    return tensors
+
+
+def decode_pack(encoded: EncodedPack) -> Pack:
+    """Verify every chunk's checksum, then decode the chunks (in parallel) into per-layer tensors."""
+    header = encoded.header
+    if header.codec != CODEC:
+        raise IntegrityError(f"pack {header.key}: unknown codec {header.codec!r}")
+    if len(encoded.chunks) != len(header.chunks):
+        raise IntegrityError(f"pack {header.key}: has {len(encoded.chunks)} chunks, header lists {len(header.chunks)}")
+    with ThreadPoolExecutor(WORKERS) as pool:
+        decoded = list(pool.map(lambda item: decode_chunk(header, *item), enumerate(encoded.chunks)))
+    tensors = {name: tensor for part in decoded for name, tensor in part.items()}
+    keys, values = [], []
+    for layer in range(header.layers):
+        k_name, v_name = layer_names(layer)
+        if k_name not in tensors:
+            raise IntegrityError(f"pack {header.key}: no chunk holds layer {layer}")
+        keys.append(tensors[k_name])
+        values.append(tensors[v_name])
+    pack = Pack(header=header, keys=keys, values=values)
+    try:
+        pack.check_shapes()
+    except InvalidInput as exc:
+        raise IntegrityError(f"pack {header.key}: {exc}") from None
+    return pack
