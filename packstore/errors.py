@@ -1,36 +1,102 @@
-"""Exceptions shared by every layer; each carries a one-line message fit for a user."""
+"""Every error packstore raises on purpose, each with a stable code; nothing else lives here.
+
+``code`` is the stable machine-readable name (it travels over gRPC as ``ErrorInfo.reason``),
+``grpc_status`` the name of the gRPC status code the service answers with, and ``fields`` the
+structured details (strings) a caller may act on. Messages are for people and never name CLI
+flags. docs/protocol.md lists the codes.
+"""
+
+from __future__ import annotations
+
+ERROR_DOMAIN = "packstore"
 
 
 class PackstoreError(Exception):
-    """Base class: every error packstore raises on purpose."""
+    """Base class; an unexpected failure reported by a server arrives as this class itself."""
+
+    code = "PACKSTORE_ERROR"
+    grpc_status = "INTERNAL"
+
+    def __init__(self, message: str, **fields: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields = {name: str(value) for name, value in fields.items()}
+
+    @classmethod
+    def from_fields(cls, message: str, fields: dict[str, str]) -> "PackstoreError":
+        """Rebuild the error from its message and fields (how a client re-raises a server's error)."""
+        return cls(message, **fields)
 
 
 class PackNotFound(PackstoreError):
-    """A key or name resolves to no stored pack."""
+    """A key, name or bank resolves to nothing stored."""
+
+    code = "NOT_FOUND"
+    grpc_status = "NOT_FOUND"
 
 
 class AmbiguousRef(PackstoreError):
-    """A name resolves to packs of several models; the caller must say which."""
+    """A name or prefix resolves to several packs; the caller must say which (full key or model)."""
+
+    code = "AMBIGUOUS_REF"
+    grpc_status = "INVALID_ARGUMENT"
 
 
 class PackMismatch(PackstoreError):
-    """A pack does not apply to this model, template or conversation; never generate with it.
+    """A pack does not apply to this model, template, conversation or embedder; never generate with it.
 
     ``what`` is one of ``"model"``, ``"template"``, ``"tokens"``, ``"kind"``, ``"embedder"``.
     """
 
-    def __init__(self, what: str, message: str) -> None:
-        super().__init__(message)
+    code = "PACK_MISMATCH"
+    grpc_status = "FAILED_PRECONDITION"
+
+    def __init__(self, what: str, message: str, **fields: str) -> None:
+        super().__init__(message, what=what, **fields)
         self.what = what
+
+    @classmethod
+    def from_fields(cls, message: str, fields: dict[str, str]) -> "PackMismatch":
+        rest = {name: value for name, value in fields.items() if name != "what"}
+        return cls(fields.get("what", ""), message, **rest)
 
 
 class IntegrityError(PackstoreError):
-    """Stored bytes do not match their checksum or cannot be decoded."""
+    """Stored or received bytes do not match their checksum or cannot be decoded."""
+
+    code = "DATA_LOSS"
+    grpc_status = "DATA_LOSS"
 
 
 class InvalidInput(PackstoreError):
-    """A facts file, question file, model specifier or argument is unusable."""
+    """A request, facts file, question file, model specifier or argument is unusable."""
+
+    code = "INVALID_INPUT"
+    grpc_status = "INVALID_ARGUMENT"
+
+
+class LimitExceeded(PackstoreError):
+    """A request is larger than a configured limit."""
+
+    code = "LIMIT_EXCEEDED"
+    grpc_status = "RESOURCE_EXHAUSTED"
 
 
 class StoreBusy(PackstoreError):
     """An operation needs the store to itself, and another process has it open."""
+
+    code = "STORE_BUSY"
+    grpc_status = "UNAVAILABLE"
+
+
+class Unavailable(PackstoreError):
+    """A server could not be reached, or went away during the call."""
+
+    code = "UNAVAILABLE"
+    grpc_status = "UNAVAILABLE"
+
+
+ERROR_CLASSES: dict[str, type[PackstoreError]] = {
+    cls.code: cls
+    for cls in (PackstoreError, PackNotFound, AmbiguousRef, PackMismatch, IntegrityError, InvalidInput, LimitExceeded, StoreBusy, Unavailable)
+}

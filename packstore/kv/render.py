@@ -60,7 +60,7 @@ def conversation_text(tokenizer: Any, facts: Sequence[str], question: str, *, ra
             [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
         )
     except ValueError as exc:  # transformers raises ValueError when no chat template is set
-        raise InvalidInput(f"the model's tokenizer cannot render a chat: {exc}; pass --chat-template FILE") from None
+        raise InvalidInput(f"the model's tokenizer cannot render a chat: {exc}; load the model with a chat template") from None
     lead = ""
     if _adds_bos(tokenizer) and turn.startswith(tokenizer.bos_token):
         lead, turn = tokenizer.bos_token, turn[len(tokenizer.bos_token) :]

@@ -1,48 +1,78 @@
-"""One mapping between packstore errors and gRPC status codes, used by servers and clients."""
+"""Packstore errors over gRPC: a ``google.rpc.Status`` whose ``ErrorInfo`` carries the error's
+code and fields, so a client raises the same class, with the same fields, as the server did."""
 
 from __future__ import annotations
 
 import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from packstore.errors import (
-    AmbiguousRef,
+    ERROR_CLASSES,
+    ERROR_DOMAIN,
     IntegrityError,
     InvalidInput,
-    PackMismatch,
+    LimitExceeded,
     PackNotFound,
     PackstoreError,
-    StoreBusy,
+    Unavailable,
 )
 
-
-class LimitExceeded(PackstoreError):
-    """A request is larger than the server's configured limits."""
-
-
-_CODES: list[tuple[type[PackstoreError], grpc.StatusCode]] = [
-    (PackNotFound, grpc.StatusCode.NOT_FOUND),
-    (PackMismatch, grpc.StatusCode.FAILED_PRECONDITION),
-    (IntegrityError, grpc.StatusCode.DATA_LOSS),
-    (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),  # first: clients map INVALID_ARGUMENT back to it
-    (AmbiguousRef, grpc.StatusCode.INVALID_ARGUMENT),
-    (StoreBusy, grpc.StatusCode.UNAVAILABLE),
-    (LimitExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
-]
+# Statuses that reach a client without packstore's detail (from gRPC itself, or a foreign server).
+_PLAIN_STATUS_ERRORS: dict[grpc.StatusCode, type[PackstoreError]] = {
+    grpc.StatusCode.NOT_FOUND: PackNotFound,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidInput,
+    grpc.StatusCode.DATA_LOSS: IntegrityError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: LimitExceeded,
+}
 
 
 def status_for(error: PackstoreError) -> grpc.StatusCode:
-    for kind, code in _CODES:
-        if isinstance(error, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
+    """The gRPC status code an error is answered with."""
+    return grpc.StatusCode[error.grpc_status]
 
 
-def error_for(code: grpc.StatusCode, message: str) -> PackstoreError:
-    """The client-side exception for a failed call, so remote and local stores raise alike."""
-    if code == grpc.StatusCode.FAILED_PRECONDITION:
-        what = message.split(" ", 1)[0] if message.split(" ", 1)[0] in ("model", "template", "tokens", "kind") else "model"
-        return PackMismatch(what, message)
-    for kind, mapped in _CODES:
-        if mapped == code and kind is not PackMismatch:
-            return kind(message)
-    return PackstoreError(f"{code.name.lower()}: {message}")
+def rich_status(error: PackstoreError) -> grpc.Status:
+    """The status for ``error``: code, human message, and an ErrorInfo with its code and fields."""
+    info = error_details_pb2.ErrorInfo(reason=error.code, domain=ERROR_DOMAIN, metadata=error.fields)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    code = getattr(code_pb2, error.grpc_status)
+    return rpc_status.to_status(status_pb2.Status(code=code, message=str(error), details=[detail]))
+
+
+def abort_with_error(context: grpc.ServicerContext, error: PackstoreError) -> None:
+    """End the RPC with ``error`` (raises, as ``context.abort`` does)."""
+    context.abort_with_status(rich_status(error))
+
+
+def _error_info(exc: grpc.RpcError) -> tuple[str, error_details_pb2.ErrorInfo] | None:
+    try:
+        status = rpc_status.from_call(exc)
+    except ValueError:  # trailers that disagree with the status line: not ours
+        return None
+    if status is None:
+        return None
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            if info.domain == ERROR_DOMAIN:
+                return status.message, info
+    return None
+
+
+def error_from_rpc(exc: grpc.RpcError, peer: str) -> PackstoreError:
+    """The packstore error a failed call stands for; ``peer`` names the server in messages."""
+    found = _error_info(exc)
+    if found is not None:
+        message, info = found
+        return ERROR_CLASSES.get(info.reason, PackstoreError).from_fields(message, dict(info.metadata))
+    code, details = exc.code(), exc.details() or ""
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        return Unavailable(f"{peer} is unavailable: {details or code.name.lower()}")
+    kind = _PLAIN_STATUS_ERRORS.get(code)
+    if kind is not None:
+        return kind(details)
+    return PackstoreError(f"{peer} answered {code.name}: {details}")

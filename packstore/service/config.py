@@ -56,7 +56,7 @@ def load_config(config_file: str | None = None, overrides: dict[str, Any] | None
             values[name] = _coerce(known[name], value, f"--{name.replace('_', '-')}")
     config = ServiceConfig(**values)
     if not config.data:
-        raise InvalidInput("no data directory: pass --data DIR (or set data in the config file / $PACKSTORE_DATA)")
+        raise InvalidInput("no data directory: set data (as a flag, in the config file or as $PACKSTORE_DATA)")
     if config.workers < 1 or config.max_message_bytes < (1 << 20) + 4096:
         raise InvalidInput("workers must be >= 1 and max_message_bytes at least 1 MiB + 4 KiB (chunk pieces are 1 MiB)")
     return config

@@ -78,5 +78,5 @@ def test_tokenizer_without_chat_template_is_a_clear_error(tiny_model_dir) -> Non
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     tok.chat_template = None
-    with pytest.raises(InvalidInput, match="--chat-template"):
+    with pytest.raises(InvalidInput, match="load the model with a chat template"):
         render(tok, FACTS, "Who?")
