@@ -39,7 +39,7 @@ from packstore.bank.synthetic import synthetic_fact, synthetic_facts  # noqa: E4
 from packstore.errors import PackNotFound  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.models import load_model  # noqa: E402
-from packstore.store import PackStore  # noqa: E402
+from packstore.store import LmdbStore  # noqa: E402
 
 TOP_K = 5
 log = logger("bench_banks")
@@ -68,7 +68,7 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def kept_bank(store: PackStore, n: int, embedder: Embedder):
+def kept_bank(store: LmdbStore, n: int, embedder: Embedder):
     """The bank a ``--keep`` run left for these ``n`` synthetic facts and this embedder, else None."""
     try:
         meta = store.bank("synthetic")
@@ -77,11 +77,11 @@ def kept_bank(store: PackStore, n: int, embedder: Embedder):
     return meta if meta.facts == n and meta.embedder_fp == embedder.fingerprint else None
 
 
-def bytes_per_fact(store: PackStore, n: int) -> str:
+def bytes_per_fact(store: LmdbStore, n: int) -> str:
     return f"{store.bank_stored_bytes('synthetic') / n:.0f}"
 
 
-def build_row(n: int, store: PackStore, embedder: TimedEmbedder):
+def build_row(n: int, store: LmdbStore, embedder: TimedEmbedder):
     """Build (or, with --keep, reuse) the bank of ``n`` synthetic facts; its metadata and build row."""
     meta = kept_bank(store, n, embedder)
     if meta is not None:
@@ -100,7 +100,7 @@ def build_row(n: int, store: PackStore, embedder: TimedEmbedder):
 
 def bench_size(n: int, args: argparse.Namespace, embedder: TimedEmbedder, lm, workdir: Path) -> dict[str, list[str]]:
     """One bank of ``n`` facts: its build row and one routing row per probe count (0: the default)."""
-    with PackStore(workdir / f"bank-{n}") as store:
+    with LmdbStore(workdir / f"bank-{n}") as store:
         meta, build = build_row(n, store, embedder)
         sample = [synthetic_fact(i) for i in random.Random(n).sample(range(n), min(args.queries, n))]
         cold = route(store, "synthetic", [sample[0].query], embedder, top_k=TOP_K, probe=args.probes[0] or None)[0].seconds["route"]

@@ -5,10 +5,11 @@ and noisy: repetitions are interleaved and every figure is a median over them):
 
 1. Time to first token (``max_new_tokens=1``) for packs of about 512, 2k and 8k tokens built
    from consecutive contexts of ``ckc_dev.jsonl``:
-   stored = ``load_pack`` from an LMDB store (read, verify, decode) + inject + first token;
+   stored = ``Answerer.pack`` with no ready-cache, from an LMDB store (read, verify, decode) + inject
+   + first token;
    prefill = the same facts as prompt text (``answer_with_text``);
    floor = the same KV already decoded in memory (``answer_with_pack``).
-2. Store get throughput: ``PackStore.get`` (read + sha256 verify) in stored MB/s, get + decode in
+2. Store get throughput: ``LmdbStore.get`` (read + sha256 verify) in stored MB/s, get + decode in
    decoded-KV MB/s, against reading a scratch file of the same size from the page cache (in the
    same pieces as the pack's header and chunks, each into a new bytes object, as ``get`` does).
 3. Codec on the real KV of the ~2k pack in float32, bfloat16 and float16 (model loaded in that
@@ -47,13 +48,14 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 import zstandard  # noqa: E402
 
-from packstore.api import load_pack  # noqa: E402
-from packstore.format import Pack, codec, decode_pack, encode_pack  # noqa: E402
+from packstore.answer import Answerer  # noqa: E402
+from packstore.format import codec  # noqa: E402
+from packstore.tensors import Pack, decode_pack, encode_pack  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
 from packstore.kv.render import render  # noqa: E402
-from packstore.store import PackStore  # noqa: E402
+from packstore.store import LmdbStore  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, median, print_table, source_description, timed  # noqa: E402
@@ -133,7 +135,12 @@ class Case:
         return self.pack.header.raw_bytes
 
 
-def make_case(lm: LoadedModel, store: PackStore, records: Sequence[Record], target: int) -> Case:
+def load_stored(lm: LoadedModel, store: LmdbStore, key: str) -> Pack:
+    """The pack as answering loads it (identity check, read, verify, decode), with an empty ready-cache."""
+    return Answerer(lm, store, cache_bytes=0).pack(key)[0]
+
+
+def make_case(lm: LoadedModel, store: LmdbStore, records: Sequence[Record], target: int) -> Case:
     facts, question = select_facts(lm, records, target)
     pack = build_pack(lm, facts)
     encoded = encode_pack(pack)
@@ -141,7 +148,7 @@ def make_case(lm: LoadedModel, store: PackStore, records: Sequence[Record], targ
     prompt = len(render(lm.tokenizer, facts, question).token_ids)
     if prompt + FIRST_TOKEN.max_new_tokens > MAX_CONTEXT:
         raise SystemExit(f"size {target}: prompt of {prompt} tokens does not fit {MODEL}'s {MAX_CONTEXT}-token context")
-    return Case(target, facts, question, key, load_pack(store, key, lm), encoded.stored_bytes)
+    return Case(target, facts, question, key, load_stored(lm, store, key), encoded.stored_bytes)
 
 
 # -- 1. time to first token ---------------------------------------------------------------
@@ -149,10 +156,10 @@ def make_case(lm: LoadedModel, store: PackStore, records: Sequence[Record], targ
 TTFT_MODES = ("stored", "prefill", "floor")
 
 
-def first_token(lm: LoadedModel, store: PackStore, case: Case, mode: str) -> tuple[float, list[int]]:
+def first_token(lm: LoadedModel, store: LmdbStore, case: Case, mode: str) -> tuple[float, list[int]]:
     """Seconds to the first generated token in ``mode``, and the generated ids."""
     if mode == "stored":
-        run = lambda: answer_with_pack(lm, load_pack(store, case.key, lm), case.question, FIRST_TOKEN)  # noqa: E731
+        run = lambda: answer_with_pack(lm, load_stored(lm, store, case.key), case.question, FIRST_TOKEN)  # noqa: E731
     elif mode == "prefill":
         run = lambda: answer_with_text(lm, case.facts, case.question, sampling=FIRST_TOKEN)  # noqa: E731
     else:
@@ -161,7 +168,7 @@ def first_token(lm: LoadedModel, store: PackStore, case: Case, mode: str) -> tup
     return seconds, answer.token_ids
 
 
-def bench_ttft(lm: LoadedModel, store: PackStore, cases: Sequence[Case], repeats: int) -> None:
+def bench_ttft(lm: LoadedModel, store: LmdbStore, cases: Sequence[Case], repeats: int) -> None:
     log("time to first token: warm-up")
     for mode in TTFT_MODES:
         first_token(lm, store, cases[0], mode)
@@ -200,7 +207,7 @@ def read_pieces(path: Path, sizes: Sequence[int]) -> list[bytes]:
         return [f.read(size) for size in sizes]
 
 
-def bench_get(store: PackStore, cases: Sequence[Case], workdir: Path, repeats: int) -> None:
+def bench_get(store: LmdbStore, cases: Sequence[Case], workdir: Path, repeats: int) -> None:
     scratch, pieces = {}, {}
     for case in cases:
         encoded = store.get(case.key)  # also warms the LMDB pages
@@ -380,7 +387,7 @@ def main() -> None:
     lm = load_model(MODEL, dtype="float32", progress=False)
     with tempfile.TemporaryDirectory(prefix="packstore-bench-", dir=args.workdir) as tmp:
         workdir = Path(tmp)
-        with PackStore(workdir / "store") as store:
+        with LmdbStore(workdir / "store") as store:
             cases = []
             for target in sorted(args.sizes):
                 log(f"building the {target}-token pack")

@@ -9,7 +9,7 @@ rotates), every figure is a median, and the ratios within this one run are what 
    seconds), for 1 and for 16 concurrent clients (threads started together on a barrier) fetching
    a ~2k-token pack (~94 MB of KV, ~80 MB stored) into CPU tensors:
    service = ``RemoteStore.fetch`` over gRPC from ``packstore serve`` (one RemoteStore per thread);
-   local = ``PackStore.fetch`` on a local LMDB store holding the same pack (one store, shared by
+   local = ``LmdbStore.fetch`` on a local LMDB store holding the same pack (one store, shared by
    the threads, as LMDB allows one environment per process);
    redis = a ``redis-server`` holding the same stored chunks as plain values (one key per chunk,
    plus the header JSON): the client GETs the header and every chunk on its own connection and
@@ -57,13 +57,13 @@ import redis  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from packstore.client import RemoteStore  # noqa: E402
-from packstore.format import EncodedPack, Pack, PackHeader, encode_pack  # noqa: E402
-from packstore.format.body import _WORKERS, decode_chunk  # noqa: E402  (the decode pool size fetch uses)
+from packstore.store.remote import RemoteStore  # noqa: E402
+from packstore.format import EncodedPack, PackHeader  # noqa: E402
+from packstore.tensors import WORKERS, Pack, decode_chunk, encode_pack  # noqa: E402  (WORKERS: the decode pool size fetch uses)
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.inject import Sampling, answer_with_text  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
-from packstore.store import PackStore  # noqa: E402
+from packstore.store import LmdbStore  # noqa: E402
 from packstore.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -277,7 +277,7 @@ def redis_put(client: redis.Redis, encoded: EncodedPack) -> None:
 def redis_fetch(client: redis.Redis, key: str) -> Pack:
     """GET the header and every chunk; decode (verify + decompress) each chunk in a pool as it arrives."""
     header = PackHeader.from_json(client.get(f"{key}:header"))
-    with ThreadPoolExecutor(_WORKERS) as pool:
+    with ThreadPoolExecutor(WORKERS) as pool:
         pending = [pool.submit(decode_chunk, header, i, client.get(f"{key}:chunk:{i}")) for i in range(len(header.chunks))]
         tensors = {name: t for future in pending for name, t in future.result().items()}
     pack = Pack(
@@ -300,7 +300,7 @@ class Clients:
     close: list[Callable[[], None]]
 
 
-def make_clients(clients: int, service_url: str, local: PackStore, redis_address: str, key: str) -> Clients:
+def make_clients(clients: int, service_url: str, local: LmdbStore, redis_address: str, key: str) -> Clients:
     remotes = [RemoteStore(service_url) for _ in range(clients)]
     caches = [redis_client(redis_address) for _ in range(clients)]
     return Clients(
@@ -342,7 +342,7 @@ def run_together(fetchers: Sequence[Callable[[], Pack]]) -> tuple[float, list[Pa
 
 
 def bench_throughput(
-    built: Built, service_url: str, local: PackStore, redis_address: str, concurrency: Sequence[int], repeats: int,
+    built: Built, service_url: str, local: LmdbStore, redis_address: str, concurrency: Sequence[int], repeats: int,
     server_pids: Sequence[int],
 ) -> None:
     """``server_pids``: the pack service's and redis-server's, whose CPU time is counted with this process's."""
@@ -530,7 +530,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="packstore-bench-service-", dir=args.workdir) as tmp, ExitStack() as stack:
         workdir = Path(tmp)
-        local = stack.enter_context(PackStore(workdir / "local"))
+        local = stack.enter_context(LmdbStore(workdir / "local"))
         local.put(throughput_pack.encoded)
         server = stack.enter_context(running_server(workdir / "service"))
         redis_server = stack.enter_context(running_redis(workdir))

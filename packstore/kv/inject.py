@@ -8,11 +8,12 @@ from queue import Queue
 from typing import Generator, Sequence
 
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from packstore.errors import InvalidInput, PackMismatch
-from packstore.format import Pack, PackHeader
+from packstore.format import PackHeader
+from packstore.tensors import Pack
 from packstore.kv.build import cache_tensors, prefill
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import Rendering, check_prefix, render
@@ -81,7 +82,19 @@ def _generation_config(lm: LoadedModel, sampling: Sampling) -> GenerationConfig:
     return GenerationConfig(**options)
 
 
-def _run_generate(lm: LoadedModel, ids: torch.Tensor, sampling: Sampling, cache: DynamicCache | None, streamer=None) -> torch.Tensor:
+class _StopWhenSet(StoppingCriteria):
+    """Ends generation at the next token once ``event`` is set (the reader went away)."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+def _run_generate(
+    lm: LoadedModel, ids: torch.Tensor, sampling: Sampling, cache: DynamicCache | None, streamer=None, stop: threading.Event | None = None
+) -> torch.Tensor:
     if sampling.seed is not None:
         torch.manual_seed(sampling.seed)
     with torch.inference_mode():
@@ -91,6 +104,7 @@ def _run_generate(lm: LoadedModel, ids: torch.Tensor, sampling: Sampling, cache:
             past_key_values=cache,
             generation_config=_generation_config(lm, sampling),
             streamer=streamer,
+            stopping_criteria=StoppingCriteriaList([_StopWhenSet(stop)]) if stop is not None else None,
         )
 
 
@@ -131,16 +145,18 @@ def generate_stream(
 ) -> Generator[int, None, Answer]:
     """Like ``generate``, yielding each new token id (stop tokens excluded) as soon as it exists.
 
-    The generator's return value is the final Answer.
+    The generator's return value is the final Answer. Closing the generator early (a cancelled
+    stream) stops generation at the next token and waits for it, so the device is free on return.
     """
     cached = cache.get_seq_length() if cache is not None else 0
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=lm.device)
     streamer = _TokenQueue()
     failure: list[BaseException] = []
+    stop = threading.Event()
 
     def run() -> None:
         try:
-            _run_generate(lm, ids, sampling, cache, streamer)
+            _run_generate(lm, ids, sampling, cache, streamer, stop)
         except BaseException as exc:  # surfaced to the reader below
             failure.append(exc)
             streamer.end()
@@ -148,11 +164,14 @@ def generate_stream(
     worker = threading.Thread(target=run, name="packstore-generate", daemon=True)
     worker.start()
     new: list[int] = []
-    while (token := streamer.queue.get()) is not None:
-        new.append(token)
-        if token not in lm.stop_token_ids:
-            yield token
-    worker.join()
+    try:
+        while (token := streamer.queue.get()) is not None:
+            new.append(token)
+            if token not in lm.stop_token_ids:
+                yield token
+    finally:
+        stop.set()
+        worker.join()
     if failure:
         raise failure[0]
     return _answer(lm, new, ids.shape[1] - cached)

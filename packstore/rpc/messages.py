@@ -3,33 +3,32 @@
 from __future__ import annotations
 
 from packstore.format import PackHeader
-from packstore.store import StoredPack
+from packstore.records import PackSummary, StoredPack
 from packstore.v1 import store_pb2
 
 PIECE_BYTES = 1 << 20  # chunks travel in pieces of at most 1 MiB, whatever the message-size limits
 
 
+def summary_info(summary: PackSummary) -> store_pb2.PackInfo:
+    """A pack's summary as a PackInfo without the header (what ListPacks pages carry)."""
+    return store_pb2.PackInfo(**{**summary.__dict__, "names": list(summary.names), "parents": list(summary.parents)})
+
+
 def pack_info(stored: StoredPack) -> store_pb2.PackInfo:
-    h = stored.header
-    return store_pb2.PackInfo(
-        key=stored.key,
-        names=list(stored.names),
-        kind=h.kind,
-        model_fp=h.model_fp,
-        template_fp=h.template_fp,
-        model_name=h.model_name,
-        tokens=h.tokens,
-        dtype=h.dtype,
-        raw=h.raw,
-        raw_bytes=h.raw_bytes,
-        stored_bytes=stored.stored_bytes,
-        created=h.created,
-        header_json=h.to_json(),
-    )
+    """A pack's summary and its full sealed header."""
+    info = summary_info(stored.summary)
+    info.header_json = stored.header.to_json()
+    return info
+
+
+def pack_summary(info: store_pb2.PackInfo) -> PackSummary:
+    """A PackInfo back to the summary it carries."""
+    fields = {name: getattr(info, name) for name in PackSummary.__dataclass_fields__}
+    return PackSummary(**{**fields, "names": tuple(info.names), "parents": tuple(info.parents)})
 
 
 def stored_pack(info: store_pb2.PackInfo) -> StoredPack:
-    """A PackInfo back to a StoredPack; the header's seal is checked on the way."""
+    """A PackInfo with its header back to a StoredPack; the header's seal is checked on the way."""
     return StoredPack(header=PackHeader.from_json(info.header_json), names=tuple(info.names), stored_bytes=info.stored_bytes)
 
 

@@ -15,6 +15,7 @@ class ServiceMetrics:
         self.bytes_sent = Counter("packstore_sent_bytes", "Pack bytes streamed to clients", registry=self.registry)
         self.bytes_received = Counter("packstore_received_bytes", "Pack bytes received from clients", registry=self.registry)
         self.store_packs = Gauge("packstore_store_packs", "Packs in the store", registry=self.registry)
+        self.store_pack_bytes = Gauge("packstore_store_pack_bytes", "Stored bytes of every pack (headers and chunks)", registry=self.registry)
         self.store_bytes = Gauge("packstore_store_file_bytes", "Size of the store's data file", registry=self.registry)
 
     def serve(self, address: str) -> None:

@@ -16,18 +16,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from packstore.bank.bank import DEFAULT_TOP_K
-from packstore.errors import InvalidInput, PackstoreError
+from packstore.errors import InvalidInput, LimitExceeded, PackstoreError
 from packstore.format import PackHeader
-from packstore.rpc.messages import ChunkAssembler, bank_info, chunk_pieces, pack_info
-from packstore.rpc.status import LimitExceeded, status_for
+from packstore.rpc.messages import ChunkAssembler, bank_info, chunk_pieces, pack_info, summary_info
+from packstore.rpc.status import abort_with_error, status_for
 from packstore.service.config import ServiceConfig
 from packstore.service.metrics import ServiceMetrics
-from packstore.store import PackStore
+from packstore.store import BankStore, LmdbStore
+from packstore.store.protocol import DEFAULT_PAGE, DEFAULT_TOP_K
 from packstore.v1 import store_pb2, store_pb2_grpc
 
 SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["PackStore"].full_name
-DEFAULT_PAGE, MAX_PAGE = 100, 1000
 log = logging.getLogger("packstore.service")
 
 
@@ -41,7 +40,9 @@ class JsonLogFormatter(logging.Formatter):
 
 
 class PackStoreService(store_pb2_grpc.PackStoreServicer):
-    def __init__(self, store: PackStore, config: ServiceConfig, metrics: ServiceMetrics) -> None:
+    """The pack service over the embedded store (staged uploads and chunk reads are its own)."""
+
+    def __init__(self, store: LmdbStore, config: ServiceConfig, metrics: ServiceMetrics) -> None:
         self.store = store
         self.config = config
         self.metrics = metrics
@@ -57,13 +58,13 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
         except PackstoreError as exc:
             code = status_for(exc)
             info["error"] = str(exc)
-            context.abort(code, str(exc))
+            abort_with_error(context, exc)
         except Exception as exc:  # an unexpected failure: report INTERNAL, keep serving
             if isinstance(exc, grpc.RpcError) or type(exc).__name__ == "_AbortionError":
                 raise
             code = grpc.StatusCode.INTERNAL
             log.exception("internal error", extra={"fields": {"method": method}})
-            context.abort(code, f"internal error: {exc}")
+            abort_with_error(context, PackstoreError(f"internal error: {exc}"))
         finally:
             elapsed = time.perf_counter() - start
             self.metrics.requests.labels(method, code.name).inc()
@@ -72,7 +73,10 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             log.log(level, method, extra={"fields": {"method": method, "code": code.name, "ms": round(elapsed * 1000, 2), "peer": context.peer(), **info}})
 
     def _refresh_store_gauges(self) -> None:
-        self.metrics.store_packs.set(len(self.store.keys()))
+        """Read the store's running counters (no scan) and its file size."""
+        counts = self.store.counts()
+        self.metrics.store_packs.set(counts.packs)
+        self.metrics.store_pack_bytes.set(counts.stored_bytes)
         self.metrics.store_bytes.set((self.store.path / "data.mdb").stat().st_size)
 
     # -- RPCs ------------------------------------------------------------------------------------
@@ -131,19 +135,14 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
 
     def ListPacks(self, request, context):
         with self._call("ListPacks", context):
-            size = request.page_size or DEFAULT_PAGE
-            if size > MAX_PAGE:
-                raise InvalidInput(f"page_size {size} exceeds the maximum of {MAX_PAGE}")
-            packs = [
-                p
-                for p in self.store.list(model_fp=request.model_fp or None)
-                if (not request.template_fp or p.header.template_fp == request.template_fp)
-                and (not request.name or request.name in p.names)
-                and p.key > request.page_token
-            ]
-            page = packs[:size]
-            token = page[-1].key if len(packs) > size else ""
-            return store_pb2.ListPacksResponse(packs=[pack_info(p) for p in page], next_page_token=token)
+            page = self.store.list_page(
+                page_size=request.page_size or DEFAULT_PAGE,
+                page_token=request.page_token,
+                model_fp=request.model_fp or None,
+                template_fp=request.template_fp or None,
+                name=request.name or None,
+            )
+            return store_pb2.ListPacksResponse(packs=[summary_info(p) for p in page.packs], next_page_token=page.next_token)
 
     def DeletePack(self, request, context):
         with self._call("DeletePack", context, ref=request.ref) as info:
@@ -169,12 +168,24 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
                 yield store_pb2.VerifyResult(key=result.key, ok=result.ok, error=result.error or "")
 
 
+    def StoreStats(self, request, context):
+        with self._call("StoreStats", context):
+            counts = self.store.counts()
+            return store_pb2.StoreStatsResponse(packs=counts.packs, stored_bytes=counts.stored_bytes)
+
+    def CollectGarbage(self, request, context):
+        with self._call("CollectGarbage", context, compact=request.compact):
+            report = self.store.gc(compact=request.compact)
+            self._refresh_store_gauges()
+            return store_pb2.CollectGarbageResponse(**report.__dict__)
+
     # -- banks ---------------------------------------------------------------------------------
 
     @staticmethod
     def _embedder(spec: str) -> str:
         """Over the service an embedder is an installed alias, never a path on the server."""
-        from packstore.bank.embedder import DEFAULT_EMBEDDER, WHEEL_EMBEDDERS
+        from packstore.bank.embedder import WHEEL_EMBEDDERS
+        from packstore.store.protocol import DEFAULT_EMBEDDER
 
         spec = spec or DEFAULT_EMBEDDER
         if spec not in WHEEL_EMBEDDERS:
@@ -193,10 +204,8 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             raise InvalidInput("no facts were sent")
         return name, embedder, facts
 
-    def _banks(self):
-        from packstore.bank.bank import LocalBanks
-
-        return LocalBanks(self.store)
+    def _banks(self) -> BankStore:
+        return self.store.banks()
 
     def BuildBank(self, request_iterator, context):
         with self._call("BuildBank", context) as info:
@@ -234,7 +243,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             return store_pb2.DeleteBankResponse()
 
 
-def build_server(config: ServiceConfig, store: PackStore, metrics: ServiceMetrics) -> tuple[grpc.Server, health.HealthServicer]:
+def build_server(config: ServiceConfig, store: LmdbStore, metrics: ServiceMetrics) -> tuple[grpc.Server, health.HealthServicer]:
     """A gRPC server with the pack service, health and reflection, bound to ``config.listen``."""
     limits = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -256,7 +265,7 @@ def serve(config: ServiceConfig) -> None:
     handler.setFormatter(JsonLogFormatter())
     logging.basicConfig(level=config.log_level.upper(), handlers=[handler], force=True)
     metrics = ServiceMetrics()
-    with PackStore(config.data) as store:
+    with LmdbStore(config.data) as store:
         server, health_servicer = build_server(config, store, metrics)
         if config.metrics:
             metrics.serve(config.metrics)

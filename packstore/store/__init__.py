@@ -1,5 +1,43 @@
-"""The embedded pack store: an LMDB environment in a directory. See docs/format.md."""
+"""Stores of packs and banks: the protocols, the embedded LMDB store, and the gRPC client store."""
 
-from packstore.store.lmdb_store import GcReport, PackStore, StoredPack, VerifyResult, default_store_path
+from __future__ import annotations
 
-__all__ = ["GcReport", "PackStore", "StoredPack", "VerifyResult", "default_store_path"]
+import os
+
+from packstore.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
+from packstore.store.lmdb_store import LmdbStore, default_store_path
+from packstore.store.protocol import BankStore, PackStore
+
+
+def is_remote(spec: str | os.PathLike[str] | None) -> bool:
+    """Whether a store specifier names a service (``grpc://HOST:PORT``) rather than a directory."""
+    return str(spec or "").startswith("grpc://")
+
+
+def open_store(spec: str | os.PathLike[str] | None = None, *, readonly: bool = False) -> PackStore:
+    """The store a specifier names: ``grpc://HOST:PORT`` is the service, anything else a local directory.
+
+    Without ``spec``: ``$PACKSTORE_STORE``, else the per-user data directory.
+    """
+    spec = str(spec or os.environ.get("PACKSTORE_STORE") or default_store_path())
+    if is_remote(spec):
+        from packstore.store.remote import RemoteStore
+
+        return RemoteStore(spec)
+    return LmdbStore(spec, readonly=readonly)
+
+
+__all__ = [
+    "BankStore",
+    "GcReport",
+    "LmdbStore",
+    "PackPage",
+    "PackStore",
+    "PackSummary",
+    "StoreCounts",
+    "StoredPack",
+    "VerifyResult",
+    "default_store_path",
+    "is_remote",
+    "open_store",
+]

@@ -9,6 +9,7 @@ import numpy as np
 
 from packstore.errors import PackNotFound
 from packstore.format.bank import BankMeta, Cluster, decode_centroids, decode_cluster, encode_centroids, encode_cluster
+from packstore.store.environment import LmdbEnvironment
 
 
 def _meta_key(name: str) -> bytes:
@@ -28,9 +29,9 @@ def _cluster_key(name: str, cluster: int) -> bytes:
 
 
 class BankTables:
-    """Mixed into PackStore: every bank write is one LMDB transaction, like every pack write."""
+    """Mixed into LmdbStore: every bank write is one LMDB transaction, like every pack write."""
 
-    _env: lmdb.Environment
+    _env: LmdbEnvironment
     _banks: object
 
     def _bank_db(self, name: str):
@@ -73,7 +74,7 @@ class BankTables:
 
     def bank(self, name: str) -> BankMeta:
         self._bank_db(name)
-        with self._env.begin() as txn:
+        with self._env.read() as txn:
             data = txn.get(_meta_key(name), db=self._banks)
         if data is None:
             raise PackNotFound(f"no bank named {name!r}")
@@ -81,7 +82,7 @@ class BankTables:
 
     def bank_centroids(self, name: str) -> np.ndarray:
         self._bank_db(name)
-        with self._env.begin() as txn:
+        with self._env.read() as txn:
             data = txn.get(_centroids_key(name), db=self._banks)
         if data is None:
             raise PackNotFound(f"no bank named {name!r}")
@@ -90,7 +91,7 @@ class BankTables:
     def bank_centroids_seal(self, name: str) -> bytes:
         """The sha256 that ends the centroid record: names one build's centroids without reading them."""
         self._bank_db(name)
-        with self._env.begin(buffers=True) as txn:
+        with self._env.read(buffers=True) as txn:
             data = txn.get(_centroids_key(name), db=self._banks)
             if data is None:
                 raise PackNotFound(f"no bank named {name!r}")
@@ -100,7 +101,7 @@ class BankTables:
         """The given clusters (a cluster with no facts yet is empty)."""
         self._bank_db(name)
         found = {}
-        with self._env.begin() as txn:
+        with self._env.read() as txn:
             for cluster_id in cluster_ids:
                 data = txn.get(_cluster_key(name, cluster_id), db=self._banks)
                 found[cluster_id] = decode_cluster(data) if data is not None else None
@@ -108,7 +109,7 @@ class BankTables:
 
     def bank_stored_bytes(self, name: str) -> int:
         """Bytes of every value the bank stores (metadata, centroids, clusters)."""
-        with self._env.begin() as txn:
+        with self._env.read() as txn:
             total = sum(len(txn.get(k, db=self._banks) or b"") for k in (_meta_key(name), _centroids_key(name)))
             cursor = txn.cursor(db=self._banks)
             prefix = _cluster_prefix(name)
@@ -119,10 +120,11 @@ class BankTables:
                     total += len(value)
         return total
 
-    def banks(self) -> list[BankMeta]:
+    def bank_metas(self) -> list[BankMeta]:
+        """Every bank's metadata record, in name order."""
         if self._banks is None:
             return []
-        with self._env.begin() as txn:
+        with self._env.read() as txn:
             cursor = txn.cursor(db=self._banks)
             metas = []
             if cursor.set_range(b"meta/"):

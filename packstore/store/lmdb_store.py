@@ -3,29 +3,36 @@
 from __future__ import annotations
 
 import fcntl
+import itertools
+import json
 import os
 import re
 import shutil
 import struct
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 import lmdb
 
 from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackNotFound, StoreBusy
-from packstore.format import EncodedPack, Pack, PackHeader, decode_pack, parse_key
+from packstore.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
+from packstore.format import EncodedPack, PackHeader, parse_key
+from packstore.format.header import canonical_json
 from packstore.format.body import verify_chunk
 from packstore.store.banks import BankTables
+from packstore.store.environment import DEFAULT_MAP_SIZE, LmdbEnvironment
+from packstore.store.protocol import DEFAULT_PAGE, MAX_PAGE, BankStore
 
-STORE_LAYOUT_VERSION = b"1"
+if TYPE_CHECKING:
+    from packstore.tensors import Pack
+
+STORE_LAYOUT_VERSION = b"2"  # 2 added summaries, key_names, by_name and the running counters
 LOCK_FILE = "packstore.lock"
-INITIAL_MAP_SIZE = 1 << 30
 STALE_UPLOAD_SECONDS = 3600
 _HASH_PREFIX_RE = re.compile(r"^[0-9a-f]{8,64}$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}")
 T = TypeVar("T")
 
 
@@ -39,7 +46,7 @@ def default_store_path() -> Path:
 
 def check_name(name: str) -> str:
     """Names are 1-128 characters of letters, digits and ``._:@+-``, starting alphanumeric."""
-    if not _NAME_RE.match(name):
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise InvalidInput(
             f"invalid pack name {name!r}: use 1-128 letters, digits or ._:@+- , starting with a letter or digit"
         )
@@ -54,98 +61,175 @@ def _name_key(model_fp: str, name: str) -> bytes:
     return f"{model_fp}/{name}".encode()
 
 
-@dataclass(frozen=True)
-class VerifyResult:
-    """One pack's integrity check: ``error`` is None when every byte checked out."""
-
-    key: str
-    error: str | None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
+def _key_name_key(key: str, name: str) -> bytes:
+    """``key_names`` entry: the pack key, then one of its names (names hold no ``/``)."""
+    return f"{key}/{name}".encode()
 
 
-@dataclass(frozen=True)
-class GcReport:
-    """What ``gc`` removed, and the data file size before and after (compaction shrinks it)."""
-
-    orphan_chunks: int
-    orphan_chunk_bytes: int
-    dangling_names: int
-    file_bytes_before: int
-    file_bytes_after: int
-    compacted: bool
+def _by_name_key(name: str, model_fp: str) -> bytes:
+    """``by_name`` entry: a name, then the model it is scoped to."""
+    return f"{name}/{model_fp}".encode()
 
 
-@dataclass(frozen=True)
-class StoredPack:
-    """A stored pack's header, the names that point at it, and its size on disk."""
-
-    header: PackHeader
-    names: tuple[str, ...]
-    stored_bytes: int
-
-    @property
-    def key(self) -> str:
-        return self.header.key
+def _prefix_scan(txn: lmdb.Transaction, db: object, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """Every (key, value) of ``db`` whose key starts with ``prefix``, in key order."""
+    cursor = txn.cursor(db=db)
+    if not cursor.set_range(prefix):
+        return
+    for key, value in cursor:
+        if not key.startswith(prefix):
+            return
+        yield key, value
 
 
-class PackStore(BankTables):
-    """A directory holding one LMDB environment with databases ``meta``, ``packs``, ``chunks``, ``names``.
+def _summary_record(header: PackHeader, stored_bytes: int) -> bytes:
+    """What ``summaries`` holds for a pack: its summary without key and names (docs/format.md §2)."""
+    summary = StoredPack(header=header, names=(), stored_bytes=stored_bytes).summary
+    record = {name: value for name, value in summary.__dict__.items() if name not in ("key", "names")}
+    return canonical_json(record)
+
+
+_decode_json = json.JSONDecoder().decode
+
+
+def _summary(key: str, names: tuple[str, ...], data: bytes) -> PackSummary:
+    try:
+        record = _decode_json(data.decode())
+        record["parents"] = tuple(record["parents"])
+        return PackSummary(key=key, names=names, **record)
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"pack {key}: stored summary is damaged: {exc}") from None
+
+
+def _names_at(cursor: lmdb.Cursor, key: str) -> tuple[str, ...]:
+    """The names of ``key`` in ``key_names``, sorted; ``cursor`` may be reused for keys in increasing order."""
+    prefix = f"{key}/".encode()
+    names = []
+    if cursor.set_range(prefix):
+        found = cursor.key()
+        while found.startswith(prefix):
+            names.append(found[len(prefix) :].decode())
+            if not cursor.next():
+                break
+            found = cursor.key()
+    return tuple(names)
+
+
+def _stored_bytes(header: PackHeader, header_json: bytes) -> int:
+    """Bytes a pack occupies: its header JSON and every chunk."""
+    return len(header_json) + sum(c.stored_bytes for c in header.chunks)
+
+
+class LmdbStore(BankTables):
+    """The embedded store: a directory holding one LMDB environment (databases in docs/format.md §2).
 
     Every write is one LMDB write transaction, so a pack is either fully present or absent.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, readonly: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, readonly: bool = False, map_size: int = DEFAULT_MAP_SIZE) -> None:
+        """``map_size``: the address space the LMDB map reserves at open (docs/operations.md, "Threads,
+        processes and the map"); the data file grows only as data is stored."""
         self.path = Path(path)
         self.readonly = readonly
+        self._map_size = map_size
         if readonly and not (self.path / "data.mdb").exists():
             raise PackNotFound(f"no pack store at {self.path}")
         self.path.mkdir(parents=True, exist_ok=True)
         # Every open holds a shared advisory lock; compaction, which swaps the data file, needs it exclusive.
         self._lock = open(self.path / LOCK_FILE, "rb" if readonly and (self.path / LOCK_FILE).exists() else "a+b")
         fcntl.flock(self._lock, fcntl.LOCK_SH)
-        self._open_env()
+        try:
+            self._open_env()
+        except lmdb.NotFoundError:  # a layout-1 store, opened read-only, lacks the listing databases
+            self._env.close()
+            self._upgrade_layout()
+            self._open_env()
+
+    def _upgrade_layout(self) -> None:
+        """Bring an older store's layout up to date with one writable open, for a read-only caller."""
+        try:
+            LmdbStore(self.path, map_size=self._map_size).close()
+        except (OSError, lmdb.Error) as exc:
+            raise IntegrityError(f"store {self.path} has an older layout and cannot be upgraded here: {exc}") from None
 
     def _open_env(self) -> None:
+        self._env = LmdbEnvironment(self.path, map_size=self._map_size, readonly=self.readonly, max_dbs=16)
+        self._open_dbs()
+
+    def _open_dbs(self) -> None:
+        """Open the databases (creating them and bringing the layout up to date when writable); check the layout."""
         readonly = self.readonly
-        self._env = lmdb.open(str(self.path), map_size=INITIAL_MAP_SIZE, max_dbs=8, readonly=readonly, subdir=True)
         self._meta = self._env.open_db(b"meta", create=not readonly)
         self._packs = self._env.open_db(b"packs", create=not readonly)
         self._chunks = self._env.open_db(b"chunks", create=not readonly)
         self._names = self._env.open_db(b"names", create=not readonly)
+        self._summaries = self._env.open_db(b"summaries", create=not readonly)
+        self._key_names = self._env.open_db(b"key_names", create=not readonly)
+        self._by_name = self._env.open_db(b"by_name", create=not readonly)
         self._staging = self._env.open_db(b"staging", create=not readonly) if not readonly else None
         self._banks = self._env.open_db(b"banks", create=not readonly) if not readonly or self._has_db(b"banks") else None
         if not readonly:
-            self._write(lambda txn: txn.put(b"layout", STORE_LAYOUT_VERSION, db=self._meta, overwrite=False))
-        with self._env.begin() as txn:
+            self._write(self._upgrade_in)
+        with self._env.read() as txn:
             layout = txn.get(b"layout", db=self._meta)
         if layout is not None and layout != STORE_LAYOUT_VERSION:
-            raise IntegrityError(f"store {self.path} has layout {layout!r}, this build reads {STORE_LAYOUT_VERSION!r}")
+            raise IntegrityError(
+                f"store {self.path} has layout {layout.decode(errors='replace')}, this build reads {STORE_LAYOUT_VERSION.decode()}"
+
+            )
+
+    def _upgrade_in(self, txn: lmdb.Transaction) -> None:
+        """Stamp a new store with the layout; bring a layout-1 store's indexes and counters up to date."""
+        layout = txn.get(b"layout", db=self._meta)
+        if layout == STORE_LAYOUT_VERSION:
+            return
+        if layout not in (None, b"1"):
+            return  # a newer layout: refused by the caller, never rewritten
+        packs = stored_bytes = 0
+        for key, data in txn.cursor(db=self._packs):
+            try:
+                header = PackHeader.from_json(data)
+            except (IntegrityError, InvalidInput):
+                continue  # a damaged header stays listed by keys() and reported by verify
+            size = _stored_bytes(header, data)
+            packs, stored_bytes = packs + 1, stored_bytes + size
+            txn.put(key, _summary_record(header, size), db=self._summaries)
+        for name_key, key in txn.cursor(db=self._names):
+            model_fp, name = name_key.decode().split("/", 1)
+            txn.put(_key_name_key(key.decode(), name), b"", db=self._key_names)
+            txn.put(_by_name_key(name, model_fp), key, db=self._by_name)
+        self._set_counts_in(txn, StoreCounts(packs=packs, stored_bytes=stored_bytes))
+        txn.put(b"layout", STORE_LAYOUT_VERSION, db=self._meta)
+
+    def _counts_in(self, txn: lmdb.Transaction) -> StoreCounts:
+        data = txn.get(b"counts", db=self._meta)
+        packs, stored_bytes = struct.unpack("<QQ", data) if data is not None else (0, 0)
+        return StoreCounts(packs=packs, stored_bytes=stored_bytes)
+
+    def _set_counts_in(self, txn: lmdb.Transaction, counts: StoreCounts) -> None:
+        txn.put(b"counts", struct.pack("<QQ", counts.packs, counts.stored_bytes), db=self._meta)
+
+    def _add_counts_in(self, txn: lmdb.Transaction, packs: int, stored_bytes: int) -> None:
+        now = self._counts_in(txn)
+        self._set_counts_in(txn, StoreCounts(packs=now.packs + packs, stored_bytes=now.stored_bytes + stored_bytes))
 
     def _has_db(self, name: bytes) -> bool:
-        with self._env.begin() as txn:
+        with self._env.read() as txn:
             return txn.get(name) is not None
 
     def close(self) -> None:
         self._env.close()
         self._lock.close()
 
-    def __enter__(self) -> "PackStore":
+    def __enter__(self) -> "LmdbStore":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _write(self, body: Callable[[lmdb.Transaction], T]) -> T:
-        """Run ``body`` in one write transaction, doubling the map and retrying when it is full."""
-        while True:
-            try:
-                with self._env.begin(write=True) as txn:
-                    return body(txn)
-            except lmdb.MapFullError:
-                self._env.set_mapsize(self._env.info()["map_size"] * 2)
+        """Run ``body`` in one write transaction (rerun in a fresh one if the map had to grow)."""
+        return self._env.write(body)
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -170,27 +254,49 @@ class PackStore(BankTables):
         if created:
             for index in range(len(header.chunks)):
                 txn.put(_chunk_key(key, index), chunk(index), db=self._chunks)
-            txn.put(key.encode(), header.to_json(), db=self._packs)
+            header_json = header.to_json()
+            size = _stored_bytes(header, header_json)
+            txn.put(key.encode(), header_json, db=self._packs)
+            txn.put(key.encode(), _summary_record(header, size), db=self._summaries)
+            self._add_counts_in(txn, 1, size)
         if name is not None:
-            txn.put(_name_key(header.model_fp, name), key.encode(), db=self._names)
+            self._name_in(txn, header.model_fp, name, key)
         return created
+
+    def _name_in(self, txn: lmdb.Transaction, model_fp: str, name: str, key: str) -> None:
+        """Point ``name`` (of ``model_fp``) at ``key`` and keep both name indexes in step."""
+        previous = txn.get(_name_key(model_fp, name), db=self._names)
+        if previous is not None:
+            txn.delete(_key_name_key(previous.decode(), name), db=self._key_names)
+        txn.put(_name_key(model_fp, name), key.encode(), db=self._names)
+        txn.put(_key_name_key(key, name), b"", db=self._key_names)
+        txn.put(_by_name_key(name, model_fp), key.encode(), db=self._by_name)
+
+    def _unname_in(self, txn: lmdb.Transaction, model_fp: str, name: str) -> str | None:
+        """Remove one name and its index entries; returns the key it pointed at."""
+        found = txn.pop(_name_key(model_fp, name), db=self._names)
+        if found is None:
+            return None
+        txn.delete(_key_name_key(found.decode(), name), db=self._key_names)
+        txn.delete(_by_name_key(name, model_fp), db=self._by_name)
+        return found.decode()
 
     def set_name(self, ref: str, name: str, *, model_fp: str | None = None) -> str:
         """Point ``name`` at the pack ``ref`` (within the pack's model); returns the key."""
         check_name(name)
         key = self.resolve(ref, model_fp=model_fp)
         model = parse_key(key)[0]  # type: ignore[index]
-        self._write(lambda txn: txn.put(_name_key(model, name), key.encode(), db=self._names))
+        self._write(lambda txn: self._name_in(txn, model, name, key))
         return key
 
     def delete_name(self, name: str, *, model_fp: str) -> str:
         """Remove one name of one model (the pack stays); returns the key it pointed at."""
 
         def body(txn: lmdb.Transaction) -> str:
-            found = txn.pop(_name_key(model_fp, name), db=self._names)
+            found = self._unname_in(txn, model_fp, name)
             if found is None:
-                raise PackNotFound(f"no pack named {name!r} for model {model_fp[:12]}")
-            return found.decode()
+                raise PackNotFound(f"no pack named {name!r} for model {model_fp[:12]}", ref=name)
+            return found
 
         return self._write(body)
 
@@ -200,11 +306,14 @@ class PackStore(BankTables):
 
         def body(txn: lmdb.Transaction) -> None:
             header = self._header_in(txn, key)
+            size = _stored_bytes(header, txn.get(key.encode(), db=self._packs))
             for index in range(len(header.chunks)):
                 txn.delete(_chunk_key(key, index), db=self._chunks)
             txn.delete(key.encode(), db=self._packs)
-            for name_key in self._name_keys_in(txn, key):
-                txn.delete(name_key, db=self._names)
+            if txn.delete(key.encode(), db=self._summaries):
+                self._add_counts_in(txn, -1, -size)
+            for name in self._names_in(txn, key):
+                self._unname_in(txn, header.model_fp, name)
 
         self._write(body)
         return key
@@ -216,7 +325,7 @@ class PackStore(BankTables):
 
         Names and prefixes are looked up among ``model_fp``'s packs when it is given.
         """
-        with self._env.begin() as txn:
+        with self._env.read() as txn:
             if parse_key(ref):
                 if txn.get(ref.encode(), db=self._packs) is None:
                     raise PackNotFound(f"no pack with key {ref}")
@@ -225,18 +334,21 @@ class PackStore(BankTables):
                 found = txn.get(_name_key(model_fp, ref), db=self._names)
                 matches = [found.decode()] if found is not None else []
             else:
-                matches = [v.decode() for k, v in txn.cursor(db=self._names) if k.decode().split("/", 1)[1] == ref]
+                matches = [v.decode() for _, v in _prefix_scan(txn, self._by_name, f"{ref}/".encode())]
+            by_name = bool(matches)
             if not matches and _HASH_PREFIX_RE.match(ref):
+                within = f"{model_fp}/".encode() if model_fp else b""
                 matches = [
                     key
-                    for key in (k.decode() for k, _ in txn.cursor(db=self._packs))
-                    if key.rsplit("/", 1)[1].startswith(ref) and (model_fp is None or key.startswith(model_fp))
+                    for key in (k.decode() for k in txn.cursor(db=self._packs).iternext(values=False) if k.startswith(within))
+                    if key.rsplit("/", 1)[1].startswith(ref)
                 ]
         if not matches:
             scope = f" for model {model_fp[:12]}" if model_fp else ""
-            raise PackNotFound(f"no pack named {ref!r}{scope}")
+            raise PackNotFound(f"no pack named {ref!r}{scope}", ref=ref)
         if len(set(matches)) > 1:
-            raise AmbiguousRef(f"name {ref!r} exists for {len(set(matches))} models; use the full key (see packctl ls) or pass --model")
+            what = f"name {ref!r} exists for {len(set(matches))} models" if by_name else f"prefix {ref!r} matches {len(set(matches))} packs"
+            raise AmbiguousRef(f"{what}; use the full key or state the model", ref=ref, matches=len(set(matches)))
         return matches[0]
 
     def _header_in(self, txn: lmdb.Transaction, key: str) -> PackHeader:
@@ -248,32 +360,87 @@ class PackStore(BankTables):
             raise IntegrityError(f"pack {key}: stored header describes a different key")
         return header
 
-    def _name_keys_in(self, txn: lmdb.Transaction, key: str) -> list[bytes]:
-        return [k for k, v in txn.cursor(db=self._names) if v.decode() == key]
+    def _names_in(self, txn: lmdb.Transaction, key: str) -> tuple[str, ...]:
+        """The names pointing at ``key``, sorted (one prefix scan of the key -> names index)."""
+        return _names_at(txn.cursor(db=self._key_names), key)
+
+    def _summaries_in(self, txn: lmdb.Transaction, found: Iterator[tuple[str, bytes]]) -> Iterator[PackSummary]:
+        """A summary with its names for each (key, summary record); one cursor reads every key's names."""
+        names = txn.cursor(db=self._key_names)
+        for key, data in found:
+            yield _summary(key, _names_at(names, key), data)
 
     def _stored(self, txn: lmdb.Transaction, key: str) -> StoredPack:
         header = self._header_in(txn, key)
-        names = tuple(sorted(k.decode().split("/", 1)[1] for k in self._name_keys_in(txn, key)))
-        stored = len(txn.get(key.encode(), db=self._packs)) + sum(c.stored_bytes for c in header.chunks)
-        return StoredPack(header=header, names=names, stored_bytes=stored)
+        size = _stored_bytes(header, txn.get(key.encode(), db=self._packs))
+        return StoredPack(header=header, names=self._names_in(txn, key), stored_bytes=size)
 
     def stat(self, ref: str, *, model_fp: str | None = None) -> StoredPack:
         """Header, names and size of one pack, without reading its body."""
         key = self.resolve(ref, model_fp=model_fp)
-        with self._env.begin() as txn:
+        with self._env.read() as txn:
             return self._stored(txn, key)
 
-    def list(self, *, model_fp: str | None = None) -> list[StoredPack]:
-        """Every stored pack (optionally of one model), in key order."""
-        with self._env.begin() as txn:
-            keys = [k.decode() for k, _ in txn.cursor(db=self._packs)]
-            packs = [self._stored(txn, key) for key in keys]
-        return [p for p in packs if model_fp is None or p.header.model_fp == model_fp]
+    def list_page(
+        self,
+        *,
+        page_size: int = DEFAULT_PAGE,
+        page_token: str = "",
+        model_fp: str | None = None,
+        template_fp: str | None = None,
+        name: str | None = None,
+    ) -> PackPage:
+        """Summaries of the matching packs after ``page_token``, in key order, at most ``page_size``.
+
+        Reads only summaries and the key -> names index: cost grows with the page, not the store.
+        """
+        if not 1 <= page_size <= MAX_PAGE:
+            raise InvalidInput(f"page size {page_size} is outside 1-{MAX_PAGE}")
+        with self._env.read() as txn:
+            found = self._summaries_in(txn, self._matching_in(txn, page_token, model_fp, template_fp, name))
+            packs = list(itertools.islice(found, page_size + 1))
+        if len(packs) > page_size:
+            return PackPage(packs=packs[:page_size], next_token=packs[page_size - 1].key)
+        return PackPage(packs=packs)
+
+    def _matching_in(
+        self, txn: lmdb.Transaction, after: str, model_fp: str | None, template_fp: str | None, name: str | None
+    ) -> Iterator[tuple[str, bytes]]:
+        """(key, summary record) of each matching pack whose key sorts after ``after``, in key order."""
+        if name is not None:
+            scope = f"{name}/{model_fp}".encode() if model_fp else f"{name}/".encode()
+            keys = sorted({v.decode() for _, v in _prefix_scan(txn, self._by_name, scope)})
+            candidates = ((key, txn.get(key.encode(), db=self._summaries)) for key in keys if key > after)
+            found = ((key, data) for key, data in candidates if data is not None)
+        else:
+            prefix = f"{model_fp}/{template_fp}/" if model_fp and template_fp else f"{model_fp}/" if model_fp else ""
+            start = max(prefix, after).encode()
+            cursor = txn.cursor(db=self._summaries)
+            found = (
+                (key.decode(), data)
+                for key, data in (cursor if cursor.set_range(start) else ())
+                if key.decode() > after
+            )
+            found = itertools.takewhile(lambda item: item[0].startswith(prefix), found)
+        for key, data in found:
+            if template_fp is None or key.split("/")[1] == template_fp:
+                yield key, data
+
+    def list(
+        self, *, model_fp: str | None = None, template_fp: str | None = None, name: str | None = None
+    ) -> list[PackSummary]:
+        """Every matching pack's summary, in key order (one read transaction)."""
+        with self._env.read() as txn:
+            return list(self._summaries_in(txn, self._matching_in(txn, "", model_fp, template_fp, name)))
+
+    def counts(self) -> StoreCounts:
+        with self._env.read() as txn:
+            return self._counts_in(txn)
 
     def _read(self, ref: str, *, model_fp: str | None = None) -> EncodedPack:
         """A pack's header and chunks as stored, not yet checked against their checksums."""
         key = self.resolve(ref, model_fp=model_fp)
-        with self._env.begin(buffers=False) as txn:
+        with self._env.read() as txn:
             header = self._header_in(txn, key)
             chunks = []
             for index in range(len(header.chunks)):
@@ -283,17 +450,20 @@ class PackStore(BankTables):
                 chunks.append(data)
         return EncodedPack(header=header, chunks=chunks)
 
-    def get(self, ref: str, *, model_fp: str | None = None) -> EncodedPack:
-        """Read a pack's header and every chunk, verifying each chunk's checksum."""
+    def get(self, ref: str, *, model_fp: str | None = None, template_fp: str | None = None) -> EncodedPack:
+        """Read a pack's header and every chunk, verifying each chunk's checksum (and stated identities)."""
         encoded = self._read(ref, model_fp=model_fp)
+        encoded.header.check_identities(model_fp, template_fp)
         for index, data in enumerate(encoded.chunks):
             verify_chunk(encoded.header, index, data)
         return encoded
 
     def fetch(
-        self, ref: str, *, device: str | None = None, model_fp: str | None = None, template_fp: str | None = None
-    ) -> Pack:
+        self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
+    ) -> "Pack":
         """Get, verify and decode a pack; refuses one whose identities differ from those the caller states."""
+        from packstore.tensors import Pack, decode_pack
+
         encoded = self._read(ref, model_fp=model_fp)
         encoded.header.check_identities(model_fp, template_fp)
         pack = decode_pack(encoded)  # verifies every chunk's checksum before decoding it
@@ -303,12 +473,18 @@ class PackStore(BankTables):
 
     def read_chunk(self, header: PackHeader, index: int) -> bytes:
         """One stored chunk of a pack, checked against its sha256 (for streaming without the whole pack)."""
-        with self._env.begin() as txn:
+        with self._env.read() as txn:
             data = txn.get(_chunk_key(header.key, index), db=self._chunks)
         if data is None:
             raise PackNotFound(f"pack {header.key}: chunk {index} is gone (was the pack deleted during the transfer?)")
         verify_chunk(header, index, data)
         return data
+
+    def banks(self) -> "BankStore":
+        """The banks beside these packs; routing embeds here, so the bank layer is imported late."""
+        from packstore.bank.bank import LocalBanks
+
+        return LocalBanks(self)
 
     def begin_upload(self, header: PackHeader) -> "Upload":
         """Start a staged upload: chunks land in ``staging`` one transaction each, then commit atomically."""
@@ -317,7 +493,7 @@ class PackStore(BankTables):
 
     def keys(self) -> list[str]:
         """Every stored key, whether or not its header still parses."""
-        with self._env.begin() as txn:
+        with self._env.read() as txn:
             return [k.decode() for k, _ in txn.cursor(db=self._packs)]
 
     # -- integrity and maintenance ---------------------------------------------------------
@@ -326,6 +502,8 @@ class PackStore(BankTables):
         """Check one pack's header seal, every chunk's checksum, and that every chunk decodes."""
         key = ref if parse_key(ref) else self.resolve(ref)
         try:
+            from packstore.tensors import decode_pack
+
             decode_pack(self._read(key))  # checks every checksum, then that every chunk decodes
         except (IntegrityError, PackNotFound) as exc:
             return VerifyResult(key=key, error=str(exc))
@@ -352,11 +530,11 @@ class PackStore(BankTables):
                 txn.delete(k, db=self._staging)
             live = {k.decode() for k, _ in txn.cursor(db=self._packs)}
             orphans = [(k, len(v)) for k, v in txn.cursor(db=self._chunks) if k.rsplit(b"#", 1)[0].decode() not in live]
-            dangling = [k for k, v in txn.cursor(db=self._names) if v.decode() not in live]
+            dangling = [k.decode().split("/", 1) for k, v in txn.cursor(db=self._names) if v.decode() not in live]
             for k, _ in orphans:
                 txn.delete(k, db=self._chunks)
-            for k in dangling:
-                txn.delete(k, db=self._names)
+            for model_fp, name in dangling:
+                self._unname_in(txn, model_fp, name)
             return len(orphans) + len(stale), sum(size for _, size in orphans), len(dangling)
 
         orphan_chunks, orphan_bytes, dangling = self._write(body)
@@ -375,12 +553,7 @@ class PackStore(BankTables):
         try:
             shutil.rmtree(scratch, ignore_errors=True)
             scratch.mkdir()
-            self._env.copy(str(scratch), compact=True)
-            self._env.close()
-            try:
-                os.replace(scratch / "data.mdb", self.path / "data.mdb")
-            finally:
-                self._open_env()
+            self._env.compact(scratch, reopened=self._open_dbs)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
             fcntl.flock(self._lock, fcntl.LOCK_SH)
@@ -390,7 +563,7 @@ class Upload:
     """A pack arriving chunk by chunk. Each chunk is verified and staged in its own transaction, so
     memory holds one chunk at a time; ``commit`` moves them into place in one transaction."""
 
-    def __init__(self, store: PackStore, header: PackHeader) -> None:
+    def __init__(self, store: LmdbStore, header: PackHeader) -> None:
         self.store = store
         self.header = header
         self._id = f"{int(time.time())}-{uuid.uuid4().hex}".encode()

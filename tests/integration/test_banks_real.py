@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from packstore.api import ask_bank, banks_of
+from packstore.answer import Answerer, Question
 from packstore.bank.synthetic import synthetic_facts
 from packstore.kv.inject import Sampling
 from packstore.kv.models import load_model
-from packstore.store import PackStore
+from packstore.store import LmdbStore
 
 pytestmark = pytest.mark.integration
 
@@ -18,11 +18,12 @@ pytestmark = pytest.mark.integration
 def test_lazy_recompute_on_a_real_model(tmp_path: Path) -> None:
     lm = load_model("smollm2-135m", progress=False)
     cases = synthetic_facts(1000)
-    with PackStore(tmp_path / "store") as store:
-        banks_of(store).build("synthetic", [c.fact for c in cases])
+    with LmdbStore(tmp_path / "store") as store:
+        store.banks().build("synthetic", [c.fact for c in cases])
+        answerer = Answerer(lm, store)
         for case in cases[::100]:
-            result = ask_bank(store, lm, "all-minilm-l6-v2", "synthetic", case.query, compare_rag=True, sampling=Sampling(max_new_tokens=24))
+            result = answerer.ask(Question(case.query, bank="synthetic", compare_rag=True, sampling=Sampling(max_new_tokens=24)))
             assert result.identical is True, case.query
             assert result.facts[0] == case.fact and result.pack_reused is False
-        again = ask_bank(store, lm, "all-minilm-l6-v2", "synthetic", cases[0].query, sampling=Sampling(max_new_tokens=24))
+        again = Answerer(lm, store).ask(Question(cases[0].query, bank="synthetic", sampling=Sampling(max_new_tokens=24)))
         assert again.pack_reused is True

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from packstore.errors import PackMismatch
-from packstore.format import decode_pack, encode_pack
+from packstore.tensors import decode_pack, encode_pack
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text, prefill_divergence
 from packstore.kv.models import load_model

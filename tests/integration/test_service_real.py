@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from packstore.client import RemoteStore, WorkerClient
+from packstore.answer import Question
 from packstore.errors import PackMismatch
-from packstore.format import encode_pack
+from packstore.tensors import encode_pack
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling
 from packstore.kv.models import load_model
+from packstore.store.remote import RemoteStore
+from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
 from test_real_models import eval_rows, fact_sets
 
@@ -38,7 +40,7 @@ def test_upload_and_answer_through_the_worker(tmp_path: Path) -> None:
         assert json.loads(built.stdout)["tokens"] >= 500
         with WorkerClient(worker.address) as client:
             for row in rows:
-                result = client.ask("ckc", row["question"], sampling=GREEDY, compare_rag=True)
+                result = client.ask(Question(row["question"], refs=("ckc",), sampling=GREEDY, compare_rag=True))
                 assert result.identical is True, row["question"]
                 assert result.rag_prompt_tokens - result.kv_prompt_tokens >= 500
 
@@ -46,4 +48,4 @@ def test_upload_and_answer_through_the_worker(tmp_path: Path) -> None:
             with RemoteStore(server.url) as remote:
                 remote.put(encode_pack(build_pack(gemma, facts[:1])), name="gemma-pack")
             with pytest.raises(PackMismatch, match="model mismatch"):
-                client.ask("gemma-pack", rows[0]["question"], sampling=GREEDY)
+                client.ask(Question(rows[0]["question"], refs=("gemma-pack",), sampling=GREEDY))

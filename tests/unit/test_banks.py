@@ -10,15 +10,13 @@ import lmdb
 import numpy as np
 import pytest
 
-from packstore.api import ask_bank
 from packstore.bank.bank import MIN_PROBE, add_facts, build_bank, default_probe, route
 from packstore.bank.embedder import load_embedder, resolve_embedder_dir
 from packstore.bank.synthetic import synthetic_facts
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch, PackNotFound
 from packstore.format.bank import encode_centroids, encode_cluster
-from packstore.kv.inject import Sampling
-from packstore.store import PackStore
+from packstore.store import LmdbStore
 
 N = 400
 
@@ -30,7 +28,7 @@ def embedder():
 
 @pytest.fixture(scope="module")
 def bank_store(tmp_path_factory, embedder):
-    store = PackStore(tmp_path_factory.mktemp("banks") / "store")
+    store = LmdbStore(tmp_path_factory.mktemp("banks") / "store")
     build_bank(store, "synthetic", [s.fact for s in synthetic_facts(N)], embedder)
     yield store
     store.close()
@@ -64,7 +62,7 @@ def test_default_probe_grows_with_the_clusters() -> None:
 
 def test_routing_without_a_probe_count_probes_the_default_share(tmp_path: Path, embedder, monkeypatch) -> None:
     monkeypatch.setattr("packstore.bank.bank.PROBED_SHARE", 0.5)
-    with PackStore(tmp_path / "store") as store:
+    with LmdbStore(tmp_path / "store") as store:
         meta = build_bank(store, "b", [s.fact for s in synthetic_facts(400)], embedder)
         assert len(route(store, "b", [synthetic_facts(400)[0].query], embedder)[0].clusters) == meta.clusters // 2
         assert len(route(store, "b", [synthetic_facts(400)[0].query], embedder, probe=3)[0].clusters) == 3
@@ -113,7 +111,7 @@ def test_empty_huge_and_unicode_queries(bank_store, embedder) -> None:
 
 def test_a_bank_rebuilt_under_its_name_is_routed_with_its_new_centroids(tmp_path: Path, embedder) -> None:
     old, new = synthetic_facts(200)[:100], synthetic_facts(200)[100:120]
-    with PackStore(tmp_path / "s") as store:
+    with LmdbStore(tmp_path / "s") as store:
         build_bank(store, "b", [s.fact for s in old], embedder)
         assert route(store, "b", [old[3].query], embedder, top_k=1)[0].facts[0][0] == old[3].fact
         build_bank(store, "b", [s.fact for s in new], embedder)  # same second, same name: a routing cache must not serve the old build
@@ -123,7 +121,7 @@ def test_a_bank_rebuilt_under_its_name_is_routed_with_its_new_centroids(tmp_path
 
 def test_damaged_cluster_is_detected(tmp_path: Path, embedder) -> None:
     facts = [s.fact for s in synthetic_facts(40)]
-    with PackStore(tmp_path / "s") as store:
+    with LmdbStore(tmp_path / "s") as store:
         build_bank(store, "small", facts, embedder)
     env = lmdb.open(str(tmp_path / "s"), max_dbs=8)
     with env.begin(write=True) as txn:
@@ -133,18 +131,9 @@ def test_damaged_cluster_is_detected(tmp_path: Path, embedder) -> None:
         data[100] ^= 1
         txn.put(key, bytes(data), db=db)
     env.close()
-    with PackStore(tmp_path / "s") as store:
+    with LmdbStore(tmp_path / "s") as store:
         with pytest.raises(IntegrityError, match="bank cluster is damaged"):
             route(store, "small", [synthetic_facts(1)[0].query], embedder, probe=2)
-
-
-def test_lazy_recompute_matches_text_in_prompt_and_reuses_packs(bank_store, embedder, tiny_lm) -> None:
-    question = synthetic_facts(N)[5].query
-    first = ask_bank(bank_store, tiny_lm, "all-minilm-l6-v2", "synthetic", question, top_k=3, compare_rag=True, sampling=Sampling(max_new_tokens=8))
-    assert first.identical is True and first.pack_reused is False and len(first.facts) == 3
-    assert first.facts[0] == synthetic_facts(N)[5].fact
-    again = ask_bank(bank_store, tiny_lm, "all-minilm-l6-v2", "synthetic", question, top_k=3, sampling=Sampling(max_new_tokens=8))
-    assert again.pack_reused is True and again.pack == first.pack and again.answer == first.answer
 
 
 def test_bank_commands(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
@@ -177,7 +166,7 @@ def test_two_level_kmeans_for_many_clusters(tmp_path: Path, embedder, monkeypatc
 
     monkeypatch.setattr(bank, "FLAT_KMEANS_MAX_CLUSTERS", 4)
     cases = synthetic_facts(200)
-    with PackStore(tmp_path / "s") as store:
+    with LmdbStore(tmp_path / "s") as store:
         meta = build_bank(store, "two-level", [c.fact for c in cases], embedder)
         assert 8 <= meta.clusters <= 12
         routes = route(store, "two-level", [c.query for c in cases[::10]], embedder)

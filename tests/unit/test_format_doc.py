@@ -12,8 +12,8 @@ import torch
 import zstandard
 from safetensors.torch import load as safetensors_load
 
-from packstore.format import encode_pack
-from packstore.store import PackStore
+from packstore.tensors import encode_pack
+from packstore.store import LmdbStore
 from test_format import make_pack
 
 
@@ -42,13 +42,13 @@ def byteplane_decode(stored: bytes) -> bytes:
 
 def test_stored_pack_decodes_by_the_document_alone(store_path: Path) -> None:
     pack = make_pack("bfloat16")
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         store.put(encode_pack(pack), name="doc-test")
 
     env = lmdb.open(str(store_path), max_dbs=8, readonly=True)
     with env.begin() as txn:
         meta, packs, chunks, names = (env.open_db(n, txn=txn, create=False) for n in (b"meta", b"packs", b"chunks", b"names"))
-        assert txn.get(b"layout", db=meta) == b"1"
+        assert txn.get(b"layout", db=meta) == b"2"
         key = txn.get(f"{pack.header.model_fp}/doc-test".encode(), db=names).decode()
         raw_header = txn.get(key.encode(), db=packs)
         header = json.loads(raw_header)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from packstore.api import ask
 from packstore.errors import PackMismatch
-from packstore.format import decode_pack, encode_pack
+from packstore.tensors import decode_pack, encode_pack
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling, TextDeltas, answer_with_pack, answer_with_text, prefill_divergence
 from packstore.kv.models import load_model
@@ -36,13 +35,6 @@ def test_injection_answers_exactly_as_text_in_prompt(tiny_lm, pack) -> None:
     dk, dv = prefill_divergence(tiny_lm, pack, QUESTIONS[0])
     print(f"\ntiny model: max |dK| {dk:.2e}, max |dV| {dv:.2e}")
     assert dk < 1e-3 and dv < 1e-3
-
-
-def test_ask_reports_the_design_fields(tiny_lm, pack) -> None:
-    result = ask(tiny_lm, pack, QUESTIONS[0], compare_rag=True, sampling=GREEDY).to_json()
-    assert {"question", "answer", "rag_answer", "identical", "kv_prompt_tokens", "rag_prompt_tokens"} <= result.keys()
-    assert result["identical"] is True
-    assert result["rag_prompt_tokens"] - result["kv_prompt_tokens"] == pack.header.tokens
 
 
 def test_pack_for_another_model_is_refused(pack, other_tiny_model_dir) -> None:
@@ -99,3 +91,16 @@ def test_streamed_text_pieces_concatenate_to_the_answer_even_inside_utf8_charact
     pieces = [deltas.add(token) for token in ids]
     assert "".join(pieces) == text
     assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_closing_a_token_stream_stops_generation_before_returning(tiny_lm, pack) -> None:
+    """A cancelled stream must free the device: the generating thread is gone once close() returns."""
+    import threading
+
+    from packstore.kv.inject import cache_from_pack, generate_stream, prepare
+
+    rendering = prepare(tiny_lm, pack.header, QUESTIONS[0])
+    tokens = generate_stream(tiny_lm, rendering.token_ids, Sampling(max_new_tokens=5000), cache_from_pack(pack, tiny_lm.device))
+    next(tokens)
+    tokens.close()
+    assert not [t for t in threading.enumerate() if t.name == "packstore-generate"]

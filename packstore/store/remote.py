@@ -1,0 +1,232 @@
+"""The gRPC client store: ``RemoteStore`` implements the PackStore protocol over ``packstore serve``.
+
+``fetch`` decodes chunks as they arrive, in worker threads, straight into tensors preallocated on
+the target device (through pinned host memory and non-blocking copies on CUDA).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import grpc
+
+from packstore.errors import PackNotFound, PackstoreError
+from packstore.format import EncodedPack, PackHeader
+from packstore.format.body import verify_chunk
+from packstore.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
+from packstore.rpc.channel import GrpcClient
+from packstore.rpc.messages import ChunkAssembler, bank_meta, chunk_pieces, pack_summary, stored_pack
+from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, MAX_PAGE
+from packstore.v1 import store_pb2, store_pb2_grpc
+
+if TYPE_CHECKING:
+    from packstore.format.bank import BankMeta
+    from packstore.tensors import Pack
+
+
+class RemoteStore(GrpcClient):
+    """A pack store served by ``packstore serve``, addressed as ``grpc://HOST:PORT``."""
+
+    what = "pack service"
+
+    def __init__(self, target: str, *, timeout: float | None = None) -> None:
+        super().__init__(target, timeout=timeout)
+        self._stub = store_pb2_grpc.PackStoreStub(self._channel)
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def stat(self, ref: str, *, model_fp: str | None = None) -> StoredPack:
+        request = store_pb2.StatPackRequest(ref=ref, model_fp=model_fp or "")
+        return stored_pack(self._call(lambda: self._stub.StatPack(request, timeout=self.timeout)))
+
+    def resolve(self, ref: str, *, model_fp: str | None = None) -> str:
+        return self.stat(ref, model_fp=model_fp).key
+
+    def list_page(
+        self,
+        *,
+        page_size: int = DEFAULT_PAGE,
+        page_token: str = "",
+        model_fp: str | None = None,
+        template_fp: str | None = None,
+        name: str | None = None,
+    ) -> PackPage:
+        request = store_pb2.ListPacksRequest(
+            page_size=page_size, page_token=page_token, model_fp=model_fp or "", template_fp=template_fp or "", name=name or ""
+        )
+        page = self._call(lambda: self._stub.ListPacks(request, timeout=self.timeout))
+        return PackPage(packs=[pack_summary(info) for info in page.packs], next_token=page.next_page_token)
+
+    def list(self, *, model_fp: str | None = None, template_fp: str | None = None, name: str | None = None) -> list[PackSummary]:
+        """Every matching pack's summary, fetched page by page."""
+        packs: list[PackSummary] = []
+        token = ""
+        while True:
+            page = self.list_page(page_size=MAX_PAGE, page_token=token, model_fp=model_fp, template_fp=template_fp, name=name)
+            packs += page.packs
+            token = page.next_token
+            if not token:
+                return packs
+
+    def keys(self) -> list[str]:
+        return [p.key for p in self.list()]
+
+    def counts(self) -> StoreCounts:
+        reply = self._call(lambda: self._stub.StoreStats(store_pb2.StoreStatsRequest(), timeout=self.timeout))
+        return StoreCounts(packs=reply.packs, stored_bytes=reply.stored_bytes)
+
+    def _stream(self, ref: str, model_fp: str | None, template_fp: str | None) -> tuple[PackHeader, Iterator[tuple[int, bytes]]]:
+        """Start GetPack; returns the header and an iterator of whole (index, chunk bytes)."""
+        request = store_pb2.GetPackRequest(ref=ref, model_fp=model_fp or "", template_fp=template_fp or "")
+        responses = self._stub.GetPack(request, timeout=self.timeout)
+        first = self._call(lambda: next(responses, None))
+        if first is None or first.WhichOneof("item") != "header":
+            raise PackstoreError("GetPack did not start with the pack header")
+        header = stored_pack(first.header).header
+
+        def chunks() -> Iterator[tuple[int, bytes]]:
+            assembler = ChunkAssembler(header)
+            try:
+                for response in responses:
+                    whole = assembler.add(response.chunk)
+                    if whole is not None:
+                        yield assembler.next_index - 1, whole
+            except grpc.RpcError as exc:
+                raise self._error(exc) from None
+            if not assembler.complete:
+                raise PackstoreError(f"pack {header.key}: the stream ended after {assembler.next_index} of {len(header.chunks)} chunks")
+
+        return header, chunks()
+
+    def get(self, ref: str, *, model_fp: str | None = None, template_fp: str | None = None) -> EncodedPack:
+        """The pack's header and stored chunks, each checked against its sha256."""
+        header, chunks = self._stream(ref, model_fp, template_fp)
+        data = []
+        for index, chunk in chunks:
+            verify_chunk(header, index, chunk)
+            data.append(chunk)
+        return EncodedPack(header=header, chunks=data)
+
+    def fetch(self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None) -> "Pack":
+        """Stream a pack and decode each chunk as it arrives into tensors on ``device`` (CPU when None).
+
+        The server refuses (FAILED_PRECONDITION) when ``model_fp`` / ``template_fp`` differ from the pack's.
+        """
+        import torch
+
+        from packstore.tensors import WORKERS, Pack, decode_chunk, torch_dtype
+
+        device = torch.device(device or "cpu")
+        header, chunks = self._stream(ref, model_fp, template_fp)
+        shape, dtype = (header.kv_heads, header.tokens, header.head_dim), torch_dtype(header.dtype)
+        on_cpu = device.type == "cpu"
+        keys: list[torch.Tensor | None] = [None if on_cpu else torch.empty(shape, dtype=dtype, device=device) for _ in range(header.layers)]
+        values: list[torch.Tensor | None] = [None if on_cpu else torch.empty(shape, dtype=dtype, device=device) for _ in range(header.layers)]
+
+        def place(index: int, data: bytes) -> None:
+            for name, tensor in decode_chunk(header, index, data).items():
+                _, layer, kind = name.split(".")
+                target = keys if kind == "key" else values
+                if on_cpu:
+                    target[int(layer)] = tensor  # decoded tensors are already in their final place
+                else:
+                    pinned = tensor.pin_memory() if device.type == "cuda" else tensor
+                    target[int(layer)].copy_(pinned, non_blocking=True)
+
+        with ThreadPoolExecutor(WORKERS) as pool:
+            pending: list[Future] = [pool.submit(place, index, data) for index, data in chunks]
+            for future in pending:
+                future.result()
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        pack = Pack(header=header, keys=keys, values=values)  # type: ignore[arg-type]
+        pack.check_shapes()
+        return pack
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    def put(self, encoded: EncodedPack, *, name: str | None = None) -> tuple[str, bool]:
+        """Upload a pack (header, then every chunk in pieces); returns ``(key, created)``."""
+
+        def requests() -> Iterator[store_pb2.PutPackRequest]:
+            yield store_pb2.PutPackRequest(begin=store_pb2.PutPackBegin(header_json=encoded.header.to_json(), name=name or ""))
+            for index, (chunk, info) in enumerate(zip(encoded.chunks, encoded.header.chunks)):
+                for piece in chunk_pieces(index, chunk, info.sha256):
+                    yield store_pb2.PutPackRequest(chunk=piece)
+
+        response = self._call(lambda: self._stub.PutPack(requests(), timeout=self.timeout))
+        return response.pack.key, response.created
+
+    def delete(self, ref: str, *, model_fp: str | None = None) -> str:
+        request = store_pb2.DeletePackRequest(ref=ref, model_fp=model_fp or "")
+        return self._call(lambda: self._stub.DeletePack(request, timeout=self.timeout)).key
+
+    def set_name(self, ref: str, name: str, *, model_fp: str | None = None) -> str:
+        request = store_pb2.SetNameRequest(ref=ref, name=name, model_fp=model_fp or "")
+        return self._call(lambda: self._stub.SetName(request, timeout=self.timeout)).key
+
+    def delete_name(self, name: str, *, model_fp: str) -> str:
+        request = store_pb2.DeleteNameRequest(name=name, model_fp=model_fp)
+        return self._call(lambda: self._stub.DeleteName(request, timeout=self.timeout)).key
+
+    def gc(self, *, compact: bool = False) -> GcReport:
+        request = store_pb2.CollectGarbageRequest(compact=compact)
+        reply = self._call(lambda: self._stub.CollectGarbage(request, timeout=self.timeout))
+        return GcReport(**{name: getattr(reply, name) for name in GcReport.__dataclass_fields__})
+
+    def banks(self) -> "RemoteBanks":
+        return RemoteBanks(self)
+
+    def verify(self, ref: str) -> VerifyResult:
+        return self._verify([ref])[0]
+
+    def verify_all(self) -> list[VerifyResult]:
+        return self._verify([])
+
+    def _verify(self, refs: list[str]) -> list[VerifyResult]:
+        request = store_pb2.VerifyPacksRequest(refs=refs)
+        results = self._call(lambda: list(self._stub.VerifyPacks(request, timeout=self.timeout)))
+        return [VerifyResult(key=r.key, error=r.error or None) for r in results]
+
+
+FACT_BATCH = 1000
+
+
+class RemoteBanks:
+    """Bank operations on the service: the same methods as ``packstore.bank.bank.LocalBanks``."""
+
+    def __init__(self, store: RemoteStore) -> None:
+        self.store = store
+
+    def _upload(self, rpc: Callable, name: str, facts: list[str], embedder: str) -> "BankMeta":
+        def batches() -> Iterator[store_pb2.BankFacts]:
+            for start in range(0, max(len(facts), 1), FACT_BATCH):
+                yield store_pb2.BankFacts(name=name, embedder=embedder, facts=facts[start : start + FACT_BATCH])
+
+        return bank_meta(self.store._call(lambda: rpc(batches(), timeout=self.store.timeout)))[0]
+
+    def build(self, name: str, facts: list[str], embedder: str = DEFAULT_EMBEDDER, *, progress: bool = False):
+        return self._upload(self.store._stub.BuildBank, name, list(facts), embedder)
+
+    def add(self, name: str, facts: list[str], embedder: str = DEFAULT_EMBEDDER, *, progress: bool = False):
+        return self._upload(self.store._stub.AddFacts, name, list(facts), embedder)
+
+    def route(self, name: str, queries: list[str], embedder: str = DEFAULT_EMBEDDER, *, top_k: int = DEFAULT_TOP_K, probe: int | None = None) -> list[Route]:
+        request = store_pb2.RouteQueryRequest(name=name, queries=list(queries), top_k=top_k, probe=probe or 0, embedder=embedder)
+        reply = self.store._call(lambda: self.store._stub.RouteQuery(request, timeout=self.store.timeout))
+        return [Route(query=r.query, clusters=list(r.clusters), facts=[(f.text, f.score) for f in r.facts]) for r in reply.routes]
+
+    def list(self) -> list[tuple["BankMeta", int]]:
+        reply = self.store._call(lambda: self.store._stub.ListBanks(store_pb2.ListBanksRequest(), timeout=self.store.timeout))
+        return [bank_meta(info) for info in reply.banks]
+
+    def stored_bytes(self, name: str) -> int:
+        for meta, size in self.list():
+            if meta.name == name:
+                return size
+        raise PackNotFound(f"no bank named {name!r}")
+
+    def delete(self, name: str) -> None:
+        request = store_pb2.DeleteBankRequest(name=name)
+        self.store._call(lambda: self.store._stub.DeleteBank(request, timeout=self.store.timeout))

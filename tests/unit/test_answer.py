@@ -1,0 +1,132 @@
+"""The one answering path on the tiny model: Answerer over a local store, its ready-cache, refusals, banks."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from packstore.answer import Answerer, Question, ReadyCache
+from packstore.bank.synthetic import synthetic_facts
+from packstore.errors import InvalidInput, PackMismatch
+from packstore.format import PackHeader
+from packstore.tensors import Pack, encode_pack
+from packstore.format.header import ChunkInfo
+from packstore.kv.build import build_pack
+from packstore.kv.inject import Sampling, answer_with_text
+from packstore.kv.models import load_model
+from packstore.records import AnswerResult
+from packstore.store import LmdbStore
+from test_identity import ALT_TEMPLATE
+
+FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
+QUESTION = "What is Wexley famous for?"
+GREEDY = Sampling(max_new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, tiny_lm):
+    with LmdbStore(tmp_path_factory.mktemp("answer") / "store") as store:
+        store.put(encode_pack(build_pack(tiny_lm, FACTS)), name="wexley")
+        yield store
+
+
+def streamed(answerer: Answerer, question: Question) -> tuple[list[int], AnswerResult]:
+    """The token ids ``stream`` yields, and the result it returns."""
+    tokens, ids = answerer.stream(question), []
+    while True:
+        try:
+            ids.append(next(tokens))
+        except StopIteration as finished:
+            return ids, finished.value
+
+
+def test_answering_from_the_store_equals_the_facts_as_prompt_text(tiny_lm, store) -> None:
+    ids, result = streamed(Answerer(tiny_lm, store), Question(QUESTION, refs=("wexley",), compare_rag=True, sampling=GREEDY))
+    assert ids and ids == answer_with_text(tiny_lm, FACTS, QUESTION, sampling=GREEDY).token_ids
+    record = result.to_json()
+    assert {"question", "answer", "rag_answer", "identical", "kv_prompt_tokens", "rag_prompt_tokens"} <= record.keys()
+    assert record["identical"] is True and record["answer"] == record["rag_answer"]
+    assert record["rag_prompt_tokens"] - record["kv_prompt_tokens"] == store.stat("wexley").header.tokens
+    assert (result.pack, result.bank, result.facts) == (store.resolve("wexley"), None, None)
+
+
+def test_the_second_ask_finds_the_pack_ready(tiny_lm, store) -> None:
+    answerer = Answerer(tiny_lm, store)
+    question = Question(QUESTION, refs=("wexley",), sampling=GREEDY)
+    first, second = answerer.ask(question), answerer.ask(question)
+    assert (first.cache_hit, second.cache_hit) == (False, True) and first.answer == second.answer
+    assert answerer.ready.stats == (1, store.stat("wexley").header.raw_bytes)
+
+
+def test_packs_of_another_model_or_template_are_refused(tiny_lm, store, tiny_model_dir, other_tiny_model_dir) -> None:
+    other = load_model(str(other_tiny_model_dir), device="cpu", progress=False)
+    store.put(encode_pack(build_pack(other, FACTS)), name="foreign")
+    with pytest.raises(PackMismatch, match="model mismatch") as info:
+        Answerer(tiny_lm, store).ask(Question(QUESTION, refs=("foreign",), sampling=GREEDY))
+    assert info.value.what == "model"
+    alt = load_model(str(tiny_model_dir), device="cpu", progress=False, chat_template=ALT_TEMPLATE)
+    answerer = Answerer(alt, store)
+    with pytest.raises(PackMismatch, match="template mismatch") as info:
+        answerer.ask(Question(QUESTION, refs=("wexley",), sampling=GREEDY))
+    assert info.value.what == "template" and answerer.ready.stats == (0, 0)
+
+
+def test_a_bank_question_builds_its_facts_pack_once_then_reuses_it(tiny_lm, tmp_path: Path) -> None:
+    cases = synthetic_facts(60)
+    with LmdbStore(tmp_path / "store") as store:
+        store.banks().build("b", [c.fact for c in cases])
+        question = Question(cases[3].query, bank="b", top_k=2, compare_rag=True, sampling=GREEDY)
+        answerer = Answerer(tiny_lm, store)
+        first = answerer.ask(question)
+        assert first.identical is True and first.facts[0] == cases[3].fact and len(first.facts) == 2
+        assert (first.bank, first.pack_reused, first.cache_hit) == ("b", False, False)
+        assert store.keys() == [first.pack]  # the computed pack was written back
+        again = answerer.ask(question)
+        assert (again.pack, again.answer, again.pack_reused, again.cache_hit) == (first.pack, first.answer, True, True)
+        fresh = Answerer(tiny_lm, store).ask(question)  # an empty ready-cache fetches the stored pack
+        assert (fresh.pack, fresh.answer, fresh.pack_reused, fresh.cache_hit) == (first.pack, first.answer, True, False)
+
+
+def test_several_refs_are_refused_until_composition_exists(tiny_lm, store) -> None:
+    with pytest.raises(InvalidInput, match="composition"):
+        Answerer(tiny_lm, store).ask(Question(QUESTION, refs=("wexley", "wexley")))
+    with pytest.raises(InvalidInput, match="not both"):
+        Question(QUESTION, refs=("wexley",), bank="b")
+    with pytest.raises(InvalidInput, match="give a pack or a bank"):
+        Question(QUESTION)
+
+
+def test_a_stop_token_first_gives_an_empty_answer(tiny_lm, store) -> None:
+    question = Question(QUESTION, refs=("wexley",), compare_rag=True, sampling=GREEDY)
+    first_token = streamed(Answerer(tiny_lm, store), question)[0][0]
+    stops_at_once = dataclasses.replace(tiny_lm, stop_token_ids=(first_token, *tiny_lm.stop_token_ids))
+    ids, result = streamed(Answerer(stops_at_once, store), question)
+    assert ids == [] and (result.answer, result.rag_answer, result.identical) == ("", "", True)
+
+
+def fake_pack(key_byte: str, size: int) -> Pack:
+    header = PackHeader(
+        kind="knowledge", model_fp=key_byte * 64, template_fp="b" * 64, model_name="t", token_ids=(1,), layers=1,
+        kv_heads=1, head_dim=1, dtype="float32", facts=("f",), raw=False, created="2026-01-01T00:00:00Z",
+        chunks=(ChunkInfo(0, 1, size, size, "0" * 64),),
+    )
+    return Pack(header=header, keys=[], values=[])
+
+
+def test_ready_cache_is_an_lru_bounded_in_bytes() -> None:
+    cache = ReadyCache(limit_bytes=100)
+    loads: list[str] = []
+
+    def load(key: str) -> Pack:
+        loads.append(key)
+        return fake_pack(key, {"a": 40, "b": 40, "c": 40, "d": 500}[key])
+
+    for key in ["a", "b", "a", "c"]:  # c evicts b, the least recently used
+        cache.get(key, load)
+    assert cache.stats == (2, 80)
+    assert cache.get("a", load)[1] is True and cache.get("b", load)[1] is False
+    cache.get("d", load)  # larger than the whole cache: served, not kept
+    assert cache.get("d", load)[1] is False and cache.stats[1] <= 100
+    assert loads == ["a", "b", "c", "b", "d", "d"]

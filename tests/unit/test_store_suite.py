@@ -1,0 +1,180 @@
+"""One behaviour suite for every PackStore: the embedded LMDB store and the service on loopback.
+
+Each test works under its own model fingerprint, so the module-wide stores need no reset and
+a behaviour that differs between the tiers shows up as one failing parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from packstore.errors import AmbiguousRef, PackMismatch, PackNotFound
+from packstore.records import GcReport, PackPage, PackSummary, StoreCounts
+from packstore.store import BankStore, LmdbStore, PackStore
+from packstore.store.remote import RemoteStore
+from packstore.tensors import Pack, encode_pack
+from service_helpers import running_server
+from test_format import FP_B, make_pack
+
+
+@pytest.fixture(scope="module", params=["lmdb", "grpc"])
+def store(request, tmp_path_factory) -> Iterator[PackStore]:
+    root = tmp_path_factory.mktemp(f"suite-{request.param}")
+    if request.param == "lmdb":
+        with LmdbStore(root / "store") as local:
+            yield local
+        return
+    with running_server(root / "data") as server, RemoteStore(server.url) as remote:
+        yield remote
+
+
+@pytest.fixture
+def model_fp(request) -> str:
+    """A model fingerprint of this test's own, so tests sharing a store never see each other's packs."""
+    return hashlib.sha256(request.node.name.encode()).hexdigest()
+
+
+def pack_of(model_fp: str, first_token: int = 10, *, template_fp: str = FP_B, tokens: int = 5) -> Pack:
+    pack = make_pack(tokens=tokens)
+    header = dataclasses.replace(
+        pack.header, model_fp=model_fp, template_fp=template_fp, token_ids=tuple(range(first_token, first_token + tokens))
+    )
+    return dataclasses.replace(pack, header=header)
+
+
+def test_implements_the_protocols(store: PackStore) -> None:
+    assert isinstance(store, PackStore)
+    assert isinstance(store.banks(), BankStore)
+
+
+def test_put_stat_get_fetch_round_trip(store: PackStore, model_fp: str) -> None:
+    pack = pack_of(model_fp)
+    key, created = store.put(encode_pack(pack), name="round")
+    assert (key, created) == (pack.header.key, True)
+    assert store.put(encode_pack(pack)) == (key, False)
+    stored = store.stat("round", model_fp=model_fp)
+    assert stored.key == key and stored.names == ("round",) and stored.header == store.get(key).header
+    assert stored.stored_bytes == encode_pack(pack).stored_bytes
+    fetched = store.fetch(key, model_fp=model_fp, template_fp=FP_B)
+    assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, fetched.keys + fetched.values))
+
+
+def test_stated_identities_must_match(store: PackStore, model_fp: str) -> None:
+    key, _ = store.put(encode_pack(pack_of(model_fp)))
+    for call in (store.fetch, store.get):
+        with pytest.raises(PackMismatch) as model_error:
+            call(key, model_fp="0" * 64)
+        assert model_error.value.what == "model" and model_error.value.fields["what"] == "model"
+        with pytest.raises(PackMismatch) as template_error:
+            call(key, template_fp="0" * 64)
+        assert template_error.value.what == "template"
+
+
+def test_names_resolve_per_model_and_ambiguity_is_typed(store: PackStore, model_fp: str) -> None:
+    other = hashlib.sha256(model_fp.encode()).hexdigest()
+    key_a, _ = store.put(encode_pack(pack_of(model_fp)), name="shared-name")
+    key_b, _ = store.put(encode_pack(pack_of(other)), name="shared-name")
+    assert store.resolve("shared-name", model_fp=model_fp) == key_a
+    assert store.resolve("shared-name", model_fp=other) == key_b
+    with pytest.raises(AmbiguousRef) as error:
+        store.resolve("shared-name")
+    assert error.value.fields == {"ref": "shared-name", "matches": "2"}
+    assert store.resolve(key_a.rsplit("/", 1)[1][:12], model_fp=model_fp) == key_a
+
+
+def test_set_and_delete_names(store: PackStore, model_fp: str) -> None:
+    first, _ = store.put(encode_pack(pack_of(model_fp, 10)), name="moving")
+    second, _ = store.put(encode_pack(pack_of(model_fp, 20)))
+    assert store.set_name(second, "moving") == second
+    assert store.stat(first).names == () and store.stat(second).names == ("moving",)
+    assert store.delete_name("moving", model_fp=model_fp) == second
+    with pytest.raises(PackNotFound) as error:
+        store.resolve("moving", model_fp=model_fp)
+    assert error.value.fields["ref"] == "moving"
+    assert store.stat(second).names == ()
+
+
+def test_delete_removes_pack_and_names(store: PackStore, model_fp: str) -> None:
+    key, _ = store.put(encode_pack(pack_of(model_fp)), name="doomed")
+    before = store.counts()
+    assert store.delete("doomed", model_fp=model_fp) == key
+    with pytest.raises(PackNotFound):
+        store.stat(key)
+    assert store.list(model_fp=model_fp) == []
+    after = store.counts()
+    assert (after.packs, before.stored_bytes - after.stored_bytes) == (before.packs - 1, encode_pack(pack_of(model_fp)).stored_bytes)
+
+
+def test_listing_pages_in_key_order_with_filters(store: PackStore, model_fp: str) -> None:
+    other_template = "e" * 64
+    keys = sorted(store.put(encode_pack(pack_of(model_fp, 100 + 10 * i)), name=f"p{i}")[0] for i in range(7))
+    odd, _ = store.put(encode_pack(pack_of(model_fp, 500, template_fp=other_template)), name="p0")
+    everything = store.list(model_fp=model_fp)
+    assert [p.key for p in everything] == sorted(keys + [odd])
+    assert all(isinstance(p, PackSummary) for p in everything)
+    pages, token = [], ""
+    while True:
+        page = store.list_page(page_size=3, page_token=token, model_fp=model_fp, template_fp=FP_B)
+        assert isinstance(page, PackPage) and len(page.packs) <= 3
+        pages.append([p.key for p in page.packs])
+        token = page.next_token
+        if not token:
+            break
+    assert [len(p) for p in pages] == [3, 3, 1] and sum(pages, []) == keys
+    assert [p.key for p in store.list(name="p0", model_fp=model_fp)] == [odd]  # the name moved to the last pack given it
+    assert [p.names for p in store.list(name="p1", model_fp=model_fp)] == [("p1",)]
+    assert [p.key for p in store.list(model_fp=model_fp, template_fp=other_template)] == [odd]
+    summary = store.list_page(page_size=1, model_fp=model_fp).packs[0]
+    stat = store.stat(summary.key).summary
+    assert summary == stat
+
+
+def test_counts_follow_writes(store: PackStore, model_fp: str) -> None:
+    before = store.counts()
+    assert isinstance(before, StoreCounts)
+    encoded = encode_pack(pack_of(model_fp))
+    store.put(encoded)
+    store.put(encoded)  # idempotent: counted once
+    after = store.counts()
+    assert (after.packs - before.packs, after.stored_bytes - before.stored_bytes) == (1, encoded.stored_bytes)
+
+
+def test_verify_and_gc(store: PackStore, model_fp: str) -> None:
+    key, _ = store.put(encode_pack(pack_of(model_fp)))
+    assert store.verify(key).ok
+    assert key in {r.key for r in store.verify_all() if r.ok}
+    assert key in store.keys()
+    report = store.gc()
+    assert isinstance(report, GcReport) and report.orphan_chunks == 0 and not report.compacted
+
+
+def test_missing_refs_raise_the_same_error(store: PackStore, model_fp: str) -> None:
+    for call in (store.stat, store.get, store.fetch, store.delete, store.resolve):
+        with pytest.raises(PackNotFound, match="no pack named 'absent-pack'"):
+            call("absent-pack", model_fp=model_fp)
+
+
+def test_layout_1_store_is_upgraded_on_open(tmp_path: Path) -> None:
+    """A store written before the listing indexes existed gains them (and its counters) on open."""
+    import lmdb
+
+    with LmdbStore(tmp_path / "old") as store:
+        key, _ = store.put(encode_pack(pack_of("1" * 64)), name="kept")
+    env = lmdb.open(str(tmp_path / "old"), max_dbs=16)
+    with env.begin(write=True) as txn:
+        for name in (b"summaries", b"key_names", b"by_name"):
+            txn.drop(env.open_db(name, txn=txn), delete=True)
+        meta = env.open_db(b"meta", txn=txn)
+        txn.put(b"layout", b"1", db=meta)
+        txn.delete(b"counts", db=meta)
+    env.close()
+    with LmdbStore(tmp_path / "old", readonly=True) as store:  # even a read-only open upgrades it
+        assert [p.key for p in store.list()] == [key]
+        assert store.resolve("kept") == key and store.stat(key).names == ("kept",)
+        assert store.counts() == StoreCounts(packs=1, stored_bytes=store.stat(key).stored_bytes)
