@@ -23,6 +23,7 @@ from packstore.format.body import (
     EncodedPack,
     chunk_tensor_names,
     layer_names,
+    max_plain_bytes,
     tensor_table,
     verify_chunk,
 )
@@ -101,7 +102,7 @@ def decode_chunk(header: PackHeader, index: int, data: bytes) -> dict[str, torch
     """Verify one chunk's checksum, then decode it to its named tensors (views of one decoded buffer)."""
     verify_chunk(header, index, data)
     try:
-        tensors = tensors_in(codec.decode(data))
+        tensors = tensors_in(codec.decode(data, max_plain_bytes(header.chunks[index])))
     except IntegrityError as exc:
         raise IntegrityError(f"pack {header.key}: chunk {index} cannot be decoded: {exc}") from None
     info = header.chunks[index]

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from packstore.errors import IntegrityError
-from packstore.format.header import ChunkInfo, PackHeader
+from packstore.format.header import CODEC, ChunkInfo, PackHeader
 
-CODEC = "byteplane-zstd"
 LAYERS_PER_CHUNK = 1
 MAX_TABLE_BYTES = 100_000_000  # the cap safetensors itself puts on its JSON header
 # safetensors dtype -> (header dtype name, element size): the dtypes a pack body may hold
@@ -44,6 +43,17 @@ def layer_names(layer: int) -> tuple[str, str]:
 def chunk_tensor_names(info: ChunkInfo) -> set[str]:
     """The names a chunk must hold: K and V of each of its layers, nothing else."""
     return {name for layer in range(info.first_layer, info.stop_layer) for name in layer_names(layer)}
+
+
+MAX_CHUNK_PLAIN_BYTES = 4 << 30  # no chunk decodes to more, whatever its header declares
+_TABLE_BYTES_PER_TENSOR = 1024  # room for one tensor's entry in a chunk's safetensors table
+
+
+def max_plain_bytes(info: ChunkInfo) -> int:
+    """The most a chunk may decode to: its declared K/V bytes plus a safetensors table for its
+    tensors, and never more than ``MAX_CHUNK_PLAIN_BYTES``. Decompression stops there."""
+    table = 8 + 4096 + _TABLE_BYTES_PER_TENSOR * len(chunk_tensor_names(info))
+    return min(info.raw_bytes + table, MAX_CHUNK_PLAIN_BYTES)
 
 
 def verify_chunk(header: PackHeader, index: int, data: bytes) -> None:

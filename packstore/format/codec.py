@@ -72,8 +72,13 @@ def _interleave(planes: list, out: memoryview, element_size: int) -> None:
         elements[:, j] = plane
 
 
-def decode(stored: bytes) -> bytearray:
-    """Invert ``encode`` exactly (into a new buffer, not copied again); raise IntegrityError on a malformed container."""
+def decode(stored: bytes, max_plain_bytes: int) -> bytearray:
+    """Invert ``encode`` exactly (into a new buffer, not copied again); raise IntegrityError on a malformed container.
+
+    The frame table's plain lengths are checked against ``max_plain_bytes`` before anything is
+    decompressed, and no frame may decompress past its declared length: a container cannot make
+    the reader allocate more than the caller allows.
+    """
     try:
         magic, version, element_size, count = _PREAMBLE.unpack_from(stored)
     except struct.error:
@@ -86,6 +91,9 @@ def decode(stored: bytes) -> bytearray:
     frames = [_FRAME.unpack_from(stored, _PREAMBLE.size + i * _FRAME.size) for i in range(count)]
     if offset + sum(f[2] for f in frames) != len(stored):
         raise IntegrityError("byte-plane container length does not match its frame table")
+    declared = sum(f[1] for f in frames)
+    if declared > max_plain_bytes:
+        raise IntegrityError(f"byte-plane container declares {declared} plain bytes, more than the {max_plain_bytes} allowed")
     decompressor = zstandard.ZstdDecompressor()
     parts = []
     for method, plain_len, stored_len in frames:

@@ -5,17 +5,31 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import reprlib
 import struct
-from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Iterable, Mapping, NoReturn
 
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch
 
 FORMAT_NAME = "packstore-pack"
 FORMAT_VERSION = 1
 KINDS = ("knowledge",)
-DTYPES = ("float32", "float16", "bfloat16")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}  # header dtype -> bytes per element
+DTYPES = tuple(DTYPE_SIZES)
+CODEC = "byteplane-zstd"  # the body codec of version 1 (packstore.format.codec)
+# Ranges of header fields (docs/format.md §1.1): far beyond any real model, small enough that
+# sizes computed from them stay exact and every way in can refuse a hostile header cheaply.
+MAX_TOKENS = 1 << 20
+TOKEN_ID_LIMIT = 1 << 32  # token ids are hashed as uint32
+MAX_LAYERS = 1024
+MAX_KV_HEADS = 1024
+MAX_HEAD_DIM = 4096
+MAX_MODEL_NAME_CHARS = 4096  # the model specifier as given: an alias or a local path
+MAX_CREATED_CHARS = 64
+MAX_CODEC_CHARS = 64
+MAX_CHUNK_STORED_BYTES = 1 << 40
+_HEX64 = re.compile(r"[0-9a-f]{64}")  # used with fullmatch: no trailing newline
 
 
 def canonical_json(value: Any) -> bytes:
@@ -46,7 +60,7 @@ def pack_key(model_fp: str, template_fp: str, token_ids: Iterable[int]) -> str:
 def parse_key(text: str) -> tuple[str, str, str] | None:
     """Split a full key into its three hex digests, or None if ``text`` is not a key."""
     parts = text.split("/")
-    if len(parts) == 3 and all(_HEX64.match(p) for p in parts):
+    if len(parts) == 3 and all(_HEX64.fullmatch(p) for p in parts):
         return parts[0], parts[1], parts[2]
     return None
 
@@ -117,6 +131,8 @@ class PackHeader:
 
     @classmethod
     def from_json(cls, data: bytes) -> "PackHeader":
+        """Parse a header: IntegrityError if it is not one or its seal or derived fields do not match,
+        InvalidInput naming the field if any field has the wrong JSON type or is out of range."""
         try:
             record = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -130,35 +146,28 @@ class PackHeader:
             raise IntegrityError(
                 f"pack format version {record.get('version')!r} is not supported (this build reads {FORMAT_VERSION})"
             )
-        try:
-            header = cls(
-                kind=record["kind"],
-                model_fp=record["model_fp"],
-                template_fp=record["template_fp"],
-                model_name=record["model_name"],
-                token_ids=tuple(int(t) for t in record["token_ids"]),
-                layers=int(record["layers"]),
-                kv_heads=int(record["kv_heads"]),
-                head_dim=int(record["head_dim"]),
-                dtype=record["dtype"],
-                facts=tuple(record["facts"]),
-                raw=bool(record["raw"]),
-                created=record["created"],
-                parents=tuple(record["parents"]),
-                codec=record["codec"],
-                chunks=tuple(ChunkInfo(**c) for c in record["chunks"]),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise IntegrityError(f"pack header is malformed: {exc}") from None
+        for name in _FIELDS:
+            if name not in record:
+                raise _field_error(name, "is missing")
+        unknown = sorted(set(record) - set(_FIELDS) - set(_DERIVED_FIELDS) - {"format", "version"})
+        if unknown:
+            raise _field_error(unknown[0], "is not a field of a version-1 pack header")
+        _check_fields(record)
+        header = cls(
+            **{name: record[name] for name in _FIELDS if name not in _SEQUENCE_FIELDS},
+            token_ids=tuple(record["token_ids"]),
+            facts=tuple(record["facts"]),
+            parents=tuple(record["parents"]),
+            chunks=tuple(ChunkInfo(**chunk) for chunk in record["chunks"]),
+        )
         derived = {
             "tokens": header.tokens,
             "content_hash": header.content_hash,
             "source_sha256": facts_digest(header.facts),
         }
         for name, value in derived.items():
-            if record.get(name) != value:
+            if type(record.get(name)) is not type(value) or record[name] != value:
                 raise IntegrityError(f"pack header field {name!r} does not match its contents")
-        header.validate()
         return header
 
     def check_identities(self, model_fp: str | None, template_fp: str | None) -> None:
@@ -176,16 +185,121 @@ class PackHeader:
                 f"the caller's tokenizer and chat template have template_fp {template_fp[:12]}",
             )
 
-    def validate(self) -> None:
-        """Reject headers whose fields are out of range (raises InvalidInput)."""
-        if self.kind not in KINDS:
-            raise InvalidInput(f"unknown pack kind {self.kind!r}")
-        if self.dtype not in DTYPES:
-            raise InvalidInput(f"unsupported dtype {self.dtype!r}; expected one of {', '.join(DTYPES)}")
-        for name in ("model_fp", "template_fp"):
-            if not _HEX64.match(getattr(self, name)):
-                raise InvalidInput(f"{name} must be 64 lowercase hex digits")
-        if not self.token_ids:
-            raise InvalidInput("a pack needs at least one token")
-        if min(self.layers, self.kv_heads, self.head_dim) <= 0:
-            raise InvalidInput("layers, kv_heads and head_dim must be positive")
+    def validate(self, *, encoded: bool = False) -> None:
+        """Apply the field rules ``from_json`` applies to a header made in Python (raises InvalidInput).
+
+        ``encoded``: also demand what a stored pack has, chunks covering every layer and the
+        version-1 codec (the put paths ask for this; a header being built has no chunks yet).
+        """
+        for index, chunk in enumerate(self.chunks):
+            if not isinstance(chunk, ChunkInfo):
+                _refuse(f"chunks[{index}]", "a ChunkInfo", chunk)
+        _check_fields({**vars(self), "chunks": [vars(chunk) for chunk in self.chunks]})
+        if encoded and not self.chunks:
+            raise _field_error("chunks", f"must list the stored chunks of all {self.layers} layers, got none")
+        if encoded and self.codec != CODEC:
+            _refuse("codec", f"{CODEC!r} for a stored pack", self.codec)
+
+
+_FIELDS = tuple(f.name for f in fields(PackHeader))
+_SEQUENCE_FIELDS = ("token_ids", "facts", "parents", "chunks")
+_DERIVED_FIELDS = ("tokens", "content_hash", "source_sha256")
+_CHUNK_FIELDS = tuple(f.name for f in fields(ChunkInfo))
+_CHUNK_FIELD_SET = frozenset(_CHUNK_FIELDS)
+
+
+def _field_error(name: str, problem: str) -> InvalidInput:
+    return InvalidInput(f"pack header field {name!r} {problem}")
+
+
+def _refuse(name: str, rule: str, value: Any) -> NoReturn:
+    """Raise InvalidInput naming the field, the rule it breaks and (shortened) the value it has."""
+    shown = reprlib.repr(value)
+    if isinstance(value, (str, list, tuple)) and shown != repr(value):
+        shown += f" (length {len(value)})"  # shortened: say how long it really is
+    raise _field_error(name, f"must be {rule}, got {shown}")
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int  # not bool, which JSON keeps apart
+
+
+def _is_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple))  # a JSON array, or the tuple a Python-built header holds
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if not _is_int(value) or not low <= value <= high:
+        _refuse(name, f"an integer from {low} to {high}", value)
+
+
+def _check_str(name: str, value: Any, max_chars: int) -> None:
+    if type(value) is not str or len(value) > max_chars:
+        _refuse(name, f"a string of at most {max_chars} characters", value)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if type(value) is not str or value not in choices:
+        _refuse(name, f"one of {', '.join(map(repr, choices))}", value)
+
+
+def _check_hex64(name: str, value: Any) -> None:
+    if type(value) is not str or not _HEX64.fullmatch(value):
+        _refuse(name, "64 lowercase hex digits", value)
+
+
+def _check_fields(record: Mapping[str, Any]) -> None:
+    """The one set of header field rules (docs/format.md §1.1), over JSON-shaped values: exact
+    types and ranges, and chunks that cover layers 0 to ``layers`` in order with exact raw sizes."""
+    _check_choice("kind", record["kind"], KINDS)
+    _check_hex64("model_fp", record["model_fp"])
+    _check_hex64("template_fp", record["template_fp"])
+    _check_str("model_name", record["model_name"], MAX_MODEL_NAME_CHARS)
+    token_ids = record["token_ids"]
+    if not _is_list(token_ids) or not 1 <= len(token_ids) <= MAX_TOKENS:
+        _refuse("token_ids", f"a list of 1 to {MAX_TOKENS} token ids", token_ids)
+    for index, token in enumerate(token_ids):
+        if not _is_int(token) or not 0 <= token < TOKEN_ID_LIMIT:
+            _refuse(f"token_ids[{index}]", f"an integer from 0 to {TOKEN_ID_LIMIT - 1}", token)
+    _check_int("layers", record["layers"], 1, MAX_LAYERS)
+    _check_int("kv_heads", record["kv_heads"], 1, MAX_KV_HEADS)
+    _check_int("head_dim", record["head_dim"], 1, MAX_HEAD_DIM)
+    _check_choice("dtype", record["dtype"], DTYPES)
+    facts = record["facts"]
+    if not _is_list(facts) or not all(type(fact) is str for fact in facts):
+        _refuse("facts", "a list of strings", facts)
+    if type(record["raw"]) is not bool:
+        _refuse("raw", "true or false", record["raw"])
+    _check_str("created", record["created"], MAX_CREATED_CHARS)
+    parents = record["parents"]
+    if not _is_list(parents) or not all(type(key) is str and parse_key(key) for key in parents):
+        _refuse("parents", "a list of full pack keys", parents)
+    _check_str("codec", record["codec"], MAX_CODEC_CHARS)
+    _check_chunks(record)
+
+
+def _check_chunks(record: Mapping[str, Any]) -> None:
+    """Chunks are optional (a header being built has none); listed, they cover every layer once, in order."""
+    chunks, layers = record["chunks"], record["layers"]
+    if not _is_list(chunks):
+        _refuse("chunks", "a list of chunk objects", chunks)
+    dtype = record["dtype"]
+    # each layer holds K and V, each [kv_heads, tokens, head_dim] of dtype
+    layer_bytes = 2 * record["kv_heads"] * len(record["token_ids"]) * record["head_dim"] * DTYPE_SIZES[dtype]
+    next_layer = 0
+    for index, chunk in enumerate(chunks):
+        name = f"chunks[{index}]"
+        if not isinstance(chunk, dict) or chunk.keys() != _CHUNK_FIELD_SET:
+            _refuse(name, f"an object with exactly the fields {', '.join(_CHUNK_FIELDS)}", chunk)
+        first, stop = chunk["first_layer"], chunk["stop_layer"]
+        if not _is_int(first) or first != next_layer:
+            _refuse(f"{name}.first_layer", f"{next_layer} (chunks hold layers 0 to {layers - 1} in order)", first)
+        _check_int(f"{name}.stop_layer", stop, first + 1, layers)
+        raw_bytes = (stop - first) * layer_bytes
+        if not _is_int(chunk["raw_bytes"]) or chunk["raw_bytes"] != raw_bytes:
+            _refuse(f"{name}.raw_bytes", f"{raw_bytes}, the K and V bytes of layers {first}-{stop - 1}", chunk["raw_bytes"])
+        _check_int(f"{name}.stored_bytes", chunk["stored_bytes"], 0, MAX_CHUNK_STORED_BYTES - 1)
+        _check_hex64(f"{name}.sha256", chunk["sha256"])
+        next_layer = stop
+    if chunks and next_layer != layers:
+        raise _field_error("chunks", f"must cover layers 0 to {layers - 1}, got chunks ending at layer {next_layer - 1}")

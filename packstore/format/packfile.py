@@ -41,6 +41,7 @@ def parse_pack_file(data: bytes) -> EncodedPack:
         raise IntegrityError("pack file is truncated or its header length is corrupt")
     offset = _PREAMBLE.size + header_len
     header = PackHeader.from_json(data[_PREAMBLE.size : offset])
+    header.validate(encoded=True)  # a pack file holds a stored pack: every layer's chunk, coded
     chunks = []
     for index, info in enumerate(header.chunks):
         chunk = data[offset : offset + info.stored_bytes]

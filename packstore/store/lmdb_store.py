@@ -23,7 +23,7 @@ from packstore.format.header import canonical_json
 from packstore.format.body import verify_chunk
 from packstore.store.banks import BankTables
 from packstore.store.environment import DEFAULT_MAP_SIZE, LmdbEnvironment
-from packstore.store.protocol import DEFAULT_PAGE, MAX_PAGE, BankStore
+from packstore.store.protocol import DEFAULT_PAGE, MAX_PAGE, BankStore, check_name
 
 if TYPE_CHECKING:
     from packstore.tensors import Pack
@@ -31,8 +31,7 @@ if TYPE_CHECKING:
 STORE_LAYOUT_VERSION = b"2"  # 2 added summaries, key_names, by_name and the running counters
 LOCK_FILE = "packstore.lock"
 STALE_UPLOAD_SECONDS = 3600
-_HASH_PREFIX_RE = re.compile(r"^[0-9a-f]{8,64}$")
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}")
+_HASH_PREFIX_RE = re.compile(r"[0-9a-f]{8,64}")
 T = TypeVar("T")
 
 
@@ -42,15 +41,6 @@ def default_store_path() -> Path:
         return Path(os.environ["PACKSTORE_STORE"])
     base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
     return Path(base) / "packstore"
-
-
-def check_name(name: str) -> str:
-    """Names are 1-128 characters of letters, digits and ``._:@+-``, starting alphanumeric."""
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-        raise InvalidInput(
-            f"invalid pack name {name!r}: use 1-128 letters, digits or ._:@+- , starting with a letter or digit"
-        )
-    return name
 
 
 def _chunk_key(key: str, index: int) -> bytes:
@@ -236,7 +226,7 @@ class LmdbStore(BankTables):
     def put(self, encoded: EncodedPack, *, name: str | None = None) -> tuple[str, bool]:
         """Store a pack (and optionally name it). Returns ``(key, created)``; same content is stored once."""
         header = encoded.header
-        header.validate()
+        header.validate(encoded=True)
         if len(encoded.chunks) != len(header.chunks):
             raise InvalidInput(f"pack has {len(encoded.chunks)} chunks, header lists {len(header.chunks)}")
         for index, data in enumerate(encoded.chunks):
@@ -336,7 +326,7 @@ class LmdbStore(BankTables):
             else:
                 matches = [v.decode() for _, v in _prefix_scan(txn, self._by_name, f"{ref}/".encode())]
             by_name = bool(matches)
-            if not matches and _HASH_PREFIX_RE.match(ref):
+            if not matches and _HASH_PREFIX_RE.fullmatch(ref):
                 within = f"{model_fp}/".encode() if model_fp else b""
                 matches = [
                     key
@@ -488,7 +478,7 @@ class LmdbStore(BankTables):
 
     def begin_upload(self, header: PackHeader) -> "Upload":
         """Start a staged upload: chunks land in ``staging`` one transaction each, then commit atomically."""
-        header.validate()
+        header.validate(encoded=True)
         return Upload(self, header)
 
     def keys(self) -> list[str]:
@@ -505,7 +495,7 @@ class LmdbStore(BankTables):
             from packstore.tensors import decode_pack
 
             decode_pack(self._read(key))  # checks every checksum, then that every chunk decodes
-        except (IntegrityError, PackNotFound) as exc:
+        except (IntegrityError, InvalidInput, PackNotFound) as exc:
             return VerifyResult(key=key, error=str(exc))
         return VerifyResult(key=key, error=None)
 

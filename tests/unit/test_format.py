@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
+import reprlib
 import struct
 
 import pytest
@@ -131,3 +133,86 @@ def test_header_validation_rejects_bad_fields() -> None:
         dataclasses.replace(header, model_fp="xyz").validate()
     with pytest.raises(InvalidInput, match="token"):
         dataclasses.replace(header, token_ids=()).validate()
+
+
+def bad_chunks(header: PackHeader) -> dict[str, tuple]:
+    """Chunk lists of an encoded header that break one chunk rule each."""
+    first, second, third = header.chunks
+    return {
+        "chunks[0].raw_bytes": (dataclasses.replace(first, raw_bytes=first.raw_bytes + 1), second, third),
+        "chunks[1].first_layer": (first, third, second),
+        "chunks[1].stop_layer": (first, dataclasses.replace(second, stop_layer=1), third),
+        "chunks[0].stored_bytes": (dataclasses.replace(first, stored_bytes=1 << 40), second, third),
+        "chunks[2].sha256": (first, second, dataclasses.replace(third, sha256="A" * 64)),
+        "chunks[1]": (first, {"first_layer": 1}, third),
+        "chunks": (first, second),
+    }
+
+
+PYTHON_BAD_FIELDS = [
+    ("model_name", 123),
+    ("model_name", "m" * 4097),
+    ("token_ids", (1, 1 << 32)),
+    ("token_ids", (True,)),
+    ("token_ids", tuple(range(1 << 20 | 1))),
+    ("layers", 0),
+    ("kv_heads", 1025),
+    ("head_dim", True),
+    ("dtype", "float64"),
+    ("facts", ("a", 1)),
+    ("raw", 1),
+    ("created", "t" * 65),
+    ("parents", (f"{FP_A}/{FP_B}/{FP_A}\n",)),
+    ("codec", None),
+    ("template_fp", FP_B + "\n"),
+]
+
+
+@pytest.mark.parametrize("field,value", PYTHON_BAD_FIELDS, ids=[f"{f}={reprlib.repr(v)[:10]}" for f, v in PYTHON_BAD_FIELDS])
+def test_validate_names_the_field_of_a_python_built_header(field: str, value: object) -> None:
+    header = dataclasses.replace(make_pack().header, **{field: value})
+    with pytest.raises(InvalidInput, match=rf"^pack header field '{field}(\[\d+\])?' must be"):
+        header.validate()
+
+
+def test_validate_applies_the_chunk_rules() -> None:
+    header = encode_pack(make_pack()).header
+    header.validate(encoded=True)
+    for field, chunks in bad_chunks(header).items():
+        with pytest.raises(InvalidInput, match=rf"^pack header field '{re.escape(field)}' must"):
+            dataclasses.replace(header, chunks=chunks).validate()
+
+
+def test_validate_encoded_demands_every_chunk_and_the_codec() -> None:
+    header = make_pack().header
+    header.validate()
+    with pytest.raises(InvalidInput, match="'chunks' must list the stored chunks of all 3 layers"):
+        header.validate(encoded=True)
+    with pytest.raises(InvalidInput, match="'codec' must be 'byteplane-zstd'"):
+        dataclasses.replace(encode_pack(make_pack()).header, codec="").validate(encoded=True)
+
+
+def resealed(header: PackHeader, **changes: object) -> bytes:
+    """``header``'s JSON with ``changes`` (None: drop the field), sealed again as a forger would."""
+    record = {k: v for k, v in json.loads(header.to_json()).items() if k != "pack_sha256"}
+    record.update(changes)
+    record = {k: v for k, v in record.items() if v is not None}
+    return canonical_json({**record, "pack_sha256": sha256_hex(canonical_json(record))})
+
+
+def test_from_json_checks_json_types_exactly() -> None:
+    header = encode_pack(make_pack()).header
+    first, *rest = json.loads(header.to_json())["chunks"]
+    cases = {
+        "layers": {"layers": 3.0},
+        "raw": {"raw": 0},
+        "token_ids[0]": {"token_ids": [10.0, 11, 12, 13, 14]},
+        "chunks[0].stop_layer": {"chunks": [{**first, "stop_layer": True}, *rest]},
+        "chunks[0]": {"chunks": [{**first, "extra": 1}, *rest]},
+        "extra": {"extra": 1},
+        "codec": {"codec": None},
+    }
+    for field, changes in cases.items():
+        with pytest.raises(InvalidInput, match=rf"^pack header field '{re.escape(field)}' (must|is)"):
+            PackHeader.from_json(resealed(header, **changes))
+    assert PackHeader.from_json(resealed(header)) == header

@@ -14,7 +14,7 @@ import torch
 from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackNotFound
 from packstore.tensors import decode_pack, encode_pack
 from packstore.store import LmdbStore
-from test_format import FP_A, make_pack
+from test_format import FP_A, make_pack, resealed
 
 
 def other_model(pack, fp: str = "c" * 64):
@@ -127,6 +127,23 @@ def test_damaged_stored_chunk_is_refused_and_named(store_path: Path) -> None:
     with LmdbStore(store_path) as store:
         with pytest.raises(IntegrityError, match=r"chunk \d+ .*damaged"):
             store.get("victim")
+
+
+def test_stored_header_breaking_a_field_rule_is_reported_by_verify(store_path: Path) -> None:
+    """A header an older version stored without today's field checks: verify names it, listing still works."""
+    pack = make_pack()
+    with LmdbStore(store_path) as store:
+        key, _ = store.put(encode_pack(pack), name="old")
+        store.put(encode_pack(make_pack(tokens=7)), name="fine")
+        header = store.stat(key).header
+    env = lmdb.open(str(store_path), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.put(key.encode(), resealed(header, model_name=123), db=env.open_db(b"packs", txn=txn))
+    env.close()
+    with LmdbStore(store_path) as store:
+        results = {r.key: r.error for r in store.verify_all()}
+        assert "'model_name'" in results[key] and list(results.values()).count(None) == 1
+        assert len(store.list()) == 2
 
 
 def test_put_refuses_chunks_that_do_not_match_their_checksums(store_path: Path) -> None:
