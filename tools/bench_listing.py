@@ -55,7 +55,7 @@ def synthetic_header(index: int, rng: np.random.Generator) -> PackHeader:
         raw=False,
         created="2026-11-23T00:00:00Z",
         codec="byteplane-zstd",
-        chunks=tuple(ChunkInfo(layer, layer + 1, 786432, 650000, rng.bytes(32).hex()) for layer in range(LAYERS)),
+        chunks=tuple(ChunkInfo(layer, layer + 1, 2 * 3 * TOKENS * 64 * 4, 2_600_000, rng.bytes(32).hex()) for layer in range(LAYERS)),
     )
 
 

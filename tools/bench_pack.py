@@ -50,6 +50,7 @@ import zstandard  # noqa: E402
 
 from packstore.answer import Answerer  # noqa: E402
 from packstore.format import codec  # noqa: E402
+from packstore.format.body import max_plain_bytes  # noqa: E402
 from packstore.tensors import Pack, decode_pack, encode_pack  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text  # noqa: E402
@@ -283,7 +284,7 @@ def codec_pack(pack: Pack, note: str) -> CodecPack:
     """The raw chunk blobs of ``pack``: its encoded chunks decoded back (checked against a re-encode)."""
     encoded = encode_pack(pack)
     element_size = pack.keys[0].element_size()
-    blobs = [bytes(codec.decode(chunk)) for chunk in encoded.chunks]
+    blobs = [bytes(codec.decode(chunk, max_plain_bytes(info))) for chunk, info in zip(encoded.chunks, encoded.header.chunks)]
     assert codec.encode(blobs[0], element_size) == encoded.chunks[0], "byteplane encode is not deterministic"
     return CodecPack(pack.header.dtype, note, blobs, element_size)
 

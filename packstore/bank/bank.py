@@ -16,7 +16,8 @@ from packstore.bank.embedder import Embedder, load_embedder
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.format.bank import BankMeta, Cluster
 from packstore.records import Route
-from packstore.store.lmdb_store import LmdbStore, check_name
+from packstore.store.lmdb_store import LmdbStore
+from packstore.store.protocol import check_name
 from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_TOP_K, MIN_PROBE, PROBED_SHARE
 
 FACTS_PER_CLUSTER = 20

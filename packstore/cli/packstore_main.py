@@ -43,7 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from packstore.service.config import load_config
     from packstore.service.server import serve
 
-    overrides = {name: getattr(args, name) for name in ("data", "listen", "metrics", "workers", "max_message_bytes", "max_pack_bytes")}
+    overrides = {name: getattr(args, name) for name in ("data", "listen", "metrics", "workers", "max_message_bytes", "max_pack_bytes", "max_chunk_bytes", "max_facts_bytes")}
     serve(load_config(args.config, overrides))
     return 0
 
@@ -80,6 +80,8 @@ def build_cli() -> CommandLine:
     p.add_argument("--workers", type=int, help="concurrent RPCs (default 16)")
     p.add_argument("--max-message-bytes", type=int, help="gRPC message size limit (default 4 MiB)")
     p.add_argument("--max-pack-bytes", type=int, help="largest pack accepted by PutPack, in stored bytes (default 4 GiB)")
+    p.add_argument("--max-chunk-bytes", type=int, help="largest chunk accepted by PutPack, in stored bytes: bounds an upload's memory (default 64 MiB)")
+    p.add_argument("--max-facts-bytes", type=int, help="largest facts text accepted by one BuildBank/AddFacts call (default 256 MiB)")
 
     p = cli.command("worker", cmd_worker, "load a model next to the accelerator and answer with packs from --store")
     p.add_argument("--model", required=True, metavar="M", help="smollm2-135m, gemma3-270m, or a local Hugging Face model directory")

@@ -22,6 +22,8 @@ class ServiceConfig:
     workers: int = 16  # concurrent RPCs served
     max_message_bytes: int = 4 << 20  # per gRPC message, both directions
     max_pack_bytes: int = 4 << 30  # stored bytes of one uploaded pack
+    max_chunk_bytes: int = 64 << 20  # stored bytes of one chunk: what one upload holds in memory at a time
+    max_facts_bytes: int = 256 << 20  # text of the facts one BuildBank / AddFacts call sends
     max_header_bytes: int = 64 << 20
     shutdown_grace_seconds: float = 30.0
     log_level: str = "info"
@@ -57,6 +59,8 @@ def load_config(config_file: str | None = None, overrides: dict[str, Any] | None
     config = ServiceConfig(**values)
     if not config.data:
         raise InvalidInput("no data directory: set data (as a flag, in the config file or as $PACKSTORE_DATA)")
+    if min(config.max_pack_bytes, config.max_chunk_bytes, config.max_facts_bytes, config.max_header_bytes) < 1:
+        raise InvalidInput("size limits must be at least 1 byte")
     if config.workers < 1 or config.max_message_bytes < (1 << 20) + 4096:
         raise InvalidInput("workers must be >= 1 and max_message_bytes at least 1 MiB + 4 KiB (chunk pieces are 1 MiB)")
     return config

@@ -22,7 +22,9 @@ from packstore.rpc.messages import ChunkAssembler, bank_info, chunk_pieces, pack
 from packstore.rpc.status import abort_with_error, status_for
 from packstore.service.config import ServiceConfig
 from packstore.service.metrics import ServiceMetrics
+from packstore.records import PackPage
 from packstore.store import BankStore, LmdbStore
+from packstore.store.protocol import check_name
 from packstore.store.protocol import DEFAULT_PAGE, DEFAULT_TOP_K
 from packstore.v1 import store_pb2, store_pb2_grpc
 
@@ -89,9 +91,8 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             if len(first.begin.header_json) > self.config.max_header_bytes:
                 raise LimitExceeded(f"header of {len(first.begin.header_json)} bytes exceeds the limit of {self.config.max_header_bytes}")
             header = PackHeader.from_json(first.begin.header_json)
-            total = sum(c.stored_bytes for c in header.chunks)
-            if total > self.config.max_pack_bytes:
-                raise LimitExceeded(f"pack of {total} stored bytes exceeds the limit of {self.config.max_pack_bytes}")
+            self._check_upload_limits(header)
+            name = check_name(first.begin.name) if first.begin.name else None
             info["key"] = header.key
             upload = self.store.begin_upload(header)
             assembler = ChunkAssembler(header)
@@ -105,13 +106,25 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
                         upload.add_chunk(assembler.next_index - 1, whole)
                 if not assembler.complete:
                     raise InvalidInput(f"upload ended after {assembler.next_index} of {len(header.chunks)} chunks")
-                key, created = upload.commit(name=first.begin.name or None)
+                key, created = upload.commit(name=name)
             except BaseException:
                 upload.abort()
                 raise
             info["created"] = created
             self._refresh_store_gauges()
             return store_pb2.PutPackResponse(pack=pack_info(self.store.stat(key)), created=created)
+
+    def _check_upload_limits(self, header: PackHeader) -> None:
+        """Refuse, before taking any chunk, a pack or chunk larger than configured: an upload holds
+        one chunk in memory at a time, so the chunk limit bounds its memory whatever the client sends."""
+        for index, chunk in enumerate(header.chunks):
+            if chunk.stored_bytes > self.config.max_chunk_bytes:
+                raise LimitExceeded(
+                    f"chunk {index} of {chunk.stored_bytes} stored bytes exceeds the chunk limit of {self.config.max_chunk_bytes}"
+                )
+        total = sum(c.stored_bytes for c in header.chunks)
+        if total > self.config.max_pack_bytes:
+            raise LimitExceeded(f"pack of {total} stored bytes exceeds the limit of {self.config.max_pack_bytes}")
 
     def GetPack(self, request, context):
         with self._call("GetPack", context, ref=request.ref) as info:
@@ -142,7 +155,21 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
                 template_fp=request.template_fp or None,
                 name=request.name or None,
             )
-            return store_pb2.ListPacksResponse(packs=[summary_info(p) for p in page.packs], next_page_token=page.next_token)
+            return self._bounded_page(page)
+
+    def _bounded_page(self, page: PackPage) -> store_pb2.ListPacksResponse:
+        """The page as a response within half the message limit: entries past the budget (many long
+        names, say) are left to the next page, whose token is the last entry sent."""
+        response = store_pb2.ListPacksResponse()
+        budget = self.config.max_message_bytes // 2
+        for index, summary in enumerate(page.packs):
+            entry = summary_info(summary)
+            if index and response.ByteSize() + entry.ByteSize() + 16 > budget:
+                response.next_page_token = page.packs[index - 1].key
+                return response
+            response.packs.append(entry)
+        response.next_page_token = page.next_token
+        return response
 
     def DeletePack(self, request, context):
         with self._call("DeletePack", context, ref=request.ref) as info:
@@ -193,13 +220,14 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
         return spec
 
     def _bank_stream(self, request_iterator) -> tuple[str, str, list[str]]:
-        name, embedder, facts = None, None, []
+        name, embedder, facts, size = None, None, [], 0
         for message in request_iterator:
             if name is None:
-                name, embedder = message.name, self._embedder(message.embedder)
+                name, embedder = check_name(message.name), self._embedder(message.embedder)
             facts.extend(message.facts)
-            if sum(map(len, facts)) > self.config.max_pack_bytes:
-                raise LimitExceeded(f"facts exceed the limit of {self.config.max_pack_bytes} bytes")
+            size += sum(map(len, message.facts))
+            if size > self.config.max_facts_bytes:
+                raise LimitExceeded(f"facts exceed the limit of {self.config.max_facts_bytes} bytes")
         if name is None:
             raise InvalidInput("no facts were sent")
         return name, embedder, facts

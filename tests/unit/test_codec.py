@@ -23,7 +23,7 @@ def test_round_trip_is_bit_exact_including_special_values(dtype: torch.dtype) ->
     special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), info.tiny / 4, info.max, info.min], dtype=dtype)
     gen = torch.Generator().manual_seed(1)
     blob = blob_of(torch.randn(2, 50, 16, generator=gen).to(dtype), special)
-    assert codec.decode(codec.encode(blob, special.element_size())) == blob
+    assert codec.decode(codec.encode(blob, special.element_size()), len(blob)) == blob
 
 
 def test_beats_plain_zstd_on_float_data() -> None:
@@ -39,12 +39,12 @@ def test_incompressible_planes_are_stored_raw() -> None:
     stored = codec.encode(blob, 1)
     method, plain_len, stored_len = struct.unpack_from("<BQQ", stored, 7 + 17)  # frame 1: the only plane
     assert method == codec.RAW and plain_len == stored_len == 4096
-    assert codec.decode(stored) == blob
+    assert codec.decode(stored, len(blob)) == blob
 
 
 def test_empty_tensor_round_trips() -> None:
     blob = blob_of(torch.zeros(0, 4))
-    assert codec.decode(codec.encode(blob, 4)) == blob
+    assert codec.decode(codec.encode(blob, 4), len(blob)) == blob
 
 
 @pytest.mark.parametrize(
@@ -59,11 +59,22 @@ def test_empty_tensor_round_trips() -> None:
 def test_malformed_containers_are_refused(mangle, message) -> None:
     stored = codec.encode(blob_of(torch.randn(8, 8)), 4)
     with pytest.raises(IntegrityError, match=message):
-        codec.decode(mangle(stored))
+        codec.decode(mangle(stored), 1 << 20)
 
 
 def test_corrupt_zstd_frame_is_refused() -> None:
     stored = bytearray(codec.encode(blob_of(torch.zeros(64, 64)), 4))
     stored[-3] ^= 0xFF  # inside the last (highly compressed) plane frame
     with pytest.raises(IntegrityError):
-        codec.decode(bytes(stored))
+        codec.decode(bytes(stored), 1 << 20)
+
+
+def test_declared_lengths_beyond_the_cap_are_refused_before_decompressing() -> None:
+    """A frame without a content size that claims 1 TiB used to make the reader allocate it."""
+    frame = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * 4096)
+    container = struct.pack("<4sBBB", b"PSBP", 1, 1, 2) + struct.pack("<BQQ", 1, 1 << 40, len(frame)) + struct.pack("<BQQ", 0, 0, 0) + frame
+    with pytest.raises(IntegrityError, match="declares 1099511627776 plain bytes, more than the 8192 allowed"):
+        codec.decode(container, 8192)
+    blob = blob_of(torch.randn(8, 8))
+    with pytest.raises(IntegrityError, match="more than"):
+        codec.decode(codec.encode(blob, 4), len(blob) - 1)
