@@ -7,7 +7,7 @@ write transaction (one transaction per pack would fsync 100,000 times); everythi
 goes through the public store API, the gRPC service (``packstore serve`` on 127.0.0.1) and the
 ``packctl`` command line. Every figure is a median of ``--repeats`` runs, taken in one run.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_listing.py [--packs 100000] [--repeats 5]
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_listing.py [--packs 100000] [--repeats 5] [--keep DIR]
 
 Progress goes to stderr, the tables to stdout.
 """
@@ -108,13 +108,15 @@ def main() -> None:
     parser.add_argument("--packs", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workdir", type=Path, default=None, help="where the store goes (default: a temp dir, removed after)")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the store in this directory and reuse it on later runs")
     args = parser.parse_args()
     print(f"Machine: {machine_description({})}")
     print(f"Source: {source_description()}")
     with tempfile.TemporaryDirectory(prefix="packstore-bench-listing-", dir=args.workdir) as tmp:
-        data = Path(tmp) / "store"
+        data = args.keep or Path(tmp) / "store"
         with LmdbStore(data) as store:
-            bulk_load(store, args.packs)
+            if store.counts().packs != args.packs:
+                bulk_load(store, args.packs)
             header_bytes = len(store.stat("pack-0").header.to_json())
             log("measuring the local store")
             local = store_rows(store, args.packs, args.repeats)

@@ -161,10 +161,11 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
         """The page as a response within half the message limit: entries past the budget (many long
         names, say) are left to the next page, whose token is the last entry sent."""
         response = store_pb2.ListPacksResponse()
-        budget = self.config.max_message_bytes // 2
+        budget, used = self.config.max_message_bytes // 2, 0
         for index, summary in enumerate(page.packs):
             entry = summary_info(summary)
-            if index and response.ByteSize() + entry.ByteSize() + 16 > budget:
+            used += entry.ByteSize() + 8  # the entry's tag and length prefix
+            if index and used > budget:
                 response.next_page_token = page.packs[index - 1].key
                 return response
             response.packs.append(entry)
