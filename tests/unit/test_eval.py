@@ -1,0 +1,92 @@
+"""The evaluation harness: EM/F1 normalisation, the seeded split, intervals, and eval_packs on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+import eval_packs  # noqa: E402
+from evallib import Row, exact_match, load_rows, mean_interval, normalize, split_rows, token_f1  # noqa: E402
+from packstore.kv.inject import Sampling  # noqa: E402
+from packstore.store import LmdbStore  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("The Eiffel Tower!", "eiffel tower"),
+        ("  A   cat, an owl and THE dog. ", "cat owl and dog"),
+        ("Theatre anthem", "theatre anthem"),
+        ("U.S.A.", "usa"),
+    ],
+)
+def test_normalize_is_squad_style(text: str, expected: str) -> None:
+    assert normalize(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("prediction", "answers", "expected"),
+    [
+        ("It was played by Zayed Khan.", ["Zayed Khan"], True),
+        ("zayed khan", ["The Zayed Khan"], True),
+        ("Neal Schon", ["Brick", "Neal Schon"], True),
+        ("In 1915.", ["5"], False),
+        ("Zayed", ["Zayed Khan"], False),
+        ("anything", ["the"], False),
+    ],
+)
+def test_exact_match_is_whole_word_containment(prediction: str, answers: list[str], expected: bool) -> None:
+    assert exact_match(prediction, answers) is expected
+
+
+def test_token_f1_is_the_best_over_gold_answers() -> None:
+    assert token_f1("Zayed Khan", ["Zayed Khan"]) == 1.0
+    assert token_f1("the", ["the"]) == 0.0
+    assert token_f1("nothing here", ["Zayed Khan"]) == 0.0
+    # "Big Daddy was Zayed Khan" -> big daddy was zayed khan: precision 2/5, recall 1 -> 4/7
+    assert token_f1("Big Daddy was Zayed Khan", ["Paul Newman", "Zayed Khan"]) == pytest.approx(4 / 7)
+
+
+def test_split_is_deterministic_and_complete() -> None:
+    rows = [Row(f"r{i}", "q", "c", ("a",)) for i in range(200)]
+    first, rest = split_rows(rows, 0.5, seed=3)
+    assert split_rows(list(reversed(rows)), 0.5, seed=3)[0] == list(reversed(first))
+    assert sorted(r.id for r in first + rest) == sorted(r.id for r in rows)
+    assert 70 < len(first) < 130
+    assert split_rows(rows, 0.5, seed=4)[0] != first
+
+
+def test_mean_interval_brackets_the_mean() -> None:
+    interval = mean_interval([1, 0, 1, 1, 0, 1, 0, 1])
+    assert interval.low <= interval.mean == 0.625 <= interval.high
+    assert mean_interval([1, 1, 1]).low == 1.0
+
+
+def test_eval_packs_on_the_tiny_model(tiny_lm, tmp_path: Path) -> None:
+    rows = load_rows(limit=3)
+    with LmdbStore(tmp_path / "store") as store:
+        records = eval_packs.evaluate(tiny_lm, rows, store, Sampling(max_new_tokens=4))
+        assert store.keys() == []
+    assert [r["id"] for r in records] == [r.id for r in rows]
+    assert not any(r["divergent"] for r in records)
+    for record in records:
+        assert set(record["conditions"]) == set(eval_packs.CONDITIONS)
+        text, pack = record["conditions"]["text"], record["conditions"]["pack"]
+        assert text["answer"] == pack["answer"]
+        assert pack["prompt_tokens"] + record["pack_tokens"] == text["prompt_tokens"]
+    table = eval_packs.write_report(records, tmp_path / "out", tmp_path / "figures", {"rows_per_model": 3})
+    assert "divergences (b) vs (c): 0 of 3" in table
+    assert len((tmp_path / "out" / "questions.jsonl").read_text().splitlines()) == 3
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["models"][tiny_lm.name]["conditions"]["pack"]["em"].keys() == {"mean", "low", "high"}
+    for png in ("eval_packs_accuracy.png", "eval_packs_prompt_tokens.png"):
+        assert (tmp_path / "figures" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    redrawn = tmp_path / "redrawn"
+    assert eval_packs.main(["--report-only", "--out", str(tmp_path / "out"), "--figures", str(redrawn)]) == 0
+    assert len(list(redrawn.glob("*.png"))) == 2
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["rows_per_model"] == 3

@@ -1,0 +1,245 @@
+"""Accuracy of knowledge packs on ckc_dev (the paper's Tables 1 and 3), per model.
+
+Each ckc row's context paragraph becomes one pack, kept whole as a single fact: the paragraphs are
+short (about 100-200 tokens), many are flattened tables or lists that a sentence splitter would cut
+at random, and one fact keeps the pack's text identical to the text-in-prompt baseline. Each
+question is answered four ways, greedy, ``--max-new-tokens`` tokens:
+
+(a) no knowledge: the question alone, rendered with the chat template;
+(b) text in the prompt: the paragraph as the system message (``answer_with_text``);
+(c) pack: the paragraph's pack, built with the chat template, injected through ``Answerer``;
+(d) raw pack: the pack built without the chat template (``raw=True``), injected the same way.
+
+(b) and (c) come from one ``Answerer.ask(compare_rag=True)``, which compares their generated token
+ids: every difference is a divergence, and there must be none. Packs live in a scratch store in a
+temp directory, deleted as soon as their row is scored. Outputs: a markdown table on stdout (and in
+OUT/table.md), one JSON line per question (OUT/questions.jsonl), a summary (OUT/summary.json), and
+two PNGs in ``--figures``. Run from the repository root:
+
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/eval_packs.py [--models smollm2-135m gemma3-270m] [--limit N]
+
+Progress goes to stderr. Torch runs one intra-op thread by default (``--threads``): on the shared
+2-core machine two threads stalled whenever another process held a core (a 24-token answer took
+25-47 s instead of 1.4 s), as tools/bench_pack.py found for first-token latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from packstore.answer import Answerer, Question  # noqa: E402
+from packstore.api import build_and_store  # noqa: E402
+from packstore.kv.inject import Answer, Sampling, generate  # noqa: E402
+from packstore.kv.models import LoadedModel, load_model  # noqa: E402
+from packstore.store import LmdbStore  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import logger, machine_description, source_description  # noqa: E402
+from evallib import (  # noqa: E402
+    REPO,
+    Row,
+    exact_match,
+    grouped_bars,
+    load_rows,
+    markdown_table,
+    mean_interval,
+    token_f1,
+    write_jsonl,
+)
+
+CONDITIONS = {
+    "none": "(a) no knowledge",
+    "text": "(b) text in prompt",
+    "pack": "(c) pack, chat template",
+    "raw": "(d) pack, raw",
+}
+MODELS = ("smollm2-135m", "gemma3-270m")
+log = logger("eval_packs")
+
+
+def answer_without_knowledge(lm: LoadedModel, question: str, sampling: Sampling) -> Answer:
+    """The question alone as the user turn of the chat template (the template's own default system text, if any)."""
+    text = lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": question.strip()}], tokenize=False, add_generation_prompt=True
+    )
+    return generate(lm, lm.tokenizer(text, add_special_tokens=False).input_ids, sampling)
+
+
+def scored(answer: str, prompt_tokens: int, row: Row) -> dict:
+    return {
+        "answer": answer,
+        "prompt_tokens": prompt_tokens,
+        "em": exact_match(answer, row.answers),
+        "f1": token_f1(answer, row.answers),
+    }
+
+
+def evaluate(lm: LoadedModel, rows: Sequence[Row], store: LmdbStore, sampling: Sampling) -> list[dict]:
+    """One record per row: the four conditions' answers, prompt tokens and scores, and whether (b) and (c) diverged."""
+    answerer = Answerer(lm, store, cache_bytes=0)
+    records = []
+    started = time.perf_counter()
+    for index, row in enumerate(rows, 1):
+        facts = [row.context]
+        templated, _ = build_and_store(store, lm, facts)
+        raw, _ = build_and_store(store, lm, facts, raw=True)
+        none = answer_without_knowledge(lm, row.question, sampling)
+        with_pack = answerer.ask(Question(row.question, refs=(templated.key,), compare_rag=True, sampling=sampling))
+        with_raw = answerer.ask(Question(row.question, refs=(raw.key,), sampling=sampling))
+        store.delete(templated.key)
+        store.delete(raw.key)
+        records.append(
+            {
+                "model": lm.name,
+                "id": row.id,
+                "question": row.question,
+                "answers": list(row.answers),
+                "pack_tokens": templated.header.tokens,
+                "raw_pack_tokens": raw.header.tokens,
+                "divergent": not with_pack.identical,
+                "conditions": {
+                    "none": scored(none.text, none.prompt_tokens, row),
+                    "text": scored(with_pack.rag_answer, with_pack.rag_prompt_tokens, row),
+                    "pack": scored(with_pack.answer, with_pack.kv_prompt_tokens, row),
+                    "raw": scored(with_raw.answer, with_raw.kv_prompt_tokens, row),
+                },
+            }
+        )
+        if index % 10 == 0 or index == len(rows):
+            rate = (time.perf_counter() - started) / index
+            log(f"{lm.name}: {index}/{len(rows)} rows, {rate:.2f} s/row")
+    return records
+
+
+def summarize(records: Sequence[dict]) -> dict:
+    """Per model and condition: EM and F1 (mean with 95% bootstrap interval), mean prompt tokens; and divergences."""
+    summary: dict = {}
+    for model in dict.fromkeys(r["model"] for r in records):
+        mine = [r for r in records if r["model"] == model]
+        conditions = {}
+        for condition in CONDITIONS:
+            scores = [r["conditions"][condition] for r in mine]
+            conditions[condition] = {
+                "em": mean_interval([s["em"] for s in scores]),
+                "f1": mean_interval([s["f1"] for s in scores]),
+                "prompt_tokens": sum(s["prompt_tokens"] for s in scores) / len(scores),
+            }
+        summary[model] = {
+            "questions": len(mine),
+            "divergences": sum(r["divergent"] for r in mine),
+            "pack_tokens": sum(r["pack_tokens"] for r in mine) / len(mine),
+            "conditions": conditions,
+        }
+    return summary
+
+
+def table(summary: dict) -> str:
+    """The markdown table: one line per model and condition."""
+    lines = []
+    for model, result in summary.items():
+        for condition, label in CONDITIONS.items():
+            scores = result["conditions"][condition]
+            lines.append(
+                [
+                    model,
+                    label,
+                    str(result["questions"]),
+                    scores["em"].percent(),
+                    scores["f1"].percent(),
+                    f"{scores['prompt_tokens']:.1f}",
+                ]
+            )
+    headers = ["model", "condition", "questions", "EM % [95% CI]", "F1 % [95% CI]", "prompt tokens / question"]
+    notes = [
+        f"{model}: divergences (b) vs (c): {r['divergences']} of {r['questions']} questions; "
+        f"mean pack size {r['pack_tokens']:.1f} tokens"
+        for model, r in summary.items()
+    ]
+    return markdown_table(headers, lines, left=2) + "\n\n" + "\n".join(notes)
+
+
+def plot(summary: dict, figures: Path) -> list[Path]:
+    """EM/F1 per condition and model with their intervals, and prompt tokens per condition and model."""
+    accuracy, tokens = figures / "eval_packs_accuracy.png", figures / "eval_packs_prompt_tokens.png"
+    counts = ", ".join(f"{m} n={r['questions']}" for m, r in summary.items())
+    grouped_bars(
+        accuracy,
+        {
+            metric.upper(): {m: {CONDITIONS[c]: r["conditions"][c][metric] for c in CONDITIONS} for m, r in summary.items()}
+            for metric in ("em", "f1")
+        },
+        title=f"ckc_dev accuracy per condition (95% bootstrap intervals; {counts})",
+        ylabel="score (0-1)",
+    )
+    grouped_bars(
+        tokens,
+        {"(c) and (d) take their pack's own tokens from its cache": {m: {CONDITIONS[c]: r["conditions"][c]["prompt_tokens"] for c in CONDITIONS} for m, r in summary.items()}},
+        title=f"Mean prompt tokens prefilled per question ({counts})",
+        ylabel="tokens per question",
+    )
+    return [accuracy, tokens]
+
+
+def write_report(records: Sequence[dict], out: Path, figures: Path, about: dict) -> str:
+    """Write questions.jsonl, summary.json, table.md and the figures; returns the markdown table."""
+    summary = summarize(records)
+    text = table(summary)
+    write_jsonl(out / "questions.jsonl", records)
+    (out / "summary.json").write_text(json.dumps(about | {"models": summary}, indent=2, default=dataclasses.asdict) + "\n")
+    (out / "table.md").write_text(text + "\n")
+    plot(summary, figures)
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), help="model names or directories")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N ckc rows per model")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "eval_packs", help="results directory")
+    parser.add_argument("--figures", type=Path, default=REPO / "docs" / "figures", help="where the PNGs go")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--report-only", action="store_true", help="redo table and plots from OUT/questions.jsonl")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (see the module docstring)")
+    args = parser.parse_args(argv)
+    if args.report_only:
+        records = [json.loads(line) for line in (args.out / "questions.jsonl").read_text().splitlines()]
+        about = json.loads((args.out / "summary.json").read_text())
+        about.pop("models", None)
+        print(write_report(records, args.out, args.figures, about))
+        return 0
+    torch.set_num_threads(args.threads)
+    rows = load_rows(limit=args.limit)
+    sampling = Sampling(max_new_tokens=args.max_new_tokens)
+    started = time.perf_counter()
+    records: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="eval-packs-") as scratch, LmdbStore(Path(scratch) / "store") as store:
+        for name in args.models:
+            lm = load_model(name, progress=False)
+            log(f"{name} loaded on {lm.device} ({lm.dtype_name}); {len(rows)} rows")
+            records += evaluate(lm, rows, store, sampling)
+    about = {
+        "rows_per_model": len(rows),
+        "max_new_tokens": args.max_new_tokens,
+        "wall_seconds": round(time.perf_counter() - started, 1),
+        "machine": machine_description({}),
+        "source": source_description(),
+    }
+    print(write_report(records, args.out, args.figures, about))
+    print(f"\n{len(records)} questions in {about['wall_seconds']:.0f} s on {about['machine']}; {about['source']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Shared evaluation helpers for tools/eval_*.py: ckc rows, EM/F1 scoring, intervals, and report output.
+
+Scoring follows SQuAD's answer normalisation (lowercase, drop punctuation and the articles a/an/the,
+collapse whitespace). Exact match asks whether a normalised gold answer occurs in the normalised
+prediction as whole words (the models answer in sentences, so containment, not equality; whole words
+so that "5" does not match "15"). Token F1 is SQuAD's bag-of-tokens F1, the best over the gold answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import string
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "ckc_dev.jsonl"
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One ckc question: the paragraph that answers it and the accepted answers."""
+
+    id: str
+    question: str
+    context: str
+    answers: tuple[str, ...]
+
+
+def data_path() -> Path:
+    """``$PACKSTORE_EVAL_DATA`` if set, else ``../shared/data/ckc_dev.jsonl`` next to the repository."""
+    return Path(os.environ.get("PACKSTORE_EVAL_DATA", DEFAULT_DATA))
+
+
+def load_rows(path: Path | None = None, *, limit: int | None = None) -> list[Row]:
+    """The ckc rows in file order, the first ``limit`` of them when given."""
+    path = path or data_path()
+    if not path.exists():
+        raise FileNotFoundError(f"evaluation data not found at {path} (set PACKSTORE_EVAL_DATA)")
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            rows.append(Row(record["id"], record["question"], record["context"], tuple(record["answers"])))
+    return rows[:limit] if limit is not None else rows
+
+
+def split_rows(rows: Sequence[Row], fraction: float = 0.5, *, seed: int = 0) -> tuple[list[Row], list[Row]]:
+    """A deterministic split into (first part, rest), about ``fraction`` of the rows in the first.
+
+    Each row goes by a sha256 of (seed, id), so the split does not depend on row order or on the
+    Python process, and a row stays on its side when rows are added.
+    """
+    first, rest = [], []
+    for row in rows:
+        digest = hashlib.sha256(f"{seed}:{row.id}".encode()).digest()
+        (first if int.from_bytes(digest[:8], "big") / 2**64 < fraction else rest).append(row)
+    return first, rest
+
+
+def normalize(text: str) -> str:
+    """SQuAD normalisation: lowercase, no punctuation, no articles, single spaces."""
+    text = _ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION))
+    return " ".join(text.split())
+
+
+def exact_match(prediction: str, answers: Iterable[str]) -> bool:
+    """Whether some normalised gold answer occurs in the normalised prediction as whole words."""
+    padded = f" {normalize(prediction)} "
+    return any(gold and f" {gold} " in padded for gold in map(normalize, answers))
+
+
+def token_f1(prediction: str, answers: Iterable[str]) -> float:
+    """SQuAD token F1 between the prediction and the best-matching gold answer."""
+    predicted = normalize(prediction).split()
+    best = 0.0
+    for answer in answers:
+        gold = normalize(answer).split()
+        common = sum((Counter(predicted) & Counter(gold)).values())
+        if common:
+            precision, recall = common / len(predicted), common / len(gold)
+            best = max(best, 2 * precision * recall / (precision + recall))
+    return best
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A mean and its 95% bootstrap interval."""
+
+    mean: float
+    low: float
+    high: float
+
+    def percent(self) -> str:
+        """``mean [low, high]`` in percent, one decimal."""
+        return f"{100 * self.mean:.1f} [{100 * self.low:.1f}, {100 * self.high:.1f}]"
+
+
+def mean_interval(values: Sequence[float], *, resamples: int = 2000, seed: int = 0) -> Interval:
+    """The mean of ``values`` with a 95% percentile-bootstrap interval (seeded, so reruns agree)."""
+    data = np.asarray(values, dtype=float)
+    if data.size == 0:
+        raise ValueError("no values to average")
+    means = np.random.default_rng(seed).choice(data, size=(resamples, data.size)).mean(axis=1)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return Interval(float(data.mean()), float(low), float(high))
+
+
+def write_jsonl(path: Path, records: Iterable[Mapping]) -> None:
+    """One JSON object a line (parent directories created)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        for record in records:
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, left: int = 1) -> str:
+    """A GitHub markdown table: the first ``left`` columns left-aligned, the others right-aligned."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + " --- |" * left + " ---: |" * (len(headers) - left)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def grouped_bars(
+    path: Path,
+    panels: Mapping[str, Mapping[str, Mapping[str, Interval | float]]],
+    *,
+    title: str,
+    ylabel: str,
+) -> None:
+    """A PNG of grouped bar charts: one panel per key of ``panels``, categories on x, one bar per series.
+
+    ``panels[panel][series][category]`` is a value or an Interval (drawn with its interval as an
+    error bar). Each bar is labelled with its value.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(panels), figsize=(max(6.5 * len(panels), 9.0), 4.8), squeeze=False)
+    for axis, (panel, series) in zip(axes[0], panels.items()):
+        categories = list(dict.fromkeys(c for values in series.values() for c in values))
+        width = 0.8 / max(len(series), 1)
+        for index, (name, values) in enumerate(series.items()):
+            xs = [i + (index - (len(series) - 1) / 2) * width for i, c in enumerate(categories) if c in values]
+            points = [values[c] for c in categories if c in values]
+            means = [p.mean if isinstance(p, Interval) else p for p in points]
+            errors = None
+            if all(isinstance(p, Interval) for p in points):
+                errors = [[p.mean - p.low for p in points], [p.high - p.mean for p in points]]
+            bars = axis.bar(xs, means, width, yerr=errors, capsize=3, label=name)
+            axis.bar_label(bars, fmt="%.2f" if max(means, default=0) <= 1 else "%.0f", fontsize=7, padding=2)
+        axis.set_title(panel)
+        axis.set_ylabel(ylabel)
+        axis.set_xticks(range(len(categories)), categories, rotation=15, ha="right", fontsize=8)
+        axis.legend(fontsize=8)
+        axis.margins(y=0.15)
+    figure.suptitle(title, fontsize=11)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
