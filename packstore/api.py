@@ -15,7 +15,7 @@ from packstore.tensors import Pack, decode_pack, encode_pack
 from packstore.format.packfile import pack_file_parts, parse_pack_file
 from packstore.kv.build import build_pack
 from packstore.kv.models import LoadedModel
-from packstore.store import PackStore, StoredPack, open_store  # noqa: F401  (open_store: part of the API)
+from packstore.store import PackStore, StoredPack
 
 
 def pack_summary(stored: StoredPack) -> dict[str, Any]:

@@ -18,7 +18,6 @@ from safetensors.torch import save as safetensors_save
 from packstore.errors import IntegrityError, InvalidInput
 from packstore.format import codec
 from packstore.format.body import (
-    CODEC,
     LAYERS_PER_CHUNK,
     EncodedPack,
     chunk_tensor_names,
@@ -27,7 +26,7 @@ from packstore.format.body import (
     tensor_table,
     verify_chunk,
 )
-from packstore.format.header import ChunkInfo, PackHeader
+from packstore.format.header import CODEC, ChunkInfo, PackHeader
 
 # zstd releases the GIL, so chunks are coded in parallel threads.
 WORKERS = max(1, min(8, os.cpu_count() or 1))

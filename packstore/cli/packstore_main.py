@@ -51,7 +51,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from packstore.api import open_store
+    from packstore.store import open_store
     from packstore.kv.models import load_model
     from packstore.worker.server import serve_worker
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from packstore.errors import IntegrityError
-from packstore.format.header import CODEC, ChunkInfo, PackHeader
+from packstore.format.header import ChunkInfo, PackHeader
 
 LAYERS_PER_CHUNK = 1
 MAX_TABLE_BYTES = 100_000_000  # the cap safetensors itself puts on its JSON header
