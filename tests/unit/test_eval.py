@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import eval_packs  # noqa: E402
-from evallib import Row, exact_match, load_rows, mean_interval, normalize, split_rows, token_f1  # noqa: E402
+from evallib import Row, exact_match, frozen_split, load_rows, mean_interval, normalize, split_rows, token_f1  # noqa: E402
 from packstore.kv.inject import Sampling  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 
@@ -90,3 +90,11 @@ def test_eval_packs_on_the_tiny_model(tiny_lm, tmp_path: Path) -> None:
     assert eval_packs.main(["--report-only", "--out", str(tmp_path / "out"), "--figures", str(redrawn)]) == 0
     assert len(list(redrawn.glob("*.png"))) == 2
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["rows_per_model"] == 3
+
+
+def test_the_frozen_ckc_split_is_the_seeded_half_and_covers_every_row() -> None:
+    rows = load_rows()
+    tuning, held_out = frozen_split(rows)
+    assert (tuning, held_out) == split_rows(rows, 0.5, seed=13)
+    assert {r.id for r in tuning}.isdisjoint(r.id for r in held_out)
+    assert len(tuning) + len(held_out) == len(rows) == 600
