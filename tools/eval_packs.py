@@ -13,8 +13,10 @@ question is answered four ways, greedy, ``--max-new-tokens`` tokens:
 (b) and (c) come from one ``Answerer.ask(compare_rag=True)``, which compares their generated token
 ids: every difference is a divergence, and there must be none. Packs live in a scratch store in a
 temp directory, deleted as soon as their row is scored. Outputs: a markdown table on stdout (and in
-OUT/table.md), one JSON line per question (OUT/questions.jsonl), a summary (OUT/summary.json), and
-two PNGs in ``--figures``. Run from the repository root:
+OUT/table.md), one JSON line per question (OUT/questions.jsonl, appended as each row is scored), a
+summary (OUT/summary.json), and two PNGs in ``--figures``. A run resumes: rows already in
+OUT/questions.jsonl for a model are not asked again (``--fresh`` starts over), so the hours-long full
+run can be stopped and restarted. Run from the repository root:
 
     HF_HUB_OFFLINE=1 .venv/bin/python tools/eval_packs.py [--models smollm2-135m gemma3-270m] [--limit N]
 
@@ -33,7 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -86,8 +88,18 @@ def scored(answer: str, prompt_tokens: int, row: Row) -> dict:
     }
 
 
-def evaluate(lm: LoadedModel, rows: Sequence[Row], store: LmdbStore, sampling: Sampling) -> list[dict]:
-    """One record per row: the four conditions' answers, prompt tokens and scores, and whether (b) and (c) diverged."""
+def evaluate(
+    lm: LoadedModel,
+    rows: Sequence[Row],
+    store: LmdbStore,
+    sampling: Sampling,
+    *,
+    on_record: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """One record per row: the four conditions' answers, prompt tokens and scores, and whether (b) and (c) diverged.
+
+    ``on_record`` sees each record as soon as its row is scored (the CLI appends it to questions.jsonl).
+    """
     answerer = Answerer(lm, store, cache_bytes=0)
     records = []
     started = time.perf_counter()
@@ -100,23 +112,24 @@ def evaluate(lm: LoadedModel, rows: Sequence[Row], store: LmdbStore, sampling: S
         with_raw = answerer.ask(Question(row.question, refs=(raw.key,), sampling=sampling))
         store.delete(templated.key)
         store.delete(raw.key)
-        records.append(
-            {
-                "model": lm.name,
-                "id": row.id,
-                "question": row.question,
-                "answers": list(row.answers),
-                "pack_tokens": templated.header.tokens,
-                "raw_pack_tokens": raw.header.tokens,
-                "divergent": not with_pack.identical,
-                "conditions": {
-                    "none": scored(none.text, none.prompt_tokens, row),
-                    "text": scored(with_pack.rag_answer, with_pack.rag_prompt_tokens, row),
-                    "pack": scored(with_pack.answer, with_pack.kv_prompt_tokens, row),
-                    "raw": scored(with_raw.answer, with_raw.kv_prompt_tokens, row),
-                },
-            }
-        )
+        record = {
+            "model": lm.name,
+            "id": row.id,
+            "question": row.question,
+            "answers": list(row.answers),
+            "pack_tokens": templated.header.tokens,
+            "raw_pack_tokens": raw.header.tokens,
+            "divergent": not with_pack.identical,
+            "conditions": {
+                "none": scored(none.text, none.prompt_tokens, row),
+                "text": scored(with_pack.rag_answer, with_pack.rag_prompt_tokens, row),
+                "pack": scored(with_pack.answer, with_pack.kv_prompt_tokens, row),
+                "raw": scored(with_raw.answer, with_raw.kv_prompt_tokens, row),
+            },
+        }
+        records.append(record)
+        if on_record is not None:
+            on_record(record)
         if index % 10 == 0 or index == len(rows):
             rate = (time.perf_counter() - started) / index
             log(f"{lm.name}: {index}/{len(rows)} rows, {rate:.2f} s/row")
@@ -203,6 +216,24 @@ def write_report(records: Sequence[dict], out: Path, figures: Path, about: dict)
     return text
 
 
+def previous_records(out: Path, max_new_tokens: int, *, fresh: bool) -> list[dict]:
+    """The records a resumed run keeps: OUT/questions.jsonl as it stands, unless ``fresh`` (then it is emptied).
+
+    A run is only resumed under the same generation length; OUT/settings.json records it.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    questions, settings = out / "questions.jsonl", out / "settings.json"
+    wanted = {"max_new_tokens": max_new_tokens}
+    if fresh or not questions.exists():
+        questions.write_text("")
+        settings.write_text(json.dumps(wanted) + "\n")
+        return []
+    recorded = json.loads(settings.read_text()) if settings.exists() else None
+    if recorded != wanted:
+        raise SystemExit(f"{questions} was made with settings {recorded}, not {wanted}: pass --fresh to start over")
+    return [json.loads(line) for line in questions.read_text().splitlines() if line.strip()]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), help="model names or directories")
@@ -211,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--figures", type=Path, default=REPO / "docs" / "figures", help="where the PNGs go")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--report-only", action="store_true", help="redo table and plots from OUT/questions.jsonl")
+    parser.add_argument("--fresh", action="store_true", help="discard OUT/questions.jsonl instead of resuming it")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (see the module docstring)")
     args = parser.parse_args(argv)
     if args.report_only:
@@ -222,22 +254,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     rows = load_rows(limit=args.limit)
     sampling = Sampling(max_new_tokens=args.max_new_tokens)
+    records = previous_records(args.out, args.max_new_tokens, fresh=args.fresh)
     started = time.perf_counter()
-    records: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="eval-packs-") as scratch, LmdbStore(Path(scratch) / "store") as store:
+    with (
+        tempfile.TemporaryDirectory(prefix="eval-packs-") as scratch,
+        LmdbStore(Path(scratch) / "store") as store,
+        (args.out / "questions.jsonl").open("a") as sink,
+    ):
+        def keep(record: dict) -> None:
+            sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+            sink.flush()
+
+        models = []
         for name in args.models:
             lm = load_model(name, progress=False)
-            log(f"{name} loaded on {lm.device} ({lm.dtype_name}); {len(rows)} rows")
-            records += evaluate(lm, rows, store, sampling)
+            models.append(lm.name)
+            done = {r["id"] for r in records if r["model"] == lm.name}
+            todo = [row for row in rows if row.id not in done]
+            log(f"{name} loaded on {lm.device} ({lm.dtype_name}); {len(todo)} of {len(rows)} rows to ask")
+            records += evaluate(lm, todo, store, sampling, on_record=keep)
+    asked = {row.id for row in rows}
+    records = [r for r in records if r["model"] in models and r["id"] in asked]
     about = {
         "rows_per_model": len(rows),
         "max_new_tokens": args.max_new_tokens,
-        "wall_seconds": round(time.perf_counter() - started, 1),
+        "wall_seconds_last_run": round(time.perf_counter() - started, 1),
         "machine": machine_description({}),
         "source": source_description(),
     }
     print(write_report(records, args.out, args.figures, about))
-    print(f"\n{len(records)} questions in {about['wall_seconds']:.0f} s on {about['machine']}; {about['source']}")
+    print(f"\n{len(records)} questions; this run took {about['wall_seconds_last_run']:.0f} s on {about['machine']}; {about['source']}")
     return 0
 
 

@@ -98,3 +98,14 @@ def test_the_frozen_ckc_split_is_the_seeded_half_and_covers_every_row() -> None:
     assert (tuning, held_out) == split_rows(rows, 0.5, seed=13)
     assert {r.id for r in tuning}.isdisjoint(r.id for r in held_out)
     assert len(tuning) + len(held_out) == len(rows) == 600
+
+
+def test_eval_packs_resumes_only_under_the_same_settings(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert eval_packs.previous_records(out, 24, fresh=False) == []
+    (out / "questions.jsonl").write_text(json.dumps({"model": "m", "id": "ckc-1"}) + "\n")
+    assert eval_packs.previous_records(out, 24, fresh=False) == [{"model": "m", "id": "ckc-1"}]
+    with pytest.raises(SystemExit, match="pass --fresh"):
+        eval_packs.previous_records(out, 32, fresh=False)
+    assert eval_packs.previous_records(out, 32, fresh=True) == []
+    assert (out / "questions.jsonl").read_text() == ""
