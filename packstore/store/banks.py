@@ -8,7 +8,15 @@ import lmdb
 import numpy as np
 
 from packstore.errors import PackNotFound
-from packstore.format.bank import BankMeta, Cluster, decode_centroids, decode_cluster, encode_centroids, encode_cluster
+from packstore.format.bank import (
+    BankMeta,
+    Cluster,
+    decode_centroids,
+    decode_cluster,
+    decode_lexical,
+    encode_centroids,
+    encode_cluster,
+)
 from packstore.store.environment import LmdbEnvironment
 
 
@@ -18,6 +26,10 @@ def _meta_key(name: str) -> bytes:
 
 def _centroids_key(name: str) -> bytes:
     return b"centroids/" + name.encode()
+
+
+def _lexical_key(name: str) -> bytes:
+    return b"lexical/" + name.encode()
 
 
 def _cluster_prefix(name: str) -> bytes:
@@ -42,6 +54,7 @@ class BankTables:
     def _delete_bank_in(self, txn: lmdb.Transaction, name: str) -> bool:
         existed = txn.delete(_meta_key(name), db=self._banks)
         txn.delete(_centroids_key(name), db=self._banks)
+        txn.delete(_lexical_key(name), db=self._banks)
         prefix = _cluster_prefix(name)
         cursor = txn.cursor(db=self._banks)
         if cursor.set_range(prefix):
@@ -50,24 +63,26 @@ class BankTables:
                     break
         return existed
 
-    def put_bank(self, meta: BankMeta, centroids: np.ndarray, clusters: dict[int, Cluster]) -> None:
-        """Store (or replace) a whole bank atomically."""
+    def put_bank(self, meta: BankMeta, centroids: np.ndarray, clusters: dict[int, Cluster], lexical: bytes) -> None:
+        """Store (or replace) a whole bank atomically; ``lexical`` is its encoded full-text index record."""
 
         def body(txn: lmdb.Transaction) -> None:
             self._delete_bank_in(txn, meta.name)
             txn.put(_centroids_key(meta.name), encode_centroids(centroids), db=self._banks)
             for cluster_id, cluster in clusters.items():
                 txn.put(_cluster_key(meta.name, cluster_id), encode_cluster(cluster), db=self._banks)
+            txn.put(_lexical_key(meta.name), lexical, db=self._banks)
             txn.put(_meta_key(meta.name), meta.to_json(), db=self._banks)
 
         self._write(body)
 
-    def update_bank(self, meta: BankMeta, clusters: dict[int, Cluster]) -> None:
-        """Replace some clusters and the metadata atomically (adding facts)."""
+    def update_bank(self, meta: BankMeta, clusters: dict[int, Cluster], lexical: bytes) -> None:
+        """Replace some clusters, the full-text index and the metadata atomically (adding facts)."""
 
         def body(txn: lmdb.Transaction) -> None:
             for cluster_id, cluster in clusters.items():
                 txn.put(_cluster_key(meta.name, cluster_id), encode_cluster(cluster), db=self._banks)
+            txn.put(_lexical_key(meta.name), lexical, db=self._banks)
             txn.put(_meta_key(meta.name), meta.to_json(), db=self._banks)
 
         self._write(body)
@@ -90,12 +105,27 @@ class BankTables:
 
     def bank_centroids_seal(self, name: str) -> bytes:
         """The sha256 that ends the centroid record: names one build's centroids without reading them."""
+        seal = self._seal_of(_centroids_key(name), name)
+        if seal is None:
+            raise PackNotFound(f"no bank named {name!r}")
+        return seal
+
+    def bank_lexical_seal(self, name: str) -> bytes | None:
+        """The sha256 that ends the lexical index record (None for a bank built without one)."""
+        return self._seal_of(_lexical_key(name), name)
+
+    def _seal_of(self, key: bytes, name: str) -> bytes | None:
         self._bank_db(name)
         with self._env.read(buffers=True) as txn:
-            data = txn.get(_centroids_key(name), db=self._banks)
-            if data is None:
-                raise PackNotFound(f"no bank named {name!r}")
-            return bytes(data[-32:])
+            data = txn.get(key, db=self._banks)
+            return None if data is None else bytes(data[-32:])
+
+    def bank_lexical(self, name: str) -> tuple[np.ndarray, dict[str, bytes]] | None:
+        """The bank's full-text index record, decoded: (cluster starts, library files); None if it has none."""
+        self._bank_db(name)
+        with self._env.read() as txn:
+            data = txn.get(_lexical_key(name), db=self._banks)
+        return None if data is None else decode_lexical(data)
 
     def bank_clusters(self, name: str, cluster_ids: list[int]) -> dict[int, Cluster]:
         """The given clusters (a cluster with no facts yet is empty)."""
@@ -108,9 +138,10 @@ class BankTables:
         return found
 
     def bank_stored_bytes(self, name: str) -> int:
-        """Bytes of every value the bank stores (metadata, centroids, clusters)."""
+        """Bytes of every value the bank stores (metadata, centroids, full-text index, clusters)."""
         with self._env.read() as txn:
-            total = sum(len(txn.get(k, db=self._banks) or b"") for k in (_meta_key(name), _centroids_key(name)))
+            keys = (_meta_key(name), _centroids_key(name), _lexical_key(name))
+            total = sum(len(txn.get(k, db=self._banks) or b"") for k in keys)
             cursor = txn.cursor(db=self._banks)
             prefix = _cluster_prefix(name)
             if cursor.set_range(prefix):

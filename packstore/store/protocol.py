@@ -45,13 +45,20 @@ class BankStore(Protocol):
     def build(self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, progress: bool = False) -> "BankMeta":
         """Embed and cluster ``facts`` into bank ``name``, replacing a bank of that name."""
 
-    def add(self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, progress: bool = False) -> "BankMeta":
-        """Add facts to an existing bank without re-clustering."""
+    def add(self, name: str, facts: Sequence[str], embedder: str | None = None, *, progress: bool = False) -> "BankMeta":
+        """Add facts to an existing bank without re-clustering; ``embedder`` None means the bank's own."""
 
     def route(
-        self, name: str, queries: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, top_k: int = DEFAULT_TOP_K, probe: int | None = None
+        self,
+        name: str,
+        queries: Sequence[str],
+        embedder: str | None = None,
+        *,
+        top_k: int = DEFAULT_TOP_K,
+        probe: int | None = None,
+        mode: str = "hybrid",
     ) -> list[Route]:
-        """Per query, the probed clusters and the ``top_k`` best facts, best first."""
+        """Per query, the clusters searched and the ``top_k`` best facts, best first (modes: bank.ROUTE_MODES)."""
 
     def list(self) -> list[tuple["BankMeta", int]]:
         """Every bank with its stored bytes."""

@@ -211,11 +211,22 @@ class RemoteBanks:
     def build(self, name: str, facts: list[str], embedder: str = DEFAULT_EMBEDDER, *, progress: bool = False):
         return self._upload(self.store._stub.BuildBank, name, list(facts), embedder)
 
-    def add(self, name: str, facts: list[str], embedder: str = DEFAULT_EMBEDDER, *, progress: bool = False):
-        return self._upload(self.store._stub.AddFacts, name, list(facts), embedder)
+    def add(self, name: str, facts: list[str], embedder: str | None = None, *, progress: bool = False):
+        return self._upload(self.store._stub.AddFacts, name, list(facts), embedder or "")
 
-    def route(self, name: str, queries: list[str], embedder: str = DEFAULT_EMBEDDER, *, top_k: int = DEFAULT_TOP_K, probe: int | None = None) -> list[Route]:
-        request = store_pb2.RouteQueryRequest(name=name, queries=list(queries), top_k=top_k, probe=probe or 0, embedder=embedder)
+    def route(
+        self,
+        name: str,
+        queries: list[str],
+        embedder: str | None = None,
+        *,
+        top_k: int = DEFAULT_TOP_K,
+        probe: int | None = None,
+        mode: str = "hybrid",
+    ) -> list[Route]:
+        request = store_pb2.RouteQueryRequest(
+            name=name, queries=list(queries), top_k=top_k, probe=probe or 0, embedder=embedder or "", mode=mode
+        )
         reply = self.store._call(lambda: self.store._stub.RouteQuery(request, timeout=self.store.timeout))
         return [Route(query=r.query, clusters=list(r.clusters), facts=[(f.text, f.score) for f in r.facts]) for r in reply.routes]
 

@@ -52,7 +52,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 bank=request.bank or None,
                 top_k=request.top_k or DEFAULT_TOP_K,
                 probe=request.probe or None,
-                embedder=request.embedder or DEFAULT_EMBEDDER,
+                embedder=request.embedder or None,
                 compare_rag=request.compare_rag,
                 sampling=sampling_from(request.sampling),
             )

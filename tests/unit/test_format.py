@@ -216,3 +216,29 @@ def test_from_json_checks_json_types_exactly() -> None:
         with pytest.raises(InvalidInput, match=rf"^pack header field '{re.escape(field)}' (must|is)"):
             PackHeader.from_json(resealed(header, **changes))
     assert PackHeader.from_json(resealed(header)) == header
+
+
+def test_bank_lexical_record_round_trips_and_refuses_damage() -> None:
+    import numpy as np
+    import zstandard
+
+    from packstore.format.bank import LEXICAL_MAGIC, decode_lexical, encode_lexical
+
+    starts = np.array([0, 2, 2, 5], dtype=np.uint32)
+    members = {"vocab.index.json": b'{"a": 0}', "data.csc.index.npy": bytes(range(200))}
+    decoded_starts, decoded = decode_lexical(encode_lexical(starts, members))
+    assert decoded_starts.tolist() == [0, 2, 2, 5] and decoded == members
+    record = bytearray(encode_lexical(starts, members))
+    record[30] ^= 1
+    with pytest.raises(IntegrityError, match="bank lexical index is damaged: checksum"):
+        decode_lexical(bytes(record))
+
+    def sealed(body: bytes) -> bytes:
+        return body + hashlib.sha256(body).digest()
+
+    preamble = struct.pack("<4sBII", LEXICAL_MAGIC, 1, 1, 1) + struct.pack("<I", 0)
+    lying = zstandard.ZstdCompressor().compress(struct.pack("<HQ", 1, 10**6) + b"x")  # a member longer than the record
+    with pytest.raises(IntegrityError, match="runs past the record"):
+        decode_lexical(sealed(preamble + struct.pack("<Q", 11) + lying))
+    with pytest.raises(IntegrityError, match="damaged"):
+        decode_lexical(sealed(preamble + struct.pack("<Q", 5) + lying))  # the plain size is wrong

@@ -261,8 +261,10 @@ def test_banks_over_the_service(server, remote) -> None:
     assert (meta.facts, meta.clusters) == (120, 6)
     routes = banks.route("remote-bank", [c.query for c in cases[:10]], top_k=2)
     assert sum(r.facts[0][0] == c.fact for r, c in zip(routes, cases)) >= 9
-    assert all(len(r.clusters) == 5 for r in routes)  # the default probe
+    assert all(len(r.clusters) == 5 for r in banks.route("remote-bank", [cases[0].query], mode="dense"))  # the default probe
     assert banks.add("remote-bank", ["The mill Xyloquent was built by Ferro."]).facts == 121
+    assert banks.route("remote-bank", ["Xyloquent"], top_k=1, mode="lexical")[0].facts[0][0] == "The mill Xyloquent was built by Ferro."
+    assert banks.list()[0][0].lexical == "bm25s/en/snowball"
     assert [m.name for m, _ in banks.list()] == ["remote-bank"] and banks.stored_bytes("remote-bank") / 121 < 1024
     stub = stub_for(server)
     with pytest.raises(grpc.RpcError) as info:
@@ -271,6 +273,9 @@ def test_banks_over_the_service(server, remote) -> None:
     with pytest.raises(grpc.RpcError) as info:
         stub.RouteQuery(store_pb2.RouteQueryRequest(name="remote-bank", queries=[" "]))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as info:
+        stub.RouteQuery(store_pb2.RouteQueryRequest(name="remote-bank", queries=["Who?"], mode="fuzzy"))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown route mode" in info.value.details()
     banks.delete("remote-bank")
     with pytest.raises(PackNotFound):
         banks.route("remote-bank", ["Who?"])
