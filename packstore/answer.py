@@ -21,7 +21,7 @@ from packstore.kv.inject import Sampling, answer_with_text, cache_from_pack, che
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import pack_prefix_ids
 from packstore.records import AnswerResult
-from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_TOP_K, PackStore
+from packstore.store.protocol import DEFAULT_TOP_K, PackStore
 
 DEFAULT_CACHE_BYTES = 2 << 30
 

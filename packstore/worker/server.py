@@ -20,7 +20,7 @@ from packstore.kv.inject import Sampling, TextDeltas
 from packstore.kv.models import LoadedModel
 from packstore.rpc.status import abort_with_error
 from packstore.service.server import JsonLogFormatter
-from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_TOP_K, PackStore
+from packstore.store.protocol import DEFAULT_TOP_K, PackStore
 from packstore.v1 import worker_pb2, worker_pb2_grpc
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name

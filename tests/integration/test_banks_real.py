@@ -1,7 +1,8 @@
-"""Banks with lazy recompute on smollm2-135m: answers identical to the same facts as prompt text."""
+"""Banks on real models: lazy recompute on smollm2-135m (answers identical to the facts as prompt text), mpnet banks."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from packstore.kv.inject import Sampling
 from packstore.kv.models import load_model
 from packstore.store import LmdbStore
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 pytestmark = pytest.mark.integration
 
 
@@ -27,3 +29,18 @@ def test_lazy_recompute_on_a_real_model(tmp_path: Path) -> None:
             assert result.facts[0] == case.fact and result.pack_reused is False
         again = Answerer(lm, store).ask(Question(cases[0].query, bank="synthetic", sampling=Sampling(max_new_tokens=24)))
         assert again.pack_reused is True
+
+
+def test_a_bank_on_the_mpnet_embedder_records_it_and_routes_with_it(tmp_path: Path) -> None:
+    from packstore.errors import PackMismatch
+    from second_facts import second_facts
+
+    cases = second_facts(200, seed=3)
+    with LmdbStore(tmp_path / "store") as store:
+        banks = store.banks()
+        meta = banks.build("mpnet", [c.fact for c in cases], "all-mpnet-base-v2")
+        assert (meta.embedder, meta.dim, meta.lexical) == ("all-mpnet-base-v2", 768, "bm25s/en/snowball")
+        routes = banks.route("mpnet", [c.question for c in cases[:40]], top_k=5)  # the bank's own embedder
+        assert sum(r.facts[0][0] == c.fact for r, c in zip(routes, cases)) >= 38
+        with pytest.raises(PackMismatch, match="embedder mismatch"):
+            banks.route("mpnet", ["Who?"], "all-minilm-l6-v2")

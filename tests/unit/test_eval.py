@@ -109,3 +109,20 @@ def test_eval_packs_resumes_only_under_the_same_settings(tmp_path: Path) -> None
         eval_packs.previous_records(out, 32, fresh=False)
     assert eval_packs.previous_records(out, 32, fresh=True) == []
     assert (out / "questions.jsonl").read_text() == ""
+
+
+def test_eval_bank_answers_on_the_tiny_model(tiny_lm, tmp_path: Path) -> None:
+    import eval_bank_answers
+
+    rows = load_rows(limit=20)
+    with LmdbStore(tmp_path / "store") as store:
+        store.banks().build("ckc", [r.context for r in rows])
+        records = eval_bank_answers.evaluate(tiny_lm, rows[:3], store, Sampling(max_new_tokens=4), top_k=2)
+    assert [r["id"] for r in records] == [r.id for r in rows[:3]] and not any(r["divergent"] for r in records)
+    for record in records:
+        conditions = record["conditions"]
+        assert set(conditions) == set(eval_bank_answers.CONDITIONS)
+        assert conditions["bank"]["answer"] == conditions["bank_text"]["answer"]
+        assert conditions["bank"]["prompt_tokens"] < conditions["none"]["prompt_tokens"] < conditions["gold_text"]["prompt_tokens"]
+    summary = eval_bank_answers.summarize(records)
+    assert "divergences (e) vs (f): 0 of 3" in eval_bank_answers.table(summary, 2)

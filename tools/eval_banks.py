@@ -1,0 +1,232 @@
+"""Bank retrieval on data the routing was not tuned on: top-1 / top-5, route latency, build time, size.
+
+Three kinds of data, each a bank of facts and questions whose one answering fact is known:
+
+- ``own``: the project's generator (packstore.bank.synthetic), the data the first routing was tuned on;
+- ``second``: tools/second_facts.py, written independently (other templates and name styles,
+  questions that share few words with their facts); no setting was tuned on it;
+- ``ckc-tuning`` / ``ckc-held-out``: one bank of all 600 ckc_dev paragraphs, asked the questions of
+  the tuning half or of the held-out half (tools/ckc_split.json, frozen before tuning).
+
+Per bank and configuration (embedder x route mode), every question is routed alone, as a client
+would, and timed wall-clock around ``route`` (embedding included). Modes: ``hybrid`` (clusters +
+BM25, the default), ``dense`` (probed clusters, cosine only), ``flat`` (dense over every cluster:
+exact nearest neighbours), ``lexical`` (BM25 alone). Run from the repository root:
+
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/eval_banks.py [--sizes 5000 100000] [--embedders ...]
+
+``--sweep`` instead routes the tuning data (own generator, ckc tuning half) with several lexical
+weights: how LEXICAL_WEIGHT was chosen. Outputs: OUT/summary.json, OUT/table.md, and PNGs in
+``--figures``. Torch runs one thread (``--threads``), as in tools/eval_packs.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import packstore.bank.bank as bank_module  # noqa: E402
+from packstore.bank.bank import build_bank, cached_embedder, route  # noqa: E402
+from packstore.bank.synthetic import synthetic_facts  # noqa: E402
+from packstore.store import LmdbStore  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import logger, machine_description, source_description  # noqa: E402
+from evallib import REPO, frozen_split, grouped_bars, load_rows, markdown_table  # noqa: E402
+from second_facts import second_facts  # noqa: E402
+
+MODES = ("hybrid", "dense", "flat", "lexical")
+EMBEDDERS = ("all-minilm-l6-v2", "all-mpnet-base-v2")
+SECOND_SEED = 7  # the second generator's seed for evaluation; nothing was tuned on any seed of it
+log = logger("eval_banks")
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A bank's facts and the questions asked of it, each with the one fact that answers it."""
+
+    name: str
+    facts: list[str]
+    questions: list[tuple[str, str]]  # (question, answering fact)
+
+
+def own_dataset(size: int, questions: int) -> Dataset:
+    cases = synthetic_facts(size)
+    asked = random.Random(size).sample(cases, min(questions, size))
+    return Dataset(f"own {size:,}", [c.fact for c in cases], [(c.query, c.fact) for c in asked])
+
+
+def second_dataset(size: int, questions: int) -> Dataset:
+    cases = second_facts(size, seed=SECOND_SEED)
+    asked = random.Random(size).sample(cases, min(questions, size))
+    return Dataset(f"second {size:,}", [c.fact for c in cases], [(c.question, c.fact) for c in asked])
+
+
+def ckc_datasets() -> list[Dataset]:
+    """One bank of all ckc paragraphs, asked the tuning half's questions, then the held-out half's."""
+    rows = load_rows()
+    tuning, held_out = frozen_split(rows)
+    facts = [r.context for r in rows]
+    return [
+        Dataset("ckc tuning", facts, [(r.question, r.context) for r in tuning]),
+        Dataset("ckc held-out", facts, [(r.question, r.context) for r in held_out]),
+    ]
+
+
+def percentile_ms(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values) * 1000, q))
+
+
+def measure(store: LmdbStore, bank: str, dataset: Dataset, embedder, mode: str, clusters: int) -> dict:
+    """Route every question alone; top-1 and top-5 shares and wall-clock latency per route call."""
+    probe = clusters if mode == "flat" else None
+    route_mode = "dense" if mode == "flat" else mode
+    route(store, bank, [dataset.questions[0][0]], embedder, mode=route_mode, probe=probe)  # warm: caches, first-call costs
+    first = five = 0
+    latencies = []
+    for question, fact in dataset.questions:
+        started = time.perf_counter()
+        found = route(store, bank, [question], embedder, top_k=5, mode=route_mode, probe=probe)[0]
+        latencies.append(time.perf_counter() - started)
+        texts = [text for text, _ in found.facts]
+        first += bool(texts) and texts[0] == fact.strip()
+        five += fact.strip() in texts
+    n = len(dataset.questions)
+    return {
+        "questions": n,
+        "top1": first / n,
+        "top5": five / n,
+        "p50_ms": percentile_ms(latencies, 50),
+        "p95_ms": percentile_ms(latencies, 95),
+    }
+
+
+def evaluate(datasets: Sequence[Dataset], embedders: Sequence[str], modes: Sequence[str], scratch: Path) -> list[dict]:
+    """One row per dataset x embedder x mode; a bank is built once per fact set and embedder."""
+    groups: dict[tuple[str, ...], list[Dataset]] = {}
+    for dataset in datasets:
+        groups.setdefault(tuple(dataset.facts), []).append(dataset)
+    rows = []
+    for spec in embedders:
+        embedder = cached_embedder(spec)
+        with LmdbStore(scratch / spec) as store:
+            for facts, members in groups.items():
+                started = time.perf_counter()
+                meta = build_bank(store, "eval", list(facts), embedder)
+                about = {
+                    "facts": meta.facts,
+                    "clusters": meta.clusters,
+                    "build_s": time.perf_counter() - started,
+                    "bytes_per_fact": store.bank_stored_bytes("eval") / meta.facts,
+                }
+                log(f"{spec}: built {members[0].name} ({meta.facts} facts) in {about['build_s']:.1f} s")
+                for dataset in members:
+                    for mode in modes:
+                        result = measure(store, "eval", dataset, embedder, mode, meta.clusters)
+                        rows.append({"dataset": dataset.name, "embedder": spec, "mode": mode} | about | result)
+                        log(f"{spec} {dataset.name} {mode}: top1 {result['top1']:.3f} top5 {result['top5']:.3f} p95 {result['p95_ms']:.1f} ms")
+                store.delete_bank("eval")
+    return rows
+
+
+def sweep(weights: Sequence[float], scratch: Path, questions: int) -> list[dict]:
+    """Hybrid routing of the tuning data under each lexical weight (the embedder is the default)."""
+    datasets = [own_dataset(5000, questions), ckc_datasets()[0]]
+    rows = []
+    embedder = cached_embedder(EMBEDDERS[0])
+    with LmdbStore(scratch / "sweep") as store:
+        for index, dataset in enumerate(datasets):
+            meta = build_bank(store, f"s{index}", dataset.facts, embedder)
+            for weight in weights:
+                bank_module.LEXICAL_WEIGHT = weight
+                result = measure(store, f"s{index}", dataset, embedder, "hybrid", meta.clusters)
+                rows.append({"dataset": dataset.name, "lexical_weight": weight} | result)
+                log(f"weight {weight}: {dataset.name} top1 {result['top1']:.3f} top5 {result['top5']:.3f}")
+    return rows
+
+
+def table(rows: Sequence[dict]) -> str:
+    headers = ["data", "embedder", "mode", "facts", "top-1 %", "top-5 %", "p50 ms", "p95 ms", "build s", "bytes / fact"]
+    lines = [
+        [
+            r["dataset"], r["embedder"], r["mode"], f"{r['facts']:,}", f"{100 * r['top1']:.1f}", f"{100 * r['top5']:.1f}",
+            f"{r['p50_ms']:.1f}", f"{r['p95_ms']:.1f}", f"{r['build_s']:.1f}", f"{r['bytes_per_fact']:.0f}",
+        ]
+        for r in rows
+    ]
+    return markdown_table(headers, lines, left=3)
+
+
+def sweep_table(rows: Sequence[dict]) -> str:
+    lines = [[r["dataset"], f"{r['lexical_weight']:g}", f"{100 * r['top1']:.1f}", f"{100 * r['top5']:.1f}"] for r in rows]
+    return markdown_table(["tuning data", "lexical weight", "top-1 %", "top-5 %"], lines, left=1)
+
+
+def plot(rows: Sequence[dict], figures: Path) -> list[Path]:
+    """Top-1 and top-5 per dataset, one bar per embedder x mode; and p95 latency per dataset."""
+    series = lambda r: f"{r['embedder'].split('-')[1]} {r['mode']}"  # noqa: E731
+    accuracy, latency = figures / "eval_banks_accuracy.png", figures / "eval_banks_latency.png"
+    panels = {
+        title: {series(r): {} for r in rows} for title in ("top-1 (the answering fact ranked first)", "top-5")
+    }
+    for r in rows:
+        panels["top-1 (the answering fact ranked first)"][series(r)][r["dataset"]] = r["top1"]
+        panels["top-5"][series(r)][r["dataset"]] = r["top5"]
+    grouped_bars(accuracy, panels, title="Bank retrieval per data set, embedder and route mode", ylabel="share of questions")
+    times = {"p95 route latency, one question per call, embedding included": {series(r): {} for r in rows}}
+    for r in rows:
+        times["p95 route latency, one question per call, embedding included"][series(r)][r["dataset"]] = r["p95_ms"]
+    grouped_bars(latency, times, title="Route latency p95 (ms) on this machine", ylabel="milliseconds")
+    return [accuracy, latency]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", type=int, default=[5000], help="facts per generated bank")
+    parser.add_argument("--questions", type=int, default=1000, help="questions per generated bank")
+    parser.add_argument("--embedders", nargs="+", default=list(EMBEDDERS))
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--no-ckc", action="store_true", help="only the generated banks")
+    parser.add_argument("--sweep", nargs="*", type=float, metavar="W", help="tune: hybrid top-1/top-5 per lexical weight")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "eval_banks")
+    parser.add_argument("--figures", type=Path, default=REPO / "docs" / "figures")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    about = {"machine": machine_description({}), "source": source_description()}
+    with tempfile.TemporaryDirectory(prefix="eval-banks-") as scratch:
+        if args.sweep is not None:
+            rows = sweep(args.sweep or [0.0, 0.1, 0.2, 0.3, 0.5, 0.8], Path(scratch), args.questions)
+            text = sweep_table(rows)
+            (args.out / "sweep.json").write_text(json.dumps(about | {"rows": rows}, indent=2) + "\n")
+            (args.out / "sweep.md").write_text(text + "\n")
+            print(text)
+            return 0
+        datasets = [d for size in args.sizes for d in (own_dataset(size, args.questions), second_dataset(size, args.questions))]
+        if not args.no_ckc:
+            datasets += ckc_datasets()
+        rows = evaluate(datasets, args.embedders, args.modes, Path(scratch))
+    text = table(rows)
+    (args.out / "summary.json").write_text(json.dumps(about | {"rows": rows}, indent=2) + "\n")
+    (args.out / "table.md").write_text(text + "\n")
+    plot(rows, args.figures)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
