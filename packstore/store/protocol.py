@@ -42,8 +42,10 @@ def check_name(name: str) -> str:
 class BankStore(Protocol):
     """Fact banks: build, extend, route, list, delete. Embedders are named by specifier."""
 
-    def build(self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, progress: bool = False) -> "BankMeta":
-        """Embed and cluster ``facts`` into bank ``name``, replacing a bank of that name."""
+    def build(
+        self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, vectors: str = "fp16", progress: bool = False
+    ) -> "BankMeta":
+        """Embed, cluster and index ``facts`` into bank ``name`` (replacing one); embeddings stored as ``vectors``."""
 
     def add(self, name: str, facts: Sequence[str], embedder: str | None = None, *, progress: bool = False) -> "BankMeta":
         """Add facts to an existing bank without re-clustering; ``embedder`` None means the bank's own."""

@@ -201,18 +201,18 @@ class RemoteBanks:
     def __init__(self, store: RemoteStore) -> None:
         self.store = store
 
-    def _upload(self, rpc: Callable, name: str, facts: list[str], embedder: str) -> "BankMeta":
+    def _upload(self, rpc: Callable, name: str, facts: list[str], embedder: str, vectors: str) -> "BankMeta":
         def batches() -> Iterator[store_pb2.BankFacts]:
             for start in range(0, max(len(facts), 1), FACT_BATCH):
-                yield store_pb2.BankFacts(name=name, embedder=embedder, facts=facts[start : start + FACT_BATCH])
+                yield store_pb2.BankFacts(name=name, embedder=embedder, vectors=vectors, facts=facts[start : start + FACT_BATCH])
 
         return bank_meta(self.store._call(lambda: rpc(batches(), timeout=self.store.timeout)))[0]
 
-    def build(self, name: str, facts: list[str], embedder: str = DEFAULT_EMBEDDER, *, progress: bool = False):
-        return self._upload(self.store._stub.BuildBank, name, list(facts), embedder)
+    def build(self, name: str, facts: list[str], embedder: str = DEFAULT_EMBEDDER, *, vectors: str = "fp16", progress: bool = False):
+        return self._upload(self.store._stub.BuildBank, name, list(facts), embedder, vectors)
 
     def add(self, name: str, facts: list[str], embedder: str | None = None, *, progress: bool = False):
-        return self._upload(self.store._stub.AddFacts, name, list(facts), embedder or "")
+        return self._upload(self.store._stub.AddFacts, name, list(facts), embedder or "", "")
 
     def route(
         self,

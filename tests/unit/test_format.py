@@ -242,3 +242,23 @@ def test_bank_lexical_record_round_trips_and_refuses_damage() -> None:
         decode_lexical(sealed(preamble + struct.pack("<Q", 11) + lying))
     with pytest.raises(IntegrityError, match="damaged"):
         decode_lexical(sealed(preamble + struct.pack("<Q", 5) + lying))  # the plain size is wrong
+
+
+def test_bank_cluster_records_round_trip_with_fp16_and_int8_vectors() -> None:
+    import numpy as np
+
+    from packstore.format.bank import Cluster, decode_cluster, encode_cluster, quantize
+
+    vectors = np.random.default_rng(0).normal(size=(3, 8)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    ids, texts = np.array([4, 9, 11], dtype=np.uint32), ["a", "é", ""]
+    codes, scales = quantize(vectors)
+    halves, quantized = Cluster(ids, vectors.astype(np.float16), texts), Cluster(ids, codes, texts, scales)
+    half, quarter = decode_cluster(encode_cluster(halves)), decode_cluster(encode_cluster(quantized))
+    assert half.scales is None and quarter.embeddings.dtype == np.int8 and quarter.texts == texts
+    assert np.abs(half.vectors() - vectors).max() < 1e-3 and np.abs(quarter.vectors() - vectors).max() < 1e-2
+    assert len(encode_cluster(quantized)) == len(encode_cluster(halves)) - 3 * (8 - 2)
+    record = bytearray(encode_cluster(quantized))
+    record[20] ^= 1
+    with pytest.raises(IntegrityError, match="bank cluster is damaged"):
+        decode_cluster(bytes(record))
