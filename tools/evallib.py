@@ -164,8 +164,11 @@ def grouped_bars(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(panels), figsize=(max(6.5 * len(panels), 9.0), 4.8), squeeze=False)
-    for axis, (panel, series) in zip(axes[0], panels.items()):
+    crowded = max(len(series) for series in panels.values()) > 4  # then labels turn upright, the legend goes below
+    rows, columns = (len(panels), 1) if crowded else (1, len(panels))
+    size = (13.0, 4.6 * len(panels) + 0.6) if crowded else (max(6.5 * len(panels), 9.0), 4.8)
+    figure, axes = plt.subplots(rows, columns, figsize=size, squeeze=False)
+    for axis, (panel, series) in zip(axes.flat, panels.items()):
         categories = list(dict.fromkeys(c for values in series.values() for c in values))
         width = 0.8 / max(len(series), 1)
         for index, (name, values) in enumerate(series.items()):
@@ -175,13 +178,18 @@ def grouped_bars(
             errors = None
             if all(isinstance(p, Interval) for p in points):
                 errors = [[p.mean - p.low for p in points], [p.high - p.mean for p in points]]
-            bars = axis.bar(xs, means, width, yerr=errors, capsize=3, label=name)
-            axis.bar_label(bars, fmt="%.2f" if max(means, default=0) <= 1 else "%.0f", fontsize=7, padding=2)
+            colour = plt.cm.tab20(index % 20) if len(series) > 10 else None  # the default cycle repeats after 10
+            bars = axis.bar(xs, means, width, yerr=errors, capsize=3, label=name, color=colour)
+            fmt = "%.2f" if max(means, default=0) <= 1 else "%.0f"
+            axis.bar_label(bars, fmt=fmt, fontsize=6 if crowded else 7, padding=2, rotation=90 if crowded else 0)
         axis.set_title(panel)
         axis.set_ylabel(ylabel)
-        axis.set_xticks(range(len(categories)), categories, rotation=15, ha="right", fontsize=8)
-        axis.legend(fontsize=8)
-        axis.margins(y=0.15)
+        axis.set_xticks(range(len(categories)), categories, rotation=0 if crowded else 15, ha="center" if crowded else "right", fontsize=8)
+        if crowded:
+            axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        else:
+            axis.legend(fontsize=8)
+        axis.margins(y=0.2 if crowded else 0.15)
     figure.suptitle(title, fontsize=11)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
