@@ -35,7 +35,7 @@ class WorkerClient(GrpcClient):
             bank=question.bank or "",
             top_k=question.top_k,
             probe=question.probe or 0,
-            embedder=question.embedder,
+            embedder=question.embedder or "",
             question=question.text,
             compare_rag=question.compare_rag,
             sampling=worker_pb2.Sampling(
