@@ -301,7 +301,10 @@ def _rank(
         documents = np.concatenate([_fact_documents(lexical, cluster_id, len(c.texts)) for cluster_id, c in found])
         share = np.where(documents >= 0, bm25[np.maximum(documents, 0)], 0) / float(bm25[hits].max())
         scores += share if mode == "lexical" else LEXICAL_WEIGHT * share
-    best = np.argsort(-scores, kind="stable")[:top_k]
+    best = np.argsort(-scores, kind="stable")
+    if mode == "lexical":
+        best = best[scores[best] > 0]  # facts that only share a cluster with a hit do not count
+    best = best[:top_k]
     finished = time.perf_counter()
     return Route(
         query=query,

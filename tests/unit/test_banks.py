@@ -203,6 +203,9 @@ def test_route_modes_are_checked(bank_store, embedder) -> None:
     with pytest.raises(InvalidInput, match="unknown route mode 'fuzzy'"):
         route(bank_store, "synthetic", ["Who?"], embedder, mode="fuzzy")
     assert route(bank_store, "synthetic", ["zzqx vvbn"], embedder, mode="lexical")[0].facts == []  # no indexed word
+    name = _entity(synthetic_facts(N)[3].fact)
+    only = route(bank_store, "synthetic", [name], embedder, mode="lexical", top_k=5)[0]
+    assert [text for text, _ in only.facts] == [synthetic_facts(N)[3].fact]  # its cluster-mates share no word with it
 
 
 def test_added_facts_are_in_the_full_text_index(tmp_path: Path, embedder) -> None:
