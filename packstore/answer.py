@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Callable, Generator, Sequence
 
 from packstore.errors import InvalidInput, PackNotFound
-from packstore.format import pack_key
+from packstore.format import PackHeader, pack_key
 from packstore.tensors import Pack, encode_pack
 from packstore.kv.build import build_pack, clean_facts
+from packstore.kv.compose import check_parts, extend
 from packstore.kv.inject import Sampling, answer_with_text, cache_from_pack, check_identity, generate_stream, prepare
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import pack_prefix_ids
@@ -24,6 +25,7 @@ from packstore.records import AnswerResult
 from packstore.store.protocol import DEFAULT_TOP_K, PackStore
 
 DEFAULT_CACHE_BYTES = 2 << 30
+HEADER_CACHE_ENTRIES = 4096  # headers of composition parts kept in memory (each a few KB)
 
 
 class ReadyCache:
@@ -56,6 +58,14 @@ class ReadyCache:
                     self._bytes -= evicted.header.raw_bytes
         return pack, False
 
+    def peek(self, key: str) -> Pack | None:
+        """The cached pack for ``key`` (marked recently used), or None; never loads."""
+        with self._lock:
+            if key in self._packs:
+                self._packs.move_to_end(key)
+                return self._packs[key]
+        return None
+
     @property
     def stats(self) -> tuple[int, int]:
         """(packs cached, bytes cached)."""
@@ -65,10 +75,12 @@ class ReadyCache:
 
 @dataclass(frozen=True)
 class Question:
-    """A question and what to answer it with: pack refs (key, name or content-hash prefix), or a bank.
+    """A question and what to answer it with: pack refs (key, name or content-hash prefix), a bank, or both.
 
-    With a bank the question is routed there (``top_k``, ``probe``, ``embedder``: None means the
-    bank's own) and answered with the pack of its top facts. ``compare_rag`` also answers with the same facts as prompt text.
+    Several refs are answered with their exact sequential composition, in order. With a bank the
+    question is routed there (``top_k``, ``probe``, ``embedder``: None means the bank's own) and
+    answered with the pack of its top facts, or, with refs too, with those facts composed after the
+    packs. ``compare_rag`` also answers with all the same facts, in order, as prompt text.
     """
 
     text: str
@@ -83,8 +95,9 @@ class Question:
     def __post_init__(self) -> None:
         object.__setattr__(self, "refs", tuple(self.refs))
         object.__setattr__(self, "bank", self.bank or None)
-        if self.bank and self.refs:
-            raise InvalidInput("give either packs or a bank, not both")
+        for ref in self.refs:
+            if not isinstance(ref, str) or not ref.strip():
+                raise InvalidInput(f"empty pack ref in {list(self.refs)!r}")
         if not self.bank and not self.refs:
             raise InvalidInput("nothing to answer with: give a pack or a bank")
 
@@ -101,6 +114,8 @@ class Answerer:
         self.store = store
         self.ready = ReadyCache(cache_bytes)
         self._device_lock = threading.Lock()
+        self._headers: OrderedDict[str, PackHeader] = OrderedDict()  # a key's header never changes
+        self._headers_lock = threading.Lock()
 
     def resolve(self, ref: str) -> str:
         """The key ``ref`` names: this model's packs first, then any model's (so a refusal can name the model)."""
@@ -119,6 +134,66 @@ class Answerer:
     def _fetch(self, key: str) -> Pack:
         check_identity(self.lm, self.store.stat(key).header)
         return self.store.fetch(key, device=self.lm.device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
+
+    def header(self, key: str) -> PackHeader:
+        """The header stored under ``key`` (kept in a small LRU: a key's header never changes)."""
+        with self._headers_lock:
+            if key in self._headers:
+                self._headers.move_to_end(key)
+                return self._headers[key]
+        ready = self.ready.peek(key)
+        header = ready.header if ready is not None else self.store.stat(key).header
+        with self._headers_lock:
+            self._headers[key] = header
+            while len(self._headers) > HEADER_CACHE_ENTRIES:
+                self._headers.popitem(last=False)
+        return header
+
+    def parts(self, refs: Sequence[str]) -> tuple[list[str], list[PackHeader]]:
+        """The keys and headers of the packs ``refs`` names, refused (naming the part) unless all
+        are knowledge packs of this model and template, alike in being raw or templated."""
+        keys = [self.resolve(ref) for ref in refs]
+        headers = [self.header(key) for key in keys]
+        check_parts(self.lm, headers)
+        return keys, headers
+
+    def composed(self, refs: Sequence[str], extra_facts: Sequence[str] = ()) -> tuple[Pack, list[str], bool, int]:
+        """The ready exact composition of the packs ``refs`` names (then ``extra_facts``), its part
+        keys, whether it was ready, and how many tokens were prefilled to compose it.
+
+        Looked up by its content key in the ready-cache, then in the store; otherwise extended from
+        the longest leading composition already ready (or the first pack), prefilling only the rest.
+        """
+        if len(refs) == 1 and not extra_facts:
+            pack, hit = self.pack(refs[0])
+            return pack, [pack.header.key], hit, 0
+        keys, headers = self.parts(refs)
+        groups = [list(header.facts) for header in headers] + ([list(extra_facts)] if extra_facts else [])
+        raw = headers[0].raw
+        prefix_keys = [
+            pack_key(self.lm.model_fp, self.lm.template_fp, pack_prefix_ids(self.lm.tokenizer, sum(groups[:n], []), raw=raw))
+            for n in range(1, len(groups) + 1)
+        ]
+        prefix_keys[0] = keys[0]
+        prefilled = 0
+
+        def compose(key: str) -> Pack:
+            nonlocal prefilled
+            try:
+                return self._fetch(key)
+            except PackNotFound:
+                pass
+            ready = next(((n, p) for n in range(len(groups) - 1, 0, -1) if (p := self.ready.peek(prefix_keys[n - 1]))), None)
+            done, base = ready if ready is not None else (1, self.ready.get(keys[0], self._fetch)[0])
+            with self._device_lock:
+                result = extend(self.lm, base, sum(groups[done:], []), parents=keys)
+            prefilled = result.prefilled_tokens
+            device = self.lm.device
+            pack = result.pack
+            return Pack(header=pack.header, keys=[k.to(device) for k in pack.keys], values=[v.to(device) for v in pack.values])
+
+        pack, hit = self.ready.get(prefix_keys[-1], compose)
+        return pack, keys, hit, prefilled
 
     def facts_pack(self, facts: Sequence[str]) -> tuple[Pack, bool, bool]:
         """The ready pack of exactly ``facts`` (in order), whether it was already stored, and whether already ready.
@@ -163,16 +238,16 @@ class Answerer:
         """
         facts: list[str] | None = None
         reused: bool | None = None
+        parts: list[str] | None = None
+        composed_tokens: int | None = None
         if question.bank:
             facts = self.route(question.bank, question.text, top_k=question.top_k, probe=question.probe, embedder=question.embedder)
-            pack, reused, hit = self.facts_pack(facts)
+        if question.refs:
+            pack, keys, hit, prefilled = self.composed(question.refs, facts or ())
+            if len(keys) > 1 or facts:
+                parts, composed_tokens = keys, prefilled
         else:
-            if len(question.refs) > 1:
-                raise InvalidInput(
-                    f"answering with {len(question.refs)} packs needs their composition, which is not available yet: "
-                    "give exactly one pack"
-                )
-            pack, hit = self.pack(question.refs[0])
+            pack, reused, hit = self.facts_pack(facts)
         rendering = prepare(self.lm, pack.header, question.text)
         with self._device_lock:
             cache = cache_from_pack(pack, self.lm.device)
@@ -194,6 +269,8 @@ class Answerer:
             facts=facts,
             pack_reused=reused,
             cache_hit=hit,
+            parts=parts,
+            composed_tokens=composed_tokens,
         )
 
     def ask(self, question: Question) -> AnswerResult:

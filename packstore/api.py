@@ -1,4 +1,4 @@
-"""The Python API that packctl shells over: build, store, export and import knowledge packs.
+"""The Python API that packctl shells over: build, compose, amend, store, export and import knowledge packs.
 
 Answering with packs is ``packstore.answer.Answerer``.
 """
@@ -10,11 +10,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
-from packstore.errors import InvalidInput
+from packstore.answer import Answerer
+from packstore.errors import InvalidInput, PackNotFound
+from packstore.format import pack_key
 from packstore.tensors import Pack, decode_pack, encode_pack
 from packstore.format.packfile import pack_file_parts, parse_pack_file
 from packstore.kv.build import build_pack
+from packstore.kv.compose import COMPOSE_MODES, ERRATUM_PREFIX, Composition, amend, check_erratum, compose_exact, splice
 from packstore.kv.models import LoadedModel
+from packstore.kv.render import pack_prefix_ids
 from packstore.store import PackStore, StoredPack
 
 
@@ -33,6 +37,7 @@ def pack_details(stored: StoredPack) -> dict[str, Any]:
         "codec": h.codec,
         "chunks": [asdict(c) for c in h.chunks],
         "facts": list(h.facts),
+        "errata": [fact[len(ERRATUM_PREFIX) :] for fact in h.facts if fact.startswith(ERRATUM_PREFIX)],
         "token_ids": list(h.token_ids),
     }
 
@@ -54,6 +59,63 @@ def build_and_store(
 ) -> tuple[StoredPack, bool]:
     """Build the pack for ``facts`` on ``lm`` and store it (idempotent: same facts, same key)."""
     return store_pack(store, build_pack(lm, facts, raw=raw, progress=progress), name=name)
+
+
+def _stored_or_none(store: PackStore, key: str, name: str | None) -> tuple[StoredPack, bool, None] | None:
+    """The already stored pack ``key`` (named ``name`` if given), or None: composing it again stores nothing."""
+    try:
+        stored = store.stat(key)
+    except PackNotFound:
+        return None
+    if name:
+        store.set_name(key, name)
+        stored = store.stat(key)
+    return stored, False, None
+
+
+def compose_and_store(
+    store: PackStore, lm: LoadedModel, refs: Sequence[str], *, mode: str = "exact", name: str | None = None
+) -> tuple[StoredPack, bool, Composition | None]:
+    """Compose the packs ``refs`` names, in order, and store the result.
+
+    ``exact`` prefills the later parts after the first (token-identical to all facts as prompt
+    text); ``rope`` and ``naive`` splice independently built parts without prefilling them
+    (approximate; docs/format.md §1.5). Returns the stored pack, whether it is new, and the
+    Composition (None when the same composition was already stored, so nothing was computed).
+    """
+    if mode not in COMPOSE_MODES:
+        raise InvalidInput(f"unknown composition mode {mode!r}: use one of {', '.join(COMPOSE_MODES)}")
+    if len(refs) < 2:
+        raise InvalidInput(f"compose needs at least 2 packs, got {len(refs)}")
+    answerer = Answerer(lm, store)
+    keys, headers = answerer.parts(refs)
+    token_ids = pack_prefix_ids(lm.tokenizer, [fact for header in headers for fact in header.facts], raw=headers[0].raw)
+    existing = _stored_or_none(store, pack_key(lm.model_fp, lm.template_fp, token_ids, mode, keys if mode != "exact" else ()), name)
+    if existing is not None:
+        return existing
+    if mode == "exact":
+        composition = compose_exact(lm, answerer.pack(keys[0])[0], headers[1:])
+    else:
+        composition = splice(lm, [answerer.pack(key)[0] for key in keys], mode)
+    stored, created = store_pack(store, composition.pack, name=name)
+    return stored, created, composition
+
+
+def amend_and_store(
+    store: PackStore, lm: LoadedModel, ref: str, erratum: str, *, name: str | None = None
+) -> tuple[StoredPack, bool, Composition | None]:
+    """Append ``erratum`` to pack ``ref`` as a new pack (the old one stays as it is), prefilling only
+    the erratum's line; returns as ``compose_and_store`` does."""
+    answerer = Answerer(lm, store)
+    [key], [header] = answerer.parts([ref])
+    facts = [*header.facts, ERRATUM_PREFIX + check_erratum(erratum)]
+    token_ids = pack_prefix_ids(lm.tokenizer, facts, raw=header.raw)
+    existing = _stored_or_none(store, pack_key(lm.model_fp, lm.template_fp, token_ids), name)
+    if existing is not None:
+        return existing
+    composition = amend(lm, answerer.pack(key)[0], erratum)
+    stored, created = store_pack(store, composition.pack, name=name)
+    return stored, created, composition
 
 
 def export_pack(store: PackStore, ref: str, path: str | os.PathLike[str]) -> tuple[str, int]:

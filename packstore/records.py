@@ -33,6 +33,7 @@ class PackSummary:
     facts: int
     created: str
     parents: tuple[str, ...] = ()
+    composition: str = "exact"
 
     @property
     def name(self) -> str | None:
@@ -77,6 +78,7 @@ class StoredPack:
             facts=len(h.facts),
             created=h.created,
             parents=tuple(h.parents),
+            composition=h.composition,
         )
 
 
@@ -152,6 +154,8 @@ class AnswerResult:
     facts: list[str] | None = None  # with a bank: the routed facts the pack holds, best first
     pack_reused: bool | None = None  # with a bank: the facts' pack was already stored
     cache_hit: bool | None = None  # the pack's tensors were already in the ready-cache
+    parts: list[str] | None = None  # several packs (or packs and a bank): the part keys composed, in order
+    composed_tokens: int | None = None  # tokens prefilled to compose the pack for this answer (0 when it was ready)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

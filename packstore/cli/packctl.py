@@ -50,6 +50,9 @@ def _print_summary(record: dict[str, Any]) -> None:
     print(f"template_fp:  {record['template_fp'][:16]}…")
     print(f"tokens:       {record['tokens']}  ({record['dtype']})")
     print(f"size:         {_human_bytes(record['raw_bytes'])} KV, {_human_bytes(record['stored_bytes'])} stored")
+    if record["parents"]:
+        print(f"composition:  {record['composition']}{'' if record['composition'] == 'exact' else ' (approximate: answers may differ from the facts as prompt text)'}")
+        print("parents:      " + "\n              ".join(record["parents"]))
 
 
 # -- commands -----------------------------------------------------------------------------------
@@ -77,6 +80,54 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_composed(args: argparse.Namespace, stored: Any, created: bool, composition: Any, what: str) -> None:
+    from packstore.api import pack_summary
+
+    record = pack_summary(stored) | {"created_new": created}
+    record |= composition.to_json() if composition is not None else {"reused_tokens": 0, "prefilled_tokens": 0}
+    if args.json:
+        emit_json(record)
+        return
+    print(stored.key)
+    state = f"{what} and stored" if created else "already stored"
+    work = (
+        f"{composition.prefilled_tokens} tokens prefilled, {composition.reused_tokens} reused" if composition is not None else "nothing computed"
+    )
+    print(
+        f"{state}: {record['tokens']} tokens ({record['composition']}), {work}{', name ' + args.name if args.name else ''}",
+        file=sys.stderr,
+    )
+
+
+def _pack_model(args: argparse.Namespace, ref: str):
+    """The model to compute with: --model, or the pack's own (its recorded name and dtype)."""
+    if args.model is None:
+        with _open_store(args, readonly=True) as store:
+            header = store.stat(ref).header
+        args.model, args.dtype = header.model_name, header.dtype
+    return _load_model(args)
+
+
+def cmd_compose(args: argparse.Namespace) -> int:
+    from packstore.api import compose_and_store
+
+    lm = _pack_model(args, args.refs[0])
+    with _open_store(args) as store:
+        stored, created, composition = compose_and_store(store, lm, args.refs, mode=args.mode, name=args.name)
+    _report_composed(args, stored, created, composition, f"composed ({args.mode})")
+    return 0
+
+
+def cmd_amend(args: argparse.Namespace) -> int:
+    from packstore.api import amend_and_store
+
+    lm = _pack_model(args, args.ref)
+    with _open_store(args) as store:
+        stored, created, composition = amend_and_store(store, lm, args.ref, args.erratum, name=args.name)
+    _report_composed(args, stored, created, composition, "amended")
+    return 0
+
+
 def _print_answer(result: Any, compare: bool) -> None:
     if not compare:
         print(result.answer)
@@ -96,10 +147,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
     from packstore.facts import read_questions
     from packstore.kv.inject import Sampling
 
-    if args.bank is not None:  # `ask --bank N QUESTION`: the first positional is the question
-        if args.question is not None:
-            raise InvalidInput("with --bank, give only the QUESTION (no pack REF)")
-        args.question, args.ref = args.ref, None
+    if args.bank is not None and args.question is None and args.questions is None:
+        args.question, args.ref = args.ref, None  # `ask --bank N QUESTION`: the one positional is the question
     if (args.question is None) == (args.questions is None):
         raise InvalidInput("give either a QUESTION or --questions FILE")
     if args.ref is None and args.bank is None:
@@ -108,8 +157,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
         raise InvalidInput("give --model M to answer here, or --worker HOST:PORT to answer on a worker")
     questions = [args.question] if args.question is not None else read_questions(args.questions)
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    refs = tuple(args.ref.split(",")) if args.ref is not None else ()
+    if any(not ref.strip() for ref in refs):
+        raise InvalidInput(f"empty pack ref in {args.ref!r}: separate refs with single commas (names never contain one)")
     question_for = lambda text: Question(  # noqa: E731
-        text, refs=(args.ref,) if args.ref is not None else (), bank=args.bank, top_k=args.top_k, probe=args.probe,
+        text, refs=refs, bank=args.bank, top_k=args.top_k, probe=args.probe,
         embedder=args.embedder, compare_rag=args.compare_rag, sampling=sampling,
     )
     as_lines = args.json or args.questions is not None
@@ -125,8 +177,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
         else:
             lm = _load_model(args)
             answerer = Answerer(lm, stack.enter_context(_open_store(args, readonly=args.bank is None)))
-            if args.ref is not None:
-                answerer.pack(args.ref)  # fetched and checked once, before any question: a refusal fails the command
+            if refs:
+                answerer.parts(refs)  # checked once, before any question: a refusal fails the command
             answer_one = lambda text: answerer.ask(question_for(text))  # noqa: E731
         for question in questions:
             try:
@@ -162,11 +214,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not records:
         print("no packs", file=sys.stderr)
         return 0
-    print(f"{'NAME':<20} {'KIND':<10} {'TOKENS':>7} {'DTYPE':<9} {'RAW':<4} {'STORED':>10}  {'MODEL':<14} CONTENT HASH")
+    print(f"{'NAME':<20} {'KIND':<10} {'TOKENS':>7} {'DTYPE':<9} {'RAW':<4} {'DERIVED':<10} {'STORED':>10}  {'MODEL':<14} CONTENT HASH")
     for r in records:
+        derived = f"{r['composition']}:{len(r['parents'])}" if r["parents"] else "-"
         print(
             f"{(r['name'] or '-'):<20} {r['kind']:<10} {r['tokens']:>7} {r['dtype']:<9} {('yes' if r['raw'] else 'no'):<4} "
-            f"{_human_bytes(r['stored_bytes']):>10}  {r['model_name'][:14]:<14} {r['key'].rsplit('/', 1)[1][:16]}"
+            f"{derived:<10} {_human_bytes(r['stored_bytes']):>10}  {r['model_name'][:14]:<14} {r['key'].rsplit('/', 1)[1][:16]}"
         )
     return 0
 
@@ -324,6 +377,7 @@ def _bank_options(parser: argparse.ArgumentParser) -> None:
 
 def build_cli() -> CommandLine:
     from packstore.format.bank import VECTOR_KINDS
+    from packstore.format.header import COMPOSITIONS as COMPOSE_MODES
     from packstore.store.protocol import ROUTE_MODES
 
     cli = CommandLine("packctl", "Build, store and use knowledge packs (pre-computed KV caches).")
@@ -334,8 +388,28 @@ def build_cli() -> CommandLine:
     p.add_argument("--name", help="name (alias) for the pack, per model")
     p.add_argument("--raw", action="store_true", help="no chat template around the facts (to measure that pitfall)")
 
+    p = cli.command("compose", cmd_compose, "compose packs in order into a new pack; prints its key")
+    p.add_argument("refs", metavar="REF", nargs="+", help="two or more packs, in order")
+    _model_options(p, required=False)
+    p.add_argument("--name", help="name (alias) for the composed pack, per model")
+    p.add_argument(
+        "--mode", choices=COMPOSE_MODES, default="exact",
+        help="exact (default): prefill each later part after the earlier ones, same answers as all facts as text; "
+        "rope: splice independently built parts, keys rotated to their new positions (approximate, no part prefilled); "
+        "naive: splice without re-positioning (wrong; only to measure it)",
+    )
+
+    p = cli.command("amend", cmd_amend, "append an erratum to a pack as a new pack (the old one stays); prints its key")
+    p.add_argument("ref", metavar="REF")
+    p.add_argument("--erratum", required=True, metavar="TEXT", help="one line; rendered as 'Correction: TEXT' after the facts")
+    _model_options(p, required=False)
+    p.add_argument("--name", help="name (alias) for the amended pack, per model")
+
     p = cli.command("ask", cmd_ask, "answer with a pack injected as past_key_values")
-    p.add_argument("ref", metavar="REF", nargs="?", help="pack key, name, or content-hash prefix (not with --bank)")
+    p.add_argument(
+        "ref", metavar="REF", nargs="?",
+        help="pack key, name, or content-hash prefix; A,B,C answers with their exact composition (with --bank: the routed facts follow them)",
+    )
     p.add_argument("question", metavar="QUESTION", nargs="?")
     p.add_argument("--questions", metavar="FILE", help='JSONL lines {"question": ...}; prints one JSON object per line')
     _model_options(p, required=False)

@@ -13,8 +13,13 @@ from typing import Any, Iterable, Mapping, NoReturn
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch
 
 FORMAT_NAME = "packstore-pack"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest version this build reads and writes (docs/format.md §7)
+READ_VERSIONS = (1, 2)
 KINDS = ("knowledge",)
+# How a pack's KV was made: "exact" is the prefill of its tokens (built, or composed sequentially);
+# "rope" and "naive" splice independently built parts (docs/format.md §1.5). Only exact packs promise
+# text-in-prompt answers.
+COMPOSITIONS = ("exact", "rope", "naive")
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}  # header dtype -> bytes per element
 DTYPES = tuple(DTYPE_SIZES)
 CODEC = "byteplane-zstd"  # the body codec of version 1 (packstore.format.codec)
@@ -52,9 +57,18 @@ def facts_digest(facts: Iterable[str]) -> str:
     return sha256_hex(canonical_json(list(facts)))
 
 
-def pack_key(model_fp: str, template_fp: str, token_ids: Iterable[int]) -> str:
+def recipe_hash(token_ids: Iterable[int], composition: str, parents: Iterable[str]) -> str:
+    """The content hash of a pack whose KV is not the exact prefill of its tokens: its tokens and
+    its recipe (composition and parts, in order), so it never shares a key with the exact pack."""
+    if composition == "exact":
+        return content_hash(token_ids)
+    recipe = {"composition": composition, "parents": list(parents), "tokens": content_hash(token_ids)}
+    return sha256_hex(canonical_json(recipe))
+
+
+def pack_key(model_fp: str, template_fp: str, token_ids: Iterable[int], composition: str = "exact", parents: Iterable[str] = ()) -> str:
     """The store key ``model_fp/template_fp/content_hash``."""
-    return f"{model_fp}/{template_fp}/{content_hash(token_ids)}"
+    return f"{model_fp}/{template_fp}/{recipe_hash(token_ids, composition, parents)}"
 
 
 def parse_key(text: str) -> tuple[str, str, str] | None:
@@ -95,6 +109,7 @@ class PackHeader:
     parents: tuple[str, ...] = ()
     codec: str = ""
     chunks: tuple[ChunkInfo, ...] = field(default=())
+    composition: str = "exact"
 
     @property
     def tokens(self) -> int:
@@ -102,11 +117,16 @@ class PackHeader:
 
     @property
     def content_hash(self) -> str:
-        return content_hash(self.token_ids)
+        return recipe_hash(self.token_ids, self.composition, self.parents)
 
     @property
     def key(self) -> str:
-        return pack_key(self.model_fp, self.template_fp, self.token_ids)
+        return f"{self.model_fp}/{self.template_fp}/{self.content_hash}"
+
+    @property
+    def version(self) -> int:
+        """The oldest format version that holds this header: 1 for exact packs, 2 for spliced ones."""
+        return 1 if self.composition == "exact" else 2
 
     @property
     def pack_sha256(self) -> str:
@@ -122,7 +142,9 @@ class PackHeader:
         record = asdict(self)
         record["chunks"] = [asdict(c) for c in self.chunks]
         record["format"] = FORMAT_NAME
-        record["version"] = FORMAT_VERSION
+        record["version"] = self.version
+        if self.version == 1:
+            del record["composition"]  # a version-1 header is exact by definition
         record["tokens"] = self.tokens
         record["content_hash"] = self.content_hash
         record["source_sha256"] = facts_digest(self.facts)
@@ -142,16 +164,22 @@ class PackHeader:
         digest = record.pop("pack_sha256", None)
         if digest != sha256_hex(canonical_json(record)):
             raise IntegrityError("pack header is damaged: pack_sha256 does not match its contents")
-        if record.get("version") != FORMAT_VERSION:
+        version = record.get("version")
+        if type(version) is not int or version not in READ_VERSIONS:
             raise IntegrityError(
-                f"pack format version {record.get('version')!r} is not supported (this build reads {FORMAT_VERSION})"
+                f"pack format version {version!r} is not supported (this build reads versions 1 to {FORMAT_VERSION})"
             )
+        if version == 1 and "composition" in record:
+            raise _field_error("composition", "is not a field of a version-1 pack header")
+        record.setdefault("composition", "exact")
+        if version == 2 and record["composition"] == "exact":
+            raise _field_error("version", "must be 1 for an exact pack (version 2 holds spliced compositions)")
         for name in _FIELDS:
             if name not in record:
                 raise _field_error(name, "is missing")
         unknown = sorted(set(record) - set(_FIELDS) - set(_DERIVED_FIELDS) - {"format", "version"})
         if unknown:
-            raise _field_error(unknown[0], "is not a field of a version-1 pack header")
+            raise _field_error(unknown[0], f"is not a field of a version-{version} pack header")
         _check_fields(record)
         header = cls(
             **{name: record[name] for name in _FIELDS if name not in _SEQUENCE_FIELDS},
@@ -275,6 +303,9 @@ def _check_fields(record: Mapping[str, Any]) -> None:
     if not _is_list(parents) or not all(type(key) is str and parse_key(key) for key in parents):
         _refuse("parents", "a list of full pack keys", parents)
     _check_str("codec", record["codec"], MAX_CODEC_CHARS)
+    _check_choice("composition", record["composition"], COMPOSITIONS)
+    if record["composition"] != "exact" and len(parents) < 2:
+        _refuse("parents", f"the keys of at least 2 parts for a {record['composition']} composition", parents)
     _check_chunks(record)
 
 

@@ -18,14 +18,16 @@ from packstore.kv.render import pack_prefix_ids
 PREFILL_CHUNK_TOKENS = 512
 
 
-def prefill(lm: LoadedModel, token_ids: Sequence[int], *, chunk: int | None = None, progress: bool = False) -> DynamicCache:
-    """Run ``token_ids`` through the model and return its KV cache.
+def prefill(
+    lm: LoadedModel, token_ids: Sequence[int], *, cache: DynamicCache | None = None, chunk: int | None = None, progress: bool = False
+) -> DynamicCache:
+    """Run ``token_ids`` through the model and return its KV cache; with ``cache`` they continue it (in place).
 
     ``chunk`` splits the forward pass (bounded activation memory and a progress bar for long packs);
     ``None`` runs one pass. Layers are plain full-length caches, also for sliding-window attention:
     the model's masks apply the window, and the stored pack keeps every position.
     """
-    cache = DynamicCache()
+    cache = DynamicCache() if cache is None else cache
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=lm.device)
     step = chunk or ids.shape[1]
     with torch.inference_mode(), tqdm(
@@ -53,11 +55,17 @@ def clean_facts(facts: Sequence[str]) -> list[str]:
     return cleaned
 
 
-def build_pack(lm: LoadedModel, facts: Sequence[str], *, raw: bool = False, progress: bool = False) -> Pack:
-    """Compute the pack for ``facts`` on ``lm``. ``raw`` skips the chat template (to measure that pitfall)."""
-    facts = clean_facts(facts)
-    token_ids = pack_prefix_ids(lm.tokenizer, facts, raw=raw)
-    cache = prefill(lm, token_ids, chunk=PREFILL_CHUNK_TOKENS, progress=progress)
+def knowledge_pack(
+    lm: LoadedModel,
+    token_ids: Sequence[int],
+    facts: Sequence[str],
+    cache: DynamicCache,
+    *,
+    raw: bool = False,
+    parents: Sequence[str] = (),
+    composition: str = "exact",
+) -> Pack:
+    """A knowledge pack of ``lm`` holding ``cache``'s K/V for ``token_ids`` (the rendering of ``facts``)."""
     keys, values = cache_tensors(cache)
     header = PackHeader(
         kind="knowledge",
@@ -72,5 +80,15 @@ def build_pack(lm: LoadedModel, facts: Sequence[str], *, raw: bool = False, prog
         facts=tuple(facts),
         raw=raw,
         created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        parents=tuple(parents),
+        composition=composition,
     )
     return Pack(header=header, keys=keys, values=values)
+
+
+def build_pack(lm: LoadedModel, facts: Sequence[str], *, raw: bool = False, progress: bool = False) -> Pack:
+    """Compute the pack for ``facts`` on ``lm``. ``raw`` skips the chat template (to measure that pitfall)."""
+    facts = clean_facts(facts)
+    token_ids = pack_prefix_ids(lm.tokenizer, facts, raw=raw)
+    cache = prefill(lm, token_ids, chunk=PREFILL_CHUNK_TOKENS, progress=progress)
+    return knowledge_pack(lm, token_ids, facts, cache, raw=raw)

@@ -62,11 +62,12 @@ def prepare(lm: LoadedModel, header: PackHeader, question: str) -> Rendering:
     return rendering
 
 
-def cache_from_pack(pack: Pack, device: torch.device) -> DynamicCache:
-    """A fresh DynamicCache holding the pack's K/V on ``device`` (generation extends it in place)."""
+def cache_from_pack(pack: Pack, device: torch.device, tokens: int | None = None) -> DynamicCache:
+    """A fresh DynamicCache holding the pack's K/V (its first ``tokens`` positions) on ``device``;
+    generation or a further prefill extends it in place."""
     cache = DynamicCache()
     for layer, (k, v) in enumerate(zip(pack.keys, pack.values)):
-        cache.update(k.unsqueeze(0).to(device), v.unsqueeze(0).to(device), layer)
+        cache.update(k[:, :tokens].unsqueeze(0).to(device), v[:, :tokens].unsqueeze(0).to(device), layer)
     return cache
 
 

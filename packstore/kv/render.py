@@ -23,6 +23,7 @@ class Rendering:
     text: str
     token_ids: list[int]
     prefix_tokens: int
+    offsets: list[tuple[int, int]]  # each token's (start, end) characters in ``text``
 
     @property
     def prefix_ids(self) -> list[int]:
@@ -87,7 +88,8 @@ def render(tokenizer: Any, facts: Sequence[str], question: str, *, raw: bool = F
         if end > question_start:
             break
         prefix += 1
-    return Rendering(text=text, token_ids=list(encoding["input_ids"]), prefix_tokens=prefix)
+    offsets = [tuple(pair) for pair in encoding["offset_mapping"]]
+    return Rendering(text=text, token_ids=list(encoding["input_ids"]), prefix_tokens=prefix, offsets=offsets)
 
 
 def pack_prefix_ids(tokenizer: Any, facts: Sequence[str], *, raw: bool = False) -> list[int]:
@@ -95,6 +97,26 @@ def pack_prefix_ids(tokenizer: Any, facts: Sequence[str], *, raw: bool = False) 
     if not facts:
         raise InvalidInput("no facts: a pack needs at least one non-empty fact")
     return render(tokenizer, facts, QUESTION_SENTINEL, raw=raw).prefix_ids
+
+
+def group_spans(tokenizer: Any, groups: Sequence[Sequence[str]], *, raw: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
+    """The pack ids of all groups' facts in order, and for each group the [start, stop) token range
+    lying wholly inside that group's facts text: where a part's own tokens sit in a composition."""
+    facts = [fact for group in groups for fact in group]
+    rendering = render(tokenizer, facts, QUESTION_SENTINEL, raw=raw)
+    block = rendering.text.find(facts_text(facts))
+    if block < 0:
+        raise InvalidInput("the chat template does not render the facts verbatim; cannot locate them in the tokens")
+    ids = rendering.prefix_ids
+    offsets = rendering.offsets[: len(ids)]
+    spans = []
+    start = block
+    for group in groups:
+        stop = start + len(facts_text(group))
+        inside = [i for i, (first, end) in enumerate(offsets) if first >= start and end <= stop and end > first]
+        spans.append((inside[0], inside[-1] + 1) if inside else (0, 0))
+        start = stop + 1  # the "\n" between groups
+    return ids, spans
 
 
 def check_prefix(pack_ids: Sequence[int], rendering: Rendering, tokenizer: Any) -> None:

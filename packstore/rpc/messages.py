@@ -24,7 +24,9 @@ def pack_info(stored: StoredPack) -> store_pb2.PackInfo:
 def pack_summary(info: store_pb2.PackInfo) -> PackSummary:
     """A PackInfo back to the summary it carries."""
     fields = {name: getattr(info, name) for name in PackSummary.__dataclass_fields__}
-    return PackSummary(**{**fields, "names": tuple(info.names), "parents": tuple(info.parents)})
+    return PackSummary(
+        **{**fields, "names": tuple(info.names), "parents": tuple(info.parents), "composition": info.composition or "exact"}
+    )
 
 
 def stored_pack(info: store_pb2.PackInfo) -> StoredPack:

@@ -64,6 +64,8 @@ class WorkerClient(GrpcClient):
             bank=question.bank,
             facts=list(done.facts) if question.bank else None,
             cache_hit=done.cache_hit,
+            parts=list(done.parts) or None,
+            composed_tokens=done.composed_tokens if done.parts else None,
         )
 
     def status(self) -> dict:

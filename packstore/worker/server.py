@@ -71,6 +71,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 generated_tokens=len(deltas.ids),
                 cache_hit=result.cache_hit,
                 facts=result.facts or [],
+                parts=result.parts or [],
+                composed_tokens=result.composed_tokens or 0,
             )
             if question.compare_rag:
                 done.compared, done.rag_answer, done.rag_prompt_tokens = True, result.rag_answer, result.rag_prompt_tokens

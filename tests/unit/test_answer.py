@@ -89,13 +89,72 @@ def test_a_bank_question_builds_its_facts_pack_once_then_reuses_it(tiny_lm, tmp_
         assert (fresh.pack, fresh.answer, fresh.pack_reused, fresh.cache_hit) == (first.pack, first.answer, True, False)
 
 
-def test_several_refs_are_refused_until_composition_exists(tiny_lm, store) -> None:
-    with pytest.raises(InvalidInput, match="composition"):
-        Answerer(tiny_lm, store).ask(Question(QUESTION, refs=("wexley", "wexley")))
-    with pytest.raises(InvalidInput, match="not both"):
-        Question(QUESTION, refs=("wexley",), bank="b")
+MORE = [["Alice lives in Paris and works as a baker."], ["Bob lives in Oslo."], ["The bridge was built in 1890."]]
+
+
+@pytest.fixture(scope="module")
+def parts_store(tmp_path_factory, tiny_lm):
+    with LmdbStore(tmp_path_factory.mktemp("parts") / "store") as store:
+        for index, facts in enumerate([FACTS, *MORE]):
+            store.put(encode_pack(build_pack(tiny_lm, facts)), name=f"part{index}")
+        yield store
+
+
+def test_several_refs_answer_with_their_composition_exactly_as_text(tiny_lm, parts_store) -> None:
+    answerer = Answerer(tiny_lm, parts_store)
+    refs = ("part0", "part1", "part2")
+    result = answerer.ask(Question("Where does Bob live?", refs=refs, compare_rag=True, sampling=GREEDY))
+    assert result.identical is True and result.answer == result.rag_answer
+    assert result.parts == [parts_store.resolve(ref) for ref in refs] and result.cache_hit is False
+    all_facts = FACTS + MORE[0] + MORE[1]
+    text = answer_with_text(tiny_lm, all_facts, "Where does Bob live?", sampling=GREEDY)
+    assert result.rag_prompt_tokens == text.prompt_tokens
+    assert result.composed_tokens < text.prompt_tokens - parts_store.stat("part0").header.tokens
+    again = answerer.ask(Question("Who works as a baker?", refs=refs, sampling=GREEDY))
+    assert (again.cache_hit, again.composed_tokens, again.pack) == (True, 0, result.pack)
+    assert len(parts_store.keys()) == 4  # the composition lives in the ready-cache; nothing is written back
+
+
+def test_accumulation_extends_the_longest_ready_composition(tiny_lm, parts_store) -> None:
+    """An agent adding one pack per step pays only that pack's tokens (and the closing framing)."""
+    answerer = Answerer(tiny_lm, parts_store)
+    costs = []
+    for steps in range(1, 5):
+        refs = tuple(f"part{index}" for index in range(steps))
+        result = answerer.ask(Question("Where does Bob live?", refs=refs, compare_rag=True, sampling=GREEDY))
+        assert result.identical is True
+        costs.append(result.composed_tokens)
+    facts = [FACTS, *MORE]
+    framing = 6  # "<|im_end|>\n<|im_start|>user\n" and the line break between facts, at most
+    for step in range(1, 4):
+        before = answer_with_text(tiny_lm, sum(facts[:step], []), "x").prompt_tokens
+        after = answer_with_text(tiny_lm, sum(facts[: step + 1], []), "x").prompt_tokens
+        assert costs[step] <= after - before + framing
+    assert costs[0] is None or costs[0] == 0
+
+
+def test_refs_and_a_bank_compose_the_routed_facts_after_the_packs(tiny_lm, tmp_path) -> None:
+    with LmdbStore(tmp_path / "store") as store:
+        store.put(encode_pack(build_pack(tiny_lm, FACTS)), name="wexley")
+        cases = synthetic_facts(40)
+        store.banks().build("b", [case.fact for case in cases])
+        answerer = Answerer(tiny_lm, store)
+        question = Question(cases[3].query, refs=("wexley",), bank="b", top_k=2, compare_rag=True, sampling=GREEDY)
+        result = answerer.ask(question)
+        assert result.identical is True and len(result.facts) == 2 and result.parts == [store.resolve("wexley")]
+        composed = answerer.ready.peek(result.pack)
+        assert composed.header.facts == tuple(FACTS) + tuple(result.facts)
+
+
+def test_bad_composition_requests_are_refused(tiny_lm, parts_store, tmp_path) -> None:
     with pytest.raises(InvalidInput, match="give a pack or a bank"):
         Question(QUESTION)
+    with pytest.raises(InvalidInput, match="empty pack ref"):
+        Question(QUESTION, refs=("part0", ""))
+    raw_key, _ = parts_store.put(encode_pack(build_pack(tiny_lm, MORE[0], raw=True)))
+    with pytest.raises(InvalidInput, match="raw"):
+        Answerer(tiny_lm, parts_store).ask(Question(QUESTION, refs=("part0", raw_key)))
+    parts_store.delete(raw_key)
 
 
 def test_a_stop_token_first_gives_an_empty_answer(tiny_lm, store) -> None:

@@ -182,3 +182,88 @@ def test_export_import_and_gc_commands(cli, facts_file: Path, tmp_path: Path) ->
     assert code == 0 and json.loads(out)["identical"] is True
     code, _, err = cli("import", str(facts_file))
     assert code == 1 and "not a packstore pack file" in err
+
+
+def _build(cli, tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / f"{name}.txt"
+    path.write_text(text)
+    code, out, _ = cli("build", str(path), "--model", "{model}", "--name", name)
+    assert code == 0
+    return out.strip()
+
+
+def test_compose_amend_and_ask_with_several_packs(cli, tmp_path: Path) -> None:
+    a = _build(cli, tmp_path, "wexley", FACTS)
+    b = _build(cli, tmp_path, "bob", "Bob lives in Oslo.\n")
+    code, out, err = cli("compose", "wexley", "bob", "--model", "{model}", "--name", "both", "--json")
+    composed = json.loads(out)
+    assert code == 0 and composed["parents"] == [a, b] and composed["composition"] == "exact" and composed["created_new"]
+    assert composed["prefilled_tokens"] < composed["tokens"] - composed["reused_tokens"] + 1
+    code, out, _ = cli("compose", "wexley", "bob", "--json")  # the model defaults to the first part's own
+    again = json.loads(out)
+    assert code == 0 and again["key"] == composed["key"] and not again["created_new"] and again["prefilled_tokens"] == 0
+
+    code, out, _ = cli("ask", "wexley,bob", "Where does Bob live?", "--model", "{model}", "--compare-rag", "--json", "--max-new-tokens", "8")
+    asked = json.loads(out)
+    assert code == 0 and asked["identical"] is True and asked["pack"] == composed["key"] and asked["parts"] == [a, b]
+
+    code, out, _ = cli("compose", "wexley", "bob", "--mode", "rope", "--json")
+    rope = json.loads(out)
+    assert code == 0 and rope["composition"] == "rope" and rope["key"] != composed["key"] and rope["prefilled_tokens"] < 10
+
+    code, out, _ = cli("amend", "wexley", "--erratum", "Wexley is famous for its cheese.", "--name", "wexley2", "--json")
+    amended = json.loads(out)
+    assert code == 0 and amended["parents"] == [a] and amended["key"] != a
+    code, out, _ = cli("inspect", "wexley2", "--json")
+    inspected = json.loads(out)
+    assert inspected["errata"] == ["Wexley is famous for its cheese."] and inspected["facts"][-1].startswith("Correction: ")
+    code, out, _ = cli("ask", "wexley2", "What is Wexley famous for?", "--model", "{model}", "--compare-rag", "--json", "--max-new-tokens", "8")
+    assert code == 0 and json.loads(out)["identical"] is True
+    code, out, _ = cli("inspect", "wexley")
+    assert code == 0 and "parents" not in out  # the old pack is unchanged
+
+    code, out, _ = cli("ls")
+    assert code == 0 and "exact:2" in out and "rope:2" in out and "exact:1" in out
+    code, out, _ = cli("inspect", "both")
+    assert "composition:  exact" in out and a in out and b in out
+
+    code, _, _ = cli("rm", "wexley", "bob")  # removing the parents never breaks a child
+    assert code == 0
+    code, out, _ = cli("verify")
+    assert code == 0
+    code, out, _ = cli("ask", "both", "Where does Bob live?", "--model", "{model}", "--compare-rag", "--json", "--max-new-tokens", "8")
+    assert code == 0 and json.loads(out)["identical"] is True
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["compose", "wexley", "--model", "{model}"], "at least 2 packs"),
+        (["compose", "wexley", "nothing", "--model", "{model}"], "no pack named"),
+        (["compose", "wexley", "raw", "--model", "{model}"], "raw"),
+        (["amend", "wexley", "--erratum", "  "], "erratum is empty"),
+        (["amend", "wexley", "--erratum", "forged <|im_end|> turn"], "special token"),
+        (["ask", "wexley,,wexley", "Q?", "--model", "{model}"], "empty pack ref"),
+    ],
+)
+def test_bad_compositions_are_refused_and_store_nothing(cli, tmp_path: Path, argv, message) -> None:
+    _build(cli, tmp_path, "wexley", FACTS)
+    path = tmp_path / "raw.txt"
+    path.write_text("Bob lives in Oslo.\n")
+    cli("build", str(path), "--model", "{model}", "--name", "raw", "--raw")
+    code, _, err = cli(*argv)
+    assert code != 0 and message in err
+    code, out, _ = cli("ls", "--json")
+    assert len(json.loads(out)) == 2
+
+
+def test_parts_of_another_model_are_refused(cli, tmp_path: Path, other_tiny_model_dir: Path) -> None:
+    _build(cli, tmp_path, "wexley", FACTS)
+    path = tmp_path / "bob.txt"
+    path.write_text("Bob lives in Oslo.\n")
+    cli("build", str(path), "--model", str(other_tiny_model_dir), "--name", "bob")
+    key = json.loads(cli("ls", "--json")[1])
+    other = [p["key"] for p in key if p["name"] == "bob"][0]
+    code, _, err = cli("compose", "wexley", other, "--model", "{model}")
+    assert code == 1 and "part 2" in err and "model" in err
+    assert len(json.loads(cli("ls", "--json")[1])) == 2

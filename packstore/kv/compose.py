@@ -1,0 +1,151 @@
+"""Compose knowledge packs: exact sequential extension (composition, accumulation, errata) and
+approximate splicing of independently built parts (RoPE re-positioning, or naive for measurement).
+
+Every composition of parts P1..Pn holds the tokens of one single-pass rendering of all their facts
+in order (docs/format.md §1.5), so the usual token check applies to it at use. ``extend`` reuses the
+first part's K/V as far as its tokens agree with that rendering and prefills only the rest: the
+later parts' facts and the template's closing tokens. ``splice`` prefills nothing of the parts: it
+copies each part's own fact tokens, rotated to their new positions (``rope``) or left where they
+were computed (``naive``), and prefills only the few framing tokens no part holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from transformers import DynamicCache
+
+from packstore.errors import InvalidInput, PackMismatch
+from packstore.format import PackHeader
+from packstore.format.header import COMPOSITIONS
+from packstore.kv.build import PREFILL_CHUNK_TOKENS, clean_facts, knowledge_pack, prefill
+from packstore.kv.inject import cache_from_pack, check_identity
+from packstore.kv.models import LoadedModel
+from packstore.kv.render import group_spans, pack_prefix_ids
+from packstore.kv.rope import layer_frequencies, rotate_keys
+from packstore.tensors import Pack
+
+ERRATUM_PREFIX = "Correction: "  # an erratum is rendered as one more line: this prefix, then its text
+COMPOSE_MODES = COMPOSITIONS  # exact first, the default
+SPLICE_MODES = COMPOSE_MODES[1:]
+
+
+@dataclass(frozen=True)
+class Composition:
+    """A composed pack and where its tokens' K/V came from."""
+
+    pack: Pack
+    reused_tokens: int  # copied from stored parts (rotated or not)
+    prefilled_tokens: int  # run through the model
+
+    def to_json(self) -> dict:
+        return {"reused_tokens": self.reused_tokens, "prefilled_tokens": self.prefilled_tokens}
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def check_parts(lm: LoadedModel, headers: Sequence[PackHeader]) -> bool:
+    """Refuse parts that cannot be composed on ``lm``; returns whether they are raw (all alike)."""
+    if not headers:
+        raise InvalidInput("nothing to compose: give at least one pack")
+    for index, header in enumerate(headers):
+        try:
+            check_identity(lm, header)
+        except PackMismatch as exc:
+            if len(headers) == 1:
+                raise
+            raise PackMismatch(exc.what, f"part {index + 1} of the composition: {exc}") from None
+    if len({header.raw for header in headers}) > 1:
+        raise InvalidInput("cannot compose raw packs (built without the chat template) with templated ones")
+    return headers[0].raw
+
+
+def extend(lm: LoadedModel, base: Pack, facts: Sequence[str], *, parents: Sequence[str]) -> Composition:
+    """The exact pack of ``base``'s facts then ``facts``: ``base``'s K/V is kept as far as its tokens
+    agree with the new rendering, and only the rest is prefilled, with ``base`` as prefix."""
+    check_parts(lm, [base.header])
+    if base.header.composition != "exact":
+        raise InvalidInput(
+            f"pack {base.header.key} is a {base.header.composition} composition: an exact composition needs an exact first part"
+        )
+    all_facts = list(base.header.facts) + clean_facts(facts)
+    token_ids = pack_prefix_ids(lm.tokenizer, all_facts, raw=base.header.raw)
+    kept = _common_prefix(base.header.token_ids, token_ids)
+    cache = cache_from_pack(base, lm.device, tokens=kept)
+    prefill(lm, token_ids[kept:], cache=cache, chunk=PREFILL_CHUNK_TOKENS)
+    pack = knowledge_pack(lm, token_ids, all_facts, cache, raw=base.header.raw, parents=parents)
+    return Composition(pack=pack, reused_tokens=kept, prefilled_tokens=len(token_ids) - kept)
+
+
+def compose_exact(lm: LoadedModel, first: Pack, later: Sequence[PackHeader]) -> Composition:
+    """Sequential composition: ``first``'s K/V, then every later part's facts prefilled after it, in order.
+
+    The later parts contribute their facts only (their stored K/V was computed at other positions)."""
+    check_parts(lm, [first.header, *later])
+    facts = [fact for header in later for fact in header.facts]
+    return extend(lm, first, facts, parents=[first.header.key, *(header.key for header in later)])
+
+
+def check_erratum(erratum: str) -> str:
+    """An erratum is one non-empty line."""
+    text = erratum.strip() if isinstance(erratum, str) else ""
+    if not text:
+        raise InvalidInput("the erratum is empty")
+    if "\n" in text or "\r" in text:
+        raise InvalidInput("an erratum is one line: it contains a line break")
+    return text
+
+
+def amend(lm: LoadedModel, base: Pack, erratum: str) -> Composition:
+    """``base`` with one erratum appended (rendered as ``Correction: TEXT`` after its facts)."""
+    return extend(lm, base, [ERRATUM_PREFIX + check_erratum(erratum)], parents=[base.header.key])
+
+
+def splice(lm: LoadedModel, parts: Sequence[Pack], mode: str) -> Composition:
+    """Splice independently built parts into the rendering of all their facts, prefilling none of them.
+
+    Each part's own template framing is stripped: only its fact tokens are copied, to where the same
+    tokens sit in the composed rendering. ``rope`` rotates their keys by the position offset;
+    ``naive`` leaves them at the positions they were computed at (wrong; kept only to measure it).
+    The framing tokens between and after the parts are prefilled with everything before them.
+    """
+    if mode not in SPLICE_MODES:
+        raise InvalidInput(f"unknown splice mode {mode!r}: use one of {', '.join(SPLICE_MODES)}")
+    if len(parts) < 2:
+        raise InvalidInput(f"a {mode} composition needs at least 2 packs")
+    raw = check_parts(lm, [part.header for part in parts])
+    frequencies = layer_frequencies(lm) if mode == "rope" else None
+    token_ids, spans = group_spans(lm.tokenizer, [part.header.facts for part in parts], raw=raw)
+    cache = DynamicCache()
+    kept = _common_prefix(parts[0].header.token_ids, token_ids)
+    for layer, (k, v) in enumerate(zip(parts[0].keys, parts[0].values)):
+        cache.update(k[:, :kept].unsqueeze(0).to(lm.device), v[:, :kept].unsqueeze(0).to(lm.device), layer)
+    position, reused = kept, kept
+    for part, (start, stop) in zip(parts[1:], spans[1:]):
+        own_ids, [(own_start, own_stop)] = group_spans(lm.tokenizer, [part.header.facts], raw=raw)
+        if list(own_ids) != list(part.header.token_ids):
+            raise InvalidInput(f"pack {part.header.key} does not hold the rendering of its own facts; cannot splice it")
+        skip = max(0, position - start)
+        run = _common_prefix(own_ids[own_start + skip : own_stop], token_ids[start + skip : stop])
+        if start > position:
+            prefill(lm, token_ids[position:start], cache=cache)
+        first, last = own_start + skip, own_start + skip + run
+        delta = start - own_start
+        for layer, (k, v) in enumerate(zip(part.keys, part.values)):
+            keys = k[:, first:last]
+            if frequencies is not None:
+                keys = rotate_keys(keys, frequencies[layer], delta)
+            cache.update(keys.unsqueeze(0).to(lm.device), v[:, first:last].unsqueeze(0).to(lm.device), layer)
+        position = max(position, start) + run
+        reused += run
+    if position < len(token_ids):
+        prefill(lm, token_ids[position:], cache=cache)
+    facts = [fact for part in parts for fact in part.header.facts]
+    pack = knowledge_pack(
+        lm, token_ids, facts, cache, raw=raw, parents=[part.header.key for part in parts], composition=mode
+    )
+    return Composition(pack=pack, reused_tokens=reused, prefilled_tokens=len(token_ids) - reused)
