@@ -102,6 +102,44 @@ def test_header_of_unknown_version_is_rejected() -> None:
         PackHeader.from_json(reseal(record))
 
 
+KEY_1, KEY_2 = f"{FP_A}/{FP_B}/{'1' * 64}", f"{FP_A}/{FP_B}/{'2' * 64}"
+
+
+def spliced(composition: str = "rope", parents: tuple[str, ...] = (KEY_1, KEY_2)) -> PackHeader:
+    pack = encode_pack(make_pack())
+    return dataclasses.replace(pack.header, composition=composition, parents=parents)
+
+
+def test_spliced_packs_are_version_2_and_hash_their_recipe() -> None:
+    exact = encode_pack(make_pack()).header
+    rope, naive = spliced("rope"), spliced("naive")
+    assert json.loads(exact.to_json())["version"] == 1 and "composition" not in json.loads(exact.to_json())
+    record = json.loads(rope.to_json())
+    assert record["version"] == 2 and record["composition"] == "rope"
+    assert PackHeader.from_json(rope.to_json()) == rope
+    assert len({exact.key, rope.key, naive.key, spliced("rope", (KEY_2, KEY_1)).key}) == 4
+    recipe = {"composition": "rope", "parents": [KEY_1, KEY_2], "tokens": content_hash(exact.token_ids)}
+    assert rope.content_hash == sha256_hex(canonical_json(recipe)) == record["content_hash"]
+    assert exact.content_hash == content_hash(exact.token_ids)
+
+
+@pytest.mark.parametrize(
+    "change,error,message",
+    [
+        (lambda r: r.update(version=1), InvalidInput, "'composition' is not a field of a version-1"),
+        (lambda r: r.update(composition="exact"), InvalidInput, "must be 1 for an exact pack"),
+        (lambda r: r.update(composition="sideways"), InvalidInput, "'composition' must be one of"),
+        (lambda r: r.update(parents=[KEY_1]), InvalidInput, "at least 2 parts"),
+        (lambda r: r.update(content_hash=content_hash(r["token_ids"])), IntegrityError, "content_hash"),
+    ],
+)
+def test_bad_spliced_headers_are_refused(change, error, message) -> None:
+    record = json.loads(spliced().to_json())
+    change(record)
+    with pytest.raises(error, match=message):
+        PackHeader.from_json(reseal(record))
+
+
 def test_damaged_chunk_is_detected_and_named() -> None:
     encoded = encode_pack(make_pack())
     chunks = list(encoded.chunks)
