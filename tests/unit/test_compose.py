@@ -126,3 +126,23 @@ def test_parts_of_another_model_or_raw_mix_are_refused(tiny_lm, parts, other_tin
         compose_exact(tiny_lm, parts[0], [raw.header])
     with pytest.raises(InvalidInput, match="at least 2"):
         splice(tiny_lm, parts[:1], "rope")
+
+
+@pytest.mark.parametrize(
+    "rope_parameters,problem",
+    [
+        ({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, "'dynamic'"),
+        ({"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 512}, "'yarn'"),
+    ],
+)
+def test_rope_splice_refuses_rope_that_is_not_a_pure_rotation(tiny_lm, rope_parameters, problem) -> None:
+    import dataclasses
+
+    from transformers import LlamaForCausalLM
+
+    config = tiny_lm.model.config.__class__.from_dict({**tiny_lm.model.config.to_dict(), "rope_parameters": rope_parameters})
+    scaled = dataclasses.replace(tiny_lm, model=LlamaForCausalLM(config))
+    parts = [build_pack(scaled, facts) for facts in (PART_A, PART_B)]
+    with pytest.raises(InvalidInput, match=problem):
+        splice(scaled, parts, "rope")
+    assert splice(scaled, parts, "naive").pack.header.composition == "naive"  # naive needs no rotation
