@@ -29,6 +29,8 @@ demo: install
 	$(BIN)/packctl build examples/facts.txt --model $(DEMO_MODEL) --name velmora-demo
 	$(BIN)/packctl ask velmora-demo --questions examples/questions.jsonl --model $(DEMO_MODEL) --compare-rag \
 		| $(BIN)/python examples/show_answers.py
+	$(BIN)/packctl amend velmora-demo --erratum "Since 2024 the observatory's director is Dr. Lina Sorvik." --name velmora-demo-v2
+	$(BIN)/packctl ask velmora-demo-v2 "Who is the observatory's director?" --model $(DEMO_MODEL) --compare-rag
 
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -ra
