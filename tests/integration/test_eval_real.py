@@ -30,3 +30,26 @@ def test_eval_packs_on_smollm2(tmp_path: Path, capsys) -> None:
     # The paragraphs hold the (substituted) answers: text in the prompt must answer some of them.
     assert sum(r["conditions"]["text"]["em"] for r in records) >= 1
     assert {p.name for p in figures.iterdir()} == {"eval_packs_accuracy.png", "eval_packs_prompt_tokens.png"}
+
+
+def test_eval_compose_on_smollm2(tmp_path: Path, capsys) -> None:
+    """The short version of `make eval-compose`: every part on a few questions, 0 divergences."""
+    import eval_compose
+
+    out, figures = tmp_path / "out", tmp_path / "figures"
+    argv = ["--models", "smollm2-135m", "--limit", "2", "--acc-limit", "2", "--steps", "3", "--errata", "2"]
+    argv += ["--timing-tokens", "512", "--timing-repeats", "1", "--max-new-tokens", "12", "--out", str(out), "--figures", str(figures)]
+    assert eval_compose.main(argv) == 0
+    capsys.readouterr()
+    summary = json.loads((out / "summary.json").read_text())["parts"]
+    accumulation = summary["accumulation"]["smollm2-135m"]
+    assert sorted(accumulation) == ["1", "2", "3"] and all(s["divergences"] == 0 for s in accumulation.values())
+    assert accumulation["3"]["savings"] > 0.8 and accumulation["3"]["prefilled_tokens"] < accumulation["3"]["composed_tokens"]
+    modes = summary["modes"]["smollm2-135m"]
+    assert modes["questions"] == 2 and modes["agreement"]["rope"]["prob_cosine"]["mean"] > 0
+    timing = summary["timing"]["smollm2-135m"]["512"]
+    assert timing["same_token_ids"] and timing["prefilled_tokens"]["rope"] < timing["prefilled_tokens"]["exact"]
+    assert summary["errata"]["smollm2-135m"]["divergences"] == 0
+    assert {p.name for p in figures.iterdir()} == {
+        "eval_compose_accumulation.png", "eval_compose_modes.png", "eval_compose_errata.png"
+    }

@@ -1,0 +1,159 @@
+"""tools/eval_compose.py without a model: row order, arrangements, errata cases, parts, resume, report."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+import eval_compose  # noqa: E402
+from eval_compose import (  # noqa: E402
+    ErratumCase,
+    appender,
+    arrangement,
+    cosine,
+    erratum_case,
+    errata_cases,
+    fill_parts,
+    follows,
+    part_records,
+    question_order,
+    read_records,
+)
+from evallib import Row, frozen_split, load_rows  # noqa: E402
+
+POOL = [Row(f"r{i}", f"question {i}?", f"Paragraph {i} names Person {i} here .", (f"Person {i}",)) for i in range(20)]
+
+
+def test_questions_come_from_the_held_out_half_first() -> None:
+    rows = load_rows()
+    tuning, held_out = frozen_split(rows)
+    ordered = question_order(rows)
+    assert ordered == held_out + tuning
+    assert sorted(r.id for r in ordered) == sorted(r.id for r in rows)
+
+
+def test_arrangements_are_seeded_nested_and_hold_the_gold_row_once() -> None:
+    row = POOL[3]
+    previous: list[Row] = []
+    for k in range(1, 6):
+        parts, position = arrangement(row, POOL, k, seed=0)
+        assert len(parts) == k and parts[position] == row and parts.count(row) == 1
+        distractors = [p for p in parts if p != row]
+        assert distractors[: len(previous)] == previous  # step k+1 adds one distractor to step k's
+        previous = distractors
+        assert arrangement(row, POOL, k, seed=0) == (parts, position)
+    assert arrangement(row, POOL, 5, seed=1)[0] != arrangement(row, POOL, 5, seed=0)[0]
+    with pytest.raises(ValueError):
+        arrangement(row, POOL[:3], 5, seed=0)  # 3 other rows, 4 distractors wanted
+
+
+def test_erratum_replaces_the_answer_in_its_sentence() -> None:
+    row = Row("x", "who founded it?", "It opened in 1990 . It was founded by Ann Lee in Oslo . It closed .", ("Ann Lee",))
+    pool = [row, Row("y", "q?", "c", ("1999",)), Row("z", "q?", "c", ("Ann Lee Smith",)), Row("w", "q?", "c", ("Bo Chen",))]
+    case = erratum_case(row, pool, seed=0)
+    assert isinstance(case, ErratumCase)
+    # 1999 has digits, "Ann Lee Smith" contains the original: only Bo Chen qualifies
+    assert (case.original, case.replacement) == ("Ann Lee", "Bo Chen")
+    assert case.erratum == "It was founded by Bo Chen in Oslo ."
+    assert follows("It was Bo Chen.", case) == "erratum"
+    assert follows("Ann Lee did.", case) == "original"
+    assert follows("Ann Lee, then Bo Chen.", case) == "both"
+    assert follows("Nobody", case) == "neither"
+
+
+def test_rows_without_a_usable_sentence_are_skipped_with_a_reason() -> None:
+    inside_a_word = Row("a", "q?", "The Annleeville club .", ("Annlee",))
+    too_long = Row("b", "q?", " ".join(["word"] * 90) + " Ann Lee .", ("Ann Lee",))
+    no_other = Row("c", "q?", "Ann Lee met Bo Chen .", ("Ann Lee",))
+    pool = [inside_a_word, too_long, no_other, Row("d", "q?", "c", ("Bo Chen",))]
+    assert erratum_case(inside_a_word, pool, 0) == "answer not in a sentence"
+    assert erratum_case(too_long, pool, 0).startswith("sentence over")
+    assert erratum_case(no_other, [no_other, pool[3]], 0) == "no replacement answer"
+    cases, skipped = errata_cases(POOL, POOL, 5, seed=0)
+    assert [c.row for c in cases] == POOL[:5] and skipped == {}
+    assert all(c.replacement != c.original and c.replacement in c.erratum for c in cases)
+
+
+def test_parts_take_consecutive_texts_until_their_size() -> None:
+    texts = [f"t{i}" for i in range(10)]
+    assert fill_parts(texts, [3] * 10, 3, 5) == [["t0", "t1"], ["t2", "t3"], ["t4", "t5"]]
+    with pytest.raises(ValueError):
+        fill_parts(texts, [3] * 10, 4, 9)
+
+
+def test_cosine() -> None:
+    assert cosine(torch.tensor([1.0, 2.0]), torch.tensor([2.0, 4.0])) == pytest.approx(1.0)
+    assert cosine(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 3.0])) == pytest.approx(0.0)
+
+
+def test_parts_resume_under_their_own_settings(tmp_path: Path) -> None:
+    assert part_records(tmp_path, "modes", {"k": 3}, fresh=False) == []
+    appender(tmp_path, "modes")({"model": "m", "id": "a"})
+    assert part_records(tmp_path, "errata", {"n": 1}, fresh=False) == []
+    assert part_records(tmp_path, "modes", {"k": 3}, fresh=False) == [{"model": "m", "id": "a"}]
+    assert json.loads((tmp_path / "settings.json").read_text()) == {"modes": {"k": 3}, "errata": {"n": 1}}
+    with pytest.raises(SystemExit):
+        part_records(tmp_path, "modes", {"k": 4}, fresh=False)
+    assert part_records(tmp_path, "modes", {"k": 4}, fresh=True) == [] == read_records(tmp_path, "modes")
+
+
+def _accumulation(k: int, divergent: bool) -> dict:
+    scores = {"answer": "x", "em": True, "f1": 0.5}
+    return {
+        "model": "m",
+        "id": "a",
+        "k": k,
+        "composed_tokens": 300,
+        "prefilled_tokens": 200,
+        "divergent": divergent,
+        "pack": scores | {"prompt_tokens": 20},
+        "text": scores | {"prompt_tokens": 200},
+    }
+
+
+def test_report_from_records_of_every_part(tmp_path: Path) -> None:
+    scores = {"answer": "x", "prompt_tokens": 20, "em": True, "f1": 1.0}
+    versus = {"prob_cosine": 0.9, "logit_cosine": 0.99, "same_first_token": True, "same_tokens": False}
+    composed = {"prefilled_tokens": 5, "composed_tokens": 300}
+    records = {
+        "accumulation": [_accumulation(1, False), _accumulation(2, True)],
+        "modes": [
+            {
+                "model": "m",
+                "id": "a",
+                "k": 3,
+                "agreement": {mode: versus for mode in eval_compose.SPLICED},
+                "conditions": {"single": scores} | {mode: scores | composed for mode in ("exact", "rope", "naive")},
+            }
+        ],
+        "timing": [
+            {
+                "model": "m",
+                "target_tokens": 2048,
+                "composed_tokens": 2100,
+                "part_tokens": [525] * 4,
+                "repeats": 3,
+                "median_seconds": {"exact": 2.0, "rope": 0.5},
+                "prefilled_tokens": {"exact": 1580, "rope": 8},
+                "same_token_ids": True,
+            }
+        ],
+        "errata": [
+            {"model": "m", "id": "a", "divergent": False, "prefilled_tokens": 30}
+            | {name: {"answer": "x", "follows": outcome} for name, outcome in (("before", "original"), ("after", "erratum"), ("text", "erratum"))}
+        ],
+    }
+    text = eval_compose.write_report(records, tmp_path, tmp_path, {"about": "test"})
+    summary = json.loads((tmp_path / "summary.json").read_text())["parts"]
+    assert summary["accumulation"]["m"]["2"]["savings"] == pytest.approx(0.9)
+    assert summary["accumulation"]["m"]["2"]["divergences"] == 1
+    assert summary["timing"]["m"]["2048"]["ratio_exact_to_rope"] == pytest.approx(4.0)
+    assert summary["errata"]["m"]["after"]["erratum"]["mean"] == 1.0
+    assert "| m | 2 | 1 |" in text and "4.0x" in text
+    assert {p.name for p in tmp_path.glob("*.png")} == {f"eval_compose_{n}.png" for n in ("accumulation", "modes", "errata")}

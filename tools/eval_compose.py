@@ -1,0 +1,725 @@
+"""Composition of knowledge packs on ckc_dev (the paper's Tables 2 and 5, compose time, errata), per model.
+
+Every ckc paragraph is one pack of one fact (as in tools/eval_packs.py); distractors are other rows'
+paragraphs. Questions are taken from the held-out half of the frozen split (tools/ckc_split.json)
+first, then from the tuning half when more are asked for; distractors and erratum replacements
+come from all 600 rows. Every random choice is seeded by ``--seed`` and the row id, so a resumed or
+repeated run asks the same thing. Four parts (``--parts``), greedy, ``--max-new-tokens`` tokens:
+
+accumulation (Table 2): for k = 1..``--steps``, the gold paragraph and k-1 distractors (the first
+    k-1 of one seeded shuffle per question, so steps are nested), gold at a seeded position, each its
+    own pack, composed exactly in order (``compose_exact`` from the first part: only the later
+    parts are prefilled). The composed pack and the same paragraphs as prompt text must generate
+    identical token ids; prompt tokens per question each way give the savings 1 - pack / text.
+modes (Table 5): at k = ``--modes-parts`` (the same arrangement as accumulation at that k), the
+    gold pack alone, the exact composition, and the parts spliced with RoPE re-positioning and
+    naively; rope and naive are compared with exact on the first answer token (cosine of the
+    softmax probability vectors, and of the raw logits; same argmax) and on the whole answer
+    (identical generated ids).
+timing: ``--timing-parts`` parts of consecutive ckc paragraphs, about ``--timing-tokens`` in all,
+    composed exactly (the later parts prefilled) and spliced with RoPE (no part prefilled), timed in
+    the same run, median of ``--timing-repeats`` (1 when one exact composition exceeds
+    ``--timing-budget`` seconds).
+errata: a paragraph's pack amended (``amend``) with its sentence that holds the answer A, with A
+    replaced by another row's answer B; does the answer follow the erratum (B), the original (A),
+    both, or neither? Answered with the base pack, the amended pack, and the amended facts as text
+    (pack and text must generate identical ids).
+
+Outputs in ``--out``: one JSON line per record per part (accumulation.jsonl, modes.jsonl,
+timing.jsonl, errata.jsonl, appended as each is done), settings.json, summary.json, table.md; PNGs
+in ``--figures``. A part resumes: records already there are not redone (``--fresh`` empties the
+parts being run; other settings than recorded are refused). Run from the repository root:
+
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/eval_compose.py [--models smollm2-135m gemma3-270m] [--parts modes,errata]
+
+Progress goes to stderr; torch runs one intra-op thread (``--threads``, see tools/eval_packs.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from packstore.kv.build import build_pack  # noqa: E402
+from packstore.kv.compose import Composition, amend, compose_exact, splice  # noqa: E402
+from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text, cache_from_pack, prepare  # noqa: E402
+from packstore.kv.models import LoadedModel, load_model  # noqa: E402
+from packstore.tensors import Pack  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import logger, machine_description, median, source_description, timed  # noqa: E402
+from eval_packs import scored  # noqa: E402
+from evallib import (  # noqa: E402
+    REPO,
+    Interval,
+    Row,
+    exact_match,
+    frozen_split,
+    grouped_bars,
+    load_rows,
+    markdown_table,
+    mean_interval,
+    normalize,
+)
+
+MODELS = ("smollm2-135m", "gemma3-270m")
+PARTS = ("accumulation", "modes", "timing", "errata")
+MODES = {"single": "gold pack alone", "exact": "sequential (exact)", "rope": "RoPE splice", "naive": "naive splice"}
+SPLICED = ("rope", "naive")
+FOLLOWS = {"erratum": "erratum (B)", "original": "original (A)", "both": "both", "neither": "neither"}
+ROWS_NOTE = "questions: held-out half of tools/ckc_split.json first, then the tuning half; distractors: all other rows"
+MAX_ERRATUM_WORDS = 80  # a longer "sentence" is a flattened table or list, not a correction
+_SENTENCE_END = re.compile(r"(?<= [.!?]) +")  # ckc text is tokenised: a sentence ends with " ." (not "D. Fink")
+log = logger("eval_compose")
+
+
+# ---- pure helpers: which rows, which distractors, which errata ----
+
+
+def question_order(rows: Sequence[Row]) -> list[Row]:
+    """The rows in the order questions are taken: held-out half of the frozen split, then the tuning half."""
+    tuning, held_out = frozen_split(rows)
+    return held_out + tuning
+
+
+def arrangement(row: Row, pool: Sequence[Row], k: int, seed: int) -> tuple[list[Row], int]:
+    """The k parts for ``row`` and the gold part's index: ``row`` among the first k-1 rows of a seeded
+    shuffle of the other rows of ``pool`` (so the parts of step k+1 extend those of step k), at a
+    seeded position."""
+    others = [other for other in pool if other.id != row.id and other.context != row.context]
+    if k - 1 > len(others):
+        raise ValueError(f"{k} parts need {k - 1} distractors; the pool has {len(others)}")
+    random.Random(f"{seed}:distractors:{row.id}").shuffle(others)
+    position = random.Random(f"{seed}:position:{row.id}:{k}").randrange(k)
+    parts = others[: k - 1]
+    parts.insert(position, row)
+    return parts, position
+
+
+def _words(phrase: str) -> re.Pattern:
+    """``phrase`` verbatim, not inside a longer word."""
+    return re.compile(rf"(?<!\w){re.escape(phrase)}(?!\w)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ErratumCase:
+    """A row whose answer ``original`` is replaced by ``replacement`` in one of its sentences."""
+
+    row: Row
+    original: str
+    replacement: str
+    erratum: str
+
+
+def _replacement(row: Row, original: str, pool: Sequence[Row], seed: int) -> str | None:
+    """Another row's answer that differs from ``original`` (neither contains the other as words), is in
+    neither the paragraph nor the question, and has digits exactly when ``original`` has; seeded."""
+    candidates = [answer for other in pool if other.id != row.id for answer in other.answers[:1]]
+    random.Random(f"{seed}:replacement:{row.id}").shuffle(candidates)
+    has_digit = any(c.isdigit() for c in original)
+    for candidate in candidates:
+        if (
+            normalize(candidate)
+            and any(c.isdigit() for c in candidate) == has_digit
+            and not exact_match(candidate, [original])
+            and not exact_match(original, [candidate])
+            and not exact_match(row.context, [candidate])
+            and not exact_match(row.question, [candidate])
+        ):
+            return candidate
+    return None
+
+
+def erratum_case(row: Row, pool: Sequence[Row], seed: int) -> ErratumCase | str:
+    """The erratum case of ``row``, or why there is none: its first answer A found verbatim in a sentence
+    of at most MAX_ERRATUM_WORDS words, that sentence with A replaced by another row's answer B."""
+    original = row.answers[0]
+    pattern = _words(original)
+    sentence = next((s for s in _SENTENCE_END.split(row.context) if pattern.search(s)), None)
+    if sentence is None:
+        return "answer not in a sentence"
+    if len(sentence.split()) > MAX_ERRATUM_WORDS:
+        return f"sentence over {MAX_ERRATUM_WORDS} words"
+    replacement = _replacement(row, original, pool, seed)
+    if replacement is None:
+        return "no replacement answer"
+    return ErratumCase(row, original, replacement, pattern.sub(lambda _: replacement, sentence).strip())
+
+
+def errata_cases(rows: Sequence[Row], pool: Sequence[Row], count: int, seed: int) -> tuple[list[ErratumCase], dict[str, int]]:
+    """The first ``count`` erratum cases in ``rows``, and how many rows were skipped before them, by reason."""
+    cases: list[ErratumCase] = []
+    skipped: dict[str, int] = {}
+    for row in rows:
+        if len(cases) == count:
+            break
+        case = erratum_case(row, pool, seed)
+        if isinstance(case, str):
+            skipped[case] = skipped.get(case, 0) + 1
+        else:
+            cases.append(case)
+    return cases, skipped
+
+
+def follows(answer: str, case: ErratumCase) -> str:
+    """Which of the two answers ``answer`` gives: a key of FOLLOWS."""
+    new, old = exact_match(answer, [case.replacement]), exact_match(answer, [case.original])
+    return "both" if new and old else "erratum" if new else "original" if old else "neither"
+
+
+def fill_parts(texts: Sequence[str], lengths: Sequence[int], parts: int, tokens_per_part: int) -> list[list[str]]:
+    """``parts`` groups of consecutive ``texts``, each taking texts until its ``lengths`` reach ``tokens_per_part``."""
+    groups: list[list[str]] = []
+    items = iter(zip(texts, lengths))
+    for _ in range(parts):
+        group, size = [], 0
+        while size < tokens_per_part:
+            try:
+                text, length = next(items)
+            except StopIteration:
+                raise ValueError(f"not enough text for {parts} parts of {tokens_per_part} tokens") from None
+            group.append(text)
+            size += length
+        groups.append(group)
+    return groups
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Cosine similarity of two vectors (in float64)."""
+    return float(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0))
+
+
+def fraction(values: Iterable[bool]) -> Interval:
+    """The share of true values, with its 95% interval."""
+    return mean_interval([float(v) for v in values])
+
+
+# ---- results directory: one jsonl per part, resumable ----
+
+
+def part_records(out: Path, part: str, wanted: dict, *, fresh: bool) -> list[dict]:
+    """The records a resumed ``part`` keeps, as in eval_packs.previous_records, with one entry per part in
+    OUT/settings.json: a part is resumed only under the settings it was made with."""
+    out.mkdir(parents=True, exist_ok=True)
+    path, settings_path = out / f"{part}.jsonl", out / "settings.json"
+    settings = json.loads(settings_path.read_text()) if settings_path.exists() else {}
+    if fresh or not path.exists():
+        path.write_text("")
+        settings_path.write_text(json.dumps(settings | {part: wanted}, indent=2) + "\n")
+        return []
+    if settings.get(part) != wanted:
+        raise SystemExit(f"{path} was made with settings {settings.get(part)}, not {wanted}: pass --fresh to start over")
+    return read_records(out, part)
+
+
+def read_records(out: Path, part: str) -> list[dict]:
+    """OUT/PART.jsonl as a list (empty when absent)."""
+    path = out / f"{part}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def appender(out: Path, part: str) -> Callable[[dict], None]:
+    """A function appending one record to OUT/PART.jsonl (flushed, so a stopped run keeps it)."""
+    path = out / f"{part}.jsonl"
+
+    def keep(record: dict) -> None:
+        with path.open("a") as sink:
+            sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    return keep
+
+
+# ---- the four parts ----
+
+
+def composed(lm: LoadedModel, packs: Sequence[Pack]) -> Composition:
+    """The exact composition of ``packs`` in order; one pack is its own composition (nothing prefilled)."""
+    if len(packs) == 1:
+        return Composition(pack=packs[0], reused_tokens=packs[0].header.tokens, prefilled_tokens=0)
+    return compose_exact(lm, packs[0], [pack.header for pack in packs[1:]])
+
+
+def first_token_logits(lm: LoadedModel, pack: Pack, question: str) -> torch.Tensor:
+    """The logits of the first answer token with ``pack`` injected (the question's tokens prefilled)."""
+    rendering = prepare(lm, pack.header, question)
+    ids = torch.tensor([rendering.token_ids[pack.header.tokens :]], dtype=torch.long, device=lm.device)
+    with torch.inference_mode():
+        output = lm.model(input_ids=ids, past_key_values=cache_from_pack(pack, lm.device), use_cache=True)
+    return output.logits[0, -1].float().cpu()
+
+
+def _progress(lm: LoadedModel, part: str, index: int, total: int, started: float) -> None:
+    if index % 10 == 0 or index == total:
+        log(f"{lm.name} {part}: {index}/{total}, {(time.perf_counter() - started) / index:.2f} s each")
+
+
+def run_accumulation(
+    lm: LoadedModel, rows: Sequence[Row], pool: Sequence[Row], steps: int, seed: int, sampling: Sampling, done: set, keep: Callable[[dict], None]
+) -> None:
+    """One record per question and step k not in ``done`` ((id, k) pairs): the composed pack and the
+    same paragraphs as text, their answers, scores, prompt tokens, and whether their ids differ."""
+    started = time.perf_counter()
+    for index, row in enumerate(rows, 1):
+        packs: dict[str, Pack] = {}
+        for k in range(1, steps + 1):
+            if (row.id, k) in done:
+                continue
+            parts, position = arrangement(row, pool, k, seed)
+            for part in parts:
+                if part.id not in packs:
+                    packs[part.id] = build_pack(lm, [part.context])
+            composition = composed(lm, [packs[part.id] for part in parts])
+            with_pack = answer_with_pack(lm, composition.pack, row.question, sampling)
+            with_text = answer_with_text(lm, list(composition.pack.header.facts), row.question, sampling=sampling)
+            keep(
+                {
+                    "model": lm.name,
+                    "id": row.id,
+                    "k": k,
+                    "gold_position": position,
+                    "parts": [part.id for part in parts],
+                    "composed_tokens": composition.pack.header.tokens,
+                    "prefilled_tokens": composition.prefilled_tokens,
+                    "reused_tokens": composition.reused_tokens,
+                    "divergent": with_pack.token_ids != with_text.token_ids,
+                    "pack": scored(with_pack.text, with_pack.prompt_tokens, row),
+                    "text": scored(with_text.text, with_text.prompt_tokens, row),
+                }
+            )
+        _progress(lm, "accumulation", index, len(rows), started)
+
+
+def run_modes(
+    lm: LoadedModel, rows: Sequence[Row], pool: Sequence[Row], k: int, seed: int, sampling: Sampling, keep: Callable[[dict], None]
+) -> None:
+    """One record per question: each mode's answer and scores, and rope and naive against exact on the
+    first token's distribution and on the generated ids."""
+    started = time.perf_counter()
+    for index, row in enumerate(rows, 1):
+        parts, position = arrangement(row, pool, k, seed)
+        packs = [build_pack(lm, [part.context]) for part in parts]
+        compositions = {
+            "exact": composed(lm, packs),
+            **{mode: splice(lm, packs, mode) for mode in SPLICED},
+        }
+        answers = {"single": answer_with_pack(lm, packs[position], row.question, sampling)}
+        answers |= {mode: answer_with_pack(lm, c.pack, row.question, sampling) for mode, c in compositions.items()}
+        logits = {mode: first_token_logits(lm, c.pack, row.question) for mode, c in compositions.items()}
+        conditions = {mode: scored(answer.text, answer.prompt_tokens, row) for mode, answer in answers.items()}
+        for mode, composition in compositions.items():
+            conditions[mode] |= {"prefilled_tokens": composition.prefilled_tokens, "composed_tokens": composition.pack.header.tokens}
+        agreement = {
+            mode: {
+                "prob_cosine": cosine(logits[mode].softmax(-1), logits["exact"].softmax(-1)),
+                "logit_cosine": cosine(logits[mode], logits["exact"]),
+                "same_first_token": int(logits[mode].argmax()) == int(logits["exact"].argmax()),
+                "same_tokens": answers[mode].token_ids == answers["exact"].token_ids,
+            }
+            for mode in SPLICED
+        }
+        keep(
+            {
+                "model": lm.name,
+                "id": row.id,
+                "k": k,
+                "gold_position": position,
+                "parts": [part.id for part in parts],
+                "conditions": conditions,
+                "agreement": agreement,
+            }
+        )
+        _progress(lm, "modes", index, len(rows), started)
+
+
+def run_timing(
+    lm: LoadedModel, rows: Sequence[Row], targets: Sequence[int], parts: int, repeats: int, budget: float, keep: Callable[[dict], None]
+) -> None:
+    """One record per target size: seconds of ``compose_exact`` and of ``splice(mode="rope")`` on the same
+    parts, alternating, and the tokens each prefilled."""
+    texts = [row.context for row in rows]
+    lengths = [len(lm.tokenizer(text, add_special_tokens=False).input_ids) + 1 for text in texts]  # + the "\n"
+    for target in targets:
+        groups = fill_parts(texts, lengths, parts, target // parts)
+        build_seconds, packs = timed(lambda: [build_pack(lm, group) for group in groups])
+        log(f"{lm.name} timing {target}: {parts} parts built ({sum(p.header.tokens for p in packs)} tokens) in {build_seconds:.1f} s")
+        seconds: dict[str, list[float]] = {"exact": [], "rope": []}
+        results: dict[str, Composition] = {}
+        for _ in range(repeats):
+            gc.collect()
+            elapsed, results["exact"] = timed(lambda: composed(lm, packs))
+            seconds["exact"].append(elapsed)
+            gc.collect()
+            elapsed, results["rope"] = timed(lambda: splice(lm, packs, "rope"))
+            seconds["rope"].append(elapsed)
+            if seconds["exact"][0] > budget:
+                break
+        exact, rope = median(seconds["exact"]), median(seconds["rope"])
+        log(f"{lm.name} timing {target}: exact {exact:.2f} s, rope {rope:.2f} s ({len(seconds['exact'])} repeats)")
+        keep(
+            {
+                "model": lm.name,
+                "target_tokens": target,
+                "parts": parts,
+                "part_tokens": [pack.header.tokens for pack in packs],
+                "composed_tokens": results["exact"].pack.header.tokens,
+                "same_token_ids": results["exact"].pack.header.token_ids == results["rope"].pack.header.token_ids,
+                "repeats": len(seconds["exact"]),
+                "build_seconds": build_seconds,
+                "seconds": seconds,
+                "median_seconds": {"exact": exact, "rope": rope},
+                "prefilled_tokens": {mode: result.prefilled_tokens for mode, result in results.items()},
+            }
+        )
+
+
+def run_errata(lm: LoadedModel, cases: Sequence[ErratumCase], sampling: Sampling, keep: Callable[[dict], None]) -> None:
+    """One record per case: the answers with the base pack, the amended pack and the amended facts as text."""
+    started = time.perf_counter()
+    for index, case in enumerate(cases, 1):
+        row = case.row
+        base = build_pack(lm, [row.context])
+        amended = amend(lm, base, case.erratum)
+        answers = {
+            "before": answer_with_pack(lm, base, row.question, sampling),
+            "after": answer_with_pack(lm, amended.pack, row.question, sampling),
+            "text": answer_with_text(lm, list(amended.pack.header.facts), row.question, sampling=sampling),
+        }
+        keep(
+            {
+                "model": lm.name,
+                "id": row.id,
+                "question": row.question,
+                "original": case.original,
+                "replacement": case.replacement,
+                "erratum": case.erratum,
+                "prefilled_tokens": amended.prefilled_tokens,
+                "divergent": answers["after"].token_ids != answers["text"].token_ids,
+                **{name: {"answer": a.text, "follows": follows(a.text, case)} for name, a in answers.items()},
+            }
+        )
+        _progress(lm, "errata", index, len(cases), started)
+
+
+# ---- summaries, tables and figures ----
+
+
+def _by_model(records: Sequence[dict]) -> dict[str, list[dict]]:
+    return {model: [r for r in records if r["model"] == model] for model in dict.fromkeys(r["model"] for r in records)}
+
+
+def _mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def summarize_accumulation(records: Sequence[dict]) -> dict:
+    """Per model and k: EM/F1 with pack and text, identical share, prompt tokens, savings, composed tokens."""
+    summary: dict = {}
+    for model, mine in _by_model(records).items():
+        summary[model] = {}
+        for k in sorted({r["k"] for r in mine}):
+            at = [r for r in mine if r["k"] == k]
+            pack_tokens, text_tokens = _mean(r["pack"]["prompt_tokens"] for r in at), _mean(r["text"]["prompt_tokens"] for r in at)
+            summary[model][str(k)] = {
+                "questions": len(at),
+                **{f"{metric}_{way}": mean_interval([r[way][metric] for r in at]) for way in ("pack", "text") for metric in ("em", "f1")},
+                "identical": sum(not r["divergent"] for r in at) / len(at),
+                "divergences": sum(r["divergent"] for r in at),
+                "prompt_tokens_pack": pack_tokens,
+                "prompt_tokens_text": text_tokens,
+                "savings": 1 - pack_tokens / text_tokens,
+                "composed_tokens": _mean(r["composed_tokens"] for r in at),
+                "prefilled_tokens": _mean(r["prefilled_tokens"] for r in at),
+            }
+    return summary
+
+
+def summarize_modes(records: Sequence[dict]) -> dict:
+    """Per model: each mode's EM/F1 and prefilled tokens; rope and naive against exact."""
+    summary: dict = {}
+    for model, mine in _by_model(records).items():
+        modes = {}
+        for mode in MODES:
+            scores = [r["conditions"][mode] for r in mine]
+            modes[mode] = {"em": mean_interval([s["em"] for s in scores]), "f1": mean_interval([s["f1"] for s in scores])}
+            if "prefilled_tokens" in scores[0]:
+                modes[mode] |= {
+                    "prefilled_tokens": _mean(s["prefilled_tokens"] for s in scores),
+                    "composed_tokens": _mean(s["composed_tokens"] for s in scores),
+                }
+        agreement = {
+            mode: {
+                "prob_cosine": mean_interval([r["agreement"][mode]["prob_cosine"] for r in mine]),
+                "logit_cosine": mean_interval([r["agreement"][mode]["logit_cosine"] for r in mine]),
+                "same_first_token": fraction(r["agreement"][mode]["same_first_token"] for r in mine),
+                "same_tokens": fraction(r["agreement"][mode]["same_tokens"] for r in mine),
+            }
+            for mode in SPLICED
+        }
+        summary[model] = {"questions": len(mine), "k": mine[0]["k"], "modes": modes, "agreement": agreement}
+    return summary
+
+
+def summarize_timing(records: Sequence[dict]) -> dict:
+    """Per model and target size: the timing record with the exact/rope ratio."""
+    return {
+        model: {
+            str(r["target_tokens"]): {
+                key: r[key] for key in ("composed_tokens", "part_tokens", "repeats", "median_seconds", "prefilled_tokens", "same_token_ids")
+            }
+            | {"ratio_exact_to_rope": r["median_seconds"]["exact"] / r["median_seconds"]["rope"]}
+            for r in sorted(mine, key=lambda r: r["target_tokens"])
+        }
+        for model, mine in _by_model(records).items()
+    }
+
+
+def summarize_errata(records: Sequence[dict]) -> dict:
+    """Per model: for the base pack, the amended pack and the text, the share following each answer; divergences."""
+    return {
+        model: {
+            "cases": len(mine),
+            "divergences": sum(r["divergent"] for r in mine),
+            "prefilled_tokens": _mean(r["prefilled_tokens"] for r in mine),
+            **{
+                name: {outcome: fraction(r[name]["follows"] == outcome for r in mine) for outcome in FOLLOWS}
+                for name in ("before", "after", "text")
+            },
+        }
+        for model, mine in _by_model(records).items()
+    }
+
+
+def accumulation_table(summary: dict) -> str:
+    """One line per model and k."""
+    headers = ["model", "k", "questions", "EM pack %", "EM text %", "F1 pack %", "F1 text %", "identical ids"]
+    headers += ["prompt tokens pack", "prompt tokens text", "savings", "composed: prefilled / total tokens"]
+    lines = []
+    for model, steps in summary.items():
+        for k, s in steps.items():
+            scores = [s[f"{metric}_{way}"].percent() for metric in ("em", "f1") for way in ("pack", "text")]
+            identical = f"{100 * s['identical']:.0f} % ({s['divergences']} div.)"
+            tokens = [f"{s['prompt_tokens_pack']:.1f}", f"{s['prompt_tokens_text']:.1f}", f"{100 * s['savings']:.1f} %"]
+            composition = f"{s['prefilled_tokens']:.0f} / {s['composed_tokens']:.0f}"
+            lines.append([model, k, str(s["questions"]), *scores, identical, *tokens, composition])
+    return markdown_table(headers, lines, left=2)
+
+
+def modes_table(summary: dict) -> str:
+    """One line per model and mode; rope and naive with their agreement with exact."""
+    headers = ["model", "mode", "questions", "EM % [95% CI]", "F1 % [95% CI]", "prefilled / total tokens"]
+    headers += ["prob. cosine 1st token", "logit cosine 1st token", "same 1st token %", "same answer ids %"]
+    lines = []
+    for model, s in summary.items():
+        for mode, label in MODES.items():
+            scores = s["modes"][mode]
+            tokens = f"{scores['prefilled_tokens']:.0f} / {scores['composed_tokens']:.0f}" if "prefilled_tokens" in scores else "-"
+            versus = ["-"] * 4
+            if agreement := s["agreement"].get(mode):
+                versus = [f"{agreement['prob_cosine'].mean:.4f}", f"{agreement['logit_cosine'].mean:.4f}"]
+                versus += [agreement["same_first_token"].percent(), agreement["same_tokens"].percent()]
+            lines.append([model, label, str(s["questions"]), scores["em"].percent(), scores["f1"].percent(), tokens, *versus])
+    notes = [
+        f"{model}: k = {s['k']} paragraphs (gold + {s['k'] - 1} distractors); cosines are means over questions of the "
+        "cosine between the first answer token's softmax probabilities (resp. raw logits) and exact's"
+        for model, s in summary.items()
+    ]
+    return markdown_table(headers, lines, left=2) + "\n\n" + "\n".join(notes)
+
+
+def timing_table(summary: dict) -> str:
+    """One line per model and target size."""
+    headers = ["model", "target tokens", "composed tokens", "parts", "repeats", "exact s", "rope s", "exact / rope"]
+    headers += ["prefilled exact", "prefilled rope"]
+    lines = []
+    for model, sizes in summary.items():
+        for target, s in sizes.items():
+            seconds, prefilled = s["median_seconds"], s["prefilled_tokens"]
+            lines.append(
+                [model, target, str(s["composed_tokens"]), " + ".join(map(str, s["part_tokens"])), str(s["repeats"])]
+                + [f"{seconds['exact']:.3f}", f"{seconds['rope']:.3f}", f"{s['ratio_exact_to_rope']:.1f}x"]
+                + [str(prefilled["exact"]), str(prefilled["rope"])]
+            )
+    return markdown_table(headers, lines, left=2)
+
+
+def errata_table(summary: dict) -> str:
+    """One line per model and way of answering; divergences below."""
+    headers = ["model", "answered with", "cases", *(f"{label} %" for label in FOLLOWS.values())]
+    names = {"before": "base pack (no erratum)", "after": "amended pack", "text": "amended facts as text"}
+    lines = [
+        [model, label, str(s["cases"]), *(s[name][outcome].percent() for outcome in FOLLOWS)]
+        for model, s in summary.items()
+        for name, label in names.items()
+    ]
+    notes = [
+        f"{model}: divergences amended pack vs text: {s['divergences']} of {s['cases']}; "
+        f"the erratum prefilled {s['prefilled_tokens']:.1f} tokens on average"
+        for model, s in summary.items()
+    ]
+    return markdown_table(headers, lines, left=2) + "\n\n" + "\n".join(notes)
+
+
+TABLES = {
+    "accumulation": ("Accumulation (Table 2): gold paragraph + k-1 distractors, composed exactly vs as text", accumulation_table),
+    "modes": ("Composition modes (Table 5): rope and naive compared with exact", modes_table),
+    "timing": ("Compose time: exact (later parts prefilled) vs RoPE splice, median seconds", timing_table),
+    "errata": ("Errata: does the answer follow the correction (B) or the original (A)?", errata_table),
+}
+
+
+def plot(summary: dict, figures: Path) -> None:
+    """The accumulation, modes and errata PNGs in ``figures``, for the parts that have results."""
+    if acc := summary.get("accumulation"):
+        ways = {"pack": "composed pack", "text": "text"}
+
+        def per_k(key: str) -> dict:
+            return {f"{m} {label}": {f"k={k}": s[f"{key}_{way}"] for k, s in steps.items()} for m, steps in acc.items() for way, label in ways.items()}
+
+        counts = ", ".join(f"{m} n={next(iter(steps.values()))['questions']} per k" for m, steps in acc.items())
+        grouped_bars(
+            figures / "eval_compose_accumulation.png",
+            {"EM (0-1, 95% CI)": per_k("em"), "prompt tokens prefilled per question": per_k("prompt_tokens")},
+            title=f"Accumulation on ckc_dev: gold paragraph + k-1 distractor packs, exact composition vs text ({counts})",
+            ylabel="EM / tokens",
+        )
+    if modes := summary.get("modes"):
+        measures = {"prob_cosine": "prob. cosine, 1st token", "same_first_token": "same 1st token", "same_tokens": "same answer ids"}
+        versus = {f"{m} {mode}": {label: s["agreement"][mode][key] for key, label in measures.items()} for m, s in modes.items() for mode in SPLICED}
+        counts = ", ".join(f"{m} k={s['k']} n={s['questions']}" for m, s in modes.items())
+        grouped_bars(
+            figures / "eval_compose_modes.png",
+            {"EM per mode (95% CI)": {m: {MODES[mode]: s["modes"][mode]["em"] for mode in MODES} for m, s in modes.items()}, "rope and naive vs exact": versus},
+            title=f"Composition modes on ckc_dev, gold paragraph + distractors ({counts})",
+            ylabel="score / share (0-1)",
+        )
+    if errata := summary.get("errata"):
+        names = {"before": "base pack", "after": "amended pack"}
+        shares = {f"{m} {label}": {FOLLOWS[o]: s[name][o] for o in FOLLOWS} for m, s in errata.items() for name, label in names.items()}
+        counts = ", ".join(f"{m} n={s['cases']}" for m, s in errata.items())
+        grouped_bars(
+            figures / "eval_compose_errata.png",
+            {"the answer contains": shares},
+            title=f"Errata: answer A replaced by B in a correction line; base and amended pack ({counts})",
+            ylabel="share of cases (0-1)",
+        )
+
+
+def write_report(records: dict[str, list[dict]], out: Path, figures: Path, about: dict) -> str:
+    """summary.json, table.md and the figures from the parts' records; returns the markdown."""
+    summarizers = {"accumulation": summarize_accumulation, "modes": summarize_modes, "timing": summarize_timing, "errata": summarize_errata}
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {part: summarizers[part](mine) for part, mine in records.items() if mine}
+    text = "\n\n".join(f"### {TABLES[part][0]}\n\n{TABLES[part][1](s)}" for part, s in summary.items())
+    (out / "summary.json").write_text(json.dumps(about | {"parts": summary}, indent=2, default=dataclasses.asdict) + "\n")
+    (out / "table.md").write_text(text + "\n")
+    plot(summary, figures)
+    return text
+
+
+# ---- command line ----
+
+
+def _numbers(text: str) -> list[int]:
+    return [int(n) for n in text.split(",") if n.strip()]
+
+
+def _parts(text: str) -> list[str]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown parts {', '.join(sorted(unknown))}: use {', '.join(PARTS)}")
+    return parts
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), help="model names or directories")
+    parser.add_argument("--parts", type=_parts, default=list(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
+    parser.add_argument("--limit", type=int, default=200, help="questions per model for modes")
+    parser.add_argument("--acc-limit", type=int, default=100, help="questions per model and k for accumulation")
+    parser.add_argument("--steps", type=int, default=5, help="accumulation steps: k = 1..STEPS paragraphs")
+    parser.add_argument("--modes-parts", type=int, default=3, help="paragraphs (gold + distractors) for modes")
+    parser.add_argument("--errata", type=int, default=60, help="erratum cases per model")
+    parser.add_argument("--timing-tokens", type=_numbers, default=[2048, 8192], help="comma-separated composed sizes to time")
+    parser.add_argument("--timing-parts", type=int, default=4)
+    parser.add_argument("--timing-repeats", type=int, default=3)
+    parser.add_argument("--timing-budget", type=float, default=60.0, help="one repeat only when one exact composition takes longer (s)")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "eval_compose", help="results directory")
+    parser.add_argument("--figures", type=Path, default=REPO / "docs" / "figures", help="where the PNGs go")
+    parser.add_argument("--fresh", action="store_true", help="discard the records of the parts being run instead of resuming them")
+    parser.add_argument("--report-only", action="store_true", help="redo summary, table and plots from OUT's records")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    pool = load_rows()
+    ordered = question_order(pool)
+    cases, skipped = errata_cases(ordered, pool, args.errata, args.seed)
+    sampling = Sampling(max_new_tokens=args.max_new_tokens)
+    common = {"max_new_tokens": args.max_new_tokens, "seed": args.seed, "rows": ROWS_NOTE}
+    wanted = {
+        "accumulation": common | {"steps": args.steps},
+        "modes": common | {"k": args.modes_parts},
+        "timing": {"parts": args.timing_parts, "rows": "consecutive paragraphs in question order"},
+        "errata": common | {"max_erratum_words": MAX_ERRATUM_WORDS},
+    }
+    started = time.perf_counter()
+    if not args.report_only:
+        previous = {part: part_records(args.out, part, wanted[part], fresh=args.fresh) for part in args.parts}
+        for name in args.models:
+            lm = load_model(name, device="cpu", progress=False)
+            log(f"{name} loaded ({lm.dtype_name}); parts {', '.join(args.parts)}")
+            mine = {part: [r for r in records if r["model"] == lm.name] for part, records in previous.items()}
+            if "accumulation" in args.parts:
+                done = {(r["id"], r["k"]) for r in mine["accumulation"]}
+                todo = [row for row in ordered[: args.acc_limit] if any((row.id, k) not in done for k in range(1, args.steps + 1))]
+                run_accumulation(lm, todo, pool, args.steps, args.seed, sampling, done, appender(args.out, "accumulation"))
+            if "modes" in args.parts:
+                done = {r["id"] for r in mine["modes"]}
+                todo = [row for row in ordered[: args.limit] if row.id not in done]
+                run_modes(lm, todo, pool, args.modes_parts, args.seed, sampling, appender(args.out, "modes"))
+            if "timing" in args.parts:
+                done = {r["target_tokens"] for r in mine["timing"]}
+                targets = [t for t in args.timing_tokens if t not in done]
+                run_timing(lm, ordered, targets, args.timing_parts, args.timing_repeats, args.timing_budget, appender(args.out, "timing"))
+            if "errata" in args.parts:
+                done = {r["id"] for r in mine["errata"]}
+                run_errata(lm, [c for c in cases if c.row.id not in done], sampling, appender(args.out, "errata"))
+    # the report covers every model with records, restricted to what these options select
+    acc_ids, mode_ids, case_ids = {r.id for r in ordered[: args.acc_limit]}, {r.id for r in ordered[: args.limit]}, {c.row.id for c in cases}
+    selected = {
+        "accumulation": [r for r in read_records(args.out, "accumulation") if r["id"] in acc_ids and r["k"] <= args.steps],
+        "modes": [r for r in read_records(args.out, "modes") if r["id"] in mode_ids],
+        "timing": [r for r in read_records(args.out, "timing") if r["target_tokens"] in args.timing_tokens],
+        "errata": [r for r in read_records(args.out, "errata") if r["id"] in case_ids],
+    }
+    settings_path = args.out / "settings.json"
+    about = {
+        "settings": json.loads(settings_path.read_text()) if settings_path.exists() else {},
+        "limits": {"acc_limit": args.acc_limit, "limit": args.limit, "errata": args.errata, "timing_tokens": args.timing_tokens},
+        "errata_rows_skipped": skipped,
+        "wall_seconds_last_run": round(time.perf_counter() - started, 1),
+        "machine": machine_description({}),
+        "source": source_description(),
+    }
+    print(write_report(selected, args.out, args.figures, about))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
