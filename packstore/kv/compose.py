@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from transformers import DynamicCache
-
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.format import PackHeader
 from packstore.format.header import COMPOSITIONS
@@ -120,10 +118,8 @@ def splice(lm: LoadedModel, parts: Sequence[Pack], mode: str) -> Composition:
     raw = check_parts(lm, [part.header for part in parts])
     frequencies = layer_frequencies(lm) if mode == "rope" else None
     token_ids, spans = group_spans(lm.tokenizer, [part.header.facts for part in parts], raw=raw)
-    cache = DynamicCache()
     kept = _common_prefix(parts[0].header.token_ids, token_ids)
-    for layer, (k, v) in enumerate(zip(parts[0].keys, parts[0].values)):
-        cache.update(k[:, :kept].unsqueeze(0).to(lm.device), v[:, :kept].unsqueeze(0).to(lm.device), layer)
+    cache = cache_from_pack(parts[0], lm.device, tokens=kept)
     position, reused = kept, kept
     for part, (start, stop) in zip(parts[1:], spans[1:]):
         own_ids, [(own_start, own_stop)] = group_spans(lm.tokenizer, [part.header.facts], raw=raw)
