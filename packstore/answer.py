@@ -188,9 +188,7 @@ class Answerer:
             with self._device_lock:
                 result = extend(self.lm, base, sum(groups[done:], []), parents=keys)
             prefilled = result.prefilled_tokens
-            device = self.lm.device
-            pack = result.pack
-            return Pack(header=pack.header, keys=[k.to(device) for k in pack.keys], values=[v.to(device) for v in pack.values])
+            return result.pack.to(self.lm.device)
 
         pack, hit = self.ready.get(prefix_keys[-1], compose)
         return pack, keys, hit, prefilled
@@ -212,8 +210,7 @@ class Answerer:
                     pack = build_pack(self.lm, facts)
                 self.store.put(encode_pack(pack))
                 stored = False
-                device = self.lm.device
-                return Pack(header=pack.header, keys=[k.to(device) for k in pack.keys], values=[v.to(device) for v in pack.values])
+                return pack.to(self.lm.device)
 
         key = pack_key(self.lm.model_fp, self.lm.template_fp, pack_prefix_ids(self.lm.tokenizer, facts))
         pack, hit = self.ready.get(key, load)

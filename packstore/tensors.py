@@ -45,6 +45,10 @@ class Pack:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
 
+    def to(self, device: torch.device | str) -> "Pack":
+        """The same pack with its tensors on ``device`` (no copy where they already are)."""
+        return Pack(header=self.header, keys=[k.to(device) for k in self.keys], values=[v.to(device) for v in self.values])
+
     def check_shapes(self) -> None:
         """Raise InvalidInput unless every tensor matches the header's shape and dtype."""
         h = self.header

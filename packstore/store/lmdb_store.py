@@ -452,13 +452,13 @@ class LmdbStore(BankTables):
         self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
     ) -> "Pack":
         """Get, verify and decode a pack; refuses one whose identities differ from those the caller states."""
-        from packstore.tensors import Pack, decode_pack
+        from packstore.tensors import decode_pack
 
         encoded = self._read(ref, model_fp=model_fp)
         encoded.header.check_identities(model_fp, template_fp)
         pack = decode_pack(encoded)  # verifies every chunk's checksum before decoding it
         if device is not None and str(device) != "cpu":
-            pack = Pack(header=pack.header, keys=[k.to(device) for k in pack.keys], values=[v.to(device) for v in pack.values])
+            pack = pack.to(device)
         return pack
 
     def read_chunk(self, header: PackHeader, index: int) -> bytes:
