@@ -613,7 +613,7 @@ def plot(summary: dict, figures: Path) -> None:
         grouped_bars(
             figures / "eval_compose_errata.png",
             {"the answer contains": shares},
-            title=f"Errata: answer A replaced by B in a correction line; base and amended pack ({counts})",
+            title=f"Errata: A replaced by B in a correction line\n({counts})",
             ylabel="share of cases (0-1)",
         )
 
