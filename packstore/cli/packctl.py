@@ -388,7 +388,7 @@ def build_cli() -> CommandLine:
     p.add_argument("--name", help="name (alias) for the pack, per model")
     p.add_argument("--raw", action="store_true", help="no chat template around the facts (to measure that pitfall)")
 
-    p = cli.command("compose", cmd_compose, "compose packs in order into a new pack; prints its key")
+    p = cli.command("compose", cmd_compose, "compose packs in order into a new pack (model: --model, else the first pack's own); prints its key")
     p.add_argument("refs", metavar="REF", nargs="+", help="two or more packs, in order")
     _model_options(p, required=False)
     p.add_argument("--name", help="name (alias) for the composed pack, per model")
@@ -399,7 +399,7 @@ def build_cli() -> CommandLine:
         "naive: splice without re-positioning (wrong; only to measure it)",
     )
 
-    p = cli.command("amend", cmd_amend, "append an erratum to a pack as a new pack (the old one stays); prints its key")
+    p = cli.command("amend", cmd_amend, "append an erratum to a pack as a new pack, the old one kept (model: --model, else the pack's own); prints its key")
     p.add_argument("ref", metavar="REF")
     p.add_argument("--erratum", required=True, metavar="TEXT", help="one line; rendered as 'Correction: TEXT' after the facts")
     _model_options(p, required=False)
