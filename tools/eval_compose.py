@@ -266,6 +266,11 @@ def _progress(lm: LoadedModel, part: str, index: int, total: int, started: float
         log(f"{lm.name} {part}: {index}/{total}, {(time.perf_counter() - started) / index:.2f} s each")
 
 
+def _arranged(lm: LoadedModel, row: Row, k: int, position: int, parts: Sequence[Row]) -> dict:
+    """The fields every accumulation and modes record starts with: model, question, arrangement."""
+    return {"model": lm.name, "id": row.id, "k": k, "gold_position": position, "parts": [part.id for part in parts]}
+
+
 def run_accumulation(
     lm: LoadedModel, rows: Sequence[Row], pool: Sequence[Row], steps: int, seed: int, sampling: Sampling, done: set, keep: Callable[[dict], None]
 ) -> None:
@@ -285,12 +290,8 @@ def run_accumulation(
             with_pack = answer_with_pack(lm, composition.pack, row.question, sampling)
             with_text = answer_with_text(lm, list(composition.pack.header.facts), row.question, sampling=sampling)
             keep(
-                {
-                    "model": lm.name,
-                    "id": row.id,
-                    "k": k,
-                    "gold_position": position,
-                    "parts": [part.id for part in parts],
+                _arranged(lm, row, k, position, parts)
+                | {
                     "composed_tokens": composition.pack.header.tokens,
                     "prefilled_tokens": composition.prefilled_tokens,
                     "reused_tokens": composition.reused_tokens,
@@ -330,17 +331,7 @@ def run_modes(
             }
             for mode in SPLICED
         }
-        keep(
-            {
-                "model": lm.name,
-                "id": row.id,
-                "k": k,
-                "gold_position": position,
-                "parts": [part.id for part in parts],
-                "conditions": conditions,
-                "agreement": agreement,
-            }
-        )
+        keep(_arranged(lm, row, k, position, parts) | {"conditions": conditions, "agreement": agreement})
         _progress(lm, "modes", index, len(rows), started)
 
 
