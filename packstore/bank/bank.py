@@ -13,9 +13,10 @@ import torch
 
 from packstore.bank.embedder import Embedder, load_embedder
 from packstore.bank.lexical import LEXICAL_KIND, LexicalIndex
-from packstore.errors import InvalidInput, PackMismatch
+from packstore.errors import InvalidInput, PackMismatch, StoreBusy
 from packstore.format.bank import VECTOR_KINDS, BankMeta, Cluster, quantize
 from packstore.records import Route
+from packstore.store.banks import BankChanged
 from packstore.store.lmdb_store import LmdbStore
 from packstore.store.protocol import check_name
 from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_TOP_K, MIN_PROBE, PROBED_SHARE, ROUTE_MODES
@@ -25,6 +26,7 @@ _EMBEDDERS: dict[str, "Embedder"] = {}
 _EMBEDDERS_LOCK = threading.Lock()
 MAX_QUERY_CHARS = 100_000
 LEXICAL_WEIGHT = 0.2  # x BM25 / the query's best BM25, added to the cosine; tuned on the tuning data (docs/evaluation.md)
+ADD_ATTEMPTS = 8  # times an add is computed again when concurrent writers keep changing the bank
 LEXICAL_CANDIDATES = 20  # best BM25 facts whose clusters are ranked besides the probed ones
 _Cached = TypeVar("_Cached")
 
@@ -187,11 +189,28 @@ def add_facts(store: LmdbStore, name: str, facts: Sequence[str], embedder: Embed
     """Add facts to an existing bank without re-clustering: each joins its nearest centroid's cluster.
 
     The full-text index is rebuilt over all the bank's facts (BM25 statistics cover every document).
+    The update is computed from the bank as read and written only if it is still that bank; when
+    another add or a rebuild got in between, it is computed again from the new state (the new
+    facts' embeddings are kept), so concurrent adds never lose facts.
     """
-    meta = store.bank(name)
-    _check_embedder(meta, embedder)
+    _check_embedder(store.bank(name), embedder)
     facts = unique_facts(facts)
     vectors = embedder.embed(facts, progress=progress)
+    for _ in range(ADD_ATTEMPTS):
+        meta = store.bank(name)
+        _check_embedder(meta, embedder)
+        updated, merged, lexical = _additions(store, meta, facts, vectors)
+        try:
+            store.update_bank(updated, merged, lexical, expected=meta)
+        except BankChanged:
+            continue
+        return updated
+    raise StoreBusy(f"bank {name!r} kept changing while facts were being added ({ADD_ATTEMPTS} attempts); try again")
+
+
+def _additions(store: LmdbStore, meta: BankMeta, facts: list[str], vectors: np.ndarray) -> tuple[BankMeta, dict[int, Cluster], bytes]:
+    """The metadata, changed clusters and full-text index record of ``meta``'s bank with ``facts`` added."""
+    name = meta.name
     assignment = nearest_centroids(vectors, centroids_of(store, name), 1)[:, 0]
     ids = np.arange(meta.next_fact_id, meta.next_fact_id + len(facts), dtype=np.uint32)
     additions = _group(ids, vectors, facts, assignment, meta.vectors)
@@ -206,10 +225,8 @@ def add_facts(store: LmdbStore, name: str, facts: Sequence[str], embedder: Embed
         merged[cluster_id] = Cluster.joined([old, added.take([i for i, text in enumerate(added.texts) if text not in known])])
     added_count = sum(len(c.texts) for c in merged.values()) - sum(len(current[c].texts) for c in merged if current[c] is not None)
     changes = {"facts": meta.facts + added_count, "next_fact_id": int(ids[-1]) + 1, "updated": _now(), "lexical": LEXICAL_KIND}
-    meta = BankMeta(**{**meta.__dict__, **changes})
-    lexical = LexicalIndex.build({**current, **merged}, meta.clusters)
-    store.update_bank(meta, merged, lexical.to_bytes())
-    return meta
+    updated = BankMeta(**{**meta.__dict__, **changes})
+    return updated, merged, LexicalIndex.build({**current, **merged}, meta.clusters).to_bytes()
 
 
 def _lexical_candidates(scores: np.ndarray, count: int) -> np.ndarray:

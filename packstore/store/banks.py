@@ -40,6 +40,10 @@ def _cluster_key(name: str, cluster: int) -> bytes:
     return _cluster_prefix(name) + struct.pack(">I", cluster)
 
 
+class BankChanged(Exception):
+    """The bank changed between reading it and writing an update computed from it: compute again."""
+
+
 class BankTables:
     """Mixed into LmdbStore: every bank write is one LMDB transaction, like every pack write."""
 
@@ -76,10 +80,17 @@ class BankTables:
 
         self._write(body)
 
-    def update_bank(self, meta: BankMeta, clusters: dict[int, Cluster], lexical: bytes) -> None:
-        """Replace some clusters, the full-text index and the metadata atomically (adding facts)."""
+    def update_bank(self, meta: BankMeta, clusters: dict[int, Cluster], lexical: bytes, *, expected: BankMeta) -> None:
+        """Replace some clusters, the full-text index and the metadata atomically (adding facts),
+        only if the bank is still ``expected`` (the metadata the change was computed from):
+        BankChanged otherwise, so a concurrent add or rebuild is never overwritten."""
 
         def body(txn: lmdb.Transaction) -> None:
+            current = txn.get(_meta_key(meta.name), db=self._banks)
+            if current is None:
+                raise PackNotFound(f"no bank named {meta.name!r}: it was removed while facts were being added")
+            if BankMeta.from_json(current) != expected:
+                raise BankChanged(meta.name)
             for cluster_id, cluster in clusters.items():
                 txn.put(_cluster_key(meta.name, cluster_id), encode_cluster(cluster), db=self._banks)
             txn.put(_lexical_key(meta.name), lexical, db=self._banks)

@@ -220,6 +220,31 @@ def test_added_facts_are_in_the_full_text_index(tmp_path: Path, embedder) -> Non
         assert store.banks().route("b", ["Who catalogued Plomquatsch?"], top_k=1)[0].facts[0][0] == added[0]  # the bank's own embedder
 
 
+def test_an_add_that_meets_a_concurrent_add_loses_no_facts(tmp_path: Path, embedder, monkeypatch) -> None:
+    """Another add commits between this add's read and its write: this one is computed again."""
+    first = ["The archive Plomquatsch in Port Amaranth was catalogued by Irmeline Vosk in 1911."]
+    second = ["The foundry Ekkerwal in Lower Brisk was cast in bronze by Tobiah Quell in 1702."]
+    with LmdbStore(tmp_path / "s") as store:
+        build_bank(store, "b", [s.fact for s in synthetic_facts(60)], embedder)
+        real_update = store.update_bank
+        calls = []
+
+        def update_after_another_add(*args, **kwargs):
+            calls.append(kwargs["expected"].facts)
+            if len(calls) == 1:
+                add_facts(store, "b", second, embedder)  # commits first, and changes the bank under us
+            return real_update(*args, **kwargs)
+
+        monkeypatch.setattr(store, "update_bank", update_after_another_add)
+        meta = add_facts(store, "b", first, embedder)
+        assert meta.facts == store.bank("b").facts == 62 and calls == [60, 60, 61]
+        found = {route(store, "b", [text], embedder, top_k=1, mode="lexical")[0].facts[0][0] for text in ("Plomquatsch", "Ekkerwal")}
+        assert found == {first[0], second[0]}
+        clusters = store.bank_clusters("b", list(range(meta.clusters)))
+        ids = [i for c in clusters.values() if c is not None for i in c.ids.tolist()]
+        assert len(ids) == len(set(ids)) == 62 and meta.next_fact_id == 62
+
+
 def _damage(path: Path, prefix: bytes, *, remove: bool = False) -> None:
     env = lmdb.open(str(path), max_dbs=8)
     with env.begin(write=True) as txn:
