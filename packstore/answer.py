@@ -1,8 +1,8 @@
-"""The one answering path: a model, a store and an LRU of ready packs; refs or a bank -> pack -> tokens.
+"""The one answering path: a model, a store and an LRU of ready packs; refs and/or a bank -> pack -> tokens.
 
 The Python API, ``packctl ask`` and the worker all answer through ``Answerer``, so resolving refs,
-identity checks, lazy recompute of a bank's facts, the ready-cache and the comparison with the
-facts as prompt text exist once. The store is any ``PackStore`` (local or remote): only its
+identity checks, composing several packs, lazy recompute of a bank's facts, the ready-cache and
+the comparison with the facts as prompt text exist once. The store is any ``PackStore`` (local or remote): only its
 protocol methods are used.
 """
 
