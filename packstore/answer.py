@@ -170,12 +170,14 @@ class Answerer:
         keys, headers = self.parts(refs)
         groups = [list(header.facts) for header in headers] + ([list(extra_facts)] if extra_facts else [])
         raw = headers[0].raw
-        prefix_keys = [
-            pack_key(self.lm.model_fp, self.lm.template_fp, pack_prefix_ids(self.lm.tokenizer, sum(groups[:n], []), raw=raw))
-            for n in range(1, len(groups) + 1)
-        ]
-        prefix_keys[0] = keys[0]
         prefilled = 0
+
+        def key_of(n: int) -> str:
+            """The composition key of the first ``n`` groups (the first pack's own key for one)."""
+            if n == 1:
+                return keys[0]
+            ids = pack_prefix_ids(self.lm.tokenizer, sum(groups[:n], []), raw=raw)
+            return pack_key(self.lm.model_fp, self.lm.template_fp, ids)
 
         def compose(key: str) -> Pack:
             nonlocal prefilled
@@ -183,14 +185,14 @@ class Answerer:
                 return self._fetch(key)
             except PackNotFound:
                 pass
-            ready = next(((n, p) for n in range(len(groups) - 1, 0, -1) if (p := self.ready.peek(prefix_keys[n - 1]))), None)
+            ready = next(((n, p) for n in range(len(groups) - 1, 0, -1) if (p := self.ready.peek(key_of(n)))), None)
             done, base = ready if ready is not None else (1, self.ready.get(keys[0], self._fetch)[0])
             with self._device_lock:
                 result = extend(self.lm, base, sum(groups[done:], []), parents=keys)
             prefilled = result.prefilled_tokens
             return result.pack.to(self.lm.device)
 
-        pack, hit = self.ready.get(prefix_keys[-1], compose)
+        pack, hit = self.ready.get(key_of(len(groups)), compose)  # a warm request renders once
         return pack, keys, hit, prefilled
 
     def facts_pack(self, facts: Sequence[str]) -> tuple[Pack, bool, bool]:
