@@ -1,7 +1,8 @@
-"""The one answering path: a model, a store and an LRU of ready packs; refs and/or a bank -> pack -> tokens.
+"""The one answering path: a model, a store and an LRU of ready packs; refs and/or a bank -> pack -> tokens,
+optionally steered by steering packs.
 
 The Python API, ``packctl ask`` and the worker all answer through ``Answerer``, so resolving refs,
-identity checks, composing several packs, lazy recompute of a bank's facts, the ready-cache and
+identity checks, composing several packs, lazy recompute of a bank's facts, steering, the ready-cache and
 the comparison with the facts as prompt text exist once. The store is any ``PackStore`` (local or remote): only its
 protocol methods are used.
 """
@@ -20,7 +21,9 @@ from packstore.kv.build import build_pack, clean_facts
 from packstore.kv.compose import check_parts, extend
 from packstore.kv.inject import Sampling, answer_with_text, cache_from_pack, check_identity, generate_stream, prepare
 from packstore.kv.models import LoadedModel
-from packstore.kv.render import pack_prefix_ids
+from packstore.kv.render import pack_prefix_ids, render
+from packstore.kv.steer import Direction, LayerDeltas, SteeredCache, applied_layers, check_steering, steering_deltas
+from packstore.kv.steer_options import STEER_TARGETS, check_alpha
 from packstore.records import AnswerResult
 from packstore.store.protocol import DEFAULT_TOP_K, PackStore
 
@@ -75,12 +78,16 @@ class ReadyCache:
 
 @dataclass(frozen=True)
 class Question:
-    """A question and what to answer it with: pack refs (key, name or content-hash prefix), a bank, or both.
+    """A question and what to answer it with: pack refs (key, name or content-hash prefix), a bank,
+    or both, and/or steering packs.
 
     Several refs are answered with their exact sequential composition, in order. With a bank the
     question is routed there (``top_k``, ``probe``, ``embedder``: None means the bank's own) and
     answered with the pack of its top facts, or, with refs too, with those facts composed after the
-    packs. ``compare_rag`` also answers with all the same facts, in order, as prompt text.
+    packs. ``compare_rag`` also answers with all the same facts, in order, as prompt text (steered
+    alike). ``steering`` holds (steering ref, alpha) pairs whose deltas are summed and added from the
+    question on, on ``steer_layers`` (None: each pack's default, the middle third) and to
+    ``steer_on`` (``values``; ``keys`` or ``both`` only as the key-arithmetic control).
     """
 
     text: str
@@ -91,15 +98,27 @@ class Question:
     embedder: str | None = None
     compare_rag: bool = False
     sampling: Sampling = Sampling()
+    steering: tuple[tuple[str, float], ...] = ()
+    steer_layers: tuple[int, int] | None = None
+    steer_on: str = "values"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "refs", tuple(self.refs))
         object.__setattr__(self, "bank", self.bank or None)
-        for ref in self.refs:
+        object.__setattr__(self, "steering", tuple((ref, check_alpha(alpha, ref)) for ref, alpha in self.steering))
+        for ref in self.refs + tuple(ref for ref, _ in self.steering):
             if not isinstance(ref, str) or not ref.strip():
-                raise InvalidInput(f"empty pack ref in {list(self.refs)!r}")
-        if not self.bank and not self.refs:
-            raise InvalidInput("nothing to answer with: give a pack or a bank")
+                raise InvalidInput(f"empty pack ref in {[*self.refs, *(ref for ref, _ in self.steering)]!r}")
+        if not self.bank and not self.refs and not self.steering:
+            raise InvalidInput("nothing to answer with: give a pack, a bank or a steering pack")
+        if self.compare_rag and not self.bank and not self.refs:
+            raise InvalidInput("comparing with the facts as prompt text needs a pack or a bank")
+        if self.steer_on not in STEER_TARGETS:
+            raise InvalidInput(f"unknown steering target {self.steer_on!r}: use one of {', '.join(STEER_TARGETS)}")
+        if self.steer_layers is not None:
+            first, last = self.steer_layers
+            if not 0 <= first <= last:
+                raise InvalidInput(f"invalid layer range {first}-{last}: FIRST-LAST, 0-based, with FIRST <= LAST")
 
 
 class Answerer:
@@ -125,15 +144,44 @@ class Answerer:
             return self.store.resolve(ref)
 
     def pack(self, ref: str) -> tuple[Pack, bool]:
-        """The ready pack ``ref`` names, and whether it was already ready.
+        """The ready knowledge pack ``ref`` names, and whether it was already ready.
 
-        A pack of another kind, model or template is refused with PackMismatch before it is fetched.
+        A pack of another kind, model or template is refused with PackMismatch before it is fetched
+        (and when ready: the ready-cache holds steering packs too).
         """
-        return self.ready.get(self.resolve(ref), self._fetch)
+        pack, hit = self.ready.get(self.resolve(ref), self._fetch)
+        check_identity(self.lm, pack.header)
+        return pack, hit
 
     def _fetch(self, key: str) -> Pack:
         check_identity(self.lm, self.store.stat(key).header)
+        return self._download(key)
+
+    def _download(self, key: str) -> Pack:
         return self.store.fetch(key, device=self.lm.device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
+
+    def steering_pack(self, ref: str) -> Pack:
+        """The ready steering pack ``ref`` names; PackMismatch for another kind, model or template."""
+
+        def fetch(key: str) -> Pack:
+            check_steering(self.lm, self.store.stat(key).header)
+            return self._download(key)
+
+        pack, _ = self.ready.get(self.resolve(ref), fetch)
+        check_steering(self.lm, pack.header)
+        return pack
+
+    def steering(self, question: Question) -> tuple[LayerDeltas, list[dict]]:
+        """The summed deltas of the question's steering packs (empty when there are none, or every
+        alpha is 0), and what was applied: each pack's key, alpha and layer range."""
+        directions, applied = [], []
+        for ref, alpha in question.steering:
+            pack = self.steering_pack(ref)
+            first, last = applied_layers(pack.header, question.steer_layers)
+            directions.append(Direction(pack, alpha))
+            applied.append({"pack": pack.header.key, "alpha": alpha, "layers": [first, last]})
+        deltas = steering_deltas(directions, layers=question.steer_layers, target=question.steer_on, device=self.lm.device)
+        return deltas, applied
 
     def header(self, key: str) -> PackHeader:
         """The header stored under ``key`` (kept in a small LRU: a key's header never changes)."""
@@ -239,20 +287,34 @@ class Answerer:
         reused: bool | None = None
         parts: list[str] | None = None
         composed_tokens: int | None = None
+        pack: Pack | None = None
+        hit: bool | None = None
+        deltas, applied = self.steering(question) if question.steering else ({}, None)
         if question.bank:
             facts = self.route(question.bank, question.text, top_k=question.top_k, probe=question.probe, embedder=question.embedder)
         if question.refs:
             pack, keys, hit, prefilled = self.composed(question.refs, facts or ())
             if len(keys) > 1 or facts:
                 parts, composed_tokens = keys, prefilled
-        else:
+        elif facts is not None:
             pack, reused, hit = self.facts_pack(facts)
-        rendering = prepare(self.lm, pack.header, question.text)
+        if pack is not None:
+            rendering = prepare(self.lm, pack.header, question.text)
+        else:  # steering alone: the question, with no knowledge before it
+            rendering = render(self.lm.tokenizer, [], question.text.strip())
+
+        def cache(filled: bool):
+            """A cache steering every position from the question on (None when nothing steers);
+            ``filled``: holding the pack's K/V, which stays as stored."""
+            empty = SteeredCache(deltas, rendering.prefix_tokens) if deltas else None
+            return cache_from_pack(pack, self.lm.device, cache=empty) if filled and pack is not None else empty
+
         with self._device_lock:
-            cache = cache_from_pack(pack, self.lm.device)
-            answer = yield from generate_stream(self.lm, rendering.token_ids, question.sampling, cache)
+            answer = yield from generate_stream(self.lm, rendering.token_ids, question.sampling, cache(filled=True))
             rag = (
-                answer_with_text(self.lm, pack.header.facts, question.text, raw=pack.header.raw, sampling=question.sampling)
+                answer_with_text(
+                    self.lm, pack.header.facts, question.text, raw=pack.header.raw, sampling=question.sampling, cache=cache(filled=False)
+                )
                 if question.compare_rag
                 else None
             )
@@ -263,13 +325,15 @@ class Answerer:
             rag_answer=rag.text if rag is not None else None,
             rag_prompt_tokens=rag.prompt_tokens if rag is not None else None,
             identical=answer.token_ids == rag.token_ids if rag is not None else None,
-            pack=pack.header.key,
+            pack=pack.header.key if pack is not None else None,
             bank=question.bank,
             facts=facts,
             pack_reused=reused,
             cache_hit=hit,
             parts=parts,
             composed_tokens=composed_tokens,
+            steering=applied,
+            steer_on=question.steer_on if applied is not None else None,
         )
 
     def ask(self, question: Question) -> AnswerResult:

@@ -1,4 +1,5 @@
-"""The Python API that packctl shells over: build, compose, amend, store, export and import knowledge packs.
+"""The Python API that packctl shells over: build, compose, amend, store, export and import knowledge
+packs, and build steering packs.
 
 Answering with packs is ``packstore.answer.Answerer``.
 """
@@ -19,6 +20,8 @@ from packstore.kv.build import build_pack
 from packstore.kv.compose import COMPOSE_MODES, ERRATUM_PREFIX, Composition, amend, check_erratum, compose_exact, splice
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import pack_prefix_ids
+from packstore.kv.steer import applied_layers, build_span, build_steering, check_pairs, delta_norms, steering_key
+from packstore.records import Pair
 from packstore.store import PackStore, StoredPack
 
 
@@ -39,6 +42,21 @@ def pack_details(stored: StoredPack) -> dict[str, Any]:
         "facts": list(h.facts),
         "errata": [fact[len(ERRATUM_PREFIX) :] for fact in h.facts if fact.startswith(ERRATUM_PREFIX)],
         "token_ids": list(h.token_ids),
+    }
+
+
+def steering_details(store: PackStore, stored: StoredPack) -> dict[str, Any]:
+    """What ``inspect`` adds for a steering pack: pair count, pooling, the layers held and applied by
+    default, and per-layer delta norms (read from its tensors: a steering pack is a few KB)."""
+    h = stored.header
+    first, last = h.recipe["layers"]
+    return {
+        "pairs": len(h.recipe["pairs"]),
+        "pooling": h.recipe["pooling"],
+        "steer_layers": [first, last],
+        "default_layers": list(applied_layers(h, None)),
+        "norms": delta_norms(store.fetch(h.key)),
+        "recipe": h.recipe,
     }
 
 
@@ -116,6 +134,25 @@ def amend_and_store(
     composition = amend(lm, answerer.pack(key)[0], erratum)
     stored, created = store_pack(store, composition.pack, name=name)
     return stored, created, composition
+
+
+def build_steering_and_store(
+    store: PackStore,
+    lm: LoadedModel,
+    pairs: Sequence[Pair],
+    *,
+    name: str | None = None,
+    layers: tuple[int, int] | None = None,
+    pooling: str = "last",
+) -> tuple[StoredPack, bool]:
+    """Build the steering pack of ``pairs`` on ``lm`` and store it. Its key is known from the pairs,
+    pooling and layers alone, so building the same pack again runs no model and stores nothing new."""
+    pairs = check_pairs(lm, pairs)
+    span = build_span(lm, layers)
+    existing = _stored_or_none(store, steering_key(lm, pairs, pooling, span), name)
+    if existing is not None:
+        return existing[:2]
+    return store_pack(store, build_steering(lm, pairs, layers=span, pooling=pooling), name=name)
 
 
 def export_pack(store: PackStore, ref: str, path: str | os.PathLike[str]) -> tuple[str, int]:

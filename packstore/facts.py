@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from packstore.errors import InvalidInput
+from packstore.records import Pair
 
 
 def _read_lines(path: str | Path) -> list[tuple[int, str]]:
@@ -47,3 +48,11 @@ def read_facts(path: str | Path) -> list[str]:
 def read_questions(path: str | Path) -> list[str]:
     """Questions: JSONL with ``question`` (or one per line)."""
     return read_items(path, "question")
+
+
+def read_pairs(path: str | Path) -> list[Pair]:
+    """Contrastive pairs: JSONL lines ``{"good": ..., "bad": ...}``, both non-empty strings."""
+    lines = _read_lines(path)
+    if not lines:
+        raise InvalidInput(f"{path}: is empty: a steering pack needs at least one {{good, bad}} pair")
+    return [Pair(_json_field(path, number, line, "good"), _json_field(path, number, line, "bad")) for number, line in lines]

@@ -140,6 +140,17 @@ class Route:
 
 
 @dataclass(frozen=True)
+class Pair:
+    """One contrastive pair for a steering pack: a text showing the behaviour, and one showing its opposite."""
+
+    good: str
+    bad: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"good": self.good, "bad": self.bad}
+
+
+@dataclass(frozen=True)
 class AnswerResult:
     """One question answered with a pack, and optionally with the same facts as prompt text."""
 
@@ -156,6 +167,8 @@ class AnswerResult:
     cache_hit: bool | None = None  # the pack's tensors were already in the ready-cache
     parts: list[str] | None = None  # several packs (or packs and a bank): the part keys composed, in order
     composed_tokens: int | None = None  # tokens prefilled to compose the pack for this answer (0 when it was ready)
+    steering: list[dict] | None = None  # steering packs applied: each {"pack": key, "alpha", "layers": [first, last]}
+    steer_on: str | None = None  # with steering: what the deltas were added to ("values", or the key control)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

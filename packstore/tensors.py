@@ -39,7 +39,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 @dataclass
 class Pack:
-    """A pack in memory: header plus per-layer K and V, each ``[kv_heads, tokens, head_dim]`` on CPU."""
+    """A pack in memory: header plus K and V for each layer of ``header.body_layers`` (every layer of
+    a knowledge pack, each ``[kv_heads, tokens, head_dim]``; a steering pack's deltas, each ``[kv_heads, head_dim]``)."""
 
     header: PackHeader
     keys: list[torch.Tensor]
@@ -52,10 +53,10 @@ class Pack:
     def check_shapes(self) -> None:
         """Raise InvalidInput unless every tensor matches the header's shape and dtype."""
         h = self.header
-        expected = (h.kv_heads, h.tokens, h.head_dim)
-        if len(self.keys) != h.layers or len(self.values) != h.layers:
-            raise InvalidInput(f"pack has {len(self.keys)} K / {len(self.values)} V layers, header says {h.layers}")
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+        expected, layers = h.tensor_shape, h.body_layers
+        if len(self.keys) != len(layers) or len(self.values) != len(layers):
+            raise InvalidInput(f"pack has {len(self.keys)} K / {len(self.values)} V layers, header says {len(layers)}")
+        for i, k, v in zip(layers, self.keys, self.values):
             for name, t in (("K", k), ("V", v)):
                 if tuple(t.shape) != expected or t.dtype != torch_dtype(h.dtype):
                     raise InvalidInput(
@@ -65,11 +66,12 @@ class Pack:
 
 def _encode_chunk(pack: Pack, first: int, stop: int) -> tuple[bytes, ChunkInfo]:
     tensors = {}
+    offset = pack.header.body_layers.start  # keys[i] holds body layer offset + i
     for layer in range(first, stop):
         k_name, v_name = layer_names(layer)
-        tensors[k_name] = pack.keys[layer].contiguous()
-        tensors[v_name] = pack.values[layer].contiguous()
-    stored = codec.encode(safetensors_save(tensors), pack.keys[first].element_size())
+        tensors[k_name] = pack.keys[layer - offset].contiguous()
+        tensors[v_name] = pack.values[layer - offset].contiguous()
+    stored = codec.encode(safetensors_save(tensors), pack.keys[0].element_size())
     info = ChunkInfo(
         first_layer=first,
         stop_layer=stop,
@@ -81,9 +83,13 @@ def _encode_chunk(pack: Pack, first: int, stop: int) -> tuple[bytes, ChunkInfo]:
 
 
 def encode_pack(pack: Pack) -> EncodedPack:
-    """Serialize each run of ``LAYERS_PER_CHUNK`` layers as safetensors, compress and checksum it."""
+    """Serialize each run of ``LAYERS_PER_CHUNK`` layers as safetensors, compress and checksum it.
+
+    A steering pack's deltas (a few KB) go in one chunk."""
     pack.check_shapes()
-    runs = [(first, min(first + LAYERS_PER_CHUNK, pack.header.layers)) for first in range(0, pack.header.layers, LAYERS_PER_CHUNK)]
+    layers = pack.header.body_layers
+    per_chunk = LAYERS_PER_CHUNK if pack.header.kind == "knowledge" else len(layers)
+    runs = [(first, min(first + per_chunk, layers.stop)) for first in range(layers.start, layers.stop, per_chunk)]
     with ThreadPoolExecutor(WORKERS) as pool:
         results = list(pool.map(lambda run: _encode_chunk(pack, *run), runs))
     header = dataclasses.replace(pack.header, codec=CODEC, chunks=tuple(info for _, info in results))
@@ -125,7 +131,7 @@ def decode_pack(encoded: EncodedPack) -> Pack:
         decoded = list(pool.map(lambda item: decode_chunk(header, *item), enumerate(encoded.chunks)))
     tensors = {name: tensor for part in decoded for name, tensor in part.items()}
     keys, values = [], []
-    for layer in range(header.layers):
+    for layer in header.body_layers:
         k_name, v_name = layer_names(layer)
         if k_name not in tensors:
             raise IntegrityError(f"pack {header.key}: no chunk holds layer {layer}")

@@ -147,12 +147,14 @@ def cmd_ask(args: argparse.Namespace) -> int:
     from packstore.facts import read_questions
     from packstore.kv.inject import Sampling
 
-    if args.bank is not None and args.question is None and args.questions is None:
+    from packstore.kv.steer_options import parse_layers, parse_steer
+
+    if (args.bank is not None or args.steer) and args.question is None and args.questions is None:
         args.question, args.ref = args.ref, None  # `ask --bank N QUESTION`: the one positional is the question
     if (args.question is None) == (args.questions is None):
         raise InvalidInput("give either a QUESTION or --questions FILE")
-    if args.ref is None and args.bank is None:
-        raise InvalidInput("give a pack REF, or --bank N")
+    if args.ref is None and args.bank is None and not args.steer:
+        raise InvalidInput("give a pack REF, --bank N, or --steer REF[:ALPHA]")
     if (args.model is None) == (args.worker is None):
         raise InvalidInput("give --model M to answer here, or --worker HOST:PORT to answer on a worker")
     questions = [args.question] if args.question is not None else read_questions(args.questions)
@@ -160,9 +162,12 @@ def cmd_ask(args: argparse.Namespace) -> int:
     refs = tuple(args.ref.split(",")) if args.ref is not None else ()
     if any(not ref.strip() for ref in refs):
         raise InvalidInput(f"empty pack ref in {args.ref!r}: separate refs with single commas (names never contain one)")
+    steering = tuple(parse_steer(text) for text in args.steer or ())
+    layers = parse_layers(args.layers) if args.layers is not None else None
     question_for = lambda text: Question(  # noqa: E731
         text, refs=refs, bank=args.bank, top_k=args.top_k, probe=args.probe,
         embedder=args.embedder, compare_rag=args.compare_rag, sampling=sampling,
+        steering=steering, steer_layers=layers, steer_on=args.steer_on,
     )
     as_lines = args.json or args.questions is not None
     live = bool(args.worker) and not as_lines and not args.compare_rag  # one answer for a person: shown as the worker generates it
@@ -179,6 +184,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
             answerer = Answerer(lm, stack.enter_context(_open_store(args, readonly=args.bank is None)))
             if refs:
                 answerer.parts(refs)  # checked once, before any question: a refusal fails the command
+            if steering:
+                answerer.steering(question_for(questions[0]))  # the steering packs and layers too
             answer_one = lambda text: answerer.ask(question_for(text))  # noqa: E731
         for question in questions:
             try:
@@ -225,10 +232,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from packstore.api import pack_details
+    from packstore.api import pack_details, steering_details
 
     with _open_store(args, readonly=True) as store:
-        record = pack_details(store.stat(args.ref))
+        stored = store.stat(args.ref)
+        record = pack_details(stored)
+        if stored.header.kind == "steering":
+            record |= steering_details(store, stored)
     if args.json:
         emit_json(record)
         return 0
@@ -236,6 +246,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"shape:        {record['layers']} layers x {record['kv_heads']} KV heads x {record['head_dim']} head dim")
     print(f"codec:        {record['codec']}, {len(record['chunks'])} chunks")
     print(f"created:      {record['created']}")
+    if record["kind"] == "steering":
+        first, last = record["steer_layers"]
+        print(f"pairs:        {record['pairs']} (pooling: {record['pooling']} token)")
+        print(f"layers:       {first}-{last} held; applied by default to {record['default_layers'][0]}-{record['default_layers'][1]}")
+        print("norms:        layer  |dK|       |dV|")
+        for norm in record["norms"]:
+            print(f"              {norm['layer']:>5}  {norm['key_norm']:<9.4f}  {norm['value_norm']:.4f}")
+        return 0
     print(f"facts:        {len(record['facts'])}")
     for fact in record["facts"]:
         print(f"  - {fact if len(fact) <= 100 else fact[:99] + '…'}")
@@ -304,6 +322,27 @@ def cmd_gc(args: argparse.Namespace) -> int:
             f"and {report.dangling_names} dangling names; data file {_human_bytes(report.file_bytes_before)} -> "
             f"{_human_bytes(report.file_bytes_after)}{'' if report.compacted else ' (freed pages are reused; --compact shrinks the file)'}"
         )
+    return 0
+
+
+def cmd_steer(args: argparse.Namespace) -> int:
+    from packstore.api import build_steering_and_store, pack_summary
+    from packstore.facts import read_pairs
+    from packstore.kv.steer_options import parse_layers
+
+    pairs = read_pairs(args.pairs)
+    layers = parse_layers(args.layers) if args.layers is not None else None
+    lm = _load_model(args)
+    with _open_store(args) as store:
+        stored, created = build_steering_and_store(store, lm, pairs, name=args.name, layers=layers, pooling=args.pooling)
+    record = pack_summary(stored) | {"created_new": created, "pairs": len(pairs)}
+    if args.json:
+        emit_json(record)
+    else:
+        print(stored.key)
+        first, last = stored.header.recipe["layers"]
+        state = "stored" if created else "already stored"
+        print(f"{state}: steering pack from {len(pairs)} pairs, layers {first}-{last}, name {args.name}", file=sys.stderr)
     return 0
 
 
@@ -378,6 +417,8 @@ def _bank_options(parser: argparse.ArgumentParser) -> None:
 def build_cli() -> CommandLine:
     from packstore.format.bank import VECTOR_KINDS
     from packstore.format.header import COMPOSITIONS as COMPOSE_MODES
+    from packstore.format.header import POOLINGS
+    from packstore.kv.steer_options import MAX_ALPHA, STEER_TARGETS
     from packstore.store.protocol import ROUTE_MODES
 
     cli = CommandLine("packctl", "Build, store and use knowledge packs (pre-computed KV caches).")
@@ -417,6 +458,19 @@ def build_cli() -> CommandLine:
     p.add_argument("--bank", metavar="N", help="route the question in bank N and answer with its top facts' pack (computed lazily)")
     _bank_options(p)
     p.add_argument("--compare-rag", action="store_true", help="also answer with the facts in the prompt and compare")
+    p.add_argument(
+        "--steer", action="append", metavar="REF[:ALPHA]",
+        help=f"add a steering pack's value deltas times ALPHA (default 1, 0 is unsteered, |ALPHA| <= {MAX_ALPHA:g}, negative steers "
+        "the other way); repeat to sum several directions; alone (no REF, no --bank) it steers the question with no knowledge",
+    )
+    p.add_argument(
+        "--layers", metavar="FIRST-LAST",
+        help="layers to steer, 0-based and inclusive, within those the steering packs hold (default: the middle third)",
+    )
+    p.add_argument(
+        "--steer-on", choices=STEER_TARGETS, default="values",
+        help="values (default); keys or both only as the control that measures how key arithmetic breaks coherence",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -442,6 +496,22 @@ def build_cli() -> CommandLine:
     p = cli.command("import", cmd_import, "verify a pack file and store it")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--name", help="name (alias) for the pack, per model")
+
+    steer = cli.command("steer", cmd_steer, "steering packs: contrastive value deltas that change how a model answers")
+    sub = steer.add_subparsers(dest="steer_command", required=True, metavar="STEER_COMMAND")
+    p = sub.add_parser(
+        "build", parents=[global_options(add_defaults=False)],
+        help="build a steering pack from contrastive pairs and store it; prints its key",
+        description="build a steering pack from contrastive pairs and store it; prints its key",
+    )
+    p.add_argument("pairs", metavar="PAIRS", help='JSONL lines {"good": ..., "bad": ...}')
+    _model_options(p)
+    p.add_argument("--name", required=True, help="name (alias) for the steering pack, per model")
+    p.add_argument("--layers", metavar="FIRST-LAST", help="layers to compute deltas for, 0-based and inclusive (default: every layer)")
+    p.add_argument(
+        "--pooling", choices=POOLINGS, default="last",
+        help="pool each text's K/V at its last token (default) or as the mean over its tokens",
+    )
 
     bank = cli.command("bank", cmd_bank, "banks: thousands to millions of facts, routed by embedding")
     sub = bank.add_subparsers(dest="bank_command", required=True, metavar="BANK_COMMAND")

@@ -13,9 +13,14 @@ from typing import Any, Iterable, Mapping, NoReturn
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch
 
 FORMAT_NAME = "packstore-pack"
-FORMAT_VERSION = 2  # the newest version this build reads and writes (docs/format.md §7)
-READ_VERSIONS = (1, 2)
-KINDS = ("knowledge",)
+FORMAT_VERSION = 3  # the newest version this build reads and writes (docs/format.md §7)
+READ_VERSIONS = (1, 2, 3)
+# "knowledge": the K/V of a prefix (versions 1 and 2); "steering": per-layer K/V deltas made from
+# contrastive pairs, no prefix tokens (version 3, docs/format.md §4.3).
+KINDS = ("knowledge", "steering")
+PREFIX_KINDS = ("knowledge",)  # kinds whose body is the K/V of their token ids
+POOLINGS = ("last", "mean")  # how a steering pack pools each text's K/V over its tokens
+MAX_PAIRS = 100_000
 # How a pack's KV was made: "exact" is the prefill of its tokens (built, or composed sequentially);
 # "rope" and "naive" splice independently built parts (docs/format.md §1.5). Only exact packs promise
 # text-in-prompt answers.
@@ -71,6 +76,12 @@ def pack_key(model_fp: str, template_fp: str, token_ids: Iterable[int], composit
     return f"{model_fp}/{template_fp}/{recipe_hash(token_ids, composition, parents)}"
 
 
+def inputs_hash(kind: str, recipe: Mapping[str, Any]) -> str:
+    """The content hash of a pack without prefix tokens (version 3): its kind and canonical recipe,
+    the inputs its tensors are computed from (for steering: the pairs, the pooling and the layers)."""
+    return sha256_hex(canonical_json({"kind": kind, "recipe": recipe}))
+
+
 def parse_key(text: str) -> tuple[str, str, str] | None:
     """Split a full key into its three hex digests, or None if ``text`` is not a key."""
     parts = text.split("/")
@@ -110,6 +121,7 @@ class PackHeader:
     codec: str = ""
     chunks: tuple[ChunkInfo, ...] = field(default=())
     composition: str = "exact"
+    recipe: Mapping[str, Any] | None = None  # version 3 only: what a pack without prefix tokens is made from
 
     @property
     def tokens(self) -> int:
@@ -117,7 +129,24 @@ class PackHeader:
 
     @property
     def content_hash(self) -> str:
+        if self.kind not in PREFIX_KINDS:
+            return inputs_hash(self.kind, self.recipe or {})
         return recipe_hash(self.token_ids, self.composition, self.parents)
+
+    @property
+    def body_layers(self) -> range:
+        """The layers the body holds tensors for: every layer of a knowledge pack, a steering pack's recipe range."""
+        if self.kind == "steering":
+            first, last = self.recipe["layers"]
+            return range(first, last + 1)
+        return range(self.layers)
+
+    @property
+    def tensor_shape(self) -> tuple[int, ...]:
+        """Shape of each body tensor: ``[kv_heads, tokens, head_dim]``, or ``[kv_heads, head_dim]`` for a steering delta."""
+        if self.kind == "steering":
+            return (self.kv_heads, self.head_dim)
+        return (self.kv_heads, self.tokens, self.head_dim)
 
     @property
     def key(self) -> str:
@@ -125,7 +154,10 @@ class PackHeader:
 
     @property
     def version(self) -> int:
-        """The oldest format version that holds this header: 1 for exact packs, 2 for spliced ones."""
+        """The oldest format version that holds this header: 1 for exact packs, 2 for spliced ones,
+        3 for packs without prefix tokens (steering)."""
+        if self.kind not in PREFIX_KINDS:
+            return 3
         return 1 if self.composition == "exact" else 2
 
     @property
@@ -143,8 +175,9 @@ class PackHeader:
         record["chunks"] = [asdict(c) for c in self.chunks]
         record["format"] = FORMAT_NAME
         record["version"] = self.version
-        if self.version == 1:
-            del record["composition"]  # a version-1 header is exact by definition
+        for name in _VERSION_FIELDS:
+            if name not in _VERSION_FIELDS_OF[self.version]:
+                del record[name]  # e.g. a version-1 header is exact by definition, and has no recipe
         record["tokens"] = self.tokens
         record["content_hash"] = self.content_hash
         record["source_sha256"] = facts_digest(self.facts)
@@ -169,11 +202,15 @@ class PackHeader:
             raise IntegrityError(
                 f"pack format version {version!r} is not supported (this build reads versions 1 to {FORMAT_VERSION})"
             )
-        if version == 1 and "composition" in record:
-            raise _field_error("composition", "is not a field of a version-1 pack header")
+        for name in _VERSION_FIELDS:
+            if name not in _VERSION_FIELDS_OF[version] and name in record:
+                raise _field_error(name, f"is not a field of a version-{version} pack header")
         record.setdefault("composition", "exact")
+        record.setdefault("recipe", None)
         if version == 2 and record["composition"] == "exact":
             raise _field_error("version", "must be 1 for an exact pack (version 2 holds spliced compositions)")
+        if (version == 3) != (record.get("kind") not in PREFIX_KINDS):
+            raise _field_error("version", "must be 3 exactly for a pack without prefix tokens (a kind other than knowledge)")
         for name in _FIELDS:
             if name not in record:
                 raise _field_error(name, "is missing")
@@ -230,6 +267,8 @@ class PackHeader:
 
 
 _FIELDS = tuple(f.name for f in fields(PackHeader))
+_VERSION_FIELDS = ("composition", "recipe")  # fields only some versions have
+_VERSION_FIELDS_OF = {1: (), 2: ("composition",), 3: ("recipe",)}
 _SEQUENCE_FIELDS = ("token_ids", "facts", "parents", "chunks")
 _DERIVED_FIELDS = ("tokens", "content_hash", "source_sha256")
 _CHUNK_FIELDS = tuple(f.name for f in fields(ChunkInfo))
@@ -284,7 +323,10 @@ def _check_fields(record: Mapping[str, Any]) -> None:
     _check_hex64("template_fp", record["template_fp"])
     _check_str("model_name", record["model_name"], MAX_MODEL_NAME_CHARS)
     token_ids = record["token_ids"]
-    if not _is_list(token_ids) or not 1 <= len(token_ids) <= MAX_TOKENS:
+    if record["kind"] not in PREFIX_KINDS:
+        if not _is_list(token_ids) or token_ids:
+            _refuse("token_ids", f"empty for a {record['kind']} pack", token_ids)
+    elif not _is_list(token_ids) or not 1 <= len(token_ids) <= MAX_TOKENS:
         _refuse("token_ids", f"a list of 1 to {MAX_TOKENS} token ids", token_ids)
     for index, token in enumerate(token_ids):
         if not _is_int(token) or not 0 <= token < TOKEN_ID_LIMIT:
@@ -306,25 +348,61 @@ def _check_fields(record: Mapping[str, Any]) -> None:
     _check_choice("composition", record["composition"], COMPOSITIONS)
     if record["composition"] != "exact" and len(parents) < 2:
         _refuse("parents", f"the keys of at least 2 parts for a {record['composition']} composition", parents)
+    if record["kind"] == "steering":
+        _check_steering(record)
+    elif record.get("recipe") is not None:
+        _refuse("recipe", f"absent for a {record['kind']} pack", record["recipe"])
     _check_chunks(record)
 
 
+def _check_steering(record: Mapping[str, Any]) -> None:
+    """A steering pack has no facts, parents or raw rendering, and a recipe of pairs, pooling and layers."""
+    for name in ("facts", "parents"):
+        if record[name]:
+            _refuse(name, "empty for a steering pack", record[name])
+    if record["raw"]:
+        _refuse("raw", "false for a steering pack", record["raw"])
+    recipe = record.get("recipe")
+    if not isinstance(recipe, Mapping) or set(recipe) != {"pairs", "pooling", "layers"}:
+        _refuse("recipe", "an object with exactly the fields layers, pairs, pooling", recipe)
+    pairs = recipe["pairs"]
+    if not _is_list(pairs) or not 1 <= len(pairs) <= MAX_PAIRS:
+        _refuse("recipe.pairs", f"a list of 1 to {MAX_PAIRS} pairs", pairs)
+    for index, pair in enumerate(pairs):
+        if not isinstance(pair, Mapping) or set(pair) != {"good", "bad"} or not all(
+            type(pair[side]) is str and pair[side].strip() for side in ("good", "bad")
+        ):
+            _refuse(f"recipe.pairs[{index}]", 'an object {"good": text, "bad": text} of non-empty strings', pair)
+    _check_choice("recipe.pooling", recipe["pooling"], POOLINGS)
+    span = recipe["layers"]
+    if not _is_list(span) or len(span) != 2:
+        _refuse("recipe.layers", "[first, last], a range of layers", span)
+    _check_int("recipe.layers[0]", span[0], 0, record["layers"] - 1)
+    _check_int("recipe.layers[1]", span[1], span[0], record["layers"] - 1)
+
+
 def _check_chunks(record: Mapping[str, Any]) -> None:
-    """Chunks are optional (a header being built has none); listed, they cover every layer once, in order."""
-    chunks, layers = record["chunks"], record["layers"]
+    """Chunks are optional (a header being built has none); listed, they cover every layer the body
+    holds once, in order (all layers, or a steering pack's recipe layers)."""
+    chunks = record["chunks"]
     if not _is_list(chunks):
         _refuse("chunks", "a list of chunk objects", chunks)
     dtype = record["dtype"]
-    # each layer holds K and V, each [kv_heads, tokens, head_dim] of dtype
-    layer_bytes = 2 * record["kv_heads"] * len(record["token_ids"]) * record["head_dim"] * DTYPE_SIZES[dtype]
-    next_layer = 0
+    if record["kind"] == "steering":
+        first_layer, layers = record["recipe"]["layers"][0], record["recipe"]["layers"][1] + 1
+        positions = 1  # a delta per layer: K and V each [kv_heads, head_dim]
+    else:
+        first_layer, layers = 0, record["layers"]
+        positions = len(record["token_ids"])  # K and V each [kv_heads, tokens, head_dim]
+    layer_bytes = 2 * record["kv_heads"] * positions * record["head_dim"] * DTYPE_SIZES[dtype]
+    next_layer = first_layer
     for index, chunk in enumerate(chunks):
         name = f"chunks[{index}]"
         if not isinstance(chunk, dict) or chunk.keys() != _CHUNK_FIELD_SET:
             _refuse(name, f"an object with exactly the fields {', '.join(_CHUNK_FIELDS)}", chunk)
         first, stop = chunk["first_layer"], chunk["stop_layer"]
         if not _is_int(first) or first != next_layer:
-            _refuse(f"{name}.first_layer", f"{next_layer} (chunks hold layers 0 to {layers - 1} in order)", first)
+            _refuse(f"{name}.first_layer", f"{next_layer} (chunks hold layers {first_layer} to {layers - 1} in order)", first)
         _check_int(f"{name}.stop_layer", stop, first + 1, layers)
         raw_bytes = (stop - first) * layer_bytes
         if not _is_int(chunk["raw_bytes"]) or chunk["raw_bytes"] != raw_bytes:
@@ -333,4 +411,4 @@ def _check_chunks(record: Mapping[str, Any]) -> None:
         _check_hex64(f"{name}.sha256", chunk["sha256"])
         next_layer = stop
     if chunks and next_layer != layers:
-        raise _field_error("chunks", f"must cover layers 0 to {layers - 1}, got chunks ending at layer {next_layer - 1}")
+        raise _field_error("chunks", f"must cover layers {first_layer} to {layers - 1}, got chunks ending at layer {next_layer - 1}")

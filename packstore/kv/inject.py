@@ -62,10 +62,10 @@ def prepare(lm: LoadedModel, header: PackHeader, question: str) -> Rendering:
     return rendering
 
 
-def cache_from_pack(pack: Pack, device: torch.device, tokens: int | None = None) -> DynamicCache:
-    """A fresh DynamicCache holding the pack's K/V (its first ``tokens`` positions) on ``device``;
-    generation or a further prefill extends it in place."""
-    cache = DynamicCache()
+def cache_from_pack(pack: Pack, device: torch.device, tokens: int | None = None, *, cache: DynamicCache | None = None) -> DynamicCache:
+    """A fresh DynamicCache (or the empty ``cache`` given, e.g. a steered one) holding the pack's K/V
+    (its first ``tokens`` positions) on ``device``; generation or a further prefill extends it in place."""
+    cache = DynamicCache() if cache is None else cache
     for layer, (k, v) in enumerate(zip(pack.keys, pack.values)):
         cache.update(k[:, :tokens].unsqueeze(0).to(device), v[:, :tokens].unsqueeze(0).to(device), layer)
     return cache
@@ -206,11 +206,18 @@ def answer_with_pack(lm: LoadedModel, pack: Pack, question: str, sampling: Sampl
 
 
 def answer_with_text(
-    lm: LoadedModel, facts: Sequence[str], question: str, *, raw: bool = False, sampling: Sampling = Sampling()
+    lm: LoadedModel,
+    facts: Sequence[str],
+    question: str,
+    *,
+    raw: bool = False,
+    sampling: Sampling = Sampling(),
+    cache: DynamicCache | None = None,
 ) -> Answer:
-    """The RAG baseline: the same facts rendered into the prompt as text."""
+    """The RAG baseline: the same facts rendered into the prompt as text (``cache``: an empty cache
+    to generate with, e.g. one steering the tokens after the facts)."""
     rendering = render(lm.tokenizer, facts, question.strip(), raw=raw)
-    return generate(lm, rendering.token_ids, sampling)
+    return generate(lm, rendering.token_ids, sampling, cache)
 
 
 def prefill_divergence(lm: LoadedModel, pack: Pack, question: str) -> tuple[float, float]:

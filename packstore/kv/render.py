@@ -41,7 +41,7 @@ def _adds_bos(tokenizer: Any) -> bool:
     return bos is not None and bool(ids) and ids[0] == bos
 
 
-def _check_no_special_tokens(tokenizer: Any, what: str, text: str) -> None:
+def check_no_special_tokens(tokenizer: Any, what: str, text: str) -> None:
     """Text containing a literal special token would forge turn boundaries: refuse it."""
     for token in tokenizer.all_special_tokens:
         if token and token in text:
@@ -49,8 +49,13 @@ def _check_no_special_tokens(tokenizer: Any, what: str, text: str) -> None:
 
 
 def conversation_text(tokenizer: Any, facts: Sequence[str], question: str, *, raw: bool) -> str:
-    """The full prompt text: facts as the system message (or, raw, as bare text) then the user question."""
+    """The full prompt text: facts as the system message (or, raw, as bare text) then the user question.
+
+    Without facts (a question steered with no knowledge) it is the user question alone, rendered as
+    the template renders a conversation without a system message."""
     try:
+        if not facts:
+            return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
         if not raw:
             return tokenizer.apply_chat_template(
                 [{"role": "system", "content": facts_text(facts)}, {"role": "user", "content": question}],
@@ -73,8 +78,8 @@ def render(tokenizer: Any, facts: Sequence[str], question: str, *, raw: bool = F
     if not question.strip():
         raise InvalidInput("the question is empty")
     for index, fact in enumerate(facts):
-        _check_no_special_tokens(tokenizer, f"fact {index + 1}", fact)
-    _check_no_special_tokens(tokenizer, "the question", question)
+        check_no_special_tokens(tokenizer, f"fact {index + 1}", fact)
+    check_no_special_tokens(tokenizer, "the question", question)
     text = conversation_text(tokenizer, facts, question, raw=raw)
     probe = conversation_text(tokenizer, facts, QUESTION_SENTINEL, raw=raw)
     if probe.count(QUESTION_SENTINEL) != 1:

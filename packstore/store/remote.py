@@ -119,20 +119,20 @@ class RemoteStore(GrpcClient):
 
         device = torch.device(device or "cpu")
         header, chunks = self._stream(ref, model_fp, template_fp)
-        shape, dtype = (header.kv_heads, header.tokens, header.head_dim), torch_dtype(header.dtype)
+        shape, dtype, layers = header.tensor_shape, torch_dtype(header.dtype), header.body_layers
         on_cpu = device.type == "cpu"
-        keys: list[torch.Tensor | None] = [None if on_cpu else torch.empty(shape, dtype=dtype, device=device) for _ in range(header.layers)]
-        values: list[torch.Tensor | None] = [None if on_cpu else torch.empty(shape, dtype=dtype, device=device) for _ in range(header.layers)]
+        keys: list[torch.Tensor | None] = [None if on_cpu else torch.empty(shape, dtype=dtype, device=device) for _ in layers]
+        values: list[torch.Tensor | None] = [None if on_cpu else torch.empty(shape, dtype=dtype, device=device) for _ in layers]
 
         def place(index: int, data: bytes) -> None:
             for name, tensor in decode_chunk(header, index, data).items():
                 _, layer, kind = name.split(".")
-                target = keys if kind == "key" else values
+                target, slot = keys if kind == "key" else values, int(layer) - layers.start
                 if on_cpu:
-                    target[int(layer)] = tensor  # decoded tensors are already in their final place
+                    target[slot] = tensor  # decoded tensors are already in their final place
                 else:
                     pinned = tensor.pin_memory() if device.type == "cuda" else tensor
-                    target[int(layer)].copy_(pinned, non_blocking=True)
+                    target[slot].copy_(pinned, non_blocking=True)
 
         with ThreadPoolExecutor(WORKERS) as pool:
             pending: list[Future] = [pool.submit(place, index, data) for index, data in chunks]

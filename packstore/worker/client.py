@@ -41,7 +41,11 @@ class WorkerClient(GrpcClient):
             sampling=worker_pb2.Sampling(
                 max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed
             ),
+            steering=[worker_pb2.Steer(pack=ref, alpha=alpha) for ref, alpha in question.steering],
+            steer_on=question.steer_on,
         )
+        if question.steer_layers is not None:
+            request.steer_layers.first, request.steer_layers.last = question.steer_layers
         done = None
         try:
             for response in self._stub.Generate(request, timeout=self.timeout):
@@ -60,12 +64,14 @@ class WorkerClient(GrpcClient):
             rag_answer=done.rag_answer if done.compared else None,
             rag_prompt_tokens=done.rag_prompt_tokens if done.compared else None,
             identical=done.identical if done.compared else None,
-            pack=done.pack,
+            pack=done.pack or None,
             bank=question.bank,
             facts=list(done.facts) if question.bank else None,
             cache_hit=done.cache_hit,
             parts=list(done.parts) or None,
             composed_tokens=done.composed_tokens if done.parts else None,
+            steering=[{"pack": a.pack, "alpha": a.alpha, "layers": [a.layers.first, a.layers.last]} for a in done.steering] or None,
+            steer_on=done.steer_on or None,
         )
 
     def status(self) -> dict:

@@ -55,6 +55,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 embedder=request.embedder or None,
                 compare_rag=request.compare_rag,
                 sampling=sampling_from(request.sampling),
+                steering=tuple((steer.pack, steer.alpha) for steer in request.steering),
+                steer_layers=(request.steer_layers.first, request.steer_layers.last) if request.HasField("steer_layers") else None,
+                steer_on=request.steer_on or "values",
             )
             tokens = self.answerer.stream(question)
             deltas = TextDeltas(self.answerer.lm.tokenizer)
@@ -65,7 +68,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             except StopIteration as finished:
                 result = finished.value
             done = worker_pb2.GenerateDone(
-                pack=result.pack,
+                pack=result.pack or "",
                 answer=result.answer,
                 kv_prompt_tokens=result.kv_prompt_tokens,
                 generated_tokens=len(deltas.ids),
@@ -73,6 +76,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 facts=result.facts or [],
                 parts=result.parts or [],
                 composed_tokens=result.composed_tokens or 0,
+                steering=[
+                    worker_pb2.SteerApplied(pack=applied["pack"], alpha=applied["alpha"], layers=worker_pb2.LayerRange(first=applied["layers"][0], last=applied["layers"][1]))
+                    for applied in result.steering or ()
+                ],
+                steer_on=result.steer_on or "",
             )
             if question.compare_rag:
                 done.compared, done.rag_answer, done.rag_prompt_tokens = True, result.rag_answer, result.rag_prompt_tokens

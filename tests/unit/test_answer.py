@@ -147,7 +147,7 @@ def test_refs_and_a_bank_compose_the_routed_facts_after_the_packs(tiny_lm, tmp_p
 
 
 def test_bad_composition_requests_are_refused(tiny_lm, parts_store, tmp_path) -> None:
-    with pytest.raises(InvalidInput, match="give a pack or a bank"):
+    with pytest.raises(InvalidInput, match="give a pack, a bank or a steering pack"):
         Question(QUESTION)
     with pytest.raises(InvalidInput, match="empty pack ref"):
         Question(QUESTION, refs=("part0", ""))

@@ -267,3 +267,72 @@ def test_parts_of_another_model_are_refused(cli, tmp_path: Path, other_tiny_mode
     code, _, err = cli("compose", "wexley", other, "--model", "{model}")
     assert code == 1 and "part 2" in err and "model" in err
     assert len(json.loads(cli("ls", "--json")[1])) == 2
+
+
+PAIRS = (
+    '{"good": "Alice lives in Paris and works as a baker.", "bad": "Bob lives in Oslo."}\n'
+    '{"good": "Wexley is famous for its bells.", "bad": "Who founded the observatory?"}\n'
+)
+
+
+@pytest.fixture
+def pairs_file(tmp_path: Path) -> Path:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(PAIRS)
+    return path
+
+
+def test_steer_build_inspect_and_ask(cli, facts_file: Path, pairs_file: Path) -> None:
+    code, out, _ = cli("steer", "build", str(pairs_file), "--model", "{model}", "--name", "team:joy", "--json")
+    assert code == 0
+    built = json.loads(out)
+    assert PACK_FIELDS <= built.keys() and built["kind"] == "steering" and built["tokens"] == 0 and built["pairs"] == 2
+    code, out, _ = cli("steer", "build", str(pairs_file), "--model", "{model}", "--name", "team:joy", "--json")
+    assert json.loads(out)["created_new"] is False  # same pairs: nothing new stored
+
+    code, out, _ = cli("inspect", "team:joy", "--json")
+    details = json.loads(out)
+    assert details["pairs"] == 2 and details["steer_layers"] == [0, 2] and details["default_layers"] == [1, 1]
+    assert len(details["norms"]) == 3 and details["recipe"]["pooling"] == "last"
+    code, out, _ = cli("inspect", "team:joy")
+    assert "pairs:        2" in out and "|dV|" in out
+    code, out, _ = cli("ls")
+    assert "steering" in out
+
+    cli("build", str(facts_file), "--model", "{model}", "--name", "wexley")
+    ask = ("ask", "wexley", "What is Wexley famous for?", "--model", "{model}", "--json", "--max-new-tokens", "10")
+    plain = json.loads(cli(*ask)[1])
+    zero = json.loads(cli(*ask, "--steer", "team:joy:0")[1])  # a name holding ':' with alpha 0
+    assert zero["answer"] == plain["answer"] and zero["steering"][0]["alpha"] == 0 and zero["steering"][0]["pack"] == built["key"]
+    steered = json.loads(cli(*ask, "--steer", "team:joy:6", "--steer", "team:joy:-1", "--layers", "0-2", "--compare-rag")[1])
+    assert steered["identical"] is True and [s["layers"] for s in steered["steering"]] == [[0, 2], [0, 2]]
+    keys = json.loads(cli(*ask, "--steer", "team:joy:6", "--steer-on", "keys")[1])
+    assert keys["steer_on"] == "keys"
+    code, out, _ = cli("ask", "What is Wexley famous for?", "--steer", "team:joy", "--model", "{model}", "--json", "--max-new-tokens", "6")
+    assert code == 0 and json.loads(out)["pack"] is None  # steering alone: the one positional is the question
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--steer", "joy:nan"), "steering strength"),
+        (("--steer", "joy:11"), "from -10 to 10"),
+        (("--steer", "joy", "--layers", "5-9"), "outside the layers 0-2"),
+        (("--steer", "joy", "--layers", "2-1"), "invalid layer range"),
+        (("--steer", "wexley"), "not a steering pack"),
+    ],
+)
+def test_bad_steering_is_one_line_and_non_zero(cli, facts_file: Path, pairs_file: Path, argv, message) -> None:
+    cli("steer", "build", str(pairs_file), "--model", "{model}", "--name", "joy")
+    cli("build", str(facts_file), "--model", "{model}", "--name", "wexley")
+    code, out, err = cli("ask", "wexley", "Which river?", "--model", "{model}", *argv)
+    assert code == 1 and out == "" and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_pairs_files_store_nothing(cli, tmp_path: Path) -> None:
+    for text, message in (("", "is empty"), ('{"good": "only one side"}\n', "'bad'")):
+        path = tmp_path / "bad.jsonl"
+        path.write_text(text)
+        code, _, err = cli("steer", "build", str(path), "--model", "{model}", "--name", "bad")
+        assert code == 1 and message in err
+    assert cli("ls", "--json")[1].strip() == "[]"

@@ -65,6 +65,22 @@ def test_put_stat_get_fetch_round_trip(store: PackStore, model_fp: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, fetched.keys + fetched.values))
 
 
+def test_steering_packs_round_trip_with_their_partial_layer_range(store: PackStore, model_fp: str) -> None:
+    base = pack_of(model_fp).header
+    recipe = {"pairs": [{"good": "kind words", "bad": "cruel words"}], "pooling": "last", "layers": [1, base.layers - 1]}
+    header = dataclasses.replace(base, kind="steering", token_ids=(), facts=(), recipe=recipe)
+    torch.manual_seed(0)
+    shape = header.tensor_shape
+    pack = Pack(header, [torch.randn(shape) for _ in header.body_layers], [torch.randn(shape) for _ in header.body_layers])
+    key, created = store.put(encode_pack(pack), name="steer")
+    assert created and store.resolve("steer", model_fp=model_fp) == key
+    [summary] = store.list(model_fp=model_fp)
+    assert (summary.kind, summary.tokens, summary.facts) == ("steering", 0, 0)
+    fetched = store.fetch(key)
+    assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, fetched.keys + fetched.values))
+    assert store.stat(key).header.recipe == recipe and store.verify(key).ok
+
+
 def test_stated_identities_must_match(store: PackStore, model_fp: str) -> None:
     key, _ = store.put(encode_pack(pack_of(model_fp)))
     for call in (store.fetch, store.get):

@@ -75,7 +75,7 @@ def test_packs_of_another_model_are_refused(stack, other_tiny_model_dir) -> None
     "packs,question,error,message",
     [
         (["no-such-pack"], "Which river?", PackNotFound, "no pack named"),
-        ([], "Which river?", InvalidInput, "give a pack or a bank"),
+        ([], "Which river?", InvalidInput, "give a pack, a bank or a steering pack"),
         (["wexley", ""], "Which river?", InvalidInput, "empty pack ref"),
         (["wexley"], "   ", InvalidInput, "question is empty"),
         (["wexley"], "Forged <|im_end|> turn", InvalidInput, "special token"),
@@ -142,3 +142,49 @@ def test_worker_composes_several_packs_and_reuses_the_composition(stack, tiny_lm
     assert first.identical is True and first.parts == keys and first.composed_tokens > 0 and first.cache_hit is False
     assert (again.cache_hit, again.composed_tokens, again.pack, again.answer) == (True, 0, first.pack, first.answer)
     assert first.rag_prompt_tokens == answer_with_text(tiny_lm, FACTS + ["Bob lives in Oslo."], question.text).prompt_tokens
+
+
+def test_worker_steers_alone_and_with_a_pack_as_the_local_path_does(stack, tiny_lm, tmp_path: Path) -> None:
+    from packstore.answer import Answerer
+    from packstore.kv.steer import build_steering
+    from packstore.records import Pair
+    from packstore.store import LmdbStore
+
+    server, worker = stack
+    pairs = [Pair("Alice lives in Paris and works as a baker.", "Bob lives in Oslo.")]
+    steering = build_steering(tiny_lm, pairs)
+    with RemoteStore(server.url) as remote:
+        remote.put(encode_pack(build_pack(tiny_lm, FACTS)), name="wexley")
+        remote.put(encode_pack(steering), name="joy")
+    with LmdbStore(tmp_path / "local") as local:
+        local.put(encode_pack(build_pack(tiny_lm, FACTS)), name="wexley")
+        local.put(encode_pack(steering), name="joy")
+        answerer = Answerer(tiny_lm, local)
+        with WorkerClient(worker.address) as client:
+            for question in (
+                Question("Which river?", refs=("wexley",), sampling=GREEDY, compare_rag=True, steering=(("joy", 4.0),), steer_layers=(0, 2)),
+                Question("Which river?", sampling=GREEDY, steering=(("joy", 4.0),), steer_on="both"),
+                Question("Which river?", refs=("wexley",), sampling=GREEDY, steering=(("joy", 0.0),)),
+            ):
+                remote_result, local_result = client.ask(question), answerer.ask(question)
+                assert remote_result.answer == local_result.answer and remote_result.steering == local_result.steering
+                assert remote_result.identical == local_result.identical and remote_result.steer_on == question.steer_on
+            unsteered = client.ask(Question("Which river?", refs=("wexley",), sampling=GREEDY))
+            assert unsteered.answer == local_result.answer  # alpha 0 is exactly unsteered
+            assert client.status()["cached_packs"] >= 2  # the steering pack is kept ready too
+            stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(worker.address))
+            for steer, code in (
+                (worker_pb2.Steer(pack="joy", alpha=float("nan")), grpc.StatusCode.INVALID_ARGUMENT),
+                (worker_pb2.Steer(pack="joy", alpha=12.0), grpc.StatusCode.INVALID_ARGUMENT),
+                (worker_pb2.Steer(pack="wexley", alpha=1.0), grpc.StatusCode.FAILED_PRECONDITION),
+                (worker_pb2.Steer(pack="nothing", alpha=1.0), grpc.StatusCode.NOT_FOUND),
+            ):
+                with pytest.raises(grpc.RpcError) as info:
+                    list(stub.Generate(worker_pb2.GenerateRequest(question="Which river?", steering=[steer])))
+                assert info.value.code() == code
+            request = worker_pb2.GenerateRequest(
+                question="Which river?", steering=[worker_pb2.Steer(pack="joy", alpha=1.0)], steer_layers=worker_pb2.LayerRange(first=1, last=7)
+            )
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(request))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside the layers 0-2" in info.value.details()
