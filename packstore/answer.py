@@ -18,12 +18,13 @@ from packstore.errors import InvalidInput, PackNotFound
 from packstore.format import PackHeader, pack_key
 from packstore.tensors import Pack, encode_pack
 from packstore.kv.build import build_pack, clean_facts
-from packstore.kv.compose import check_parts, extend
-from packstore.kv.inject import Sampling, answer_with_text, cache_from_pack, check_identity, generate_stream, prepare
+from packstore.kv.compose import COMPOSE_MODES, check_parts, extend, splice
+from packstore.kv.inject import Sampling, answer_with_text, cache_aligned_ids, cache_from_pack, check_identity, generate_stream, prepare
 from packstore.kv.models import LoadedModel
+from packstore.kv.packet import check_adapter, packet_compose
 from packstore.kv.render import pack_prefix_ids, render
 from packstore.kv.steer import Direction, LayerDeltas, SteeredCache, applied_layers, check_steering, steering_deltas
-from packstore.kv.steer_options import STEER_TARGETS, check_alpha
+from packstore.kv.options import STEER_TARGETS, check_alpha
 from packstore.records import AnswerResult
 from packstore.store.protocol import DEFAULT_TOP_K, PackStore
 
@@ -81,7 +82,9 @@ class Question:
     """A question and what to answer it with: pack refs (key, name or content-hash prefix), a bank,
     or both, and/or steering packs.
 
-    Several refs are answered with their exact sequential composition, in order. With a bank the
+    Several refs are answered with their exact sequential composition, in order, or, with ``mode``
+    ``rope``/``naive``/``packet``, with their parts spliced without recompute (``packet``: wrapped in
+    the soft tokens of the adapter ``adapter`` names; all three approximate). With a bank the
     question is routed there (``top_k``, ``probe``, ``embedder``: None means the bank's own) and
     answered with the pack of its top facts, or, with refs too, with those facts composed after the
     packs. ``compare_rag`` also answers with all the same facts, in order, as prompt text (steered
@@ -101,6 +104,8 @@ class Question:
     steering: tuple[tuple[str, float], ...] = ()
     steer_layers: tuple[int, int] | None = None
     steer_on: str = "values"
+    mode: str = "exact"
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "refs", tuple(self.refs))
@@ -115,6 +120,12 @@ class Question:
             raise InvalidInput("comparing with the facts as prompt text needs a pack or a bank")
         if self.steer_on not in STEER_TARGETS:
             raise InvalidInput(f"unknown steering target {self.steer_on!r}: use one of {', '.join(STEER_TARGETS)}")
+        if self.mode not in COMPOSE_MODES:
+            raise InvalidInput(f"unknown composition mode {self.mode!r}: use one of {', '.join(COMPOSE_MODES)}")
+        if (self.mode == "packet") != bool(self.adapter):
+            raise InvalidInput("a packet composition needs an adapter, and an adapter needs the packet mode")
+        if self.mode != "exact" and len(self.refs) + bool(self.bank) < 2:
+            raise InvalidInput(f"a {self.mode} composition needs at least 2 packs (or packs and a bank)")
         if self.steer_layers is not None:
             first, last = self.steer_layers
             if not 0 <= first <= last:
@@ -147,10 +158,28 @@ class Answerer:
         """The ready knowledge pack ``ref`` names, and whether it was already ready.
 
         A pack of another kind, model or template is refused with PackMismatch before it is fetched
-        (and when ready: the ready-cache holds steering packs too).
+        (and when ready: the ready-cache holds steering packs and adapters too).
         """
-        pack, hit = self.ready.get(self.resolve(ref), self._fetch)
-        check_identity(self.lm, pack.header)
+        return self._ready(ref, check_identity)
+
+    def steering_pack(self, ref: str) -> Pack:
+        """The ready steering pack ``ref`` names; PackMismatch for another kind, model or template."""
+        return self._ready(ref, check_steering)[0]
+
+    def adapter_pack(self, ref: str) -> Pack:
+        """The ready adapter ``ref`` names; PackMismatch for another kind, model or template."""
+        return self._ready(ref, check_adapter)[0]
+
+    def _ready(self, ref: str, check: Callable[[LoadedModel, PackHeader], None]) -> tuple[Pack, bool]:
+        """The ready pack ``ref`` names and whether it was ready: ``check`` (kind and identities) runs on
+        its stored header before it is fetched, and again on a ready one."""
+
+        def fetch(key: str) -> Pack:
+            check(self.lm, self.store.stat(key).header)
+            return self._download(key)
+
+        pack, hit = self.ready.get(self.resolve(ref), fetch)
+        check(self.lm, pack.header)
         return pack, hit
 
     def _fetch(self, key: str) -> Pack:
@@ -159,17 +188,6 @@ class Answerer:
 
     def _download(self, key: str) -> Pack:
         return self.store.fetch(key, device=self.lm.device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
-
-    def steering_pack(self, ref: str) -> Pack:
-        """The ready steering pack ``ref`` names; PackMismatch for another kind, model or template."""
-
-        def fetch(key: str) -> Pack:
-            check_steering(self.lm, self.store.stat(key).header)
-            return self._download(key)
-
-        pack, _ = self.ready.get(self.resolve(ref), fetch)
-        check_steering(self.lm, pack.header)
-        return pack
 
     def steering(self, question: Question) -> tuple[LayerDeltas, list[dict]]:
         """The summed deltas of the question's steering packs (empty when there are none, or every
@@ -243,6 +261,41 @@ class Answerer:
         pack, hit = self.ready.get(key_of(len(groups)), compose)  # a warm request renders once
         return pack, keys, hit, prefilled
 
+    def spliced(
+        self, refs: Sequence[str], extra_facts: Sequence[str] = (), *, mode: str, adapter: str | None = None
+    ) -> tuple[Pack, list[str], bool, int]:
+        """The ready ``rope``/``naive``/``packet`` composition of the packs ``refs`` names (then the pack
+        of ``extra_facts``), its part keys, whether it was ready, and how many positions were computed
+        (framing and soft tokens only: no part is recomputed). Looked up by its key in the ready-cache,
+        then in the store; otherwise spliced from the ready parts."""
+        keys, headers = self.parts(refs)
+        parts_keys, extra = list(keys), None
+        if extra_facts:
+            extra = self.facts_pack(extra_facts)[0]
+            parts_keys.append(extra.header.key)
+        if len(parts_keys) < 2:
+            raise InvalidInput(f"a {mode} composition needs at least 2 packs")
+        adapter_pack = self.adapter_pack(adapter) if mode == "packet" else None
+        facts = [fact for header in headers for fact in header.facts] + (list(extra.header.facts) if extra else [])
+        parents = parts_keys + ([adapter_pack.header.key] if adapter_pack is not None else [])
+        ids = pack_prefix_ids(self.lm.tokenizer, facts, raw=headers[0].raw)
+        prefilled = 0
+
+        def compose(key: str) -> Pack:
+            nonlocal prefilled
+            try:
+                return self._fetch(key)
+            except PackNotFound:
+                pass
+            parts = [self.ready.get(part, self._fetch)[0] for part in keys] + ([extra] if extra is not None else [])
+            with self._device_lock:
+                result = packet_compose(self.lm, parts, adapter_pack) if adapter_pack is not None else splice(self.lm, parts, mode)
+            prefilled = result.prefilled_tokens
+            return result.pack.to(self.lm.device)
+
+        pack, hit = self.ready.get(pack_key(self.lm.model_fp, self.lm.template_fp, ids, mode, parents), compose)
+        return pack, parts_keys, hit, prefilled
+
     def facts_pack(self, facts: Sequence[str]) -> tuple[Pack, bool, bool]:
         """The ready pack of exactly ``facts`` (in order), whether it was already stored, and whether already ready.
 
@@ -292,7 +345,10 @@ class Answerer:
         deltas, applied = self.steering(question) if question.steering else ({}, None)
         if question.bank:
             facts = self.route(question.bank, question.text, top_k=question.top_k, probe=question.probe, embedder=question.embedder)
-        if question.refs:
+        if question.refs and question.mode != "exact":
+            pack, keys, hit, prefilled = self.spliced(question.refs, facts or (), mode=question.mode, adapter=question.adapter)
+            parts, composed_tokens = keys, prefilled
+        elif question.refs:
             pack, keys, hit, prefilled = self.composed(question.refs, facts or ())
             if len(keys) > 1 or facts:
                 parts, composed_tokens = keys, prefilled
@@ -306,11 +362,14 @@ class Answerer:
         def cache(filled: bool):
             """A cache steering every position from the question on (None when nothing steers);
             ``filled``: holding the pack's K/V, which stays as stored."""
-            empty = SteeredCache(deltas, rendering.prefix_tokens) if deltas else None
-            return cache_from_pack(pack, self.lm.device, cache=empty) if filled and pack is not None else empty
+            filled = filled and pack is not None
+            question_start = pack.header.positions if filled else rendering.prefix_tokens  # soft tokens take positions
+            empty = SteeredCache(deltas, question_start) if deltas else None
+            return cache_from_pack(pack, self.lm.device, cache=empty) if filled else empty
 
+        ids = cache_aligned_ids(pack.header, rendering.token_ids, self.lm.stop_token_ids[0]) if pack is not None else rendering.token_ids
         with self._device_lock:
-            answer = yield from generate_stream(self.lm, rendering.token_ids, question.sampling, cache(filled=True))
+            answer = yield from generate_stream(self.lm, ids, question.sampling, cache(filled=True))
             rag = (
                 answer_with_text(
                     self.lm, pack.header.facts, question.text, raw=pack.header.raw, sampling=question.sampling, cache=cache(filled=False)

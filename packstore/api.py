@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from packstore.answer import Answerer
 from packstore.errors import InvalidInput, PackNotFound
@@ -20,9 +20,15 @@ from packstore.kv.build import build_pack
 from packstore.kv.compose import COMPOSE_MODES, ERRATUM_PREFIX, Composition, amend, check_erratum, compose_exact, splice
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import pack_prefix_ids
+from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_TOKENS
+from packstore.kv.packet import generated_examples, packet_compose, train_adapter
 from packstore.kv.steer import applied_layers, build_span, build_steering, check_pairs, delta_norms, steering_key
-from packstore.records import Pair
+from packstore.records import Example, Pair
 from packstore.store import PackStore, StoredPack
+
+
+DEFAULT_EXAMPLES = 96
+GENERATED_SOURCE = "packstore.bank.synthetic facts, 2-4 documents of 2-5 facts per example"
 
 
 def pack_summary(stored: StoredPack) -> dict[str, Any]:
@@ -92,27 +98,42 @@ def _stored_or_none(store: PackStore, key: str, name: str | None) -> tuple[Store
 
 
 def compose_and_store(
-    store: PackStore, lm: LoadedModel, refs: Sequence[str], *, mode: str = "exact", name: str | None = None
+    store: PackStore,
+    lm: LoadedModel,
+    refs: Sequence[str],
+    *,
+    mode: str = "exact",
+    name: str | None = None,
+    adapter: str | None = None,
 ) -> tuple[StoredPack, bool, Composition | None]:
     """Compose the packs ``refs`` names, in order, and store the result.
 
     ``exact`` prefills the later parts after the first (token-identical to all facts as prompt
-    text); ``rope`` and ``naive`` splice independently built parts without prefilling them
-    (approximate; docs/format.md §1.5). Returns the stored pack, whether it is new, and the
-    Composition (None when the same composition was already stored, so nothing was computed).
+    text); ``rope`` and ``naive`` splice independently built parts without prefilling them, and
+    ``packet`` splices them wrapped in the soft tokens of ``adapter`` (approximate; docs/format.md
+    §4.2, §4.4). Returns the stored pack, whether it is new, and the Composition (None when the
+    same composition was already stored, so nothing was computed).
     """
     if mode not in COMPOSE_MODES:
         raise InvalidInput(f"unknown composition mode {mode!r}: use one of {', '.join(COMPOSE_MODES)}")
+    if (mode == "packet") != bool(adapter):
+        raise InvalidInput("a packet composition needs an adapter, and an adapter needs the packet mode")
     if len(refs) < 2:
         raise InvalidInput(f"compose needs at least 2 packs, got {len(refs)}")
     answerer = Answerer(lm, store)
     keys, headers = answerer.parts(refs)
+    adapter_pack = answerer.adapter_pack(adapter) if adapter else None
+    parents: list[str] = [] if mode == "exact" else list(keys)  # an exact composition's key is its tokens' alone
+    if adapter_pack is not None:
+        parents.append(adapter_pack.header.key)
     token_ids = pack_prefix_ids(lm.tokenizer, [fact for header in headers for fact in header.facts], raw=headers[0].raw)
-    existing = _stored_or_none(store, pack_key(lm.model_fp, lm.template_fp, token_ids, mode, keys if mode != "exact" else ()), name)
+    existing = _stored_or_none(store, pack_key(lm.model_fp, lm.template_fp, token_ids, mode, parents), name)
     if existing is not None:
         return existing
     if mode == "exact":
         composition = compose_exact(lm, answerer.pack(keys[0])[0], headers[1:])
+    elif adapter_pack is not None:
+        composition = packet_compose(lm, [answerer.pack(key)[0] for key in keys], adapter_pack)
     else:
         composition = splice(lm, [answerer.pack(key)[0] for key in keys], mode)
     stored, created = store_pack(store, composition.pack, name=name)
@@ -153,6 +174,30 @@ def build_steering_and_store(
     if existing is not None:
         return existing[:2]
     return store_pack(store, build_steering(lm, pairs, layers=span, pooling=pooling), name=name)
+
+
+def train_adapter_and_store(
+    store: PackStore,
+    lm: LoadedModel,
+    *,
+    name: str | None = None,
+    examples: Sequence[Example] | None = None,
+    source: str = "examples given in Python",
+    tokens: int = ADAPTER_TOKENS,
+    steps: int = ADAPTER_STEPS,
+    learning_rate: float = ADAPTER_LEARNING_RATE,
+    seed: int = 0,
+    progress: Callable[[int, float], None] | None = None,
+) -> tuple[StoredPack, bool]:
+    """Train a KV Packet adapter for ``lm`` on ``examples`` (default: DEFAULT_EXAMPLES from the
+    project's fact generator, never ckc) and store it. Retraining gives a new key: the key covers
+    the trained tensors."""
+    if examples is None:
+        examples, source = generated_examples(DEFAULT_EXAMPLES, seed=seed), GENERATED_SOURCE
+    adapter = train_adapter(
+        lm, examples, source=source, tokens=tokens, steps=steps, learning_rate=learning_rate, seed=seed, progress=progress
+    )
+    return store_pack(store, adapter, name=name)
 
 
 def export_pack(store: PackStore, ref: str, path: str | os.PathLike[str]) -> tuple[str, int]:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from packstore.errors import InvalidInput
-from packstore.records import Pair
+from packstore.records import Example, Pair
 
 
 def _read_lines(path: str | Path) -> list[tuple[int, str]]:
@@ -56,3 +56,19 @@ def read_pairs(path: str | Path) -> list[Pair]:
     if not lines:
         raise InvalidInput(f"{path}: is empty: a steering pack needs at least one {{good, bad}} pair")
     return [Pair(_json_field(path, number, line, "good"), _json_field(path, number, line, "bad")) for number, line in lines]
+
+
+def read_examples(path: str | Path) -> list[Example]:
+    """Adapter-training examples: JSONL lines ``{"documents": [TEXT, ...], "question": TEXT}``, at least two
+    documents each; a document's lines are its facts."""
+    examples = []
+    for number, line in _read_lines(path):
+        question = _json_field(path, number, line, "question")
+        documents = json.loads(line).get("documents")
+        if not isinstance(documents, list) or len(documents) < 2 or not all(isinstance(d, str) and d.strip() for d in documents):
+            raise InvalidInput(f"{path}:{number}: needs 'documents', a list of at least 2 non-empty strings")
+        facts = tuple(tuple(fact.strip() for fact in document.splitlines() if fact.strip()) for document in documents)
+        examples.append(Example(facts, question))
+    if not examples:
+        raise InvalidInput(f"{path}: is empty")
+    return examples

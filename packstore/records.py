@@ -151,6 +151,18 @@ class Pair:
 
 
 @dataclass(frozen=True)
+class Example:
+    """One adapter-training example: documents (each its facts; each becomes one part, built alone)
+    and a question about them, which the teacher answers."""
+
+    documents: tuple[tuple[str, ...], ...]
+    question: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"documents": [list(facts) for facts in self.documents], "question": self.question}
+
+
+@dataclass(frozen=True)
 class AnswerResult:
     """One question answered with a pack, and optionally with the same facts as prompt text."""
 

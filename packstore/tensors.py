@@ -21,7 +21,6 @@ from packstore.format.body import (
     LAYERS_PER_CHUNK,
     EncodedPack,
     chunk_tensor_names,
-    layer_names,
     max_plain_bytes,
     tensor_table,
     verify_chunk,
@@ -64,11 +63,25 @@ class Pack:
                     )
 
 
+def adapter_tensors_sha256(header: torch.Tensor, trailer: torch.Tensor) -> str:
+    """sha256 of an adapter's header then trailer embeddings, as stored (C order, little-endian)."""
+    digest = hashlib.sha256()
+    for tensor in (header, trailer):
+        digest.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def check_tensor_digest(pack: Pack) -> None:
+    """An adapter's key covers its tensors through ``recipe.tensors_sha256``: IntegrityError unless they match."""
+    if pack.header.kind == "adapter" and adapter_tensors_sha256(pack.keys[0], pack.values[0]) != pack.header.recipe["tensors_sha256"]:
+        raise IntegrityError(f"pack {pack.header.key}: the adapter's tensors do not match recipe.tensors_sha256")
+
+
 def _encode_chunk(pack: Pack, first: int, stop: int) -> tuple[bytes, ChunkInfo]:
     tensors = {}
     offset = pack.header.body_layers.start  # keys[i] holds body layer offset + i
     for layer in range(first, stop):
-        k_name, v_name = layer_names(layer)
+        k_name, v_name = pack.header.tensor_names(layer)
         tensors[k_name] = pack.keys[layer - offset].contiguous()
         tensors[v_name] = pack.values[layer - offset].contiguous()
     stored = codec.encode(safetensors_save(tensors), pack.keys[0].element_size())
@@ -115,7 +128,7 @@ def decode_chunk(header: PackHeader, index: int, data: bytes) -> dict[str, torch
     except IntegrityError as exc:
         raise IntegrityError(f"pack {header.key}: chunk {index} cannot be decoded: {exc}") from None
     info = header.chunks[index]
-    if set(tensors) != chunk_tensor_names(info):
+    if set(tensors) != chunk_tensor_names(header, info):
         raise IntegrityError(f"pack {header.key}: chunk {index} does not hold exactly layers {info.first_layer}-{info.stop_layer - 1}")
     return tensors
 
@@ -132,7 +145,7 @@ def decode_pack(encoded: EncodedPack) -> Pack:
     tensors = {name: tensor for part in decoded for name, tensor in part.items()}
     keys, values = [], []
     for layer in header.body_layers:
-        k_name, v_name = layer_names(layer)
+        k_name, v_name = header.tensor_names(layer)
         if k_name not in tensors:
             raise IntegrityError(f"pack {header.key}: no chunk holds layer {layer}")
         keys.append(tensors[k_name])
@@ -142,4 +155,5 @@ def decode_pack(encoded: EncodedPack) -> Pack:
         pack.check_shapes()
     except InvalidInput as exc:
         raise IntegrityError(f"pack {header.key}: {exc}") from None
+    check_tensor_digest(pack)
     return pack

@@ -113,7 +113,7 @@ def cmd_compose(args: argparse.Namespace) -> int:
 
     lm = _pack_model(args, args.refs[0])
     with _open_store(args) as store:
-        stored, created, composition = compose_and_store(store, lm, args.refs, mode=args.mode, name=args.name)
+        stored, created, composition = compose_and_store(store, lm, args.refs, mode=args.mode, name=args.name, adapter=args.adapter)
     _report_composed(args, stored, created, composition, f"composed ({args.mode})")
     return 0
 
@@ -147,7 +147,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     from packstore.facts import read_questions
     from packstore.kv.inject import Sampling
 
-    from packstore.kv.steer_options import parse_layers, parse_steer
+    from packstore.kv.options import parse_layers, parse_steer
 
     if (args.bank is not None or args.steer) and args.question is None and args.questions is None:
         args.question, args.ref = args.ref, None  # `ask --bank N QUESTION`: the one positional is the question
@@ -167,7 +167,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     question_for = lambda text: Question(  # noqa: E731
         text, refs=refs, bank=args.bank, top_k=args.top_k, probe=args.probe,
         embedder=args.embedder, compare_rag=args.compare_rag, sampling=sampling,
-        steering=steering, steer_layers=layers, steer_on=args.steer_on,
+        steering=steering, steer_layers=layers, steer_on=args.steer_on, mode=args.mode, adapter=args.adapter,
     )
     as_lines = args.json or args.questions is not None
     live = bool(args.worker) and not as_lines and not args.compare_rag  # one answer for a person: shown as the worker generates it
@@ -328,7 +328,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_steer(args: argparse.Namespace) -> int:
     from packstore.api import build_steering_and_store, pack_summary
     from packstore.facts import read_pairs
-    from packstore.kv.steer_options import parse_layers
+    from packstore.kv.options import parse_layers
 
     pairs = read_pairs(args.pairs)
     layers = parse_layers(args.layers) if args.layers is not None else None
@@ -343,6 +343,33 @@ def cmd_steer(args: argparse.Namespace) -> int:
         first, last = stored.header.recipe["layers"]
         state = "stored" if created else "already stored"
         print(f"{state}: steering pack from {len(pairs)} pairs, layers {first}-{last}, name {args.name}", file=sys.stderr)
+    return 0
+
+
+def cmd_adapter(args: argparse.Namespace) -> int:
+    from packstore.api import pack_summary, train_adapter_and_store
+    from packstore.facts import read_examples
+
+    examples = read_examples(args.data) if args.data else None
+    lm = _load_model(args)
+    show = _progress(args) or args.verbose
+    progress = (lambda step, loss: print(f"step {step}/{args.steps}: KL {loss:.4f}", file=sys.stderr, flush=True)) if show else None
+    with _open_store(args) as store:
+        stored, created = train_adapter_and_store(
+            store, lm, name=args.name, examples=examples, source=f"file {Path(args.data).name}" if args.data else "",
+            tokens=args.tokens, steps=args.steps, learning_rate=args.learning_rate, seed=args.seed, progress=progress,
+        )
+    metrics = dict(stored.header.metrics)
+    record = pack_summary(stored) | {"created_new": created, "recipe": stored.header.recipe, "metrics": metrics}
+    if args.json:
+        emit_json(record)
+    else:
+        print(stored.key)
+        print(
+            f"adapter {args.name}: {args.tokens} soft tokens a side, {args.steps} steps in {metrics['train_seconds']} s, "
+            f"held-out KL {metrics['holdout_kl_before']} -> {metrics['holdout_kl_after']}, peak RSS {metrics['peak_rss_mb']} MB",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -402,6 +429,17 @@ def _model_options(parser: argparse.ArgumentParser, *, required: bool = True) ->
     parser.add_argument("--chat-template", metavar="FILE", help="use this Jinja chat template instead of the tokenizer's own")
 
 
+def _composition_options(parser: argparse.ArgumentParser, modes: tuple[str, ...]) -> None:
+    parser.add_argument(
+        "--mode", choices=modes, default="exact",
+        help="exact (default): prefill each later part after the earlier ones, same answers as all facts as text; "
+        "rope: splice independently built parts, keys rotated to their new positions (approximate, no part prefilled); "
+        "naive: splice without re-positioning (wrong; only to measure it); "
+        "packet: rope plus the soft tokens of --adapter around each part (approximate, no part prefilled)",
+    )
+    parser.add_argument("--adapter", metavar="REF", help="the adapter (packctl adapter train) for --mode packet")
+
+
 def _bank_options(parser: argparse.ArgumentParser) -> None:
     from packstore.store.protocol import DEFAULT_TOP_K, MIN_PROBE, PROBED_SHARE
 
@@ -418,7 +456,7 @@ def build_cli() -> CommandLine:
     from packstore.format.bank import VECTOR_KINDS
     from packstore.format.header import COMPOSITIONS as COMPOSE_MODES
     from packstore.format.header import POOLINGS
-    from packstore.kv.steer_options import MAX_ALPHA, STEER_TARGETS
+    from packstore.kv.options import MAX_ALPHA, STEER_TARGETS
     from packstore.store.protocol import ROUTE_MODES
 
     cli = CommandLine("packctl", "Build, store and use knowledge packs (pre-computed KV caches).")
@@ -433,12 +471,7 @@ def build_cli() -> CommandLine:
     p.add_argument("refs", metavar="REF", nargs="+", help="two or more packs, in order")
     _model_options(p, required=False)
     p.add_argument("--name", help="name (alias) for the composed pack, per model")
-    p.add_argument(
-        "--mode", choices=COMPOSE_MODES, default="exact",
-        help="exact (default): prefill each later part after the earlier ones, same answers as all facts as text; "
-        "rope: splice independently built parts, keys rotated to their new positions (approximate, no part prefilled); "
-        "naive: splice without re-positioning (wrong; only to measure it)",
-    )
+    _composition_options(p, COMPOSE_MODES)
 
     p = cli.command("amend", cmd_amend, "append an erratum to a pack as a new pack, the old one kept (model: --model, else the pack's own); prints its key")
     p.add_argument("ref", metavar="REF")
@@ -458,6 +491,7 @@ def build_cli() -> CommandLine:
     p.add_argument("--bank", metavar="N", help="route the question in bank N and answer with its top facts' pack (computed lazily)")
     _bank_options(p)
     p.add_argument("--compare-rag", action="store_true", help="also answer with the facts in the prompt and compare")
+    _composition_options(p, COMPOSE_MODES)
     p.add_argument(
         "--steer", action="append", metavar="REF[:ALPHA]",
         help=f"add a steering pack's value deltas times ALPHA (default 1, 0 is unsteered, |ALPHA| <= {MAX_ALPHA:g}, negative steers "
@@ -496,6 +530,27 @@ def build_cli() -> CommandLine:
     p = cli.command("import", cmd_import, "verify a pack file and store it")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--name", help="name (alias) for the pack, per model")
+
+    from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_TOKENS
+
+    adapter = cli.command("adapter", cmd_adapter, "KV Packet adapters: soft tokens trained to splice independently built packs")
+    sub = adapter.add_subparsers(dest="adapter_command", required=True, metavar="ADAPTER_COMMAND")
+    p = sub.add_parser(
+        "train", parents=[global_options(add_defaults=False)],
+        help="train an adapter by distillation (model frozen) and store it; prints its key",
+        description="train an adapter by distillation from the exact composition (model frozen) and store it; prints its key",
+    )
+    _model_options(p)
+    p.add_argument("--name", required=True, help="name (alias) for the adapter, per model")
+    p.add_argument(
+        "--data", metavar="FILE",
+        help='JSONL {"documents": [TEXT, ...], "question": TEXT} (default: 96 examples from the built-in fact generator)',
+    )
+    p.add_argument("--steps", type=int, default=ADAPTER_STEPS, help=f"optimizer steps, one example each (default {ADAPTER_STEPS})")
+    p.add_argument("--tokens", type=int, default=ADAPTER_TOKENS, help=f"soft tokens before and after each part (default {ADAPTER_TOKENS})")
+    p.add_argument("--learning-rate", type=float, default=ADAPTER_LEARNING_RATE, help=f"Adam step size (default {ADAPTER_LEARNING_RATE})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verbose", "-v", action="store_true", help="print the training loss as it goes")
 
     steer = cli.command("steer", cmd_steer, "steering packs: contrastive value deltas that change how a model answers")
     sub = steer.add_subparsers(dest="steer_command", required=True, metavar="STEER_COMMAND")

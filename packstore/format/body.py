@@ -35,14 +35,9 @@ class EncodedPack:
         return len(self.header.to_json()) + sum(len(c) for c in self.chunks)
 
 
-def layer_names(layer: int) -> tuple[str, str]:
-    """The names of layer ``layer``'s K and V tensors in a chunk."""
-    return f"layers.{layer}.key", f"layers.{layer}.value"
-
-
-def chunk_tensor_names(info: ChunkInfo) -> set[str]:
-    """The names a chunk must hold: K and V of each of its layers, nothing else."""
-    return {name for layer in range(info.first_layer, info.stop_layer) for name in layer_names(layer)}
+def chunk_tensor_names(header: PackHeader, info: ChunkInfo) -> set[str]:
+    """The names a chunk must hold: the two tensors of each of its layers (K and V), nothing else."""
+    return {name for layer in range(info.first_layer, info.stop_layer) for name in header.tensor_names(layer)}
 
 
 MAX_CHUNK_PLAIN_BYTES = 4 << 30  # no chunk decodes to more, whatever its header declares
@@ -52,7 +47,7 @@ _TABLE_BYTES_PER_TENSOR = 1024  # room for one tensor's entry in a chunk's safet
 def max_plain_bytes(info: ChunkInfo) -> int:
     """The most a chunk may decode to: its declared K/V bytes plus a safetensors table for its
     tensors, and never more than ``MAX_CHUNK_PLAIN_BYTES``. Decompression stops there."""
-    table = 8 + 4096 + _TABLE_BYTES_PER_TENSOR * len(chunk_tensor_names(info))
+    table = 8 + 4096 + _TABLE_BYTES_PER_TENSOR * 2 * (info.stop_layer - info.first_layer)
     return min(info.raw_bytes + table, MAX_CHUNK_PLAIN_BYTES)
 
 

@@ -15,16 +15,22 @@ from packstore.errors import IntegrityError, InvalidInput, PackMismatch
 FORMAT_NAME = "packstore-pack"
 FORMAT_VERSION = 3  # the newest version this build reads and writes (docs/format.md §7)
 READ_VERSIONS = (1, 2, 3)
-# "knowledge": the K/V of a prefix (versions 1 and 2); "steering": per-layer K/V deltas made from
-# contrastive pairs, no prefix tokens (version 3, docs/format.md §4.3).
-KINDS = ("knowledge", "steering")
+# "knowledge": the K/V of a prefix (versions 1 and 2); without prefix tokens (version 3): "steering",
+# per-layer K/V deltas made from contrastive pairs (docs/format.md §4.3), and "adapter", trained
+# soft-token embeddings for packet compositions (§4.4).
+KINDS = ("knowledge", "steering", "adapter")
 PREFIX_KINDS = ("knowledge",)  # kinds whose body is the K/V of their token ids
 POOLINGS = ("last", "mean")  # how a steering pack pools each text's K/V over its tokens
 MAX_PAIRS = 100_000
+MAX_SOFT_TOKENS = 64  # an adapter's soft tokens on each side of a part
+MAX_HIDDEN_SIZE = 1 << 16
+MAX_METRICS = 64
 # How a pack's KV was made: "exact" is the prefill of its tokens (built, or composed sequentially);
-# "rope" and "naive" splice independently built parts (docs/format.md §1.5). Only exact packs promise
-# text-in-prompt answers.
-COMPOSITIONS = ("exact", "rope", "naive")
+# "rope" and "naive" splice independently built parts (docs/format.md §4.2); "packet" splices them
+# with an adapter's soft tokens between them (§4.4). Only exact packs promise text-in-prompt answers.
+COMPOSITIONS = ("exact", "rope", "naive", "packet")
+ADAPTER_RECIPE_FIELDS = ("data", "hidden_size", "learning_rate", "objective", "seed", "steps", "tensors_sha256", "tokens")
+ADAPTER_DATA_FIELDS = ("examples", "sha256", "source")
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}  # header dtype -> bytes per element
 DTYPES = tuple(DTYPE_SIZES)
 CODEC = "byteplane-zstd"  # the body codec of version 1 (packstore.format.codec)
@@ -122,10 +128,17 @@ class PackHeader:
     chunks: tuple[ChunkInfo, ...] = field(default=())
     composition: str = "exact"
     recipe: Mapping[str, Any] | None = None  # version 3 only: what a pack without prefix tokens is made from
+    metrics: Mapping[str, Any] | None = None  # version 3 only: how it was made (timings, losses); not hashed
+    soft_tokens: tuple[tuple[int, int], ...] = ()  # packet compositions: (token index, count) of soft tokens before it
 
     @property
     def tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def positions(self) -> int:
+        """Cache positions the body holds K/V for: the tokens, and any soft tokens between them."""
+        return self.tokens + sum(count for _, count in self.soft_tokens)
 
     @property
     def content_hash(self) -> str:
@@ -135,18 +148,24 @@ class PackHeader:
 
     @property
     def body_layers(self) -> range:
-        """The layers the body holds tensors for: every layer of a knowledge pack, a steering pack's recipe range."""
-        if self.kind == "steering":
-            first, last = self.recipe["layers"]
-            return range(first, last + 1)
-        return range(self.layers)
+        """The layers the body holds tensors for: every layer of a knowledge pack, a steering pack's
+        recipe range, and one group (0) for an adapter."""
+        return _body_span(self.kind, self.layers, self.recipe)
 
     @property
     def tensor_shape(self) -> tuple[int, ...]:
-        """Shape of each body tensor: ``[kv_heads, tokens, head_dim]``, or ``[kv_heads, head_dim]`` for a steering delta."""
+        """Shape of each body tensor: ``[kv_heads, positions, head_dim]``; ``[kv_heads, head_dim]`` for a
+        steering delta; ``[tokens, hidden_size]`` for an adapter's soft-token embeddings."""
         if self.kind == "steering":
             return (self.kv_heads, self.head_dim)
-        return (self.kv_heads, self.tokens, self.head_dim)
+        if self.kind == "adapter":
+            return (self.recipe["tokens"], self.recipe["hidden_size"])
+        return (self.kv_heads, self.positions, self.head_dim)
+
+    def tensor_names(self, layer: int) -> tuple[str, str]:
+        """The names of the two tensors of body layer ``layer``: K and V (or their deltas), or an
+        adapter's header and trailer soft tokens."""
+        return _tensor_names(self.kind, layer)
 
     @property
     def key(self) -> str:
@@ -155,7 +174,7 @@ class PackHeader:
     @property
     def version(self) -> int:
         """The oldest format version that holds this header: 1 for exact packs, 2 for spliced ones,
-        3 for packs without prefix tokens (steering)."""
+        3 for packs without prefix tokens (steering, adapter)."""
         if self.kind not in PREFIX_KINDS:
             return 3
         return 1 if self.composition == "exact" else 2
@@ -178,6 +197,10 @@ class PackHeader:
         for name in _VERSION_FIELDS:
             if name not in _VERSION_FIELDS_OF[self.version]:
                 del record[name]  # e.g. a version-1 header is exact by definition, and has no recipe
+        if self.soft_tokens:
+            record["soft_tokens"] = [list(pair) for pair in self.soft_tokens]
+        else:
+            del record["soft_tokens"]  # only a packet composition has soft tokens
         record["tokens"] = self.tokens
         record["content_hash"] = self.content_hash
         record["source_sha256"] = facts_digest(self.facts)
@@ -205,8 +228,12 @@ class PackHeader:
         for name in _VERSION_FIELDS:
             if name not in _VERSION_FIELDS_OF[version] and name in record:
                 raise _field_error(name, f"is not a field of a version-{version} pack header")
+        if "soft_tokens" in record and record.get("composition") != "packet":
+            raise _field_error("soft_tokens", "is a field of packet compositions only")
         record.setdefault("composition", "exact")
         record.setdefault("recipe", None)
+        record.setdefault("metrics", None)
+        record.setdefault("soft_tokens", [])
         if version == 2 and record["composition"] == "exact":
             raise _field_error("version", "must be 1 for an exact pack (version 2 holds spliced compositions)")
         if (version == 3) != (record.get("kind") not in PREFIX_KINDS):
@@ -224,6 +251,7 @@ class PackHeader:
             facts=tuple(record["facts"]),
             parents=tuple(record["parents"]),
             chunks=tuple(ChunkInfo(**chunk) for chunk in record["chunks"]),
+            soft_tokens=tuple((index, count) for index, count in record["soft_tokens"]),
         )
         derived = {
             "tokens": header.tokens,
@@ -267,9 +295,24 @@ class PackHeader:
 
 
 _FIELDS = tuple(f.name for f in fields(PackHeader))
-_VERSION_FIELDS = ("composition", "recipe")  # fields only some versions have
-_VERSION_FIELDS_OF = {1: (), 2: ("composition",), 3: ("recipe",)}
-_SEQUENCE_FIELDS = ("token_ids", "facts", "parents", "chunks")
+_VERSION_FIELDS = ("composition", "recipe", "metrics")  # fields only some versions have
+_VERSION_FIELDS_OF = {1: (), 2: ("composition",), 3: ("recipe", "metrics")}
+
+
+def _body_span(kind: str, layers: int, recipe: Mapping[str, Any] | None) -> range:
+    if kind == "steering":
+        first, last = recipe["layers"]
+        return range(first, last + 1)
+    if kind == "adapter":
+        return range(0, 1)
+    return range(layers)
+
+
+def _tensor_names(kind: str, layer: int) -> tuple[str, str]:
+    if kind == "adapter":
+        return "soft.header", "soft.trailer"
+    return f"layers.{layer}.key", f"layers.{layer}.value"
+_SEQUENCE_FIELDS = ("token_ids", "facts", "parents", "chunks", "soft_tokens")
 _DERIVED_FIELDS = ("tokens", "content_hash", "source_sha256")
 _CHUNK_FIELDS = tuple(f.name for f in fields(ChunkInfo))
 _CHUNK_FIELD_SET = frozenset(_CHUNK_FIELDS)
@@ -348,20 +391,84 @@ def _check_fields(record: Mapping[str, Any]) -> None:
     _check_choice("composition", record["composition"], COMPOSITIONS)
     if record["composition"] != "exact" and len(parents) < 2:
         _refuse("parents", f"the keys of at least 2 parts for a {record['composition']} composition", parents)
+    _check_soft_tokens(record)
     if record["kind"] == "steering":
         _check_steering(record)
+    elif record["kind"] == "adapter":
+        _check_adapter(record)
     elif record.get("recipe") is not None:
         _refuse("recipe", f"absent for a {record['kind']} pack", record["recipe"])
+    if record["kind"] not in PREFIX_KINDS:
+        _check_metrics(record.get("metrics"))
     _check_chunks(record)
+
+
+def _check_soft_tokens(record: Mapping[str, Any]) -> None:
+    """A packet composition lists where its soft tokens sit: ``[index, count]`` pairs, indexes rising
+    within the tokens; it has at least 2 parts and the adapter as its last parent."""
+    soft = record.get("soft_tokens", [])
+    if record["composition"] != "packet":
+        if soft:
+            _refuse("soft_tokens", "absent unless the composition is packet", soft)
+        return
+    if len(record["parents"]) < 3:
+        _refuse("parents", "the keys of at least 2 parts and then the adapter for a packet composition", record["parents"])
+    if not _is_list(soft) or not soft:
+        _refuse("soft_tokens", "a non-empty list of [index, count] pairs for a packet composition", soft)
+    previous = 0
+    for number, pair in enumerate(soft):
+        if not _is_list(pair) or len(pair) != 2:
+            _refuse(f"soft_tokens[{number}]", "[index, count]", pair)
+        _check_int(f"soft_tokens[{number}][0]", pair[0], max(previous, 1), len(record["token_ids"]))
+        _check_int(f"soft_tokens[{number}][1]", pair[1], 1, 2 * MAX_SOFT_TOKENS)
+        previous = pair[0] + 1
+
+
+def _check_metrics(metrics: Any) -> None:
+    """Metrics are informational: an object of at most MAX_METRICS numbers, strings or booleans."""
+    if not isinstance(metrics, Mapping) or len(metrics) > MAX_METRICS:
+        _refuse("metrics", f"an object of at most {MAX_METRICS} entries", metrics)
+    for name, value in metrics.items():
+        if not isinstance(value, (int, float, str, bool)) or (isinstance(value, str) and len(value) > MAX_CODEC_CHARS * 16):
+            _refuse(f"metrics.{name}", "a number, a boolean or a string of at most 1024 characters", value)
+
+
+def _check_no_prefix(record: Mapping[str, Any]) -> None:
+    """A pack without prefix tokens has no facts, parents or raw rendering."""
+    for name in ("facts", "parents"):
+        if record[name]:
+            _refuse(name, f"empty for a {record['kind']} pack", record[name])
+    if record["raw"]:
+        _refuse("raw", f"false for a {record['kind']} pack", record["raw"])
+
+
+def _check_adapter(record: Mapping[str, Any]) -> None:
+    """An adapter's recipe: its soft tokens per side, the model's hidden size, the training settings,
+    the training data's digest and the digest of its tensors (docs/format.md §4.4)."""
+    _check_no_prefix(record)
+    recipe = record.get("recipe")
+    if not isinstance(recipe, Mapping) or tuple(sorted(recipe)) != ADAPTER_RECIPE_FIELDS:
+        _refuse("recipe", f"an object with exactly the fields {', '.join(ADAPTER_RECIPE_FIELDS)}", recipe)
+    _check_int("recipe.tokens", recipe["tokens"], 1, MAX_SOFT_TOKENS)
+    _check_int("recipe.hidden_size", recipe["hidden_size"], 1, MAX_HIDDEN_SIZE)
+    _check_int("recipe.steps", recipe["steps"], 0, 1 << 30)
+    _check_int("recipe.seed", recipe["seed"], 0, (1 << 63) - 1)
+    rate = recipe["learning_rate"]
+    if type(rate) not in (int, float) or not 0 <= rate < 1e6:
+        _refuse("recipe.learning_rate", "a number from 0 up to 1e6", rate)
+    _check_str("recipe.objective", recipe["objective"], MAX_MODEL_NAME_CHARS)
+    _check_hex64("recipe.tensors_sha256", recipe["tensors_sha256"])
+    data = recipe["data"]
+    if not isinstance(data, Mapping) or tuple(sorted(data)) != ADAPTER_DATA_FIELDS:
+        _refuse("recipe.data", f"an object with exactly the fields {', '.join(ADAPTER_DATA_FIELDS)}", data)
+    _check_str("recipe.data.source", data["source"], MAX_MODEL_NAME_CHARS)
+    _check_hex64("recipe.data.sha256", data["sha256"])
+    _check_int("recipe.data.examples", data["examples"], 0, 1 << 40)
 
 
 def _check_steering(record: Mapping[str, Any]) -> None:
     """A steering pack has no facts, parents or raw rendering, and a recipe of pairs, pooling and layers."""
-    for name in ("facts", "parents"):
-        if record[name]:
-            _refuse(name, "empty for a steering pack", record[name])
-    if record["raw"]:
-        _refuse("raw", "false for a steering pack", record["raw"])
+    _check_no_prefix(record)
     recipe = record.get("recipe")
     if not isinstance(recipe, Mapping) or set(recipe) != {"pairs", "pooling", "layers"}:
         _refuse("recipe", "an object with exactly the fields layers, pairs, pooling", recipe)
@@ -387,14 +494,17 @@ def _check_chunks(record: Mapping[str, Any]) -> None:
     chunks = record["chunks"]
     if not _is_list(chunks):
         _refuse("chunks", "a list of chunk objects", chunks)
-    dtype = record["dtype"]
-    if record["kind"] == "steering":
-        first_layer, layers = record["recipe"]["layers"][0], record["recipe"]["layers"][1] + 1
-        positions = 1  # a delta per layer: K and V each [kv_heads, head_dim]
-    else:
-        first_layer, layers = 0, record["layers"]
-        positions = len(record["token_ids"])  # K and V each [kv_heads, tokens, head_dim]
-    layer_bytes = 2 * record["kv_heads"] * positions * record["head_dim"] * DTYPE_SIZES[dtype]
+    kind, dtype = record["kind"], record["dtype"]
+    span = _body_span(kind, record["layers"], record["recipe"])
+    first_layer, layers = span.start, span.stop
+    if kind == "steering":
+        elements = record["kv_heads"] * record["head_dim"]  # a delta per layer: [kv_heads, head_dim]
+    elif kind == "adapter":
+        elements = record["recipe"]["tokens"] * record["recipe"]["hidden_size"]  # [tokens, hidden_size]
+    else:  # [kv_heads, positions, head_dim]: every token, and any soft tokens between them
+        positions = len(record["token_ids"]) + sum(count for _, count in record.get("soft_tokens", []))
+        elements = record["kv_heads"] * positions * record["head_dim"]
+    layer_bytes = 2 * elements * DTYPE_SIZES[dtype]  # two tensors per layer (K and V, or header and trailer)
     next_layer = first_layer
     for index, chunk in enumerate(chunks):
         name = f"chunks[{index}]"

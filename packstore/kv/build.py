@@ -35,15 +35,15 @@ def prefill(
     ) as bar:
         for start in range(0, ids.shape[1], step):
             piece = ids[:, start : start + step]
-            lm.model(input_ids=piece, past_key_values=cache, use_cache=True)
+            lm.model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1)
             bar.update(piece.shape[1])
     return cache
 
 
 def cache_tensors(cache: DynamicCache, tokens: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-layer K and V as ``[kv_heads, tokens, head_dim]`` CPU tensors (the first ``tokens`` positions)."""
-    keys = [layer.keys[0, :, :tokens].to("cpu").contiguous() for layer in cache.layers]
-    values = [layer.values[0, :, :tokens].to("cpu").contiguous() for layer in cache.layers]
+    keys = [layer.keys[0, :, :tokens].detach().to("cpu").contiguous() for layer in cache.layers]
+    values = [layer.values[0, :, :tokens].detach().to("cpu").contiguous() for layer in cache.layers]
     return keys, values
 
 
@@ -64,8 +64,10 @@ def knowledge_pack(
     raw: bool = False,
     parents: Sequence[str] = (),
     composition: str = "exact",
+    soft_tokens: Sequence[tuple[int, int]] = (),
 ) -> Pack:
-    """A knowledge pack of ``lm`` holding ``cache``'s K/V for ``token_ids`` (the rendering of ``facts``)."""
+    """A knowledge pack of ``lm`` holding ``cache``'s K/V for ``token_ids`` (the rendering of ``facts``),
+    and for any ``soft_tokens`` between them (a packet composition)."""
     keys, values = cache_tensors(cache)
     header = PackHeader(
         kind="knowledge",
@@ -82,6 +84,7 @@ def knowledge_pack(
         created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         parents=tuple(parents),
         composition=composition,
+        soft_tokens=tuple(tuple(pair) for pair in soft_tokens),
     )
     return Pack(header=header, keys=keys, values=values)
 

@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
+from transformers import DynamicCache
+
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.format import PackHeader
 from packstore.format.header import COMPOSITIONS
@@ -26,7 +29,7 @@ from packstore.tensors import Pack
 
 ERRATUM_PREFIX = "Correction: "  # an erratum is rendered as one more line: this prefix, then its text
 COMPOSE_MODES = COMPOSITIONS  # exact first, the default
-SPLICE_MODES = COMPOSE_MODES[1:]
+SPLICE_MODES = ("rope", "naive")  # spliced without an adapter
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class Composition:
     pack: Pack
     reused_tokens: int  # copied from stored parts (rotated or not)
     prefilled_tokens: int  # run through the model
+    computed_positions: tuple[int, ...] = ()  # spliced compositions: the cache positions run through the model
 
     def to_json(self) -> dict:
         return {"reused_tokens": self.reused_tokens, "prefilled_tokens": self.prefilled_tokens}
@@ -103,45 +107,135 @@ def amend(lm: LoadedModel, base: Pack, erratum: str) -> Composition:
     return extend(lm, base, [ERRATUM_PREFIX + check_erratum(erratum)], parents=[base.header.key])
 
 
-def splice(lm: LoadedModel, parts: Sequence[Pack], mode: str) -> Composition:
+@dataclass
+class SoftTokens:
+    """An adapter's soft-token embeddings for one model, each ``[tokens, hidden_size]`` on the model's device:
+    ``header`` goes before every later part of a packet composition, ``trailer`` after every part."""
+
+    header: torch.Tensor
+    trailer: torch.Tensor
+
+
+@dataclass
+class Assembly:
+    """A spliced cache and where its positions came from (``soft``: (token index, count) of soft tokens before it)."""
+
+    cache: DynamicCache
+    token_ids: list[int]
+    soft: list[tuple[int, int]]
+    reused_tokens: int
+    computed: list[int]  # cache positions run through the model (framing and soft tokens)
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return len(self.computed)
+
+
+class _Prefill:
+    """Collects the positions no part holds (framing token ids, soft-token embeddings), in order, and
+    runs them through the model into the cache, with everything before them as prefix."""
+
+    def __init__(self, lm: LoadedModel, cache: DynamicCache, grad: bool) -> None:
+        self.lm, self.cache, self.grad = lm, cache, grad
+        self.pending: list[list[int] | torch.Tensor] = []
+        self.computed: list[int] = []
+
+    def add(self, item: list[int] | torch.Tensor) -> None:
+        if len(item):
+            self.pending.append(item)
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        start = self.cache.get_seq_length()
+        self.computed += range(start, start + sum(len(item) for item in self.pending))
+        if all(isinstance(item, list) for item in self.pending) and not self.grad:
+            prefill(self.lm, [token for item in self.pending for token in item], cache=self.cache)
+        else:
+            embed = self.lm.model.get_input_embeddings()
+            device = self.lm.device
+            with torch.set_grad_enabled(self.grad):
+                dtype = embed.weight.dtype
+                pieces = [embed(torch.tensor(item, device=device)) if isinstance(item, list) else item.to(device, dtype) for item in self.pending]
+                self.lm.model(inputs_embeds=torch.cat(pieces)[None], past_key_values=self.cache, use_cache=True)
+        self.pending = []
+
+
+def assemble(lm: LoadedModel, parts: Sequence[Pack], *, rotate: bool, soft: SoftTokens | None = None, grad: bool = False) -> Assembly:
     """Splice independently built parts into the rendering of all their facts, prefilling none of them.
 
     Each part's own template framing is stripped: only its fact tokens are copied, to where the same
-    tokens sit in the composed rendering. ``rope`` rotates their keys by the position offset;
-    ``naive`` leaves them at the positions they were computed at (wrong; kept only to measure it).
-    The framing tokens between and after the parts are prefilled with everything before them.
+    tokens sit in the composed rendering (keys rotated by the position offset when ``rotate``). The
+    framing tokens between and after the parts, and with ``soft`` the trailer after every part and the
+    header before every later part, are run through the model with everything before them as prefix.
+    ``grad`` keeps the autograd graph of those runs (training an adapter); parts are never in it.
     """
-    if mode not in SPLICE_MODES:
-        raise InvalidInput(f"unknown splice mode {mode!r}: use one of {', '.join(SPLICE_MODES)}")
     if len(parts) < 2:
-        raise InvalidInput(f"a {mode} composition needs at least 2 packs")
+        raise InvalidInput("a spliced composition needs at least 2 packs")
     raw = check_parts(lm, [part.header for part in parts])
-    frequencies = layer_frequencies(lm) if mode == "rope" else None
+    for part in parts:
+        if part.header.soft_tokens:
+            raise InvalidInput(f"pack {part.header.key} is a packet composition: its soft tokens cannot be spliced again")
+    frequencies = layer_frequencies(lm) if rotate else None
     token_ids, spans = group_spans(lm.tokenizer, [part.header.facts for part in parts], raw=raw)
     kept = _common_prefix(parts[0].header.token_ids, token_ids)
     cache = cache_from_pack(parts[0], lm.device, tokens=kept)
-    position, reused = kept, kept
+    pending = _Prefill(lm, cache, grad)
+    layout: list[tuple[int, int]] = []
+
+    def insert(embeddings: torch.Tensor, index: int) -> None:
+        pending.add(embeddings)
+        if layout and layout[-1][0] == index:
+            layout[-1] = (index, layout[-1][1] + len(embeddings))
+        else:
+            layout.append((index, len(embeddings)))
+
+    if soft is not None:
+        insert(soft.trailer, kept)
+    index, reused = kept, kept  # index: the next rendering token; the cache also holds the soft tokens
     for part, (start, stop) in zip(parts[1:], spans[1:]):
         own_ids, [(own_start, own_stop)] = group_spans(lm.tokenizer, [part.header.facts], raw=raw)
         if list(own_ids) != list(part.header.token_ids):
             raise InvalidInput(f"pack {part.header.key} does not hold the rendering of its own facts; cannot splice it")
-        skip = max(0, position - start)
+        skip = max(0, index - start)
         run = _common_prefix(own_ids[own_start + skip : own_stop], token_ids[start + skip : stop])
-        if start > position:
-            prefill(lm, token_ids[position:start], cache=cache)
+        pending.add(list(token_ids[index:start]))
+        index = max(index, start)
+        if soft is not None:
+            insert(soft.header, index)
+        pending.flush()
         first, last = own_start + skip, own_start + skip + run
-        delta = start - own_start
+        delta = cache.get_seq_length() - first  # the part's tokens move from their own positions to the cache's end
         for layer, (k, v) in enumerate(zip(part.keys, part.values)):
             keys = k[:, first:last]
             if frequencies is not None:
                 keys = rotate_keys(keys, frequencies[layer], delta)
             cache.update(keys.unsqueeze(0).to(lm.device), v[:, first:last].unsqueeze(0).to(lm.device), layer)
-        position = max(position, start) + run
+        index += run
         reused += run
-    if position < len(token_ids):
-        prefill(lm, token_ids[position:], cache=cache)
+        if soft is not None:
+            insert(soft.trailer, index)
+    pending.add(list(token_ids[index:]))
+    pending.flush()
+    return Assembly(cache, token_ids, layout, reused, pending.computed)
+
+
+def splice(lm: LoadedModel, parts: Sequence[Pack], mode: str) -> Composition:
+    """Splice independently built parts (``assemble``): ``rope`` rotates their keys by the position
+    offset; ``naive`` leaves them at the positions they were computed at (wrong; kept only to measure it)."""
+    if mode not in SPLICE_MODES:
+        raise InvalidInput(f"unknown splice mode {mode!r}: use one of {', '.join(SPLICE_MODES)}")
+    if len(parts) < 2:
+        raise InvalidInput(f"a {mode} composition needs at least 2 packs")
+    assembly = assemble(lm, parts, rotate=mode == "rope")
+    return _spliced_pack(lm, parts, assembly, mode, parents=[part.header.key for part in parts])
+
+
+def _spliced_pack(lm: LoadedModel, parts: Sequence[Pack], assembly: Assembly, mode: str, parents: Sequence[str]) -> Composition:
     facts = [fact for part in parts for fact in part.header.facts]
     pack = knowledge_pack(
-        lm, token_ids, facts, cache, raw=raw, parents=[part.header.key for part in parts], composition=mode
+        lm, assembly.token_ids, facts, assembly.cache, raw=parts[0].header.raw, parents=parents, composition=mode, soft_tokens=assembly.soft
     )
-    return Composition(pack=pack, reused_tokens=reused, prefilled_tokens=len(token_ids) - reused)
+    return Composition(
+        pack=pack, reused_tokens=assembly.reused_tokens, prefilled_tokens=assembly.prefilled_tokens, computed_positions=tuple(assembly.computed)
+    )

@@ -62,6 +62,20 @@ def prepare(lm: LoadedModel, header: PackHeader, question: str) -> Rendering:
     return rendering
 
 
+def cache_aligned_ids(header: PackHeader, token_ids: Sequence[int], placeholder: int = 0) -> list[int]:
+    """``token_ids`` (a rendering that starts with the pack's tokens) with ``placeholder`` at each of the
+    pack's soft-token positions, so that index i is cache position i; the placeholders are cached,
+    never run. Unchanged for a pack without soft tokens."""
+    ids = list(token_ids)
+    if not header.soft_tokens:
+        return ids
+    aligned, previous = [], 0
+    for index, count in header.soft_tokens:
+        aligned += ids[previous:index] + [placeholder] * count
+        previous = index
+    return aligned + ids[previous:]
+
+
 def cache_from_pack(pack: Pack, device: torch.device, tokens: int | None = None, *, cache: DynamicCache | None = None) -> DynamicCache:
     """A fresh DynamicCache (or the empty ``cache`` given, e.g. a steered one) holding the pack's K/V
     (its first ``tokens`` positions) on ``device``; generation or a further prefill extends it in place."""
@@ -202,7 +216,7 @@ class TextDeltas:
 def answer_with_pack(lm: LoadedModel, pack: Pack, question: str, sampling: Sampling = Sampling()) -> Answer:
     """Answer with the pack injected: the model prefills only the question's tokens."""
     rendering = prepare(lm, pack.header, question)
-    return generate(lm, rendering.token_ids, sampling, cache_from_pack(pack, lm.device))
+    return generate(lm, cache_aligned_ids(pack.header, rendering.token_ids), sampling, cache_from_pack(pack, lm.device))
 
 
 def answer_with_text(

@@ -26,7 +26,7 @@ from packstore.format.header import POOLINGS, inputs_hash
 from packstore.kv.build import prefill
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import check_no_special_tokens
-from packstore.kv.steer_options import STEER_TARGETS, check_alpha, middle_third
+from packstore.kv.options import STEER_TARGETS, check_alpha, middle_third
 from packstore.records import Pair
 from packstore.tensors import Pack
 
@@ -117,6 +117,7 @@ def build_steering(
         raw=False,
         created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         recipe=steering_recipe(pairs, pooling, (first, last)),
+        metrics={},
     )
     return Pack(header=header, keys=keys, values=values)
 

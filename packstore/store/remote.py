@@ -115,7 +115,7 @@ class RemoteStore(GrpcClient):
         """
         import torch
 
-        from packstore.tensors import WORKERS, Pack, decode_chunk, torch_dtype
+        from packstore.tensors import WORKERS, Pack, check_tensor_digest, decode_chunk, torch_dtype
 
         device = torch.device(device or "cpu")
         header, chunks = self._stream(ref, model_fp, template_fp)
@@ -124,10 +124,14 @@ class RemoteStore(GrpcClient):
         keys: list[torch.Tensor | None] = [None if on_cpu else torch.empty(shape, dtype=dtype, device=device) for _ in layers]
         values: list[torch.Tensor | None] = [None if on_cpu else torch.empty(shape, dtype=dtype, device=device) for _ in layers]
 
+        slots = {}  # tensor name -> (list, index): K (or its delta, an adapter's header) and V
+        for slot, layer in enumerate(layers):
+            k_name, v_name = header.tensor_names(layer)
+            slots[k_name], slots[v_name] = (keys, slot), (values, slot)
+
         def place(index: int, data: bytes) -> None:
             for name, tensor in decode_chunk(header, index, data).items():
-                _, layer, kind = name.split(".")
-                target, slot = keys if kind == "key" else values, int(layer) - layers.start
+                target, slot = slots[name]
                 if on_cpu:
                     target[slot] = tensor  # decoded tensors are already in their final place
                 else:
@@ -142,6 +146,7 @@ class RemoteStore(GrpcClient):
             torch.cuda.current_stream(device).synchronize()
         pack = Pack(header=header, keys=keys, values=values)  # type: ignore[arg-type]
         pack.check_shapes()
+        check_tensor_digest(pack)
         return pack
 
     # -- writes ----------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ class WorkerClient(GrpcClient):
             ),
             steering=[worker_pb2.Steer(pack=ref, alpha=alpha) for ref, alpha in question.steering],
             steer_on=question.steer_on,
+            mode=question.mode,
+            adapter=question.adapter or "",
         )
         if question.steer_layers is not None:
             request.steer_layers.first, request.steer_layers.last = question.steer_layers

@@ -58,6 +58,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 steering=tuple((steer.pack, steer.alpha) for steer in request.steering),
                 steer_layers=(request.steer_layers.first, request.steer_layers.last) if request.HasField("steer_layers") else None,
                 steer_on=request.steer_on or "values",
+                mode=request.mode or "exact",
+                adapter=request.adapter or None,
             )
             tokens = self.answerer.stream(question)
             deltas = TextDeltas(self.answerer.lm.tokenizer)

@@ -11,7 +11,7 @@ from packstore.answer import Answerer, Question
 from packstore.cli.packctl import main as packctl
 from packstore.kv.inject import Sampling
 from packstore.kv.models import load_model
-from packstore.kv.steer_options import middle_third
+from packstore.kv.options import middle_third
 from packstore.store import LmdbStore
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker

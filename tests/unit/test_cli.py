@@ -336,3 +336,35 @@ def test_bad_pairs_files_store_nothing(cli, tmp_path: Path) -> None:
         code, _, err = cli("steer", "build", str(path), "--model", "{model}", "--name", "bad")
         assert code == 1 and message in err
     assert cli("ls", "--json")[1].strip() == "[]"
+
+
+def test_adapter_train_and_packet_compositions(cli, tmp_path: Path) -> None:
+    from packstore.kv.packet import generated_examples
+
+    data = tmp_path / "examples.jsonl"
+    data.write_text("".join(json.dumps({"documents": ["\n".join(d) for d in e.documents], "question": e.question}) + "\n" for e in generated_examples(5)))
+    code, out, err = cli("adapter", "train", "--model", "{model}", "--name", "pk", "--data", str(data), "--steps", "2", "--json")
+    assert code == 0, err
+    trained = json.loads(out)
+    assert trained["kind"] == "adapter" and trained["recipe"]["steps"] == 2 and trained["recipe"]["data"]["examples"] == 5
+    assert {"train_seconds", "peak_rss_mb", "holdout_kl_before", "holdout_kl_after"} <= set(trained["metrics"])
+    for name, facts in (("a", "Alice lives in Paris.\n"), ("b", "Bob lives in Oslo.\n")):
+        path = tmp_path / f"{name}.txt"
+        path.write_text(facts)
+        assert cli("build", str(path), "--model", "{model}", "--name", name)[0] == 0
+    code, out, _ = cli("compose", "a", "b", "--mode", "packet", "--adapter", "pk", "--name", "ab", "--json")
+    composed = json.loads(out)
+    assert code == 0 and composed["composition"] == "packet" and composed["parents"][-1] == trained["key"]
+    assert composed["prefilled_tokens"] > 0 and composed["reused_tokens"] > 0
+    code, out, _ = cli("ask", "a,b", "Where does Bob live?", "--model", "{model}", "--mode", "packet", "--adapter", "pk", "--json", "--max-new-tokens", "6")
+    assert code == 0 and json.loads(out)["pack"] == composed["key"]
+    code, out, _ = cli("ls")
+    assert "packet:3" in out and "adapter" in out
+    for argv, message in (
+        (("compose", "a", "b", "--mode", "packet"), "needs an adapter"),
+        (("compose", "a", "b", "--mode", "packet", "--adapter", "a"), "not an adapter"),
+        (("ask", "a", "Q?", "--model", "{model}", "--mode", "rope"), "at least 2 packs"),
+        (("adapter", "train", "--model", "{model}", "--name", "x", "--data", str(tmp_path / "a.txt")), "not valid JSON"),
+    ):
+        code, _, err = cli(*argv)
+        assert code == 1 and message in err, err

@@ -44,11 +44,11 @@ def test_conditions_are_unique_and_pair_sets_disjoint() -> None:
 
 def test_a_whole_run_on_the_tiny_model_resumes_and_reports(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     out, figures = tmp_path / "out", tmp_path / "figures"
-    argv = ["--models", str(tiny_model_dir), "--limit", "2", "--dual-limit", "1", "--compare", "1", "--batch", "6"]
+    argv = ["--models", str(tiny_model_dir), "--limit", "1", "--dual-limit", "1", "--compare", "1", "--batch", "3"]
     argv += ["--max-new-tokens", "4", "--dual-max-new-tokens", "4", "--out", str(out), "--figures", str(figures)]
     assert eval_steering.main(argv) == 0
     records = (out / "generations.jsonl").read_text().splitlines()
-    assert len(records) == 6 * len(eval_steering.conditions())
+    assert len(records) == 3 * len(eval_steering.conditions())
     assert eval_steering.main(argv) == 0  # resumed: nothing is generated again
     assert (out / "generations.jsonl").read_text().splitlines() == records
     capsys.readouterr()

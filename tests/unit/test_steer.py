@@ -20,7 +20,7 @@ from packstore.kv.inject import Sampling
 from packstore.kv.models import load_model
 from packstore.kv.render import render
 from packstore.kv.steer import Direction, SteeredCache, build_steering, steering_deltas
-from packstore.kv.steer_options import MAX_ALPHA, middle_third, parse_layers, parse_steer
+from packstore.kv.options import MAX_ALPHA, middle_third, parse_layers, parse_steer
 from packstore.records import Pair
 from packstore.store import LmdbStore
 from packstore.tensors import decode_pack, encode_pack

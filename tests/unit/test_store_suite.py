@@ -68,7 +68,7 @@ def test_put_stat_get_fetch_round_trip(store: PackStore, model_fp: str) -> None:
 def test_steering_packs_round_trip_with_their_partial_layer_range(store: PackStore, model_fp: str) -> None:
     base = pack_of(model_fp).header
     recipe = {"pairs": [{"good": "kind words", "bad": "cruel words"}], "pooling": "last", "layers": [1, base.layers - 1]}
-    header = dataclasses.replace(base, kind="steering", token_ids=(), facts=(), recipe=recipe)
+    header = dataclasses.replace(base, kind="steering", token_ids=(), facts=(), recipe=recipe, metrics={})
     torch.manual_seed(0)
     shape = header.tensor_shape
     pack = Pack(header, [torch.randn(shape) for _ in header.body_layers], [torch.randn(shape) for _ in header.body_layers])

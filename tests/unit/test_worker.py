@@ -188,3 +188,27 @@ def test_worker_steers_alone_and_with_a_pack_as_the_local_path_does(stack, tiny_
             with pytest.raises(grpc.RpcError) as info:
                 list(stub.Generate(request))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside the layers 0-2" in info.value.details()
+
+
+def test_worker_answers_with_rope_and_packet_compositions(stack, tiny_lm, tmp_path: Path) -> None:
+    from packstore.answer import Answerer
+    from packstore.kv.packet import generated_examples, train_adapter
+    from packstore.store import LmdbStore
+
+    server, worker = stack
+    adapter = train_adapter(tiny_lm, generated_examples(5), source="test", steps=1)
+    packs = [build_pack(tiny_lm, FACTS), build_pack(tiny_lm, ["Bob lives in Oslo."]), adapter]
+    with RemoteStore(server.url) as remote, LmdbStore(tmp_path / "local") as local:
+        for store in (remote, local):
+            for pack, name in zip(packs, ("wexley", "bob", "pk")):
+                store.put(encode_pack(pack), name=name)
+        with WorkerClient(worker.address) as client:
+            for mode, adapter_ref in (("rope", None), ("packet", "pk")):
+                question = Question("Where does Bob live?", refs=("wexley", "bob"), mode=mode, adapter=adapter_ref, sampling=GREEDY)
+                remote_result, local_result = client.ask(question), Answerer(tiny_lm, local).ask(question)
+                assert (remote_result.pack, remote_result.answer) == (local_result.pack, local_result.answer)
+                assert remote_result.parts == [remote.resolve("wexley"), remote.resolve("bob")]
+            stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(worker.address))
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(worker_pb2.GenerateRequest(packs=["wexley", "bob"], question="Q?", mode="packet", adapter="bob")))
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not an adapter" in info.value.details()

@@ -1,5 +1,6 @@
-"""Steering options, without torch: strengths, layer ranges and targets (the CLI parses them before
-any model loads; ``packstore.kv.steer`` applies them)."""
+"""Options of the model-side commands, without torch, so the CLI parses them before any model loads:
+steering strengths, layer ranges and targets (applied by ``packstore.kv.steer``), and the defaults of
+adapter training (``packstore.kv.packet``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from packstore.errors import InvalidInput
 STEER_TARGETS = ("values", "keys", "both")  # what steering adds to: values (the method), or the key control
 MAX_ALPHA = 10.0  # |alpha| bound: far past where the models stay coherent (docs/evaluation.md), finite
 _LAYER_RANGE = re.compile(r"\s*(\d+)\s*-\s*(\d+)\s*")
+ADAPTER_TOKENS = 2  # soft tokens before and after each part
+ADAPTER_STEPS = 300
+ADAPTER_LEARNING_RATE = 0.01
 
 
 def middle_third(layers: int) -> tuple[int, int]:
