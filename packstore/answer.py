@@ -186,6 +186,13 @@ class Answerer:
         check_identity(self.lm, self.store.stat(key).header)
         return self._download(key)
 
+    def _stored(self, key: str) -> Pack | None:
+        """The stored knowledge pack ``key`` (a composition someone stored), or None."""
+        try:
+            return self._fetch(key)
+        except PackNotFound:
+            return None
+
     def _download(self, key: str) -> Pack:
         return self.store.fetch(key, device=self.lm.device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
 
@@ -247,10 +254,8 @@ class Answerer:
 
         def compose(key: str) -> Pack:
             nonlocal prefilled
-            try:
-                return self._fetch(key)
-            except PackNotFound:
-                pass
+            if (stored := self._stored(key)) is not None:
+                return stored
             ready = next(((n, p) for n in range(len(groups) - 1, 0, -1) if (p := self.ready.peek(key_of(n)))), None)
             done, base = ready if ready is not None else (1, self.ready.get(keys[0], self._fetch)[0])
             with self._device_lock:
@@ -283,10 +288,8 @@ class Answerer:
 
         def compose(key: str) -> Pack:
             nonlocal prefilled
-            try:
-                return self._fetch(key)
-            except PackNotFound:
-                pass
+            if (stored := self._stored(key)) is not None:
+                return stored
             parts = [self.ready.get(part, self._fetch)[0] for part in keys] + ([extra] if extra is not None else [])
             with self._device_lock:
                 result = packet_compose(self.lm, parts, adapter_pack) if adapter_pack is not None else splice(self.lm, parts, mode)

@@ -69,10 +69,13 @@ from evallib import (  # noqa: E402
     exact_match,
     frozen_split,
     grouped_bars,
+    jsonl_appender,
     load_rows,
     markdown_table,
     mean_interval,
     normalize,
+    parts_type,
+    read_jsonl,
 )
 
 MODELS = ("smollm2-135m", "gemma3-270m")
@@ -227,19 +230,12 @@ def part_records(out: Path, part: str, wanted: dict, *, fresh: bool) -> list[dic
 
 def read_records(out: Path, part: str) -> list[dict]:
     """OUT/PART.jsonl as a list (empty when absent)."""
-    path = out / f"{part}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return read_jsonl(out / f"{part}.jsonl")
 
 
 def appender(out: Path, part: str) -> Callable[[dict], None]:
     """A function appending one record to OUT/PART.jsonl (flushed, so a stopped run keeps it)."""
-    path = out / f"{part}.jsonl"
-
-    def keep(record: dict) -> None:
-        with path.open("a") as sink:
-            sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-
-    return keep
+    return jsonl_appender(out / f"{part}.jsonl")
 
 
 # ---- the four parts ----
@@ -628,18 +624,10 @@ def _numbers(text: str) -> list[int]:
     return [int(n) for n in text.split(",") if n.strip()]
 
 
-def _parts(text: str) -> list[str]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = set(parts) - set(PARTS)
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown parts {', '.join(sorted(unknown))}: use {', '.join(PARTS)}")
-    return parts
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), help="model names or directories")
-    parser.add_argument("--parts", type=_parts, default=list(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
+    parser.add_argument("--parts", type=parts_type(PARTS), default=list(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
     parser.add_argument("--limit", type=int, default=200, help="questions per model for modes")
     parser.add_argument("--acc-limit", type=int, default=100, help="questions per model and k for accumulation")
     parser.add_argument("--steps", type=int, default=5, help="accumulation steps: k = 1..STEPS paragraphs")

@@ -37,7 +37,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -48,7 +48,7 @@ from packstore.format.packfile import pack_file_parts, parse_pack_file  # noqa: 
 from packstore.kv.blend import DEFAULT_SHARE, PROBE_LAYERS, selective_recompute  # noqa: E402
 from packstore.kv.build import build_pack, prefill  # noqa: E402
 from packstore.kv.compose import splice  # noqa: E402
-from packstore.kv.inject import cache_aligned_ids, cache_from_pack  # noqa: E402
+from packstore.kv.inject import cache_aligned_ids, cache_from_pack, greedy_with_logits  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
 from packstore.kv.packet import generated_examples, packet_compose, train_adapter  # noqa: E402
 from packstore.kv.render import render  # noqa: E402
@@ -57,7 +57,20 @@ from packstore.tensors import Pack, decode_pack, encode_pack  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, median, source_description  # noqa: E402
-from evallib import REPO, Row, exact_match, frozen_split, grouped_bars, load_rows, markdown_table, mean_interval, token_f1  # noqa: E402
+from evallib import (  # noqa: E402
+    REPO,
+    Row,
+    exact_match,
+    frozen_split,
+    grouped_bars,
+    jsonl_appender,
+    load_rows,
+    markdown_table,
+    mean_interval,
+    parts_type,
+    read_jsonl,
+    token_f1,
+)
 from second_facts import second_facts  # noqa: E402
 
 MODELS = ("smollm2-135m", "gemma3-270m")
@@ -131,27 +144,6 @@ def composing_flops(lm: LoadedModel, computed: Sequence[int], probed: int = 0) -
 # ---- answering ----
 
 
-def answer_with(lm: LoadedModel, cache, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy answer ids (stop tokens cut) and the first answer token's logits, from ``cache``."""
-    tensor = torch.tensor([list(ids)], device=lm.device)
-    with torch.inference_mode():
-        out = lm.model.generate(
-            input_ids=tensor,
-            attention_mask=torch.ones_like(tensor),
-            past_key_values=cache,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=list(lm.stop_token_ids),
-            pad_token_id=lm.stop_token_ids[0],
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
-    answer = out.sequences[0, tensor.shape[1] :].tolist()
-    while answer and answer[-1] in lm.stop_token_ids:
-        answer.pop()
-    return answer, out.logits[0][0].float()
-
-
 def compositions(lm: LoadedModel, parts: Sequence[Pack], adapter: Pack, share: float) -> dict[str, tuple]:
     """Per method: (cache, the pack header whose soft tokens the cache holds or None, the positions
     computed through every layer, the positions probed through the first layers)."""
@@ -176,7 +168,8 @@ def evaluate_question(lm: LoadedModel, row: Row, arranged: Sequence[Row], adapte
     reference = None
     for method, (cache, header, computed, probed) in compositions(lm, parts, adapter, share).items():
         ids = cache_aligned_ids(header, rendering.token_ids, lm.stop_token_ids[0]) if header is not None else rendering.token_ids
-        answer_ids, logits = answer_with(lm, cache, ids, max_new_tokens)
+        answer_ids, step_logits = greedy_with_logits(lm, ids, max_new_tokens, cache)
+        logits = step_logits[0]  # the first answer token's
         answer = lm.tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
         if reference is None:
             reference = (answer_ids, logits)
@@ -212,7 +205,7 @@ def time_question(lm: LoadedModel, row: Row, arranged: Sequence[Row], adapter: P
                 composed = (splice(lm, parts, "rope") if method == "none" else packet_compose(lm, parts, adapter)).pack
                 cache, header = cache_from_pack(composed, lm.device), composed.header
             ids = cache_aligned_ids(header, rendering.token_ids, lm.stop_token_ids[0]) if header is not None else rendering.token_ids
-            answer_with(lm, cache, ids, 1)
+            greedy_with_logits(lm, ids, 1, cache)
 
     seconds: dict[str, list[float]] = {method: [] for method in METHODS}
     for _ in range(repeats):
@@ -240,18 +233,6 @@ def load_adapter(path: Path) -> Pack:
 
 
 # ---- records, summaries, report ----
-
-
-def read_records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def appender(path: Path) -> Callable[[dict], None]:
-    def keep(record: dict) -> None:
-        with path.open("a") as sink:
-            sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-
-    return keep
 
 
 def summarize(answers: Sequence[dict], timing: Sequence[dict], training: Sequence[dict]) -> dict:
@@ -343,7 +324,7 @@ def plot(summary: dict, figures: Path) -> None:
 
 
 def write_report(out: Path, figures: Path, about: dict) -> str:
-    summary = summarize(read_records(out / "answers.jsonl"), read_records(out / "timing.jsonl"), read_records(out / "training.jsonl"))
+    summary = summarize(read_jsonl(out / "answers.jsonl"), read_jsonl(out / "timing.jsonl"), read_jsonl(out / "training.jsonl"))
     text = tables(summary)
     encode = lambda value: value.__dict__ if hasattr(value, "__dict__") else str(value)  # noqa: E731
     (out / "summary.json").write_text(json.dumps(about | {"models": summary}, indent=2, default=encode) + "\n")
@@ -358,7 +339,7 @@ def write_report(out: Path, figures: Path, about: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
+    parser.add_argument("--parts", type=parts_type(PARTS), default=list(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--questions", type=int, default=100, help="questions per seed (each seed takes its own rows)")
     parser.add_argument("--examples", type=int, default=96, help="training examples per adapter")
@@ -375,9 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    if set(parts) - set(PARTS):
-        raise SystemExit(f"unknown parts {sorted(set(parts) - set(PARTS))}: use {', '.join(PARTS)}")
+    parts = args.parts
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     settings = {
@@ -409,23 +388,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                         progress=lambda step, loss: log(f"{name} seed {seed} step {step}: KL {loss:.4f}") if step % 25 == 0 else None,
                     )
                     save_adapter(adapter, path)
-                    appender(args.out / "training.jsonl")({"model": lm.name, "seed": seed, "steps": args.steps, "examples": args.examples, **adapter.header.metrics})
+                    jsonl_appender(args.out / "training.jsonl")({"model": lm.name, "seed": seed, "steps": args.steps, "examples": args.examples, **adapter.header.metrics})
                     log(f"{name} seed {seed}: adapter trained, {adapter.header.metrics}")
                 if not path.exists():
                     continue
                 adapter = load_adapter(path)
                 asked = questions(rows, seed, args.questions, rows)
                 if "answers" in parts:
-                    done = {r["id"] for r in read_records(args.out / "answers.jsonl") if r["model"] == lm.name and r["seed"] == seed}
-                    keep = appender(args.out / "answers.jsonl")
+                    done = {r["id"] for r in read_jsonl(args.out / "answers.jsonl") if r["model"] == lm.name and r["seed"] == seed}
+                    keep = jsonl_appender(args.out / "answers.jsonl")
                     todo = [(row, arranged) for row, arranged in asked if row.id not in done]
                     for number, (row, arranged) in enumerate(todo, 1):
                         keep({"model": lm.name, "seed": seed} | evaluate_question(lm, row, arranged, adapter, args.share, args.max_new_tokens))
                         if number % 10 == 0:
                             log(f"{name} seed {seed}: {number}/{len(todo)} questions, {(time.perf_counter() - started) / 60:.0f} min in")
                 if "timing" in parts and seed == args.seeds[0]:
-                    done = {r["id"] for r in read_records(args.out / "timing.jsonl") if r["model"] == lm.name}
-                    keep = appender(args.out / "timing.jsonl")
+                    done = {r["id"] for r in read_jsonl(args.out / "timing.jsonl") if r["model"] == lm.name}
+                    keep = jsonl_appender(args.out / "timing.jsonl")
                     for row, arranged in asked[: args.timing]:
                         if row.id not in done:
                             keep({"model": lm.name} | time_question(lm, row, arranged, adapter, args.share, args.repeats))

@@ -62,14 +62,27 @@ from packstore.kv.inject import Sampling  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
 from packstore.kv.render import render  # noqa: E402
 from packstore.kv.steer import Direction, SteeredCache, build_steering, model_layers, steering_deltas  # noqa: E402
-from packstore.kv.steer_options import middle_third  # noqa: E402
+from packstore.kv.options import middle_third  # noqa: E402
 from packstore.records import Pair  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 from packstore.tensors import Pack, encode_pack  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, source_description  # noqa: E402
-from evallib import REPO, Interval, exact_match, frozen_split, grouped_bars, load_rows, markdown_table, mean_interval, token_f1  # noqa: E402
+from evallib import (  # noqa: E402
+    REPO,
+    Interval,
+    exact_match,
+    frozen_split,
+    grouped_bars,
+    jsonl_appender,
+    load_rows,
+    markdown_table,
+    mean_interval,
+    parts_type,
+    read_jsonl,
+    token_f1,
+)
 
 MODELS = ("smollm2-135m", "gemma3-270m")
 PARTS = ("sweep", "layers", "pairs", "directions", "keys", "dual")
@@ -382,18 +395,6 @@ def run_dual(lm: LoadedModel, rows, packs: dict[str, Pack], max_new_tokens: int,
 # ---- records ----
 
 
-def read_records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def appender(path: Path) -> Callable[[dict], None]:
-    def keep(record: dict) -> None:
-        with path.open("a") as sink:
-            sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-
-    return keep
-
-
 # ---- summaries, tables, plots ----
 
 
@@ -672,18 +673,10 @@ def write_report(generations: list[dict], dual_records: list[dict], cosines: lis
 # ---- command line ----
 
 
-def _parts(text: str) -> list[str]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = set(parts) - set(PARTS)
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown parts {', '.join(sorted(unknown))}: use {', '.join(PARTS)}")
-    return parts
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), help="model names or directories")
-    parser.add_argument("--parts", type=_parts, default=list(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
+    parser.add_argument("--parts", type=parts_type(PARTS), default=list(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
     parser.add_argument("--limit", type=int, default=60, help="prompts per prompt set")
     parser.add_argument("--dual-limit", type=int, default=100, help="ckc questions for the dual channel")
     parser.add_argument("--compare", type=int, default=20, help="dual channel: questions also answered as steered text, to count divergences")
@@ -722,7 +715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "directions" in args.parts:
                 cosines = [c for c in cosines if c["model"] != lm.name] + [direction_cosines(lm, packs, args.seed)]
                 (args.out / "cosines.json").write_text(json.dumps(cosines, indent=2) + "\n")
-            done = {(r["condition"], r["set"], r["index"]) for r in read_records(paths["generations"]) if r["model"] == lm.name}
+            done = {(r["condition"], r["set"], r["index"]) for r in read_jsonl(paths["generations"]) if r["model"] == lm.name}
             todo = []
             compared = set(args.parts) & {"layers", "pairs", "directions", "keys"}
             references = {"sentiment +0", "sentiment +1", "sentiment +2"} if compared else set()  # what those parts compare with
@@ -731,10 +724,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     prompts = [p for prompts in sets.values() for p in prompts if (condition.name, p.set, p.index) not in done]
                     if prompts:
                         todo.append((condition, prompts))
-            run_conditions(lm, todo, packs, args.max_new_tokens, args.batch, appender(paths["generations"]))
+            run_conditions(lm, todo, packs, args.max_new_tokens, args.batch, jsonl_appender(paths["generations"]))
             if "dual" in args.parts:
-                done_dual = {(r["id"], r["alpha"]) for r in read_records(paths["dual"]) if r["model"] == lm.name}
-                run_dual(lm, dual_rows, packs, args.dual_max_new_tokens, args.compare, done_dual, appender(paths["dual"]))
+                done_dual = {(r["id"], r["alpha"]) for r in read_jsonl(paths["dual"]) if r["model"] == lm.name}
+                run_dual(lm, dual_rows, packs, args.dual_max_new_tokens, args.compare, done_dual, jsonl_appender(paths["dual"]))
     about = {
         "settings": settings,
         "wall_seconds_last_run": round(time.perf_counter() - started, 1),
@@ -742,7 +735,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "source": source_description(),
     }
     cosines = json.loads((args.out / "cosines.json").read_text())
-    print(write_report(read_records(paths["generations"]), read_records(paths["dual"]), cosines, args.out, args.figures, about))
+    print(write_report(read_jsonl(paths["generations"]), read_jsonl(paths["dual"]), cosines, args.out, args.figures, about))
     return 0
 
 

@@ -16,7 +16,7 @@ import string
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -138,6 +138,36 @@ def write_jsonl(path: Path, records: Iterable[Mapping]) -> None:
     with path.open("w") as out:
         for record in records:
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """A JSON-lines file as a list (empty when absent)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def jsonl_appender(path: Path) -> Callable[[dict], None]:
+    """A function appending one record to ``path`` (flushed, so a stopped run keeps what it made)."""
+
+    def keep(record: Mapping) -> None:
+        with path.open("a") as sink:
+            sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    return keep
+
+
+def parts_type(known: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse type for a comma-separated list of parts of ``known``."""
+
+    def parse(text: str) -> list[str]:
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        unknown = set(parts) - set(known)
+        if unknown:
+            import argparse
+
+            raise argparse.ArgumentTypeError(f"unknown parts {', '.join(sorted(unknown))}: use {', '.join(known)}")
+        return parts
+
+    return parse
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, left: int = 1) -> str:

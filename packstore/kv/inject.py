@@ -44,10 +44,11 @@ class Answer:
     prompt_tokens: int
 
 
-def check_identity(lm: LoadedModel, header: PackHeader) -> None:
-    """Raise PackMismatch naming the model or template when the pack was built for another."""
-    if header.kind != "knowledge":
-        raise PackMismatch("kind", f"pack {header.key} is a {header.kind} pack, not a knowledge pack")
+def check_identity(lm: LoadedModel, header: PackHeader, kind: str = "knowledge") -> None:
+    """Raise PackMismatch naming the kind, model or template when the pack is not a ``kind`` pack made for ``lm``."""
+    if header.kind != kind:
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise PackMismatch("kind", f"pack {header.key} is a {header.kind} pack, not {article} {kind} pack")
     try:
         header.check_identities(lm.model_fp, lm.template_fp)
     except PackMismatch as exc:
@@ -83,6 +84,27 @@ def cache_from_pack(pack: Pack, device: torch.device, tokens: int | None = None,
     for layer, (k, v) in enumerate(zip(pack.keys, pack.values)):
         cache.update(k[:, :tokens].unsqueeze(0).to(device), v[:, :tokens].unsqueeze(0).to(device), layer)
     return cache
+
+
+def greedy_with_logits(
+    lm: LoadedModel, token_ids: Sequence[int], max_new_tokens: int, cache: DynamicCache | None = None
+) -> tuple[list[int], torch.Tensor]:
+    """Greedy answer ids after ``token_ids`` (stop tokens cut) and, per answer token, the logits it was
+    chosen from ([answer tokens, vocabulary]; the first row even for an empty answer)."""
+    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=lm.device)
+    with torch.inference_mode():
+        out = lm.model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            generation_config=_generation_config(lm, Sampling(max_new_tokens=max_new_tokens)),
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    answer = out.sequences[0, ids.shape[1] :].tolist()
+    while answer and answer[-1] in lm.stop_token_ids:
+        answer.pop()
+    return answer, torch.cat(out.logits[: max(len(answer), 1)]).float()
 
 
 def _generation_config(lm: LoadedModel, sampling: Sampling) -> GenerationConfig:

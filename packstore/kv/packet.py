@@ -22,11 +22,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from packstore.errors import InvalidInput, PackMismatch
+from packstore.errors import InvalidInput
 from packstore.format import PackHeader
 from packstore.format.header import canonical_json, sha256_hex
 from packstore.kv.build import build_pack, clean_facts, prefill
 from packstore.kv.compose import Composition, SoftTokens, _spliced_pack, assemble
+from packstore.kv.inject import check_identity, greedy_with_logits
 from packstore.kv.models import LoadedModel
 from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_TOKENS
 from packstore.kv.render import render
@@ -92,12 +93,7 @@ def adapter_pack(lm: LoadedModel, soft: SoftTokens, *, recipe: dict, metrics: di
 
 def check_adapter(lm: LoadedModel, header: PackHeader) -> None:
     """Raise PackMismatch unless ``header`` is an adapter trained for ``lm``'s model and template."""
-    if header.kind != "adapter":
-        raise PackMismatch("kind", f"pack {header.key} is a {header.kind} pack, not an adapter")
-    try:
-        header.check_identities(lm.model_fp, lm.template_fp)
-    except PackMismatch as exc:
-        raise PackMismatch(exc.what, f"adapter {exc} (loaded: {lm.name!r}, {lm.dtype_name})") from None
+    check_identity(lm, header, "adapter")
 
 
 def soft_tokens(adapter: Pack, device: torch.device | str) -> SoftTokens:
@@ -135,24 +131,9 @@ def _teacher(lm: LoadedModel, example: Example) -> _Target | None:
     with torch.no_grad():
         built = [build_pack(lm, clean_facts(list(doc))) for doc in example.documents]
         parts = [Pack(p.header, [k.clone() for k in p.keys], [v.clone() for v in p.values]) for p in built]  # usable in autograd
-        ids = torch.tensor([rendering.token_ids], device=lm.device)
-        out = lm.model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            past_key_values=prefill(lm, rendering.prefix_ids),
-            max_new_tokens=ANSWER_TOKENS,
-            do_sample=False,
-            eos_token_id=list(lm.stop_token_ids),
-            pad_token_id=lm.stop_token_ids[0],
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
-    answer = out.sequences[0, ids.shape[1] :].tolist()
-    while answer and answer[-1] in lm.stop_token_ids:
-        answer.pop()
+    answer, logits = greedy_with_logits(lm, rendering.token_ids, ANSWER_TOKENS, prefill(lm, rendering.prefix_ids))
     if not answer:
         return None
-    logits = torch.cat(out.logits[: len(answer)]).float()  # the distribution each answer token was chosen from
     top = torch.log_softmax(logits, dim=-1).topk(min(TEACHER_TOP_K, logits.shape[-1]), dim=-1)
     return _Target(parts, rendering.token_ids[rendering.prefix_tokens :], answer, top.indices, top.values)
 
@@ -164,9 +145,10 @@ def _answer_logits(lm: LoadedModel, cache, question_ids: Sequence[int], answer_i
     return logits[len(question_ids) - 1 :]
 
 
-def distillation_loss(lm: LoadedModel, target: _Target, soft: SoftTokens, *, grad: bool) -> torch.Tensor:
+def distillation_loss(lm: LoadedModel, target: _Target, soft: SoftTokens | None, *, grad: bool) -> torch.Tensor:
     """KL(teacher || student) over the teacher's top-k tokens, averaged over its answer positions; the
-    student answers from the packet composition of the example's documents, each built alone."""
+    student answers from the packet composition of the example's documents, each built alone (with
+    ``soft`` None: their plain RoPE splice)."""
     with torch.set_grad_enabled(grad):
         assembly = assemble(lm, target.parts, rotate=True, soft=soft, grad=grad)
         logits = _answer_logits(lm, assembly.cache, target.question_ids, target.answer_ids).float()
@@ -229,11 +211,11 @@ def train_adapter(
             targets[key] = _teacher(lm, pool[index])
         return targets[key]
 
-    def held_out_kl() -> float:
+    def held_out_kl(with_soft: SoftTokens | None) -> float:
         found = [t for i in range(len(held)) if (t := target(i, held)) is not None]
-        return float(sum(distillation_loss(lm, t, soft, grad=False) for t in found) / max(len(found), 1))
+        return float(sum(distillation_loss(lm, t, with_soft, grad=False) for t in found) / max(len(found), 1))
 
-    before = held_out_kl()
+    plain, before = held_out_kl(None), held_out_kl(soft)
     order: list[int] = []
     recent: list[float] = []
     for step in range(steps):
@@ -250,7 +232,7 @@ def train_adapter(
         recent = (recent + [float(loss.detach())])[-50:]
         if progress is not None:
             progress(step + 1, sum(recent) / len(recent))
-    after = held_out_kl()
+    after = held_out_kl(soft)
     recipe = {
         "tokens": tokens,
         "hidden_size": hidden_size(lm),
@@ -264,6 +246,7 @@ def train_adapter(
         "train_seconds": round(time.perf_counter() - started, 1),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "holdout_examples": len(held),
+        "holdout_kl_no_adapter": round(plain, 5),  # the same parts spliced by RoPE alone
         "holdout_kl_before": round(before, 5),
         "holdout_kl_after": round(after, 5),
         "train_kl_last_50": round(sum(recent) / len(recent), 5) if recent else 0.0,

@@ -20,13 +20,14 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from packstore.errors import InvalidInput, PackMismatch
+from packstore.errors import InvalidInput
 from packstore.format import PackHeader
 from packstore.format.header import POOLINGS, inputs_hash
 from packstore.kv.build import prefill
+from packstore.kv.inject import check_identity
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import check_no_special_tokens
-from packstore.kv.options import STEER_TARGETS, check_alpha, middle_third
+from packstore.kv.options import STEER_TARGETS, middle_third
 from packstore.records import Pair
 from packstore.tensors import Pack
 
@@ -129,12 +130,7 @@ def steering_recipe(pairs: Sequence[Pair], pooling: str, layers: tuple[int, int]
 
 def check_steering(lm: LoadedModel, header: PackHeader) -> None:
     """Raise PackMismatch unless ``header`` is a steering pack made on ``lm``'s model and template."""
-    if header.kind != "steering":
-        raise PackMismatch("kind", f"pack {header.key} is a {header.kind} pack, not a steering pack")
-    try:
-        header.check_identities(lm.model_fp, lm.template_fp)
-    except PackMismatch as exc:
-        raise PackMismatch(exc.what, f"steering {exc} (loaded: {lm.name!r}, {lm.dtype_name})") from None
+    check_identity(lm, header, "steering")
 
 
 def applied_layers(header: PackHeader, layers: tuple[int, int] | None) -> tuple[int, int]:
