@@ -50,6 +50,7 @@ from packstore.kv.build import build_pack, prefill  # noqa: E402
 from packstore.kv.compose import splice  # noqa: E402
 from packstore.kv.inject import cache_aligned_ids, cache_from_pack, greedy_with_logits  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
+from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_TOKENS  # noqa: E402
 from packstore.kv.packet import generated_examples, packet_compose, train_adapter  # noqa: E402
 from packstore.kv.render import render  # noqa: E402
 from packstore.records import Example  # noqa: E402
@@ -343,9 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--questions", type=int, default=100, help="questions per seed (each seed takes its own rows)")
     parser.add_argument("--examples", type=int, default=96, help="training examples per adapter")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--tokens", type=int, default=2, help="soft tokens on each side of a part")
-    parser.add_argument("--learning-rate", type=float, default=0.01)
+    parser.add_argument("--steps", type=int, default=ADAPTER_STEPS)
+    parser.add_argument("--tokens", type=int, default=ADAPTER_TOKENS, help="soft tokens on each side of a part")
+    parser.add_argument("--learning-rate", type=float, default=ADAPTER_LEARNING_RATE)
     parser.add_argument("--share", type=float, default=DEFAULT_SHARE, help="selective recompute: share of tokens recomputed")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--timing", type=int, default=12, help="questions timed per model")

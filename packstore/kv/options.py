@@ -12,9 +12,9 @@ from packstore.errors import InvalidInput
 STEER_TARGETS = ("values", "keys", "both")  # what steering adds to: values (the method), or the key control
 MAX_ALPHA = 10.0  # |alpha| bound: far past where the models stay coherent (docs/evaluation.md), finite
 _LAYER_RANGE = re.compile(r"\s*(\d+)\s*-\s*(\d+)\s*")
-ADAPTER_TOKENS = 2  # soft tokens before and after each part
+ADAPTER_TOKENS = 4  # soft tokens before and after each part
 ADAPTER_STEPS = 300
-ADAPTER_LEARNING_RATE = 0.01
+ADAPTER_LEARNING_RATE = 0.03
 
 
 def middle_third(layers: int) -> tuple[int, int]:

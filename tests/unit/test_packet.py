@@ -33,7 +33,7 @@ GREEDY = Sampling(max_new_tokens=8)
 
 @pytest.fixture(scope="module")
 def adapter(tiny_lm):
-    return train_adapter(tiny_lm, generated_examples(12), source="test generator", steps=6, holdout=4)
+    return train_adapter(tiny_lm, generated_examples(12), source="test generator", tokens=2, steps=6, holdout=4)
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +58,10 @@ def test_adapter_pack_holds_soft_tokens_recipe_and_metrics(tiny_lm, adapter) -> 
 
 
 def test_the_key_covers_recipe_data_and_tensors(tiny_lm, adapter) -> None:
-    again = train_adapter(tiny_lm, generated_examples(12), source="test generator", steps=6, holdout=4)
+    again = train_adapter(tiny_lm, generated_examples(12), source="test generator", tokens=2, steps=6, holdout=4)
     assert again.header.key == adapter.header.key  # the same training is deterministic: the same adapter
-    other_seed = train_adapter(tiny_lm, generated_examples(12), source="test generator", steps=6, holdout=4, seed=1)
-    more_steps = train_adapter(tiny_lm, generated_examples(12), source="test generator", steps=7, holdout=4)
+    other_seed = train_adapter(tiny_lm, generated_examples(12), source="test generator", tokens=2, steps=6, holdout=4, seed=1)
+    more_steps = train_adapter(tiny_lm, generated_examples(12), source="test generator", tokens=2, steps=7, holdout=4)
     assert len({adapter.header.key, other_seed.header.key, more_steps.header.key}) == 3
     recipe = {"kind": "adapter", "recipe": adapter.header.recipe}
     assert adapter.header.content_hash == sha256_hex(canonical_json(recipe))
