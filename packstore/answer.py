@@ -12,9 +12,9 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Callable, Generator, Sequence
 
-from packstore.errors import InvalidInput, PackNotFound
+from packstore.errors import InvalidInput, PackNotFound, Untrusted
 from packstore.format import PackHeader, pack_key
 from packstore.tensors import Pack, encode_pack
 from packstore.kv.build import build_pack, clean_facts
@@ -25,8 +25,11 @@ from packstore.kv.packet import check_adapter, packet_compose
 from packstore.kv.render import pack_prefix_ids, render
 from packstore.kv.steer import Direction, LayerDeltas, SteeredCache, applied_layers, check_steering, steering_deltas
 from packstore.kv.options import STEER_TARGETS, check_alpha
-from packstore.records import AnswerResult
+from packstore.records import AnswerResult, StoredPack
 from packstore.store.protocol import DEFAULT_TOP_K, PackStore
+
+if TYPE_CHECKING:
+    from packstore.trust import TrustedKeys
 
 DEFAULT_CACHE_BYTES = 2 << 30
 HEADER_CACHE_ENTRIES = 4096  # headers of composition parts kept in memory (each a few KB)
@@ -139,9 +142,14 @@ class Answerer:
     (building a bank's facts pack, generating) runs one request at a time.
     """
 
-    def __init__(self, lm: LoadedModel, store: PackStore, *, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+    def __init__(
+        self, lm: LoadedModel, store: PackStore, *, cache_bytes: int = DEFAULT_CACHE_BYTES, trusted: "TrustedKeys | None" = None
+    ) -> None:
+        """``trusted``: take from the store only packs a trusted key signed (docs/operations.md, "Signed
+        packs"); what this Answerer derives from them in memory (compositions, a bank's fact packs) is trusted."""
         self.lm = lm
         self.store = store
+        self.trusted = trusted
         self.ready = ReadyCache(cache_bytes)
         self._device_lock = threading.Lock()
         self._headers: OrderedDict[str, PackHeader] = OrderedDict()  # a key's header never changes
@@ -175,26 +183,34 @@ class Answerer:
         its stored header before it is fetched, and again on a ready one."""
 
         def fetch(key: str) -> Pack:
-            check(self.lm, self.store.stat(key).header)
-            return self._download(key)
+            stored = self.store.stat(key)
+            check(self.lm, stored.header)
+            return self._download(stored)
 
         pack, hit = self.ready.get(self.resolve(ref), fetch)
         check(self.lm, pack.header)
         return pack, hit
 
     def _fetch(self, key: str) -> Pack:
-        check_identity(self.lm, self.store.stat(key).header)
-        return self._download(key)
+        stored = self.store.stat(key)
+        check_identity(self.lm, stored.header)
+        return self._download(stored)
 
     def _stored(self, key: str) -> Pack | None:
-        """The stored knowledge pack ``key`` (a composition someone stored), or None."""
+        """The stored knowledge pack ``key`` (a composition someone stored), or None; with trusted keys an
+        unsigned one is None too: it is computed again from its trusted parts."""
         try:
             return self._fetch(key)
-        except PackNotFound:
+        except (PackNotFound, Untrusted):
             return None
 
-    def _download(self, key: str) -> Pack:
-        return self.store.fetch(key, device=self.lm.device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
+    def _download(self, stored: StoredPack) -> Pack:
+        """Fetch the pack ``stored`` describes; with trusted keys, its fetched digest must bear a trusted signature."""
+        key = stored.key
+        pack = self.store.fetch(key, device=self.lm.device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
+        if self.trusted is not None:
+            self.trusted.require(f"pack {key}", "pack", pack.header.pack_sha256, stored.signatures)
+        return pack
 
     def steering(self, question: Question) -> tuple[LayerDeltas, list[dict]]:
         """The summed deltas of the question's steering packs (empty when there are none, or every
@@ -309,14 +325,16 @@ class Answerer:
 
         def load(key: str) -> Pack:
             nonlocal stored
-            try:
-                return self.store.fetch(key, device=self.lm.device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
-            except PackNotFound:
-                with self._device_lock:
-                    pack = build_pack(self.lm, facts)
-                self.store.put(encode_pack(pack))
-                stored = False
-                return pack.to(self.lm.device)
+            if self.trusted is None:  # with trusted keys a fact pack is computed here, never taken unsigned from the store
+                try:
+                    return self.store.fetch(key, device=self.lm.device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
+                except PackNotFound:
+                    pass
+            with self._device_lock:
+                pack = build_pack(self.lm, facts)
+            _, created = self.store.put(encode_pack(pack))
+            stored = not created
+            return pack.to(self.lm.device)
 
         key = pack_key(self.lm.model_fp, self.lm.template_fp, pack_prefix_ids(self.lm.tokenizer, facts))
         pack, hit = self.ready.get(key, load)
@@ -325,8 +343,12 @@ class Answerer:
     def route(
         self, bank: str, question: str, *, top_k: int = DEFAULT_TOP_K, probe: int | None = None, embedder: str | None = None
     ) -> list[str]:
-        """The facts ``bank`` routes ``question`` to, best first; InvalidInput when there are none."""
-        routed = self.store.banks().route(bank, [question], embedder, top_k=top_k, probe=probe)[0]
+        """The facts ``bank`` routes ``question`` to, best first; InvalidInput when there are none. With
+        trusted keys the bank must bear a trusted signature over its current digest."""
+        banks = self.store.banks()
+        if self.trusted is not None:
+            self.trusted.require(f"bank {bank!r}", "bank", banks.digest(bank), banks.signatures(bank))
+        routed = banks.route(bank, [question], embedder, top_k=top_k, probe=probe)[0]
         facts = [text for text, _ in routed.facts]
         if not facts:
             raise InvalidInput(f"bank {bank!r} routed the question to no facts")

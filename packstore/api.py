@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from packstore.answer import Answerer
 from packstore.errors import InvalidInput, PackNotFound
@@ -23,8 +23,12 @@ from packstore.kv.render import pack_prefix_ids
 from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_TOKENS
 from packstore.kv.packet import generated_examples, packet_compose, train_adapter
 from packstore.kv.steer import applied_layers, build_span, build_steering, check_pairs, delta_norms, steering_key
-from packstore.records import Example, Pair
+from packstore.format.signature import Signature
+from packstore.records import Example, Pair, VerifyResult
 from packstore.store import PackStore, StoredPack
+
+if TYPE_CHECKING:
+    from packstore.trust import SigningKey, TrustedKeys
 
 
 DEFAULT_EXAMPLES = 96
@@ -48,6 +52,10 @@ def pack_details(stored: StoredPack) -> dict[str, Any]:
         "facts": list(h.facts),
         "errata": [fact[len(ERRATUM_PREFIX) :] for fact in h.facts if fact.startswith(ERRATUM_PREFIX)],
         "token_ids": list(h.token_ids),
+        "signatures": [
+            {"key_id": sig.key_id, "created": sig.created, "valid": sig.subject == "pack" and sig.digest == h.pack_sha256 and sig.valid()}
+            for sig in stored.signatures
+        ],
     }
 
 
@@ -198,6 +206,49 @@ def train_adapter_and_store(
         lm, examples, source=source, tokens=tokens, steps=steps, learning_rate=learning_rate, seed=seed, progress=progress
     )
     return store_pack(store, adapter, name=name)
+
+
+def sign_pack(store: PackStore, ref: str, key: "SigningKey", *, model_fp: str | None = None) -> tuple[str, Signature]:
+    """Sign the pack ``ref``'s sealed digest (which covers every chunk) with ``key`` and store the
+    signature with it (replacing an earlier one by the same key); returns the key and the signature."""
+    stored = store.stat(ref, model_fp=model_fp)
+    signature = key.sign("pack", stored.header.pack_sha256)
+    return store.add_signature(stored.key, signature), signature
+
+
+def sign_bank(store: PackStore, name: str, key: "SigningKey") -> Signature:
+    """Sign bank ``name``'s current digest (every record of it) with ``key`` and store the signature."""
+    banks = store.banks()
+    signature = key.sign("bank", banks.digest(name))
+    banks.sign(name, signature)
+    return signature
+
+
+def verify_banks(store: PackStore, names: Sequence[str], trusted: "TrustedKeys") -> list[VerifyResult]:
+    """Per bank (default: every bank), None or why no trusted key signed its current contents."""
+    banks = store.banks()
+    names = list(names) or [meta.name for meta, _ in banks.list()]
+    results = []
+    for name in names:
+        problem = trusted.problem("bank", banks.digest(name), banks.signatures(name))
+        results.append(VerifyResult(name, f"not trusted: {problem}" if problem else None))
+    return results
+
+
+def verify_packs(store: PackStore, refs: Sequence[str], trusted: "TrustedKeys | None" = None) -> list[VerifyResult]:
+    """Every checksum of ``refs`` (default: every pack), and with ``trusted`` also that a trusted key
+    signed each pack; a failure of either is the result's error."""
+    results = [store.verify(ref) for ref in refs] if refs else store.verify_all()
+    if trusted is None:
+        return results
+    checked = []
+    for result in results:
+        if result.ok:
+            stored = store.stat(result.key)
+            problem = trusted.problem("pack", stored.header.pack_sha256, stored.signatures)
+            result = VerifyResult(result.key, f"not trusted: {problem}" if problem else None)
+        checked.append(result)
+    return checked
 
 
 def export_pack(store: PackStore, ref: str, path: str | os.PathLike[str]) -> tuple[str, int]:

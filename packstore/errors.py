@@ -61,6 +61,13 @@ class PackMismatch(PackstoreError):
         return cls(fields.get("what", ""), message, **rest)
 
 
+class Untrusted(PackstoreError):
+    """A pack or bank has no valid signature by a trusted key, where one is required; never used."""
+
+    code = "UNTRUSTED"
+    grpc_status = "FAILED_PRECONDITION"
+
+
 class IntegrityError(PackstoreError):
     """Stored or received bytes do not match their checksum or cannot be decoded."""
 
@@ -98,5 +105,7 @@ class Unavailable(PackstoreError):
 
 ERROR_CLASSES: dict[str, type[PackstoreError]] = {
     cls.code: cls
-    for cls in (PackstoreError, PackNotFound, AmbiguousRef, PackMismatch, IntegrityError, InvalidInput, LimitExceeded, StoreBusy, Unavailable)
+    for cls in (
+        PackstoreError, PackNotFound, AmbiguousRef, PackMismatch, Untrusted, IntegrityError, InvalidInput, LimitExceeded, StoreBusy, Unavailable
+    )
 }

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from packstore.format.header import PackHeader
+    from packstore.format.signature import Signature
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,12 @@ class PackSummary:
 
 @dataclass(frozen=True)
 class StoredPack:
-    """A stored pack's full header, the names that point at it, and its size on disk."""
+    """A stored pack's full header, the names that point at it, its size on disk and its signatures."""
 
     header: "PackHeader"
     names: tuple[str, ...]
     stored_bytes: int
+    signatures: tuple["Signature", ...] = ()
 
     @property
     def key(self) -> str:

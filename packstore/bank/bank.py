@@ -15,6 +15,7 @@ from packstore.bank.embedder import Embedder, load_embedder
 from packstore.bank.lexical import LEXICAL_KIND, LexicalIndex
 from packstore.errors import InvalidInput, PackMismatch, StoreBusy
 from packstore.format.bank import VECTOR_KINDS, BankMeta, Cluster, quantize
+from packstore.format.signature import Signature
 from packstore.records import Route
 from packstore.store.banks import BankChanged
 from packstore.store.lmdb_store import LmdbStore
@@ -378,3 +379,12 @@ class LocalBanks:
 
     def delete(self, name: str) -> None:
         self.store.delete_bank(name)
+
+    def digest(self, name: str) -> str:
+        return self.store.bank_digest(name)
+
+    def signatures(self, name: str) -> tuple[Signature, ...]:
+        return self.store.bank_signatures(name)
+
+    def sign(self, name: str, signature: Signature) -> None:
+        self.store.sign_bank(name, signature)

@@ -246,6 +246,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"shape:        {record['layers']} layers x {record['kv_heads']} KV heads x {record['head_dim']} head dim")
     print(f"codec:        {record['codec']}, {len(record['chunks'])} chunks")
     print(f"created:      {record['created']}")
+    for signature in record["signatures"]:
+        print(f"signed by:    {signature['key_id']} ({signature['created']}){'' if signature['valid'] else ' INVALID'}")
     if record["kind"] == "steering":
         first, last = record["steer_layers"]
         print(f"pairs:        {record['pairs']} (pooling: {record['pooling']} token)")
@@ -272,16 +274,47 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from packstore.api import verify_packs
+    from packstore.trust import TrustedKeys
+
+    trusted = TrustedKeys.load(args.trusted_keys) if args.trusted_keys else None
     with _open_store(args, readonly=True) as store:
-        results = [store.verify(ref) for ref in args.refs] if args.refs else store.verify_all()
-    damaged = [r for r in results if not r.ok]
+        results = verify_packs(store, args.refs, trusted)
+    failed = [r for r in results if not r.ok]
     if args.json:
         emit_json([{"key": r.key, "ok": r.ok, "error": r.error} for r in results])
     else:
         for r in results:
-            print(f"ok       {r.key}" if r.ok else f"DAMAGED  {r.key}: {r.error}")
-        print(f"{len(results)} packs verified, {len(damaged)} damaged", file=sys.stderr)
-    return EXIT_ERROR if damaged else 0
+            state = "ok" if r.ok else "UNTRUSTED" if r.error.startswith("not trusted") else "DAMAGED"
+            print(f"{state:<10} {r.key}" + (f": {r.error}" if r.error else ""))
+        what = "damaged or untrusted" if trusted else "damaged"
+        print(f"{len(results)} packs verified{' with signatures' if trusted else ''}, {len(failed)} {what}", file=sys.stderr)
+    return EXIT_ERROR if failed else 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from packstore.trust import generate_key
+
+    private, public, key_id = generate_key(args.out)
+    if args.json:
+        emit_json({"private_key": str(private), "public_key": str(public), "key_id": key_id})
+    else:
+        print(f"wrote {private} (private, mode 0600) and {public}; key id {key_id}")
+    return 0
+
+
+def cmd_sign(args: argparse.Namespace) -> int:
+    from packstore.api import sign_pack
+    from packstore.trust import SigningKey
+
+    key = SigningKey.load(args.key)
+    with _open_store(args) as store:
+        signed, signature = sign_pack(store, args.ref, key)
+    if args.json:
+        emit_json({"key": signed, "key_id": signature.key_id, "created": signature.created})
+    else:
+        print(f"signed {signed} with key {signature.key_id}")
+    return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -380,7 +413,7 @@ def _bank_record(meta: Any, stored_bytes: int) -> dict[str, Any]:
 def cmd_bank(args: argparse.Namespace) -> int:
     from packstore.facts import read_facts, read_items
 
-    with _open_store(args, readonly=args.bank_command in ("route", "ls")) as store:
+    with _open_store(args, readonly=args.bank_command in ("route", "ls", "verify")) as store:
         banks = store.banks()
         if args.bank_command in ("build", "add"):
             facts = read_facts(args.facts)
@@ -407,6 +440,26 @@ def cmd_bank(args: argparse.Namespace) -> int:
                 print(f"Q: {result.query}    clusters {result.clusters}")
                 for text, score in result.facts:
                     print(f"  {score:6.3f}  {text}")
+        elif args.bank_command == "sign":
+            from packstore.api import sign_bank
+            from packstore.trust import SigningKey
+
+            signature = sign_bank(store, args.name, SigningKey.load(args.key))
+            if args.json:
+                emit_json({"bank": args.name, "key_id": signature.key_id, "digest": signature.digest})
+            else:
+                print(f"signed bank {args.name} (digest {signature.digest[:16]}) with key {signature.key_id}")
+        elif args.bank_command == "verify":
+            from packstore.api import verify_banks
+            from packstore.trust import TrustedKeys
+
+            results = verify_banks(store, args.names, TrustedKeys.load(args.trusted_keys))
+            if args.json:
+                emit_json([{"bank": r.key, "ok": r.ok, "error": r.error} for r in results])
+            for r in [] if args.json else results:
+                print(f"{'ok' if r.ok else 'UNTRUSTED':<10} {r.key}" + (f": {r.error}" if r.error else ""))
+            if any(not r.ok for r in results):
+                return EXIT_ERROR
         elif args.bank_command == "ls":
             records = [_bank_record(meta, size) for meta, size in banks.list()]
             if args.json:
@@ -522,6 +575,14 @@ def build_cli() -> CommandLine:
 
     p = cli.command("verify", cmd_verify, "check every checksum of the given packs (default: all); exit 1 on damage")
     p.add_argument("refs", metavar="REF", nargs="*")
+    p.add_argument("--trusted-keys", metavar="FILE", help="also require a valid signature by one of these public keys (PEM blocks); exit 1 naming each unsigned or untrusted pack")
+
+    p = cli.command("keygen", cmd_keygen, "write a new Ed25519 key pair: KEY (private, 0600) and KEY.pub")
+    p.add_argument("--out", required=True, metavar="KEY")
+
+    p = cli.command("sign", cmd_sign, "sign a pack's sealed digest with a private key and store the signature with it")
+    p.add_argument("ref", metavar="REF")
+    p.add_argument("--key", required=True, metavar="KEY", help="private key file written by packctl keygen")
 
     p = cli.command("export", cmd_export, "write a pack to a single self-describing file")
     p.add_argument("ref", metavar="REF")
@@ -596,6 +657,12 @@ def build_cli() -> CommandLine:
     )
     _bank_options(p)
     sub.add_parser("ls", parents=common, help="list banks")
+    p = sub.add_parser("sign", parents=common, help="sign bank N's current contents with a private key (packctl keygen)")
+    p.add_argument("name", metavar="N")
+    p.add_argument("--key", required=True, metavar="KEY")
+    p = sub.add_parser("verify", parents=common, help="check that a trusted key signed each bank's current contents; exit 1 naming each that is not")
+    p.add_argument("names", metavar="N", nargs="*")
+    p.add_argument("--trusted-keys", required=True, metavar="FILE")
     p = sub.add_parser("rm", parents=common, help="delete bank N")
     p.add_argument("name", metavar="N")
 

@@ -61,10 +61,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    from packstore.trust import TrustedKeys
+
+    trusted = TrustedKeys.load(args.trusted_keys) if args.trusted_keys else None
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     lm = load_model(args.model, device=args.device, dtype=args.dtype, chat_template=template, progress=not args.quiet and sys.stderr.isatty())
     with open_store(args.store, readonly=True) as store:
-        serve_worker(lm, store, args.listen, args.cache_bytes)
+        serve_worker(lm, store, args.listen, args.cache_bytes, trusted=trusted)
     return 0
 
 
@@ -91,6 +94,10 @@ def build_cli() -> CommandLine:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--chat-template", metavar="FILE")
     p.add_argument("--threads", type=int, metavar="N", help="CPU threads for the model (default: torch's, one per core)")
+    p.add_argument(
+        "--trusted-keys", metavar="FILE",
+        help="inject only packs signed by one of these public keys (PEM blocks); unsigned or untrusted: FAILED_PRECONDITION",
+    )
     return cli
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from packstore.errors import IntegrityError
 from packstore.format.header import ChunkInfo, PackHeader
+from packstore.format.signature import Signature
 
 LAYERS_PER_CHUNK = 1
 MAX_TABLE_BYTES = 100_000_000  # the cap safetensors itself puts on its JSON header
@@ -25,10 +26,17 @@ _ENTRY_FIELDS = {"dtype", "shape", "data_offsets"}
 
 @dataclass(frozen=True)
 class EncodedPack:
-    """A pack as stored: header (with chunk checksums) and the chunk bytes, in order."""
+    """A pack as stored: header (with chunk checksums), the chunk bytes in order, and its signatures."""
 
     header: PackHeader
     chunks: list[bytes]
+    signatures: tuple[Signature, ...] = ()
+
+    def check_signatures(self) -> None:
+        """Raise IntegrityError unless every signature signs this pack's digest and verifies."""
+        digest = self.header.pack_sha256
+        for signature in self.signatures:
+            signature.check("pack", digest)
 
     @property
     def stored_bytes(self) -> int:

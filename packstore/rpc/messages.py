@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from packstore.errors import InvalidInput
 from packstore.format import PackHeader
+from packstore.format.signature import Signature
 from packstore.records import PackSummary, StoredPack
 from packstore.v1 import store_pb2
 
@@ -18,6 +20,7 @@ def pack_info(stored: StoredPack) -> store_pb2.PackInfo:
     """A pack's summary and its full sealed header."""
     info = summary_info(stored.summary)
     info.header_json = stored.header.to_json()
+    info.signatures.extend(signature.to_json().decode() for signature in stored.signatures)
     return info
 
 
@@ -31,7 +34,19 @@ def pack_summary(info: store_pb2.PackInfo) -> PackSummary:
 
 def stored_pack(info: store_pb2.PackInfo) -> StoredPack:
     """A PackInfo with its header back to a StoredPack; the header's seal is checked on the way."""
-    return StoredPack(header=PackHeader.from_json(info.header_json), names=tuple(info.names), stored_bytes=info.stored_bytes)
+    header = PackHeader.from_json(info.header_json)
+    return StoredPack(header=header, names=tuple(info.names), stored_bytes=info.stored_bytes, signatures=signatures_of(info.signatures))
+
+
+def signatures_of(records) -> tuple[Signature, ...]:
+    """Signature records (JSON strings) as Signatures; InvalidInput naming the first malformed one."""
+    found = []
+    for index, record in enumerate(records):
+        try:
+            found.append(Signature.from_json(record))
+        except InvalidInput as exc:
+            raise InvalidInput(f"signature {index}: {exc}") from None
+    return tuple(found)
 
 
 def chunk_pieces(index: int, data: bytes, sha256: str) -> list[store_pb2.Chunk]:

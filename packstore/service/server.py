@@ -18,7 +18,8 @@ from grpc_reflection.v1alpha import reflection
 
 from packstore.errors import InvalidInput, LimitExceeded, PackstoreError
 from packstore.format import PackHeader
-from packstore.rpc.messages import ChunkAssembler, bank_info, chunk_pieces, pack_info, summary_info
+from packstore.format.signature import Signature
+from packstore.rpc.messages import ChunkAssembler, bank_info, chunk_pieces, pack_info, signatures_of, summary_info
 from packstore.rpc.status import abort_with_error, status_for
 from packstore.service.config import ServiceConfig
 from packstore.service.metrics import ServiceMetrics
@@ -92,6 +93,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             header = PackHeader.from_json(first.begin.header_json)
             self._check_upload_limits(header)
             name = check_name(first.begin.name) if first.begin.name else None
+            signatures = signatures_of(first.begin.signatures)
             info["key"] = header.key
             upload = self.store.begin_upload(header)
             assembler = ChunkAssembler(header)
@@ -105,7 +107,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
                         upload.add_chunk(assembler.next_index - 1, whole)
                 if not assembler.complete:
                     raise InvalidInput(f"upload ended after {assembler.next_index} of {len(header.chunks)} chunks")
-                key, created = upload.commit(name=name)
+                key, created = upload.commit(name=name, signatures=signatures)
             except BaseException:
                 upload.abort()
                 raise
@@ -144,6 +146,11 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
     def StatPack(self, request, context):
         with self._call("StatPack", context, ref=request.ref):
             return pack_info(self.store.stat(request.ref, model_fp=request.model_fp or None))
+
+    def SignPack(self, request, context):
+        with self._call("SignPack", context, ref=request.ref) as info:
+            info["key"] = key = self.store.add_signature(request.ref, Signature.from_json(request.signature), model_fp=request.model_fp or None)
+            return store_pb2.SignPackResponse(key=key)
 
     def ListPacks(self, request, context):
         with self._call("ListPacks", context):
@@ -274,6 +281,23 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
         with self._call("DeleteBank", context, bank=request.name):
             self._banks().delete(request.name)
             return store_pb2.DeleteBankResponse()
+
+    def _bank_status(self, name: str) -> store_pb2.BankStatus:
+        banks = self._banks()
+        return store_pb2.BankStatus(
+            bank=bank_info(self.store.bank(name), self.store.bank_stored_bytes(name)),
+            digest=banks.digest(name),
+            signatures=[signature.to_json().decode() for signature in banks.signatures(name)],
+        )
+
+    def StatBank(self, request, context):
+        with self._call("StatBank", context, bank=request.name):
+            return self._bank_status(request.name)
+
+    def SignBank(self, request, context):
+        with self._call("SignBank", context, bank=request.name):
+            self._banks().sign(request.name, Signature.from_json(request.signature))
+            return self._bank_status(request.name)
 
 
 def build_server(config: ServiceConfig, store: LmdbStore, metrics: ServiceMetrics) -> tuple[grpc.Server, health.HealthServicer]:

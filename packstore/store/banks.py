@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 import lmdb
 import numpy as np
 
-from packstore.errors import PackNotFound
+from packstore.errors import IntegrityError, InvalidInput, PackNotFound
 from packstore.format.bank import (
     BankMeta,
     Cluster,
@@ -17,6 +18,8 @@ from packstore.format.bank import (
     encode_centroids,
     encode_cluster,
 )
+from packstore.format.header import canonical_json
+from packstore.format.signature import Signature
 from packstore.store.environment import LmdbEnvironment
 
 
@@ -40,6 +43,10 @@ def _cluster_key(name: str, cluster: int) -> bytes:
     return _cluster_prefix(name) + struct.pack(">I", cluster)
 
 
+def _signature_prefix(name: str) -> bytes:
+    return b"signature/" + name.encode() + b"/"
+
+
 class BankChanged(Exception):
     """The bank changed between reading it and writing an update computed from it: compute again."""
 
@@ -59,12 +66,12 @@ class BankTables:
         existed = txn.delete(_meta_key(name), db=self._banks)
         txn.delete(_centroids_key(name), db=self._banks)
         txn.delete(_lexical_key(name), db=self._banks)
-        prefix = _cluster_prefix(name)
-        cursor = txn.cursor(db=self._banks)
-        if cursor.set_range(prefix):
-            while cursor.key().startswith(prefix):
-                if not cursor.delete():
-                    break
+        for prefix in (_cluster_prefix(name), _signature_prefix(name)):  # a rebuilt bank must be signed again
+            cursor = txn.cursor(db=self._banks)
+            if cursor.set_range(prefix):
+                while cursor.key().startswith(prefix):
+                    if not cursor.delete():
+                        break
         return existed
 
     def put_bank(self, meta: BankMeta, centroids: np.ndarray, clusters: dict[int, Cluster], lexical: bytes) -> None:
@@ -175,6 +182,58 @@ class BankTables:
                         break
                     metas.append(BankMeta.from_json(value))
         return metas
+
+    def _bank_digest_in(self, txn: lmdb.Transaction, name: str) -> str:
+        meta = txn.get(_meta_key(name), db=self._banks)
+        if meta is None:
+            raise PackNotFound(f"no bank named {name!r}")
+        records = []
+        for key in (_centroids_key(name), _lexical_key(name)):
+            data = txn.get(key, db=self._banks)
+            if data is not None:
+                records.append([key.decode(), bytes(data[-32:]).hex()])
+        prefix = _cluster_prefix(name)
+        cursor = txn.cursor(db=self._banks)
+        if cursor.set_range(prefix):
+            for key, value in cursor:
+                key = bytes(key)  # a buffer in a read transaction opened with buffers
+                if not key.startswith(prefix):
+                    break
+                records.append([prefix.decode() + key[len(prefix) :].hex(), bytes(value[-32:]).hex()])
+        record = {"bank": name, "meta": hashlib.sha256(bytes(meta)).hexdigest(), "records": records}
+        return hashlib.sha256(canonical_json(record)).hexdigest()
+
+    def bank_digest(self, name: str) -> str:
+        """The digest a bank's signature covers (docs/format.md §8): its metadata record's sha256 and
+        every other record's own closing sha256, in key order; any change to the bank changes it."""
+        self._bank_db(name)
+        with self._env.read(buffers=True) as txn:
+            return self._bank_digest_in(txn, name)
+
+    def sign_bank(self, name: str, signature: Signature) -> None:
+        """Store a signature with bank ``name`` after checking it signs the bank's current digest."""
+
+        def body(txn: lmdb.Transaction) -> None:
+            signature.check("bank", self._bank_digest_in(txn, name))
+            txn.put(_signature_prefix(name) + signature.key_id.encode(), signature.to_json(), db=self._banks)
+
+        self._write(body)
+
+    def bank_signatures(self, name: str) -> tuple[Signature, ...]:
+        self._bank_db(name)
+        found = []
+        with self._env.read() as txn:
+            prefix = _signature_prefix(name)
+            cursor = txn.cursor(db=self._banks)
+            if cursor.set_range(prefix):
+                for key, value in cursor:
+                    if not key.startswith(prefix):
+                        break
+                    try:
+                        found.append(Signature.from_json(value))
+                    except InvalidInput as exc:
+                        raise IntegrityError(f"bank {name!r}: a stored signature is damaged: {exc}") from None
+        return tuple(found)
 
     def delete_bank(self, name: str) -> None:
         def body(txn: lmdb.Transaction) -> None:

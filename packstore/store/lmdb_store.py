@@ -21,6 +21,7 @@ from packstore.records import GcReport, PackPage, PackSummary, StoreCounts, Stor
 from packstore.format import EncodedPack, PackHeader, parse_key
 from packstore.format.header import canonical_json
 from packstore.format.body import verify_chunk
+from packstore.format.signature import Signature
 from packstore.store.banks import BankTables
 from packstore.store.environment import DEFAULT_MAP_SIZE, LmdbEnvironment
 from packstore.store.protocol import DEFAULT_PAGE, MAX_PAGE, BankStore, check_name
@@ -45,6 +46,11 @@ def default_store_path() -> Path:
 
 def _chunk_key(key: str, index: int) -> bytes:
     return key.encode() + b"#" + struct.pack(">I", index)
+
+
+def _signature_key(key: str, signer: str) -> bytes:
+    """``signatures`` entry: the pack key, then the signing key's id."""
+    return f"{key}/{signer}".encode()
 
 
 def _name_key(model_fp: str, name: str) -> bytes:
@@ -158,6 +164,7 @@ class LmdbStore(BankTables):
         self._by_name = self._env.open_db(b"by_name", create=not readonly)
         self._staging = self._env.open_db(b"staging", create=not readonly) if not readonly else None
         self._banks = self._env.open_db(b"banks", create=not readonly) if not readonly or self._has_db(b"banks") else None
+        self._signatures = self._env.open_db(b"signatures", create=not readonly) if not readonly or self._has_db(b"signatures") else None
         if not readonly:
             self._write(self._upgrade_in)
         with self._env.read() as txn:
@@ -231,14 +238,16 @@ class LmdbStore(BankTables):
             raise InvalidInput(f"pack has {len(encoded.chunks)} chunks, header lists {len(header.chunks)}")
         for index, data in enumerate(encoded.chunks):
             verify_chunk(header, index, data)
+        encoded.check_signatures()
         if name is not None:
             check_name(name)
-        return header.key, self._write(lambda txn: self._commit_in(txn, header, encoded.chunks.__getitem__, name))
+        return header.key, self._write(lambda txn: self._commit_in(txn, header, encoded.chunks.__getitem__, name, encoded.signatures))
 
     def _commit_in(
-        self, txn: lmdb.Transaction, header: PackHeader, chunk: Callable[[int], bytes], name: str | None
+        self, txn: lmdb.Transaction, header: PackHeader, chunk: Callable[[int], bytes], name: str | None, signatures=()
     ) -> bool:
-        """Write chunks (``chunk(i)`` gives chunk i), header and name unless the key is stored; True if new."""
+        """Write chunks (``chunk(i)`` gives chunk i), header and name unless the key is stored, and any
+        (checked) signatures; True if new."""
         key = header.key
         created = txn.get(key.encode(), db=self._packs) is None
         if created:
@@ -251,7 +260,32 @@ class LmdbStore(BankTables):
             self._add_counts_in(txn, 1, size)
         if name is not None:
             self._name_in(txn, header.model_fp, name, key)
+        for signature in signatures:
+            txn.put(_signature_key(key, signature.key_id), signature.to_json(), db=self._signatures)
         return created
+
+    def add_signature(self, ref: str, signature: Signature, *, model_fp: str | None = None) -> str:
+        """Store ``signature`` with the pack ``ref`` (one per signing key: a newer one replaces it),
+        after checking that it signs this pack's digest and verifies; returns the key."""
+        key = self.resolve(ref, model_fp=model_fp)
+
+        def body(txn: lmdb.Transaction) -> None:
+            signature.check("pack", self._header_in(txn, key).pack_sha256)
+            txn.put(_signature_key(key, signature.key_id), signature.to_json(), db=self._signatures)
+
+        self._write(body)
+        return key
+
+    def _signatures_in(self, txn: lmdb.Transaction, key: str) -> tuple[Signature, ...]:
+        if self._signatures is None:
+            return ()
+        found = []
+        for _, data in _prefix_scan(txn, self._signatures, f"{key}/".encode()):
+            try:
+                found.append(Signature.from_json(bytes(data)))
+            except InvalidInput as exc:
+                raise IntegrityError(f"pack {key}: a stored signature is damaged: {exc}") from None
+        return tuple(found)
 
     def _name_in(self, txn: lmdb.Transaction, model_fp: str, name: str, key: str) -> None:
         """Point ``name`` (of ``model_fp``) at ``key`` and keep both name indexes in step."""
@@ -304,6 +338,8 @@ class LmdbStore(BankTables):
                 self._add_counts_in(txn, -1, -size)
             for name in self._names_in(txn, key):
                 self._unname_in(txn, header.model_fp, name)
+            for signature_key, _ in list(_prefix_scan(txn, self._signatures, f"{key}/".encode())):
+                txn.delete(signature_key, db=self._signatures)
 
         self._write(body)
         return key
@@ -363,7 +399,7 @@ class LmdbStore(BankTables):
     def _stored(self, txn: lmdb.Transaction, key: str) -> StoredPack:
         header = self._header_in(txn, key)
         size = _stored_bytes(header, txn.get(key.encode(), db=self._packs))
-        return StoredPack(header=header, names=self._names_in(txn, key), stored_bytes=size)
+        return StoredPack(header=header, names=self._names_in(txn, key), stored_bytes=size, signatures=self._signatures_in(txn, key))
 
     def stat(self, ref: str, *, model_fp: str | None = None) -> StoredPack:
         """Header, names and size of one pack, without reading its body."""
@@ -438,7 +474,8 @@ class LmdbStore(BankTables):
                 if data is None:
                     raise IntegrityError(f"pack {key}: chunk {index} is missing")
                 chunks.append(data)
-        return EncodedPack(header=header, chunks=chunks)
+            signatures = self._signatures_in(txn, key)
+        return EncodedPack(header=header, chunks=chunks, signatures=signatures)
 
     def get(self, ref: str, *, model_fp: str | None = None, template_fp: str | None = None) -> EncodedPack:
         """Read a pack's header and every chunk, verifying each chunk's checksum (and stated identities)."""
@@ -525,6 +562,8 @@ class LmdbStore(BankTables):
                 txn.delete(k, db=self._chunks)
             for model_fp, name in dangling:
                 self._unname_in(txn, model_fp, name)
+            for k in [k for k, _ in txn.cursor(db=self._signatures) if k.rsplit(b"/", 1)[0].decode() not in live]:
+                txn.delete(k, db=self._signatures)
             return len(orphans) + len(stale), sum(size for _, size in orphans), len(dangling)
 
         orphan_chunks, orphan_bytes, dangling = self._write(body)
@@ -571,16 +610,18 @@ class Upload:
         self.store._write(lambda txn: txn.put(self._staging_key(index), data, db=self.store._staging))
         self._received += 1
 
-    def commit(self, *, name: str | None = None) -> tuple[str, bool]:
-        """Store the pack atomically (idempotent by key) and drop the staged chunks."""
+    def commit(self, *, name: str | None = None, signatures: tuple[Signature, ...] = ()) -> tuple[str, bool]:
+        """Store the pack atomically (idempotent by key), with any signatures (checked against its
+        digest), and drop the staged chunks."""
         if self._received != len(self.header.chunks):
             raise InvalidInput(f"upload ended after {self._received} of {len(self.header.chunks)} chunks")
         if name is not None:
             check_name(name)
+        EncodedPack(self.header, [], tuple(signatures)).check_signatures()
         store = self.store
 
         def body(txn: lmdb.Transaction) -> bool:
-            created = store._commit_in(txn, self.header, lambda i: txn.get(self._staging_key(i), db=store._staging), name)
+            created = store._commit_in(txn, self.header, lambda i: txn.get(self._staging_key(i), db=store._staging), name, signatures)
             for index in range(self._received):
                 txn.delete(self._staging_key(index), db=store._staging)
             return created

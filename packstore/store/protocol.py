@@ -18,6 +18,7 @@ from packstore.records import GcReport, PackPage, PackSummary, Route, StoreCount
 if TYPE_CHECKING:
     from packstore.format.bank import BankMeta
     from packstore.format.body import EncodedPack
+    from packstore.format.signature import Signature
     from packstore.tensors import Pack
 
 DEFAULT_PAGE = 100
@@ -70,7 +71,16 @@ class BankStore(Protocol):
         """Bytes the bank occupies; PackNotFound if there is no such bank."""
 
     def delete(self, name: str) -> None:
-        """Remove a bank; PackNotFound if there is no such bank."""
+        """Remove a bank (and its signatures); PackNotFound if there is no such bank."""
+
+    def digest(self, name: str) -> str:
+        """The digest a signature of the bank covers (docs/format.md §8); it changes with every change to the bank."""
+
+    def signatures(self, name: str) -> tuple["Signature", ...]:
+        """The signatures stored with the bank (each may or may not cover its current digest)."""
+
+    def sign(self, name: str, signature: "Signature") -> None:
+        """Store a signature with the bank, after checking that it signs the bank's current digest."""
 
 
 @runtime_checkable
@@ -132,8 +142,11 @@ class PackStore(Protocol):
     def put(self, encoded: "EncodedPack", *, name: str | None = None) -> tuple[str, bool]:
         """Store a pack (and optionally name it); returns ``(key, created)``."""
 
+    def add_signature(self, ref: str, signature: "Signature", *, model_fp: str | None = None) -> str:
+        """Store a signature with a pack (checked against its digest first); returns the key."""
+
     def delete(self, ref: str, *, model_fp: str | None = None) -> str:
-        """Remove a pack and every name pointing at it; returns the key."""
+        """Remove a pack, its signatures and every name pointing at it; returns the key."""
 
     def set_name(self, ref: str, name: str, *, model_fp: str | None = None) -> str:
         """Point ``name`` at ``ref`` within the pack's model; returns the key."""

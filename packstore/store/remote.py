@@ -12,16 +12,17 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import grpc
 
 from packstore.errors import PackNotFound, PackstoreError
-from packstore.format import EncodedPack, PackHeader
+from packstore.format import EncodedPack
 from packstore.format.body import verify_chunk
 from packstore.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
 from packstore.rpc.channel import GrpcClient
-from packstore.rpc.messages import ChunkAssembler, bank_meta, chunk_pieces, pack_summary, stored_pack
+from packstore.rpc.messages import ChunkAssembler, bank_meta, chunk_pieces, pack_summary, signatures_of, stored_pack
 from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, MAX_PAGE, check_name
 from packstore.v1 import store_pb2, store_pb2_grpc
 
 if TYPE_CHECKING:
     from packstore.format.bank import BankMeta
+    from packstore.format.signature import Signature
     from packstore.tensors import Pack
 
 
@@ -76,14 +77,15 @@ class RemoteStore(GrpcClient):
         reply = self._call(lambda: self._stub.StoreStats(store_pb2.StoreStatsRequest(), timeout=self.timeout))
         return StoreCounts(packs=reply.packs, stored_bytes=reply.stored_bytes)
 
-    def _stream(self, ref: str, model_fp: str | None, template_fp: str | None) -> tuple[PackHeader, Iterator[tuple[int, bytes]]]:
-        """Start GetPack; returns the header and an iterator of whole (index, chunk bytes)."""
+    def _stream(self, ref: str, model_fp: str | None, template_fp: str | None) -> tuple[StoredPack, Iterator[tuple[int, bytes]]]:
+        """Start GetPack; returns the stored pack (header, signatures) and an iterator of whole (index, chunk bytes)."""
         request = store_pb2.GetPackRequest(ref=ref, model_fp=model_fp or "", template_fp=template_fp or "")
         responses = self._stub.GetPack(request, timeout=self.timeout)
         first = self._call(lambda: next(responses, None))
         if first is None or first.WhichOneof("item") != "header":
             raise PackstoreError("GetPack did not start with the pack header")
-        header = stored_pack(first.header).header
+        stored = stored_pack(first.header)
+        header = stored.header
 
         def chunks() -> Iterator[tuple[int, bytes]]:
             assembler = ChunkAssembler(header)
@@ -97,16 +99,16 @@ class RemoteStore(GrpcClient):
             if not assembler.complete:
                 raise PackstoreError(f"pack {header.key}: the stream ended after {assembler.next_index} of {len(header.chunks)} chunks")
 
-        return header, chunks()
+        return stored, chunks()
 
     def get(self, ref: str, *, model_fp: str | None = None, template_fp: str | None = None) -> EncodedPack:
         """The pack's header and stored chunks, each checked against its sha256."""
-        header, chunks = self._stream(ref, model_fp, template_fp)
+        stored, chunks = self._stream(ref, model_fp, template_fp)
         data = []
         for index, chunk in chunks:
-            verify_chunk(header, index, chunk)
+            verify_chunk(stored.header, index, chunk)
             data.append(chunk)
-        return EncodedPack(header=header, chunks=data)
+        return EncodedPack(header=stored.header, chunks=data, signatures=stored.signatures)
 
     def fetch(self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None) -> "Pack":
         """Stream a pack and decode each chunk as it arrives into tensors on ``device`` (CPU when None).
@@ -118,7 +120,8 @@ class RemoteStore(GrpcClient):
         from packstore.tensors import WORKERS, Pack, check_tensor_digest, decode_chunk, torch_dtype
 
         device = torch.device(device or "cpu")
-        header, chunks = self._stream(ref, model_fp, template_fp)
+        stored, chunks = self._stream(ref, model_fp, template_fp)
+        header = stored.header
         shape, dtype, layers = header.tensor_shape, torch_dtype(header.dtype), header.body_layers
         on_cpu = device.type == "cpu"
         keys: list[torch.Tensor | None] = [None if on_cpu else torch.empty(shape, dtype=dtype, device=device) for _ in layers]
@@ -157,13 +160,20 @@ class RemoteStore(GrpcClient):
             check_name(name)  # an empty name would travel as "no name"
 
         def requests() -> Iterator[store_pb2.PutPackRequest]:
-            yield store_pb2.PutPackRequest(begin=store_pb2.PutPackBegin(header_json=encoded.header.to_json(), name=name or ""))
+            signatures = [signature.to_json().decode() for signature in encoded.signatures]
+            yield store_pb2.PutPackRequest(
+                begin=store_pb2.PutPackBegin(header_json=encoded.header.to_json(), name=name or "", signatures=signatures)
+            )
             for index, (chunk, info) in enumerate(zip(encoded.chunks, encoded.header.chunks)):
                 for piece in chunk_pieces(index, chunk, info.sha256):
                     yield store_pb2.PutPackRequest(chunk=piece)
 
         response = self._call(lambda: self._stub.PutPack(requests(), timeout=self.timeout))
         return response.pack.key, response.created
+
+    def add_signature(self, ref: str, signature: "Signature", *, model_fp: str | None = None) -> str:
+        request = store_pb2.SignPackRequest(ref=ref, model_fp=model_fp or "", signature=signature.to_json().decode())
+        return self._call(lambda: self._stub.SignPack(request, timeout=self.timeout)).key
 
     def delete(self, ref: str, *, model_fp: str | None = None) -> str:
         request = store_pb2.DeletePackRequest(ref=ref, model_fp=model_fp or "")
@@ -248,3 +258,17 @@ class RemoteBanks:
     def delete(self, name: str) -> None:
         request = store_pb2.DeleteBankRequest(name=name)
         self.store._call(lambda: self.store._stub.DeleteBank(request, timeout=self.store.timeout))
+
+    def _status(self, name: str) -> store_pb2.BankStatus:
+        request = store_pb2.StatBankRequest(name=name)
+        return self.store._call(lambda: self.store._stub.StatBank(request, timeout=self.store.timeout))
+
+    def digest(self, name: str) -> str:
+        return self._status(name).digest
+
+    def signatures(self, name: str) -> tuple["Signature", ...]:
+        return signatures_of(self._status(name).signatures)
+
+    def sign(self, name: str, signature: "Signature") -> None:
+        request = store_pb2.SignBankRequest(name=name, signature=signature.to_json().decode())
+        self.store._call(lambda: self.store._stub.SignBank(request, timeout=self.store.timeout))

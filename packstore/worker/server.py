@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -22,6 +23,9 @@ from packstore.rpc.status import abort_with_error
 from packstore.service.server import JsonLogFormatter
 from packstore.store.protocol import DEFAULT_TOP_K, PackStore
 from packstore.v1 import worker_pb2, worker_pb2_grpc
+
+if TYPE_CHECKING:
+    from packstore.trust import TrustedKeys
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 log = logging.getLogger("packstore.worker")
@@ -113,13 +117,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         )
 
 
-def serve_worker(lm: LoadedModel, store: PackStore, listen: str, cache_bytes: int, grace_seconds: float = 30.0) -> None:
-    """Serve Generate on ``listen`` until SIGTERM/SIGINT, then finish in-flight generations."""
+def serve_worker(
+    lm: LoadedModel, store: PackStore, listen: str, cache_bytes: int, grace_seconds: float = 30.0, *, trusted: "TrustedKeys | None" = None
+) -> None:
+    """Serve Generate on ``listen`` until SIGTERM/SIGINT, then finish in-flight generations; with
+    ``trusted``, only packs signed by a trusted key are injected."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLogFormatter())
     logging.basicConfig(level="INFO", handlers=[handler], force=True)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(Answerer(lm, store, cache_bytes=cache_bytes)), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(Answerer(lm, store, cache_bytes=cache_bytes, trusted=trusted)), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
@@ -128,7 +135,8 @@ def serve_worker(lm: LoadedModel, store: PackStore, listen: str, cache_bytes: in
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving", extra={"fields": {"listen": listen, "model": lm.name, "model_fp": lm.model_fp, "device": str(lm.device)}})
+    fields = {"listen": listen, "model": lm.name, "model_fp": lm.model_fp, "device": str(lm.device)}
+    log.info("serving", extra={"fields": fields | {"trusted_keys": trusted.source if trusted else None}})
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

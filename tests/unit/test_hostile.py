@@ -18,7 +18,7 @@ from packstore.api import export_pack, import_pack
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, InvalidInput, LimitExceeded, PackstoreError
 from packstore.format.header import canonical_json, sha256_hex
-from packstore.format.packfile import FILE_MAGIC, FILE_VERSION
+from packstore.format.packfile import FILE_MAGIC
 from packstore.store import LmdbStore
 from packstore.store.remote import RemoteStore
 from packstore.tensors import encode_pack
@@ -46,7 +46,7 @@ def forged(mutate: Callable[[dict], None], pack=None) -> tuple[bytes, list[bytes
 
 
 def pack_file(header_json: bytes, chunks: list[bytes]) -> bytes:
-    return struct.pack("<8sIQ", FILE_MAGIC, FILE_VERSION, len(header_json)) + header_json + b"".join(chunks)
+    return struct.pack("<8sIQ", FILE_MAGIC, 1, len(header_json)) + header_json + b"".join(chunks)
 
 
 def set_field(path: str, value: Any) -> Callable[[dict], None]:
