@@ -22,9 +22,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_serving(address: str, timeout: float = 30.0) -> None:
+def _health_channel(address: str, tls: dict | None) -> grpc.Channel:
+    """A channel for the health check: plain, or TLS with the test CA (and client certificate, for mutual TLS)."""
+    if not tls:
+        return grpc.insecure_channel(address)
+    read = lambda name: Path(tls[name]).read_bytes() if tls.get(name) else None  # noqa: E731
+    credentials = grpc.ssl_channel_credentials(read("ca"), read("client_key"), read("client_cert"))
+    return grpc.secure_channel(address, credentials)
+
+
+def wait_serving(address: str, timeout: float = 30.0, tls: dict | None = None) -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with _health_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -52,17 +61,17 @@ class RunningServer:
 
 
 @contextmanager
-def running_server(data: Path, *extra: str) -> Iterator[RunningServer]:
+def running_server(data: Path, *extra: str, tls: dict | None = None, env: dict | None = None) -> Iterator[RunningServer]:
     address, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     packstore = Path(sys.executable).parent / "packstore"
     log = open(data.parent / f"{data.name}-server.log", "w")
     process = subprocess.Popen(
         [str(packstore), "serve", "--data", str(data), "--listen", address, "--metrics", metrics, *extra],
-        stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"HF_HUB_OFFLINE": "1"},
+        stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {}),
     )
     server = RunningServer(process, address, metrics, data)
     try:
-        wait_serving(address)
+        wait_serving(address, tls=tls)
         yield server
     finally:
         server.stop()
@@ -70,18 +79,18 @@ def running_server(data: Path, *extra: str) -> Iterator[RunningServer]:
 
 
 @contextmanager
-def running_worker(store_url: str, model: str, log_dir: Path, *extra: str) -> Iterator[RunningServer]:
+def running_worker(store_url: str, model: str, log_dir: Path, *extra: str, tls: dict | None = None, env: dict | None = None) -> Iterator[RunningServer]:
     """``packstore worker`` against ``store_url``; yields once its health reports SERVING."""
     address = f"127.0.0.1:{free_port()}"
     packstore = Path(sys.executable).parent / "packstore"
     log = open(log_dir / "worker.log", "w")
     process = subprocess.Popen(
         [str(packstore), "--store", store_url, "worker", "--model", model, "--listen", address, *extra],
-        stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"HF_HUB_OFFLINE": "1"},
+        stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {}),
     )
     worker = RunningServer(process, address, "", log_dir)
     try:
-        wait_serving(address, timeout=300)
+        wait_serving(address, timeout=300, tls=tls)
         yield worker
     finally:
         worker.stop()

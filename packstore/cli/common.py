@@ -14,19 +14,48 @@ from packstore.errors import PackstoreError
 EXIT_ERROR = 1
 
 
-def global_options(add_defaults: bool) -> argparse.ArgumentParser:
-    """``--store`` and ``--json``, accepted before or after the subcommand."""
+def global_options(add_defaults: bool, *, client: bool = False) -> argparse.ArgumentParser:
+    """``--store`` and ``--json`` (and with ``client`` the connection options), accepted before or after the subcommand."""
     parser = argparse.ArgumentParser(add_help=False)
     default = None if add_defaults else argparse.SUPPRESS
     parser.add_argument(
         "--store",
         default=default,
         metavar="PATH",
-        help="pack store directory (default: $PACKSTORE_STORE, else a per-user data dir)",
+        help="pack store directory, or grpc://HOST:PORT / grpcs://HOST:PORT (TLS) (default: $PACKSTORE_STORE, else a per-user data dir)",
     )
+    if client:
+        connection_options(parser, default=default)
     parser.add_argument("--json", action="store_true", default=False if add_defaults else argparse.SUPPRESS, help="machine-readable output on stdout")
     parser.add_argument("--quiet", "-q", action="store_true", default=False if add_defaults else argparse.SUPPRESS, help="no progress bars")
     return parser
+
+
+def connection_options(parser: argparse.ArgumentParser, *, default: Any = None, prefix: str = "") -> None:
+    """How a client reaches a service: TLS files, token file, namespace (each also from the environment)."""
+    what = "the store's" if prefix else "a grpcs:// server's"
+    parser.add_argument(f"--{prefix}tls-ca", default=default, metavar="FILE", help=f"CA certificate to trust for {what} TLS ($PACKSTORE_TLS_CA)")
+    parser.add_argument(f"--{prefix}tls-client-cert", default=default, metavar="FILE", help="client certificate for mutual TLS ($PACKSTORE_TLS_CLIENT_CERT)")
+    parser.add_argument(f"--{prefix}tls-client-key", default=default, metavar="FILE", help="its private key ($PACKSTORE_TLS_CLIENT_KEY)")
+    if not prefix:
+        parser.add_argument("--token-file", default=default, metavar="FILE", help="bearer token to send (default: $PACKSTORE_TOKEN)")
+        parser.add_argument("--namespace", default=default, metavar="NS", help="namespace, when the token has several ($PACKSTORE_NAMESPACE)")
+
+
+def connection_of(args: argparse.Namespace, prefix: str = ""):
+    """The Connection the parsed options (``prefix``: ``store_`` for the worker's own store) and the environment give."""
+    from packstore.rpc.channel import Connection
+
+    def given(name: str) -> str | None:
+        return getattr(args, f"{prefix}{name}", None)
+
+    return Connection.from_env(
+        token_file=getattr(args, "token_file", None),
+        tls_ca=given("tls_ca"),
+        tls_client_cert=given("tls_client_cert"),
+        tls_client_key=given("tls_client_key"),
+        namespace=getattr(args, "namespace", None),
+    )
 
 
 def emit_json(value: Any) -> None:
@@ -54,12 +83,13 @@ def run_command(program: str, handler: Callable[[argparse.Namespace], int], args
 class CommandLine:
     """A program whose subcommands all take the global options; ``main`` runs one and returns its exit code."""
 
-    def __init__(self, prog: str, description: str) -> None:
+    def __init__(self, prog: str, description: str, *, client: bool = False) -> None:
         self.prog = prog
-        self.parser = argparse.ArgumentParser(prog=prog, description=description, parents=[global_options(add_defaults=True)])
+        self.client = client
+        self.parser = argparse.ArgumentParser(prog=prog, description=description, parents=[global_options(add_defaults=True, client=client)])
         self.parser.add_argument("--version", action="version", version=f"{prog} {__version__}")
         self._commands = self.parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-        self._common = global_options(add_defaults=False)
+        self._common = global_options(add_defaults=False, client=client)
 
     def command(self, name: str, handler: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
         parser = self._commands.add_parser(name, parents=[self._common], help=help, description=help)

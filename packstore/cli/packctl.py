@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from packstore.cli.common import EXIT_ERROR, CommandLine, emit_json, global_options
+from packstore.cli.common import EXIT_ERROR, CommandLine, connection_of, emit_json, global_options
 from packstore.errors import InvalidInput, PackMismatch
 
 
@@ -16,9 +17,9 @@ def _progress(args: argparse.Namespace) -> bool:
 
 
 def _open_store(args: argparse.Namespace, *, readonly: bool = False):
-    from packstore.store import open_store
+    from packstore.store import is_remote, open_store
 
-    return open_store(args.store, readonly=readonly)
+    return open_store(args.store, readonly=readonly, connection=connection_of(args) if is_remote(args.store or os.environ.get("PACKSTORE_STORE")) else None)
 
 
 def _load_model(args: argparse.Namespace):
@@ -176,7 +177,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         if args.worker:
             from packstore.worker.client import WorkerClient
 
-            worker = stack.enter_context(WorkerClient(args.worker))
+            worker = stack.enter_context(WorkerClient(args.worker, connection=connection_of(args)))
             show = (lambda text: print(text, end="", flush=True)) if live else None
             answer_one = lambda text: worker.ask(question_for(text), on_token=show)  # noqa: E731
         else:
@@ -512,7 +513,7 @@ def build_cli() -> CommandLine:
     from packstore.kv.options import MAX_ALPHA, STEER_TARGETS
     from packstore.store.protocol import ROUTE_MODES
 
-    cli = CommandLine("packctl", "Build, store and use knowledge packs (pre-computed KV caches).")
+    cli = CommandLine("packctl", "Build, store and use knowledge packs (pre-computed KV caches).", client=True)
 
     p = cli.command("build", cmd_build, "build a pack from a facts file and store it; prints the key")
     p.add_argument("facts", metavar="FACTS", help="one fact per line, or JSONL with a 'text' field")
@@ -540,7 +541,7 @@ def build_cli() -> CommandLine:
     p.add_argument("question", metavar="QUESTION", nargs="?")
     p.add_argument("--questions", metavar="FILE", help='JSONL lines {"question": ...}; prints one JSON object per line')
     _model_options(p, required=False)
-    p.add_argument("--worker", metavar="HOST:PORT", help="answer on a packstore worker instead of loading the model here")
+    p.add_argument("--worker", metavar="HOST:PORT", help="answer on a packstore worker instead of loading the model here (grpcs://HOST:PORT: TLS)")
     p.add_argument("--bank", metavar="N", help="route the question in bank N and answer with its top facts' pack (computed lazily)")
     _bank_options(p)
     p.add_argument("--compare-rag", action="store_true", help="also answer with the facts in the prompt and compare")
@@ -597,7 +598,7 @@ def build_cli() -> CommandLine:
     adapter = cli.command("adapter", cmd_adapter, "KV Packet adapters: soft tokens trained to splice independently built packs")
     sub = adapter.add_subparsers(dest="adapter_command", required=True, metavar="ADAPTER_COMMAND")
     p = sub.add_parser(
-        "train", parents=[global_options(add_defaults=False)],
+        "train", parents=[global_options(add_defaults=False, client=True)],
         help="train an adapter by distillation (model frozen) and store it; prints its key",
         description="train an adapter by distillation from the exact composition (model frozen) and store it; prints its key",
     )
@@ -616,7 +617,7 @@ def build_cli() -> CommandLine:
     steer = cli.command("steer", cmd_steer, "steering packs: contrastive value deltas that change how a model answers")
     sub = steer.add_subparsers(dest="steer_command", required=True, metavar="STEER_COMMAND")
     p = sub.add_parser(
-        "build", parents=[global_options(add_defaults=False)],
+        "build", parents=[global_options(add_defaults=False, client=True)],
         help="build a steering pack from contrastive pairs and store it; prints its key",
         description="build a steering pack from contrastive pairs and store it; prints its key",
     )
@@ -631,7 +632,7 @@ def build_cli() -> CommandLine:
 
     bank = cli.command("bank", cmd_bank, "banks: thousands to millions of facts, routed by embedding")
     sub = bank.add_subparsers(dest="bank_command", required=True, metavar="BANK_COMMAND")
-    common = [global_options(add_defaults=False)]
+    common = [global_options(add_defaults=False, client=True)]
     p = sub.add_parser("build", parents=common, help="embed and cluster a facts file into bank N (replaces it)")
     p.add_argument("facts", metavar="FACTS")
     p.add_argument("--name", required=True)

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from packstore import __version__
-from packstore.cli.common import CommandLine, emit_json
+from packstore.cli.common import CommandLine, connection_of, connection_options, emit_json
 from packstore.errors import InvalidInput
 
 
@@ -43,7 +43,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from packstore.service.config import load_config
     from packstore.service.server import serve
 
-    overrides = {name: getattr(args, name) for name in ("data", "listen", "metrics", "workers", "max_message_bytes", "max_pack_bytes", "max_chunk_bytes", "max_facts_bytes")}
+    names = ("data", "listen", "metrics", "workers", "max_message_bytes", "max_pack_bytes", "max_chunk_bytes", "max_facts_bytes")
+    overrides = {name: getattr(args, name) for name in names + ("auth", "tls_cert", "tls_key", "tls_client_ca")}
     serve(load_config(args.config, overrides))
     return 0
 
@@ -66,9 +67,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
     trusted = TrustedKeys.load(args.trusted_keys) if args.trusted_keys else None
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     lm = load_model(args.model, device=args.device, dtype=args.dtype, chat_template=template, progress=not args.quiet and sys.stderr.isatty())
-    with open_store(args.store, readonly=True) as store:
-        serve_worker(lm, store, args.listen, args.cache_bytes, trusted=trusted)
+    listener = {"tls_cert": args.tls_cert or "", "tls_key": args.tls_key or "", "tls_client_ca": args.tls_client_ca or ""}
+    with open_store(args.store, readonly=True, connection=connection_of(args, prefix="store_")) as store:
+        serve_worker(lm, store, args.listen, args.cache_bytes, trusted=trusted, **listener)
     return 0
+
+
+def _listener_options(parser) -> None:
+    parser.add_argument("--tls-cert", metavar="FILE", help="PEM certificate (chain) to serve TLS with")
+    parser.add_argument("--tls-key", metavar="FILE", help="its private key")
+    parser.add_argument("--tls-client-ca", metavar="FILE", help="require client certificates signed by this CA (mutual TLS)")
 
 
 def build_cli() -> CommandLine:
@@ -85,6 +93,8 @@ def build_cli() -> CommandLine:
     p.add_argument("--max-pack-bytes", type=int, help="largest pack accepted by PutPack, in stored bytes (default 4 GiB)")
     p.add_argument("--max-chunk-bytes", type=int, help="largest chunk accepted by PutPack, in stored bytes: bounds an upload's memory (default 64 MiB)")
     p.add_argument("--max-facts-bytes", type=int, help="largest facts text accepted by one BuildBank/AddFacts call (default 256 MiB)")
+    p.add_argument("--auth", metavar="FILE", help="TOML file of tokens (name, sha256, namespaces, role); without it: no tokens, one namespace")
+    _listener_options(p)
 
     p = cli.command("worker", cmd_worker, "load a model next to the accelerator and answer with packs from --store")
     p.add_argument("--model", required=True, metavar="M", help="smollm2-135m, gemma3-270m, or a local Hugging Face model directory")
@@ -94,6 +104,10 @@ def build_cli() -> CommandLine:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--chat-template", metavar="FILE")
     p.add_argument("--threads", type=int, metavar="N", help="CPU threads for the model (default: torch's, one per core)")
+    _listener_options(p)
+    p.add_argument("--token-file", metavar="FILE", help="the worker's own token for the store (default: $PACKSTORE_TOKEN)")
+    p.add_argument("--namespace", metavar="NS", help="the store namespace to read, when the token has several ($PACKSTORE_NAMESPACE)")
+    connection_options(p, prefix="store-")
     p.add_argument(
         "--trusted-keys", metavar="FILE",
         help="inject only packs signed by one of these public keys (PEM blocks); unsigned or untrusted: FAILED_PRECONDITION",

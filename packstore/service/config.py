@@ -27,6 +27,10 @@ class ServiceConfig:
     max_header_bytes: int = 64 << 20
     shutdown_grace_seconds: float = 30.0
     log_level: str = "info"
+    auth: str = ""  # TOML file of tokens (docs/operations.md, "Tokens and namespaces"); empty: no tokens, one namespace
+    tls_cert: str = ""  # PEM certificate (chain) for TLS; empty: plain gRPC
+    tls_key: str = ""
+    tls_client_ca: str = ""  # PEM CA whose client certificates are required (mutual TLS)
 
 
 def _coerce(field: dataclasses.Field, value: Any, source: str) -> Any:

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from packstore.errors import InvalidInput, LimitExceeded, PackstoreError
 from packstore.format import PackHeader
 from packstore.format.signature import Signature
+from packstore.rpc.listen import bind
 from packstore.rpc.messages import ChunkAssembler, bank_info, chunk_pieces, pack_info, signatures_of, summary_info
 from packstore.rpc.status import abort_with_error, status_for
 from packstore.service.config import ServiceConfig
@@ -311,8 +312,7 @@ def build_server(config: ServiceConfig, store: LmdbStore, metrics: ServiceMetric
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    if server.add_insecure_port(config.listen) == 0:
-        raise InvalidInput(f"cannot listen on {config.listen}")
+    bind(server, config.listen, tls_cert=config.tls_cert, tls_key=config.tls_key, tls_client_ca=config.tls_client_ca)
     return server, health_servicer
 
 
@@ -330,7 +330,8 @@ def serve(config: ServiceConfig) -> None:
         for name in ("", SERVICE_NAME):
             health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         PackStoreService(store, config, metrics)._refresh_store_gauges()
-        log.info("serving", extra={"fields": {"listen": config.listen, "data": config.data, "metrics": config.metrics or None}})
+        fields = {"listen": config.listen, "data": config.data, "metrics": config.metrics or None}
+        log.info("serving", extra={"fields": fields | {"tls": bool(config.tls_cert), "mutual_tls": bool(config.tls_client_ca)}})
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())

@@ -10,20 +10,20 @@ from packstore.store.protocol import BankStore, PackStore
 
 
 def is_remote(spec: str | os.PathLike[str] | None) -> bool:
-    """Whether a store specifier names a service (``grpc://HOST:PORT``) rather than a directory."""
-    return str(spec or "").startswith("grpc://")
+    """Whether a store specifier names a service (``grpc://`` or ``grpcs://HOST:PORT``) rather than a directory."""
+    return str(spec or "").startswith(("grpc://", "grpcs://"))
 
 
-def open_store(spec: str | os.PathLike[str] | None = None, *, readonly: bool = False) -> PackStore:
-    """The store a specifier names: ``grpc://HOST:PORT`` is the service, anything else a local directory.
-
-    Without ``spec``: ``$PACKSTORE_STORE``, else the per-user data directory.
+def open_store(spec: str | os.PathLike[str] | None = None, *, readonly: bool = False, connection=None) -> PackStore:
+    """The store a specifier names: ``grpc://HOST:PORT`` (``grpcs://`` for TLS) is the service, with
+    ``connection``'s TLS files, token and namespace (default: from the environment); anything else a
+    local directory. Without ``spec``: ``$PACKSTORE_STORE``, else the per-user data directory.
     """
     spec = str(spec or os.environ.get("PACKSTORE_STORE") or default_store_path())
     if is_remote(spec):
         from packstore.store.remote import RemoteStore
 
-        return RemoteStore(spec)
+        return RemoteStore(spec, connection=connection)
     return LmdbStore(spec, readonly=readonly)
 
 

@@ -15,7 +15,7 @@ from packstore.errors import PackNotFound, PackstoreError
 from packstore.format import EncodedPack
 from packstore.format.body import verify_chunk
 from packstore.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
-from packstore.rpc.channel import GrpcClient
+from packstore.rpc.channel import Connection, GrpcClient
 from packstore.rpc.messages import ChunkAssembler, bank_meta, chunk_pieces, pack_summary, signatures_of, stored_pack
 from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, MAX_PAGE, check_name
 from packstore.v1 import store_pb2, store_pb2_grpc
@@ -27,12 +27,12 @@ if TYPE_CHECKING:
 
 
 class RemoteStore(GrpcClient):
-    """A pack store served by ``packstore serve``, addressed as ``grpc://HOST:PORT``."""
+    """A pack store served by ``packstore serve``, addressed as ``grpc://HOST:PORT`` or ``grpcs://HOST:PORT`` (TLS)."""
 
     what = "pack service"
 
-    def __init__(self, target: str, *, timeout: float | None = None) -> None:
-        super().__init__(target, timeout=timeout)
+    def __init__(self, target: str, *, timeout: float | None = None, connection: Connection | None = None) -> None:
+        super().__init__(target, timeout=timeout, connection=connection)
         self._stub = store_pb2_grpc.PackStoreStub(self._channel)
 
     # -- reads -----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import grpc
 
 from packstore.errors import PackstoreError
 from packstore.records import AnswerResult
-from packstore.rpc.channel import GrpcClient
+from packstore.rpc.channel import Connection, GrpcClient
 from packstore.v1 import worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
@@ -20,8 +20,8 @@ class WorkerClient(GrpcClient):
 
     what = "worker"
 
-    def __init__(self, address: str, *, timeout: float | None = None) -> None:
-        super().__init__(address, timeout=timeout)
+    def __init__(self, address: str, *, timeout: float | None = None, connection: Connection | None = None) -> None:
+        super().__init__(address, timeout=timeout, connection=connection)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 
     def ask(self, question: "Question", *, on_token: Callable[[str], None] | None = None) -> AnswerResult:

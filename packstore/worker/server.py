@@ -16,9 +16,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from packstore.answer import Answerer, Question
-from packstore.errors import InvalidInput, PackstoreError
+from packstore.errors import PackstoreError
 from packstore.kv.inject import Sampling, TextDeltas
 from packstore.kv.models import LoadedModel
+from packstore.rpc.listen import bind
 from packstore.rpc.status import abort_with_error
 from packstore.service.server import JsonLogFormatter
 from packstore.store.protocol import DEFAULT_TOP_K, PackStore
@@ -118,10 +119,20 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
 
 def serve_worker(
-    lm: LoadedModel, store: PackStore, listen: str, cache_bytes: int, grace_seconds: float = 30.0, *, trusted: "TrustedKeys | None" = None
+    lm: LoadedModel,
+    store: PackStore,
+    listen: str,
+    cache_bytes: int,
+    grace_seconds: float = 30.0,
+    *,
+    trusted: "TrustedKeys | None" = None,
+    tls_cert: str = "",
+    tls_key: str = "",
+    tls_client_ca: str = "",
 ) -> None:
-    """Serve Generate on ``listen`` until SIGTERM/SIGINT, then finish in-flight generations; with
-    ``trusted``, only packs signed by a trusted key are injected."""
+    """Serve Generate on ``listen`` (TLS with ``tls_cert``/``tls_key``, mutual with ``tls_client_ca``)
+    until SIGTERM/SIGINT, then finish in-flight generations; with ``trusted``, only packs signed by a
+    trusted key are injected."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLogFormatter())
     logging.basicConfig(level="INFO", handlers=[handler], force=True)
@@ -130,13 +141,12 @@ def serve_worker(
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    if server.add_insecure_port(listen) == 0:
-        raise InvalidInput(f"cannot listen on {listen}")
+    tls = bind(server, listen, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca)
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     fields = {"listen": listen, "model": lm.name, "model_fp": lm.model_fp, "device": str(lm.device)}
-    log.info("serving", extra={"fields": fields | {"trusted_keys": trusted.source if trusted else None}})
+    log.info("serving", extra={"fields": fields | {"tls": tls, "mutual_tls": bool(tls_client_ca), "trusted_keys": trusted.source if trusted else None}})
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
