@@ -79,6 +79,27 @@ class ReadyCache:
         with self._lock:
             return len(self._packs), self._bytes
 
+    def partition(self, name: str) -> "ReadyPartition":
+        """A view of this cache whose keys never meet another partition's (one per namespace)."""
+        return ReadyPartition(self, name)
+
+
+class ReadyPartition:
+    """One namespace's share of a ReadyCache: the same bytes budget, keys of its own, so a pack one
+    tenant made ready is never a cache hit for another."""
+
+    def __init__(self, cache: ReadyCache, name: str) -> None:
+        self.cache, self.name = cache, name
+
+    def _key(self, key: str) -> str:
+        return f"{self.name}\x00{key}"
+
+    def get(self, key: str, load: Callable[[str], Pack]) -> tuple[Pack, bool]:
+        return self.cache.get(self._key(key), lambda _: load(key))
+
+    def peek(self, key: str) -> Pack | None:
+        return self.cache.peek(self._key(key))
+
 
 @dataclass(frozen=True)
 class Question:
@@ -143,15 +164,24 @@ class Answerer:
     """
 
     def __init__(
-        self, lm: LoadedModel, store: PackStore, *, cache_bytes: int = DEFAULT_CACHE_BYTES, trusted: "TrustedKeys | None" = None
+        self,
+        lm: LoadedModel,
+        store: PackStore,
+        *,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        trusted: "TrustedKeys | None" = None,
+        ready: ReadyCache | ReadyPartition | None = None,
+        device_lock: threading.Lock | None = None,
     ) -> None:
         """``trusted``: take from the store only packs a trusted key signed (docs/operations.md, "Signed
-        packs"); what this Answerer derives from them in memory (compositions, a bank's fact packs) is trusted."""
+        packs"); what this Answerer derives from them in memory (compositions, a bank's fact packs) is
+        trusted. ``ready`` and ``device_lock`` share an LRU (a partition of it) and the device with other
+        Answerers of the same model (a worker's namespaces); by default they are its own."""
         self.lm = lm
         self.store = store
         self.trusted = trusted
-        self.ready = ReadyCache(cache_bytes)
-        self._device_lock = threading.Lock()
+        self.ready = ready if ready is not None else ReadyCache(cache_bytes)
+        self._device_lock = device_lock if device_lock is not None else threading.Lock()
         self._headers: OrderedDict[str, PackHeader] = OrderedDict()  # a key's header never changes
         self._headers_lock = threading.Lock()
 

@@ -61,6 +61,20 @@ class PackMismatch(PackstoreError):
         return cls(fields.get("what", ""), message, **rest)
 
 
+class Unauthenticated(PackstoreError):
+    """No token, or a token the service does not know."""
+
+    code = "UNAUTHENTICATED"
+    grpc_status = "UNAUTHENTICATED"
+
+
+class PermissionDenied(PackstoreError):
+    """The token may not do this (its role), or not in that namespace."""
+
+    code = "PERMISSION_DENIED"
+    grpc_status = "PERMISSION_DENIED"
+
+
 class Untrusted(PackstoreError):
     """A pack or bank has no valid signature by a trusted key, where one is required; never used."""
 
@@ -106,6 +120,7 @@ class Unavailable(PackstoreError):
 ERROR_CLASSES: dict[str, type[PackstoreError]] = {
     cls.code: cls
     for cls in (
-        PackstoreError, PackNotFound, AmbiguousRef, PackMismatch, Untrusted, IntegrityError, InvalidInput, LimitExceeded, StoreBusy, Unavailable
+        PackstoreError, PackNotFound, AmbiguousRef, PackMismatch, Untrusted, IntegrityError, InvalidInput, LimitExceeded, StoreBusy,
+        Unavailable, Unauthenticated, PermissionDenied,
     )
 }

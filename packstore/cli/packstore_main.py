@@ -52,7 +52,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from packstore.store import open_store
     from packstore.kv.models import load_model
     from packstore.worker.server import serve_worker
 
@@ -67,9 +66,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     trusted = TrustedKeys.load(args.trusted_keys) if args.trusted_keys else None
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     lm = load_model(args.model, device=args.device, dtype=args.dtype, chat_template=template, progress=not args.quiet and sys.stderr.isatty())
+    from packstore.service.auth import Auth
+    from packstore.worker.stores import NamespaceReaders
+
+    auth = Auth(args.auth) if args.auth else None
     listener = {"tls_cert": args.tls_cert or "", "tls_key": args.tls_key or "", "tls_client_ca": args.tls_client_ca or ""}
-    with open_store(args.store, readonly=True, connection=connection_of(args, prefix="store_")) as store:
-        serve_worker(lm, store, args.listen, args.cache_bytes, trusted=trusted, **listener)
+    with NamespaceReaders(args.store, connection_of(args, prefix="store_"), per_caller=auth is not None) as stores:
+        serve_worker(lm, stores.get, args.listen, args.cache_bytes, trusted=trusted, auth=auth, **listener)
     return 0
 
 
@@ -106,6 +109,7 @@ def build_cli() -> CommandLine:
     p.add_argument("--threads", type=int, metavar="N", help="CPU threads for the model (default: torch's, one per core)")
     _listener_options(p)
     p.add_argument("--token-file", metavar="FILE", help="the worker's own token for the store (default: $PACKSTORE_TOKEN)")
+    p.add_argument("--auth", metavar="FILE", help="require callers' tokens from this TOML file (as serve --auth); each caller reads its own namespace")
     p.add_argument("--namespace", metavar="NS", help="the store namespace to read, when the token has several ($PACKSTORE_NAMESPACE)")
     connection_options(p, prefix="store-")
     p.add_argument(

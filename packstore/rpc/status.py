@@ -16,6 +16,8 @@ from packstore.errors import (
     LimitExceeded,
     PackNotFound,
     PackstoreError,
+    PermissionDenied,
+    Unauthenticated,
     Unavailable,
 )
 
@@ -25,6 +27,8 @@ _PLAIN_STATUS_ERRORS: dict[grpc.StatusCode, type[PackstoreError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidInput,
     grpc.StatusCode.DATA_LOSS: IntegrityError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: LimitExceeded,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 

@@ -22,10 +22,12 @@ from packstore.format.signature import Signature
 from packstore.rpc.listen import bind
 from packstore.rpc.messages import ChunkAssembler, bank_info, chunk_pieces, pack_info, signatures_of, summary_info
 from packstore.rpc.status import abort_with_error, status_for
+from packstore.service.auth import Auth, Principal
 from packstore.service.config import ServiceConfig
+from packstore.service.namespaces import NamespaceStores
 from packstore.service.metrics import ServiceMetrics
 from packstore.records import PackPage
-from packstore.store import BankStore, LmdbStore
+from packstore.store import LmdbStore
 from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, check_name
 from packstore.v1 import store_pb2, store_pb2_grpc
 
@@ -42,21 +44,43 @@ class JsonLogFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
-class PackStoreService(store_pb2_grpc.PackStoreServicer):
-    """The pack service over the embedded store (staged uploads and chunk reads are its own)."""
+# The role each RPC needs (service/auth.py: read < write < admin).
+ROLE_OF = {
+    "GetPack": "read", "StatPack": "read", "ListPacks": "read", "VerifyPacks": "read", "StoreStats": "read",
+    "RouteQuery": "read", "ListBanks": "read", "StatBank": "read",
+    "PutPack": "write", "DeletePack": "write", "SetName": "write", "DeleteName": "write", "SignPack": "write",
+    "BuildBank": "write", "AddFacts": "write", "DeleteBank": "write", "SignBank": "write",
+    "CollectGarbage": "admin",
+}
 
-    def __init__(self, store: LmdbStore, config: ServiceConfig, metrics: ServiceMetrics) -> None:
-        self.store = store
+
+class Call(dict):
+    """One RPC's log fields (the dict), the store of its namespace, and who made it."""
+
+    store: LmdbStore
+    principal: Principal
+
+
+class PackStoreService(store_pb2_grpc.PackStoreServicer):
+    """The pack service over the embedded stores of its namespaces (staged uploads and chunk reads are its own)."""
+
+    def __init__(self, stores: NamespaceStores, config: ServiceConfig, metrics: ServiceMetrics, auth: Auth | None = None) -> None:
+        self.stores = stores
+        self.auth = auth or Auth()
         self.config = config
         self.metrics = metrics
 
     @contextmanager
-    def _call(self, method: str, context: grpc.ServicerContext, **fields: object) -> Iterator[dict]:
-        """Time, count and log one RPC; turn packstore errors into a status with a clear message."""
+    def _call(self, method: str, context: grpc.ServicerContext, **fields: object) -> Iterator[Call]:
+        """Authenticate, time, count and log one RPC (by its token's name, never the token); turn
+        packstore errors into a status with a clear message."""
         start = time.perf_counter()
         code = grpc.StatusCode.OK
-        info: dict = dict(fields)
+        info = Call(fields)
         try:
+            info.principal = self.auth.authenticate(context.invocation_metadata(), method, ROLE_OF[method])
+            info.update(token=info.principal.token, namespace=info.principal.namespace)
+            info.store = self.stores.get(info.principal.namespace)
             yield info
         except PackstoreError as exc:
             code = status_for(exc)
@@ -76,16 +100,17 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             log.log(level, method, extra={"fields": {"method": method, "code": code.name, "ms": round(elapsed * 1000, 2), "peer": context.peer(), **info}})
 
     def _refresh_store_gauges(self) -> None:
-        """Read the store's running counters (no scan) and its file size."""
-        counts = self.store.counts()
-        self.metrics.store_packs.set(counts.packs)
-        self.metrics.store_pack_bytes.set(counts.stored_bytes)
-        self.metrics.store_bytes.set((self.store.path / "data.mdb").stat().st_size)
+        """Read every open namespace store's running counters (no scan) and file size, summed."""
+        stores = self.stores.opened().values()
+        counts = [store.counts() for store in stores]
+        self.metrics.store_packs.set(sum(c.packs for c in counts))
+        self.metrics.store_pack_bytes.set(sum(c.stored_bytes for c in counts))
+        self.metrics.store_bytes.set(sum((store.path / "data.mdb").stat().st_size for store in stores))
 
     # -- RPCs ------------------------------------------------------------------------------------
 
     def PutPack(self, request_iterator, context):
-        with self._call("PutPack", context) as info:
+        with self._call("PutPack", context) as call:
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("item") != "begin":
                 raise InvalidInput("PutPack must start with a PutPackBegin message carrying the header")
@@ -95,8 +120,8 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             self._check_upload_limits(header)
             name = check_name(first.begin.name) if first.begin.name else None
             signatures = signatures_of(first.begin.signatures)
-            info["key"] = header.key
-            upload = self.store.begin_upload(header)
+            call["key"] = header.key
+            upload = call.store.begin_upload(header)
             assembler = ChunkAssembler(header)
             try:
                 for message in request_iterator:
@@ -112,9 +137,9 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             except BaseException:
                 upload.abort()
                 raise
-            info["created"] = created
+            call["created"] = created
             self._refresh_store_gauges()
-            return store_pb2.PutPackResponse(pack=pack_info(self.store.stat(key)), created=created)
+            return store_pb2.PutPackResponse(pack=pack_info(call.store.stat(key)), created=created)
 
     def _check_upload_limits(self, header: PackHeader) -> None:
         """Refuse, before taking any chunk, a pack or chunk larger than configured: an upload holds
@@ -129,33 +154,33 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             raise LimitExceeded(f"pack of {total} stored bytes exceeds the limit of {self.config.max_pack_bytes}")
 
     def GetPack(self, request, context):
-        with self._call("GetPack", context, ref=request.ref) as info:
-            stored = self.store.stat(request.ref, model_fp=request.model_fp or None)
+        with self._call("GetPack", context, ref=request.ref) as call:
+            stored = call.store.stat(request.ref, model_fp=request.model_fp or None)
             header = stored.header
-            info["key"] = header.key
+            call["key"] = header.key
             header.check_identities(request.model_fp, request.template_fp)
             yield store_pb2.GetPackResponse(header=pack_info(stored))
             for index, chunk in enumerate(header.chunks):
                 if not context.is_active():
-                    info["cancelled"] = True
+                    call["cancelled"] = True
                     return
-                data = self.store.read_chunk(header, index)
+                data = call.store.read_chunk(header, index)
                 for piece in chunk_pieces(index, data, chunk.sha256):
                     yield store_pb2.GetPackResponse(chunk=piece)
                 self.metrics.bytes_sent.inc(len(data))
 
     def StatPack(self, request, context):
-        with self._call("StatPack", context, ref=request.ref):
-            return pack_info(self.store.stat(request.ref, model_fp=request.model_fp or None))
+        with self._call("StatPack", context, ref=request.ref) as call:
+            return pack_info(call.store.stat(request.ref, model_fp=request.model_fp or None))
 
     def SignPack(self, request, context):
-        with self._call("SignPack", context, ref=request.ref) as info:
-            info["key"] = key = self.store.add_signature(request.ref, Signature.from_json(request.signature), model_fp=request.model_fp or None)
+        with self._call("SignPack", context, ref=request.ref) as call:
+            call["key"] = key = call.store.add_signature(request.ref, Signature.from_json(request.signature), model_fp=request.model_fp or None)
             return store_pb2.SignPackResponse(key=key)
 
     def ListPacks(self, request, context):
-        with self._call("ListPacks", context):
-            page = self.store.list_page(
+        with self._call("ListPacks", context) as call:
+            page = call.store.list_page(
                 page_size=request.page_size or DEFAULT_PAGE,
                 page_token=request.page_token,
                 model_fp=request.model_fp or None,
@@ -180,37 +205,37 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
         return response
 
     def DeletePack(self, request, context):
-        with self._call("DeletePack", context, ref=request.ref) as info:
-            info["key"] = key = self.store.delete(request.ref, model_fp=request.model_fp or None)
+        with self._call("DeletePack", context, ref=request.ref) as call:
+            call["key"] = key = call.store.delete(request.ref, model_fp=request.model_fp or None)
             self._refresh_store_gauges()
             return store_pb2.DeletePackResponse(key=key)
 
     def SetName(self, request, context):
-        with self._call("SetName", context, ref=request.ref, name=request.name):
-            return store_pb2.SetNameResponse(key=self.store.set_name(request.ref, request.name, model_fp=request.model_fp or None))
+        with self._call("SetName", context, ref=request.ref, name=request.name) as call:
+            return store_pb2.SetNameResponse(key=call.store.set_name(request.ref, request.name, model_fp=request.model_fp or None))
 
     def DeleteName(self, request, context):
-        with self._call("DeleteName", context, name=request.name):
+        with self._call("DeleteName", context, name=request.name) as call:
             if not request.model_fp:
                 raise InvalidInput("DeleteName needs model_fp: names are scoped per model")
-            return store_pb2.DeleteNameResponse(key=self.store.delete_name(request.name, model_fp=request.model_fp))
+            return store_pb2.DeleteNameResponse(key=call.store.delete_name(request.name, model_fp=request.model_fp))
 
     def VerifyPacks(self, request, context):
-        with self._call("VerifyPacks", context):
-            keys = [self.store.resolve(ref) for ref in request.refs] if request.refs else self.store.keys()
+        with self._call("VerifyPacks", context) as call:
+            keys = [call.store.resolve(ref) for ref in request.refs] if request.refs else call.store.keys()
             for key in keys:
-                result = self.store.verify(key)
+                result = call.store.verify(key)
                 yield store_pb2.VerifyResult(key=result.key, ok=result.ok, error=result.error or "")
 
 
     def StoreStats(self, request, context):
-        with self._call("StoreStats", context):
-            counts = self.store.counts()
+        with self._call("StoreStats", context) as call:
+            counts = call.store.counts()
             return store_pb2.StoreStatsResponse(packs=counts.packs, stored_bytes=counts.stored_bytes)
 
     def CollectGarbage(self, request, context):
-        with self._call("CollectGarbage", context, compact=request.compact):
-            report = self.store.gc(compact=request.compact)
+        with self._call("CollectGarbage", context, compact=request.compact) as call:
+            report = call.store.gc(compact=request.compact)
             self._refresh_store_gauges()
             return store_pb2.CollectGarbageResponse(**report.__dict__)
 
@@ -240,26 +265,24 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             raise InvalidInput("no facts were sent")
         return name, embedder, vectors, facts
 
-    def _banks(self) -> BankStore:
-        return self.store.banks()
 
     def BuildBank(self, request_iterator, context):
-        with self._call("BuildBank", context) as info:
+        with self._call("BuildBank", context) as call:
             name, embedder, vectors, facts = self._bank_stream(request_iterator)
-            info["bank"] = name
-            meta = self._banks().build(name, facts, embedder or DEFAULT_EMBEDDER, vectors=vectors or "fp16")
-            return bank_info(meta, self.store.bank_stored_bytes(name))
+            call["bank"] = name
+            meta = call.store.banks().build(name, facts, embedder or DEFAULT_EMBEDDER, vectors=vectors or "fp16")
+            return bank_info(meta, call.store.bank_stored_bytes(name))
 
     def AddFacts(self, request_iterator, context):
-        with self._call("AddFacts", context) as info:
+        with self._call("AddFacts", context) as call:
             name, embedder, _, facts = self._bank_stream(request_iterator)
-            info["bank"] = name
-            meta = self._banks().add(name, facts, embedder)
-            return bank_info(meta, self.store.bank_stored_bytes(name))
+            call["bank"] = name
+            meta = call.store.banks().add(name, facts, embedder)
+            return bank_info(meta, call.store.bank_stored_bytes(name))
 
     def RouteQuery(self, request, context):
-        with self._call("RouteQuery", context, bank=request.name):
-            routes = self._banks().route(
+        with self._call("RouteQuery", context, bank=request.name) as call:
+            routes = call.store.banks().route(
                 request.name,
                 list(request.queries),
                 self._embedder(request.embedder),
@@ -275,68 +298,92 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             )
 
     def ListBanks(self, request, context):
-        with self._call("ListBanks", context):
-            return store_pb2.ListBanksResponse(banks=[bank_info(meta, size) for meta, size in self._banks().list()])
+        with self._call("ListBanks", context) as call:
+            return store_pb2.ListBanksResponse(banks=[bank_info(meta, size) for meta, size in call.store.banks().list()])
 
     def DeleteBank(self, request, context):
-        with self._call("DeleteBank", context, bank=request.name):
-            self._banks().delete(request.name)
+        with self._call("DeleteBank", context, bank=request.name) as call:
+            call.store.banks().delete(request.name)
             return store_pb2.DeleteBankResponse()
 
-    def _bank_status(self, name: str) -> store_pb2.BankStatus:
-        banks = self._banks()
+    @staticmethod
+    def _bank_status(store: LmdbStore, name: str) -> store_pb2.BankStatus:
+        banks = store.banks()
         return store_pb2.BankStatus(
-            bank=bank_info(self.store.bank(name), self.store.bank_stored_bytes(name)),
+            bank=bank_info(store.bank(name), store.bank_stored_bytes(name)),
             digest=banks.digest(name),
             signatures=[signature.to_json().decode() for signature in banks.signatures(name)],
         )
 
     def StatBank(self, request, context):
-        with self._call("StatBank", context, bank=request.name):
-            return self._bank_status(request.name)
+        with self._call("StatBank", context, bank=request.name) as call:
+            return self._bank_status(call.store, request.name)
 
     def SignBank(self, request, context):
-        with self._call("SignBank", context, bank=request.name):
-            self._banks().sign(request.name, Signature.from_json(request.signature))
-            return self._bank_status(request.name)
+        with self._call("SignBank", context, bank=request.name) as call:
+            call.store.banks().sign(request.name, Signature.from_json(request.signature))
+            return self._bank_status(call.store, request.name)
 
 
-def build_server(config: ServiceConfig, store: LmdbStore, metrics: ServiceMetrics) -> tuple[grpc.Server, health.HealthServicer]:
-    """A gRPC server with the pack service, health and reflection, bound to ``config.listen``."""
+def build_server(
+    config: ServiceConfig, stores: NamespaceStores, metrics: ServiceMetrics, auth: Auth
+) -> tuple[grpc.Server, health.HealthServicer, PackStoreService]:
+    """A gRPC server with the pack service, health and reflection (both open to callers without a
+    token: they reveal no data), bound to ``config.listen``."""
     limits = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
     ]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers), options=limits, maximum_concurrent_rpcs=config.workers * 4)
-    store_pb2_grpc.add_PackStoreServicer_to_server(PackStoreService(store, config, metrics), server)
+    service = PackStoreService(stores, config, metrics, auth)
+    store_pb2_grpc.add_PackStoreServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     bind(server, config.listen, tls_cert=config.tls_cert, tls_key=config.tls_key, tls_client_ca=config.tls_client_ca)
-    return server, health_servicer
+    return server, health_servicer, service
 
 
 def serve(config: ServiceConfig) -> None:
-    """Run until SIGTERM/SIGINT, then stop taking calls and let in-flight ones finish (up to the grace period)."""
+    """Run until SIGTERM/SIGINT, then stop taking calls and let in-flight ones finish (up to the grace
+    period); SIGHUP reads the tokens file again."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLogFormatter())
     logging.basicConfig(level=config.log_level.upper(), handlers=[handler], force=True)
     metrics = ServiceMetrics()
-    with LmdbStore(config.data) as store:
-        server, health_servicer = build_server(config, store, metrics)
+    auth = Auth(config.auth or None)
+    stores = NamespaceStores(config.data)
+    try:
+        server, health_servicer, service = build_server(config, stores, metrics, auth)
         if config.metrics:
             metrics.serve(config.metrics)
         server.start()
         for name in ("", SERVICE_NAME):
             health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        PackStoreService(store, config, metrics)._refresh_store_gauges()
+        service._refresh_store_gauges()
         fields = {"listen": config.listen, "data": config.data, "metrics": config.metrics or None}
-        log.info("serving", extra={"fields": fields | {"tls": bool(config.tls_cert), "mutual_tls": bool(config.tls_client_ca)}})
+        fields |= {"tls": bool(config.tls_cert), "mutual_tls": bool(config.tls_client_ca)}
+        if auth.enabled:
+            fields |= {"auth": f"tokens from {config.auth} ({auth.reload()} tokens; SIGHUP reloads)"}
+        else:
+            fields |= {"auth": "none: no tokens, every caller is admin in the one namespace 'default'"}
+        log.info("serving", extra={"fields": fields})
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
+        signal.signal(signal.SIGHUP, lambda *_: reload_tokens(auth))
         stop.wait()
         log.info("shutting down", extra={"fields": {"grace_seconds": config.shutdown_grace_seconds}})
         health_servicer.enter_graceful_shutdown()
         server.stop(config.shutdown_grace_seconds).wait()
         log.info("stopped")
+    finally:
+        stores.close()
+
+
+def reload_tokens(auth: Auth) -> None:
+    """SIGHUP: read the tokens file again; if it does not parse, keep the tokens in force and say why."""
+    try:
+        log.info("tokens reloaded", extra={"fields": {"tokens": auth.reload()}})
+    except PackstoreError as exc:
+        log.error("tokens not reloaded, the previous ones stay in force", extra={"fields": {"error": str(exc)}})

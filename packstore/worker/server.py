@@ -1,4 +1,4 @@
-"""The Worker gRPC servicer: requests become ``Question``s for one ``Answerer``; its tokens stream back."""
+"""The Worker gRPC servicer: requests become ``Question``s for the caller's namespace's ``Answerer``; its tokens stream back."""
 
 from __future__ import annotations
 
@@ -8,20 +8,21 @@ import sys
 import threading
 import time
 from concurrent import futures
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from packstore.answer import Answerer, Question
+from packstore.answer import Answerer, Question, ReadyCache
 from packstore.errors import PackstoreError
 from packstore.kv.inject import Sampling, TextDeltas
 from packstore.kv.models import LoadedModel
 from packstore.rpc.listen import bind
 from packstore.rpc.status import abort_with_error
-from packstore.service.server import JsonLogFormatter
+from packstore.service.auth import DEFAULT_NAMESPACE, Auth
+from packstore.service.server import JsonLogFormatter, reload_tokens
 from packstore.store.protocol import DEFAULT_TOP_K, PackStore
 from packstore.v1 import worker_pb2, worker_pb2_grpc
 
@@ -42,15 +43,46 @@ def sampling_from(message: worker_pb2.Sampling) -> Sampling:
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    """A thin gRPC shell over one ``Answerer`` (one model, one store, one ready-cache)."""
+    """A thin gRPC shell over ``Answerer``s: one model, one device and one LRU, and one Answerer per
+    caller namespace (its store, and its partition of the LRU, so tenants never share ready packs).
 
-    def __init__(self, answerer: Answerer) -> None:
-        self.answerer = answerer
+    ``store_for(namespace)`` gives the store a namespace reads; ``auth`` (the worker's own tokens file)
+    decides each caller's namespace; without one every caller is in ``default``."""
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        store_for: Callable[[str], PackStore],
+        *,
+        cache_bytes: int,
+        trusted: "TrustedKeys | None" = None,
+        auth: Auth | None = None,
+    ) -> None:
+        self.lm = lm
+        self.store_for = store_for
+        self.auth = auth or Auth()
+        self.trusted = trusted
+        self.ready = ReadyCache(cache_bytes)
+        self._device_lock = threading.Lock()
+        self._answerers: dict[str, Answerer] = {}
+        self._lock = threading.Lock()
+
+    def answerer(self, namespace: str) -> Answerer:
+        with self._lock:
+            if namespace not in self._answerers:
+                ready = self.ready if namespace == DEFAULT_NAMESPACE else self.ready.partition(namespace)
+                self._answerers[namespace] = Answerer(
+                    self.lm, self.store_for(namespace), ready=ready, device_lock=self._device_lock, trusted=self.trusted
+                )
+            return self._answerers[namespace]
 
     def Generate(self, request, context):
         start = time.perf_counter()
         fields: dict = {"method": "Generate"}
         try:
+            principal = self.auth.authenticate(context.invocation_metadata(), "Generate", "read")
+            fields.update(token=principal.token, namespace=principal.namespace)
+            answerer = self.answerer(principal.namespace)
             question = Question(
                 request.question,
                 refs=tuple(request.packs),
@@ -66,8 +98,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 mode=request.mode or "exact",
                 adapter=request.adapter or None,
             )
-            tokens = self.answerer.stream(question)
-            deltas = TextDeltas(self.answerer.lm.tokenizer)
+            tokens = answerer.stream(question)
+            deltas = TextDeltas(self.lm.tokenizer)
             try:
                 while True:
                     token = next(tokens)
@@ -102,7 +134,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             log.info("Generate", extra={"fields": fields})
 
     def Status(self, request, context):
-        lm, store, ready = self.answerer.lm, self.answerer.store, self.answerer.ready
+        try:
+            principal = self.auth.authenticate(context.invocation_metadata(), "Status", "read")
+        except PackstoreError as exc:
+            abort_with_error(context, exc)
+        lm, ready, store = self.lm, self.ready, self.answerer(principal.namespace).store
         packs, size = ready.stats
         return worker_pb2.WorkerStatus(
             model=lm.name,
@@ -120,24 +156,26 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
 def serve_worker(
     lm: LoadedModel,
-    store: PackStore,
+    store_for: Callable[[str], PackStore],
     listen: str,
     cache_bytes: int,
     grace_seconds: float = 30.0,
     *,
     trusted: "TrustedKeys | None" = None,
+    auth: Auth | None = None,
     tls_cert: str = "",
     tls_key: str = "",
     tls_client_ca: str = "",
 ) -> None:
     """Serve Generate on ``listen`` (TLS with ``tls_cert``/``tls_key``, mutual with ``tls_client_ca``)
     until SIGTERM/SIGINT, then finish in-flight generations; with ``trusted``, only packs signed by a
-    trusted key are injected."""
+    trusted key are injected; with ``auth``, callers need a token (SIGHUP reloads the file)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLogFormatter())
     logging.basicConfig(level="INFO", handlers=[handler], force=True)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(Answerer(lm, store, cache_bytes=cache_bytes, trusted=trusted)), server)
+    service = WorkerService(lm, store_for, cache_bytes=cache_bytes, trusted=trusted, auth=auth)
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
@@ -146,10 +184,13 @@ def serve_worker(
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     fields = {"listen": listen, "model": lm.name, "model_fp": lm.model_fp, "device": str(lm.device)}
+    fields |= {"auth": f"callers need a token from {auth.path}" if auth and auth.enabled else "none: callers need no token"}
     log.info("serving", extra={"fields": fields | {"tls": tls, "mutual_tls": bool(tls_client_ca), "trusted_keys": trusted.source if trusted else None}})
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if service.auth.enabled:
+        signal.signal(signal.SIGHUP, lambda *_: reload_tokens(service.auth))
     stop.wait()
     health_servicer.enter_graceful_shutdown()
     server.stop(grace_seconds).wait()

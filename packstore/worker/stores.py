@@ -1,0 +1,56 @@
+"""The stores a worker reads, per caller namespace: its one configured store, or, when it authenticates
+callers, that store seen through each caller's namespace (the worker's own token, the caller's namespace)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+
+from packstore.rpc.channel import Connection
+from packstore.service.auth import DEFAULT_NAMESPACE
+from packstore.service.namespaces import namespace_path
+from packstore.store import PackStore, default_store_path, is_remote, open_store
+
+
+class NamespaceReaders:
+    """``get(namespace)`` -> the store to read for callers in ``namespace``, opened once and kept.
+
+    Without ``per_caller`` every caller reads the configured store (its token and namespace are the
+    worker's own). With it, a remote store is reached with the worker's own token and the caller's
+    namespace (the service checks that the worker's token may read it), and a local one is opened at
+    that namespace's directory (docs/operations.md, "Tokens and namespaces")."""
+
+    def __init__(self, spec: str | os.PathLike[str] | None, connection: Connection, *, per_caller: bool) -> None:
+        self.spec = str(spec or os.environ.get("PACKSTORE_STORE") or default_store_path())
+        self.connection, self.per_caller = connection, per_caller
+        self._stores: dict[str, PackStore] = {}
+        self._lock = threading.Lock()
+        if not per_caller:
+            self.get(DEFAULT_NAMESPACE)  # fail at start, not at the first question, if it cannot be opened
+
+    def get(self, namespace: str) -> PackStore:
+        key = namespace if self.per_caller else DEFAULT_NAMESPACE
+        with self._lock:
+            if key not in self._stores:
+                self._stores[key] = self._open(key)
+            return self._stores[key]
+
+    def _open(self, namespace: str) -> PackStore:
+        if not self.per_caller:
+            return open_store(self.spec, readonly=True, connection=self.connection)
+        if is_remote(self.spec):
+            return open_store(self.spec, connection=dataclasses.replace(self.connection, namespace=namespace))
+        return open_store(namespace_path(self.spec, namespace), readonly=True)
+
+    def close(self) -> None:
+        with self._lock:
+            for store in self._stores.values():
+                store.close()
+            self._stores.clear()
+
+    def __enter__(self) -> "NamespaceReaders":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

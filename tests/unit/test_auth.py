@@ -1,0 +1,170 @@
+"""Tokens, roles and namespaces on the pack service and the worker: tenants never see each other."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from packstore.answer import Question
+from packstore.errors import InvalidInput, PackNotFound, PermissionDenied, Unauthenticated
+from packstore.kv.build import build_pack
+from packstore.kv.inject import Sampling
+from packstore.rpc.channel import Connection
+from packstore.service.auth import Auth, load_tokens
+from packstore.store.remote import RemoteStore
+from packstore.tensors import encode_pack
+from packstore.worker.client import WorkerClient
+from service_helpers import running_server, running_worker
+from test_format import make_pack
+
+TOKENS = {
+    "a-writer": ("secret-a-writer", ["a"], "write"),
+    "a-reader": ("secret-a-reader", ["a"], "read"),
+    "b-writer": ("secret-b-writer", ["b"], "write"),
+    "ab-reader": ("secret-ab-reader", ["a", "b"], "read"),
+    "operator": ("secret-operator", ["*"], "admin"),
+}
+
+
+def tokens_file(path: Path, tokens: dict = TOKENS) -> Path:
+    entries = [
+        f'[[token]]\nname = "{name}"\nsha256 = "{hashlib.sha256(secret.encode()).hexdigest()}"\nnamespaces = {json.dumps(spaces)}\nrole = "{role}"\n'
+        for name, (secret, spaces, role) in tokens.items()
+    ]
+    path.write_text("\n".join(entries))
+    return path
+
+
+def client(server, name: str | None, namespace: str | None = None) -> RemoteStore:
+    token = TOKENS[name][0] if name else None
+    return RemoteStore(server.url, connection=Connection(token=token, namespace=namespace), timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("auth")
+    with running_server(root / "data", "--auth", str(tokens_file(root / "tokens.toml"))) as running:
+        running.tokens = root / "tokens.toml"
+        yield running
+
+
+def test_tokens_files_are_checked_entry_by_entry(tmp_path) -> None:
+    assert {t.name for t in load_tokens(tokens_file(tmp_path / "t.toml")).values()} == set(TOKENS)
+    for text, problem in (
+        ('[[token]]\nname = "x"\nsha256 = "abc"\nnamespaces = ["a"]\nrole = "read"\n', "sha256 must be 64"),
+        ('[[token]]\nname = "x"\nsha256 = "' + "a" * 64 + '"\nnamespaces = ["a/b"]\nrole = "read"\n', "not a valid name"),
+        ('[[token]]\nname = "x"\nsha256 = "' + "a" * 64 + '"\nnamespaces = ["a"]\nrole = "root"\n', "role must be one of"),
+        ('[[token]]\nname = "x"\ntoken = "plain"\n', "exactly name, sha256"),
+        ("[server]\n", "unknown table"),
+    ):
+        (tmp_path / "bad.toml").write_text(text)
+        with pytest.raises(InvalidInput, match=problem):
+            load_tokens(tmp_path / "bad.toml")
+    assert Auth().authenticate([], "GetPack", "admin").namespace == "default"  # no tokens file: one open namespace
+
+
+def test_no_token_or_an_unknown_one_is_unauthenticated_but_health_answers(server) -> None:
+    for name, token in ((None, None), ("stranger", "not-a-token")):
+        with RemoteStore(server.url, connection=Connection(token=token), timeout=10) as store, pytest.raises(Unauthenticated):
+            store.list()
+    with grpc.insecure_channel(server.address) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_namespaces_partition_keys_names_and_banks(server) -> None:
+    pack = make_pack(tokens=11)
+    with client(server, "a-writer") as a, client(server, "b-writer") as b, client(server, "a-reader") as reader:
+        key, created_a = a.put(encode_pack(pack), name="shared")
+        time.sleep(1.1)
+        _, created_b = b.put(encode_pack(pack), name="shared")
+        assert created_a and created_b  # the same content is two packs, one per tenant
+        assert a.stat(key).header == b.stat(key).header and [p.key for p in reader.list()] == [key]
+        b.delete(key)
+        assert a.stat(key).key == key  # b deleting its copy leaves a's
+        with pytest.raises(PackNotFound) as theirs:
+            b.stat(key)
+        with pytest.raises(PackNotFound) as missing:
+            b.stat(key[:-8] + "00000000")
+        assert str(theirs.value).replace(key, "K") == str(missing.value).replace(key[:-8] + "00000000", "K")  # alike
+        a.banks().build("kb", ["The lighthouse Zorel was founded in 1801.", "The bakery Mirtel opened in 1922."])
+        assert [meta.name for meta, _ in reader.banks().list()] == ["kb"] and b.banks().list() == []
+        with pytest.raises(PackNotFound):
+            b.banks().route("kb", ["Who founded Zorel?"])
+
+
+def test_roles_bound_what_a_token_may_do(server) -> None:
+    with client(server, "a-reader") as reader, pytest.raises(PermissionDenied, match="needs a write token"):
+        reader.put(encode_pack(make_pack(tokens=12)))
+    with client(server, "a-writer") as writer:
+        writer.put(encode_pack(make_pack(tokens=13)), name="mine")
+        with pytest.raises(PermissionDenied, match="needs an admin token"):
+            writer.gc()
+    with client(server, "operator", namespace="a") as operator:
+        assert operator.gc().orphan_chunks >= 0 and operator.stat("mine", model_fp="a" * 64).names == ("mine",)
+
+
+def test_a_token_with_several_namespaces_names_one_and_only_its_own(server) -> None:
+    with client(server, "ab-reader") as unnamed, pytest.raises(InvalidInput, match="several namespaces"):
+        unnamed.list()
+    with client(server, "ab-reader", namespace="b") as b:
+        b.list()
+    with client(server, "ab-reader", namespace="c") as c, pytest.raises(PermissionDenied, match="may not use namespace 'c'"):
+        c.list()
+    with client(server, "a-writer", namespace="b") as elsewhere, pytest.raises(PermissionDenied):
+        elsewhere.list()
+
+
+def test_tokens_never_reach_the_log_and_sighup_reloads_them(server, tmp_path) -> None:
+    log = (server.data.parent / f"{server.data.name}-server.log").read_text()
+    assert "a-writer" in log and not any(secret in log for secret, _, _ in TOKENS.values())
+    assert "tokens from" in log
+    new = dict(TOKENS) | {"c-writer": ("secret-c-writer", ["c"], "write")}
+    tokens_file(server.tokens, new)
+    server.process.send_signal(signal.SIGHUP)
+    time.sleep(1.0)
+    with RemoteStore(server.url, connection=Connection(token="secret-c-writer"), timeout=10) as c:
+        assert c.list() == []
+    tokens_file(server.tokens)  # back to the first file
+    server.process.send_signal(signal.SIGHUP)
+    time.sleep(1.0)
+    with RemoteStore(server.url, connection=Connection(token="secret-c-writer"), timeout=10) as c, pytest.raises(Unauthenticated):
+        c.list()
+
+
+def test_without_auth_the_start_log_says_so(tmp_path) -> None:
+    with running_server(tmp_path / "data") as open_server:
+        with RemoteStore(open_server.url) as store:
+            store.list()
+    log = (tmp_path / "data-server.log").read_text()
+    assert "no tokens, every caller is admin in the one namespace 'default'" in log
+
+
+def test_the_worker_reads_each_callers_namespace_with_its_own_token(server, tiny_lm, tiny_model_dir, tmp_path) -> None:
+    with client(server, "a-writer") as a, client(server, "b-writer") as b:
+        a.put(encode_pack(build_pack(tiny_lm, ["Alice lives in Paris."])), name="facts")
+        b.put(encode_pack(build_pack(tiny_lm, ["Bob lives in Oslo."])), name="facts")
+    (tmp_path / "worker.token").write_text(TOKENS["operator"][0])  # the worker's own token reads every namespace
+    extra = ("--threads", "1", "--token-file", str(tmp_path / "worker.token"), "--auth", str(server.tokens))
+    with running_worker(server.url, str(tiny_model_dir), tmp_path, *extra) as worker:
+        question = Question("Who lives where?", refs=("facts",), sampling=Sampling(max_new_tokens=4))
+        with WorkerClient(worker.address, connection=Connection()) as anonymous, pytest.raises(Unauthenticated):
+            anonymous.ask(question)
+        answers = {}
+        for name in ("a-writer", "b-writer"):
+            with WorkerClient(worker.address, connection=Connection(token=TOKENS[name][0])) as caller:
+                first, again = caller.ask(question), caller.ask(question)
+                answers[name] = first.pack
+                assert (first.cache_hit, again.cache_hit) == (False, True)  # a's ready pack is never a hit for b
+        assert answers["a-writer"] != answers["b-writer"]
+        with client(server, "a-writer") as a:
+            a.delete("facts", model_fp=tiny_lm.model_fp)
+        with WorkerClient(worker.address, connection=Connection(token=TOKENS["a-writer"][0])) as caller, pytest.raises(PackNotFound):
+            caller.ask(question)  # a deletion is honoured at the next request
