@@ -41,6 +41,7 @@ def store_path(tmp_path: Path) -> Path:
 
 
 _FIDELITY_LINES: list[str] = []
+_ROBUSTNESS_LINES: list[str] = []
 
 
 @pytest.fixture(scope="session")
@@ -49,8 +50,15 @@ def fidelity_report() -> list[str]:
     return _FIDELITY_LINES
 
 
+@pytest.fixture(scope="session")
+def robustness_report() -> list[str]:
+    """Lines appended here are printed in the run's terminal summary (trials, cases, clients, errors, peak RSS)."""
+    return _ROBUSTNESS_LINES
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
-    if _FIDELITY_LINES:
-        terminalreporter.section("fidelity report")
-        for line in _FIDELITY_LINES:
-            terminalreporter.write_line(line)
+    for title, lines in (("fidelity report", _FIDELITY_LINES), ("robustness report", _ROBUSTNESS_LINES)):
+        if lines:
+            terminalreporter.section(title)
+            for line in lines:
+                terminalreporter.write_line(line)

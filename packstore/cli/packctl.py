@@ -293,6 +293,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_ERROR if failed else 0
 
 
+def cmd_backup(args: argparse.Namespace) -> int:
+    from packstore.store import default_store_path, is_remote
+    from packstore.store.namespaces import backup
+
+    source = args.store or os.environ.get("PACKSTORE_STORE") or str(default_store_path())
+    if is_remote(source):
+        raise InvalidInput("backup copies a store directory: run it on the service's host with --store DATA (it is safe while the service runs)")
+    report = backup(source, args.destination)
+    if args.json:
+        emit_json({"destination": report.destination, "namespaces": report.namespaces})
+    else:
+        for namespace, counts in report.namespaces.items():
+            print(f"{namespace:<16} {counts['packs']:>8} packs  {_human_bytes(counts['file_bytes']):>10}")
+        print(f"backed up {source} to {report.destination}", file=sys.stderr)
+    return 0
+
+
 def cmd_keygen(args: argparse.Namespace) -> int:
     from packstore.trust import generate_key
 
@@ -577,6 +594,9 @@ def build_cli() -> CommandLine:
     p = cli.command("verify", cmd_verify, "check every checksum of the given packs (default: all); exit 1 on damage")
     p.add_argument("refs", metavar="REF", nargs="*")
     p.add_argument("--trusted-keys", metavar="FILE", help="also require a valid signature by one of these public keys (PEM blocks); exit 1 naming each unsigned or untrusted pack")
+
+    p = cli.command("backup", cmd_backup, "consistent hot copy of a store directory (every namespace) into DEST; safe while it is in use")
+    p.add_argument("destination", metavar="DEST", help="a new directory: the copy is a store itself")
 
     p = cli.command("keygen", cmd_keygen, "write a new Ed25519 key pair: KEY (private, 0600) and KEY.pub")
     p.add_argument("--out", required=True, metavar="KEY")

@@ -19,10 +19,10 @@ from typing import Iterable, Mapping
 
 from packstore.errors import InvalidInput, PermissionDenied, Unauthenticated
 from packstore.rpc.channel import NAMESPACE_HEADER
+from packstore.store.namespaces import DEFAULT_NAMESPACE
 from packstore.store.protocol import check_name
 
 ROLES = ("read", "write", "admin")  # each may do what the ones before it may
-DEFAULT_NAMESPACE = "default"
 ANY_NAMESPACE = "*"
 _HEX64 = frozenset("0123456789abcdef")
 
@@ -136,7 +136,7 @@ class Auth:
         if asked is None:
             mine = [n for n in token.namespaces if n != ANY_NAMESPACE]
             if len(mine) != 1 or ANY_NAMESPACE in token.namespaces:
-                raise InvalidInput(f"token {token.name!r} may use several namespaces: name one ({NAMESPACE_HEADER}, --namespace)")
+                raise InvalidInput(f"token {token.name!r} may use several namespaces: name one in the {NAMESPACE_HEADER} header")
             asked = mine[0]
         if not token.may_use(asked):
             raise PermissionDenied(f"token {token.name!r} may not use namespace {asked!r}")

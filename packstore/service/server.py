@@ -24,7 +24,7 @@ from packstore.rpc.messages import ChunkAssembler, bank_info, chunk_pieces, pack
 from packstore.rpc.status import abort_with_error, status_for
 from packstore.service.auth import Auth, Principal
 from packstore.service.config import ServiceConfig
-from packstore.service.namespaces import NamespaceStores
+from packstore.store.namespaces import NamespaceStores
 from packstore.service.metrics import ServiceMetrics
 from packstore.records import PackPage
 from packstore.store import LmdbStore

@@ -19,11 +19,13 @@ from typing import Callable, Iterator, TypeVar
 
 import lmdb
 
-from packstore.errors import StoreBusy
+from packstore.errors import IntegrityError, StoreBusy
 
 DEFAULT_MAP_SIZE = 1 << 40  # 1 TiB of address space; the file holds only what is stored
 _SMALLEST_RESERVATION = 1 << 26  # where an address-space limit stops the halving of the reservation
 T = TypeVar("T")
+# What LMDB raises on a damaged file: reported as the DATA_LOSS they are, not as a crash of the call.
+_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.PanicError)
 
 
 class SharedExclusiveLock:
@@ -144,8 +146,11 @@ class LmdbEnvironment:
                     if not outermost:
                         raise StoreBusy("another process grew the store while this thread holds a transaction") from None
                 else:
-                    with txn:
-                        yield txn
+                    try:
+                        with txn:
+                            yield txn
+                    except _DAMAGE as exc:
+                        raise IntegrityError(f"store {self.path} is damaged: {exc}; restore it from a backup") from None
                     return
             self._adopt_grown_map()
 
@@ -167,7 +172,7 @@ class LmdbEnvironment:
                         txn.commit()
                         return result
                     except BaseException as exc:
-                        failure = exc
+                        failure = IntegrityError(f"store {self.path} is damaged: {exc}; restore it from a backup") if isinstance(exc, _DAMAGE) else exc
                         if not outermost:  # the lock cannot turn exclusive under this thread's own transaction
                             if txn is not None:
                                 txn.abort()
@@ -212,6 +217,12 @@ class LmdbEnvironment:
             finally:
                 self._env = self._open()
                 reopened()
+
+    def copy_to(self, directory: Path) -> None:
+        """A consistent copy of the environment (one read snapshot, free pages dropped) into the empty
+        ``directory``, while other transactions, and other processes, go on writing."""
+        with self._lock.shared():
+            self._env.copy(str(directory), compact=True)
 
     def close(self) -> None:
         """Close the environment once every transaction of this process has ended."""

@@ -12,7 +12,7 @@ import struct
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, NoReturn, TypeVar
 
 import lmdb
 
@@ -24,6 +24,7 @@ from packstore.format.body import verify_chunk
 from packstore.format.signature import Signature
 from packstore.store.banks import BankTables
 from packstore.store.environment import DEFAULT_MAP_SIZE, LmdbEnvironment
+from packstore.store.integrity import check_structure
 from packstore.store.protocol import DEFAULT_PAGE, MAX_PAGE, BankStore, check_name
 
 if TYPE_CHECKING:
@@ -131,6 +132,8 @@ class LmdbStore(BankTables):
         if readonly and not (self.path / "data.mdb").exists():
             raise PackNotFound(f"no pack store at {self.path}")
         self.path.mkdir(parents=True, exist_ok=True)
+        if (self.path / "data.mdb").exists():
+            check_structure(self.path, map_size)  # a damaged file is refused here, never mapped into a crash
         # Every open holds a shared advisory lock; compaction, which swaps the data file, needs it exclusive.
         self._lock = open(self.path / LOCK_FILE, "rb" if readonly and (self.path / LOCK_FILE).exists() else "a+b")
         fcntl.flock(self._lock, fcntl.LOCK_SH)
@@ -354,7 +357,7 @@ class LmdbStore(BankTables):
         with self._env.read() as txn:
             if parse_key(ref):
                 if txn.get(ref.encode(), db=self._packs) is None:
-                    raise PackNotFound(f"no pack with key {ref}")
+                    self._missing(txn, ref)
                 return ref
             if model_fp is not None:
                 found = txn.get(_name_key(model_fp, ref), db=self._names)
@@ -380,11 +383,21 @@ class LmdbStore(BankTables):
     def _header_in(self, txn: lmdb.Transaction, key: str) -> PackHeader:
         data = txn.get(key.encode(), db=self._packs)
         if data is None:
-            raise PackNotFound(f"no pack with key {key}")
-        header = PackHeader.from_json(data)
+            self._missing(txn, key)
+        try:
+            header = PackHeader.from_json(data)
+        except (IntegrityError, InvalidInput) as exc:
+            raise IntegrityError(f"pack {key}: stored header is damaged: {exc}") from None
         if header.key != key:
             raise IntegrityError(f"pack {key}: stored header describes a different key")
         return header
+
+    def _missing(self, txn: lmdb.Transaction, key: str) -> NoReturn:
+        """A key with no header: PackNotFound, unless the store's own index still lists it, which only
+        damage to the file can cause (DATA_LOSS: a pack never vanishes silently)."""
+        if txn.get(key.encode(), db=self._summaries) is not None:
+            raise IntegrityError(f"pack {key}: its header is missing from the store (the file is damaged); restore it from a backup")
+        raise PackNotFound(f"no pack with key {key}")
 
     def _names_in(self, txn: lmdb.Transaction, key: str) -> tuple[str, ...]:
         """The names pointing at ``key``, sorted (one prefix scan of the key -> names index)."""
@@ -519,25 +532,36 @@ class LmdbStore(BankTables):
         return Upload(self, header)
 
     def keys(self) -> list[str]:
-        """Every stored key, whether or not its header still parses."""
+        """Every stored key, whether or not its header still parses, and any key the listing index
+        holds without a header (only damage causes one), so that verify reports it."""
         with self._env.read() as txn:
-            return [k.decode() for k, _ in txn.cursor(db=self._packs)]
+            found = {bytes(k) for k, _ in txn.cursor(db=self._packs)} | {bytes(k) for k, _ in txn.cursor(db=self._summaries)}
+        return sorted(k.decode(errors="replace") for k in found)
 
     # -- integrity and maintenance ---------------------------------------------------------
 
     def verify(self, ref: str) -> VerifyResult:
         """Check one pack's header seal, every chunk's checksum, and that every chunk decodes."""
+        from packstore.tensors import decode_pack
+
         key = ref if parse_key(ref) else self.resolve(ref)
         try:
-            from packstore.tensors import decode_pack
-
-            decode_pack(self._read(key))  # checks every checksum, then that every chunk decodes
+            encoded = self._read(key)
+            encoded.check_signatures()
+            decode_pack(encoded)  # checks every checksum, then that every chunk decodes
         except (IntegrityError, InvalidInput, PackNotFound) as exc:
             return VerifyResult(key=key, error=str(exc))
         return VerifyResult(key=key, error=None)
 
+    def _verify_listed(self, key: str) -> VerifyResult:
+        """``verify`` for a key the store lists, whatever damage made of it."""
+        try:
+            return self.verify(key)
+        except (IntegrityError, InvalidInput, PackNotFound) as exc:
+            return VerifyResult(key=key, error=str(exc))
+
     def verify_all(self) -> list[VerifyResult]:
-        return [self.verify(key) for key in self.keys()]
+        return [self._verify_listed(key) for key in self.keys()]
 
     def _data_file_bytes(self) -> int:
         return (self.path / "data.mdb").stat().st_size
@@ -570,6 +594,10 @@ class LmdbStore(BankTables):
         if compact:
             self._compact()
         return GcReport(orphan_chunks, orphan_bytes, dangling, before, self._data_file_bytes(), compact)
+
+    def backup_into(self, directory: Path) -> None:
+        """A consistent copy of this store (one read snapshot, free pages dropped) into the empty ``directory``."""
+        self._env.copy_to(directory)
 
     def _compact(self) -> None:
         """Rewrite the data file without free pages, under an exclusive lock, and swap it in atomically."""

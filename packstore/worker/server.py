@@ -21,7 +21,8 @@ from packstore.kv.inject import Sampling, TextDeltas
 from packstore.kv.models import LoadedModel
 from packstore.rpc.listen import bind
 from packstore.rpc.status import abort_with_error
-from packstore.service.auth import DEFAULT_NAMESPACE, Auth
+from packstore.service.auth import Auth
+from packstore.store.namespaces import DEFAULT_NAMESPACE
 from packstore.service.server import JsonLogFormatter, reload_tokens
 from packstore.store.protocol import DEFAULT_TOP_K, PackStore
 from packstore.v1 import worker_pb2, worker_pb2_grpc

@@ -8,8 +8,7 @@ import os
 import threading
 
 from packstore.rpc.channel import Connection
-from packstore.service.auth import DEFAULT_NAMESPACE
-from packstore.service.namespaces import namespace_path
+from packstore.store.namespaces import DEFAULT_NAMESPACE, namespace_path
 from packstore.store import PackStore, default_store_path, is_remote, open_store
 
 
