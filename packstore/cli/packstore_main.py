@@ -43,7 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from packstore.service.config import load_config
     from packstore.service.server import serve
 
-    names = ("data", "listen", "metrics", "workers", "max_message_bytes", "max_pack_bytes", "max_chunk_bytes", "max_facts_bytes")
+    names = ("data", "listen", "metrics", "workers", "max_message_bytes", "max_pack_bytes", "max_chunk_bytes", "max_facts_bytes", "max_store_bytes")
     overrides = {name: getattr(args, name) for name in names + ("auth", "tls_cert", "tls_key", "tls_client_ca")}
     serve(load_config(args.config, overrides))
     return 0
@@ -96,6 +96,7 @@ def build_cli() -> CommandLine:
     p.add_argument("--max-pack-bytes", type=int, help="largest pack accepted by PutPack, in stored bytes (default 4 GiB)")
     p.add_argument("--max-chunk-bytes", type=int, help="largest chunk accepted by PutPack, in stored bytes: bounds an upload's memory (default 64 MiB)")
     p.add_argument("--max-facts-bytes", type=int, help="largest facts text accepted by one BuildBank/AddFacts call (default 256 MiB)")
+    p.add_argument("--max-store-bytes", type=int, help="most each namespace's data file may hold; full: writes RESOURCE_EXHAUSTED, reads go on (default: no limit)")
     p.add_argument("--auth", metavar="FILE", help="TOML file of tokens (name, sha256, namespaces, role); without it: no tokens, one namespace")
     _listener_options(p)
 

@@ -25,6 +25,7 @@ class ServiceConfig:
     max_chunk_bytes: int = 64 << 20  # stored bytes of one chunk: what one upload holds in memory at a time
     max_facts_bytes: int = 256 << 20  # text of the facts one BuildBank / AddFacts call sends
     max_header_bytes: int = 64 << 20
+    max_store_bytes: int = 0  # most each namespace's data file may hold; 0: no limit. Full: writes RESOURCE_EXHAUSTED, reads go on
     shutdown_grace_seconds: float = 30.0
     log_level: str = "info"
     auth: str = ""  # TOML file of tokens (docs/operations.md, "Tokens and namespaces"); empty: no tokens, one namespace

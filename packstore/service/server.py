@@ -352,7 +352,7 @@ def serve(config: ServiceConfig) -> None:
     logging.basicConfig(level=config.log_level.upper(), handlers=[handler], force=True)
     metrics = ServiceMetrics()
     auth = Auth(config.auth or None)
-    stores = NamespaceStores(config.data)
+    stores = NamespaceStores(config.data, max_bytes=config.max_store_bytes or None)
     try:
         server, health_servicer, service = build_server(config, stores, metrics, auth)
         if config.metrics:

@@ -19,7 +19,7 @@ from typing import Callable, Iterator, TypeVar
 
 import lmdb
 
-from packstore.errors import IntegrityError, StoreBusy
+from packstore.errors import IntegrityError, LimitExceeded, StoreBusy
 
 DEFAULT_MAP_SIZE = 1 << 40  # 1 TiB of address space; the file holds only what is stored
 _SMALLEST_RESERVATION = 1 << 26  # where an address-space limit stops the halving of the reservation
@@ -100,10 +100,22 @@ class LmdbEnvironment:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, map_size: int = DEFAULT_MAP_SIZE, readonly: bool = False, max_dbs: int = 16
+        self,
+        path: str | os.PathLike[str],
+        *,
+        map_size: int = DEFAULT_MAP_SIZE,
+        readonly: bool = False,
+        max_dbs: int = 16,
+        max_size: int | None = None,
     ) -> None:
+        """``max_size``: the most the data file may hold; a write that would need more fails with
+        LimitExceeded (the store is full), while reads go on."""
         self.path = Path(path)
         self.readonly = readonly
+        self.max_size = max_size
+        if max_size is not None:
+            existing = (self.path / "data.mdb").stat().st_size if (self.path / "data.mdb").exists() else 0
+            map_size = max(min(map_size, max_size), existing)
         self._requested_map_size = map_size
         self._max_dbs = max_dbs
         self._lock = SharedExclusiveLock()
@@ -195,8 +207,11 @@ class LmdbEnvironment:
             elif not isinstance(failure, lmdb.MapFullError):
                 raise failure
             elif self.map_size == seen:  # else a reader adopted a size another process grew it to
+                if self.max_size is not None and seen >= self.max_size:
+                    raise LimitExceeded(f"store {self.path} is full: it holds its configured maximum of {self.max_size} bytes") from None
                 used = (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
-                self._env.set_mapsize(max(2 * seen, 2 * used))
+                grown = max(2 * seen, 2 * used)
+                self._env.set_mapsize(grown if self.max_size is None else min(grown, self.max_size))
 
     def _adopt_grown_map(self) -> None:
         """Map the size another process grew the environment to (``set_mapsize(0)`` adopts it)."""

@@ -123,12 +123,16 @@ class LmdbStore(BankTables):
     Every write is one LMDB write transaction, so a pack is either fully present or absent.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, readonly: bool = False, map_size: int = DEFAULT_MAP_SIZE) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, readonly: bool = False, map_size: int = DEFAULT_MAP_SIZE, max_bytes: int | None = None
+    ) -> None:
         """``map_size``: the address space the LMDB map reserves at open (docs/operations.md, "Threads,
-        processes and the map"); the data file grows only as data is stored."""
+        processes and the map"); the data file grows only as data is stored. ``max_bytes``: the most the
+        data file may hold; past it writes fail with LimitExceeded while reads go on."""
         self.path = Path(path)
         self.readonly = readonly
         self._map_size = map_size
+        self._max_bytes = max_bytes
         if readonly and not (self.path / "data.mdb").exists():
             raise PackNotFound(f"no pack store at {self.path}")
         self.path.mkdir(parents=True, exist_ok=True)
@@ -152,7 +156,7 @@ class LmdbStore(BankTables):
             raise IntegrityError(f"store {self.path} has an older layout and cannot be upgraded here: {exc}") from None
 
     def _open_env(self) -> None:
-        self._env = LmdbEnvironment(self.path, map_size=self._map_size, readonly=self.readonly, max_dbs=16)
+        self._env = LmdbEnvironment(self.path, map_size=self._map_size, readonly=self.readonly, max_dbs=16, max_size=self._max_bytes)
         self._open_dbs()
 
     def _open_dbs(self) -> None:

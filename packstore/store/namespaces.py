@@ -31,8 +31,10 @@ def namespace_path(data: str | Path, namespace: str) -> Path:
 class NamespaceStores:
     """The stores of a data directory, one per namespace, opened when first used and kept open."""
 
-    def __init__(self, data: str | Path) -> None:
+    def __init__(self, data: str | Path, *, max_bytes: int | None = None) -> None:
+        """``max_bytes``: each namespace's store may hold at most this (a per-tenant quota); None: no limit."""
         self.data = Path(data)
+        self.max_bytes = max_bytes
         self._stores: dict[str, LmdbStore] = {}
         self._lock = threading.Lock()
         self.get(DEFAULT_NAMESPACE)
@@ -41,7 +43,7 @@ class NamespaceStores:
         with self._lock:
             store = self._stores.get(namespace)
             if store is None:
-                store = self._stores[namespace] = LmdbStore(namespace_path(self.data, namespace))
+                store = self._stores[namespace] = LmdbStore(namespace_path(self.data, namespace), max_bytes=self.max_bytes)
             return store
 
     def opened(self) -> dict[str, LmdbStore]:
