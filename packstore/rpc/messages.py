@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 from packstore.errors import InvalidInput
 from packstore.format import PackHeader
 from packstore.format.signature import Signature
@@ -49,13 +51,12 @@ def signatures_of(records) -> tuple[Signature, ...]:
     return tuple(found)
 
 
-def chunk_pieces(index: int, data: bytes, sha256: str) -> list[store_pb2.Chunk]:
-    """A chunk as consecutive Chunk messages with the same index (at least one, even when empty)."""
+def chunk_pieces(index: int, data: bytes, sha256: str) -> Iterator[store_pb2.Chunk]:
+    """A chunk as consecutive Chunk messages with the same index (at least one, even when empty),
+    made one at a time as they are sent, so a stream holds one piece beyond the chunk itself."""
     view = memoryview(data)
-    return [
-        store_pb2.Chunk(index=index, data=bytes(view[start : start + PIECE_BYTES]), sha256=sha256)
-        for start in range(0, max(len(data), 1), PIECE_BYTES)
-    ]
+    for start in range(0, max(len(data), 1), PIECE_BYTES):
+        yield store_pb2.Chunk(index=index, data=bytes(view[start : start + PIECE_BYTES]), sha256=sha256)
 
 
 class ChunkAssembler:
@@ -69,8 +70,6 @@ class ChunkAssembler:
 
     def add(self, piece: store_pb2.Chunk) -> bytes | None:
         """Add one piece; returns the whole chunk when this piece completes it."""
-        from packstore.errors import InvalidInput
-
         if piece.index != self.next_index:
             raise InvalidInput(f"chunk {piece.index} arrived where chunk {self.next_index} was expected")
         if self.next_index >= len(self.header.chunks):

@@ -43,7 +43,10 @@ def test_steer_build_ask_alone_and_with_a_pack_via_cli_and_worker(real_lm, tmp_p
         assert packctl([*store, "inspect", "joy", "--json"]) == 0
         details = json.loads(capsys.readouterr().out)
         assert details["steer_layers"] == [0, layers - 1] and details["default_layers"] == list(middle_third(layers))
-        assert all(norm["value_norm"] > 0 for norm in details["norms"])
+        # Layer 0's values depend on the last token alone, the same punctuation in both sides of
+        # every pair here, so its delta is zero; every later layer has seen the whole text.
+        assert details["norms"][0]["value_norm"] < 1e-3
+        assert all(norm["value_norm"] > 0 for norm in details["norms"][1:])
         assert packctl([*store, "build", str(facts), *model, "--name", "para"]) == 0
         capsys.readouterr()
 
