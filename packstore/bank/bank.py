@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from datetime import datetime, timezone
@@ -52,8 +53,8 @@ def unique_facts(facts: Sequence[str]) -> list[str]:
     for fact in facts:
         if fact and fact.strip():
             seen.setdefault(fact.strip(), None)
-    if not seen:
-        raise InvalidInput("no facts: a bank needs at least one non-empty fact")
+    if not any(re.search(r"\w", fact) for fact in seen):
+        raise InvalidInput("no facts: a bank needs at least one fact with a letter or digit")
     return list(seen)
 
 
@@ -263,6 +264,8 @@ def route(
     probed clusters by cosine alone, "lexical" the BM25 hits by BM25 alone. ``probe`` None probes
     ``default_probe`` of the bank's cluster count.
     """
+    if not queries:
+        raise InvalidInput("no queries: give at least one")
     if top_k < 1 or (probe is not None and probe < 1):
         raise InvalidInput("top_k and probe must be at least 1")
     if mode not in ROUTE_MODES:

@@ -113,6 +113,17 @@ def test_empty_huge_and_unicode_queries(bank_store, embedder) -> None:
     assert route(bank_store, "synthetic", [unicode_query], embedder)[0].facts
     with pytest.raises(PackNotFound, match="no bank"):
         route(bank_store, "absent", ["Who?"], embedder)
+    with pytest.raises(InvalidInput, match="no queries"):  # found by the fuzz run: was a division by zero
+        route(bank_store, "synthetic", [], embedder)
+
+
+def test_facts_without_a_single_word_are_refused(tmp_path: Path, embedder) -> None:
+    """Found by the fuzz run: facts with no letter or digit left the full-text index without a vocabulary."""
+    with LmdbStore(tmp_path / "store") as store:
+        with pytest.raises(InvalidInput, match="letter or digit"):
+            build_bank(store, "kb", [":", "--", " ! "], embedder)
+        build_bank(store, "kb", [":", "The lighthouse was founded by Ana."], embedder)
+        assert route(store, "kb", ["Who founded the lighthouse?"], embedder)[0].facts
 
 
 def test_a_bank_rebuilt_under_its_name_is_routed_with_its_new_centroids(tmp_path: Path, embedder) -> None:
