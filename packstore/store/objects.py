@@ -157,14 +157,12 @@ class Bucket:
             if failed:
                 raise Unavailable(f"the object store did not delete {len(failed)} objects in {self.where}: {failed[0].get('Code')}")
 
-    def list(self, prefix: str, *, after: str = "", limit: int | None = None) -> Iterator[Listed]:
-        """Objects whose names start with ``prefix`` and sort after ``after``, in name order."""
+    def list(self, prefix: str, *, after: str = "") -> Iterator[Listed]:
+        """Objects whose names start with ``prefix`` and sort after ``after``, in name order (lazily, 1000 a call)."""
         params: dict[str, Any] = {"Prefix": self.root + prefix}
         if after:
             params["StartAfter"] = self.root + after
         while True:
-            if limit is not None:
-                params["MaxKeys"] = min(limit, 1000)
             answer = self._call(self._client.list_objects_v2, **params)
             for item in answer.get("Contents", []):
                 yield Listed(item["Key"][len(self.root) :], item["Size"], item["ETag"].strip('"'), item["LastModified"])
