@@ -4,6 +4,7 @@ and retrying stores each pack once. Short in `make test`, 100 trials each in `ma
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from packstore.api import export_pack
 from packstore.errors import PackstoreError
 from packstore.store import LmdbStore
 from packstore.store.remote import RemoteStore
-from packstore.tensors import encode_pack
+from packstore.tensors import Pack, encode_pack
 from service_helpers import free_port, wait_serving
 from test_format import make_pack
 
@@ -38,8 +39,19 @@ def start_server(data: Path, log: Path) -> tuple[subprocess.Popen, str]:
 
 
 def trial_packs(trial: int) -> list[list]:
-    """Each uploader's packs for one trial: distinct contents, a few hundred KB each."""
-    return [[make_pack(layers=4, tokens=400 + 7 * (trial * 100 + uploader * 10 + i)) for i in range(PACKS_PER_UPLOADER)] for uploader in range(UPLOADERS)]
+    """Each uploader's packs for one trial: distinct keys (shifted token ids), about 100 KB each
+    whatever the trial, so a long run's store grows linearly."""
+    base = make_pack(layers=4, tokens=400)
+
+    def shifted(serial: int) -> Pack:
+        ids = tuple(token + serial for token in base.header.token_ids)
+        return dataclasses.replace(base, header=dataclasses.replace(base.header, token_ids=ids))
+
+    per_trial = UPLOADERS * PACKS_PER_UPLOADER
+    return [
+        [shifted(trial * per_trial + uploader * PACKS_PER_UPLOADER + i) for i in range(PACKS_PER_UPLOADER)]
+        for uploader in range(UPLOADERS)
+    ]
 
 
 def upload(address: str, packs: list, acked: list, stop: threading.Event) -> None:
