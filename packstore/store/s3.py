@@ -26,7 +26,7 @@ from packstore.format.body import verify_chunk
 from packstore.format.signature import Signature
 from packstore.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
 from packstore.store.namespaces import DEFAULT_NAMESPACE
-from packstore.store.object_cache import ObjectCache
+from packstore.store.object_cache import DEFAULT_CACHE_BYTES, ObjectCache
 from packstore.store.objects import Bucket, Conflict
 from packstore.store.protocol import DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, BankStore, check_name, pick_match
 from packstore.store.registers import UNCHANGED, Registers, Version
@@ -35,7 +35,6 @@ from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_
 if TYPE_CHECKING:
     from packstore.tensors import Pack
 
-DEFAULT_CACHE_BYTES = 1 << 30
 DEFAULT_GC_GRACE = 3600.0  # seconds an unreferenced object is kept (docs/operations.md, "Object store tier")
 MIN_LEASE = 120.0  # seconds a gc run may hold the store's gc lease, at least
 T = TypeVar("T")
@@ -386,33 +385,28 @@ class ObjectStore:
 
     def put(self, encoded: EncodedPack, *, name: str | None = None) -> tuple[str, bool]:
         """Store a pack (and optionally name it). Returns ``(key, created)``; same content is stored once."""
-        header = encoded.header
-        header.validate(encoded=True)
-        if len(encoded.chunks) != len(header.chunks):
-            raise InvalidInput(f"pack has {len(encoded.chunks)} chunks, header lists {len(header.chunks)}")
-        for index, data in enumerate(encoded.chunks):
-            verify_chunk(header, index, data)
-        encoded.check_signatures()
-        if name is not None:
-            check_name(name)
-        key = header.key
-        for signature in encoded.signatures:  # before the commit, so the pack appears with them
-            self.bucket.put(self._signatures_prefix(key) + signature.key_id, signature.to_json())
-        created = self.bucket.head(self._header_name(key)) is None and self._commit(header, encoded.chunks)
-        if name is not None:
-            self._point(header.model_fp, name, key)
-        return key, created
+        if len(encoded.chunks) != len(encoded.header.chunks):
+            raise InvalidInput(f"pack has {len(encoded.chunks)} chunks, header lists {len(encoded.header.chunks)}")
+        upload = self.begin_upload(encoded.header)
+        upload.add_all(encoded.chunks)
+        return upload.commit(name=name, signatures=encoded.signatures)
 
-    def _commit(self, header: PackHeader, chunks: list[bytes]) -> bool:
-        """Upload the chunks, then create the header (the commit) within the writer window; True if this
-        call committed it. The window is restarted (chunks checked again) if the uploads took too long."""
+    def begin_upload(self, header: PackHeader) -> "ObjectUpload":
+        """Start an upload that takes the chunks one at a time (the service's PutPack), or all at once."""
+        header.validate(encoded=True)
+        return ObjectUpload(self, header)
+
+    def _commit(self, header: PackHeader, relied: float, recheck: Callable[[int], float]) -> bool:
+        """Create the header (the commit) within the writer window of ``relied``, the earliest time the
+        writer relied on a chunk; True if this call committed it. Past the window, every chunk is checked
+        again (``recheck(index)`` returns the time it is relied on from), three times at most."""
         header_json = header.to_json()
         for _ in range(3):
-            relied = min(self._pool.map(lambda item: self._upload_chunk(*item), zip((c.sha256 for c in header.chunks), chunks)))
             if _stamp(self.bucket.now()) - relied < self.writer_window:
                 break
+            relied = min(self._pool.map(recheck, range(len(header.chunks))), default=relied)
         else:
-            raise Unavailable(f"the object store is too slow: uploading the chunks of {header.key} took longer than {self.writer_window:.0f} s three times")
+            raise Unavailable(f"the object store is too slow: checking the chunks of {header.key} took longer than {self.writer_window:.0f} s three times")
         try:
             etag, _ = self.bucket.put(self._header_name(header.key), header_json, create_only=True)
         except Conflict:
@@ -423,21 +417,26 @@ class ObjectStore:
         self.bucket.put(self._summary_name(header.key), etag.encode() + b"\n" + summary)
         return True
 
-    def _upload_chunk(self, digest: str, data: bytes) -> float:
-        """Make ``chunks/DIGEST`` hold ``data``; returns the server time from which the writer relies on it.
+    def _upload_chunk(self, digest: str, data: bytes | None) -> float:
+        """Make ``chunks/DIGEST`` hold ``data`` (None: it must be there already); returns the server time
+        from which the writer relies on it.
 
         A new object is safe to rely on at once; an existing one only if it is younger than half the grace
         (no gc can be about to remove it), else only while no gc runs (docs/operations.md, "Object store tier").
         """
         name = self._chunk_name(digest)
         while True:
-            try:
-                return _stamp(self.bucket.put(name, data, create_only=True)[1])
-            except Conflict:
-                head = self.bucket.head(name)
+            if data is not None:
+                try:
+                    return _stamp(self.bucket.put(name, data, create_only=True)[1])
+                except Conflict:
+                    pass
+            head = self.bucket.head(name)
             if head is None:
+                if data is None:
+                    raise Unavailable(f"chunk {digest} was removed by a gc while its upload took longer than {self.writer_window:.0f} s; upload the pack again")
                 continue  # a gc removed it between the two calls: create it again
-            damaged = head.etag != hashlib.md5(data).hexdigest() and "-" not in head.etag
+            damaged = data is not None and head.etag != hashlib.md5(data).hexdigest() and "-" not in head.etag
             if not damaged and _stamp(head.now) - _stamp(head.modified) < self.gc_grace / 2:
                 return _stamp(head.now)
             now = self._wait_out_gc()
@@ -579,6 +578,57 @@ class ObjectStore:
             removed += after is not None and after.value is None and after.seq == seen + 1
         self._delete_before(expires, old_versions)
         return removed
+
+
+class ObjectUpload:
+    """A pack arriving at an object store: each chunk is verified and uploaded as it comes (so a streamed
+    upload holds one chunk in memory), and ``commit`` writes the signatures, then creates the header.
+    A pack already committed when the upload began is not uploaded again."""
+
+    def __init__(self, store: ObjectStore, header: PackHeader) -> None:
+        self.store = store
+        self.header = header
+        self._stored = store.bucket.head(store._header_name(header.key)) is not None
+        self._relied: list[float] = []
+        self._chunks: list[bytes] | None = None  # kept by ``add_all`` (the caller holds them anyway) for a recheck
+
+    def _upload(self, index: int, data: bytes) -> float:
+        verify_chunk(self.header, index, data)
+        return float("inf") if self._stored else self.store._upload_chunk(self.header.chunks[index].sha256, data)
+
+    def add_chunk(self, index: int, data: bytes) -> None:
+        """Verify and upload the next chunk (they come in order)."""
+        if index != len(self._relied):
+            raise InvalidInput(f"chunk {index} arrived out of order; expected chunk {len(self._relied)}")
+        if index >= len(self.header.chunks):
+            raise InvalidInput(f"chunk {index} is beyond the {len(self.header.chunks)} chunks the header lists")
+        self._relied.append(self._upload(index, data))
+
+    def add_all(self, chunks: list[bytes]) -> None:
+        """Verify and upload every chunk, several at a time."""
+        self._chunks = list(chunks)
+        self._relied = list(self.store._pool.map(self._upload, range(len(chunks)), chunks))
+
+    def _recheck(self, index: int) -> float:
+        return self.store._upload_chunk(self.header.chunks[index].sha256, self._chunks[index] if self._chunks else None)
+
+    def commit(self, *, name: str | None = None, signatures: tuple[Signature, ...] = ()) -> tuple[str, bool]:
+        """Commit the pack (idempotent by key) with its signatures (checked against its digest) and name."""
+        if len(self._relied) != len(self.header.chunks):
+            raise InvalidInput(f"upload ended after {len(self._relied)} of {len(self.header.chunks)} chunks")
+        if name is not None:
+            check_name(name)
+        EncodedPack(self.header, [], tuple(signatures)).check_signatures()
+        store, key = self.store, self.header.key
+        for signature in signatures:  # before the commit, so the pack appears with them
+            store.bucket.put(store._signatures_prefix(key) + signature.key_id, signature.to_json())
+        created = not self._stored and store._commit(self.header, min(self._relied, default=float("inf")), self._recheck)
+        if name is not None:
+            store._point(self.header.model_fp, name, key)
+        return key, created
+
+    def abort(self) -> None:
+        """Nothing to undo: the chunks uploaded so far are referenced by no header, and gc reclaims them."""
 
 
 def _pack_of(rest: str) -> str:
