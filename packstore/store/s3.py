@@ -27,6 +27,7 @@ from packstore.format.signature import Signature
 from packstore.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
 from packstore.store.namespaces import DEFAULT_NAMESPACE
 from packstore.store.object_cache import DEFAULT_CACHE_BYTES, ObjectCache
+from packstore.store.object_banks import ObjectBankTables
 from packstore.store.objects import Bucket, Conflict
 from packstore.store.protocol import DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, BankStore, check_name, pick_match
 from packstore.store.registers import UNCHANGED, Registers, Version
@@ -44,11 +45,11 @@ def _stamp(moment: datetime) -> float:
     return moment.timestamp()
 
 
-class ObjectStore:
+class ObjectStore(ObjectBankTables):
     """A namespace of packs under ``s3://BUCKET/PREFIX``, cached in a bounded local LMDB cache.
 
     Several processes and machines ("replicas") may open the same bucket, prefix and namespace:
-    what one commits, all list and serve.
+    what one commits, all list and serve. Banks are kept beside the packs (``object_banks.py``).
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class ObjectStore:
         self.namespace = namespace
         self.gc_grace = float(gc_grace)
         self._base = f"ns/{namespace}/"
+        self.path = f"s3://{self.bucket.bucket}/{self.bucket.root}{self._base}"  # where the store is (bank caches key on it)
         self._scratch = tempfile.TemporaryDirectory(prefix="packstore-cache-") if cache_dir is None else None
         self.cache = ObjectCache(cache_dir if cache_dir is not None else self._scratch.name, cache_bytes)
         self._cache_scope = f"{self.bucket.bucket}/{self.bucket.root}"
@@ -162,25 +164,33 @@ class ObjectStore:
             raise PackNotFound(f"no pack with key {key}")
         return found
 
-    def _chunk(self, header: PackHeader, index: int, *, cached: bool = True) -> bytes:
-        """Chunk ``index`` of a pack, checked against its sha256 (``cached`` False: straight from the object store)."""
-        digest = header.chunks[index].sha256
-        slot = self._cache_scope + self._chunk_name(digest)
+    def _immutable(self, name: str, check: Callable[[bytes], None], *, cached: bool = True, missing: str) -> bytes:
+        """An object that never changes under its name (a chunk, a bank record), passed through ``check``
+        (which raises IntegrityError on damage): from the cache, else fetched and cached (``cached`` False:
+        straight from the object store). IntegrityError with ``missing`` if there is no such object."""
+        slot = self._cache_scope + name
         if cached:
             data = self.cache.get(slot)
             if data is not None:
                 try:
-                    verify_chunk(header, index, data)
+                    check(data)
                     return data
                 except IntegrityError:
                     self.cache.discard(slot)
-        found = self.bucket.get(self._chunk_name(digest))
+        found = self.bucket.get(name)
         if found is None:
-            raise IntegrityError(f"pack {header.key}: chunk {index} is missing from the object store")
+            raise IntegrityError(missing)
+        check(found[0])
         if cached:
-            verify_chunk(header, index, found[0])
             self.cache.put(slot, found[0])
         return found[0]
+
+    def _chunk(self, header: PackHeader, index: int, *, cached: bool = True) -> bytes:
+        """Chunk ``index`` of a pack, checked against its sha256 (``cached`` False: straight from the object store,
+        and returned as stored, for ``verify`` to report)."""
+        check = (lambda data: verify_chunk(header, index, data)) if cached else (lambda data: None)
+        missing = f"pack {header.key}: chunk {index} is missing from the object store"
+        return self._immutable(self._chunk_name(header.chunks[index].sha256), check, cached=cached, missing=missing)
 
     def read_chunk(self, header: PackHeader, index: int) -> bytes:
         """One stored chunk of a pack, checked against its sha256 (for streaming without the whole pack)."""
@@ -379,7 +389,10 @@ class ObjectStore:
         return [self.verify(key) for key in self.keys()]
 
     def banks(self) -> BankStore:
-        raise InvalidInput("banks are not kept in the object store tier yet; build and route banks in a local or grpc:// store")
+        """The banks beside these packs, with the same bank logic as a local store (routing embeds here)."""
+        from packstore.bank.bank import LocalBanks
+
+        return LocalBanks(self)
 
     # -- writes --------------------------------------------------------------------------------
 
@@ -550,7 +563,7 @@ class ObjectStore:
             for o in self.bucket.list(self._base + kind)
             if _stamp(o.modified) < cutoff and _pack_of(o.name[len(self._base + kind) :]) not in live
         ]
-        self._delete_before(expires, [o.name for o in orphans] + leftovers)
+        self._delete_before(expires, [o.name for o in orphans] + leftovers + self._prune_banks(cutoff))
         return orphans, self._prune_names(cutoff, live, expires)
 
     def _delete_before(self, expires: float, names: list[str]) -> None:

@@ -14,13 +14,14 @@ from typing import Iterator
 import pytest
 import torch
 
-from packstore.errors import AmbiguousRef, InvalidInput, PackMismatch, PackNotFound
+from packstore.errors import AmbiguousRef, IntegrityError, PackMismatch, PackNotFound
 from packstore.records import GcReport, PackPage, PackSummary, StoreCounts
 from packstore.store import BankStore, LmdbStore, PackStore
 from packstore.store.remote import RemoteStore
 from packstore.store.s3 import ObjectStore
 from seaweed_helpers import running_seaweed
 from packstore.tensors import Pack, encode_pack
+from packstore.trust import SigningKey, generate_key
 from service_helpers import running_server
 from test_format import FP_B, make_pack
 
@@ -59,11 +60,34 @@ def pack_of(model_fp: str, first_token: int = 10, *, template_fp: str = FP_B, to
 
 def test_implements_the_protocols(store: PackStore) -> None:
     assert isinstance(store, PackStore)
-    if isinstance(store, ObjectStore):  # banks are not kept in the object tier yet, and it says so
-        with pytest.raises(InvalidInput, match="banks are not kept in the object store tier"):
-            store.banks()
-        return
     assert isinstance(store.banks(), BankStore)
+
+
+def test_banks_build_add_route_list_sign_delete(store: PackStore, tmp_path: Path) -> None:
+    banks = store.banks()
+    colours = ("red", "green", "blue", "amber", "violet", "silver")
+    facts = [f"The {colours[i % 6]} key number {i} opens the door of room {100 + i}." for i in range(60)]
+    meta = banks.build("suite-bank", facts)
+    assert (meta.name, meta.facts, meta.clusters) == ("suite-bank", 60, 3)
+    [route] = banks.route("suite-bank", ["Which door does key number 17 open?"], top_k=3)
+    assert route.facts[0][0] == facts[17] and route.clusters
+    before = banks.digest("suite-bank")
+    assert banks.add("suite-bank", ["The golden key opens the vault under the library."]).facts == 61
+    assert banks.route("suite-bank", ["What opens the vault?"], top_k=1)[0].facts[0][0].startswith("The golden key")
+    after = banks.digest("suite-bank")
+    assert after != before  # every change to the bank changes what a signature covers
+    [(listed, size)] = [(m, size) for m, size in banks.list() if m.name == "suite-bank"]
+    assert listed.facts == 61 and size == banks.stored_bytes("suite-bank") > 0
+    signer = SigningKey.load(generate_key(tmp_path / "bank-key")[0])
+    with pytest.raises(IntegrityError, match="for another"):
+        banks.sign("suite-bank", signer.sign("bank", before))
+    banks.sign("suite-bank", signer.sign("bank", after))
+    assert [s.key_id for s in banks.signatures("suite-bank")] == [signer.key_id]
+    banks.delete("suite-bank")
+    assert "suite-bank" not in [m.name for m, _ in banks.list()]
+    for call in (lambda: banks.route("suite-bank", ["vault"]), lambda: banks.delete("suite-bank"), lambda: banks.stored_bytes("suite-bank")):
+        with pytest.raises(PackNotFound, match="no bank named 'suite-bank'"):
+            call()
 
 
 def test_put_stat_get_fetch_round_trip(store: PackStore, model_fp: str) -> None:
