@@ -13,7 +13,7 @@ from packstore.format.body import EncodedPack
 from packstore.store import LmdbStore
 from packstore.tensors import encode_pack
 from packstore.trust import SigningKey, generate_key
-from test_s3_store import model_fp, objects, random_pack, seaweed, url  # noqa: F401 - fixtures
+from test_s3_store import random_pack
 
 
 def packctl(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:

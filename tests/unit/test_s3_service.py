@@ -28,7 +28,7 @@ from packstore.v1 import store_pb2, store_pb2_grpc
 from seaweed_helpers import Seaweed, running_seaweed
 from service_helpers import RunningServer, free_port, running_server
 from test_format import FP_B
-from test_s3_store import model_fp, objects, random_pack, same_tensors, seaweed, url  # noqa: F401 - fixtures
+from test_s3_store import objects, random_pack, same_tensors
 
 
 @contextmanager
@@ -124,8 +124,7 @@ def test_store_problems_are_named_at_start(seaweed, url, tmp_path) -> None:
 
 def test_a_store_gone_while_serving_is_unavailable_per_call(tmp_path, model_fp) -> None:
     with running_seaweed(tmp_path / "own-seaweed") as own:
-        url = f"s3://{own.bucket}/gone"
-        with replica(own, url, tmp_path / "a") as (_, a):
+        with replica(own, f"s3://{own.bucket}/gone", tmp_path / "a") as (_, a):
             key, _ = a.put(encode_pack(random_pack(model_fp, 4)))
             own.process.terminate()
             own.process.wait(30)

@@ -8,7 +8,6 @@ prefix of the bucket, so the module-wide server needs no reset.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import signal
 import subprocess
@@ -16,7 +15,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -26,36 +24,10 @@ from packstore.format.body import EncodedPack
 from packstore.store.s3 import ObjectStore
 from packstore.tensors import Pack, encode_pack
 from packstore.trust import SigningKey, generate_key
-from seaweed_helpers import Seaweed, running_seaweed
+from seaweed_helpers import Seaweed
 from service_helpers import free_port
 from test_format import FP_B, make_pack
 from test_store_suite import pack_of
-
-
-@pytest.fixture(scope="module")
-def seaweed(tmp_path_factory) -> Iterator[Seaweed]:
-    with running_seaweed(tmp_path_factory.mktemp("seaweed")) as server, pytest.MonkeyPatch.context() as env:
-        for variable, value in server.env().items():
-            env.setenv(variable, value)
-        yield server
-
-
-@pytest.fixture
-def url(seaweed: Seaweed, request) -> str:
-    """This test's own prefix of the bucket."""
-    return f"s3://{seaweed.bucket}/{request.node.name.replace('[', '-').rstrip(']')}"
-
-
-@pytest.fixture
-def replicas(url: str, tmp_path: Path) -> Iterator[tuple[ObjectStore, ObjectStore]]:
-    """Two stores on one bucket and prefix, each with its own cache: two replicas of a service."""
-    with ObjectStore(url, cache_dir=tmp_path / "a") as a, ObjectStore(url, cache_dir=tmp_path / "b") as b:
-        yield a, b
-
-
-@pytest.fixture
-def model_fp(request) -> str:
-    return hashlib.sha256(request.node.name.encode()).hexdigest()
 
 
 def random_pack(model_fp: str, seed: int, *, layers: int = 3, tokens: int = 8) -> Pack:
@@ -171,7 +143,7 @@ def test_a_writer_killed_mid_upload_leaves_no_visible_pack(url, seaweed, tmp_pat
         for ref in (key, "half"):
             with pytest.raises(PackNotFound):
                 reader.get(ref, model_fp=model_fp)
-        time.sleep(2.5)  # past the grace: the dead writer's chunks are garbage now
+        time.sleep(3.5)  # past the grace (+1 s: the server's times are whole seconds): the dead writer's chunks are garbage now
         report = reader.gc()
         assert (report.orphan_chunks, report.orphan_chunk_bytes) == (len(uploaded), sum(uploaded.values()))
     assert objects(seaweed, url, "chunks/") == {}
@@ -245,7 +217,7 @@ def test_gc_keeps_fresh_unreferenced_chunks_and_removes_old_ones(url, seaweed, t
         assert len(objects(seaweed, url, "chunks/")) == 6
         assert store.gc().orphan_chunks == 0  # unreferenced, but younger than the grace: a writer may be about to commit
         assert len(objects(seaweed, url, "chunks/")) == 6
-        time.sleep(3.5)
+        time.sleep(4.5)  # past the grace, +1 s: LastModified and Date are whole seconds
         report = store.gc()
         assert report.orphan_chunks == 3 and report.file_bytes_after < report.file_bytes_before
         assert set(objects(seaweed, url, "chunks/")) == {f"chunks/{c.sha256}" for c in encode_pack(live).header.chunks}
