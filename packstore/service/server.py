@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from packstore.errors import InvalidInput, LimitExceeded, PackstoreError
 from packstore.format import PackHeader
+from packstore.format.body import chunks_for_layers
 from packstore.format.signature import Signature
 from packstore.rpc.listen import bind
 from packstore.rpc.messages import ChunkAssembler, bank_info, chunk_pieces, pack_info, signatures_of, summary_info
@@ -166,8 +167,11 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             header = stored.header
             call["key"] = header.key
             header.check_identities(request.model_fp, request.template_fp)
+            span = request.layers if request.HasField("layers") else None
+            indices = chunks_for_layers(header, span.first, span.last) if span else range(len(header.chunks))
             yield store_pb2.GetPackResponse(header=pack_info(stored))
-            for index, chunk in enumerate(header.chunks):
+            for index in indices:
+                chunk = header.chunks[index]
                 if not context.is_active():
                     call["cancelled"] = True
                     return

@@ -17,7 +17,7 @@ import lmdb
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, StoreBusy
 from packstore.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
 from packstore.format import EncodedPack, PackHeader, parse_key
-from packstore.format.body import verify_chunk
+from packstore.format.body import chunks_for_layers, verify_chunk
 from packstore.format.signature import Signature
 from packstore.store.banks import BankTables
 from packstore.store.environment import DEFAULT_MAP_SIZE, LmdbEnvironment
@@ -481,6 +481,19 @@ class LmdbStore(BankTables):
         if device is not None and str(device) != "cpu":
             pack = pack.to(device)
         return pack
+
+    def fetch_layers(
+        self, ref: str, first: int, last: int, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
+    ) -> "PackLayers":
+        """Decode layers ``first`` to ``last`` of a pack from the chunks holding them, leaving the others unread."""
+        from packstore.tensors import decode_layers
+
+        key = self.resolve(ref, model_fp=model_fp)
+        with self._env.read() as txn:
+            header = self._header_in(txn, key)
+        header.check_identities(model_fp, template_fp)
+        chunks = ((index, self.read_chunk(header, index)) for index in chunks_for_layers(header, first, last))
+        return decode_layers(header, first, last, chunks, device)
 
     def read_chunk(self, header: PackHeader, index: int) -> bytes:
         """One stored chunk of a pack, checked against its sha256 (for streaming without the whole pack)."""

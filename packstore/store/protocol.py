@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from packstore.format.bank import BankMeta
     from packstore.format.body import EncodedPack
     from packstore.format.signature import Signature
-    from packstore.tensors import Pack
+    from packstore.tensors import Pack, PackLayers
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
@@ -147,6 +147,12 @@ class PackStore(Protocol):
         self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
     ) -> "Pack":
         """``get`` and decode into tensors on ``device`` (CPU when None)."""
+
+    def fetch_layers(
+        self, ref: str, first: int, last: int, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
+    ) -> "PackLayers":
+        """Layers ``first`` to ``last`` (inclusive) of a pack's body, decoded on ``device``, reading only the
+        chunks that hold them, each verified; InvalidInput if the pack has no such layers."""
 
     def verify(self, ref: str) -> VerifyResult:
         """Check one pack's header seal, every chunk's checksum, and that every chunk decodes."""

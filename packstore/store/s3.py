@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, StoreBusy, Unavailable
 from packstore.format import EncodedPack, PackHeader, parse_key
-from packstore.format.body import verify_chunk
+from packstore.format.body import chunks_for_layers, verify_chunk
 from packstore.format.signature import Signature
 from packstore.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
 from packstore.store.namespaces import DEFAULT_NAMESPACE
@@ -34,7 +34,7 @@ from packstore.store.registers import UNCHANGED, Registers, Version
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
 
 if TYPE_CHECKING:
-    from packstore.tensors import Pack
+    from packstore.tensors import Pack, PackLayers
 
 DEFAULT_GC_GRACE = 3600.0  # seconds an unreferenced object is kept (docs/operations.md, "Object store tier")
 MIN_LEASE = 120.0  # seconds a gc run may hold the store's gc lease, at least
@@ -371,6 +371,17 @@ class ObjectStore(ObjectBankTables):
         if device is not None and str(device) != "cpu":
             pack = pack.to(device)
         return pack
+
+    def fetch_layers(
+        self, ref: str, first: int, last: int, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
+    ) -> "PackLayers":
+        """Decode layers ``first`` to ``last`` of a pack, fetching (or finding cached) only the chunk objects that hold them."""
+        from packstore.tensors import decode_layers
+
+        header, _ = self._header(self.resolve(ref, model_fp=model_fp))
+        header.check_identities(model_fp, template_fp)
+        chunks = self._pool.map(lambda index: (index, self._chunk(header, index)), chunks_for_layers(header, first, last))
+        return decode_layers(header, first, last, chunks, device)
 
     def verify(self, ref: str) -> VerifyResult:
         """Check the stored copy (not the cache): header seal, every chunk's checksum, that every chunk decodes, signatures."""

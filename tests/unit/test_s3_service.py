@@ -13,15 +13,17 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import grpc
 import pytest
+import torch
 
-from packstore.errors import IntegrityError, PackNotFound, Unavailable
+from packstore.errors import IntegrityError, InvalidInput, PackNotFound, Unavailable
 from packstore.rpc.messages import chunk_pieces
+from packstore.store.object_cache import DEFAULT_CACHE_BYTES, ObjectCache
 from packstore.store.remote import RemoteStore
 from packstore.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
@@ -52,6 +54,24 @@ def test_two_replicas_serve_each_others_packs(seaweed, url, tmp_path, model_fp) 
             a.fetch(key)  # a streamed it from its cache before; the commit object is gone, so it is gone for a too
     assert sorted(p.name for p in (tmp_path / "a").rglob("data.mdb")) == ["data.mdb"]  # the data directory holds only the cache
     assert (tmp_path / "a" / "object-cache" / "default" / "data.mdb").exists()
+
+
+def test_getpack_of_a_layer_range_reads_only_its_chunk_objects(seaweed, url, tmp_path, model_fp) -> None:
+    pack = random_pack(model_fp, 4, layers=10)
+    encoded = encode_pack(pack)
+    with replica(seaweed, url, tmp_path / "a") as (_, a), replica(seaweed, url, tmp_path / "b") as (b_server, b):
+        key, _ = a.put(encoded)
+        with grpc.insecure_channel(b_server.address) as channel:
+            request = store_pb2.GetPackRequest(ref=key, layers=store_pb2.LayerRange(first=2, last=3))
+            sent = [r.chunk.index for r in store_pb2_grpc.PackStoreStub(channel).GetPack(request) if r.WhichOneof("item") == "chunk"]
+        assert sorted(set(sent)) == [2, 3]
+        part = b.fetch_layers(key, 2, 3, model_fp=model_fp, template_fp=FP_B)
+        assert all(torch.equal(x, y) for x, y in zip(pack.keys[2:4] + pack.values[2:4], part.keys + part.values))
+        with pytest.raises(InvalidInput, match="not within its layers 0-9"):
+            b.fetch_layers(key, 9, 10)
+    with closing(ObjectCache(tmp_path / "b" / "object-cache" / "default", DEFAULT_CACHE_BYTES)) as cache:
+        cached = {name.rsplit("/", 1)[1] for name in cache.names() if "/chunks/" in name}
+    assert cached == {c.sha256 for c in encoded.header.chunks[2:4]}  # b got only these chunk objects from the bucket
 
 
 def test_a_replica_killed_mid_upload_leaves_no_visible_pack(seaweed, url, tmp_path, model_fp) -> None:

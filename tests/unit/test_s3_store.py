@@ -50,6 +50,13 @@ def same_tensors(a: Pack, b: Pack) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
 
 
+def counted_gets(store: ObjectStore) -> list[str]:
+    """The object names ``store`` GETs from now on (a boto3 event hook on its client), growing as it reads."""
+    names: list[str] = []
+    store.bucket._client.meta.events.register("before-parameter-build.s3.GetObject", lambda params, **_: names.append(params["Key"].rsplit("/ns/default/", 1)[1]))
+    return names
+
+
 def test_a_pack_put_through_one_replica_is_listed_and_served_by_the_other(replicas, seaweed, url, model_fp) -> None:
     a, b = replicas
     first, second = pack_of(model_fp, 10), pack_of(model_fp, 20)  # the same tensors: their chunks are identical
@@ -191,6 +198,25 @@ def test_the_cache_is_bounded_and_evicts_the_least_recently_used(url, tmp_path, 
         assert not first & cached and last <= cached  # the oldest went first
         assert same_tensors(reader.fetch(packs[0].header.key), packs[0])  # evicted: fetched again
         assert reader.cache.held_bytes <= bound
+
+
+def test_a_layer_range_gets_only_the_chunk_objects_holding_it(url, tmp_path, model_fp) -> None:
+    pack = random_pack(model_fp, 7, layers=12)
+    encoded = encode_pack(pack)
+    with ObjectStore(url, cache_dir=tmp_path / "w") as writer:
+        key, _ = writer.put(encoded)
+    with ObjectStore(url, cache_dir=tmp_path / "r") as reader:
+        gets = counted_gets(reader)
+        part = reader.fetch_layers(key, 4, 6)
+        assert all(torch.equal(a, b) for a, b in zip(pack.keys[4:7] + pack.values[4:7], part.keys + part.values))
+        wanted = sorted(f"chunks/{c.sha256}" for c in encoded.header.chunks[4:7])
+        assert sorted(g for g in gets if g.startswith("chunks/")) == wanted  # 3 of the 12 chunk objects
+        assert [g for g in gets if not g.startswith("chunks/")] == [f"headers/{key}"]
+        gets.clear()
+        reader.fetch_layers(key, 5, 5)
+        assert gets == []  # header and chunk from the cache (the header's version checked by a HEAD)
+        reader.fetch(key)
+        assert len(gets) == 9  # the whole pack: only the 9 chunks not read before
 
 
 def test_a_damaged_cache_entry_is_dropped_and_fetched_again(replicas, model_fp) -> None:

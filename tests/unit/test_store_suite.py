@@ -14,7 +14,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from packstore.errors import AmbiguousRef, IntegrityError, PackMismatch, PackNotFound
+from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackMismatch, PackNotFound
 from packstore.records import GcReport, PackPage, PackSummary, StoreCounts
 from packstore.store import BankStore, LmdbStore, PackStore
 from packstore.store.remote import RemoteStore
@@ -116,6 +116,24 @@ def test_steering_packs_round_trip_with_their_partial_layer_range(store: PackSto
     fetched = store.fetch(key)
     assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, fetched.keys + fetched.values))
     assert store.stat(key).header.recipe == recipe and store.verify(key).ok
+    part = store.fetch_layers(key, 2, 2)  # a steering pack's body starts at its recipe's first layer
+    assert part.layers == range(2, 3) and torch.equal(part.keys[0], pack.keys[1]) and torch.equal(part.values[0], pack.values[1])
+    with pytest.raises(InvalidInput):
+        store.fetch_layers(key, 0, 1)
+
+
+def test_fetch_layers_decodes_only_the_layers_asked_for(store: PackStore, model_fp: str) -> None:
+    pack = pack_of(model_fp)
+    key, _ = store.put(encode_pack(pack))
+    part = store.fetch_layers(key, 1, 2, model_fp=model_fp, template_fp=FP_B)
+    assert part.header.key == key and part.layers == range(1, 3)
+    assert all(torch.equal(a, b) for a, b in zip(pack.keys[1:] + pack.values[1:], part.keys + part.values))
+    assert [k.shape for k in store.fetch_layers(key, 0, 0).keys] == [pack.keys[0].shape]
+    for first, last in ((2, 3), (2, 1)):
+        with pytest.raises(InvalidInput, match="not within its layers 0-2"):
+            store.fetch_layers(key, first, last)
+    with pytest.raises(PackMismatch):
+        store.fetch_layers(key, 0, 0, model_fp="0" * 64)
 
 
 def test_stated_identities_must_match(store: PackStore, model_fp: str) -> None:
