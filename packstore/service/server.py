@@ -64,7 +64,7 @@ class Call(dict):
 
 class PackStoreService(store_pb2_grpc.PackStoreServicer):
     """The pack service over the stores of its namespaces, embedded or on an object store; besides the
-    PackStore protocol it uses their streaming side (``begin_upload``, ``read_chunk``)."""
+    PackStore protocol it uses their streaming side (``begin_upload``, ``read_chunks``)."""
 
     def __init__(self, stores: NamespaceStores, config: ServiceConfig, metrics: ServiceMetrics, auth: Auth | None = None) -> None:
         self.stores = stores
@@ -170,13 +170,11 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             span = request.layers if request.HasField("layers") else None
             indices = chunks_for_layers(header, span.first, span.last) if span else range(len(header.chunks))
             yield store_pb2.GetPackResponse(header=pack_info(stored))
-            for index in indices:
-                chunk = header.chunks[index]
+            for index, data in zip(indices, call.store.read_chunks(header, indices)):
                 if not context.is_active():
                     call["cancelled"] = True
                     return
-                data = call.store.read_chunk(header, index)
-                for piece in chunk_pieces(index, data, chunk.sha256):
+                for piece in chunk_pieces(index, data, header.chunks[index].sha256):
                     yield store_pb2.GetPackResponse(chunk=piece)
                 self.metrics.bytes_sent.inc(len(data))
 

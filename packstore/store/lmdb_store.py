@@ -492,17 +492,19 @@ class LmdbStore(BankTables):
         with self._env.read() as txn:
             header = self._header_in(txn, key)
         header.check_identities(model_fp, template_fp)
-        chunks = ((index, self.read_chunk(header, index)) for index in chunks_for_layers(header, first, last))
-        return decode_layers(header, first, last, chunks, device)
+        indices = chunks_for_layers(header, first, last)
+        return decode_layers(header, first, last, zip(indices, self.read_chunks(header, indices)), device)
 
-    def read_chunk(self, header: PackHeader, index: int) -> bytes:
-        """One stored chunk of a pack, checked against its sha256 (for streaming without the whole pack)."""
-        with self._env.read() as txn:
-            data = txn.get(_chunk_key(header.key, index), db=self._chunks)
-        if data is None:
-            raise PackNotFound(f"pack {header.key}: chunk {index} is gone (was the pack deleted during the transfer?)")
-        verify_chunk(header, index, data)
-        return data
+    def read_chunks(self, header: PackHeader, indices: range) -> Iterator[bytes]:
+        """Chunks ``indices`` of a pack in order, each checked against its sha256 and read only when the caller
+        takes it (a stream holds one chunk at a time, not the pack)."""
+        for index in indices:
+            with self._env.read() as txn:
+                data = txn.get(_chunk_key(header.key, index), db=self._chunks)
+            if data is None:
+                raise PackNotFound(f"pack {header.key}: chunk {index} is gone (was the pack deleted during the transfer?)")
+            verify_chunk(header, index, data)
+            yield data
 
     def banks(self) -> "BankStore":
         """The banks beside these packs; routing embeds here, so the bank layer is imported late."""

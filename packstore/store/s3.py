@@ -15,7 +15,8 @@ import itertools
 import tempfile
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from packstore.tensors import Pack, PackLayers
 
 DEFAULT_GC_GRACE = 3600.0  # seconds an unreferenced object is kept (docs/operations.md, "Object store tier")
+READ_AHEAD = 4  # chunks a stream fetches ahead of the one it sends
 MIN_LEASE = 120.0  # seconds a gc run may hold the store's gc lease, at least
 T = TypeVar("T")
 
@@ -192,9 +194,21 @@ class ObjectStore(ObjectBankTables):
         missing = f"pack {header.key}: chunk {index} is missing from the object store"
         return self._immutable(self._chunk_name(header.chunks[index].sha256), check, cached=cached, missing=missing)
 
-    def read_chunk(self, header: PackHeader, index: int) -> bytes:
-        """One stored chunk of a pack, checked against its sha256 (for streaming without the whole pack)."""
-        return self._chunk(header, index)
+    def read_chunks(self, header: PackHeader, indices: range) -> Iterator[bytes]:
+        """Chunks ``indices`` of a pack in order, each checked against its sha256, with up to ``READ_AHEAD`` fetched
+        ahead in parallel: a stream costs about one object-store round trip per READ_AHEAD chunks, not per chunk,
+        and a stalled reader holds at most READ_AHEAD + 1 chunks."""
+        pending: deque[Future[bytes]] = deque()
+        try:
+            for index in indices:
+                pending.append(self._pool.submit(self._chunk, header, index))
+                if len(pending) > READ_AHEAD:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
 
     def _signatures(self, key: str) -> tuple[Signature, ...]:
         def parse(data: bytes) -> Signature:
@@ -380,8 +394,8 @@ class ObjectStore(ObjectBankTables):
 
         header, _ = self._header(self.resolve(ref, model_fp=model_fp))
         header.check_identities(model_fp, template_fp)
-        chunks = self._pool.map(lambda index: (index, self._chunk(header, index)), chunks_for_layers(header, first, last))
-        return decode_layers(header, first, last, chunks, device)
+        indices = chunks_for_layers(header, first, last)
+        return decode_layers(header, first, last, zip(indices, self.read_chunks(header, indices)), device)
 
     def verify(self, ref: str) -> VerifyResult:
         """Check the stored copy (not the cache): header seal, every chunk's checksum, that every chunk decodes, signatures."""
