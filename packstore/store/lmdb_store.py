@@ -26,7 +26,7 @@ from packstore.store.protocol import DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, BankSt
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
 
 if TYPE_CHECKING:
-    from packstore.tensors import Pack
+    from packstore.tensors import Pack, PackLayers
 
 STORE_LAYOUT_VERSION = b"2"  # 2 added summaries, key_names, by_name and the running counters
 LOCK_FILE = "packstore.lock"
