@@ -314,7 +314,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             return store_pb2.DeleteBankResponse()
 
     @staticmethod
-    def _bank_status(store: LmdbStore, name: str) -> store_pb2.BankStatus:
+    def _bank_status(store: PackStore, name: str) -> store_pb2.BankStatus:
         banks = store.banks()
         return store_pb2.BankStatus(
             bank=bank_info(store.bank(name), store.bank_stored_bytes(name)),
