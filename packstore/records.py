@@ -117,6 +117,17 @@ class GcReport:
 
 
 @dataclass(frozen=True)
+class MigrateReport:
+    """What copying one store into another did: packs in the source, those copied (the rest were
+    there already), and the names and signatures added to packs that were there."""
+
+    packs: int
+    copied: int
+    names_set: int
+    signatures_added: int
+
+
+@dataclass(frozen=True)
 class StoreCounts:
     """Running totals a store keeps in the same transactions as its writes (for metrics)."""
 

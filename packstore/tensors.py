@@ -11,6 +11,7 @@ import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 from safetensors.torch import save as safetensors_save
@@ -51,16 +52,28 @@ class Pack:
 
     def check_shapes(self) -> None:
         """Raise InvalidInput unless every tensor matches the header's shape and dtype."""
-        h = self.header
-        expected, layers = h.tensor_shape, h.body_layers
-        if len(self.keys) != len(layers) or len(self.values) != len(layers):
-            raise InvalidInput(f"pack has {len(self.keys)} K / {len(self.values)} V layers, header says {len(layers)}")
-        for i, k, v in zip(layers, self.keys, self.values):
-            for name, t in (("K", k), ("V", v)):
-                if tuple(t.shape) != expected or t.dtype != torch_dtype(h.dtype):
-                    raise InvalidInput(
-                        f"layer {i} {name} is {tuple(t.shape)} {t.dtype}, header says {expected} {h.dtype}"
-                    )
+        check_shapes(self.header, self.header.body_layers, self.keys, self.values)
+
+
+def check_shapes(header: PackHeader, layers: range, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Raise InvalidInput unless ``keys`` and ``values`` hold one tensor of the header's shape and dtype per layer of ``layers``."""
+    expected = header.tensor_shape
+    if len(keys) != len(layers) or len(values) != len(layers):
+        raise InvalidInput(f"pack has {len(keys)} K / {len(values)} V layers, header says {len(layers)}")
+    for i, k, v in zip(layers, keys, values):
+        for name, t in (("K", k), ("V", v)):
+            if tuple(t.shape) != expected or t.dtype != torch_dtype(header.dtype):
+                raise InvalidInput(f"layer {i} {name} is {tuple(t.shape)} {t.dtype}, header says {expected} {header.dtype}")
+
+
+@dataclass
+class PackLayers:
+    """Some layers of a pack's body, read without the others (``PackStore.fetch_layers``): K and V of each of ``layers``."""
+
+    header: PackHeader
+    layers: range
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
 
 
 def adapter_tensors_sha256(header: torch.Tensor, trailer: torch.Tensor) -> str:
@@ -131,6 +144,26 @@ def decode_chunk(header: PackHeader, index: int, data: bytes) -> dict[str, torch
     if set(tensors) != chunk_tensor_names(header, info):
         raise IntegrityError(f"pack {header.key}: chunk {index} does not hold exactly layers {info.first_layer}-{info.stop_layer - 1}")
     return tensors
+
+
+def decode_layers(header: PackHeader, first: int, last: int, chunks: Iterable[tuple[int, bytes]], device: object = None) -> PackLayers:
+    """Verify and decode the chunks ``chunks_for_layers(header, first, last)`` as (index, bytes), in parallel,
+    keeping layers ``first`` to ``last`` on ``device`` (CPU when None); IntegrityError if one is missing."""
+    with ThreadPoolExecutor(WORKERS) as pool:
+        decoded = list(pool.map(lambda item: decode_chunk(header, *item), chunks))
+    tensors = {name: tensor for part in decoded for name, tensor in part.items()}
+    layers = range(first, last + 1)
+    names = [header.tensor_names(layer) for layer in layers]
+    missing = [layer for layer, (k_name, _) in zip(layers, names) if k_name not in tensors]
+    if missing:
+        raise IntegrityError(f"pack {header.key}: no chunk read holds layer {missing[0]}")
+    keys, values = [tensors[k_name] for k_name, _ in names], [tensors[v_name] for _, v_name in names]
+    try:
+        check_shapes(header, layers, keys, values)
+    except InvalidInput as exc:
+        raise IntegrityError(f"pack {header.key}: {exc}") from None
+    device = device or "cpu"
+    return PackLayers(header, layers, [k.to(device) for k in keys], [v.to(device) for v in values])
 
 
 def decode_pack(encoded: EncodedPack) -> Pack:

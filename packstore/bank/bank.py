@@ -7,7 +7,7 @@ import re
 import threading
 import time
 from datetime import datetime, timezone
-from typing import Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -19,9 +19,14 @@ from packstore.format.bank import VECTOR_KINDS, BankMeta, Cluster, quantize
 from packstore.format.signature import Signature
 from packstore.records import Route
 from packstore.store.banks import BankChanged
-from packstore.store.lmdb_store import LmdbStore
 from packstore.store.protocol import check_name
 from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_TOP_K, MIN_PROBE, PROBED_SHARE, ROUTE_MODES
+
+if TYPE_CHECKING:
+    from packstore.store.lmdb_store import LmdbStore
+    from packstore.store.s3 import ObjectStore
+
+    Tables = LmdbStore | ObjectStore  # a store with the bank record methods (store/banks.py, store/object_banks.py)
 
 FACTS_PER_CLUSTER = 20
 _EMBEDDERS: dict[str, "Embedder"] = {}
@@ -123,7 +128,7 @@ def _group(ids: np.ndarray, vectors: np.ndarray, texts: list[str], assignment: n
 
 
 def build_bank(
-    store: LmdbStore, name: str, facts: Sequence[str], embedder: Embedder, *, vectors: str = "fp16", progress: bool = False
+    store: Tables, name: str, facts: Sequence[str], embedder: Embedder, *, vectors: str = "fp16", progress: bool = False
 ) -> BankMeta:
     """Embed every fact, cluster into about N/20 clusters, and store the bank (replacing one of that name).
 
@@ -163,13 +168,13 @@ def _cached(key: tuple, load: Callable[[], _Cached]) -> _Cached:
     return found  # type: ignore[return-value]
 
 
-def centroids_of(store: LmdbStore, name: str) -> torch.Tensor:
+def centroids_of(store: Tables, name: str) -> torch.Tensor:
     """A bank's centroid matrix, read and verified once per build."""
     key = (str(store.path), name, "centroids", store.bank_centroids_seal(name))
     return _cached(key, lambda: torch.tensor(store.bank_centroids(name)))
 
 
-def lexical_index_of(store: LmdbStore, name: str) -> LexicalIndex | None:
+def lexical_index_of(store: Tables, name: str) -> LexicalIndex | None:
     """A bank's full-text index, read once per build or addition; None for a bank built without one."""
     seal = store.bank_lexical_seal(name)
     if seal is None:
@@ -187,7 +192,7 @@ def nearest_centroids(vectors: np.ndarray, centroids: torch.Tensor, count: int) 
     return torch.topk(scores, min(count, centroids.shape[0]), dim=1).indices.numpy()
 
 
-def add_facts(store: LmdbStore, name: str, facts: Sequence[str], embedder: Embedder, *, progress: bool = False) -> BankMeta:
+def add_facts(store: Tables, name: str, facts: Sequence[str], embedder: Embedder, *, progress: bool = False) -> BankMeta:
     """Add facts to an existing bank without re-clustering: each joins its nearest centroid's cluster.
 
     The full-text index is rebuilt over all the bank's facts (BM25 statistics cover every document).
@@ -210,7 +215,7 @@ def add_facts(store: LmdbStore, name: str, facts: Sequence[str], embedder: Embed
     raise StoreBusy(f"bank {name!r} kept changing while facts were being added ({ADD_ATTEMPTS} attempts); try again")
 
 
-def _additions(store: LmdbStore, meta: BankMeta, facts: list[str], vectors: np.ndarray) -> tuple[BankMeta, dict[int, Cluster], bytes]:
+def _additions(store: Tables, meta: BankMeta, facts: list[str], vectors: np.ndarray) -> tuple[BankMeta, dict[int, Cluster], bytes]:
     """The metadata, changed clusters and full-text index record of ``meta``'s bank with ``facts`` added."""
     name = meta.name
     assignment = nearest_centroids(vectors, centroids_of(store, name), 1)[:, 0]
@@ -248,7 +253,7 @@ def _fact_documents(index: LexicalIndex, cluster_id: int, rows: int) -> np.ndarr
 
 
 def route(
-    store: LmdbStore,
+    store: Tables,
     name: str,
     queries: Sequence[str],
     embedder: Embedder,
@@ -295,7 +300,7 @@ def route(
 
 
 def _rank(
-    store: LmdbStore,
+    store: Tables,
     name: str,
     query: str,
     vector: np.ndarray,
@@ -343,9 +348,9 @@ def cached_embedder(spec: str) -> Embedder:
 
 
 class LocalBanks:
-    """Bank operations on a local store, with embedders named by specifier (as over the service)."""
+    """Bank operations on a store this process holds (LMDB or object tier), with embedders named by specifier (as over the service)."""
 
-    def __init__(self, store: LmdbStore) -> None:
+    def __init__(self, store: Tables) -> None:
         self.store = store
 
     def build(

@@ -22,7 +22,7 @@ def global_options(add_defaults: bool, *, client: bool = False) -> argparse.Argu
         "--store",
         default=default,
         metavar="PATH",
-        help="pack store directory, or grpc://HOST:PORT / grpcs://HOST:PORT (TLS) (default: $PACKSTORE_STORE, else a per-user data dir)",
+        help="pack store directory, grpc://HOST:PORT / grpcs://HOST:PORT (TLS), or s3://BUCKET/PREFIX (default: $PACKSTORE_STORE, else a per-user data dir)",
     )
     if client:
         connection_options(parser, default=default)
@@ -39,7 +39,10 @@ def connection_options(parser: argparse.ArgumentParser, *, default: Any = None, 
     parser.add_argument(f"--{prefix}tls-client-key", default=default, metavar="FILE", help="its private key ($PACKSTORE_TLS_CLIENT_KEY)")
     if not prefix:
         parser.add_argument("--token-file", default=default, metavar="FILE", help="bearer token to send (default: $PACKSTORE_TOKEN)")
-        parser.add_argument("--namespace", default=default, metavar="NS", help="namespace, when the token has several ($PACKSTORE_NAMESPACE)")
+        parser.add_argument("--namespace", default=default, metavar="NS", help="namespace, when the token has several, or of an s3:// store ($PACKSTORE_NAMESPACE)")
+        parser.add_argument(
+            "--s3-endpoint", default=default, metavar="URL", help="endpoint of an s3:// store ($PACKSTORE_S3_ENDPOINT, else $AWS_ENDPOINT_URL_S3, else AWS S3)"
+        )
 
 
 def connection_of(args: argparse.Namespace, prefix: str = ""):
@@ -55,6 +58,7 @@ def connection_of(args: argparse.Namespace, prefix: str = ""):
         tls_client_cert=given("tls_client_cert"),
         tls_client_key=given("tls_client_key"),
         namespace=getattr(args, "namespace", None),
+        s3_endpoint=getattr(args, "s3_endpoint", None),
     )
 
 

@@ -16,10 +16,12 @@ def _progress(args: argparse.Namespace) -> bool:
     return not args.quiet and sys.stderr.isatty()
 
 
-def _open_store(args: argparse.Namespace, *, readonly: bool = False):
+def _open_store(args: argparse.Namespace, *, readonly: bool = False, spec: str | None = None):
+    """The store ``--store`` names (or ``spec``), reached with the connection options when it is not a directory."""
     from packstore.store import is_remote, open_store
 
-    return open_store(args.store, readonly=readonly, connection=connection_of(args) if is_remote(args.store or os.environ.get("PACKSTORE_STORE")) else None)
+    spec = spec or args.store or os.environ.get("PACKSTORE_STORE")
+    return open_store(spec, readonly=readonly, connection=connection_of(args) if is_remote(spec) else None)
 
 
 def _load_model(args: argparse.Namespace):
@@ -299,7 +301,10 @@ def cmd_backup(args: argparse.Namespace) -> int:
 
     source = args.store or os.environ.get("PACKSTORE_STORE") or str(default_store_path())
     if is_remote(source):
-        raise InvalidInput("backup copies a store directory: run it on the service's host with --store DATA (it is safe while the service runs)")
+        raise InvalidInput(
+            "backup copies a store directory: run it on the service's host with --store DATA (it is safe while the service runs); "
+            "copy an s3:// store with packctl migrate --to DIR"
+        )
     report = backup(source, args.destination)
     if args.json:
         emit_json({"destination": report.destination, "namespaces": report.namespaces})
@@ -357,6 +362,24 @@ def cmd_import(args: argparse.Namespace) -> int:
     else:
         print(stored.key)
         print("imported" if created else "already stored", file=sys.stderr)
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from packstore.store.migrate import migrate
+
+    show = None if args.json or args.quiet else lambda key, what: print(f"{what:<8} {key}", file=sys.stderr)
+    with _open_store(args, readonly=True) as source, _open_store(args, spec=args.to) as target:
+        report = migrate(source, target, progress=show)
+    if args.json:
+        emit_json(asdict(report))
+    else:
+        print(
+            f"{report.packs} packs: {report.copied} copied, {report.packs - report.copied} already there; "
+            f"{report.names_set} names and {report.signatures_added} signatures added"
+        )
     return 0
 
 
@@ -686,6 +709,13 @@ def build_cli() -> CommandLine:
     p.add_argument("--trusted-keys", required=True, metavar="FILE")
     p = sub.add_parser("rm", parents=common, help="delete bank N")
     p.add_argument("name", metavar="N")
+
+    p = cli.command(
+        "migrate", cmd_migrate,
+        "copy every pack of --store, with its names and signatures, into another store (a directory, grpc:// or s3://); "
+        "running it again copies only what is missing",
+    )
+    p.add_argument("--to", required=True, metavar="STORE", help="the store to copy into")
 
     p = cli.command("gc", cmd_gc, "remove what no pack references; --compact also shrinks the data file")
     p.add_argument("--compact", action="store_true", help="rewrite the data file without free pages (needs the store to itself)")

@@ -44,7 +44,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from packstore.service.server import serve
 
     names = ("data", "listen", "metrics", "workers", "max_message_bytes", "max_pack_bytes", "max_chunk_bytes", "max_facts_bytes", "max_store_bytes")
-    overrides = {name: getattr(args, name) for name in names + ("auth", "tls_cert", "tls_key", "tls_client_ca")}
+    overrides = {name: getattr(args, name) for name in names + ("auth", "tls_cert", "tls_key", "tls_client_ca", "objects", "s3_endpoint", "cache_bytes")}
     serve(load_config(args.config, overrides))
     return 0
 
@@ -87,7 +87,10 @@ def build_cli() -> CommandLine:
     cli.command("info", cmd_info, "version, default store and model cache, device, installed models")
 
     p = cli.command("serve", cmd_serve, "serve a store over gRPC (with health, reflection and Prometheus metrics)")
-    p.add_argument("--data", metavar="DIR", help="store directory ($PACKSTORE_DATA)")
+    p.add_argument("--data", metavar="DIR", help="store directory; with --objects, where the caches live ($PACKSTORE_DATA)")
+    p.add_argument("--objects", metavar="s3://BUCKET/PREFIX", help="serve the packs in this bucket, replicas sharing it ($PACKSTORE_OBJECTS)")
+    p.add_argument("--s3-endpoint", metavar="URL", help="the object store's endpoint (default: $AWS_ENDPOINT_URL_S3, else AWS S3)")
+    p.add_argument("--cache-bytes", type=int, metavar="N", help="with --objects: local cache per namespace, in bytes (default 1 GiB)")
     p.add_argument("--listen", metavar="HOST:PORT", help="gRPC address (default 127.0.0.1:50551; $PACKSTORE_LISTEN)")
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics here ($PACKSTORE_METRICS)")
     p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings (see docs/operations.md)")

@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from packstore.errors import IntegrityError
+from packstore.errors import IntegrityError, InvalidInput
 from packstore.format.header import ChunkInfo, PackHeader
 from packstore.format.signature import Signature
 
@@ -57,6 +57,16 @@ def max_plain_bytes(info: ChunkInfo) -> int:
     tensors, and never more than ``MAX_CHUNK_PLAIN_BYTES``. Decompression stops there."""
     table = 8 + 4096 + _TABLE_BYTES_PER_TENSOR * 2 * (info.stop_layer - info.first_layer)
     return min(info.raw_bytes + table, MAX_CHUNK_PLAIN_BYTES)
+
+
+def chunks_for_layers(header: PackHeader, first: int, last: int) -> range:
+    """The indices of the chunks holding layers ``first`` to ``last`` (inclusive): all a partial read needs.
+    Chunks hold every token of their layers, so there is no such subset for a token prefix."""
+    span = header.body_layers
+    if not span.start <= first <= last < span.stop:
+        raise InvalidInput(f"pack {header.key}: layers {first}-{last} are not within its layers {span.start}-{span.stop - 1}")
+    held = [index for index, chunk in enumerate(header.chunks) if chunk.first_layer <= last and chunk.stop_layer > first]
+    return range(held[0], held[-1] + 1)
 
 
 def verify_chunk(header: PackHeader, index: int, data: bytes) -> None:

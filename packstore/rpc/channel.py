@@ -31,16 +31,18 @@ def _read(path: str | None, what: str) -> bytes | None:
 
 @dataclass(frozen=True)
 class Connection:
-    """How a client reaches a server: TLS files (for ``grpcs://``) and the bearer token and namespace it sends.
+    """How a client reaches a store: TLS files (for ``grpcs://``) and the bearer token it sends, the
+    namespace, and the endpoint of an ``s3://`` object store (None: ``$AWS_ENDPOINT_URL_S3``, else AWS S3).
 
     ``from_env`` fills what is not given from ``$PACKSTORE_TLS_CA``, ``$PACKSTORE_TLS_CLIENT_CERT``,
-    ``$PACKSTORE_TLS_CLIENT_KEY``, ``$PACKSTORE_TOKEN`` and ``$PACKSTORE_NAMESPACE``."""
+    ``$PACKSTORE_TLS_CLIENT_KEY``, ``$PACKSTORE_TOKEN``, ``$PACKSTORE_NAMESPACE`` and ``$PACKSTORE_S3_ENDPOINT``."""
 
     tls_ca: str | None = None
     tls_client_cert: str | None = None
     tls_client_key: str | None = None
     token: str | None = None
     namespace: str | None = None
+    s3_endpoint: str | None = None
 
     @classmethod
     def from_env(cls, *, token_file: str | None = None, **given: str | None) -> "Connection":

@@ -60,11 +60,13 @@ def chunk_pieces(index: int, data: bytes, sha256: str) -> Iterator[store_pb2.Chu
 
 
 class ChunkAssembler:
-    """Joins Chunk pieces back into whole chunks, using the header's stored sizes to know when each ends."""
+    """Joins Chunk pieces back into whole chunks, using the header's stored sizes to know when each ends.
+    ``indices``: the chunks expected, in order (a layer range's, or every chunk when None)."""
 
-    def __init__(self, header: PackHeader) -> None:
+    def __init__(self, header: PackHeader, indices: range | None = None) -> None:
         self.header = header
-        self.next_index = 0
+        self.indices = indices if indices is not None else range(len(header.chunks))
+        self.next_index = self.indices.start
         self._parts: list[bytes] = []
         self._size = 0
 
@@ -72,8 +74,8 @@ class ChunkAssembler:
         """Add one piece; returns the whole chunk when this piece completes it."""
         if piece.index != self.next_index:
             raise InvalidInput(f"chunk {piece.index} arrived where chunk {self.next_index} was expected")
-        if self.next_index >= len(self.header.chunks):
-            raise InvalidInput(f"more chunks than the {len(self.header.chunks)} the header lists")
+        if self.next_index >= self.indices.stop:
+            raise InvalidInput(f"chunk {piece.index} is past the last chunk expected ({self.indices.stop - 1})")
         expected = self.header.chunks[self.next_index].stored_bytes
         self._parts.append(piece.data)
         self._size += len(piece.data)
@@ -88,7 +90,7 @@ class ChunkAssembler:
 
     @property
     def complete(self) -> bool:
-        return self.next_index == len(self.header.chunks) and not self._parts
+        return self.next_index == self.indices.stop and not self._parts
 
 
 def bank_info(meta, stored_bytes: int) -> store_pb2.BankInfo:

@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from packstore.errors import InvalidInput
+from packstore.store.object_cache import DEFAULT_CACHE_BYTES
 
 
 @dataclass(frozen=True)
 class ServiceConfig:
     """Everything ``packstore serve`` can be told. Each field F also reads ``$PACKSTORE_<F upper>``."""
 
-    data: str = ""
+    data: str = ""  # the store directory; with ``objects``, only the caches of the object store
     listen: str = "127.0.0.1:50551"
     metrics: str = ""  # HOST:PORT for Prometheus; empty disables
     workers: int = 16  # concurrent RPCs served
@@ -32,6 +33,9 @@ class ServiceConfig:
     tls_cert: str = ""  # PEM certificate (chain) for TLS; empty: plain gRPC
     tls_key: str = ""
     tls_client_ca: str = ""  # PEM CA whose client certificates are required (mutual TLS)
+    objects: str = ""  # s3://BUCKET/PREFIX to serve from (docs/operations.md, "Object store tier"); empty: the local store
+    s3_endpoint: str = ""  # the object store's URL; empty: $AWS_ENDPOINT_URL_S3, else AWS S3
+    cache_bytes: int = DEFAULT_CACHE_BYTES  # with objects: the local cache of each namespace
 
 
 def _coerce(field: dataclasses.Field, value: Any, source: str) -> Any:
@@ -68,4 +72,8 @@ def load_config(config_file: str | None = None, overrides: dict[str, Any] | None
         raise InvalidInput("size limits must be at least 1 byte")
     if config.workers < 1 or config.max_message_bytes < (1 << 20) + 4096:
         raise InvalidInput("workers must be >= 1 and max_message_bytes at least 1 MiB + 4 KiB (chunk pieces are 1 MiB)")
+    if config.objects and config.max_store_bytes:
+        raise InvalidInput("max_store_bytes bounds a local store; with objects, bound the bucket with the object store's own quota")
+    if config.cache_bytes < 0:
+        raise InvalidInput("cache_bytes must be >= 0")
     return config

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from packstore.errors import InvalidInput, LimitExceeded, PackstoreError
 from packstore.format import PackHeader
+from packstore.format.body import chunks_for_layers
 from packstore.format.signature import Signature
 from packstore.rpc.listen import bind
 from packstore.rpc.messages import ChunkAssembler, bank_info, chunk_pieces, pack_info, signatures_of, summary_info
@@ -27,7 +28,7 @@ from packstore.service.config import ServiceConfig
 from packstore.store.namespaces import NamespaceStores
 from packstore.service.metrics import ServiceMetrics
 from packstore.records import PackPage
-from packstore.store import LmdbStore
+from packstore.store import PackStore
 from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, check_name
 from packstore.v1 import store_pb2, store_pb2_grpc
 
@@ -57,12 +58,13 @@ ROLE_OF = {
 class Call(dict):
     """One RPC's log fields (the dict), the store of its namespace, and who made it."""
 
-    store: LmdbStore
+    store: PackStore
     principal: Principal
 
 
 class PackStoreService(store_pb2_grpc.PackStoreServicer):
-    """The pack service over the embedded stores of its namespaces (staged uploads and chunk reads are its own)."""
+    """The pack service over the stores of its namespaces, embedded or on an object store; besides the
+    PackStore protocol it uses their streaming side (``begin_upload``, ``read_chunks``)."""
 
     def __init__(self, stores: NamespaceStores, config: ServiceConfig, metrics: ServiceMetrics, auth: Auth | None = None) -> None:
         self.stores = stores
@@ -99,13 +101,20 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             level = logging.INFO if code == grpc.StatusCode.OK else logging.WARNING
             log.log(level, method, extra={"fields": {"method": method, "code": code.name, "ms": round(elapsed * 1000, 2), "peer": context.peer(), **info}})
 
-    def _refresh_store_gauges(self) -> None:
-        """Read every open namespace store's running counters (no scan) and file size, summed."""
-        stores = self.stores.opened().values()
-        counts = [store.counts() for store in stores]
-        self.metrics.store_packs.set(sum(c.packs for c in counts))
-        self.metrics.store_pack_bytes.set(sum(c.stored_bytes for c in counts))
-        self.metrics.store_bytes.set(sum((store.path / "data.mdb").stat().st_size for store in stores))
+    def _track_store_gauges(self) -> None:
+        """Have each scrape read the open namespaces' packs and stored bytes (running counters in an embedded
+        store, a listing in an object store, where other replicas write too) and the size of the local files;
+        a store that cannot be read then reports NaN rather than fail the scrape."""
+
+        def total(field: str) -> float:
+            try:
+                return float(sum(getattr(store.counts(), field) for store in self.stores.opened().values()))
+            except PackstoreError:
+                return float("nan")
+
+        self.metrics.store_packs.set_function(lambda: total("packs"))
+        self.metrics.store_pack_bytes.set_function(lambda: total("stored_bytes"))
+        self.metrics.store_bytes.set_function(self.stores.local_file_bytes)
 
     # -- RPCs ------------------------------------------------------------------------------------
 
@@ -138,7 +147,6 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
                 upload.abort()
                 raise
             call["created"] = created
-            self._refresh_store_gauges()
             return store_pb2.PutPackResponse(pack=pack_info(call.store.stat(key)), created=created)
 
     def _check_upload_limits(self, header: PackHeader) -> None:
@@ -159,13 +167,14 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             header = stored.header
             call["key"] = header.key
             header.check_identities(request.model_fp, request.template_fp)
+            span = request.layers if request.HasField("layers") else None
+            indices = chunks_for_layers(header, span.first, span.last) if span else range(len(header.chunks))
             yield store_pb2.GetPackResponse(header=pack_info(stored))
-            for index, chunk in enumerate(header.chunks):
+            for index, data in zip(indices, call.store.read_chunks(header, indices)):
                 if not context.is_active():
                     call["cancelled"] = True
                     return
-                data = call.store.read_chunk(header, index)
-                for piece in chunk_pieces(index, data, chunk.sha256):
+                for piece in chunk_pieces(index, data, header.chunks[index].sha256):
                     yield store_pb2.GetPackResponse(chunk=piece)
                 self.metrics.bytes_sent.inc(len(data))
 
@@ -207,7 +216,6 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
     def DeletePack(self, request, context):
         with self._call("DeletePack", context, ref=request.ref) as call:
             call["key"] = key = call.store.delete(request.ref, model_fp=request.model_fp or None)
-            self._refresh_store_gauges()
             return store_pb2.DeletePackResponse(key=key)
 
     def SetName(self, request, context):
@@ -236,7 +244,6 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
     def CollectGarbage(self, request, context):
         with self._call("CollectGarbage", context, compact=request.compact) as call:
             report = call.store.gc(compact=request.compact)
-            self._refresh_store_gauges()
             return store_pb2.CollectGarbageResponse(**report.__dict__)
 
     # -- banks ---------------------------------------------------------------------------------
@@ -307,7 +314,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             return store_pb2.DeleteBankResponse()
 
     @staticmethod
-    def _bank_status(store: LmdbStore, name: str) -> store_pb2.BankStatus:
+    def _bank_status(store: PackStore, name: str) -> store_pb2.BankStatus:
         banks = store.banks()
         return store_pb2.BankStatus(
             bank=bank_info(store.bank(name), store.bank_stored_bytes(name)),
@@ -336,6 +343,7 @@ def build_server(
     ]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers), options=limits, maximum_concurrent_rpcs=config.workers * 4)
     service = PackStoreService(stores, config, metrics, auth)
+    service._track_store_gauges()
     store_pb2_grpc.add_PackStoreServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -352,7 +360,10 @@ def serve(config: ServiceConfig) -> None:
     logging.basicConfig(level=config.log_level.upper(), handlers=[handler], force=True)
     metrics = ServiceMetrics()
     auth = Auth(config.auth or None)
-    stores = NamespaceStores(config.data, max_bytes=config.max_store_bytes or None)
+    stores = NamespaceStores(
+        config.data, max_bytes=config.max_store_bytes or None, objects=config.objects or None,
+        endpoint=config.s3_endpoint or None, cache_bytes=config.cache_bytes,
+    )
     try:
         server, health_servicer, service = build_server(config, stores, metrics, auth)
         if config.metrics:
@@ -360,8 +371,7 @@ def serve(config: ServiceConfig) -> None:
         server.start()
         for name in ("", SERVICE_NAME):
             health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        service._refresh_store_gauges()
-        fields = {"listen": config.listen, "data": config.data, "metrics": config.metrics or None}
+        fields = {"listen": config.listen, "data": config.data, "objects": config.objects or None, "metrics": config.metrics or None}
         fields |= {"tls": bool(config.tls_cert), "mutual_tls": bool(config.tls_client_ca)}
         if auth.enabled:
             fields |= {"auth": f"tokens from {config.auth} ({auth.reload()} tokens; SIGHUP reloads)"}

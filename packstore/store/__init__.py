@@ -10,16 +10,26 @@ from packstore.store.protocol import BankStore, PackStore
 
 
 def is_remote(spec: str | os.PathLike[str] | None) -> bool:
-    """Whether a store specifier names a service (``grpc://`` or ``grpcs://HOST:PORT``) rather than a directory."""
-    return str(spec or "").startswith(("grpc://", "grpcs://"))
+    """Whether a store specifier names a service (``grpc://`` or ``grpcs://HOST:PORT``) or an object store
+    (``s3://BUCKET/PREFIX``) rather than a directory: reached through a ``Connection``."""
+    return str(spec or "").startswith(("grpc://", "grpcs://", "s3://"))
 
 
 def open_store(spec: str | os.PathLike[str] | None = None, *, readonly: bool = False, connection=None) -> PackStore:
     """The store a specifier names: ``grpc://HOST:PORT`` (``grpcs://`` for TLS) is the service, with
-    ``connection``'s TLS files, token and namespace (default: from the environment); anything else a
-    local directory. Without ``spec``: ``$PACKSTORE_STORE``, else the per-user data directory.
+    ``connection``'s TLS files, token and namespace; ``s3://BUCKET/PREFIX`` the object store at
+    ``connection``'s endpoint, in its namespace, with a temporary cache; anything else a local
+    directory. ``connection`` defaults to the environment's. Without ``spec``: ``$PACKSTORE_STORE``,
+    else the per-user data directory.
     """
     spec = str(spec or os.environ.get("PACKSTORE_STORE") or default_store_path())
+    if spec.startswith("s3://"):
+        from packstore.rpc.channel import Connection
+        from packstore.store.namespaces import DEFAULT_NAMESPACE
+        from packstore.store.s3 import ObjectStore
+
+        connection = connection or Connection.from_env()
+        return ObjectStore(spec, endpoint=connection.s3_endpoint, namespace=connection.namespace or DEFAULT_NAMESPACE)
     if is_remote(spec):
         from packstore.store.remote import RemoteStore
 

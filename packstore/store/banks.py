@@ -1,4 +1,8 @@
-"""Bank tables of the store: metadata, centroids and cluster blobs in the ``banks`` database."""
+"""Bank tables of the LMDB store (metadata, centroids, full-text index and cluster records in the ``banks``
+database), and what every tier shares: record names and the digest a bank signature covers.
+
+The bank algorithms (``packstore/bank/bank.py``) work on any store with these ``bank*`` methods: the
+LMDB store here, and the object tier (``object_banks.py``), whose records are objects instead."""
 
 from __future__ import annotations
 
@@ -45,6 +49,19 @@ def _cluster_key(name: str, cluster: int) -> bytes:
 
 def _signature_prefix(name: str) -> bytes:
     return b"signature/" + name.encode() + b"/"
+
+
+def record_names(name: str, cluster_ids: list[int]) -> tuple[str, str, list[str]]:
+    """How a bank's records are named in its digest (and in the object tier): centroids, lexical index, clusters."""
+    prefix = _cluster_prefix(name).decode()
+    return _centroids_key(name).decode(), _lexical_key(name).decode(), [prefix + struct.pack(">I", c).hex() for c in cluster_ids]
+
+
+def digest_of(name: str, meta: bytes, records: list[tuple[str, bytes]]) -> str:
+    """The digest a bank signature covers (docs/format.md §8): its metadata record's sha256 and each
+    other record's name and closing sha256 (``records``: centroids, lexical, then clusters by id)."""
+    record = {"bank": name, "meta": hashlib.sha256(meta).hexdigest(), "records": [[key, seal.hex()] for key, seal in records]}
+    return hashlib.sha256(canonical_json(record)).hexdigest()
 
 
 class BankChanged(Exception):
@@ -191,7 +208,7 @@ class BankTables:
         for key in (_centroids_key(name), _lexical_key(name)):
             data = txn.get(key, db=self._banks)
             if data is not None:
-                records.append([key.decode(), bytes(data[-32:]).hex()])
+                records.append((key.decode(), bytes(data[-32:])))
         prefix = _cluster_prefix(name)
         cursor = txn.cursor(db=self._banks)
         if cursor.set_range(prefix):
@@ -199,9 +216,8 @@ class BankTables:
                 key = bytes(key)  # a buffer in a read transaction opened with buffers
                 if not key.startswith(prefix):
                     break
-                records.append([prefix.decode() + key[len(prefix) :].hex(), bytes(value[-32:]).hex()])
-        record = {"bank": name, "meta": hashlib.sha256(bytes(meta)).hexdigest(), "records": records}
-        return hashlib.sha256(canonical_json(record)).hexdigest()
+                records.append((prefix.decode() + key[len(prefix) :].hex(), bytes(value[-32:])))
+        return digest_of(name, bytes(meta), records)
 
     def bank_digest(self, name: str) -> str:
         """The digest a bank's signature covers (docs/format.md §8): its metadata record's sha256 and

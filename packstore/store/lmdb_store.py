@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import itertools
-import json
 import os
-import re
 import shutil
 import struct
 import time
@@ -16,24 +14,23 @@ from typing import TYPE_CHECKING, Callable, Iterator, NoReturn, TypeVar
 
 import lmdb
 
-from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackNotFound, StoreBusy
+from packstore.errors import IntegrityError, InvalidInput, PackNotFound, StoreBusy
 from packstore.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
 from packstore.format import EncodedPack, PackHeader, parse_key
-from packstore.format.header import canonical_json
-from packstore.format.body import verify_chunk
+from packstore.format.body import chunks_for_layers, verify_chunk
 from packstore.format.signature import Signature
 from packstore.store.banks import BankTables
 from packstore.store.environment import DEFAULT_MAP_SIZE, LmdbEnvironment
 from packstore.store.integrity import check_structure
-from packstore.store.protocol import DEFAULT_PAGE, MAX_PAGE, BankStore, check_name
+from packstore.store.protocol import DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, BankStore, check_name, pick_match
+from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
 
 if TYPE_CHECKING:
-    from packstore.tensors import Pack
+    from packstore.tensors import Pack, PackLayers
 
 STORE_LAYOUT_VERSION = b"2"  # 2 added summaries, key_names, by_name and the running counters
 LOCK_FILE = "packstore.lock"
 STALE_UPLOAD_SECONDS = 3600
-_HASH_PREFIX_RE = re.compile(r"[0-9a-f]{8,64}")
 T = TypeVar("T")
 
 
@@ -79,25 +76,6 @@ def _prefix_scan(txn: lmdb.Transaction, db: object, prefix: bytes) -> Iterator[t
         yield key, value
 
 
-def _summary_record(header: PackHeader, stored_bytes: int) -> bytes:
-    """What ``summaries`` holds for a pack: its summary without key and names (docs/format.md §2)."""
-    summary = StoredPack(header=header, names=(), stored_bytes=stored_bytes).summary
-    record = {name: value for name, value in summary.__dict__.items() if name not in ("key", "names")}
-    return canonical_json(record)
-
-
-_decode_json = json.JSONDecoder().decode
-
-
-def _summary(key: str, names: tuple[str, ...], data: bytes) -> PackSummary:
-    try:
-        record = _decode_json(data.decode())
-        record["parents"] = tuple(record["parents"])
-        return PackSummary(key=key, names=names, **record)
-    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
-        raise IntegrityError(f"pack {key}: stored summary is damaged: {exc}") from None
-
-
 def _names_at(cursor: lmdb.Cursor, key: str) -> tuple[str, ...]:
     """The names of ``key`` in ``key_names``, sorted; ``cursor`` may be reused for keys in increasing order."""
     prefix = f"{key}/".encode()
@@ -110,11 +88,6 @@ def _names_at(cursor: lmdb.Cursor, key: str) -> tuple[str, ...]:
                 break
             found = cursor.key()
     return tuple(names)
-
-
-def _stored_bytes(header: PackHeader, header_json: bytes) -> int:
-    """Bytes a pack occupies: its header JSON and every chunk."""
-    return len(header_json) + sum(c.stored_bytes for c in header.chunks)
 
 
 class LmdbStore(BankTables):
@@ -195,9 +168,9 @@ class LmdbStore(BankTables):
                 header = PackHeader.from_json(data)
             except (IntegrityError, InvalidInput):
                 continue  # a damaged header stays listed by keys() and reported by verify
-            size = _stored_bytes(header, data)
+            size = pack_stored_bytes(header, data)
             packs, stored_bytes = packs + 1, stored_bytes + size
-            txn.put(key, _summary_record(header, size), db=self._summaries)
+            txn.put(key, summary_record(header, size), db=self._summaries)
         for name_key, key in txn.cursor(db=self._names):
             model_fp, name = name_key.decode().split("/", 1)
             txn.put(_key_name_key(key.decode(), name), b"", db=self._key_names)
@@ -261,9 +234,9 @@ class LmdbStore(BankTables):
             for index in range(len(header.chunks)):
                 txn.put(_chunk_key(key, index), chunk(index), db=self._chunks)
             header_json = header.to_json()
-            size = _stored_bytes(header, header_json)
+            size = pack_stored_bytes(header, header_json)
             txn.put(key.encode(), header_json, db=self._packs)
-            txn.put(key.encode(), _summary_record(header, size), db=self._summaries)
+            txn.put(key.encode(), summary_record(header, size), db=self._summaries)
             self._add_counts_in(txn, 1, size)
         if name is not None:
             self._name_in(txn, header.model_fp, name, key)
@@ -337,7 +310,7 @@ class LmdbStore(BankTables):
 
         def body(txn: lmdb.Transaction) -> None:
             header = self._header_in(txn, key)
-            size = _stored_bytes(header, txn.get(key.encode(), db=self._packs))
+            size = pack_stored_bytes(header, txn.get(key.encode(), db=self._packs))
             for index in range(len(header.chunks)):
                 txn.delete(_chunk_key(key, index), db=self._chunks)
             txn.delete(key.encode(), db=self._packs)
@@ -369,20 +342,14 @@ class LmdbStore(BankTables):
             else:
                 matches = [v.decode() for _, v in _prefix_scan(txn, self._by_name, f"{ref}/".encode())]
             by_name = bool(matches)
-            if not matches and _HASH_PREFIX_RE.fullmatch(ref):
+            if not matches and HASH_PREFIX.fullmatch(ref):
                 within = f"{model_fp}/".encode() if model_fp else b""
                 matches = [
                     key
                     for key in (k.decode() for k in txn.cursor(db=self._packs).iternext(values=False) if k.startswith(within))
                     if key.rsplit("/", 1)[1].startswith(ref)
                 ]
-        if not matches:
-            scope = f" for model {model_fp[:12]}" if model_fp else ""
-            raise PackNotFound(f"no pack named {ref!r}{scope}", ref=ref)
-        if len(set(matches)) > 1:
-            what = f"name {ref!r} exists for {len(set(matches))} models" if by_name else f"prefix {ref!r} matches {len(set(matches))} packs"
-            raise AmbiguousRef(f"{what}; use the full key or state the model", ref=ref, matches=len(set(matches)))
-        return matches[0]
+        return pick_match(ref, matches, by_name=by_name, model_fp=model_fp)
 
     def _header_in(self, txn: lmdb.Transaction, key: str) -> PackHeader:
         data = txn.get(key.encode(), db=self._packs)
@@ -411,11 +378,11 @@ class LmdbStore(BankTables):
         """A summary with its names for each (key, summary record); one cursor reads every key's names."""
         names = txn.cursor(db=self._key_names)
         for key, data in found:
-            yield _summary(key, _names_at(names, key), data)
+            yield parse_summary(key, _names_at(names, key), data)
 
     def _stored(self, txn: lmdb.Transaction, key: str) -> StoredPack:
         header = self._header_in(txn, key)
-        size = _stored_bytes(header, txn.get(key.encode(), db=self._packs))
+        size = pack_stored_bytes(header, txn.get(key.encode(), db=self._packs))
         return StoredPack(header=header, names=self._names_in(txn, key), stored_bytes=size, signatures=self._signatures_in(txn, key))
 
     def stat(self, ref: str, *, model_fp: str | None = None) -> StoredPack:
@@ -515,14 +482,29 @@ class LmdbStore(BankTables):
             pack = pack.to(device)
         return pack
 
-    def read_chunk(self, header: PackHeader, index: int) -> bytes:
-        """One stored chunk of a pack, checked against its sha256 (for streaming without the whole pack)."""
+    def fetch_layers(
+        self, ref: str, first: int, last: int, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
+    ) -> "PackLayers":
+        """Decode layers ``first`` to ``last`` of a pack from the chunks holding them, leaving the others unread."""
+        from packstore.tensors import decode_layers
+
+        key = self.resolve(ref, model_fp=model_fp)
         with self._env.read() as txn:
-            data = txn.get(_chunk_key(header.key, index), db=self._chunks)
-        if data is None:
-            raise PackNotFound(f"pack {header.key}: chunk {index} is gone (was the pack deleted during the transfer?)")
-        verify_chunk(header, index, data)
-        return data
+            header = self._header_in(txn, key)
+        header.check_identities(model_fp, template_fp)
+        indices = chunks_for_layers(header, first, last)
+        return decode_layers(header, first, last, zip(indices, self.read_chunks(header, indices)), device)
+
+    def read_chunks(self, header: PackHeader, indices: range) -> Iterator[bytes]:
+        """Chunks ``indices`` of a pack in order, each checked against its sha256 and read only when the caller
+        takes it (a stream holds one chunk at a time, not the pack)."""
+        for index in indices:
+            with self._env.read() as txn:
+                data = txn.get(_chunk_key(header.key, index), db=self._chunks)
+            if data is None:
+                raise PackNotFound(f"pack {header.key}: chunk {index} is gone (was the pack deleted during the transfer?)")
+            verify_chunk(header, index, data)
+            yield data
 
     def banks(self) -> "BankStore":
         """The banks beside these packs; routing embeds here, so the bank layer is imported late."""

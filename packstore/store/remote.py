@@ -13,7 +13,7 @@ import grpc
 
 from packstore.errors import PackNotFound, PackstoreError
 from packstore.format import EncodedPack
-from packstore.format.body import verify_chunk
+from packstore.format.body import chunks_for_layers, verify_chunk
 from packstore.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
 from packstore.rpc.channel import Connection, GrpcClient
 from packstore.rpc.messages import ChunkAssembler, bank_meta, chunk_pieces, pack_summary, signatures_of, stored_pack
@@ -23,7 +23,7 @@ from packstore.v1 import store_pb2, store_pb2_grpc
 if TYPE_CHECKING:
     from packstore.format.bank import BankMeta
     from packstore.format.signature import Signature
-    from packstore.tensors import Pack
+    from packstore.tensors import Pack, PackLayers
 
 
 class RemoteStore(GrpcClient):
@@ -77,9 +77,13 @@ class RemoteStore(GrpcClient):
         reply = self._call(lambda: self._stub.StoreStats(store_pb2.StoreStatsRequest(), timeout=self.timeout))
         return StoreCounts(packs=reply.packs, stored_bytes=reply.stored_bytes)
 
-    def _stream(self, ref: str, model_fp: str | None, template_fp: str | None) -> tuple[StoredPack, Iterator[tuple[int, bytes]]]:
-        """Start GetPack; returns the stored pack (header, signatures) and an iterator of whole (index, chunk bytes)."""
-        request = store_pb2.GetPackRequest(ref=ref, model_fp=model_fp or "", template_fp=template_fp or "")
+    def _stream(
+        self, ref: str, model_fp: str | None, template_fp: str | None, layers: tuple[int, int] | None = None
+    ) -> tuple[StoredPack, Iterator[tuple[int, bytes]]]:
+        """Start GetPack (of the chunks holding ``layers``, first and last, when given; else of every chunk); returns
+        the stored pack (header, signatures) and an iterator of whole (index, chunk bytes)."""
+        span = store_pb2.LayerRange(first=layers[0], last=layers[1]) if layers else None
+        request = store_pb2.GetPackRequest(ref=ref, model_fp=model_fp or "", template_fp=template_fp or "", layers=span)
         responses = self._stub.GetPack(request, timeout=self.timeout)
         first = self._call(lambda: next(responses, None))
         if first is None or first.WhichOneof("item") != "header":
@@ -88,7 +92,7 @@ class RemoteStore(GrpcClient):
         header = stored.header
 
         def chunks() -> Iterator[tuple[int, bytes]]:
-            assembler = ChunkAssembler(header)
+            assembler = ChunkAssembler(header, chunks_for_layers(header, *layers) if layers else None)
             try:
                 for response in responses:
                     whole = assembler.add(response.chunk)
@@ -97,7 +101,7 @@ class RemoteStore(GrpcClient):
             except grpc.RpcError as exc:
                 raise self._error(exc) from None
             if not assembler.complete:
-                raise PackstoreError(f"pack {header.key}: the stream ended after {assembler.next_index} of {len(header.chunks)} chunks")
+                raise PackstoreError(f"pack {header.key}: the stream ended before chunk {assembler.next_index} of chunks {assembler.indices.start}-{assembler.indices.stop - 1}")
 
         return stored, chunks()
 
@@ -151,6 +155,15 @@ class RemoteStore(GrpcClient):
         pack.check_shapes()
         check_tensor_digest(pack)
         return pack
+
+    def fetch_layers(
+        self, ref: str, first: int, last: int, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
+    ) -> "PackLayers":
+        """Stream only the chunks holding layers ``first`` to ``last`` (GetPack with a layer range) and decode them."""
+        from packstore.tensors import decode_layers
+
+        stored, chunks = self._stream(ref, model_fp, template_fp, (first, last))
+        return decode_layers(stored.header, first, last, chunks, device)
 
     # -- writes ----------------------------------------------------------------------------------
 

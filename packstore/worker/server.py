@@ -25,7 +25,7 @@ from packstore.service.auth import Auth
 from packstore.store.namespaces import DEFAULT_NAMESPACE
 from packstore.service.server import JsonLogFormatter, reload_tokens
 from packstore.store.protocol import DEFAULT_TOP_K, PackStore
-from packstore.v1 import worker_pb2, worker_pb2_grpc
+from packstore.v1 import store_pb2, worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
     from packstore.trust import TrustedKeys
@@ -117,7 +117,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 parts=result.parts or [],
                 composed_tokens=result.composed_tokens or 0,
                 steering=[
-                    worker_pb2.SteerApplied(pack=applied["pack"], alpha=applied["alpha"], layers=worker_pb2.LayerRange(first=applied["layers"][0], last=applied["layers"][1]))
+                    worker_pb2.SteerApplied(pack=applied["pack"], alpha=applied["alpha"], layers=store_pb2.LayerRange(first=applied["layers"][0], last=applied["layers"][1]))
                     for applied in result.steering or ()
                 ],
                 steer_on=result.steer_on or "",

@@ -36,8 +36,8 @@ def stream(store: LmdbStore, key: str) -> None:
     """Read a pack the two ways the service does: whole (checksums verified) and chunk by chunk."""
     store.get(key)
     header = store.stat(key).header
-    for index in range(len(header.chunks)):
-        store.read_chunk(header, index)
+    for _ in store.read_chunks(header, range(len(header.chunks))):
+        pass
 
 
 def run_threads(targets: list) -> list[str]:

@@ -14,21 +14,31 @@ from typing import Iterator
 import pytest
 import torch
 
-from packstore.errors import AmbiguousRef, PackMismatch, PackNotFound
+from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackMismatch, PackNotFound
 from packstore.records import GcReport, PackPage, PackSummary, StoreCounts
 from packstore.store import BankStore, LmdbStore, PackStore
 from packstore.store.remote import RemoteStore
+from packstore.store.s3 import ObjectStore
+from seaweed_helpers import running_seaweed
 from packstore.tensors import Pack, encode_pack
+from packstore.trust import SigningKey, generate_key
 from service_helpers import running_server
 from test_format import FP_B, make_pack
 
 
-@pytest.fixture(scope="module", params=["lmdb", "grpc"])
+@pytest.fixture(scope="module", params=["lmdb", "grpc", "s3"])
 def store(request, tmp_path_factory) -> Iterator[PackStore]:
     root = tmp_path_factory.mktemp(f"suite-{request.param}")
     if request.param == "lmdb":
         with LmdbStore(root / "store") as local:
             yield local
+        return
+    if request.param == "s3":
+        with running_seaweed(root / "seaweed") as seaweed, pytest.MonkeyPatch.context() as env:
+            for variable, value in seaweed.env().items():
+                env.setenv(variable, value)
+            with ObjectStore(f"s3://{seaweed.bucket}/suite", cache_dir=root / "cache") as objects:
+                yield objects
         return
     with running_server(root / "data") as server, RemoteStore(server.url) as remote:
         yield remote
@@ -51,6 +61,33 @@ def pack_of(model_fp: str, first_token: int = 10, *, template_fp: str = FP_B, to
 def test_implements_the_protocols(store: PackStore) -> None:
     assert isinstance(store, PackStore)
     assert isinstance(store.banks(), BankStore)
+
+
+def test_banks_build_add_route_list_sign_delete(store: PackStore, tmp_path: Path) -> None:
+    banks = store.banks()
+    colours = ("red", "green", "blue", "amber", "violet", "silver")
+    facts = [f"The {colours[i % 6]} key number {i} opens the door of room {100 + i}." for i in range(60)]
+    meta = banks.build("suite-bank", facts)
+    assert (meta.name, meta.facts, meta.clusters) == ("suite-bank", 60, 3)
+    [route] = banks.route("suite-bank", ["Which door does key number 17 open?"], top_k=3)
+    assert route.facts[0][0] == facts[17] and route.clusters
+    before = banks.digest("suite-bank")
+    assert banks.add("suite-bank", ["The golden key opens the vault under the library."]).facts == 61
+    assert banks.route("suite-bank", ["What opens the vault?"], top_k=1)[0].facts[0][0].startswith("The golden key")
+    after = banks.digest("suite-bank")
+    assert after != before  # every change to the bank changes what a signature covers
+    [(listed, size)] = [(m, size) for m, size in banks.list() if m.name == "suite-bank"]
+    assert listed.facts == 61 and size == banks.stored_bytes("suite-bank") > 0
+    signer = SigningKey.load(generate_key(tmp_path / "bank-key")[0])
+    with pytest.raises(IntegrityError, match="for another"):
+        banks.sign("suite-bank", signer.sign("bank", before))
+    banks.sign("suite-bank", signer.sign("bank", after))
+    assert [s.key_id for s in banks.signatures("suite-bank")] == [signer.key_id]
+    banks.delete("suite-bank")
+    assert "suite-bank" not in [m.name for m, _ in banks.list()]
+    for call in (lambda: banks.route("suite-bank", ["vault"]), lambda: banks.delete("suite-bank"), lambda: banks.stored_bytes("suite-bank")):
+        with pytest.raises(PackNotFound, match="no bank named 'suite-bank'"):
+            call()
 
 
 def test_put_stat_get_fetch_round_trip(store: PackStore, model_fp: str) -> None:
@@ -79,6 +116,24 @@ def test_steering_packs_round_trip_with_their_partial_layer_range(store: PackSto
     fetched = store.fetch(key)
     assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, fetched.keys + fetched.values))
     assert store.stat(key).header.recipe == recipe and store.verify(key).ok
+    part = store.fetch_layers(key, 2, 2)  # a steering pack's body starts at its recipe's first layer
+    assert part.layers == range(2, 3) and torch.equal(part.keys[0], pack.keys[1]) and torch.equal(part.values[0], pack.values[1])
+    with pytest.raises(InvalidInput):
+        store.fetch_layers(key, 0, 1)
+
+
+def test_fetch_layers_decodes_only_the_layers_asked_for(store: PackStore, model_fp: str) -> None:
+    pack = pack_of(model_fp)
+    key, _ = store.put(encode_pack(pack))
+    part = store.fetch_layers(key, 1, 2, model_fp=model_fp, template_fp=FP_B)
+    assert part.header.key == key and part.layers == range(1, 3)
+    assert all(torch.equal(a, b) for a, b in zip(pack.keys[1:] + pack.values[1:], part.keys + part.values))
+    assert [k.shape for k in store.fetch_layers(key, 0, 0).keys] == [pack.keys[0].shape]
+    for first, last in ((2, 3), (2, 1)):
+        with pytest.raises(InvalidInput, match="not within its layers 0-2"):
+            store.fetch_layers(key, first, last)
+    with pytest.raises(PackMismatch):
+        store.fetch_layers(key, 0, 0, model_fp="0" * 64)
 
 
 def test_stated_identities_must_match(store: PackStore, model_fp: str) -> None:

@@ -16,7 +16,7 @@ from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text
 from packstore.kv.models import load_model
 from packstore.store.remote import RemoteStore
-from packstore.v1 import worker_pb2, worker_pb2_grpc
+from packstore.v1 import store_pb2, worker_pb2, worker_pb2_grpc
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
 
@@ -183,7 +183,7 @@ def test_worker_steers_alone_and_with_a_pack_as_the_local_path_does(stack, tiny_
                     list(stub.Generate(worker_pb2.GenerateRequest(question="Which river?", steering=[steer])))
                 assert info.value.code() == code
             request = worker_pb2.GenerateRequest(
-                question="Which river?", steering=[worker_pb2.Steer(pack="joy", alpha=1.0)], steer_layers=worker_pb2.LayerRange(first=1, last=7)
+                question="Which river?", steering=[worker_pb2.Steer(pack="joy", alpha=1.0)], steer_layers=store_pb2.LayerRange(first=1, last=7)
             )
             with pytest.raises(grpc.RpcError) as info:
                 list(stub.Generate(request))

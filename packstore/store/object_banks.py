@@ -1,0 +1,196 @@
+"""Banks on the object tier: the same ``bank*`` methods as the LMDB store's ``BankTables``, over objects.
+
+A bank's records (centroids, full-text index, one per cluster) are immutable objects
+``banks/NAME/records/WRITE/RECORD``, new for every write; its head is a register
+(``registers.py``) ``banks/NAME/head`` whose newest version names every record with its sha256,
+closing seal and size, and holds the metadata and signatures. A write uploads its records first
+and commits them with one new head version, so a bank is whole or absent for every replica, and
+an add computed from a bank that changed meanwhile loses the compare-and-swap (``BankChanged``)
+and is computed again. gc removes records no newest head names once they are older than the grace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from packstore.errors import IntegrityError, InvalidInput, PackNotFound, Unavailable
+from packstore.format.bank import BankMeta, Cluster, decode_centroids, decode_cluster, decode_lexical, encode_centroids, encode_cluster
+from packstore.format.signature import Signature
+from packstore.store.banks import BankChanged, digest_of, record_names
+from packstore.store.protocol import check_name
+from packstore.store.registers import Version
+
+if TYPE_CHECKING:
+    from packstore.store.s3 import ObjectStore
+
+
+class ObjectBankTables:
+    """Mixed into ObjectStore. A head's value: ``{"meta": JSON, "records": {RECORD: [object, sha256, seal, size]},
+    "signatures": [JSON, ...]}``; RECORD is the name the bank digest gives it (``record_names``)."""
+
+    def _bank_head_path(self: "ObjectStore", name: str) -> str:
+        return f"{self._base}banks/{check_name(name)}/head"
+
+    def _bank_head(self: "ObjectStore", name: str) -> dict[str, Any]:
+        """The newest head of bank ``name``; PackNotFound if there is no such bank."""
+        return _value(self._registers.latest(self._bank_head_path(name)), name)
+
+    def _bank_record(self: "ObjectStore", name: str, head: dict[str, Any], record: str) -> bytes | None:
+        """One record's bytes, checked against the sha256 its head gives (None: the bank has no such record)."""
+        entry = head["records"].get(record)
+        if entry is None:
+            return None
+        obj, sha256 = entry[0], entry[1]
+
+        def check(data: bytes) -> None:
+            if hashlib.sha256(data).hexdigest() != sha256:
+                raise IntegrityError(f"bank {name!r}: record {record} is damaged: checksum mismatch")
+
+        return self._immutable(obj, check, missing=f"bank {name!r}: record {record} is missing from the object store")
+
+    def _upload_records(self: "ObjectStore", name: str, records: dict[str, bytes]) -> dict[str, list]:
+        """Upload new record objects (fresh names, so no gc can count them old) within the writer window."""
+        started = self.bucket.now().timestamp()
+        write = uuid.uuid4().hex
+        items = list(records.items())
+
+        def upload(index: int) -> list:
+            record, data = items[index]
+            obj = f"{self._base}banks/{name}/records/{write}/{index:08x}"
+            self.bucket.put(obj, data, create_only=True)
+            return [obj, hashlib.sha256(data).hexdigest(), data[-32:].hex(), len(data)]
+
+        entries = dict(zip((record for record, _ in items), self._pool.map(upload, range(len(items)))))
+        if self.bucket.now().timestamp() - started >= self.writer_window:
+            raise Unavailable(f"the object store is too slow: uploading bank {name!r} took longer than {self.writer_window:.0f} s")
+        return entries
+
+    def put_bank(self: "ObjectStore", meta: BankMeta, centroids: np.ndarray, clusters: dict[int, Cluster], lexical: bytes) -> None:
+        """Store (or replace) a whole bank: its records, then one head version naming them (without signatures)."""
+        centroids_name, lexical_name, cluster_names = record_names(meta.name, sorted(clusters))
+        records = {centroids_name: encode_centroids(centroids), lexical_name: lexical}
+        records |= {record: encode_cluster(clusters[c]) for record, c in zip(cluster_names, sorted(clusters))}
+        head = {"meta": meta.to_json().decode(), "records": self._upload_records(meta.name, records), "signatures": []}
+        self._registers.update(self._bank_head_path(meta.name), lambda current: head)
+
+    def update_bank(self: "ObjectStore", meta: BankMeta, clusters: dict[int, Cluster], lexical: bytes, *, expected: BankMeta) -> None:
+        """Replace some clusters, the full-text index and the metadata in one head version, only if the bank
+        is still ``expected``: BankChanged otherwise, so a concurrent add or rebuild is never overwritten."""
+        _, lexical_name, cluster_names = record_names(meta.name, sorted(clusters))
+        records = {lexical_name: lexical} | {record: encode_cluster(clusters[c]) for record, c in zip(cluster_names, sorted(clusters))}
+        entries = self._upload_records(meta.name, records)
+
+        def change(current: Version | None) -> dict[str, Any]:
+            head = _value(current, meta.name, gone="it was removed while facts were being added")
+            if BankMeta.from_json(head["meta"].encode()) != expected:
+                raise BankChanged(meta.name)
+            return head | {"meta": meta.to_json().decode(), "records": head["records"] | entries}
+
+        self._registers.update(self._bank_head_path(meta.name), change)
+
+    def bank(self: "ObjectStore", name: str) -> BankMeta:
+        return _meta(self._bank_head(name), name)
+
+    def bank_centroids(self: "ObjectStore", name: str) -> np.ndarray:
+        head = self._bank_head(name)
+        return decode_centroids(self._bank_record(name, head, record_names(name, [])[0]))
+
+    def bank_centroids_seal(self: "ObjectStore", name: str) -> bytes:
+        """The sha256 that ends the centroid record: names one build's centroids without reading them."""
+        return bytes.fromhex(self._bank_head(name)["records"][record_names(name, [])[0]][2])
+
+    def bank_lexical_seal(self: "ObjectStore", name: str) -> bytes | None:
+        entry = self._bank_head(name)["records"].get(record_names(name, [])[1])
+        return None if entry is None else bytes.fromhex(entry[2])
+
+    def bank_lexical(self: "ObjectStore", name: str) -> tuple[np.ndarray, dict[str, bytes]] | None:
+        data = self._bank_record(name, self._bank_head(name), record_names(name, [])[1])
+        return None if data is None else decode_lexical(data)
+
+    def bank_clusters(self: "ObjectStore", name: str, cluster_ids: list[int]) -> dict[int, Cluster]:
+        """The given clusters, fetched several at a time (a cluster with no facts yet is None)."""
+        head = self._bank_head(name)
+        found = self._pool.map(lambda record: self._bank_record(name, head, record), record_names(name, cluster_ids)[2])
+        return {c: decode_cluster(data) if data is not None else None for c, data in zip(cluster_ids, found)}
+
+    def bank_stored_bytes(self: "ObjectStore", name: str) -> int:
+        """Bytes of the bank's metadata and every record its head names."""
+        head = self._bank_head(name)
+        return len(head["meta"].encode()) + sum(entry[3] for entry in head["records"].values())
+
+    def bank_metas(self: "ObjectStore") -> list[BankMeta]:
+        """Every bank's metadata, in name order."""
+        metas = []
+        for name in self.bucket.folders(f"{self._base}banks/"):
+            version = self._registers.latest(self._bank_head_path(name))
+            if version is not None and version.value is not None:
+                metas.append(_meta(_value(version, name), name))
+        return metas
+
+    def bank_digest(self: "ObjectStore", name: str) -> str:
+        """The digest a bank's signature covers: the same as the LMDB store gives the same bank (docs/format.md §8)."""
+        return _digest(name, self._bank_head(name))
+
+    def sign_bank(self: "ObjectStore", name: str, signature: Signature) -> None:
+        """Store a signature with bank ``name`` (one per key) after checking it signs the current digest."""
+
+        def change(current: Version | None) -> dict[str, Any]:
+            head = _value(current, name)
+            signature.check("bank", _digest(name, head))
+            kept = [s for s in head["signatures"] if Signature.from_json(s.encode()).key_id != signature.key_id]
+            return head | {"signatures": kept + [signature.to_json().decode()]}
+
+        self._registers.update(self._bank_head_path(name), change)
+
+    def bank_signatures(self: "ObjectStore", name: str) -> tuple[Signature, ...]:
+        try:
+            return tuple(Signature.from_json(s.encode()) for s in self._bank_head(name)["signatures"])
+        except InvalidInput as exc:
+            raise IntegrityError(f"bank {name!r}: a stored signature is damaged: {exc}") from None
+
+    def delete_bank(self: "ObjectStore", name: str) -> None:
+        """Remove a bank (one head version saying so); its records are left to gc."""
+        def clear(current: Version | None) -> None:
+            _value(current, name)  # PackNotFound if there is no such bank
+
+        self._registers.update(self._bank_head_path(name), clear)
+
+    def _prune_banks(self: "ObjectStore", cutoff: float) -> list[str]:
+        """For gc: of each bank unchanged since ``cutoff`` (so no reader still holds an older head), the
+        records its newest head does not name that are older than ``cutoff``, and its older head versions."""
+        doomed = []
+        for name in self.bucket.folders(f"{self._base}banks/"):
+            path = self._bank_head_path(name)
+            listed = self._registers.versions(f"{path}/").get(path, [])
+            if listed and listed[-1].modified.timestamp() >= cutoff:
+                continue
+            newest = self._registers.newest(listed)  # None: the bank's first build never committed
+            referenced = {entry[0] for entry in _value(newest, name)["records"].values()} if newest and newest.value is not None else set()
+            records = self.bucket.list(f"{self._base}banks/{name}/records/")
+            doomed += [v.name for v in listed[:-1]] + [o.name for o in records if o.name not in referenced and o.modified.timestamp() < cutoff]
+        return doomed
+
+def _value(version: Version | None, name: str, *, gone: str = "") -> dict[str, Any]:
+    if version is None or version.value is None:
+        raise PackNotFound(f"no bank named {name!r}" + (f": {gone}" if gone else ""))
+    if not isinstance(version.value, dict) or not {"meta", "records", "signatures"} <= version.value.keys():
+        raise IntegrityError(f"bank {name!r}: its head {version.name} is damaged")
+    return version.value
+
+
+def _meta(head: dict[str, Any], name: str) -> BankMeta:
+    try:
+        return BankMeta.from_json(head["meta"].encode())
+    except (InvalidInput, AttributeError) as exc:
+        raise IntegrityError(f"bank {name!r}: its metadata is damaged: {exc}") from None
+
+
+def _digest(name: str, head: dict[str, Any]) -> str:
+    centroids, lexical, _ = record_names(name, [])
+    clusters = sorted(record for record in head["records"] if record not in (centroids, lexical))
+    ordered = [record for record in (centroids, lexical) if record in head["records"]] + clusters
+    return digest_of(name, head["meta"].encode(), [(record, bytes.fromhex(head["records"][record][2])) for record in ordered])

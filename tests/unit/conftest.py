@@ -1,0 +1,39 @@
+"""Fixtures of the object-tier tests: one real S3 server (SeaweedFS ``weed mini``) per module, a prefix of its
+bucket per test, and two replicas on it."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from packstore.store.s3 import ObjectStore
+from seaweed_helpers import Seaweed, running_seaweed
+
+
+@pytest.fixture(scope="module")
+def seaweed(tmp_path_factory) -> Iterator[Seaweed]:
+    with running_seaweed(tmp_path_factory.mktemp("seaweed")) as server, pytest.MonkeyPatch.context() as env:
+        for variable, value in server.env().items():
+            env.setenv(variable, value)
+        yield server
+
+
+@pytest.fixture
+def url(seaweed: Seaweed, request) -> str:
+    """This test's own prefix of the bucket."""
+    return f"s3://{seaweed.bucket}/{request.node.name.replace('[', '-').rstrip(']')}"
+
+
+@pytest.fixture
+def replicas(url: str, tmp_path: Path) -> Iterator[tuple[ObjectStore, ObjectStore]]:
+    """Two stores on one bucket and prefix, each with its own cache: two replicas of a service."""
+    with ObjectStore(url, cache_dir=tmp_path / "a") as a, ObjectStore(url, cache_dir=tmp_path / "b") as b:
+        yield a, b
+
+
+@pytest.fixture
+def model_fp(request) -> str:
+    return hashlib.sha256(request.node.name.encode()).hexdigest()
