@@ -7,7 +7,6 @@ Answering with packs is ``packstore.answer.Answerer``.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -48,7 +47,7 @@ def pack_details(stored: StoredPack) -> dict[str, Any]:
         "kv_heads": h.kv_heads,
         "head_dim": h.head_dim,
         "codec": h.codec,
-        "chunks": [asdict(c) for c in h.chunks],
+        "chunks": [c.to_record() for c in h.chunks],
         "facts": list(h.facts),
         "errata": [fact[len(ERRATUM_PREFIX) :] for fact in h.facts if fact.startswith(ERRATUM_PREFIX)],
         "token_ids": list(h.token_ids),

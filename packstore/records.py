@@ -119,12 +119,17 @@ class GcReport:
 @dataclass(frozen=True)
 class MigrateReport:
     """What copying one store into another did: packs in the source, those copied (the rest were
-    there already), and the names and signatures added to packs that were there."""
+    there already), and the names and signatures added to packs that were there; the same for
+    banks, and the banks not copied because one of the stores is a service (``grpc://``)."""
 
     packs: int
     copied: int
     names_set: int
     signatures_added: int
+    banks: int
+    banks_copied: int
+    bank_signatures_added: int
+    banks_skipped: tuple[str, ...]
 
 
 @dataclass(frozen=True)

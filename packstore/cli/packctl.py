@@ -247,7 +247,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     _print_summary(record)
     print(f"shape:        {record['layers']} layers x {record['kv_heads']} KV heads x {record['head_dim']} head dim")
-    print(f"codec:        {record['codec']}, {len(record['chunks'])} chunks")
+    blocks = [c["stop_position"] - c["first_position"] for c in record["chunks"] if "first_position" in c]
+    print(f"codec:        {record['codec']}, {len(record['chunks'])} chunks{f', in token blocks of {max(blocks)} positions' if blocks else ''}")
     print(f"created:      {record['created']}")
     for signature in record["signatures"]:
         print(f"signed by:    {signature['key_id']} ({signature['created']}){'' if signature['valid'] else ' INVALID'}")
@@ -380,6 +381,15 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             f"{report.packs} packs: {report.copied} copied, {report.packs - report.copied} already there; "
             f"{report.names_set} names and {report.signatures_added} signatures added"
         )
+        if report.banks:
+            there = report.banks - report.banks_copied - len(report.banks_skipped)
+            print(f"{report.banks} banks: {report.banks_copied} copied, {there} already there; {report.bank_signatures_added} signatures added")
+        if report.banks_skipped:
+            print(
+                f"not copied: banks {', '.join(report.banks_skipped)} (a grpc:// service takes and gives no bank records; "
+                "migrate them between directories or s3:// stores)",
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -712,8 +722,8 @@ def build_cli() -> CommandLine:
 
     p = cli.command(
         "migrate", cmd_migrate,
-        "copy every pack of --store, with its names and signatures, into another store (a directory, grpc:// or s3://); "
-        "running it again copies only what is missing",
+        "copy every pack of --store with its names and signatures, and every bank with its signatures, into another store "
+        "(a directory, grpc:// or s3://; banks not to or from grpc://); running it again copies only what is missing",
     )
     p.add_argument("--to", required=True, metavar="STORE", help="the store to copy into")
 

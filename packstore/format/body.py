@@ -18,6 +18,9 @@ from packstore.format.header import ChunkInfo, PackHeader
 from packstore.format.signature import Signature
 
 LAYERS_PER_CHUNK = 1
+# Writers split a knowledge pack longer than this into token blocks of this many positions per layer, so a
+# reader of a prefix fetches only the blocks holding it (about 1.5 MB per block on smollm2-135m, float32).
+BLOCK_POSITIONS = 1024
 MAX_TABLE_BYTES = 100_000_000  # the cap safetensors itself puts on its JSON header
 # safetensors dtype -> (header dtype name, element size): the dtypes a pack body may hold
 SAFETENSORS_DTYPES = {"F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2)}
@@ -59,14 +62,31 @@ def max_plain_bytes(info: ChunkInfo) -> int:
     return min(info.raw_bytes + table, MAX_CHUNK_PLAIN_BYTES)
 
 
-def chunks_for_layers(header: PackHeader, first: int, last: int) -> range:
-    """The indices of the chunks holding layers ``first`` to ``last`` (inclusive): all a partial read needs.
-    Chunks hold every token of their layers, so there is no such subset for a token prefix."""
+def chunks_for(header: PackHeader, layers: tuple[int, int] | None = None, prefix: int | None = None) -> tuple[int, ...]:
+    """The indices of the chunks holding layers ``layers`` (first, last; inclusive; None: every layer of the body)
+    for positions ``0 .. prefix-1`` (None: all): all a partial read needs. InvalidInput if either is out of range."""
     span = header.body_layers
+    first, last = layers if layers is not None else (span.start, span.stop - 1)
     if not span.start <= first <= last < span.stop:
         raise InvalidInput(f"pack {header.key}: layers {first}-{last} are not within its layers {span.start}-{span.stop - 1}")
-    held = [index for index, chunk in enumerate(header.chunks) if chunk.first_layer <= last and chunk.stop_layer > first]
-    return range(held[0], held[-1] + 1)
+    if prefix is not None:
+        if header.kind != "knowledge":
+            raise InvalidInput(f"pack {header.key}: a {header.kind} pack has no token positions to read a prefix of")
+        if not 1 <= prefix <= header.positions:
+            raise InvalidInput(f"pack {header.key}: a prefix of {prefix} positions is not within its 1-{header.positions}")
+    return tuple(
+        index
+        for index, chunk in enumerate(header.chunks)
+        if chunk.first_layer <= last
+        and chunk.stop_layer > first
+        and (prefix is None or chunk.positions_held(header.positions).start < prefix)
+    )
+
+
+def describe_chunk(info: ChunkInfo) -> str:
+    """The layers (and a token block's positions) a chunk holds, for messages."""
+    held = f"layers {info.first_layer}-{info.stop_layer - 1}"
+    return held if info.stop_position is None else f"{held}, positions {info.first_position}-{info.stop_position - 1}"
 
 
 def verify_chunk(header: PackHeader, index: int, data: bytes) -> None:
@@ -74,7 +94,7 @@ def verify_chunk(header: PackHeader, index: int, data: bytes) -> None:
     info = header.chunks[index]
     if len(data) != info.stored_bytes or hashlib.sha256(data).hexdigest() != info.sha256:
         raise IntegrityError(
-            f"pack {header.key}: chunk {index} (layers {info.first_layer}-{info.stop_layer - 1}) is damaged: checksum mismatch"
+            f"pack {header.key}: chunk {index} ({describe_chunk(info)}) is damaged: checksum mismatch"
         )
 
 

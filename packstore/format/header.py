@@ -98,13 +98,29 @@ def parse_key(text: str) -> tuple[str, str, str] | None:
 
 @dataclass(frozen=True)
 class ChunkInfo:
-    """One stored chunk of the body: which layers it holds, its sizes and its checksum."""
+    """One stored chunk of the body: which layers it holds (and, for a token block, which positions), its
+    sizes and its checksum. A chunk without ``first_position`` / ``stop_position`` holds every position."""
 
     first_layer: int
     stop_layer: int
     raw_bytes: int
     stored_bytes: int
     sha256: str
+    first_position: int | None = None
+    stop_position: int | None = None
+
+    def positions_held(self, positions: int) -> range:
+        """The body positions this chunk holds: its token block's, or all ``positions`` of the pack."""
+        if self.stop_position is None:
+            return range(positions)
+        return range(self.first_position, self.stop_position)
+
+    def to_record(self) -> dict[str, Any]:
+        """The header's JSON entry: five fields, or seven for a token block."""
+        record = asdict(self)
+        if self.stop_position is None:
+            del record["first_position"], record["stop_position"]
+        return record
 
 
 @dataclass(frozen=True)
@@ -191,7 +207,7 @@ class PackHeader:
 
     def to_json(self) -> bytes:
         record = asdict(self)
-        record["chunks"] = [asdict(c) for c in self.chunks]
+        record["chunks"] = [c.to_record() for c in self.chunks]
         record["format"] = FORMAT_NAME
         record["version"] = self.version
         for name in _VERSION_FIELDS:
@@ -287,7 +303,7 @@ class PackHeader:
         for index, chunk in enumerate(self.chunks):
             if not isinstance(chunk, ChunkInfo):
                 _refuse(f"chunks[{index}]", "a ChunkInfo", chunk)
-        _check_fields({**vars(self), "chunks": [vars(chunk) for chunk in self.chunks]})
+        _check_fields({**vars(self), "chunks": [chunk.to_record() for chunk in self.chunks]})
         if encoded and not self.chunks:
             raise _field_error("chunks", f"must list the stored chunks of all {self.layers} layers, got none")
         if encoded and self.codec != CODEC:
@@ -314,8 +330,10 @@ def _tensor_names(kind: str, layer: int) -> tuple[str, str]:
     return f"layers.{layer}.key", f"layers.{layer}.value"
 _SEQUENCE_FIELDS = ("token_ids", "facts", "parents", "chunks", "soft_tokens")
 _DERIVED_FIELDS = ("tokens", "content_hash", "source_sha256")
-_CHUNK_FIELDS = tuple(f.name for f in fields(ChunkInfo))
+_BLOCK_FIELDS = ("first_position", "stop_position")  # a token block's entry has these two as well
+_CHUNK_FIELDS = tuple(f.name for f in fields(ChunkInfo) if f.name not in _BLOCK_FIELDS)
 _CHUNK_FIELD_SET = frozenset(_CHUNK_FIELDS)
+_BLOCK_FIELD_SET = _CHUNK_FIELD_SET | frozenset(_BLOCK_FIELDS)
 
 
 def _field_error(name: str, problem: str) -> InvalidInput:
@@ -490,35 +508,57 @@ def _check_steering(record: Mapping[str, Any]) -> None:
 
 def _check_chunks(record: Mapping[str, Any]) -> None:
     """Chunks are optional (a header being built has none); listed, they cover every layer the body
-    holds once, in order (all layers, or a steering pack's recipe layers)."""
+    holds once, in order (all layers, or a steering pack's recipe layers). A knowledge pack's layers may
+    be split into token blocks: runs of chunks of the same layers whose positions follow one another."""
     chunks = record["chunks"]
     if not _is_list(chunks):
         _refuse("chunks", "a list of chunk objects", chunks)
     kind, dtype = record["kind"], record["dtype"]
     span = _body_span(kind, record["layers"], record["recipe"])
     first_layer, layers = span.start, span.stop
+    positions = len(record["token_ids"]) + sum(count for _, count in record.get("soft_tokens", []))
     if kind == "steering":
         elements = record["kv_heads"] * record["head_dim"]  # a delta per layer: [kv_heads, head_dim]
     elif kind == "adapter":
         elements = record["recipe"]["tokens"] * record["recipe"]["hidden_size"]  # [tokens, hidden_size]
     else:  # [kv_heads, positions, head_dim]: every token, and any soft tokens between them
-        positions = len(record["token_ids"]) + sum(count for _, count in record.get("soft_tokens", []))
         elements = record["kv_heads"] * positions * record["head_dim"]
     layer_bytes = 2 * elements * DTYPE_SIZES[dtype]  # two tensors per layer (K and V, or header and trailer)
-    next_layer = first_layer
+    next_layer, next_position, run = first_layer, 0, (0, 0)
     for index, chunk in enumerate(chunks):
         name = f"chunks[{index}]"
-        if not isinstance(chunk, dict) or chunk.keys() != _CHUNK_FIELD_SET:
-            _refuse(name, f"an object with exactly the fields {', '.join(_CHUNK_FIELDS)}", chunk)
+        if not isinstance(chunk, dict) or chunk.keys() not in (_CHUNK_FIELD_SET, _BLOCK_FIELD_SET):
+            _refuse(name, f"an object with exactly the fields {', '.join(_CHUNK_FIELDS)} (and {', '.join(_BLOCK_FIELDS)} for a token block)", chunk)
+        block = chunk.keys() == _BLOCK_FIELD_SET
+        if block and kind != "knowledge":
+            raise _field_error(name, f"is a token block, which only a knowledge pack's chunks may be (this pack is a {kind} pack)")
         first, stop = chunk["first_layer"], chunk["stop_layer"]
-        if not _is_int(first) or first != next_layer:
-            _refuse(f"{name}.first_layer", f"{next_layer} (chunks hold layers {first_layer} to {layers - 1} in order)", first)
-        _check_int(f"{name}.stop_layer", stop, first + 1, layers)
-        raw_bytes = (stop - first) * layer_bytes
+        if next_position:  # inside a run of token blocks: this chunk holds the same layers' next positions
+            if not block:
+                raise _field_error(name, f"must be the token block of layers {run[0]}-{run[1] - 1} from position {next_position}")
+            if first != run[0]:
+                _refuse(f"{name}.first_layer", f"{run[0]} (the token blocks of layers {run[0]}-{run[1] - 1} go on)", first)
+            if stop != run[1]:
+                _refuse(f"{name}.stop_layer", f"{run[1]} (the token blocks of layers {run[0]}-{run[1] - 1} go on)", stop)
+        else:
+            if not _is_int(first) or first != next_layer:
+                _refuse(f"{name}.first_layer", f"{next_layer} (chunks hold layers {first_layer} to {layers - 1} in order)", first)
+            _check_int(f"{name}.stop_layer", stop, first + 1, layers)
+        raw_bytes, held = (stop - first) * layer_bytes, ""
+        if block:
+            start, end = chunk["first_position"], chunk["stop_position"]
+            if not _is_int(start) or start != next_position:
+                _refuse(f"{name}.first_position", f"{next_position} (the token blocks of layers {first}-{stop - 1} hold positions in order)", start)
+            _check_int(f"{name}.stop_position", end, start + 1, positions)
+            raw_bytes, held = raw_bytes * (end - start) // positions, f", positions {start}-{end - 1}"
+            next_position, run = (0 if end == positions else end), (first, stop)
         if not _is_int(chunk["raw_bytes"]) or chunk["raw_bytes"] != raw_bytes:
-            _refuse(f"{name}.raw_bytes", f"{raw_bytes}, the K and V bytes of layers {first}-{stop - 1}", chunk["raw_bytes"])
+            _refuse(f"{name}.raw_bytes", f"{raw_bytes}, the K and V bytes of layers {first}-{stop - 1}{held}", chunk["raw_bytes"])
         _check_int(f"{name}.stored_bytes", chunk["stored_bytes"], 0, MAX_CHUNK_STORED_BYTES - 1)
         _check_hex64(f"{name}.sha256", chunk["sha256"])
-        next_layer = stop
+        if not next_position:
+            next_layer = stop
+    if chunks and next_position:
+        raise _field_error("chunks", f"must cover positions 0 to {positions - 1} of layers {run[0]}-{run[1] - 1}, got blocks ending at position {next_position - 1}")
     if chunks and next_layer != layers:
         raise _field_error("chunks", f"must cover layers {first_layer} to {layers - 1}, got chunks ending at layer {next_layer - 1}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from packstore.errors import InvalidInput
 from packstore.format import PackHeader
@@ -61,22 +61,23 @@ def chunk_pieces(index: int, data: bytes, sha256: str) -> Iterator[store_pb2.Chu
 
 class ChunkAssembler:
     """Joins Chunk pieces back into whole chunks, using the header's stored sizes to know when each ends.
-    ``indices``: the chunks expected, in order (a layer range's, or every chunk when None)."""
+    ``indices``: the chunks expected, in order (a partial read's, or every chunk when None)."""
 
-    def __init__(self, header: PackHeader, indices: range | None = None) -> None:
+    def __init__(self, header: PackHeader, indices: Sequence[int] | None = None) -> None:
         self.header = header
-        self.indices = indices if indices is not None else range(len(header.chunks))
-        self.next_index = self.indices.start
+        self.indices = tuple(indices) if indices is not None else tuple(range(len(header.chunks)))
+        self.received = 0  # whole chunks so far
         self._parts: list[bytes] = []
         self._size = 0
 
-    def add(self, piece: store_pb2.Chunk) -> bytes | None:
-        """Add one piece; returns the whole chunk when this piece completes it."""
-        if piece.index != self.next_index:
-            raise InvalidInput(f"chunk {piece.index} arrived where chunk {self.next_index} was expected")
-        if self.next_index >= self.indices.stop:
-            raise InvalidInput(f"chunk {piece.index} is past the last chunk expected ({self.indices.stop - 1})")
-        expected = self.header.chunks[self.next_index].stored_bytes
+    def add(self, piece: store_pb2.Chunk) -> tuple[int, bytes] | None:
+        """Add one piece; returns (chunk index, whole chunk) when this piece completes it."""
+        if self.received >= len(self.indices):
+            raise InvalidInput(f"chunk {piece.index} arrived after the last chunk expected ({self.indices[-1] if self.indices else 'none'})")
+        index = self.indices[self.received]
+        if piece.index != index:
+            raise InvalidInput(f"chunk {piece.index} arrived where chunk {index} was expected")
+        expected = self.header.chunks[index].stored_bytes
         self._parts.append(piece.data)
         self._size += len(piece.data)
         if self._size > expected:
@@ -85,12 +86,12 @@ class ChunkAssembler:
             return None
         data = b"".join(self._parts)
         self._parts, self._size = [], 0
-        self.next_index += 1
-        return data
+        self.received += 1
+        return index, data
 
     @property
     def complete(self) -> bool:
-        return self.next_index == self.indices.stop and not self._parts
+        return self.received == len(self.indices) and not self._parts
 
 
 def bank_info(meta, stored_bytes: int) -> store_pb2.BankInfo:

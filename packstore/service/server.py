@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from packstore.errors import InvalidInput, LimitExceeded, PackstoreError
 from packstore.format import PackHeader
-from packstore.format.body import chunks_for_layers
+from packstore.format.body import chunks_for
 from packstore.format.signature import Signature
 from packstore.rpc.listen import bind
 from packstore.rpc.messages import ChunkAssembler, bank_info, chunk_pieces, pack_info, signatures_of, summary_info
@@ -139,9 +139,9 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
                     self.metrics.bytes_received.inc(len(message.chunk.data))
                     whole = assembler.add(message.chunk)
                     if whole is not None:
-                        upload.add_chunk(assembler.next_index - 1, whole)
+                        upload.add_chunk(*whole)
                 if not assembler.complete:
-                    raise InvalidInput(f"upload ended after {assembler.next_index} of {len(header.chunks)} chunks")
+                    raise InvalidInput(f"upload ended after {assembler.received} of {len(header.chunks)} chunks")
                 key, created = upload.commit(name=name, signatures=signatures)
             except BaseException:
                 upload.abort()
@@ -167,8 +167,8 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             header = stored.header
             call["key"] = header.key
             header.check_identities(request.model_fp, request.template_fp)
-            span = request.layers if request.HasField("layers") else None
-            indices = chunks_for_layers(header, span.first, span.last) if span else range(len(header.chunks))
+            span = (request.layers.first, request.layers.last) if request.HasField("layers") else None
+            indices = chunks_for(header, span, request.prefix or None)
             yield store_pb2.GetPackResponse(header=pack_info(stored))
             for index, data in zip(indices, call.store.read_chunks(header, indices)):
                 if not context.is_active():

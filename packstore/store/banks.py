@@ -7,6 +7,7 @@ LMDB store here, and the object tier (``object_banks.py``), whose records are ob
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 
 import lmdb
@@ -57,6 +58,44 @@ def record_names(name: str, cluster_ids: list[int]) -> tuple[str, str, list[str]
     return _centroids_key(name).decode(), _lexical_key(name).decode(), [prefix + struct.pack(">I", c).hex() for c in cluster_ids]
 
 
+def encode_records(name: str, centroids: np.ndarray, clusters: dict[int, Cluster], lexical: bytes) -> dict[str, bytes]:
+    """A whole bank's records by the names ``record_names`` gives them, in digest order: centroids, lexical index, clusters by id."""
+    centroids_name, lexical_name, cluster_names = record_names(name, sorted(clusters))
+    records = {centroids_name: encode_centroids(centroids), lexical_name: lexical}
+    return records | {record: encode_cluster(clusters[c]) for record, c in zip(cluster_names, sorted(clusters))}
+
+
+def check_records(name: str, meta: bytes, records: dict[str, bytes]) -> None:
+    """Refuse records that are not a whole, undamaged bank ``name`` (before a store takes a copied bank):
+    metadata of another bank, no centroids, a record of unknown name, or one that does not decode."""
+    if (found := BankMeta.from_json(meta).name) != name:
+        raise InvalidInput(f"bank {name!r}: the metadata record given names bank {found!r}")
+    centroids, lexical, _ = record_names(name, [])
+    if centroids not in records:
+        raise InvalidInput(f"bank {name!r}: the records hold no centroids")
+    cluster = re.compile(re.escape(_cluster_prefix(name).decode()) + "[0-9a-f]{8}")
+    for record, data in records.items():
+        if record == centroids:
+            decode = decode_centroids
+        elif record == lexical:
+            decode = decode_lexical
+        elif cluster.fullmatch(record):
+            decode = decode_cluster
+        else:
+            raise InvalidInput(f"bank {name!r}: {record!r} is not a record of it")
+        try:
+            decode(data)
+        except IntegrityError as exc:
+            raise IntegrityError(f"bank {name!r}: record {record}: {exc}") from None
+
+
+def _record_key(name: str, record: str) -> bytes:
+    """The LMDB key of a record named as ``record_names`` names it (cluster ids hex there, big-endian bytes here)."""
+    prefix = _cluster_prefix(name)
+    key = record.encode()
+    return prefix + bytes.fromhex(key[len(prefix) :].decode()) if key.startswith(prefix) else key
+
+
 def digest_of(name: str, meta: bytes, records: list[tuple[str, bytes]]) -> str:
     """The digest a bank signature covers (docs/format.md §8): its metadata record's sha256 and each
     other record's name and closing sha256 (``records``: centroids, lexical, then clusters by id)."""
@@ -93,14 +132,24 @@ class BankTables:
 
     def put_bank(self, meta: BankMeta, centroids: np.ndarray, clusters: dict[int, Cluster], lexical: bytes) -> None:
         """Store (or replace) a whole bank atomically; ``lexical`` is its encoded full-text index record."""
+        self._write_records(meta.name, meta.to_json(), encode_records(meta.name, centroids, clusters, lexical), replace=True)
+
+    def put_bank_records(self, name: str, meta: bytes, records: dict[str, bytes]) -> None:
+        """Store a new bank from its records as ``bank_records`` gives them, byte for byte (so its digest and
+        signatures carry over: migrate), after checking each; BankChanged if the store holds a bank ``name``."""
+        check_records(name, meta, records)
+        self._write_records(name, meta, records, replace=False)
+
+    def _write_records(self, name: str, meta: bytes, records: dict[str, bytes], *, replace: bool) -> None:
+        """Write a whole bank's records in one transaction, replacing any bank of that name only if ``replace``."""
 
         def body(txn: lmdb.Transaction) -> None:
-            self._delete_bank_in(txn, meta.name)
-            txn.put(_centroids_key(meta.name), encode_centroids(centroids), db=self._banks)
-            for cluster_id, cluster in clusters.items():
-                txn.put(_cluster_key(meta.name, cluster_id), encode_cluster(cluster), db=self._banks)
-            txn.put(_lexical_key(meta.name), lexical, db=self._banks)
-            txn.put(_meta_key(meta.name), meta.to_json(), db=self._banks)
+            if not replace and txn.get(_meta_key(name), db=self._banks) is not None:
+                raise BankChanged(name)
+            self._delete_bank_in(txn, name)
+            for record, data in records.items():
+                txn.put(_record_key(name, record), data, db=self._banks)
+            txn.put(_meta_key(name), meta, db=self._banks)
 
         self._write(body)
 
@@ -200,7 +249,9 @@ class BankTables:
                     metas.append(BankMeta.from_json(value))
         return metas
 
-    def _bank_digest_in(self, txn: lmdb.Transaction, name: str) -> str:
+    def _records_in(self, txn: lmdb.Transaction, name: str) -> tuple[bytes, list[tuple[str, bytes]]]:
+        """A bank's metadata record and every other record with its digest name, in digest order (buffers
+        when ``txn`` was opened with them); PackNotFound if there is no such bank."""
         meta = txn.get(_meta_key(name), db=self._banks)
         if meta is None:
             raise PackNotFound(f"no bank named {name!r}")
@@ -208,7 +259,7 @@ class BankTables:
         for key in (_centroids_key(name), _lexical_key(name)):
             data = txn.get(key, db=self._banks)
             if data is not None:
-                records.append((key.decode(), bytes(data[-32:])))
+                records.append((key.decode(), data))
         prefix = _cluster_prefix(name)
         cursor = txn.cursor(db=self._banks)
         if cursor.set_range(prefix):
@@ -216,8 +267,20 @@ class BankTables:
                 key = bytes(key)  # a buffer in a read transaction opened with buffers
                 if not key.startswith(prefix):
                     break
-                records.append((prefix.decode() + key[len(prefix) :].hex(), bytes(value[-32:])))
-        return digest_of(name, bytes(meta), records)
+                records.append((prefix.decode() + key[len(prefix) :].hex(), value))
+        return meta, records
+
+    def _bank_digest_in(self, txn: lmdb.Transaction, name: str) -> str:
+        meta, records = self._records_in(txn, name)
+        return digest_of(name, bytes(meta), [(record, bytes(data[-32:])) for record, data in records])
+
+    def bank_records(self, name: str) -> tuple[bytes, dict[str, bytes]]:
+        """A bank's metadata record and every other record by digest name, as stored (one snapshot): what
+        ``put_bank_records`` takes to copy the bank into another store with the same digest."""
+        self._bank_db(name)
+        with self._env.read() as txn:
+            meta, records = self._records_in(txn, name)
+        return meta, dict(records)
 
     def bank_digest(self, name: str) -> str:
         """The digest a bank's signature covers (docs/format.md §8): its metadata record's sha256 and

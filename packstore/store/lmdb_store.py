@@ -10,14 +10,14 @@ import struct
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, NoReturn, Sequence, TypeVar
 
 import lmdb
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, StoreBusy
 from packstore.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
 from packstore.format import EncodedPack, PackHeader, parse_key
-from packstore.format.body import chunks_for_layers, verify_chunk
+from packstore.format.body import chunks_for, verify_chunk
 from packstore.format.signature import Signature
 from packstore.store.banks import BankTables
 from packstore.store.environment import DEFAULT_MAP_SIZE, LmdbEnvironment
@@ -26,7 +26,7 @@ from packstore.store.protocol import DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, BankSt
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
 
 if TYPE_CHECKING:
-    from packstore.tensors import Pack, PackLayers
+    from packstore.tensors import Pack, PackPart
 
 STORE_LAYOUT_VERSION = b"2"  # 2 added summaries, key_names, by_name and the running counters
 LOCK_FILE = "packstore.lock"
@@ -477,25 +477,29 @@ class LmdbStore(BankTables):
 
         encoded = self._read(ref, model_fp=model_fp)
         encoded.header.check_identities(model_fp, template_fp)
-        pack = decode_pack(encoded)  # verifies every chunk's checksum before decoding it
-        if device is not None and str(device) != "cpu":
-            pack = pack.to(device)
-        return pack
+        return decode_pack(encoded, device)  # verifies every chunk's checksum before decoding it
 
-    def fetch_layers(
-        self, ref: str, first: int, last: int, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
-    ) -> "PackLayers":
-        """Decode layers ``first`` to ``last`` of a pack from the chunks holding them, leaving the others unread."""
-        from packstore.tensors import decode_layers
+    def fetch_part(
+        self,
+        ref: str,
+        *,
+        layers: tuple[int, int] | None = None,
+        prefix: int | None = None,
+        device: object = None,
+        model_fp: str | None = None,
+        template_fp: str | None = None,
+    ) -> "PackPart":
+        """Decode part of a pack's body (some layers, a prefix) from the chunks holding it, leaving the others unread."""
+        from packstore.tensors import decode_part
 
         key = self.resolve(ref, model_fp=model_fp)
         with self._env.read() as txn:
             header = self._header_in(txn, key)
         header.check_identities(model_fp, template_fp)
-        indices = chunks_for_layers(header, first, last)
-        return decode_layers(header, first, last, zip(indices, self.read_chunks(header, indices)), device)
+        indices = chunks_for(header, layers, prefix)
+        return decode_part(header, layers, prefix, zip(indices, self.read_chunks(header, indices)), device)
 
-    def read_chunks(self, header: PackHeader, indices: range) -> Iterator[bytes]:
+    def read_chunks(self, header: PackHeader, indices: Sequence[int]) -> Iterator[bytes]:
         """Chunks ``indices`` of a pack in order, each checked against its sha256 and read only when the caller
         takes it (a stream holds one chunk at a time, not the pack)."""
         for index in indices:

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, Unavailable
-from packstore.format.bank import BankMeta, Cluster, decode_centroids, decode_cluster, decode_lexical, encode_centroids, encode_cluster
+from packstore.format.bank import BankMeta, Cluster, decode_centroids, decode_cluster, decode_lexical, encode_cluster
 from packstore.format.signature import Signature
-from packstore.store.banks import BankChanged, digest_of, record_names
+from packstore.store.banks import BankChanged, check_records, digest_of, encode_records, record_names
 from packstore.store.protocol import check_name
 from packstore.store.registers import Version
 
@@ -71,11 +71,26 @@ class ObjectBankTables:
 
     def put_bank(self: "ObjectStore", meta: BankMeta, centroids: np.ndarray, clusters: dict[int, Cluster], lexical: bytes) -> None:
         """Store (or replace) a whole bank: its records, then one head version naming them (without signatures)."""
-        centroids_name, lexical_name, cluster_names = record_names(meta.name, sorted(clusters))
-        records = {centroids_name: encode_centroids(centroids), lexical_name: lexical}
-        records |= {record: encode_cluster(clusters[c]) for record, c in zip(cluster_names, sorted(clusters))}
-        head = {"meta": meta.to_json().decode(), "records": self._upload_records(meta.name, records), "signatures": []}
-        self._registers.update(self._bank_head_path(meta.name), lambda current: head)
+        self._commit_records(meta.name, meta.to_json(), encode_records(meta.name, centroids, clusters, lexical), replace=True)
+
+    def put_bank_records(self: "ObjectStore", name: str, meta: bytes, records: dict[str, bytes]) -> None:
+        """Store a new bank from its records as ``bank_records`` gives them, byte for byte (so its digest and
+        signatures carry over: migrate), after checking each; BankChanged if the store holds a bank ``name``."""
+        check_records(name, meta, records)
+        self._commit_records(name, meta, records, replace=False)
+
+    def _commit_records(self: "ObjectStore", name: str, meta: bytes, records: dict[str, bytes], *, replace: bool) -> None:
+        """Upload a whole bank's records, then commit one head version naming them, over any bank of that
+        name only if ``replace`` (BankChanged otherwise)."""
+        path = self._bank_head_path(name)  # checks the name before anything is uploaded
+        head = {"meta": meta.decode(), "records": self._upload_records(name, records), "signatures": []}
+
+        def change(current: Version | None) -> dict[str, Any]:
+            if not replace and current is not None and current.value is not None:
+                raise BankChanged(name)
+            return head
+
+        self._registers.update(path, change)
 
     def update_bank(self: "ObjectStore", meta: BankMeta, clusters: dict[int, Cluster], lexical: bytes, *, expected: BankMeta) -> None:
         """Replace some clusters, the full-text index and the metadata in one head version, only if the bank
@@ -116,6 +131,14 @@ class ObjectBankTables:
         head = self._bank_head(name)
         found = self._pool.map(lambda record: self._bank_record(name, head, record), record_names(name, cluster_ids)[2])
         return {c: decode_cluster(data) if data is not None else None for c, data in zip(cluster_ids, found)}
+
+    def bank_records(self: "ObjectStore", name: str) -> tuple[bytes, dict[str, bytes]]:
+        """A bank's metadata record and every other record by digest name, each checked against its head (one
+        head version): what ``put_bank_records`` takes to copy the bank into another store with the same digest."""
+        head = self._bank_head(name)
+        ordered = _ordered(name, head)
+        found = self._pool.map(lambda record: self._bank_record(name, head, record), ordered)
+        return head["meta"].encode(), dict(zip(ordered, found))
 
     def bank_stored_bytes(self: "ObjectStore", name: str) -> int:
         """Bytes of the bank's metadata and every record its head names."""
@@ -189,8 +212,13 @@ def _meta(head: dict[str, Any], name: str) -> BankMeta:
         raise IntegrityError(f"bank {name!r}: its metadata is damaged: {exc}") from None
 
 
-def _digest(name: str, head: dict[str, Any]) -> str:
+def _ordered(name: str, head: dict[str, Any]) -> list[str]:
+    """The records a head names, in digest order: centroids, lexical index, then clusters by id."""
     centroids, lexical, _ = record_names(name, [])
     clusters = sorted(record for record in head["records"] if record not in (centroids, lexical))
-    ordered = [record for record in (centroids, lexical) if record in head["records"]] + clusters
-    return digest_of(name, head["meta"].encode(), [(record, bytes.fromhex(head["records"][record][2])) for record in ordered])
+    return [record for record in (centroids, lexical) if record in head["records"]] + clusters
+
+
+def _digest(name: str, head: dict[str, Any]) -> str:
+    records = [(record, bytes.fromhex(head["records"][record][2])) for record in _ordered(name, head)]
+    return digest_of(name, head["meta"].encode(), records)

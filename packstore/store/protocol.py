@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from packstore.format.bank import BankMeta
     from packstore.format.body import EncodedPack
     from packstore.format.signature import Signature
-    from packstore.tensors import Pack, PackLayers
+    from packstore.tensors import Pack, PackPart
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
@@ -148,11 +148,20 @@ class PackStore(Protocol):
     ) -> "Pack":
         """``get`` and decode into tensors on ``device`` (CPU when None)."""
 
-    def fetch_layers(
-        self, ref: str, first: int, last: int, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
-    ) -> "PackLayers":
-        """Layers ``first`` to ``last`` (inclusive) of a pack's body, decoded on ``device``, reading only the
-        chunks that hold them, each verified; InvalidInput if the pack has no such layers."""
+    def fetch_part(
+        self,
+        ref: str,
+        *,
+        layers: tuple[int, int] | None = None,
+        prefix: int | None = None,
+        device: object = None,
+        model_fp: str | None = None,
+        template_fp: str | None = None,
+    ) -> "PackPart":
+        """Layers ``layers`` (first, last, inclusive; None: all) of a pack's body for its first ``prefix``
+        positions (None: all), decoded on ``device``, reading only the chunks that hold them (a prefix saves
+        reads where the pack is split into token blocks), each verified; InvalidInput if the pack has no such
+        layers or positions."""
 
     def verify(self, ref: str) -> VerifyResult:
         """Check one pack's header seal, every chunk's checksum, and that every chunk decodes."""

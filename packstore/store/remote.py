@@ -6,14 +6,13 @@ the target device (through pinned host memory and non-blocking copies on CUDA).
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import grpc
 
-from packstore.errors import PackNotFound, PackstoreError
+from packstore.errors import InvalidInput, PackNotFound, PackstoreError
 from packstore.format import EncodedPack
-from packstore.format.body import chunks_for_layers, verify_chunk
+from packstore.format.body import chunks_for, verify_chunk
 from packstore.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
 from packstore.rpc.channel import Connection, GrpcClient
 from packstore.rpc.messages import ChunkAssembler, bank_meta, chunk_pieces, pack_summary, signatures_of, stored_pack
@@ -23,7 +22,7 @@ from packstore.v1 import store_pb2, store_pb2_grpc
 if TYPE_CHECKING:
     from packstore.format.bank import BankMeta
     from packstore.format.signature import Signature
-    from packstore.tensors import Pack, PackLayers
+    from packstore.tensors import Pack, PackPart
 
 
 class RemoteStore(GrpcClient):
@@ -78,12 +77,12 @@ class RemoteStore(GrpcClient):
         return StoreCounts(packs=reply.packs, stored_bytes=reply.stored_bytes)
 
     def _stream(
-        self, ref: str, model_fp: str | None, template_fp: str | None, layers: tuple[int, int] | None = None
+        self, ref: str, model_fp: str | None, template_fp: str | None, layers: tuple[int, int] | None = None, prefix: int | None = None
     ) -> tuple[StoredPack, Iterator[tuple[int, bytes]]]:
-        """Start GetPack (of the chunks holding ``layers``, first and last, when given; else of every chunk); returns
-        the stored pack (header, signatures) and an iterator of whole (index, chunk bytes)."""
+        """Start GetPack (of the chunks holding ``layers``, first and last, and positions below ``prefix``, when
+        given; else of every chunk); returns the stored pack (header, signatures) and an iterator of whole (index, chunk bytes)."""
         span = store_pb2.LayerRange(first=layers[0], last=layers[1]) if layers else None
-        request = store_pb2.GetPackRequest(ref=ref, model_fp=model_fp or "", template_fp=template_fp or "", layers=span)
+        request = store_pb2.GetPackRequest(ref=ref, model_fp=model_fp or "", template_fp=template_fp or "", layers=span, prefix=prefix or 0)
         responses = self._stub.GetPack(request, timeout=self.timeout)
         first = self._call(lambda: next(responses, None))
         if first is None or first.WhichOneof("item") != "header":
@@ -92,16 +91,16 @@ class RemoteStore(GrpcClient):
         header = stored.header
 
         def chunks() -> Iterator[tuple[int, bytes]]:
-            assembler = ChunkAssembler(header, chunks_for_layers(header, *layers) if layers else None)
+            assembler = ChunkAssembler(header, chunks_for(header, layers, prefix))
             try:
                 for response in responses:
                     whole = assembler.add(response.chunk)
                     if whole is not None:
-                        yield assembler.next_index - 1, whole
+                        yield whole
             except grpc.RpcError as exc:
                 raise self._error(exc) from None
             if not assembler.complete:
-                raise PackstoreError(f"pack {header.key}: the stream ended before chunk {assembler.next_index} of chunks {assembler.indices.start}-{assembler.indices.stop - 1}")
+                raise PackstoreError(f"pack {header.key}: the stream ended after {assembler.received} of the {len(assembler.indices)} chunks asked for")
 
         return stored, chunks()
 
@@ -119,51 +118,28 @@ class RemoteStore(GrpcClient):
 
         The server refuses (FAILED_PRECONDITION) when ``model_fp`` / ``template_fp`` differ from the pack's.
         """
-        import torch
+        from packstore.tensors import pack_from_chunks
 
-        from packstore.tensors import WORKERS, Pack, check_tensor_digest, decode_chunk, torch_dtype
-
-        device = torch.device(device or "cpu")
         stored, chunks = self._stream(ref, model_fp, template_fp)
-        header = stored.header
-        shape, dtype, layers = header.tensor_shape, torch_dtype(header.dtype), header.body_layers
-        on_cpu = device.type == "cpu"
-        keys: list[torch.Tensor | None] = [None if on_cpu else torch.empty(shape, dtype=dtype, device=device) for _ in layers]
-        values: list[torch.Tensor | None] = [None if on_cpu else torch.empty(shape, dtype=dtype, device=device) for _ in layers]
+        return pack_from_chunks(stored.header, chunks, device)
 
-        slots = {}  # tensor name -> (list, index): K (or its delta, an adapter's header) and V
-        for slot, layer in enumerate(layers):
-            k_name, v_name = header.tensor_names(layer)
-            slots[k_name], slots[v_name] = (keys, slot), (values, slot)
+    def fetch_part(
+        self,
+        ref: str,
+        *,
+        layers: tuple[int, int] | None = None,
+        prefix: int | None = None,
+        device: object = None,
+        model_fp: str | None = None,
+        template_fp: str | None = None,
+    ) -> "PackPart":
+        """Stream only the chunks holding some layers and/or a prefix (GetPack with ``layers`` / ``prefix``) and decode them."""
+        from packstore.tensors import decode_part
 
-        def place(index: int, data: bytes) -> None:
-            for name, tensor in decode_chunk(header, index, data).items():
-                target, slot = slots[name]
-                if on_cpu:
-                    target[slot] = tensor  # decoded tensors are already in their final place
-                else:
-                    pinned = tensor.pin_memory() if device.type == "cuda" else tensor
-                    target[slot].copy_(pinned, non_blocking=True)
-
-        with ThreadPoolExecutor(WORKERS) as pool:
-            pending: list[Future] = [pool.submit(place, index, data) for index, data in chunks]
-            for future in pending:
-                future.result()
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-        pack = Pack(header=header, keys=keys, values=values)  # type: ignore[arg-type]
-        pack.check_shapes()
-        check_tensor_digest(pack)
-        return pack
-
-    def fetch_layers(
-        self, ref: str, first: int, last: int, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
-    ) -> "PackLayers":
-        """Stream only the chunks holding layers ``first`` to ``last`` (GetPack with a layer range) and decode them."""
-        from packstore.tensors import decode_layers
-
-        stored, chunks = self._stream(ref, model_fp, template_fp, (first, last))
-        return decode_layers(stored.header, first, last, chunks, device)
+        if prefix is not None and prefix < 1:  # 0 would travel as "no prefix": refuse it as the other tiers do
+            chunks_for(self.stat(ref, model_fp=model_fp).header, layers, prefix)
+        stored, chunks = self._stream(ref, model_fp, template_fp, layers, prefix)
+        return decode_part(stored.header, layers, prefix, chunks, device)
 
     # -- writes ----------------------------------------------------------------------------------
 

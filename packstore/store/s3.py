@@ -19,11 +19,11 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, StoreBusy, Unavailable
 from packstore.format import EncodedPack, PackHeader, parse_key
-from packstore.format.body import chunks_for_layers, verify_chunk
+from packstore.format.body import chunks_for, verify_chunk
 from packstore.format.signature import Signature
 from packstore.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
 from packstore.store.namespaces import DEFAULT_NAMESPACE
@@ -35,7 +35,7 @@ from packstore.store.registers import UNCHANGED, Registers, Version
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
 
 if TYPE_CHECKING:
-    from packstore.tensors import Pack, PackLayers
+    from packstore.tensors import Pack, PackPart
 
 DEFAULT_GC_GRACE = 3600.0  # seconds an unreferenced object is kept (docs/operations.md, "Object store tier")
 READ_AHEAD = 4  # chunks a stream fetches ahead of the one it sends
@@ -194,7 +194,7 @@ class ObjectStore(ObjectBankTables):
         missing = f"pack {header.key}: chunk {index} is missing from the object store"
         return self._immutable(self._chunk_name(header.chunks[index].sha256), check, cached=cached, missing=missing)
 
-    def read_chunks(self, header: PackHeader, indices: range) -> Iterator[bytes]:
+    def read_chunks(self, header: PackHeader, indices: Sequence[int]) -> Iterator[bytes]:
         """Chunks ``indices`` of a pack in order, each checked against its sha256, with up to ``READ_AHEAD`` fetched
         ahead in parallel: a stream costs about one object-store round trip per READ_AHEAD chunks, not per chunk,
         and a stalled reader holds at most READ_AHEAD + 1 chunks."""
@@ -381,21 +381,25 @@ class ObjectStore(ObjectBankTables):
         """Get, verify and decode a pack; refuses one whose identities differ from those the caller states."""
         from packstore.tensors import decode_pack
 
-        pack = decode_pack(self.get(ref, model_fp=model_fp, template_fp=template_fp))
-        if device is not None and str(device) != "cpu":
-            pack = pack.to(device)
-        return pack
+        return decode_pack(self.get(ref, model_fp=model_fp, template_fp=template_fp), device)
 
-    def fetch_layers(
-        self, ref: str, first: int, last: int, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
-    ) -> "PackLayers":
-        """Decode layers ``first`` to ``last`` of a pack, fetching (or finding cached) only the chunk objects that hold them."""
-        from packstore.tensors import decode_layers
+    def fetch_part(
+        self,
+        ref: str,
+        *,
+        layers: tuple[int, int] | None = None,
+        prefix: int | None = None,
+        device: object = None,
+        model_fp: str | None = None,
+        template_fp: str | None = None,
+    ) -> "PackPart":
+        """Decode part of a pack's body (some layers, a prefix) from the chunks holding it, leaving the others unread."""
+        from packstore.tensors import decode_part
 
         header, _ = self._header(self.resolve(ref, model_fp=model_fp))
         header.check_identities(model_fp, template_fp)
-        indices = chunks_for_layers(header, first, last)
-        return decode_layers(header, first, last, zip(indices, self.read_chunks(header, indices)), device)
+        indices = chunks_for(header, layers, prefix)
+        return decode_part(header, layers, prefix, zip(indices, self.read_chunks(header, indices)), device)
 
     def verify(self, ref: str) -> VerifyResult:
         """Check the stored copy (not the cache): header seal, every chunk's checksum, that every chunk decodes, signatures."""

@@ -19,7 +19,9 @@ import torch
 
 from packstore.errors import PackMismatch
 from packstore.tensors import decode_pack, encode_pack
-from packstore.kv.build import build_pack
+from packstore.format.body import BLOCK_POSITIONS
+from packstore.kv.build import build_pack, prefill
+from packstore.store import LmdbStore
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text, prefill_divergence
 from packstore.kv.models import load_model
 
@@ -84,6 +86,22 @@ def test_pack_injection_is_identical_to_text_in_prompt(real_lm, fidelity_report)
     )
     assert questions >= MIN_QUESTIONS
     assert divergences == 0
+
+
+def test_a_stored_prefix_is_the_kv_of_that_prefix(real_lm, tmp_path: Path) -> None:
+    """A pack longer than a token block, read back as a prefix, holds the prefill of those tokens alone."""
+    contexts = [row["context"] for row in eval_rows()[:16]]
+    pack = build_pack(real_lm, contexts)
+    assert pack.header.tokens > BLOCK_POSITIONS + 8
+    prefix = BLOCK_POSITIONS + 7  # the first block and 7 positions of the second
+    with LmdbStore(tmp_path / "store") as store:
+        key, _ = store.put(encode_pack(pack))
+        part = store.fetch_part(key, prefix=prefix, model_fp=real_lm.model_fp, template_fp=real_lm.template_fp)
+    alone = prefill(real_lm, pack.header.token_ids[:prefix])
+    for layer, (k, v) in enumerate(zip(part.keys, part.values)):
+        assert torch.equal(k, pack.keys[layer][:, :prefix]) and torch.equal(v, pack.values[layer][:, :prefix])
+        expected_k, expected_v = alone.layers[layer].keys[0].to(k.dtype), alone.layers[layer].values[0].to(k.dtype)
+        assert torch.allclose(k, expected_k, atol=1e-3) and torch.allclose(v, expected_v, atol=1e-3)
 
 
 def test_wrong_template_on_a_real_model_is_refused(real_lm) -> None:

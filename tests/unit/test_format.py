@@ -187,6 +187,35 @@ def bad_chunks(header: PackHeader) -> dict[str, tuple]:
     }
 
 
+def test_token_blocks_round_trip_and_their_order_is_checked() -> None:
+    pack = make_pack(tokens=5)
+    encoded = encode_pack(pack, block_positions=2)  # per layer: positions 0-1, 2-3, 4
+    header = encoded.header
+    assert [(c.first_layer, c.first_position, c.stop_position) for c in header.chunks[:4]] == [(0, 0, 2), (0, 2, 4), (0, 4, 5), (1, 0, 2)]
+    assert PackHeader.from_json(header.to_json()) == header and b'"first_position":2' in header.to_json()
+    decoded = decode_pack(encoded)
+    assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, decoded.keys + decoded.values))
+    whole = encode_pack(pack).header.chunks[0]  # five fields: every position of layer 0
+    assert b"first_position" not in encode_pack(pack).header.to_json()
+    c = list(header.chunks)
+    bad = {
+        "chunks[1].first_position": [c[0], c[2], c[1], *c[3:]],
+        "chunks[2].stop_position": [c[0], c[1], dataclasses.replace(c[2], stop_position=6), *c[3:]],
+        "chunks[1]'": [c[0], whole, *c[3:]],  # a whole-layer chunk inside a run of blocks
+        "chunks[1].stop_layer": [c[0], dataclasses.replace(c[1], stop_layer=2), *c[2:]],
+        "chunks[0].raw_bytes": [dataclasses.replace(c[0], raw_bytes=c[0].raw_bytes + 1), *c[1:]],
+        "chunks'": c[:-1],  # layer 2 stops at position 3
+    }
+    for field, chunks in bad.items():
+        with pytest.raises(InvalidInput, match=re.escape(f"field '{field.rstrip(chr(39))}'")):
+            dataclasses.replace(header, chunks=tuple(chunks)).validate()
+    recipe = {"pairs": [{"good": "a", "bad": "b"}], "pooling": "last", "layers": [0, 2]}
+    steering = dataclasses.replace(header, kind="steering", token_ids=(), facts=(), recipe=recipe, metrics={})
+    block = dataclasses.replace(c[0], raw_bytes=2 * 2 * 4 * 4, first_position=0, stop_position=1)
+    with pytest.raises(InvalidInput, match="is a token block, which only a knowledge pack's chunks may be"):
+        dataclasses.replace(steering, chunks=(block,)).validate()
+
+
 PYTHON_BAD_FIELDS = [
     ("model_name", 123),
     ("model_name", "m" * 4097),

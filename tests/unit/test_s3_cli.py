@@ -1,19 +1,25 @@
 """``packctl --store s3://BUCKET/PREFIX``: admin work straight on a SeaweedFS bucket, and ``packctl migrate``
-from a local store into the bucket and back."""
+of packs and banks from a local store into the bucket and back."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import lmdb
 import pytest
 
+from packstore.api import sign_bank
 from packstore.cli.packctl import main
 from packstore.format.body import EncodedPack
 from packstore.store import LmdbStore
+from packstore.store.s3 import ObjectStore
 from packstore.tensors import encode_pack
 from packstore.trust import SigningKey, generate_key
+from test_s3_banks import FACTS
 from test_s3_store import random_pack
+
+NO_BANKS = {"banks": 0, "banks_copied": 0, "bank_signatures_added": 0, "banks_skipped": []}
 
 
 def packctl(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
@@ -40,9 +46,9 @@ def local(tmp_path: Path, model_fp: str) -> tuple[Path, list[str]]:
 def test_migrate_a_local_store_into_a_bucket_and_back(capsys, local, url, tmp_path) -> None:
     path, keys = local
     code, out, _ = packctl(capsys, "--store", str(path), "migrate", "--to", url, "--json")
-    assert code == 0 and json.loads(out) == {"packs": 3, "copied": 3, "names_set": 2, "signatures_added": 0}
+    assert code == 0 and json.loads(out) == {"packs": 3, "copied": 3, "names_set": 2, "signatures_added": 0} | NO_BANKS
     code, out, _ = packctl(capsys, "--store", str(path), "migrate", "--to", url, "--json")
-    assert code == 0 and json.loads(out) == {"packs": 3, "copied": 0, "names_set": 0, "signatures_added": 0}  # idempotent
+    assert code == 0 and json.loads(out) == {"packs": 3, "copied": 0, "names_set": 0, "signatures_added": 0} | NO_BANKS  # idempotent
 
     code, out, _ = packctl(capsys, "--store", url, "ls", "--json")
     listed = json.loads(out)
@@ -72,9 +78,76 @@ def test_a_second_migrate_adds_only_missing_names_and_signatures(capsys, local, 
         store.set_name(keys[2], "late-name")
         store.add_signature(keys[1], signer.sign("pack", store.stat(keys[1]).header.pack_sha256))
     code, out, _ = packctl(capsys, "--store", str(path), "migrate", "--to", url, "--json")
-    assert code == 0 and json.loads(out) == {"packs": 3, "copied": 0, "names_set": 1, "signatures_added": 1}
+    assert code == 0 and json.loads(out) == {"packs": 3, "copied": 0, "names_set": 1, "signatures_added": 1} | NO_BANKS
     code, out, _ = packctl(capsys, "--store", url, "inspect", "late-name", "--json")
     assert code == 0 and json.loads(out)["key"] == keys[2]
+
+
+def _as_an_older_version_wrote_it(path: Path, name: str) -> None:
+    """Make bank ``name`` of the store at ``path`` one built before the full-text index: no lexical record, and
+    metadata without the fields added later (so re-encoding it would change its bytes, and the bank's digest)."""
+    env = lmdb.open(str(path), max_dbs=8)
+    with env.begin(write=True) as txn:
+        db = env.open_db(b"banks", txn=txn)
+        txn.delete(f"lexical/{name}".encode(), db=db)
+        meta = json.loads(txn.get(f"meta/{name}".encode(), db=db))
+        txn.put(f"meta/{name}".encode(), json.dumps({k: v for k, v in meta.items() if k not in ("lexical", "vectors")}).encode(), db=db)
+    env.close()
+
+
+@pytest.fixture
+def banked(local: tuple[Path, list[str]], tmp_path: Path) -> Path:
+    """The local store with two banks besides its packs: "lockers", signed with ``tmp_path/bank-key``, and
+    "older" as an earlier version wrote it."""
+    path, _ = local
+    with LmdbStore(path) as store:
+        store.banks().build("lockers", FACTS)
+        store.banks().build("older", FACTS[:20])
+        sign_bank(store, "lockers", SigningKey.load(generate_key(tmp_path / "bank-key")[0]))
+    _as_an_older_version_wrote_it(path, "older")
+    return path
+
+
+def _routes(store, name: str) -> list[dict]:
+    return [r.to_json() for r in store.banks().route(name, ["Which umbrella is in locker 13?", "guest 207"], top_k=3)]
+
+
+def test_migrate_copies_banks_into_a_bucket_and_back_with_their_digests(capsys, banked, url, tmp_path) -> None:
+    code, out, _ = packctl(capsys, "--store", str(banked), "migrate", "--to", url, "--json")
+    assert code == 0 and json.loads(out) == {
+        "packs": 3, "copied": 3, "names_set": 2, "signatures_added": 0, "banks": 2, "banks_copied": 2, "bank_signatures_added": 1, "banks_skipped": []
+    }
+    with LmdbStore(banked) as store:  # a signature made after the copy is added by the next run, nothing else
+        sign_bank(store, "older", SigningKey.load(tmp_path / "bank-key"))
+    code, out, _ = packctl(capsys, "--store", str(banked), "migrate", "--to", url, "--json")
+    report = json.loads(out)
+    assert code == 0 and (report["copied"], report["banks_copied"], report["bank_signatures_added"]) == (0, 0, 1)
+    code, out, err = packctl(capsys, "--store", str(banked), "migrate", "--to", url)
+    assert code == 0 and "2 banks: 0 copied, 2 already there; 0 signatures added" in out and "present  bank lockers" in err
+
+    back = tmp_path / "back"
+    code, out, _ = packctl(capsys, "--store", url, "migrate", "--to", str(back), "--json")
+    report = json.loads(out)
+    assert code == 0 and (report["banks_copied"], report["bank_signatures_added"]) == (2, 2)
+    with LmdbStore(banked, readonly=True) as original, LmdbStore(back, readonly=True) as copy, ObjectStore(url, cache_dir=tmp_path / "c") as bucket:
+        for name in ("lockers", "older"):
+            assert bucket.banks().digest(name) == copy.banks().digest(name) == original.banks().digest(name)
+            assert copy.bank_records(name) == bucket.bank_records(name) == original.bank_records(name)
+            assert copy.bank_signatures(name) == original.bank_signatures(name) and len(copy.bank_signatures(name)) == 1
+            assert _routes(bucket, name) == _routes(copy, name) == _routes(original, name)
+        assert original.bank_lexical("older") is None and copy.bank("older").lexical == ""
+    code, out, _ = packctl(capsys, "--store", str(back), "bank", "verify", "--trusted-keys", str(tmp_path / "bank-key.pub"))
+    assert code == 0, out
+
+
+def test_a_bank_of_the_same_name_with_other_contents_stops_migrate(capsys, banked, url, tmp_path) -> None:
+    with ObjectStore(url, cache_dir=tmp_path / "c") as bucket:
+        bucket.banks().build("older", FACTS[20:])
+        theirs = bucket.bank_records("older")
+    code, _, err = packctl(capsys, "--store", str(banked), "migrate", "--to", url)
+    assert code == 1 and "'older'" in err and "'lockers'" not in err and "never replaces a bank, so nothing was copied" in err
+    with ObjectStore(url, cache_dir=tmp_path / "d") as bucket:
+        assert bucket.bank_records("older") == theirs and [m.name for m in bucket.bank_metas()] == ["older"] and bucket.list() == []
 
 
 def test_admin_commands_on_a_bucket(capsys, local, url, seaweed, tmp_path, monkeypatch) -> None:
@@ -108,3 +181,16 @@ def test_bucket_problems_are_one_line(capsys, seaweed, monkeypatch) -> None:
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     code, _, err = packctl(capsys, "--store", f"s3://{seaweed.bucket}/x", "ls")
     assert code == 1 and "refused access" in err
+
+
+def test_a_damaged_bank_in_the_source_is_not_copied(capsys, banked, url, tmp_path) -> None:
+    env = lmdb.open(str(banked), max_dbs=8)
+    with env.begin(write=True) as txn:
+        db = env.open_db(b"banks", txn=txn)
+        key = next(k for k, _ in txn.cursor(db=db) if k.startswith(b"cluster/lockers/"))
+        txn.put(key, txn.get(key, db=db)[:-1] + b"\0", db=db)
+    env.close()
+    code, _, err = packctl(capsys, "--store", str(banked), "migrate", "--to", url)
+    assert code == 1 and "bank 'lockers': record cluster/lockers/" in err and "damaged" in err
+    with ObjectStore(url, cache_dir=tmp_path / "c") as bucket:
+        assert "lockers" not in [m.name for m in bucket.bank_metas()]

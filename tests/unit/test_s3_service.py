@@ -1,9 +1,9 @@
 """``packstore serve --objects``: replicas (real subprocesses) serving one SeaweedFS bucket.
 
-A pack put through one replica is listed and streamed by another; a replica killed mid-upload
-leaves no visible pack; damage is DATA_LOSS through the service; a missing bucket, wrong
-credentials and an unreachable endpoint are clear errors at start, a store gone while serving
-is UNAVAILABLE per call.
+A pack put through one replica is listed and streamed by another, and so is a bank built through
+one (routed, listed, signed, deleted); a replica killed mid-upload leaves no visible pack; damage
+is DATA_LOSS through the service; a missing bucket, wrong credentials and an unreachable endpoint
+are clear errors at start, a store gone while serving is UNAVAILABLE per call.
 """
 
 from __future__ import annotations
@@ -21,15 +21,20 @@ import grpc
 import pytest
 import torch
 
+from packstore.api import sign_bank
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, Unavailable
 from packstore.rpc.messages import chunk_pieces
+from packstore.store import LmdbStore
+from packstore.store.migrate import migrate
 from packstore.store.object_cache import DEFAULT_CACHE_BYTES, ObjectCache
 from packstore.store.remote import RemoteStore
 from packstore.tensors import encode_pack
+from packstore.trust import SigningKey, generate_key
 from packstore.v1 import store_pb2, store_pb2_grpc
 from seaweed_helpers import Seaweed, running_seaweed
 from service_helpers import RunningServer, free_port, running_server
 from test_format import FP_B
+from test_s3_banks import FACTS
 from test_s3_store import objects, random_pack, same_tensors
 
 
@@ -56,6 +61,46 @@ def test_two_replicas_serve_each_others_packs(seaweed, url, tmp_path, model_fp) 
     assert (tmp_path / "a" / "object-cache" / "default" / "data.mdb").exists()
 
 
+def test_a_bank_built_through_one_replica_is_served_alike_by_another(seaweed, url, tmp_path) -> None:
+    queries = ["Which umbrella is in locker 13?", "guest 207", "amber umbrella"]
+
+    def answers(client: RemoteStore) -> tuple:
+        banks = client.banks()
+        routes = [[r.to_json() for r in banks.route("lockers", queries, top_k=3, mode=mode)] for mode in ("hybrid", "dense", "lexical")]
+        return routes, banks.list(), banks.digest("lockers"), banks.signatures("lockers")
+
+    with replica(seaweed, url, tmp_path / "a") as (_, a), replica(seaweed, url, tmp_path / "b") as (_, b):
+        assert a.banks().build("lockers", FACTS).facts == len(FACTS)
+        assert b.banks().route("lockers", queries[:1], top_k=1)[0].facts[0][0] == FACTS[13]
+        sign_bank(a, "lockers", SigningKey.load(generate_key(tmp_path / "key")[0]))
+        before = answers(b)
+        assert before == answers(a) and len(before[3]) == 1
+        b.banks().add("lockers", ["Locker 900 holds a spare key."])
+        assert a.banks().route("lockers", ["spare key"], top_k=1, mode="lexical")[0].facts[0][0] == "Locker 900 holds a spare key."
+        after = answers(a)
+        assert after == answers(b) and after[2] != before[2] and after[1][0][0].facts == len(FACTS) + 1
+        with LmdbStore(tmp_path / "copy") as target:  # a service gives no bank records: migrate names the bank it could not copy
+            assert migrate(b, target).banks_skipped == ("lockers",) and target.bank_metas() == []
+        a.banks().delete("lockers")
+        assert b.banks().list() == []
+        with pytest.raises(PackNotFound, match="no bank named 'lockers'"):
+            b.banks().route("lockers", queries[:1])
+
+
+def test_getpack_of_a_prefix_sends_only_its_token_blocks(seaweed, url, tmp_path, model_fp) -> None:
+    pack = random_pack(model_fp, 5, layers=2, tokens=1500)  # two token blocks per layer
+    with replica(seaweed, url, tmp_path / "a") as (_, a), replica(seaweed, url, tmp_path / "b") as (b_server, b):
+        key, _ = a.put(encode_pack(pack))
+        with grpc.insecure_channel(b_server.address) as channel:
+            request = store_pb2.GetPackRequest(ref=key, prefix=1024)
+            sent = [r.chunk.index for r in store_pb2_grpc.PackStoreStub(channel).GetPack(request) if r.WhichOneof("item") == "chunk"]
+        assert sorted(set(sent)) == [0, 2]  # the first block of each layer
+        part = b.fetch_part(key, layers=(1, 1), prefix=1025)
+        assert torch.equal(part.keys[0], pack.keys[1][:, :1025]) and torch.equal(part.values[0], pack.values[1][:, :1025])
+        with pytest.raises(InvalidInput, match="a prefix of 1501 positions is not within its 1-1500"):
+            b.fetch_part(key, prefix=1501)
+
+
 def test_getpack_of_a_layer_range_reads_only_its_chunk_objects(seaweed, url, tmp_path, model_fp) -> None:
     pack = random_pack(model_fp, 4, layers=10)
     encoded = encode_pack(pack)
@@ -65,10 +110,10 @@ def test_getpack_of_a_layer_range_reads_only_its_chunk_objects(seaweed, url, tmp
             request = store_pb2.GetPackRequest(ref=key, layers=store_pb2.LayerRange(first=2, last=3))
             sent = [r.chunk.index for r in store_pb2_grpc.PackStoreStub(channel).GetPack(request) if r.WhichOneof("item") == "chunk"]
         assert sorted(set(sent)) == [2, 3]
-        part = b.fetch_layers(key, 2, 3, model_fp=model_fp, template_fp=FP_B)
+        part = b.fetch_part(key, layers=(2, 3), model_fp=model_fp, template_fp=FP_B)
         assert all(torch.equal(x, y) for x, y in zip(pack.keys[2:4] + pack.values[2:4], part.keys + part.values))
         with pytest.raises(InvalidInput, match="not within its layers 0-9"):
-            b.fetch_layers(key, 9, 10)
+            b.fetch_part(key, layers=(9, 10))
     with closing(ObjectCache(tmp_path / "b" / "object-cache" / "default", DEFAULT_CACHE_BYTES)) as cache:
         cached = {name.rsplit("/", 1)[1] for name in cache.names() if "/chunks/" in name}
     assert cached == {c.sha256 for c in encoded.header.chunks[2:4]}  # b got only these chunk objects from the bucket

@@ -207,16 +207,29 @@ def test_a_layer_range_gets_only_the_chunk_objects_holding_it(url, tmp_path, mod
         key, _ = writer.put(encoded)
     with ObjectStore(url, cache_dir=tmp_path / "r") as reader:
         gets = counted_gets(reader)
-        part = reader.fetch_layers(key, 4, 6)
+        part = reader.fetch_part(key, layers=(4, 6))
         assert all(torch.equal(a, b) for a, b in zip(pack.keys[4:7] + pack.values[4:7], part.keys + part.values))
         wanted = sorted(f"chunks/{c.sha256}" for c in encoded.header.chunks[4:7])
         assert sorted(g for g in gets if g.startswith("chunks/")) == wanted  # 3 of the 12 chunk objects
         assert [g for g in gets if not g.startswith("chunks/")] == [f"headers/{key}"]
         gets.clear()
-        reader.fetch_layers(key, 5, 5)
+        reader.fetch_part(key, layers=(5, 5))
         assert gets == []  # header and chunk from the cache (the header's version checked by a HEAD)
         reader.fetch(key)
         assert len(gets) == 9  # the whole pack: only the 9 chunks not read before
+
+
+def test_a_prefix_gets_only_the_token_block_objects_holding_it(url, tmp_path, model_fp) -> None:
+    pack = random_pack(model_fp, 8, layers=4, tokens=2100)  # blocks of positions 0-1023, 1024-2047, 2048-2099
+    encoded = encode_pack(pack)
+    with ObjectStore(url, cache_dir=tmp_path / "w") as writer:
+        key, _ = writer.put(encoded)
+    with ObjectStore(url, cache_dir=tmp_path / "r") as reader:
+        gets = counted_gets(reader)
+        part = reader.fetch_part(key, prefix=1000)
+        assert all(torch.equal(a[:, :1000], b) for a, b in zip(pack.keys + pack.values, part.keys + part.values))
+        wanted = sorted(f"chunks/{c.sha256}" for c in encoded.header.chunks if c.first_position == 0)
+        assert sorted(g for g in gets if g.startswith("chunks/")) == wanted  # the first block of each of the 4 layers
 
 
 def test_a_damaged_cache_entry_is_dropped_and_fetched_again(replicas, model_fp) -> None:

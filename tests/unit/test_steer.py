@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -125,7 +124,7 @@ def test_a_knowledge_header_cannot_claim_version_3(tiny_lm) -> None:
 
 def test_chunks_must_match_the_recipe_layers(joy) -> None:
     header = encode_pack(joy).header
-    chunk = dataclasses.asdict(header.chunks[0]) | {"raw_bytes": header.chunks[0].raw_bytes + 4}
+    chunk = header.chunks[0].to_record() | {"raw_bytes": header.chunks[0].raw_bytes + 4}
     with pytest.raises(InvalidInput, match=r"chunks\[0\].raw_bytes"):
         PackHeader.from_json(_tampered(header, chunks=[chunk]))
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackMismatch, PackNotFound
+from packstore.format.body import chunks_for
 from packstore.records import GcReport, PackPage, PackSummary, StoreCounts
 from packstore.store import BankStore, LmdbStore, PackStore
 from packstore.store.remote import RemoteStore
@@ -116,24 +117,45 @@ def test_steering_packs_round_trip_with_their_partial_layer_range(store: PackSto
     fetched = store.fetch(key)
     assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, fetched.keys + fetched.values))
     assert store.stat(key).header.recipe == recipe and store.verify(key).ok
-    part = store.fetch_layers(key, 2, 2)  # a steering pack's body starts at its recipe's first layer
+    part = store.fetch_part(key, layers=(2, 2))  # a steering pack's body starts at its recipe's first layer
     assert part.layers == range(2, 3) and torch.equal(part.keys[0], pack.keys[1]) and torch.equal(part.values[0], pack.values[1])
     with pytest.raises(InvalidInput):
-        store.fetch_layers(key, 0, 1)
+        store.fetch_part(key, layers=(0, 1))
+    with pytest.raises(InvalidInput, match="a steering pack has no token positions"):
+        store.fetch_part(key, prefix=1)
 
 
-def test_fetch_layers_decodes_only_the_layers_asked_for(store: PackStore, model_fp: str) -> None:
+def test_fetch_part_decodes_only_the_layers_asked_for(store: PackStore, model_fp: str) -> None:
     pack = pack_of(model_fp)
     key, _ = store.put(encode_pack(pack))
-    part = store.fetch_layers(key, 1, 2, model_fp=model_fp, template_fp=FP_B)
+    part = store.fetch_part(key, layers=(1, 2), model_fp=model_fp, template_fp=FP_B)
     assert part.header.key == key and part.layers == range(1, 3)
     assert all(torch.equal(a, b) for a, b in zip(pack.keys[1:] + pack.values[1:], part.keys + part.values))
-    assert [k.shape for k in store.fetch_layers(key, 0, 0).keys] == [pack.keys[0].shape]
+    assert [k.shape for k in store.fetch_part(key, layers=(0, 0)).keys] == [pack.keys[0].shape]
     for first, last in ((2, 3), (2, 1)):
         with pytest.raises(InvalidInput, match="not within its layers 0-2"):
-            store.fetch_layers(key, first, last)
+            store.fetch_part(key, layers=(first, last))
     with pytest.raises(PackMismatch):
-        store.fetch_layers(key, 0, 0, model_fp="0" * 64)
+        store.fetch_part(key, layers=(0, 0), model_fp="0" * 64)
+
+
+def test_fetch_part_of_a_prefix_decodes_only_the_token_blocks_holding_it(store: PackStore, model_fp: str) -> None:
+    pack = pack_of(model_fp, tokens=2500)
+    encoded = encode_pack(pack)  # three token blocks per layer: 0-1023, 1024-2047, 2048-2499
+    assert [(c.first_position, c.stop_position) for c in encoded.header.chunks[:3]] == [(0, 1024), (1024, 2048), (2048, 2500)]
+    assert chunks_for(encoded.header, None, 1000) == (0, 3, 6) and chunks_for(encoded.header, (1, 2), 1025) == (3, 4, 6, 7)
+    key, _ = store.put(encoded)
+    fetched = store.fetch(key)
+    assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, fetched.keys + fetched.values))
+    for layers, prefix in ((None, 1), (None, 1024), (None, 1025), ((1, 2), 2500), ((0, 0), 700)):
+        part = store.fetch_part(key, layers=layers, prefix=prefix, model_fp=model_fp, template_fp=FP_B)
+        span = range(3) if layers is None else range(layers[0], layers[1] + 1)
+        assert part.layers == span and part.positions == prefix
+        wanted = [pack.keys[i][:, :prefix] for i in span] + [pack.values[i][:, :prefix] for i in span]
+        assert all(torch.equal(a, b) for a, b in zip(wanted, part.keys + part.values))
+    for prefix in (0, 2501):
+        with pytest.raises(InvalidInput, match=f"a prefix of {prefix} positions is not within its 1-2500"):
+            store.fetch_part(key, prefix=prefix)
 
 
 def test_stated_identities_must_match(store: PackStore, model_fp: str) -> None:
