@@ -20,7 +20,7 @@ Parts:
     instruction-in-the-prompt baselines (a sentence asking for a happy / an angry tone).
   layers (Table 7): sentiment at alpha 1 and 2 on the early and late thirds (the middle is the sweep's).
   pairs: three disjoint 5-pair subsets of the 30 pairs, at alpha 1 and 2 (30 pairs: the sweep's).
-  directions (Table 8): food alone (alpha 1, 2, 3), and sentiment 2 + food 2 together; per-layer cosine
+  directions (Table 8): food alone (alpha 1, 2, 3), and sentiment + food together at alpha 1 and 2 each; per-layer cosine
     of the value deltas of two directions (and of two authors' sentiment directions, and random vectors).
   keys: the key-arithmetic control: the same deltas added to the keys (alpha 0.5, 1, 2) or to both (1).
   dual (Tables 9-10): ckc questions answered with their paragraph as a knowledge pack through the one
@@ -192,7 +192,7 @@ def conditions() -> list[Condition]:
     ]
     found += [Condition(f"sentiment-5{s} {a:+g}", "pairs", ((f"sentiment-5{s}", a),), alpha=a) for s in "abc" for a in (1.0, 2.0)]
     found += [Condition(f"food {a:+g}", "directions", (("food", a),), alpha=a) for a in (1.0, 2.0, 3.0)]
-    found += [Condition("sentiment +2 food +2", "directions", (("sentiment", 2.0), ("food", 2.0)), alpha=2.0)]
+    found += [Condition(f"sentiment {a:+g} food {a:+g}", "directions", (("sentiment", a), ("food", a)), alpha=a) for a in (1.0, 2.0)]
     found += [Condition(f"keys {a:+g}", "keys", (("sentiment", a),), target="keys", alpha=a) for a in (0.5, 1.0, 2.0)]
     found += [Condition("both +1", "keys", (("sentiment", 1.0),), target="both", alpha=1.0)]
     return found
@@ -482,29 +482,31 @@ def generation_table(summary: dict, names: Sequence[str], effect: str = "sentime
 
 
 def retained_table(summary: dict) -> str:
-    """Table 8: each direction's effect alone and with the other applied too (all prompt sets)."""
+    """Table 8: each direction's effect alone and with the other applied too, at alpha 1 and 2 each (all prompt sets)."""
     rows = []
     for model, c in summary.items():
-        needed = ("sentiment +0", "sentiment +2", "food +2", "sentiment +2 food +2")
-        if not all(name in c for name in needed):
-            continue
-        base, s_alone, f_alone, both = (c[name]["all"] for name in needed)
-        s_effect = s_alone["sentiment"].mean - base["sentiment"].mean
-        s_both = both["sentiment"].mean - base["sentiment"].mean
-        f_effect = f_alone["food_any"].mean - base["food_any"].mean
-        f_both = both["food_any"].mean - base["food_any"].mean
-        rows.append(
-            [
-                model,
-                f"{s_effect:+.3f}",
-                f"{s_both:+.3f}",
-                f"{100 * s_both / s_effect:.0f} %" if abs(s_effect) > 1e-9 else "-",
-                f"{f_effect:+.3f}",
-                f"{f_both:+.3f}",
-                f"{100 * f_both / f_effect:.0f} %" if abs(f_effect) > 1e-9 else "-",
-            ]
-        )
-    headers = ["model", "sentiment effect alone", "with food too", "retained", "food effect alone", "with sentiment too", "retained"]
+        for alpha in ("+1", "+2"):
+            needed = ("sentiment +0", f"sentiment {alpha}", f"food {alpha}", f"sentiment {alpha} food {alpha}")
+            if not all(name in c for name in needed):
+                continue
+            base, s_alone, f_alone, both = (c[name]["all"] for name in needed)
+            s_effect = s_alone["sentiment"].mean - base["sentiment"].mean
+            s_both = both["sentiment"].mean - base["sentiment"].mean
+            f_effect = f_alone["food_any"].mean - base["food_any"].mean
+            f_both = both["food_any"].mean - base["food_any"].mean
+            rows.append(
+                [
+                    model,
+                    alpha,
+                    f"{s_effect:+.3f}",
+                    f"{s_both:+.3f}",
+                    f"{100 * s_both / s_effect:.0f} %" if abs(s_effect) > 1e-9 else "-",
+                    f"{f_effect:+.3f}",
+                    f"{f_both:+.3f}",
+                    f"{100 * f_both / f_effect:.0f} %" if abs(f_effect) > 1e-9 else "-",
+                ]
+            )
+    headers = ["model", "alpha (each)", "sentiment effect alone", "with food too", "retained", "food effect alone", "with sentiment too", "retained"]
     return markdown_table(headers, rows)
 
 
@@ -653,7 +655,7 @@ def write_report(generations: list[dict], dual_records: list[dict], cosines: lis
     sections = [f"### {title}\n\n{generation_table(summary, names)}" for title, names in TABLE_SETS.values()]
     sections.append(
         "### Two directions (Table 8)\n\n"
-        + generation_table(summary, ["sentiment +0", "food +1", "food +2", "food +3", "sentiment +2 food +2"], effect="food_any")
+        + generation_table(summary, ["sentiment +0", "food +1", "food +2", "food +3", "sentiment +1 food +1", "sentiment +2 food +2"], effect="food_any")
         + "\n\n"
         + retained_table(summary)
         + "\n\n"
