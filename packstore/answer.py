@@ -10,6 +10,7 @@ protocol methods are used.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Generator, Sequence
@@ -32,7 +33,37 @@ if TYPE_CHECKING:
     from packstore.trust import TrustedKeys
 
 DEFAULT_CACHE_BYTES = 2 << 30
-HEADER_CACHE_ENTRIES = 4096  # headers of composition parts kept in memory (each a few KB)
+REF_TTL_SECONDS = 5.0  # how long what the store said of a ref is used without asking again (docs/operations.md)
+REF_CACHE_ENTRIES = 4096  # refs remembered (a header each, a few KB)
+
+
+class RefCache:
+    """What the store last said a ref names (its StoredPack: key, header, signatures), used for ``ttl`` seconds.
+
+    Within the ttl a ready pack is answered with no store round trip at all; after it, one StatPack asks
+    again, so a deleted pack, a moved name or a new signature shows within ``ttl``. Bounded, least recently
+    used first out; a lookup that fails is never remembered."""
+
+    def __init__(self, ttl: float = REF_TTL_SECONDS, entries: int = REF_CACHE_ENTRIES, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl, self.entries, self.clock = ttl, entries, clock
+        self._refs: OrderedDict[str, tuple[StoredPack, float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, ref: str) -> StoredPack | None:
+        """The StoredPack ``ref`` named less than ``ttl`` seconds ago, or None."""
+        with self._lock:
+            found = self._refs.get(ref)
+            if found is None or self.clock() - found[1] >= self.ttl:
+                return None
+            self._refs.move_to_end(ref)
+            return found[0]
+
+    def put(self, ref: str, stored: StoredPack) -> None:
+        with self._lock:
+            self._refs[ref] = (stored, self.clock())
+            self._refs.move_to_end(ref)
+            while len(self._refs) > self.entries:
+                self._refs.popitem(last=False)
 
 
 class ReadyCache:
@@ -172,25 +203,37 @@ class Answerer:
         trusted: "TrustedKeys | None" = None,
         ready: ReadyCache | ReadyPartition | None = None,
         device_lock: threading.Lock | None = None,
+        ref_ttl: float = REF_TTL_SECONDS,
     ) -> None:
         """``trusted``: take from the store only packs a trusted key signed (docs/operations.md, "Signed
         packs"); what this Answerer derives from them in memory (compositions, a bank's fact packs) is
         trusted. ``ready`` and ``device_lock`` share an LRU (a partition of it) and the device with other
-        Answerers of the same model (a worker's namespaces); by default they are its own."""
+        Answerers of the same model (a worker's namespaces); by default they are its own. ``ref_ttl``: how long
+        what the store said of a ref is used without asking again (``RefCache``; 0 asks every time)."""
         self.lm = lm
         self.store = store
         self.trusted = trusted
         self.ready = ready if ready is not None else ReadyCache(cache_bytes)
         self._device_lock = device_lock if device_lock is not None else threading.Lock()
-        self._headers: OrderedDict[str, PackHeader] = OrderedDict()  # a key's header never changes
-        self._headers_lock = threading.Lock()
+        self.refs = RefCache(ref_ttl)
+
+    def lookup(self, ref: str) -> StoredPack:
+        """What ``ref`` names (key, header, signatures): this model's packs first, then any model's (so a
+        refusal can name the model). Asks the store at most once per ``REF_TTL_SECONDS`` per ref."""
+        stored = self.refs.get(ref)
+        if stored is None:
+            try:
+                stored = self.store.stat(ref, model_fp=self.lm.model_fp)
+            except PackNotFound:
+                stored = self.store.stat(ref)
+            self.refs.put(ref, stored)
+            if stored.key != ref:
+                self.refs.put(stored.key, stored)  # the key itself needs no asking again either
+        return stored
 
     def resolve(self, ref: str) -> str:
-        """The key ``ref`` names: this model's packs first, then any model's (so a refusal can name the model)."""
-        try:
-            return self.store.resolve(ref, model_fp=self.lm.model_fp)
-        except PackNotFound:
-            return self.store.resolve(ref)
+        """The key ``ref`` names (see ``lookup``)."""
+        return self.lookup(ref).key
 
     def pack(self, ref: str) -> tuple[Pack, bool]:
         """The ready knowledge pack ``ref`` names, and whether it was already ready.
@@ -212,17 +255,12 @@ class Answerer:
         """The ready pack ``ref`` names and whether it was ready: ``check`` (kind and identities) runs on
         its stored header before it is fetched, and again on a ready one."""
 
-        def fetch(key: str) -> Pack:
-            stored = self.store.stat(key)
-            check(self.lm, stored.header)
-            return self._download(stored)
-
-        pack, hit = self.ready.get(self.resolve(ref), fetch)
-        check(self.lm, pack.header)
-        return pack, hit
+        stored = self.lookup(ref)
+        check(self.lm, stored.header)
+        return self.ready.get(stored.key, lambda _: self._download(stored))
 
     def _fetch(self, key: str) -> Pack:
-        stored = self.store.stat(key)
+        stored = self.lookup(key)
         check_identity(self.lm, stored.header)
         return self._download(stored)
 
@@ -239,7 +277,12 @@ class Answerer:
         key = stored.key
         pack = self.store.fetch(key, device=self.lm.device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
         if self.trusted is not None:
-            self.trusted.require(f"pack {key}", "pack", pack.header.pack_sha256, stored.signatures)
+            try:
+                self.trusted.require(f"pack {key}", "pack", pack.header.pack_sha256, stored.signatures)
+            except Untrusted:  # refuse on what the store says now, not on signatures remembered from before
+                fresh = self.store.stat(key)
+                self.refs.put(key, fresh)
+                self.trusted.require(f"pack {key}", "pack", pack.header.pack_sha256, fresh.signatures)
         return pack
 
     def steering(self, question: Question) -> tuple[LayerDeltas, list[dict]]:
@@ -255,18 +298,8 @@ class Answerer:
         return deltas, applied
 
     def header(self, key: str) -> PackHeader:
-        """The header stored under ``key`` (kept in a small LRU: a key's header never changes)."""
-        with self._headers_lock:
-            if key in self._headers:
-                self._headers.move_to_end(key)
-                return self._headers[key]
-        ready = self.ready.peek(key)
-        header = ready.header if ready is not None else self.store.stat(key).header
-        with self._headers_lock:
-            self._headers[key] = header
-            while len(self._headers) > HEADER_CACHE_ENTRIES:
-                self._headers.popitem(last=False)
-        return header
+        """The header stored under ``key`` (see ``lookup``)."""
+        return self.lookup(key).header
 
     def parts(self, refs: Sequence[str]) -> tuple[list[str], list[PackHeader]]:
         """The keys and headers of the packs ``refs`` names, refused (naming the part) unless all

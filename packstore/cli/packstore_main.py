@@ -64,6 +64,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from packstore.trust import TrustedKeys
 
     trusted = TrustedKeys.load(args.trusted_keys) if args.trusted_keys else None
+    from packstore.answer import REF_TTL_SECONDS
+
+    ref_ttl = REF_TTL_SECONDS if args.ref_ttl is None else args.ref_ttl
+    if not 0 <= ref_ttl <= 86400:  # also refuses NaN
+        raise InvalidInput(f"--ref-ttl must be from 0 to 86400 seconds, got {args.ref_ttl}")
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     lm = load_model(args.model, device=args.device, dtype=args.dtype, chat_template=template, progress=not args.quiet and sys.stderr.isatty())
     from packstore.service.auth import Auth
@@ -72,7 +77,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     auth = Auth(args.auth) if args.auth else None
     listener = {"tls_cert": args.tls_cert or "", "tls_key": args.tls_key or "", "tls_client_ca": args.tls_client_ca or ""}
     with NamespaceReaders(args.store, connection_of(args, prefix="store_"), per_caller=auth is not None) as stores:
-        serve_worker(lm, stores.get, args.listen, args.cache_bytes, trusted=trusted, auth=auth, **listener)
+        serve_worker(lm, stores.get, args.listen, args.cache_bytes, trusted=trusted, auth=auth, ref_ttl=ref_ttl, **listener)
     return 0
 
 
@@ -107,6 +112,11 @@ def build_cli() -> CommandLine:
     p.add_argument("--model", required=True, metavar="M", help="smollm2-135m, gemma3-270m, or a local Hugging Face model directory")
     p.add_argument("--listen", default="127.0.0.1:50552", metavar="HOST:PORT", help="gRPC address of the Worker service")
     p.add_argument("--cache-bytes", type=int, default=2 << 30, metavar="N", help="LRU of ready packs, in decoded KV bytes (default 2 GiB)")
+    p.add_argument(
+        "--ref-ttl", type=float, metavar="SECONDS",
+        help="use what the store said of a pack ref for this long without asking again: a warm answer makes no store "
+        "round trip, and deletions, moved names and new signatures show within it (default 5; 0 asks every time)",
+    )
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--chat-template", metavar="FILE")

@@ -15,7 +15,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from packstore.answer import Answerer, Question, ReadyCache
+from packstore.answer import REF_TTL_SECONDS, Answerer, Question, ReadyCache
 from packstore.errors import PackstoreError
 from packstore.kv.inject import Sampling, TextDeltas
 from packstore.kv.models import LoadedModel
@@ -58,8 +58,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         cache_bytes: int,
         trusted: "TrustedKeys | None" = None,
         auth: Auth | None = None,
+        ref_ttl: float = REF_TTL_SECONDS,
     ) -> None:
         self.lm = lm
+        self.ref_ttl = ref_ttl
         self.store_for = store_for
         self.auth = auth or Auth()
         self.trusted = trusted
@@ -73,7 +75,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             if namespace not in self._answerers:
                 ready = self.ready if namespace == DEFAULT_NAMESPACE else self.ready.partition(namespace)
                 self._answerers[namespace] = Answerer(
-                    self.lm, self.store_for(namespace), ready=ready, device_lock=self._device_lock, trusted=self.trusted
+                    self.lm, self.store_for(namespace), ready=ready, device_lock=self._device_lock, trusted=self.trusted, ref_ttl=self.ref_ttl
                 )
             return self._answerers[namespace]
 
@@ -167,15 +169,16 @@ def serve_worker(
     tls_cert: str = "",
     tls_key: str = "",
     tls_client_ca: str = "",
+    ref_ttl: float = REF_TTL_SECONDS,
 ) -> None:
     """Serve Generate on ``listen`` (TLS with ``tls_cert``/``tls_key``, mutual with ``tls_client_ca``)
     until SIGTERM/SIGINT, then finish in-flight generations; with ``trusted``, only packs signed by a
-    trusted key are injected; with ``auth``, callers need a token (SIGHUP reloads the file)."""
+    trusted key are injected; with ``auth``, callers need a token (SIGHUP reloads the file); ``ref_ttl``: see ``Answerer``."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLogFormatter())
     logging.basicConfig(level="INFO", handlers=[handler], force=True)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    service = WorkerService(lm, store_for, cache_bytes=cache_bytes, trusted=trusted, auth=auth)
+    service = WorkerService(lm, store_for, cache_bytes=cache_bytes, trusted=trusted, auth=auth, ref_ttl=ref_ttl)
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -152,7 +152,7 @@ def test_the_worker_reads_each_callers_namespace_with_its_own_token(server, tiny
         a.put(encode_pack(build_pack(tiny_lm, ["Alice lives in Paris."])), name="facts")
         b.put(encode_pack(build_pack(tiny_lm, ["Bob lives in Oslo."])), name="facts")
     (tmp_path / "worker.token").write_text(TOKENS["operator"][0])  # the worker's own token reads every namespace
-    extra = ("--threads", "1", "--token-file", str(tmp_path / "worker.token"), "--auth", str(server.tokens))
+    extra = ("--threads", "1", "--token-file", str(tmp_path / "worker.token"), "--auth", str(server.tokens), "--ref-ttl", "0.5")
     with running_worker(server.url, str(tiny_model_dir), tmp_path, *extra) as worker:
         question = Question("Who lives where?", refs=("facts",), sampling=Sampling(max_new_tokens=4))
         with WorkerClient(worker.address, connection=Connection()) as anonymous, pytest.raises(Unauthenticated):
@@ -166,5 +166,6 @@ def test_the_worker_reads_each_callers_namespace_with_its_own_token(server, tiny
         assert answers["a-writer"] != answers["b-writer"]
         with client(server, "a-writer") as a:
             a.delete("facts", model_fp=tiny_lm.model_fp)
+        time.sleep(0.6)
         with WorkerClient(worker.address, connection=Connection(token=TOKENS["a-writer"][0])) as caller, pytest.raises(PackNotFound):
-            caller.ask(question)  # a deletion is honoured at the next request
+            caller.ask(question)  # a deletion is honoured once the ref ttl has passed

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -59,6 +62,40 @@ def test_second_request_hits_the_cache(stack, tiny_lm) -> None:
     first = [r for r in stub.Generate(request)][-1].done
     second = [r for r in stub.Generate(request)][-1].done
     assert (first.cache_hit, second.cache_hit) == (False, True) and first.answer == second.answer
+
+
+def store_calls(server) -> dict[str, float]:
+    """RPCs the pack service finished, by method (from its Prometheus metrics)."""
+    text = urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10).read().decode()
+    calls: dict[str, float] = {}
+    for method, count in re.findall(r'packstore_requests_total\{code="[A-Z_]+",method="(\w+)"\} ([0-9.e+]+)', text):
+        calls[method] = calls.get(method, 0) + float(count)
+    return calls
+
+
+def test_a_warm_answer_asks_the_store_nothing_and_a_deletion_shows_within_the_ref_ttl(tiny_lm, tiny_model_dir, tmp_path: Path) -> None:
+    with running_server(tmp_path / "data") as server, running_worker(server.url, str(tiny_model_dir), tmp_path, "--threads", "1", "--ref-ttl", "1") as worker:
+        with RemoteStore(server.url) as remote:
+            remote.put(encode_pack(build_pack(tiny_lm, ["Carol lives in Rome."])), name="carol")
+        stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(worker.address))
+        request = worker_pb2.GenerateRequest(packs=["carol"], question="Where does Carol live?", sampling=worker_pb2.Sampling(max_new_tokens=2))
+
+        def calls_of_one_answer() -> dict[str, float]:
+            before = store_calls(server)
+            list(stub.Generate(request))
+            after = store_calls(server)
+            return {method: after[method] - before.get(method, 0) for method in after if after[method] != before.get(method, 0)}
+
+        assert calls_of_one_answer() == {"StatPack": 1, "GetPack": 1}  # cold: what the name names, then the pack's bytes
+        assert calls_of_one_answer() == {}  # warm, within the ttl: no store round trip at all
+        time.sleep(1.1)
+        assert calls_of_one_answer() == {"StatPack": 1}  # warm after the ttl: one question, no bytes
+        with RemoteStore(server.url) as remote:
+            remote.delete("carol")
+        time.sleep(1.1)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(request))
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "carol" in refused.value.details()
 
 
 def test_packs_of_another_model_are_refused(stack, other_tiny_model_dir) -> None:
