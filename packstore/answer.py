@@ -418,7 +418,8 @@ class Answerer:
         return facts
 
     def stream(self, question: Question) -> Generator[int, None, AnswerResult]:
-        """Answer ``question``, yielding each generated token id as it exists (stop tokens excluded).
+        """Answer ``question``, yielding each generated token id as it exists (the stop token that ends the
+        answer too: ``self.lm.stop_token_ids``; it is not part of the answer).
 
         The generator's return value is the AnswerResult. With ``compare_rag`` the same facts, in
         the same order, are then answered as prompt text; ``identical`` compares the generated

@@ -47,8 +47,10 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def make_model_dir(path: Path, *, seed: int = 0) -> Path:
-    """Write a tiny model + tokenizer to ``path``; a different ``seed`` gives different weights, same shape."""
+def make_model_dir(path: Path, *, seed: int = 0, forced_stop: bool = False) -> Path:
+    """Write a tiny model + tokenizer to ``path``; a different ``seed`` gives different weights, same shape.
+    ``forced_stop``: its generation config forces the stop token as the last token allowed (so with one new
+    token the first token it generates is the stop token)."""
     tokenizer = make_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -68,6 +70,8 @@ def make_model_dir(path: Path, *, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
+    if forced_stop:
+        model.generation_config.forced_eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

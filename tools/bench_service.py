@@ -432,7 +432,7 @@ def worker_first_token(stub: worker_pb2_grpc.WorkerStub, key: str, question: str
         return next(responses), responses
 
     seconds, (response, rest) = timed(first)
-    token_id = response.token.id if response.WhichOneof("item") == "token" else None
+    token_id = response.token.id if response.WhichOneof("item") == "token" and not response.token.stop else None
     done = response.done if response.WhichOneof("item") == "done" else None
     for later in rest:
         if later.WhichOneof("item") == "done":

@@ -180,7 +180,8 @@ class _TokenQueue(BaseStreamer):
 def generate_stream(
     lm: LoadedModel, token_ids: Sequence[int], sampling: Sampling, cache: DynamicCache | None = None
 ) -> Generator[int, None, Answer]:
-    """Like ``generate``, yielding each new token id (stop tokens excluded) as soon as it exists.
+    """Like ``generate``, yielding each new token id as soon as it exists, the stop token that ends the answer
+    included (it is not part of the answer, but a caller timing the first token sees it come).
 
     The generator's return value is the final Answer. Closing the generator early (a cancelled
     stream) stops generation at the next token and waits for it, so the device is free on return.
@@ -204,8 +205,7 @@ def generate_stream(
     try:
         while (token := streamer.queue.get()) is not None:
             new.append(token)
-            if token not in lm.stop_token_ids:
-                yield token
+            yield token
     finally:
         stop.set()
         worker.join()

@@ -51,7 +51,7 @@ class WorkerClient(GrpcClient):
         done = None
         try:
             for response in self._stub.Generate(request, timeout=self.timeout):
-                if response.WhichOneof("item") == "token" and on_token is not None:
+                if response.WhichOneof("item") == "token" and on_token is not None and not response.token.stop:
                     on_token(response.token.text)
                 elif response.WhichOneof("item") == "done":
                     done = response.done

@@ -106,7 +106,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             try:
                 while True:
                     token = next(tokens)
-                    yield worker_pb2.GenerateResponse(token=worker_pb2.Token(id=token, text=deltas.add(token)))
+                    if token in self.lm.stop_token_ids:
+                        yield worker_pb2.GenerateResponse(token=worker_pb2.Token(id=token, stop=True))
+                    else:
+                        yield worker_pb2.GenerateResponse(token=worker_pb2.Token(id=token, text=deltas.add(token)))
             except StopIteration as finished:
                 result = finished.value
             done = worker_pb2.GenerateDone(

@@ -22,6 +22,7 @@ from packstore.store.remote import RemoteStore
 from packstore.v1 import store_pb2, worker_pb2, worker_pb2_grpc
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
+from tiny_model import make_model_dir
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
 GREEDY = Sampling(max_new_tokens=12)
@@ -96,6 +97,23 @@ def test_a_warm_answer_asks_the_store_nothing_and_a_deletion_shows_within_the_re
         with pytest.raises(grpc.RpcError) as refused:
             list(stub.Generate(request))
         assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "carol" in refused.value.details()
+
+
+def test_a_stop_token_is_streamed_last_even_as_the_first_token(tiny_lm, tmp_path: Path) -> None:
+    model_dir = make_model_dir(tmp_path / "stops", forced_stop=True)  # its last allowed token is the stop token
+    stopping = load_model(str(model_dir), device="cpu", progress=False)
+    with running_server(tmp_path / "data") as server, running_worker(server.url, str(model_dir), tmp_path, "--threads", "1") as worker:
+        with RemoteStore(server.url) as remote:
+            remote.put(encode_pack(build_pack(stopping, ["Dan lives in Lima."])), name="dan")
+        stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(worker.address))
+        for new_tokens in (1, 3):
+            request = worker_pb2.GenerateRequest(packs=["dan"], question="Where does Dan live?", sampling=worker_pb2.Sampling(max_new_tokens=new_tokens))
+            responses = list(stub.Generate(request))
+            tokens, done = [r.token for r in responses[:-1]], responses[-1].done
+            assert len(tokens) <= new_tokens and tokens[-1].stop and tokens[-1].id in stopping.stop_token_ids and tokens[-1].text == ""
+            assert not any(t.stop for t in tokens[:-1]) and done.generated_tokens == len(tokens) - 1
+            if new_tokens == 1:  # only the stop token: an empty answer, and still a token to time
+                assert len(tokens) == 1 and done.answer == ""
 
 
 def test_packs_of_another_model_are_refused(stack, other_tiny_model_dir) -> None:
