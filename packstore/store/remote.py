@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import grpc
 
-from packstore.errors import InvalidInput, PackNotFound, PackstoreError
+from packstore.errors import PackNotFound, PackstoreError
 from packstore.format import EncodedPack
 from packstore.format.body import chunks_for, verify_chunk
 from packstore.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
