@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Generator, Sequence
 
 from packstore.errors import InvalidInput, PackNotFound, Untrusted
-from packstore.format import PackHeader, pack_key
+from packstore.format import PackHeader, pack_key, parse_key
 from packstore.tensors import Pack, encode_pack
 from packstore.kv.build import build_pack, clean_facts
 from packstore.kv.compose import COMPOSE_MODES, check_parts, extend, splice
@@ -225,6 +225,8 @@ class Answerer:
             try:
                 stored = self.store.stat(ref, model_fp=self.lm.model_fp)
             except PackNotFound:
+                if (key := parse_key(ref)) is not None and key[0] == self.lm.model_fp:
+                    raise  # a key of this model (a composition not stored, say): no other model's pack has it
                 stored = self.store.stat(ref)
             self.refs.put(ref, stored)
             if stored.key != ref:
