@@ -191,6 +191,8 @@ class BodyAssembler:
         """Put the tensors of chunk ``index`` (from ``decode_chunk``) in their places; those of other layers are dropped."""
         held = self.header.chunks[index].positions_held(self.header.positions)
         stop = held.stop if self.positions is None else min(held.stop, self.positions)
+        if self.positions is not None and stop <= held.start:
+            return  # a block past the positions wanted holds nothing of them
         for name, tensor in tensors.items():
             if name not in self._slots:
                 continue
