@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable
 
+import numpy as np
 import torch
 from safetensors.torch import save as safetensors_save
 
@@ -23,13 +24,15 @@ from packstore.format.body import (
     BLOCK_POSITIONS,
     LAYERS_PER_CHUNK,
     EncodedPack,
+    chunk_digest,
     chunk_tensor_names,
+    data_table,
     describe_chunk,
     max_plain_bytes,
     tensor_table,
     verify_chunk,
 )
-from packstore.format.header import CODEC, ChunkInfo, PackHeader
+from packstore.format.header import CHUNK_DIGEST, CODEC, ChunkInfo, PackHeader
 
 # zstd releases the GIL, so chunks are coded in parallel threads.
 WORKERS = max(1, min(8, os.cpu_count() or 1))
@@ -115,7 +118,7 @@ def _encode_chunk(pack: Pack, first: int, stop: int, block: range | None) -> tup
         stop_layer=stop,
         raw_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
         stored_bytes=len(stored),
-        sha256=hashlib.sha256(stored).hexdigest(),
+        digest=chunk_digest(stored, CHUNK_DIGEST),
         first_position=None if block is None else block.start,
         stop_position=None if block is None else block.stop,
     )
@@ -165,53 +168,66 @@ def decode_chunk(header: PackHeader, index: int, data: bytes) -> dict[str, torch
 
 
 class BodyAssembler:
-    """Puts decoded chunks together into K and V per layer of ``layers`` for positions ``0 .. positions-1``
-    (all when None) on ``device``. On CPU a chunk that holds a layer whole stays a view of its decoded buffer
-    (no copy); token blocks, and chunks bound for another device, are copied into one tensor per layer.
-    ``place`` may be called from several threads, one chunk each."""
+    """Decodes chunks straight into K and V per layer of ``layers`` for positions ``0 .. positions-1`` (all when
+    None) on ``device``. On CPU each chunk's planes are interleaved into their place in the layer's tensor (a
+    token block's is a strided view), so no byte is copied after decoding; for another device a chunk is
+    decoded into pinned memory and copied from there. ``add`` may be called from several threads, one chunk each."""
 
     def __init__(self, header: PackHeader, layers: range, positions: int | None, device: object = None) -> None:
         self.header, self.layers, self.device = header, layers, torch.device(device or "cpu")
-        blocked = any(chunk.stop_position is not None for chunk in header.chunks)
         self.positions = header.positions if positions is None and header.kind == "knowledge" else positions
-        self._copy = blocked or self.device.type != "cpu"
         shape = header.tensor_shape if self.positions is None else (header.kv_heads, self.positions, header.head_dim)
         dtype = torch_dtype(header.dtype)
-        count = len(layers)
-        self.keys: list = [torch.empty(shape, dtype=dtype, device=self.device) if self._copy else None for _ in range(count)]
-        self.values: list = [torch.empty(shape, dtype=dtype, device=self.device) if self._copy else None for _ in range(count)]
+        self.keys = [torch.empty(shape, dtype=dtype, device=self.device) for _ in layers]
+        self.values = [torch.empty(shape, dtype=dtype, device=self.device) for _ in layers]
         self._slots = {}  # tensor name -> (list, slot)
         for slot, layer in enumerate(layers):
             k_name, v_name = header.tensor_names(layer)
             self._slots[k_name], self._slots[v_name] = (self.keys, slot), (self.values, slot)
-        self._covered = [0] * count
+        self._covered = [0] * len(layers)
         self._lock = threading.Lock()
 
-    def place(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Put the tensors of chunk ``index`` (from ``decode_chunk``) in their places; those of other layers are dropped."""
-        held = self.header.chunks[index].positions_held(self.header.positions)
+    def add(self, index: int, data: bytes | memoryview, *, verified: bool = False) -> None:
+        """Verify chunk ``index`` against its digest (unless ``verified``: a store checked it on the way) and decode
+        the tensors wanted of it into their places (those of other layers, and positions past those wanted, are
+        not decoded); IntegrityError if it is damaged or does not hold exactly its layers' tensors in the header's
+        shape and dtype."""
+        header, info = self.header, self.header.chunks[index]
+        if not verified:
+            verify_chunk(header, index, data)
+        try:
+            planes = codec.decode_planes(data, max_plain_bytes(info))
+            entries = data_table(planes.header, planes.elements * planes.element_size)
+        except IntegrityError as exc:
+            raise IntegrityError(f"pack {header.key}: chunk {index} cannot be decoded: {exc}") from None
+        if {entry.name for entry in entries} != chunk_tensor_names(header, info):
+            raise IntegrityError(f"pack {header.key}: chunk {index} does not hold exactly the tensors of {describe_chunk(info)}")
+        held = info.positions_held(header.positions)
+        shape = (header.kv_heads, len(held), header.head_dim) if header.kind == "knowledge" else header.tensor_shape
+        for entry in entries:
+            if entry.dtype != header.dtype or entry.shape != shape:
+                raise IntegrityError(
+                    f"pack {header.key}: chunk {index} tensor {entry.name!r} is {entry.shape} {entry.dtype}, the header says {shape} {header.dtype}"
+                )
         stop = held.stop if self.positions is None else min(held.stop, self.positions)
         if self.positions is not None and stop <= held.start:
             return  # a block past the positions wanted holds nothing of them
-        for name, tensor in tensors.items():
-            if name not in self._slots:
+        pick = () if self.positions is None else (slice(None), slice(0, stop - held.start))
+        for entry in entries:
+            if entry.name not in self._slots:
                 continue
-            target, slot = self._slots[name]
-            if self.positions is not None:
-                tensor = tensor[:, : stop - held.start]  # a view: the positions wanted of this chunk's
-            if not self._copy:
-                target[slot] = tensor
-            elif self.positions is None:
-                target[slot].copy_(self._staged(tensor), non_blocking=True)
+            target, slot = self._slots[entry.name]
+            place = target[slot] if self.positions is None else target[slot][:, held.start : stop]
+            first = entry.start // planes.element_size
+            if self.device.type == "cpu":
+                planes.write(_byte_view(place), first, shape, pick)
             else:
-                target[slot][:, held.start : stop].copy_(self._staged(tensor), non_blocking=True)
+                staged = torch.empty(place.shape, dtype=place.dtype, pin_memory=self.device.type == "cuda")
+                planes.write(_byte_view(staged), first, shape, pick)
+                place.copy_(staged, non_blocking=True)  # the staged tensor lives until the copy is done (torch keeps it)
             if target is self.keys:
                 with self._lock:
                     self._covered[slot] += 1 if self.positions is None else stop - held.start
-
-    def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A CPU tensor ready to copy to the device: pinned for CUDA, so the copy does not block."""
-        return tensor.pin_memory() if self.device.type == "cuda" else tensor
 
     def finish(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """K and V per layer; IntegrityError if the chunks placed did not cover every layer and position once."""
@@ -224,17 +240,33 @@ class BodyAssembler:
         return self.keys, self.values
 
 
+def _byte_view(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes as a numpy uint8 array of its shape plus a last axis of its element size: a view
+    with the tensor's strides (a token block's place in a layer), so writing it writes the tensor."""
+    width = tensor.element_size()
+    raw = tensor.view(torch.uint8)  # the last axis is contiguous, so this is a view whatever the other strides
+    strides = (*(stride * width for stride in tensor.stride()), 1)
+    return raw.as_strided((*tensor.shape, width), strides, raw.storage_offset()).numpy()
+
+
 def decode_part(
-    header: PackHeader, layers: tuple[int, int] | None, prefix: int | None, chunks: Iterable[tuple[int, bytes]], device: object = None
+    header: PackHeader,
+    layers: tuple[int, int] | None,
+    prefix: int | None,
+    chunks: Iterable[tuple[int, bytes]],
+    device: object = None,
+    *,
+    verified: bool = False,
 ) -> PackPart:
     """Verify and decode the chunks ``chunks_for(header, layers, prefix)`` as (index, bytes), in parallel, into
-    layers ``layers`` (first, last; None: all) for the first ``prefix`` positions (None: all) on ``device``."""
+    layers ``layers`` (first, last; None: all) for the first ``prefix`` positions (None: all) on ``device``.
+    ``verified``: the chunks come from a store's ``read_chunks``, which checked each one: not hashed again."""
     if header.codec != CODEC:
         raise IntegrityError(f"pack {header.key}: unknown codec {header.codec!r}")
     span = header.body_layers if layers is None else range(layers[0], layers[1] + 1)
     assembler = BodyAssembler(header, span, prefix, device)
     with ThreadPoolExecutor(WORKERS) as pool:
-        for future in [pool.submit(lambda item: assembler.place(item[0], decode_chunk(header, *item)), item) for item in chunks]:
+        for future in [pool.submit(assembler.add, index, data, verified=verified) for index, data in chunks]:
             future.result()
     keys, values = assembler.finish()
     try:
@@ -244,17 +276,19 @@ def decode_part(
     return PackPart(header, span, header.positions if prefix is None else prefix, keys, values)
 
 
-def pack_from_chunks(header: PackHeader, chunks: Iterable[tuple[int, bytes]], device: object = None) -> Pack:
-    """A whole pack from every chunk as (index, bytes), each verified and decoded (in parallel, as they come) on ``device``."""
-    part = decode_part(header, None, None, chunks, device)
+def pack_from_chunks(header: PackHeader, chunks: Iterable[tuple[int, bytes]], device: object = None, *, verified: bool = False) -> Pack:
+    """A whole pack from every chunk as (index, bytes), each verified (unless ``verified``) and decoded (in
+    parallel, as they come) on ``device``."""
+    part = decode_part(header, None, None, chunks, device, verified=verified)
     pack = Pack(header=header, keys=part.keys, values=part.values)
     check_tensor_digest(pack)
     return pack
 
 
-def decode_pack(encoded: EncodedPack, device: object = None) -> Pack:
-    """Verify every chunk's checksum, then decode the chunks (in parallel) into per-layer tensors on ``device``."""
+def decode_pack(encoded: EncodedPack, device: object = None, *, verified: bool = False) -> Pack:
+    """Verify every chunk's checksum (unless ``verified``: a store's ``get`` did), then decode the chunks (in
+    parallel) into per-layer tensors on ``device``."""
     header = encoded.header
     if len(encoded.chunks) != len(header.chunks):
         raise IntegrityError(f"pack {header.key}: has {len(encoded.chunks)} chunks, header lists {len(header.chunks)}")
-    return pack_from_chunks(header, enumerate(encoded.chunks), device)
+    return pack_from_chunks(header, enumerate(encoded.chunks), device, verified=verified)

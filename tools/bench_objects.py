@@ -74,7 +74,7 @@ def synthetic_pack(seed: int, tokens: int) -> EncodedPack:
 def boto3_read(client, bucket: str, header: PackHeader) -> int:
     """GET the pack's header and chunk objects straight from the bucket, ``POOL`` at a time; returns the bytes read."""
     base = f"{PREFIX}/ns/default/"
-    names = [f"{base}headers/{header.key}"] + [f"{base}chunks/{chunk.sha256}" for chunk in header.chunks]
+    names = [f"{base}headers/{header.key}"] + [f"{base}chunks/{chunk.address}" for chunk in header.chunks]
     with ThreadPoolExecutor(POOL) as pool:
         return sum(pool.map(lambda name: len(client.get_object(Bucket=bucket, Key=name)["Body"].read()), names))
 

@@ -13,6 +13,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+import blake3
+
 from packstore.errors import IntegrityError, InvalidInput
 from packstore.format.header import ChunkInfo, PackHeader
 from packstore.format.signature import Signature
@@ -89,10 +91,19 @@ def describe_chunk(info: ChunkInfo) -> str:
     return held if info.stop_position is None else f"{held}, positions {info.first_position}-{info.stop_position - 1}"
 
 
+def chunk_digest(data: bytes | memoryview, algorithm: str) -> str:
+    """The hex digest of a chunk's stored bytes by ``algorithm`` ("sha256" up to version 3, "blake3" after)."""
+    if algorithm == "blake3":
+        return blake3.blake3(data).hexdigest()  # releases the GIL, so chunks hash in parallel threads
+    if algorithm == "sha256":
+        return hashlib.sha256(data).hexdigest()
+    raise IntegrityError(f"unknown chunk digest {algorithm!r}")
+
+
 def verify_chunk(header: PackHeader, index: int, data: bytes) -> None:
-    """Raise IntegrityError if chunk ``index`` does not match its size and sha256."""
+    """Raise IntegrityError if chunk ``index`` does not match its size and digest."""
     info = header.chunks[index]
-    if len(data) != info.stored_bytes or hashlib.sha256(data).hexdigest() != info.sha256:
+    if len(data) != info.stored_bytes or chunk_digest(data, info.algorithm) != info.digest:
         raise IntegrityError(
             f"pack {header.key}: chunk {index} ({describe_chunk(info)}) is damaged: checksum mismatch"
         )
@@ -175,9 +186,21 @@ def tensor_table(blob: bytes | bytearray | memoryview) -> list[TensorEntry]:
         raise IntegrityError(f"safetensors header size {table_len} exceeds the {MAX_TABLE_BYTES}-byte limit")
     if 8 + table_len > len(blob):
         raise IntegrityError(f"safetensors header size {table_len} runs past the end of the {len(blob)}-byte blob")
-    data_start, data_len = 8 + table_len, len(blob) - 8 - table_len
+    data_start = 8 + table_len
+    entries = data_table(blob[:data_start], len(blob) - data_start)
+    return [TensorEntry(e.name, e.dtype, e.shape, data_start + e.start, data_start + e.stop) for e in entries]
+
+
+def data_table(head: bytes | bytearray | memoryview, data_len: int) -> list[TensorEntry]:
+    """``tensor_table`` of a blob given as its header (size field and JSON table, exactly) and the length of
+    the data section that follows, with byte ranges relative to that section: for decoding the data
+    straight into place without the blob ever being put together."""
+    if len(head) < 8 or 8 + struct.unpack_from("<Q", head)[0] != len(head):
+        raise IntegrityError(f"safetensors header of {len(head)} bytes does not match its size field")
+    if len(head) - 8 > MAX_TABLE_BYTES:
+        raise IntegrityError(f"safetensors header size {len(head) - 8} exceeds the {MAX_TABLE_BYTES}-byte limit")
     try:
-        table = json.loads(bytes(blob[8:data_start]).decode("utf-8"), object_pairs_hook=_refuse_duplicates)
+        table = json.loads(bytes(head[8:]).decode("utf-8"), object_pairs_hook=_refuse_duplicates)
     except (UnicodeDecodeError, ValueError) as exc:
         raise IntegrityError(f"safetensors header is not valid JSON: {exc}") from None
     if not isinstance(table, dict):
@@ -203,4 +226,4 @@ def tensor_table(blob: bytes | bytearray | memoryview) -> list[TensorEntry]:
     if end != data_len:
         after = f"after tensor {previous.name!r}" if previous else "and no tensors"
         raise IntegrityError(f"safetensors data section has {data_len - end} trailing bytes {after} (tensors must cover it exactly)")
-    return [TensorEntry(e.name, e.dtype, e.shape, data_start + e.start, data_start + e.stop) for e in entries]
+    return entries

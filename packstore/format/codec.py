@@ -15,6 +15,7 @@ Container layout (all integers little-endian), see docs/format.md §1.4:
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 import zstandard
@@ -59,21 +60,36 @@ def encode(blob: bytes, element_size: int, level: int = DEFAULT_LEVEL) -> bytes:
     return b"".join([_PREAMBLE.pack(MAGIC, VERSION, element_size, len(parts)), table] + [body for _, body in coded])
 
 
-def _interleave(planes: list, out: memoryview, element_size: int) -> None:
-    """Write ``planes`` back into element order: out[i*w + j] = planes[j][i]."""
-    arrays = [np.frombuffer(p, dtype=np.uint8) for p in planes]
-    if element_size == 2:  # one vectorized shift-or straight into the output, no strided byte writes
-        target = np.frombuffer(out, dtype="<u2")
-        np.left_shift(arrays[1], 8, out=target, dtype="<u2")
-        np.bitwise_or(target, arrays[0], out=target)
-        return
-    elements = np.frombuffer(out, dtype=np.uint8).reshape(-1, element_size)
-    for j, plane in enumerate(arrays):
-        elements[:, j] = plane
+@dataclass(frozen=True)
+class Planes:
+    """A container's frames once decompressed: the safetensors header, and one plane per byte of the element
+    (all of one length, the number of elements). ``write`` puts elements back together wherever they belong."""
+
+    header: bytes | memoryview
+    planes: list[np.ndarray]
+    element_size: int
+
+    @property
+    def elements(self) -> int:
+        return len(self.planes[0])
+
+    def write(self, out: np.ndarray, first: int, shape: tuple[int, ...], pick: tuple = ()) -> None:
+        """Interleave elements ``first`` onwards, seen as an array of ``shape`` and indexed by ``pick`` (e.g. the
+        first positions of a token block), into ``out``: uint8 of that shape plus a last axis of ``element_size``
+        bytes, which may be a strided view (a block's place in a whole layer), so nothing is copied twice."""
+        count = int(np.prod(shape, dtype=np.int64))
+        arrays = [plane[first : first + count].reshape(shape)[pick] for plane in self.planes]
+        if self.element_size == 2:  # one vectorized shift-or into the destination, no strided byte writes
+            target = out.view("<u2")[..., 0]
+            np.left_shift(arrays[1], 8, out=target, dtype="<u2")
+            np.bitwise_or(target, arrays[0], out=target)
+            return
+        for j, plane in enumerate(arrays):
+            out[..., j] = plane
 
 
-def decode(stored: bytes, max_plain_bytes: int) -> bytearray:
-    """Invert ``encode`` exactly (into a new buffer, not copied again); raise IntegrityError on a malformed container.
+def decode_planes(stored: bytes | memoryview, max_plain_bytes: int) -> Planes:
+    """Decompress a container's frames (not yet interleaved); raise IntegrityError on a malformed container.
 
     The frame table's plain lengths are checked against ``max_plain_bytes`` before anything is
     decompressed, and no frame may decompress past its declared length: a container cannot make
@@ -114,8 +130,15 @@ def decode(stored: bytes, max_plain_bytes: int) -> bytearray:
     header, planes = parts[0], parts[1:]
     if len({len(p) for p in planes}) != 1:
         raise IntegrityError("byte-plane planes differ in length")
-    out = bytearray(len(header) + len(planes[0]) * element_size)
-    out[: len(header)] = header
-    if planes[0]:
-        _interleave(planes, memoryview(out)[len(header) :], element_size)
+    return Planes(header, [np.frombuffer(plane, dtype=np.uint8) for plane in planes], element_size)
+
+
+def decode(stored: bytes | memoryview, max_plain_bytes: int) -> bytearray:
+    """Invert ``encode`` exactly, into one new buffer; raise IntegrityError on a malformed container (see ``decode_planes``)."""
+    planes = decode_planes(stored, max_plain_bytes)
+    split, width = len(planes.header), planes.element_size
+    out = bytearray(split + planes.elements * width)
+    out[:split] = planes.header
+    if planes.elements:
+        planes.write(np.frombuffer(out, dtype=np.uint8, offset=split).reshape(-1, width), 0, (planes.elements,))
     return out

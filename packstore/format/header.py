@@ -13,8 +13,12 @@ from typing import Any, Iterable, Mapping, NoReturn
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch
 
 FORMAT_NAME = "packstore-pack"
-FORMAT_VERSION = 3  # the newest version this build reads and writes (docs/format.md §7)
-READ_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4  # the newest version this build reads and writes (docs/format.md §7)
+READ_VERSIONS = (1, 2, 3, 4)
+# The chunk digest of each version (docs/format.md §1.3): sha256 up to version 3; BLAKE3-256, which hashes at
+# several times sha256's speed and is as cryptographic, from version 4. Headers and keys stay sha256.
+CHUNK_DIGESTS = {1: "sha256", 2: "sha256", 3: "sha256", 4: "blake3"}
+CHUNK_DIGEST = CHUNK_DIGESTS[FORMAT_VERSION]  # what writers use
 # "knowledge": the K/V of a prefix (versions 1 and 2); without prefix tokens (version 3): "steering",
 # per-layer K/V deltas made from contrastive pairs (docs/format.md §4.3), and "adapter", trained
 # soft-token embeddings for packet compositions (§4.4).
@@ -99,15 +103,17 @@ def parse_key(text: str) -> tuple[str, str, str] | None:
 @dataclass(frozen=True)
 class ChunkInfo:
     """One stored chunk of the body: which layers it holds (and, for a token block, which positions), its
-    sizes and its checksum. A chunk without ``first_position`` / ``stop_position`` holds every position."""
+    sizes and its checksum: ``digest``, hex, of the stored bytes by ``algorithm`` (the header version's
+    ``CHUNK_DIGESTS``). A chunk without ``first_position`` / ``stop_position`` holds every position."""
 
     first_layer: int
     stop_layer: int
     raw_bytes: int
     stored_bytes: int
-    sha256: str
+    digest: str
     first_position: int | None = None
     stop_position: int | None = None
+    algorithm: str = CHUNK_DIGEST
 
     def positions_held(self, positions: int) -> range:
         """The body positions this chunk holds: its token block's, or all ``positions`` of the pack."""
@@ -115,12 +121,24 @@ class ChunkInfo:
             return range(positions)
         return range(self.first_position, self.stop_position)
 
+    @property
+    def address(self) -> str:
+        """The chunk's content address, unique across digests: the sha256 hex as it always was, or ``blake3-HEX``."""
+        return self.digest if self.algorithm == "sha256" else f"{self.algorithm}-{self.digest}"
+
     def to_record(self) -> dict[str, Any]:
-        """The header's JSON entry: five fields, or seven for a token block."""
+        """The header's JSON entry: five fields (the digest named by its algorithm), or seven for a token block."""
         record = asdict(self)
+        record[record.pop("algorithm")] = record.pop("digest")
         if self.stop_position is None:
             del record["first_position"], record["stop_position"]
         return record
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any], algorithm: str) -> "ChunkInfo":
+        """The inverse of ``to_record`` for an entry already checked to name its digest ``algorithm``."""
+        fields_of = {name: value for name, value in record.items() if name != algorithm}
+        return cls(**fields_of, digest=record[algorithm], algorithm=algorithm)
 
 
 @dataclass(frozen=True)
@@ -188,12 +206,18 @@ class PackHeader:
         return f"{self.model_fp}/{self.template_fp}/{self.content_hash}"
 
     @property
-    def version(self) -> int:
-        """The oldest format version that holds this header: 1 for exact packs, 2 for spliced ones,
-        3 for packs without prefix tokens (steering, adapter)."""
+    def layout(self) -> int:
+        """Which fields the header has, by the version that introduced them: 1 for exact packs, 2 for spliced
+        ones (``composition``), 3 for packs without prefix tokens (``recipe``, ``metrics``). Version 4 keeps them."""
         if self.kind not in PREFIX_KINDS:
             return 3
         return 1 if self.composition == "exact" else 2
+
+    @property
+    def version(self) -> int:
+        """The oldest format version that holds this header: 4 once its chunks have BLAKE3 digests (every
+        pack written now), else its ``layout`` (a pack written before version 4, or a header not yet encoded)."""
+        return 4 if self.chunks and self.chunks[0].algorithm == "blake3" else self.layout
 
     @property
     def pack_sha256(self) -> str:
@@ -211,7 +235,7 @@ class PackHeader:
         record["format"] = FORMAT_NAME
         record["version"] = self.version
         for name in _VERSION_FIELDS:
-            if name not in _VERSION_FIELDS_OF[self.version]:
+            if name not in _VERSION_FIELDS_OF[self.layout]:
                 del record[name]  # e.g. a version-1 header is exact by definition, and has no recipe
         if self.soft_tokens:
             record["soft_tokens"] = [list(pair) for pair in self.soft_tokens]
@@ -241,18 +265,22 @@ class PackHeader:
             raise IntegrityError(
                 f"pack format version {version!r} is not supported (this build reads versions 1 to {FORMAT_VERSION})"
             )
+        layout = version if version < 4 else _layout_of(record)
         for name in _VERSION_FIELDS:
-            if name not in _VERSION_FIELDS_OF[version] and name in record:
-                raise _field_error(name, f"is not a field of a version-{version} pack header")
+            if name not in _VERSION_FIELDS_OF[layout] and name in record:
+                kind = "" if layout == version else f" of a {record.get('kind')!s:.20} pack"
+                raise _field_error(name, f"is not a field of a version-{version} pack header{kind}")
         if "soft_tokens" in record and record.get("composition") != "packet":
             raise _field_error("soft_tokens", "is a field of packet compositions only")
         record.setdefault("composition", "exact")
         record.setdefault("recipe", None)
         record.setdefault("metrics", None)
         record.setdefault("soft_tokens", [])
-        if version == 2 and record["composition"] == "exact":
+        if layout == 2 and record["composition"] == "exact":
+            if version == 4:
+                raise _field_error("composition", "must be absent for an exact pack (it is present for spliced compositions)")
             raise _field_error("version", "must be 1 for an exact pack (version 2 holds spliced compositions)")
-        if (version == 3) != (record.get("kind") not in PREFIX_KINDS):
+        if (layout == 3) != (record.get("kind") not in PREFIX_KINDS):
             raise _field_error("version", "must be 3 exactly for a pack without prefix tokens (a kind other than knowledge)")
         for name in _FIELDS:
             if name not in record:
@@ -266,10 +294,11 @@ class PackHeader:
             token_ids=tuple(record["token_ids"]),
             facts=tuple(record["facts"]),
             parents=tuple(record["parents"]),
-            chunks=tuple(ChunkInfo(**chunk) for chunk in record["chunks"]),
+            chunks=tuple(ChunkInfo.from_record(chunk, CHUNK_DIGESTS[version]) for chunk in record["chunks"]),
             soft_tokens=tuple((index, count) for index, count in record["soft_tokens"]),
         )
         derived = {
+            "version": header.version,  # 4 exactly when its chunks have BLAKE3 digests
             "tokens": header.tokens,
             "content_hash": header.content_hash,
             "source_sha256": facts_digest(header.facts),
@@ -303,7 +332,7 @@ class PackHeader:
         for index, chunk in enumerate(self.chunks):
             if not isinstance(chunk, ChunkInfo):
                 _refuse(f"chunks[{index}]", "a ChunkInfo", chunk)
-        _check_fields({**vars(self), "chunks": [chunk.to_record() for chunk in self.chunks]})
+        _check_fields({**vars(self), "version": self.version, "chunks": [chunk.to_record() for chunk in self.chunks]})
         if encoded and not self.chunks:
             raise _field_error("chunks", f"must list the stored chunks of all {self.layers} layers, got none")
         if encoded and self.codec != CODEC:
@@ -313,6 +342,13 @@ class PackHeader:
 _FIELDS = tuple(f.name for f in fields(PackHeader))
 _VERSION_FIELDS = ("composition", "recipe", "metrics")  # fields only some versions have
 _VERSION_FIELDS_OF = {1: (), 2: ("composition",), 3: ("recipe", "metrics")}
+
+
+def _layout_of(record: Mapping[str, Any]) -> int:
+    """A version-4 header's field layout, as ``PackHeader.layout``: 3 without prefix tokens, 2 with a composition."""
+    if record.get("kind") not in PREFIX_KINDS:
+        return 3
+    return 2 if "composition" in record else 1
 
 
 def _body_span(kind: str, layers: int, recipe: Mapping[str, Any] | None) -> range:
@@ -331,9 +367,7 @@ def _tensor_names(kind: str, layer: int) -> tuple[str, str]:
 _SEQUENCE_FIELDS = ("token_ids", "facts", "parents", "chunks", "soft_tokens")
 _DERIVED_FIELDS = ("tokens", "content_hash", "source_sha256")
 _BLOCK_FIELDS = ("first_position", "stop_position")  # a token block's entry has these two as well
-_CHUNK_FIELDS = tuple(f.name for f in fields(ChunkInfo) if f.name not in _BLOCK_FIELDS)
-_CHUNK_FIELD_SET = frozenset(_CHUNK_FIELDS)
-_BLOCK_FIELD_SET = _CHUNK_FIELD_SET | frozenset(_BLOCK_FIELDS)
+_CHUNK_FIELDS = ("first_layer", "stop_layer", "raw_bytes", "stored_bytes")  # and the digest, named by its algorithm
 
 
 def _field_error(name: str, problem: str) -> InvalidInput:
@@ -524,12 +558,18 @@ def _check_chunks(record: Mapping[str, Any]) -> None:
     else:  # [kv_heads, positions, head_dim]: every token, and any soft tokens between them
         elements = record["kv_heads"] * positions * record["head_dim"]
     layer_bytes = 2 * elements * DTYPE_SIZES[dtype]  # two tensors per layer (K and V, or header and trailer)
+    algorithm = CHUNK_DIGESTS[record["version"]]
+    if not chunks and record["version"] == 4:
+        _refuse("chunks", "the stored chunks in a version-4 header (their BLAKE3 digests are what makes it version 4)", chunks)
+    whole_fields = frozenset(_CHUNK_FIELDS + (algorithm,))
+    block_fields = whole_fields | frozenset(_BLOCK_FIELDS)
     next_layer, next_position, run = first_layer, 0, (0, 0)
     for index, chunk in enumerate(chunks):
         name = f"chunks[{index}]"
-        if not isinstance(chunk, dict) or chunk.keys() not in (_CHUNK_FIELD_SET, _BLOCK_FIELD_SET):
-            _refuse(name, f"an object with exactly the fields {', '.join(_CHUNK_FIELDS)} (and {', '.join(_BLOCK_FIELDS)} for a token block)", chunk)
-        block = chunk.keys() == _BLOCK_FIELD_SET
+        if not isinstance(chunk, dict) or chunk.keys() not in (whole_fields, block_fields):
+            rule = f"exactly the fields {', '.join(_CHUNK_FIELDS + (algorithm,))} (and {', '.join(_BLOCK_FIELDS)} for a token block)"
+            _refuse(name, f"an object with {rule} in a version-{record['version']} header", chunk)
+        block = chunk.keys() == block_fields
         if block and kind != "knowledge":
             raise _field_error(name, f"is a token block, which only a knowledge pack's chunks may be (this pack is a {kind} pack)")
         first, stop = chunk["first_layer"], chunk["stop_layer"]
@@ -555,7 +595,7 @@ def _check_chunks(record: Mapping[str, Any]) -> None:
         if not _is_int(chunk["raw_bytes"]) or chunk["raw_bytes"] != raw_bytes:
             _refuse(f"{name}.raw_bytes", f"{raw_bytes}, the K and V bytes of layers {first}-{stop - 1}{held}", chunk["raw_bytes"])
         _check_int(f"{name}.stored_bytes", chunk["stored_bytes"], 0, MAX_CHUNK_STORED_BYTES - 1)
-        _check_hex64(f"{name}.sha256", chunk["sha256"])
+        _check_hex64(f"{name}.{algorithm}", chunk[algorithm])
         if not next_position:
             next_layer = stop
     if chunks and next_position:

@@ -51,12 +51,12 @@ def signatures_of(records) -> tuple[Signature, ...]:
     return tuple(found)
 
 
-def chunk_pieces(index: int, data: bytes, sha256: str) -> Iterator[store_pb2.Chunk]:
+def chunk_pieces(index: int, data: bytes, digest: str) -> Iterator[store_pb2.Chunk]:
     """A chunk as consecutive Chunk messages with the same index (at least one, even when empty),
     made one at a time as they are sent, so a stream holds one piece beyond the chunk itself."""
     view = memoryview(data)
     for start in range(0, max(len(data), 1), PIECE_BYTES):
-        yield store_pb2.Chunk(index=index, data=bytes(view[start : start + PIECE_BYTES]), sha256=sha256)
+        yield store_pb2.Chunk(index=index, data=bytes(view[start : start + PIECE_BYTES]), digest=digest)
 
 
 class ChunkAssembler:

@@ -174,7 +174,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
                 if not context.is_active():
                     call["cancelled"] = True
                     return
-                for piece in chunk_pieces(index, data, header.chunks[index].sha256):
+                for piece in chunk_pieces(index, data, header.chunks[index].digest):
                     yield store_pb2.GetPackResponse(chunk=piece)
                 self.metrics.bytes_sent.inc(len(data))
 

@@ -497,10 +497,10 @@ class LmdbStore(BankTables):
             header = self._header_in(txn, key)
         header.check_identities(model_fp, template_fp)
         indices = chunks_for(header, layers, prefix)
-        return decode_part(header, layers, prefix, zip(indices, self.read_chunks(header, indices)), device)
+        return decode_part(header, layers, prefix, zip(indices, self.read_chunks(header, indices)), device, verified=True)
 
     def read_chunks(self, header: PackHeader, indices: Sequence[int]) -> Iterator[bytes]:
-        """Chunks ``indices`` of a pack in order, each checked against its sha256 and read only when the caller
+        """Chunks ``indices`` of a pack in order, each checked against its digest and read only when the caller
         takes it (a stream holds one chunk at a time, not the pack)."""
         for index in indices:
             with self._env.read() as txn:

@@ -105,7 +105,7 @@ class RemoteStore(GrpcClient):
         return stored, chunks()
 
     def get(self, ref: str, *, model_fp: str | None = None, template_fp: str | None = None) -> EncodedPack:
-        """The pack's header and stored chunks, each checked against its sha256."""
+        """The pack's header and stored chunks, each checked against its digest."""
         stored, chunks = self._stream(ref, model_fp, template_fp)
         data = []
         for index, chunk in chunks:
@@ -154,7 +154,7 @@ class RemoteStore(GrpcClient):
                 begin=store_pb2.PutPackBegin(header_json=encoded.header.to_json(), name=name or "", signatures=signatures)
             )
             for index, (chunk, info) in enumerate(zip(encoded.chunks, encoded.header.chunks)):
-                for piece in chunk_pieces(index, chunk, info.sha256):
+                for piece in chunk_pieces(index, chunk, info.digest):
                     yield store_pb2.PutPackRequest(chunk=piece)
 
         response = self._call(lambda: self._stub.PutPack(requests(), timeout=self.timeout))

@@ -1,6 +1,7 @@
 """Packs in an object store over the S3 API, with a bounded local cache: the ``PackStore`` of the object tier.
 
-Chunks are immutable objects named by their sha256 (stored once however many packs share them),
+Chunks are immutable objects named by their content address (``ChunkInfo.address``: the sha256 of packs written
+before format version 4, ``blake3-`` and the BLAKE3 digest since), stored once however many packs share them,
 the header is written last with ``If-None-Match: *`` and is the commit (a pack is visible only
 when complete), names are registers of create-only versions (``registers.py``), and gc removes
 only chunks unreferenced for longer than a grace period, so any number of replicas can share one
@@ -110,8 +111,8 @@ class ObjectStore(ObjectBankTables):
     def _summary_name(self, key: str) -> str:
         return f"{self._base}summaries/{key}"
 
-    def _chunk_name(self, digest: str) -> str:
-        return f"{self._base}chunks/{digest}"
+    def _chunk_name(self, address: str) -> str:
+        return f"{self._base}chunks/{address}"
 
     def _signatures_prefix(self, key: str) -> str:
         return f"{self._base}signatures/{key}/"
@@ -188,14 +189,14 @@ class ObjectStore(ObjectBankTables):
         return found[0]
 
     def _chunk(self, header: PackHeader, index: int, *, cached: bool = True) -> bytes:
-        """Chunk ``index`` of a pack, checked against its sha256 (``cached`` False: straight from the object store,
+        """Chunk ``index`` of a pack, checked against its digest (``cached`` False: straight from the object store,
         and returned as stored, for ``verify`` to report)."""
         check = (lambda data: verify_chunk(header, index, data)) if cached else (lambda data: None)
         missing = f"pack {header.key}: chunk {index} is missing from the object store"
-        return self._immutable(self._chunk_name(header.chunks[index].sha256), check, cached=cached, missing=missing)
+        return self._immutable(self._chunk_name(header.chunks[index].address), check, cached=cached, missing=missing)
 
     def read_chunks(self, header: PackHeader, indices: Sequence[int]) -> Iterator[bytes]:
-        """Chunks ``indices`` of a pack in order, each checked against its sha256, with up to ``READ_AHEAD`` fetched
+        """Chunks ``indices`` of a pack in order, each checked against its digest, with up to ``READ_AHEAD`` fetched
         ahead in parallel: a stream costs about one object-store round trip per READ_AHEAD chunks, not per chunk,
         and a stalled reader holds at most READ_AHEAD + 1 chunks."""
         pending: deque[Future[bytes]] = deque()
@@ -381,7 +382,7 @@ class ObjectStore(ObjectBankTables):
         """Get, verify and decode a pack; refuses one whose identities differ from those the caller states."""
         from packstore.tensors import decode_pack
 
-        return decode_pack(self.get(ref, model_fp=model_fp, template_fp=template_fp), device)
+        return decode_pack(self.get(ref, model_fp=model_fp, template_fp=template_fp), device, verified=True)
 
     def fetch_part(
         self,
@@ -399,7 +400,7 @@ class ObjectStore(ObjectBankTables):
         header, _ = self._header(self.resolve(ref, model_fp=model_fp))
         header.check_identities(model_fp, template_fp)
         indices = chunks_for(header, layers, prefix)
-        return decode_part(header, layers, prefix, zip(indices, self.read_chunks(header, indices)), device)
+        return decode_part(header, layers, prefix, zip(indices, self.read_chunks(header, indices)), device, verified=True)
 
     def verify(self, ref: str) -> VerifyResult:
         """Check the stored copy (not the cache): header seal, every chunk's checksum, that every chunk decodes, signatures."""
@@ -459,14 +460,14 @@ class ObjectStore(ObjectBankTables):
         self.bucket.put(self._summary_name(header.key), etag.encode() + b"\n" + summary)
         return True
 
-    def _upload_chunk(self, digest: str, data: bytes | None) -> float:
-        """Make ``chunks/DIGEST`` hold ``data`` (None: it must be there already); returns the server time
+    def _upload_chunk(self, address: str, data: bytes | None) -> float:
+        """Make ``chunks/ADDRESS`` hold ``data`` (None: it must be there already); returns the server time
         from which the writer relies on it.
 
         A new object is safe to rely on at once; an existing one only if it is younger than half the grace
         (no gc can be about to remove it), else only while no gc runs (docs/operations.md, "Object store tier").
         """
-        name = self._chunk_name(digest)
+        name = self._chunk_name(address)
         while True:
             if data is not None:
                 try:
@@ -476,7 +477,7 @@ class ObjectStore(ObjectBankTables):
             head = self.bucket.head(name)
             if head is None:
                 if data is None:
-                    raise Unavailable(f"chunk {digest} was removed by a gc while its upload took longer than {self.writer_window:.0f} s; upload the pack again")
+                    raise Unavailable(f"chunk {address} was removed by a gc while its upload took longer than {self.writer_window:.0f} s; upload the pack again")
                 continue  # a gc removed it between the two calls: create it again
             damaged = data is not None and head.etag != hashlib.md5(data).hexdigest() and "-" not in head.etag
             if not damaged and _stamp(head.now) - _stamp(head.modified) < self.gc_grace / 2:
@@ -580,7 +581,7 @@ class ObjectStore(ObjectBankTables):
         referenced = set()
         for key, etag in live.items():
             try:
-                referenced.update(c.sha256 for c in self._header(key, etag)[0].chunks)
+                referenced.update(c.address for c in self._header(key, etag)[0].chunks)
             except PackNotFound:
                 continue  # deleted since the listing
             except IntegrityError as exc:
@@ -636,7 +637,7 @@ class ObjectUpload:
 
     def _upload(self, index: int, data: bytes) -> float:
         verify_chunk(self.header, index, data)
-        return float("inf") if self._stored else self.store._upload_chunk(self.header.chunks[index].sha256, data)
+        return float("inf") if self._stored else self.store._upload_chunk(self.header.chunks[index].address, data)
 
     def add_chunk(self, index: int, data: bytes) -> None:
         """Verify and upload the next chunk (they come in order)."""
@@ -652,7 +653,7 @@ class ObjectUpload:
         self._relied = list(self.store._pool.map(self._upload, range(len(chunks)), chunks))
 
     def _recheck(self, index: int) -> float:
-        return self.store._upload_chunk(self.header.chunks[index].sha256, self._chunks[index] if self._chunks else None)
+        return self.store._upload_chunk(self.header.chunks[index].address, self._chunks[index] if self._chunks else None)
 
     def commit(self, *, name: str | None = None, signatures: tuple[Signature, ...] = ()) -> tuple[str, bool]:
         """Commit the pack (idempotent by key) with its signatures (checked against its digest) and name."""

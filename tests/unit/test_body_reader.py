@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import struct
 
+import blake3
 import pytest
 import torch
 from safetensors import SafetensorError
@@ -87,7 +87,7 @@ def test_a_checksummed_chunk_whose_k_and_v_share_bytes_is_refused() -> None:
     shape = [1, 2, 2]
     aliased = blob({"layers.0.key": f32(0, 16, shape), "layers.0.value": f32(0, 16, shape)}, 16)
     stored = codec.encode(bytes(aliased), 4)
-    info = dataclasses.replace(encoded.header.chunks[0], stored_bytes=len(stored), sha256=hashlib.sha256(stored).hexdigest())
+    info = dataclasses.replace(encoded.header.chunks[0], stored_bytes=len(stored), digest=blake3.blake3(stored).hexdigest())
     header = dataclasses.replace(encoded.header, chunks=(info,))
     with pytest.raises(IntegrityError, match="chunk 0 cannot be decoded: tensor 'layers.0.value': aliases the bytes of tensor 'layers.0.key'"):
         decode_chunk(header, 0, stored)

@@ -9,11 +9,12 @@ import re
 import reprlib
 import struct
 
+import blake3
 import pytest
 import torch
 
 from packstore.errors import IntegrityError, InvalidInput
-from packstore.format import PackHeader, content_hash, pack_key, parse_key
+from packstore.format import EncodedPack, PackHeader, content_hash, pack_key, parse_key
 from packstore.tensors import Pack, decode_pack, encode_pack, torch_dtype
 from packstore.format.header import canonical_json, sha256_hex
 
@@ -110,12 +111,21 @@ def spliced(composition: str = "rope", parents: tuple[str, ...] = (KEY_1, KEY_2)
     return dataclasses.replace(pack.header, composition=composition, parents=parents)
 
 
-def test_spliced_packs_are_version_2_and_hash_their_recipe() -> None:
+def sha256_chunks(encoded: EncodedPack) -> EncodedPack:
+    """``encoded`` as a writer before version 4 stored it: the same bytes with sha256 chunk digests."""
+    chunks = tuple(
+        dataclasses.replace(info, digest=hashlib.sha256(data).hexdigest(), algorithm="sha256")
+        for info, data in zip(encoded.header.chunks, encoded.chunks)
+    )
+    return dataclasses.replace(encoded, header=dataclasses.replace(encoded.header, chunks=chunks))
+
+
+def test_spliced_packs_have_a_composition_and_hash_their_recipe() -> None:
     exact = encode_pack(make_pack()).header
     rope, naive = spliced("rope"), spliced("naive")
-    assert json.loads(exact.to_json())["version"] == 1 and "composition" not in json.loads(exact.to_json())
+    assert json.loads(exact.to_json())["version"] == 4 and "composition" not in json.loads(exact.to_json())
     record = json.loads(rope.to_json())
-    assert record["version"] == 2 and record["composition"] == "rope"
+    assert record["version"] == 4 and record["composition"] == "rope"
     assert PackHeader.from_json(rope.to_json()) == rope
     assert len({exact.key, rope.key, naive.key, spliced("rope", (KEY_2, KEY_1)).key}) == 4
     recipe = {"composition": "rope", "parents": [KEY_1, KEY_2], "tokens": content_hash(exact.token_ids)}
@@ -127,7 +137,7 @@ def test_spliced_packs_are_version_2_and_hash_their_recipe() -> None:
     "change,error,message",
     [
         (lambda r: r.update(version=1), InvalidInput, "'composition' is not a field of a version-1"),
-        (lambda r: r.update(composition="exact"), InvalidInput, "must be 1 for an exact pack"),
+        (lambda r: r.update(composition="exact"), InvalidInput, "'composition' must be absent for an exact pack"),
         (lambda r: r.update(composition="sideways"), InvalidInput, "'composition' must be one of"),
         (lambda r: r.update(parents=[KEY_1]), InvalidInput, "at least 2 parts"),
         (lambda r: r.update(content_hash=content_hash(r["token_ids"])), IntegrityError, "content_hash"),
@@ -137,6 +147,42 @@ def test_bad_spliced_headers_are_refused(change, error, message) -> None:
     record = json.loads(spliced().to_json())
     change(record)
     with pytest.raises(error, match=message):
+        PackHeader.from_json(reseal(record))
+
+
+def test_version_4_names_blake3_chunk_digests_and_earlier_versions_sha256() -> None:
+    encoded = encode_pack(make_pack())
+    record = json.loads(encoded.header.to_json())
+    assert [sorted(chunk) for chunk in record["chunks"]] == [["blake3", "first_layer", "raw_bytes", "stop_layer", "stored_bytes"]] * 3
+    assert all(chunk["blake3"] == blake3.blake3(data).hexdigest() for chunk, data in zip(record["chunks"], encoded.chunks))
+    older = sha256_chunks(encoded)
+    for header, version in ((older.header, 1), (dataclasses.replace(older.header, composition="rope", parents=(KEY_1, KEY_2)), 2)):
+        record = json.loads(header.to_json())
+        assert record["version"] == version and all(chunk["sha256"] for chunk in record["chunks"])
+        assert PackHeader.from_json(header.to_json()) == header
+    assert torch.equal(decode_pack(older).keys[1], decode_pack(encoded).keys[1])
+    damaged = bytearray(older.chunks[0])
+    damaged[-1] ^= 1
+    with pytest.raises(IntegrityError, match="chunk 0"):
+        decode_pack(dataclasses.replace(older, chunks=[bytes(damaged), *older.chunks[1:]]))
+
+
+@pytest.mark.parametrize(
+    "version,entry,message",
+    [
+        (4, "sha256", "exactly the fields first_layer, stop_layer, raw_bytes, stored_bytes, blake3"),
+        (1, "blake3", "exactly the fields first_layer, stop_layer, raw_bytes, stored_bytes, sha256"),
+        (4, None, "'chunks' must be the stored chunks in a version-4 header"),
+    ],
+)
+def test_the_chunk_digest_must_be_the_versions(version: int, entry: str | None, message: str) -> None:
+    record = json.loads(encode_pack(make_pack()).header.to_json())
+    record["version"] = version
+    if entry is None:
+        record["chunks"] = []
+    for chunk in record["chunks"]:
+        chunk[entry] = chunk.pop("blake3")
+    with pytest.raises((InvalidInput, IntegrityError), match=message):
         PackHeader.from_json(reseal(record))
 
 
@@ -181,7 +227,7 @@ def bad_chunks(header: PackHeader) -> dict[str, tuple]:
         "chunks[1].first_layer": (first, third, second),
         "chunks[1].stop_layer": (first, dataclasses.replace(second, stop_layer=1), third),
         "chunks[0].stored_bytes": (dataclasses.replace(first, stored_bytes=1 << 40), second, third),
-        "chunks[2].sha256": (first, second, dataclasses.replace(third, sha256="A" * 64)),
+        "chunks[2].blake3": (first, second, dataclasses.replace(third, digest="A" * 64)),
         "chunks[1]": (first, {"first_layer": 1}, third),
         "chunks": (first, second),
     }

@@ -1,4 +1,4 @@
-"""docs/format.md is the contract: decode a stored pack with only lmdb, zstandard, safetensors and its rules."""
+"""docs/format.md is the contract: decode a stored pack with only lmdb, zstandard, blake3, safetensors and its rules."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import struct
 from pathlib import Path
 
+import blake3
 import lmdb
 import torch
 import zstandard
@@ -53,7 +54,7 @@ def test_stored_pack_decodes_by_the_document_alone(store_path: Path) -> None:
         raw_header = txn.get(key.encode(), db=packs)
         header = json.loads(raw_header)
         assert canonical(header) == raw_header
-        assert header["format"] == "packstore-pack" and header["version"] == 1
+        assert header["format"] == "packstore-pack" and header["version"] == 4
         sealed = {k: v for k, v in header.items() if k != "pack_sha256"}
         assert header["pack_sha256"] == hashlib.sha256(canonical(sealed)).hexdigest()
 
@@ -67,7 +68,7 @@ def test_stored_pack_decodes_by_the_document_alone(store_path: Path) -> None:
         for index, info in enumerate(header["chunks"]):
             data = txn.get(key.encode() + b"#" + struct.pack(">I", index), db=chunks)
             assert len(data) == info["stored_bytes"]
-            assert hashlib.sha256(data).hexdigest() == info["sha256"]
+            assert blake3.blake3(data).hexdigest() == info["blake3"]
             part = safetensors_load(byteplane_decode(data))
             assert set(part) == {f"layers.{i}.{kv}" for i in range(info["first_layer"], info["stop_layer"]) for kv in ("key", "value")}
             assert sum(t.numel() * t.element_size() for t in part.values()) == info["raw_bytes"]

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from packstore.cli.packctl import main as packctl
+from packstore.format.body import chunk_digest
 from packstore.format.header import canonical_json, sha256_hex
 from packstore.format.packfile import pack_file_parts
 from packstore.store import LmdbStore
@@ -133,7 +134,7 @@ def uploads(draw):
             index, data = chunks[0]
             chunks[0] = (draw(st.integers(0, 10)), data[: draw(st.integers(0, len(data)))] + draw(st.binary(max_size=20)))
     for index, data in chunks:
-        messages.append(store_pb2.PutPackRequest(chunk=store_pb2.Chunk(index=index, data=data, sha256=sha256_hex(data))))
+        messages.append(store_pb2.PutPackRequest(chunk=store_pb2.Chunk(index=index, data=data, digest=chunk_digest(data, "blake3"))))
     if draw(st.booleans()):
         messages.insert(draw(st.integers(0, len(messages))), store_pb2.PutPackRequest(begin=store_pb2.PutPackBegin(header_json=b"{}")))
     return messages, how
@@ -234,7 +235,7 @@ def pack_files(draw):
     how = draw(st.sampled_from(["flip", "truncate", "insert", "bomb", "table"]))
     if how in ("bomb", "table"):
         chunk = _bomb_chunk() if how == "bomb" else _lying_table_chunk()
-        info = dataclasses.replace(encoded.header.chunks[0], stored_bytes=len(chunk), sha256=sha256_hex(chunk))
+        info = dataclasses.replace(encoded.header.chunks[0], stored_bytes=len(chunk), digest=chunk_digest(chunk, "blake3"))
         encoded = dataclasses.replace(encoded, header=dataclasses.replace(encoded.header, chunks=(info,)), chunks=[chunk])
     data = bytearray(b"".join(pack_file_parts(encoded)))
     if how == "flip":

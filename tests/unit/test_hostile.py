@@ -17,6 +17,7 @@ import pytest
 from packstore.api import export_pack, import_pack
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, InvalidInput, LimitExceeded, PackstoreError
+from packstore.format.body import chunk_digest
 from packstore.format.header import canonical_json, sha256_hex
 from packstore.format.packfile import FILE_MAGIC
 from packstore.store import LmdbStore
@@ -80,7 +81,7 @@ BAD_FIELDS = [
     ("codec", None),
     ("chunks.0.raw_bytes", 2**70),
     ("chunks.0.stored_bytes", -5),
-    ("chunks.0.sha256", "zz"),
+    ("chunks.0.blake3", "zz"),
     ("chunks.0.first_layer", 1),
     ("chunks.1.stop_layer", 9),
     ("chunks", []),
@@ -169,7 +170,7 @@ def test_decompression_never_trusts_a_declared_size(tmp_path: Path) -> None:
     chunk = bomb_chunk(1 << 40)
 
     def mutate(record: dict) -> None:
-        record["chunks"] = [{**record["chunks"][0], "stored_bytes": len(chunk), "sha256": sha256_hex(chunk)}]
+        record["chunks"] = [{**record["chunks"][0], "stored_bytes": len(chunk), "blake3": chunk_digest(chunk, "blake3")}]
         record["layers"] = 1
 
     header_json, _ = forged(mutate, make_pack(layers=1))

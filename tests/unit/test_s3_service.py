@@ -116,7 +116,7 @@ def test_getpack_of_a_layer_range_reads_only_its_chunk_objects(seaweed, url, tmp
             b.fetch_part(key, layers=(9, 10))
     with closing(ObjectCache(tmp_path / "b" / "object-cache" / "default", DEFAULT_CACHE_BYTES)) as cache:
         cached = {name.rsplit("/", 1)[1] for name in cache.names() if "/chunks/" in name}
-    assert cached == {c.sha256 for c in encoded.header.chunks[2:4]}  # b got only these chunk objects from the bucket
+    assert cached == {c.address for c in encoded.header.chunks[2:4]}  # b got only these chunk objects from the bucket
 
 
 def test_a_replica_killed_mid_upload_leaves_no_visible_pack(seaweed, url, tmp_path, model_fp) -> None:
@@ -129,7 +129,7 @@ def test_a_replica_killed_mid_upload_leaves_no_visible_pack(seaweed, url, tmp_pa
             if index == 4:
                 halfway.set()
                 never.wait(60)
-            for piece in chunk_pieces(index, chunk, info.sha256):
+            for piece in chunk_pieces(index, chunk, info.digest):
                 yield store_pb2.PutPackRequest(chunk=piece)
 
     with replica(seaweed, url, tmp_path / "a") as (a, _), replica(seaweed, url, tmp_path / "b") as (_, b):
@@ -155,7 +155,7 @@ def test_a_damaged_object_is_data_loss_through_the_service(seaweed, url, tmp_pat
     encoded = encode_pack(random_pack(model_fp, 3))
     with replica(seaweed, url, tmp_path / "a") as (_, a), replica(seaweed, url, tmp_path / "b") as (b_server, b):
         key, _ = a.put(encoded)
-        digest = encoded.header.chunks[1].sha256
+        digest = encoded.header.chunks[1].address
         name = url.split("/", 3)[3] + f"/ns/default/chunks/{digest}"
         seaweed.client().put_object(Bucket=seaweed.bucket, Key=name, Body=b"\0" * len(encoded.chunks[1]))
         with pytest.raises(IntegrityError, match="chunk 1 .* is damaged"):

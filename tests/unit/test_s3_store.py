@@ -67,7 +67,7 @@ def test_a_pack_put_through_one_replica_is_listed_and_served_by_the_other(replic
     assert b.stat("shared", model_fp=model_fp).key == key and b.list(name="shared")[0].names == ("shared",)
     assert same_tensors(b.fetch("shared", model_fp=model_fp, template_fp=FP_B), first)
     chunks = objects(seaweed, url, "chunks/")
-    assert len(chunks) == len({c.sha256 for c in encode_pack(second).header.chunks}) == 3  # stored once across both packs
+    assert len(chunks) == len({c.address for c in encode_pack(second).header.chunks}) == 3  # stored once across both packs
     assert b.counts().packs == 2 and a.counts() == b.counts()
     a.delete(key)
     with pytest.raises(PackNotFound):
@@ -160,7 +160,7 @@ def test_a_damaged_object_is_data_loss_and_never_served(replicas, seaweed, url, 
     a, b = replicas
     pack = pack_of(model_fp)
     key, _ = a.put(encode_pack(pack))
-    digest = encode_pack(pack).header.chunks[1].sha256
+    digest = encode_pack(pack).header.chunks[1].address
     chunk = url.split("/", 3)[3] + f"/ns/default/chunks/{digest}"
     size = objects(seaweed, url, f"chunks/{digest}")[f"chunks/{digest}"]
     seaweed.client().put_object(Bucket=seaweed.bucket, Key=chunk, Body=b"\0" * size)
@@ -193,8 +193,8 @@ def test_the_cache_is_bounded_and_evicts_the_least_recently_used(url, tmp_path, 
             assert same_tensors(reader.fetch(pack.header.key), pack)
             assert reader.cache.held_bytes <= bound
         cached = set(reader.cache.names())
-        first = {reader._cache_scope + reader._chunk_name(c.sha256) for c in packs[0].header.chunks}
-        last = {reader._cache_scope + reader._chunk_name(c.sha256) for c in encode_pack(packs[-1]).header.chunks}
+        first = {reader._cache_scope + reader._chunk_name(c.address) for c in packs[0].header.chunks}
+        last = {reader._cache_scope + reader._chunk_name(c.address) for c in encode_pack(packs[-1]).header.chunks}
         assert not first & cached and last <= cached  # the oldest went first
         assert same_tensors(reader.fetch(packs[0].header.key), packs[0])  # evicted: fetched again
         assert reader.cache.held_bytes <= bound
@@ -209,7 +209,7 @@ def test_a_layer_range_gets_only_the_chunk_objects_holding_it(url, tmp_path, mod
         gets = counted_gets(reader)
         part = reader.fetch_part(key, layers=(4, 6))
         assert all(torch.equal(a, b) for a, b in zip(pack.keys[4:7] + pack.values[4:7], part.keys + part.values))
-        wanted = sorted(f"chunks/{c.sha256}" for c in encoded.header.chunks[4:7])
+        wanted = sorted(f"chunks/{c.address}" for c in encoded.header.chunks[4:7])
         assert sorted(g for g in gets if g.startswith("chunks/")) == wanted  # 3 of the 12 chunk objects
         assert [g for g in gets if not g.startswith("chunks/")] == [f"headers/{key}"]
         gets.clear()
@@ -228,7 +228,7 @@ def test_a_prefix_gets_only_the_token_block_objects_holding_it(url, tmp_path, mo
         gets = counted_gets(reader)
         part = reader.fetch_part(key, prefix=1000)
         assert all(torch.equal(a[:, :1000], b) for a, b in zip(pack.keys + pack.values, part.keys + part.values))
-        wanted = sorted(f"chunks/{c.sha256}" for c in encoded.header.chunks if c.first_position == 0)
+        wanted = sorted(f"chunks/{c.address}" for c in encoded.header.chunks if c.first_position == 0)
         assert sorted(g for g in gets if g.startswith("chunks/")) == wanted  # the first block of each of the 4 layers
 
 
@@ -238,7 +238,7 @@ def test_a_damaged_cache_entry_is_dropped_and_fetched_again(replicas, model_fp) 
     key, _ = a.put(encode_pack(pack))
     assert same_tensors(b.fetch(key), pack)  # now cached in b
     encoded = encode_pack(pack)
-    chunk_slot = b._cache_scope + b._chunk_name(encoded.header.chunks[0].sha256)
+    chunk_slot = b._cache_scope + b._chunk_name(encoded.header.chunks[0].address)
     b.cache.put(chunk_slot, b"\xff" * len(encoded.chunks[0]))
     header_slot = b._cache_scope + b._header_name(key)
     etag = b.cache.get(header_slot).split(b"\n", 1)[0]
@@ -259,7 +259,7 @@ def test_gc_keeps_fresh_unreferenced_chunks_and_removes_old_ones(url, seaweed, t
         time.sleep(4.5)  # past the grace, +1 s: LastModified and Date are whole seconds
         report = store.gc()
         assert report.orphan_chunks == 3 and report.file_bytes_after < report.file_bytes_before
-        assert set(objects(seaweed, url, "chunks/")) == {f"chunks/{c.sha256}" for c in encode_pack(live).header.chunks}
+        assert set(objects(seaweed, url, "chunks/")) == {f"chunks/{c.address}" for c in encode_pack(live).header.chunks}
         assert store.verify("live").ok and store.resolve("live", model_fp=model_fp) == live.header.key
         assert list(objects(seaweed, url, "names/")) == [f"names/{model_fp}/doomed/{1:020d}", f"names/{model_fp}/live/{0:020d}"]
 

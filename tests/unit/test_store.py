@@ -165,3 +165,24 @@ def test_map_grows_when_full(store_path: Path) -> None:
 def test_readonly_open_of_missing_store_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(PackNotFound, match="no pack store"):
         LmdbStore(tmp_path / "absent", readonly=True)
+
+
+def test_every_read_hashes_each_chunk_once(store_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk is verified once per hop: the store's read or the decoder, never both."""
+    import packstore.format.body as body
+
+    hashed = []
+    real = body.chunk_digest
+    monkeypatch.setattr(body, "chunk_digest", lambda data, algorithm: hashed.append(len(data)) or real(data, algorithm))
+    encoded = encode_pack(make_pack(tokens=40), block_positions=16)  # 3 layers x 3 token blocks
+    with LmdbStore(store_path) as store:
+        key, _ = store.put(encoded)
+        for read, chunks in (
+            (lambda: store.fetch(key), 9),
+            (lambda: store.fetch_part(key), 9),
+            (lambda: store.fetch_part(key, layers=(1, 1), prefix=20), 2),
+            (lambda: store.get(key), 9),
+        ):
+            hashed.clear()
+            read()
+            assert len(hashed) == chunks

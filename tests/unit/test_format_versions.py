@@ -1,0 +1,58 @@
+"""Stores and pack files written before format version 4 (sha256 chunk digests) read unchanged.
+
+tests/data/version3 was written by packstore at commit dcd4730 (its make_store.py says how): an exact pack
+with a signature, an exact pack in token blocks, a RoPE-spliced composition (version 2) and a steering
+pack (version 3), and the exported pack file of the first.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from packstore.api import export_pack, import_pack
+from packstore.cli.packctl import main as packctl
+from packstore.store import LmdbStore
+from packstore.tensors import decode_pack, encode_pack
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "version3"
+sys.path.insert(0, str(DATA))
+from make_store import knowledge, steering  # noqa: E402  the seeded packs the data holds
+
+EXPECTED = {"v1-exact": (1, knowledge(5, 1)), "v1-blocks": (1, knowledge(40, 2)), "v2-rope": (2, knowledge(7, 4)), "v3-steering": (3, steering())}
+
+
+@pytest.fixture
+def old_store(tmp_path: Path) -> Path:
+    shutil.copytree(DATA / "store", tmp_path / "store")
+    return tmp_path / "store"
+
+
+def test_a_version_3_store_reads_verifies_and_takes_version_4_packs(old_store: Path, tmp_path: Path) -> None:
+    with LmdbStore(old_store) as store:
+        for name, (version, expected) in EXPECTED.items():
+            encoded = store.get(name)
+            record = json.loads(encoded.header.to_json())
+            assert record["version"] == version and all("sha256" in chunk for chunk in record["chunks"])
+            pack = decode_pack(encoded)
+            assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, expected.keys + expected.values))
+        assert len(store.get("v1-exact").signatures) == 1 and store.get("v1-exact").signatures[0].digest == store.get("v1-exact").header.pack_sha256
+        assert len(store.get("v1-blocks").header.chunks) == 9  # 3 layers x 3 token blocks of 16 positions
+        new, created = store.put(encode_pack(knowledge(6, 5)), name="v4-exact")
+        assert created and json.loads(store.stat(new).header.to_json())["version"] == 4
+        old_copy = export_pack(store, "v2-rope", tmp_path / "v2-rope.pack")
+        assert old_copy[0] == store.stat("v2-rope").header.key
+    assert packctl(["--store", str(old_store), "verify"]) == 0
+
+
+def test_a_version_3_pack_file_imports_with_its_signature(tmp_path: Path) -> None:
+    with LmdbStore(tmp_path / "fresh") as store:
+        stored, created = import_pack(store, DATA / "v1-exact.pack")
+        assert created and stored.header.version == 1 and len(stored.signatures) == 1
+        pack = decode_pack(store.get(stored.header.key))
+        assert torch.equal(pack.values[2], EXPECTED["v1-exact"][1].values[2])
