@@ -166,8 +166,8 @@ def test_admin_commands_on_a_bucket(capsys, local, url, seaweed, tmp_path, monke
     assert code == 1 and "nothing to compact" in err
 
     assert packctl(capsys, *where, "import", str(tmp_path / "p.pack"))[0] == 0
-    digest = json.loads(packctl(capsys, *where, "inspect", keys[0], "--json")[1])["chunks"][0]["sha256"]
-    name = url.split("/", 3)[3] + f"/ns/default/chunks/{digest}"
+    digest = json.loads(packctl(capsys, *where, "inspect", keys[0], "--json")[1])["chunks"][0]["blake3"]
+    name = url.split("/", 3)[3] + f"/ns/default/chunks/blake3-{digest}"
     seaweed.client().put_object(Bucket=seaweed.bucket, Key=name, Body=b"damaged")
     code, out, err = packctl(capsys, *where, "verify")
     assert code == 1 and out.startswith(f"DAMAGED    {keys[0]}") and "1 damaged" in err
