@@ -598,6 +598,7 @@ def plot(summary: dict, dual: dict, cosines: Sequence[dict], figures: Path) -> N
                 panels,
                 title="Sentiment change vs alpha 0 (all prompt sets): layer thirds, 5 vs 30 pairs (middle = 30 pairs), key control",
                 ylabel="change in mean VADER compound",
+                shared_y=True,  # gemma3-270m's changes are a tenth of smollm2-135m's: one scale shows it
             )
     if cosines:
         figure, axes = plt.subplots(1, len(cosines), figsize=(6.5 * len(cosines), 4.2), squeeze=False)

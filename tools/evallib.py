@@ -183,11 +183,13 @@ def grouped_bars(
     *,
     title: str,
     ylabel: str,
+    shared_y: bool = False,
 ) -> None:
     """A PNG of grouped bar charts: one panel per key of ``panels``, categories on x, one bar per series.
 
     ``panels[panel][series][category]`` is a value or an Interval (drawn with its interval as an
-    error bar). Each bar is labelled with its value.
+    error bar). Each bar is labelled with its value. ``shared_y``: one y scale for every panel, so
+    that panels of very different effects are not drawn the same height.
     """
     import matplotlib
 
@@ -197,7 +199,7 @@ def grouped_bars(
     crowded = max(len(series) for series in panels.values()) > 4  # then labels turn upright, the legend goes below
     rows, columns = (len(panels), 1) if crowded else (1, len(panels))
     size = (13.0, 4.6 * len(panels) + 0.6) if crowded else (max(6.5 * len(panels), 9.0), 4.8)
-    figure, axes = plt.subplots(rows, columns, figsize=size, squeeze=False)
+    figure, axes = plt.subplots(rows, columns, figsize=size, squeeze=False, sharey=shared_y)
     for axis, (panel, series) in zip(axes.flat, panels.items()):
         categories = list(dict.fromkeys(c for values in series.values() for c in values))
         width = 0.8 / max(len(series), 1)
