@@ -29,7 +29,6 @@ from packstore.format.body import (
     data_table,
     describe_chunk,
     max_plain_bytes,
-    tensor_table,
     verify_chunk,
 )
 from packstore.format.header import CHUNK_DIGEST, CODEC, ChunkInfo, PackHeader
@@ -141,30 +140,6 @@ def encode_pack(pack: Pack, *, block_positions: int = BLOCK_POSITIONS) -> Encode
         results = list(pool.map(lambda chunk: _encode_chunk(pack, *chunk), plan))
     header = dataclasses.replace(header, codec=CODEC, chunks=tuple(info for _, info in results))
     return EncodedPack(header=header, chunks=[stored for stored, _ in results])
-
-
-def tensors_in(blob: bytearray) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors blob as views of it (no copy); raises IntegrityError if its layout is not strict."""
-    tensors = {}
-    for entry in tensor_table(blob):
-        dtype = torch_dtype(entry.dtype)
-        count = (entry.stop - entry.start) // dtype.itemsize
-        flat = torch.frombuffer(blob, dtype=dtype, count=count, offset=entry.start) if count else torch.empty(0, dtype=dtype)
-        tensors[entry.name] = flat.reshape(entry.shape)
-    return tensors
-
-
-def decode_chunk(header: PackHeader, index: int, data: bytes) -> dict[str, torch.Tensor]:
-    """Verify one chunk's checksum, then decode it to its named tensors (views of one decoded buffer)."""
-    verify_chunk(header, index, data)
-    info = header.chunks[index]
-    try:
-        tensors = tensors_in(codec.decode(data, max_plain_bytes(info)))
-    except IntegrityError as exc:
-        raise IntegrityError(f"pack {header.key}: chunk {index} cannot be decoded: {exc}") from None
-    if set(tensors) != chunk_tensor_names(header, info):
-        raise IntegrityError(f"pack {header.key}: chunk {index} does not hold exactly the tensors of {describe_chunk(info)}")
-    return tensors
 
 
 class BodyAssembler:

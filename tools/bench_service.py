@@ -14,7 +14,8 @@ rotates), every figure is a median, and the ratios within this one run are what 
    the threads, as LMDB allows one environment per process);
    redis = the Redis-protocol server holding the same stored chunks as plain values (one key per chunk,
    plus the header JSON): the client GETs the header and every chunk on its own connection and
-   decodes each chunk with ``decode_chunk`` in a pool as large as the library's, as it arrives.
+   decodes them with ``pack_from_chunks`` (what ``RemoteStore.fetch`` uses: each chunk verified and decoded
+   into place in the library's pool as it arrives).
    Each variant's first fetch is compared tensor by tensor with the pack as built (asserted).
 2. Time to first token (``max_new_tokens=1``) for packs of ~512 and ~2k tokens:
    cold = ``Generate`` on the worker with a pack not yet in its LRU (a distinct pack per
@@ -46,7 +47,6 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +61,7 @@ import transformers  # noqa: E402
 
 from packstore.store.remote import RemoteStore  # noqa: E402
 from packstore.format import EncodedPack, PackHeader  # noqa: E402
-from packstore.tensors import WORKERS, Pack, decode_chunk, encode_pack  # noqa: E402  (WORKERS: the decode pool size fetch uses)
+from packstore.tensors import Pack, encode_pack, pack_from_chunks  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.inject import Sampling, answer_with_text  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
@@ -291,18 +291,9 @@ def redis_put(client: redis.Redis, encoded: EncodedPack) -> None:
 
 
 def redis_fetch(client: redis.Redis, key: str) -> Pack:
-    """GET the header and every chunk; decode (verify + decompress) each chunk in a pool as it arrives."""
+    """GET the header and every chunk; each is verified and decoded as it arrives, as ``RemoteStore.fetch`` does."""
     header = PackHeader.from_json(client.get(f"{key}:header"))
-    with ThreadPoolExecutor(WORKERS) as pool:
-        pending = [pool.submit(decode_chunk, header, i, client.get(f"{key}:chunk:{i}")) for i in range(len(header.chunks))]
-        tensors = {name: t for future in pending for name, t in future.result().items()}
-    pack = Pack(
-        header=header,
-        keys=[tensors[f"layers.{layer}.key"] for layer in range(header.layers)],
-        values=[tensors[f"layers.{layer}.value"] for layer in range(header.layers)],
-    )
-    pack.check_shapes()
-    return pack
+    return pack_from_chunks(header, ((index, client.get(f"{key}:chunk:{index}")) for index in range(len(header.chunks))))
 
 
 # -- 1. GetPack throughput ----------------------------------------------------------------

@@ -15,8 +15,8 @@ from safetensors.torch import save as safetensors_save
 
 from packstore.errors import IntegrityError
 from packstore.format import codec
-from packstore.format.body import MAX_TABLE_BYTES, tensor_table
-from packstore.tensors import decode_chunk, encode_pack, tensors_in
+from packstore.format.body import MAX_TABLE_BYTES, EncodedPack, tensor_table
+from packstore.tensors import decode_pack, encode_pack
 from test_format import make_pack
 
 
@@ -69,17 +69,12 @@ def test_each_layout_rule_is_refused_with_the_tensor_and_rule_named(case: str) -
             safetensors_load(bytes(data))
 
 
-def test_a_safetensors_blob_reads_as_views_of_its_bytes() -> None:
+def test_a_safetensors_blob_table_names_each_tensor() -> None:
     tensors = {"layers.0.key": torch.randn(2, 3, 4), "layers.0.value": torch.randn(2, 3, 4).half(), "empty": torch.zeros(0)}
     data = bytearray(safetensors_save(tensors, metadata={"note": "kept"}))
     table = {entry.name: entry for entry in tensor_table(data)}
     assert table["layers.0.key"].dtype == "float32" and table["layers.0.value"].dtype == "float16"
     assert table["layers.0.key"].shape == (2, 3, 4)
-    read = tensors_in(data)
-    assert all(torch.equal(read[name], tensor) for name, tensor in tensors.items())
-    base = torch.frombuffer(data, dtype=torch.uint8).data_ptr()
-    key = read["layers.0.key"]
-    assert key.data_ptr() == base + table["layers.0.key"].start  # a view, not a copy
 
 
 def test_a_checksummed_chunk_whose_k_and_v_share_bytes_is_refused() -> None:
@@ -90,4 +85,4 @@ def test_a_checksummed_chunk_whose_k_and_v_share_bytes_is_refused() -> None:
     info = dataclasses.replace(encoded.header.chunks[0], stored_bytes=len(stored), digest=blake3.blake3(stored).hexdigest())
     header = dataclasses.replace(encoded.header, chunks=(info,))
     with pytest.raises(IntegrityError, match="chunk 0 cannot be decoded: tensor 'layers.0.value': aliases the bytes of tensor 'layers.0.key'"):
-        decode_chunk(header, 0, stored)
+        decode_pack(EncodedPack(header, [stored]))
