@@ -31,10 +31,12 @@ from packstore.format.body import (
     max_plain_bytes,
     verify_chunk,
 )
-from packstore.format.header import CHUNK_DIGEST, CODEC, ChunkInfo, PackHeader
+from packstore.format.header import CHUNK_DIGEST, CODEC, CODECS, ChunkInfo, PackHeader
 
-# zstd releases the GIL, so chunks are coded in parallel threads.
+# zstd, blake3 and the plane join release the GIL, so chunks are coded in parallel threads. The pool lives as
+# long as the process: its threads keep their decoding buffers warm (packstore.format.codec).
 WORKERS = max(1, min(8, os.cpu_count() or 1))
+_POOL = ThreadPoolExecutor(WORKERS, thread_name_prefix="packstore-chunks")
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -111,7 +113,7 @@ def _encode_chunk(pack: Pack, first: int, stop: int, block: range | None) -> tup
         if block is not None:
             key, value = key[:, block.start : block.stop], value[:, block.start : block.stop]
         tensors[k_name], tensors[v_name] = key.contiguous(), value.contiguous()
-    stored = codec.encode(safetensors_save(tensors), pack.keys[0].element_size())
+    stored = codec.encode(safetensors_save(tensors), pack.header.dtype)
     info = ChunkInfo(
         first_layer=first,
         stop_layer=stop,
@@ -136,8 +138,7 @@ def encode_pack(pack: Pack, *, block_positions: int = BLOCK_POSITIONS) -> Encode
     blocked = header.kind == "knowledge" and header.positions > block_positions
     blocks = [range(p, min(p + block_positions, header.positions)) for p in range(0, header.positions, block_positions)] if blocked else [None]
     plan = [(first, min(first + per_chunk, layers.stop), block) for first in range(layers.start, layers.stop, per_chunk) for block in blocks]
-    with ThreadPoolExecutor(WORKERS) as pool:
-        results = list(pool.map(lambda chunk: _encode_chunk(pack, *chunk), plan))
+    results = list(_POOL.map(lambda chunk: _encode_chunk(pack, *chunk), plan))
     header = dataclasses.replace(header, codec=CODEC, chunks=tuple(info for _, info in results))
     return EncodedPack(header=header, chunks=[stored for stored, _ in results])
 
@@ -149,6 +150,8 @@ class BodyAssembler:
     decoded into pinned memory and copied from there. ``add`` may be called from several threads, one chunk each."""
 
     def __init__(self, header: PackHeader, layers: range, positions: int | None, device: object = None) -> None:
+        if header.codec not in CODECS:
+            raise IntegrityError(f"pack {header.key}: unknown codec {header.codec!r}")
         self.header, self.layers, self.device = header, layers, torch.device(device or "cpu")
         self.positions = header.positions if positions is None and header.kind == "knowledge" else positions
         shape = header.tensor_shape if self.positions is None else (header.kv_heads, self.positions, header.head_dim)
@@ -171,7 +174,7 @@ class BodyAssembler:
         if not verified:
             verify_chunk(header, index, data)
         try:
-            planes = codec.decode_planes(data, max_plain_bytes(info))
+            planes = codec.decode_planes(data, max_plain_bytes(info), CODECS[header.codec])
             entries = data_table(planes.header, planes.elements * planes.element_size)
         except IntegrityError as exc:
             raise IntegrityError(f"pack {header.key}: chunk {index} cannot be decoded: {exc}") from None
@@ -187,18 +190,19 @@ class BodyAssembler:
         stop = held.stop if self.positions is None else min(held.stop, self.positions)
         if self.positions is not None and stop <= held.start:
             return  # a block past the positions wanted holds nothing of them
-        pick = () if self.positions is None else (slice(None), slice(0, stop - held.start))
+        block = _as_3d(shape)  # positions on its middle axis for a knowledge pack; else the tensor is written whole
+        offset, count = (held.start, stop - held.start) if header.kind == "knowledge" else (0, block[1])
         for entry in entries:
             if entry.name not in self._slots:
                 continue
             target, slot = self._slots[entry.name]
-            place = target[slot] if self.positions is None else target[slot][:, held.start : stop]
             first = entry.start // planes.element_size
             if self.device.type == "cpu":
-                planes.write(_byte_view(place), first, shape, pick)
+                planes.write(_elements(target[slot]), first, block, offset, count)
             else:
+                place = target[slot][:, held.start : stop] if header.kind == "knowledge" else target[slot]
                 staged = torch.empty(place.shape, dtype=place.dtype, pin_memory=self.device.type == "cuda")
-                planes.write(_byte_view(staged), first, shape, pick)
+                planes.write(_elements(staged), first, block, 0, count)
                 place.copy_(staged, non_blocking=True)  # the staged tensor lives until the copy is done (torch keeps it)
             if target is self.keys:
                 with self._lock:
@@ -215,13 +219,20 @@ class BodyAssembler:
         return self.keys, self.values
 
 
-def _byte_view(tensor: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's bytes as a numpy uint8 array of its shape plus a last axis of its element size: a view
-    with the tensor's strides (a token block's place in a layer), so writing it writes the tensor."""
-    width = tensor.element_size()
-    raw = tensor.view(torch.uint8)  # the last axis is contiguous, so this is a view whatever the other strides
-    strides = (*(stride * width for stride in tensor.stride()), 1)
-    return raw.as_strided((*tensor.shape, width), strides, raw.storage_offset()).numpy()
+_UNSIGNED_VIEWS = {2: (torch.int16, np.uint16), 4: (torch.int32, np.uint32)}
+
+
+def _elements(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's elements as unsigned integers of their width, ``[A, P, D]`` (``_as_3d``): a view,
+    so writing it writes the tensor."""
+    signed, unsigned = _UNSIGNED_VIEWS[tensor.element_size()]
+    return tensor.view(signed).numpy().view(unsigned).reshape(_as_3d(tuple(tensor.shape)))
+
+
+def _as_3d(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """``shape`` as ``[A, P, D]``: leading axes merged, positions (the second-to-last axis) and the last kept."""
+    padded = (1, 1, *shape)
+    return int(np.prod(padded[:-2], dtype=np.int64)), padded[-2], padded[-1]
 
 
 def decode_part(
@@ -236,13 +247,10 @@ def decode_part(
     """Verify and decode the chunks ``chunks_for(header, layers, prefix)`` as (index, bytes), in parallel, into
     layers ``layers`` (first, last; None: all) for the first ``prefix`` positions (None: all) on ``device``.
     ``verified``: the chunks come from a store's ``read_chunks``, which checked each one: not hashed again."""
-    if header.codec != CODEC:
-        raise IntegrityError(f"pack {header.key}: unknown codec {header.codec!r}")
     span = header.body_layers if layers is None else range(layers[0], layers[1] + 1)
     assembler = BodyAssembler(header, span, prefix, device)
-    with ThreadPoolExecutor(WORKERS) as pool:
-        for future in [pool.submit(assembler.add, index, data, verified=verified) for index, data in chunks]:
-            future.result()
+    for future in [_POOL.submit(assembler.add, index, data, verified=verified) for index, data in chunks]:
+        future.result()
     keys, values = assembler.finish()
     try:
         check_shapes(header, span, keys, values, positions=prefix)

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, median, print_table, source_description, timed  # noqa: E402
 
 from packstore.format import ChunkInfo, PackHeader  # noqa: E402
+from packstore.format.header import CODEC  # noqa: E402
 from packstore.store import LmdbStore, PackStore  # noqa: E402
 from packstore.store.remote import RemoteStore  # noqa: E402
 
@@ -54,7 +55,7 @@ def synthetic_header(index: int, rng: np.random.Generator) -> PackHeader:
         facts=tuple(f"Fact {index}.{i}: " + " ".join(rng.choice(WORDS, size=16).tolist()) for i in range(FACTS)),
         raw=False,
         created="2026-11-23T00:00:00Z",
-        codec="byteplane-zstd",
+        codec=CODEC,
         chunks=tuple(ChunkInfo(layer, layer + 1, 2 * 3 * TOKENS * 64 * 4, 2_600_000, rng.bytes(32).hex()) for layer in range(LAYERS)),
     )
 

@@ -3,134 +3,225 @@
 Float elements compress badly as a byte stream because their low mantissa bytes are noise
 interleaved with well-behaved exponent bytes. This codec splits a safetensors blob into its
 header and, per byte position of the element, one *plane* (plane j holds byte j of every
-element, little-endian, so the last plane holds the sign and high exponent bits). Each part is
-coded as an independent zstd frame, or kept raw when zstd saves less than ``RAW_THRESHOLD``.
-Container layout (all integers little-endian), see docs/format.md §1.4:
-
-    magic b"PSBP" | version u8 = 1 | element_size u8 | frame_count u8
-    frame_count x (method u8: 0 raw, 1 zstd | plain_len u64 | stored_len u64)
-    frame bytes, in order: safetensors header, plane 0 .. plane element_size-1
+element, little-endian). Container version 2 (codec ``byteplane-zstd-2``, written now) first
+rotates float32 and bfloat16 elements left by one bit, so that the last plane holds exactly the
+8-bit exponent and the sign joins the noisy mantissa; it codes each plane in segments of 64 KiB,
+each the smaller of a zstd frame that only entropy-codes its bytes (Huffman literals, as ZipNN
+does), a level-1 zstd frame, and the raw bytes. Container version 1 (``byteplane-zstd``, packs
+written before) coded each plane whole at level 1 and still decodes. See docs/format.md §1.4.
 """
 
 from __future__ import annotations
 
+import math
 import struct
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 import zstandard
 
 from packstore.errors import IntegrityError
+from packstore.format.header import DTYPE_SIZES
+from packstore.format.interleave import join_planes
 
 MAGIC = b"PSBP"
-VERSION = 1
 RAW, ZSTD = 0, 1
-RAW_THRESHOLD = 0.98
-DEFAULT_LEVEL = 1  # on real KV planes, level 1 compresses better than 3 (bf16 1.47 vs 1.42) and faster
-_PREAMBLE = struct.Struct("<4sBBB")
-_FRAME = struct.Struct("<BQQ")
+RAW_THRESHOLD = 0.98  # a frame that saves less than 2 % is stored raw
+SEGMENT = 1 << 16  # plain bytes per coded piece of a plane (v2): small enough that each has its own Huffman table
+MAX_SEGMENT = 1 << 24
+ROTATED = frozenset({"float32", "bfloat16"})  # their 8-bit exponent straddles two bytes until rotated
+NO_TRANSFORM, ROTATE_LEFT_1 = 0, 1
+_V1 = struct.Struct("<4sBBB")  # magic, version 1, element size, frame count
+_V1_FRAME = struct.Struct("<BQQ")  # method, plain length, stored length
+_V2 = struct.Struct("<4sBBBIQI")  # magic, version 2, element size, transform, header length, elements, segment
+_V2_FRAME = struct.Struct("<BI")  # method, stored length
+_UNSIGNED = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+_SCRATCH = threading.local()  # per thread: plane buffers reused across chunks (fresh pages fault on first touch)
 
 
-def _code_frame(plain: bytes | memoryview, compressor: zstandard.ZstdCompressor) -> tuple[int, bytes]:
-    coded = compressor.compress(plain)
+def _entropy_only() -> zstandard.ZstdCompressor:
+    """zstd that finds (almost) no matches: a plane segment becomes Huffman-coded literals, which decode fast."""
+    params = zstandard.ZstdCompressionParameters(
+        window_log=17, chain_log=6, hash_log=6, search_log=1, min_match=7, target_length=0, strategy=zstandard.STRATEGY_FAST
+    )
+    return zstandard.ZstdCompressor(compression_params=params)
+
+
+def _code_frame(plain: bytes | memoryview, compressors: list[zstandard.ZstdCompressor]) -> tuple[int, bytes]:
+    """The smallest of ``plain`` coded by each compressor, or ``plain`` itself when none saves 2 %."""
+    coded = min((c.compress(plain) for c in compressors), key=len)
     if len(coded) >= RAW_THRESHOLD * len(plain):
         return RAW, bytes(plain)
     return ZSTD, coded
 
 
-def safetensors_split(blob: bytes) -> int:
+def safetensors_split(blob: bytes | memoryview) -> int:
     """Length of a safetensors blob's header (8-byte size + JSON); the tensor data follows it."""
     if len(blob) < 8:
         raise IntegrityError("safetensors blob is shorter than its size field")
     return 8 + struct.unpack_from("<Q", blob)[0]
 
 
-def encode(blob: bytes, element_size: int, level: int = DEFAULT_LEVEL) -> bytes:
-    """Compress a safetensors blob whose tensors all have ``element_size``-byte elements."""
+def encode(blob: bytes, dtype: str) -> bytes:
+    """Compress a safetensors blob whose tensors are all of ``dtype`` (container version 2)."""
+    width = DTYPE_SIZES[dtype]
     split = safetensors_split(blob)
-    data = np.frombuffer(blob, dtype=np.uint8, offset=split)
-    if data.size % element_size:
-        raise ValueError(f"tensor data of {data.size} bytes is not a whole number of {element_size}-byte elements")
-    elements = data.reshape(-1, element_size)
-    parts: list[bytes | memoryview] = [memoryview(blob)[:split]]
-    parts += [np.ascontiguousarray(elements[:, j]).data for j in range(element_size)]
-    compressor = zstandard.ZstdCompressor(level=level)
-    coded = [_code_frame(part, compressor) for part in parts]
-    table = b"".join(_FRAME.pack(method, len(part), len(body)) for (method, body), part in zip(coded, parts))
-    return b"".join([_PREAMBLE.pack(MAGIC, VERSION, element_size, len(parts)), table] + [body for _, body in coded])
+    if (len(blob) - split) % width:
+        raise ValueError(f"tensor data of {len(blob) - split} bytes is not a whole number of {width}-byte elements")
+    elements = np.frombuffer(blob, dtype=_UNSIGNED[width], offset=split)
+    transform = ROTATE_LEFT_1 if dtype in ROTATED else NO_TRANSFORM
+    if transform == ROTATE_LEFT_1:
+        elements = (elements << 1) | (elements >> (8 * width - 1))
+    as_bytes = elements.view(np.uint8).reshape(-1, width)
+    compressors = [_entropy_only(), zstandard.ZstdCompressor(level=1)]
+    frames = [_code_frame(memoryview(blob)[:split], compressors)]
+    for j in range(width):
+        plane = np.ascontiguousarray(as_bytes[:, j]).data
+        frames += [_code_frame(plane[s : s + SEGMENT], compressors) for s in range(0, len(plane), SEGMENT)]
+    preamble = _V2.pack(MAGIC, 2, width, transform, split, len(elements), SEGMENT)
+    table = b"".join(_V2_FRAME.pack(method, len(body)) for method, body in frames)
+    return b"".join([preamble, table] + [body for _, body in frames])
 
 
 @dataclass(frozen=True)
 class Planes:
     """A container's frames once decompressed: the safetensors header, and one plane per byte of the element
-    (all of one length, the number of elements). ``write`` puts elements back together wherever they belong."""
+    (all of one length, the number of elements); ``rotated``: elements were rotated left by one bit before
+    the split. ``write`` puts elements back together wherever they belong. A decompressed plane lives in
+    a buffer of the decoding thread that its next ``decode_planes`` reuses: write the planes out first."""
 
     header: bytes | memoryview
     planes: list[np.ndarray]
     element_size: int
+    rotated: bool
 
     @property
     def elements(self) -> int:
         return len(self.planes[0])
 
-    def write(self, out: np.ndarray, first: int, shape: tuple[int, ...], pick: tuple = ()) -> None:
-        """Interleave elements ``first`` onwards, seen as an array of ``shape`` and indexed by ``pick`` (e.g. the
-        first positions of a token block), into ``out``: uint8 of that shape plus a last axis of ``element_size``
-        bytes, which may be a strided view (a block's place in a whole layer), so nothing is copied twice."""
-        count = int(np.prod(shape, dtype=np.int64))
-        arrays = [plane[first : first + count].reshape(shape)[pick] for plane in self.planes]
-        if self.element_size == 2:  # one vectorized shift-or into the destination, no strided byte writes
-            target = out.view("<u2")[..., 0]
-            np.left_shift(arrays[1], 8, out=target, dtype="<u2")
-            np.bitwise_or(target, arrays[0], out=target)
-            return
-        for j, plane in enumerate(arrays):
-            out[..., j] = plane
+    def write(self, out: np.ndarray, first: int, shape: tuple[int, int, int], offset: int = 0, count: int | None = None) -> None:
+        """Join elements ``first`` onwards, seen as an array of ``shape`` ``[A, T, D]``, into ``out``: a C-contiguous
+        ``[A, P, D]`` array of uint16/uint32 (the bytes of a whole tensor). Positions ``0 .. count-1`` (all ``T``
+        when None) go to ``out[:, offset : offset + count]``, so a token block lands in its place in the layer."""
+        size = shape[0] * shape[1] * shape[2]
+        planes = [plane[first : first + size].reshape(shape) for plane in self.planes]
+        join_planes(planes, out, offset, shape[1] if count is None else count, self.rotated)
 
 
-def decode_planes(stored: bytes | memoryview, max_plain_bytes: int) -> Planes:
-    """Decompress a container's frames (not yet interleaved); raise IntegrityError on a malformed container.
-
-    The frame table's plain lengths are checked against ``max_plain_bytes`` before anything is
-    decompressed, and no frame may decompress past its declared length: a container cannot make
-    the reader allocate more than the caller allows.
-    """
-    try:
-        magic, version, element_size, count = _PREAMBLE.unpack_from(stored)
-    except struct.error:
-        raise IntegrityError("byte-plane container is truncated") from None
-    if magic != MAGIC or version != VERSION or count != element_size + 1 or element_size == 0:
-        raise IntegrityError("not a byte-plane container of a known version")
-    offset = _PREAMBLE.size + count * _FRAME.size
-    if len(stored) < offset:
+def _need(stored: memoryview, size: int) -> None:
+    """IntegrityError unless the container holds at least ``size`` bytes."""
+    if len(stored) < size:
         raise IntegrityError("byte-plane container is truncated")
-    frames = [_FRAME.unpack_from(stored, _PREAMBLE.size + i * _FRAME.size) for i in range(count)]
-    if offset + sum(f[2] for f in frames) != len(stored):
-        raise IntegrityError("byte-plane container length does not match its frame table")
-    declared = sum(f[1] for f in frames)
+
+
+def _decompress(body: memoryview, plain_len: int, decompressor: zstandard.ZstdDecompressor) -> bytes:
+    try:
+        part = decompressor.decompress(body, max_output_size=plain_len)
+    except zstandard.ZstdError as exc:
+        raise IntegrityError(f"byte-plane frame cannot be decompressed: {exc}") from None
+    if len(part) != plain_len:
+        raise IntegrityError("byte-plane frame has the wrong decoded length")
+    return part
+
+
+def _frame(method: int, body: memoryview, plain_len: int, decompressor: zstandard.ZstdDecompressor) -> bytes | memoryview:
+    """One frame's plain bytes (``body`` itself when raw)."""
+    if method == RAW:
+        if len(body) != plain_len:
+            raise IntegrityError("byte-plane raw frame has the wrong length")
+        return body
+    if method == ZSTD:
+        return _decompress(body, plain_len, decompressor)
+    raise IntegrityError(f"unknown byte-plane frame method {method}")
+
+
+def _check_declared(declared: int, max_plain_bytes: int) -> None:
     if declared > max_plain_bytes:
         raise IntegrityError(f"byte-plane container declares {declared} plain bytes, more than the {max_plain_bytes} allowed")
+
+
+def _planes_v1(stored: memoryview, max_plain_bytes: int) -> Planes:
+    _need(stored, _V1.size)
+    _, _, width, count = _V1.unpack_from(stored)
+    if count != width + 1 or width not in _UNSIGNED:
+        raise IntegrityError(f"byte-plane container version 1 with {count} frames of {width}-byte elements")
+    offset = _V1.size + count * _V1_FRAME.size
+    _need(stored, offset)
+    frames = [_V1_FRAME.unpack_from(stored, _V1.size + i * _V1_FRAME.size) for i in range(count)]
+    if offset + sum(f[2] for f in frames) != len(stored):
+        raise IntegrityError("byte-plane container length does not match its frame table")
+    _check_declared(sum(f[1] for f in frames), max_plain_bytes)
     decompressor = zstandard.ZstdDecompressor()
     parts = []
     for method, plain_len, stored_len in frames:
-        body = memoryview(stored)[offset : offset + stored_len]
+        parts.append(_frame(method, stored[offset : offset + stored_len], plain_len, decompressor))
         offset += stored_len
-        if method == RAW:
-            part = body
-        elif method == ZSTD:
-            try:
-                part = decompressor.decompress(body, max_output_size=plain_len)
-            except zstandard.ZstdError as exc:
-                raise IntegrityError(f"byte-plane frame cannot be decompressed: {exc}") from None
-        else:
-            raise IntegrityError(f"unknown byte-plane frame method {method}")
-        if len(part) != plain_len:
-            raise IntegrityError("byte-plane frame has the wrong decoded length")
-        parts.append(part)
     header, planes = parts[0], parts[1:]
     if len({len(p) for p in planes}) != 1:
         raise IntegrityError("byte-plane planes differ in length")
-    return Planes(header, [np.frombuffer(plane, dtype=np.uint8) for plane in planes], element_size)
+    return Planes(header, [np.frombuffer(plane, dtype=np.uint8) for plane in planes], width, rotated=False)
+
+
+def _planes_v2(stored: memoryview, max_plain_bytes: int) -> Planes:
+    _need(stored, _V2.size)
+    _, _, width, transform, header_len, elements, segment = _V2.unpack_from(stored)
+    if width not in _UNSIGNED or transform not in (NO_TRANSFORM, ROTATE_LEFT_1) or not 0 < segment <= MAX_SEGMENT:
+        raise IntegrityError(f"byte-plane container version 2 with {width}-byte elements, transform {transform}, segment {segment}")
+    _check_declared(header_len + elements * width, max_plain_bytes)
+    per_plane = math.ceil(elements / segment)
+    offset = _V2.size + (1 + width * per_plane) * _V2_FRAME.size
+    _need(stored, offset)
+    frames = [_V2_FRAME.unpack_from(stored, _V2.size + i * _V2_FRAME.size) for i in range(1 + width * per_plane)]
+    if offset + sum(f[1] for f in frames) != len(stored):
+        raise IntegrityError("byte-plane container length does not match its frame table")
+    decompressor = zstandard.ZstdDecompressor()
+    (method, stored_len) = frames[0]
+    header = _frame(method, stored[offset : offset + stored_len], header_len, decompressor)
+    offset += stored_len
+    planes = []
+    for j in range(width):
+        pieces = frames[1 + j * per_plane : 1 + (j + 1) * per_plane]
+        size = sum(stored_len for _, stored_len in pieces)
+        if all(method == RAW for method, _ in pieces):  # contiguous in the container already: used in place
+            if size != elements:
+                raise IntegrityError("byte-plane raw plane has the wrong length")
+            planes.append(np.frombuffer(stored[offset : offset + size], dtype=np.uint8))
+            offset += size
+            continue
+        plane = _scratch_plane(j, elements)
+        for s, (method, stored_len) in zip(range(0, elements, segment), pieces):
+            part = _frame(method, stored[offset : offset + stored_len], min(segment, elements - s), decompressor)
+            plane[s : s + len(part)] = np.frombuffer(part, dtype=np.uint8)
+            offset += stored_len
+        planes.append(plane)
+    return Planes(header, planes, width, rotated=transform == ROTATE_LEFT_1)
+
+
+def _scratch_plane(index: int, elements: int) -> np.ndarray:
+    """This thread's reusable buffer for plane ``index``, ``elements`` bytes long."""
+    buffers = _SCRATCH.__dict__.setdefault("planes", {})
+    if len(buffers.get(index, ())) < elements:
+        buffers[index] = np.empty(elements, dtype=np.uint8)
+    return buffers[index][:elements]
+
+
+def decode_planes(stored: bytes | memoryview, max_plain_bytes: int, version: int | None = None) -> Planes:
+    """Decompress a container's frames (not yet joined); raise IntegrityError on a malformed container, or one
+    of another container ``version`` than the one given (the pack's codec names it).
+
+    The declared plain lengths are checked against ``max_plain_bytes`` before anything is
+    decompressed, and no frame may decompress past its declared length: a container cannot make
+    the reader allocate more than the caller allows.
+    """
+    stored = memoryview(stored)
+    _need(stored, 5)
+    magic, found = bytes(stored[:4]), stored[4]
+    if magic != MAGIC or found not in (1, 2):
+        raise IntegrityError("not a byte-plane container of a known version")
+    if version is not None and found != version:
+        raise IntegrityError(f"byte-plane container version {found}, where the pack's codec has version {version}")
+    return _planes_v1(stored, max_plain_bytes) if found == 1 else _planes_v2(stored, max_plain_bytes)
 
 
 def decode(stored: bytes | memoryview, max_plain_bytes: int) -> bytearray:
@@ -140,5 +231,6 @@ def decode(stored: bytes | memoryview, max_plain_bytes: int) -> bytearray:
     out = bytearray(split + planes.elements * width)
     out[:split] = planes.header
     if planes.elements:
-        planes.write(np.frombuffer(out, dtype=np.uint8, offset=split).reshape(-1, width), 0, (planes.elements,))
+        data = np.frombuffer(out, dtype=_UNSIGNED[width], offset=split).reshape(1, 1, -1)
+        planes.write(data, 0, (1, 1, planes.elements))
     return out

@@ -37,7 +37,10 @@ ADAPTER_RECIPE_FIELDS = ("data", "hidden_size", "learning_rate", "objective", "s
 ADAPTER_DATA_FIELDS = ("examples", "sha256", "source")
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}  # header dtype -> bytes per element
 DTYPES = tuple(DTYPE_SIZES)
-CODEC = "byteplane-zstd"  # the body codec of version 1 (packstore.format.codec)
+# Body codecs (packstore.format.codec, docs/format.md §1.4) by the byte-plane container version they hold;
+# writers use CODEC, packs written before it keep "byteplane-zstd".
+CODECS = {"byteplane-zstd": 1, "byteplane-zstd-2": 2}
+CODEC = "byteplane-zstd-2"
 # Ranges of header fields (docs/format.md §1.1): far beyond any real model, small enough that
 # sizes computed from them stay exact and every way in can refuse a hostile header cheaply.
 MAX_TOKENS = 1 << 20
@@ -326,8 +329,8 @@ class PackHeader:
     def validate(self, *, encoded: bool = False) -> None:
         """Apply the field rules ``from_json`` applies to a header made in Python (raises InvalidInput).
 
-        ``encoded``: also demand what a stored pack has, chunks covering every layer and the
-        version-1 codec (the put paths ask for this; a header being built has no chunks yet).
+        ``encoded``: also demand what a stored pack has, chunks covering every layer and a known
+        codec (the put paths ask for this; a header being built has no chunks yet).
         """
         for index, chunk in enumerate(self.chunks):
             if not isinstance(chunk, ChunkInfo):
@@ -335,8 +338,8 @@ class PackHeader:
         _check_fields({**vars(self), "version": self.version, "chunks": [chunk.to_record() for chunk in self.chunks]})
         if encoded and not self.chunks:
             raise _field_error("chunks", f"must list the stored chunks of all {self.layers} layers, got none")
-        if encoded and self.codec != CODEC:
-            _refuse("codec", f"{CODEC!r} for a stored pack", self.codec)
+        if encoded and self.codec not in CODECS:
+            _refuse("codec", f"one of {sorted(CODECS)} for a stored pack", self.codec)
 
 
 _FIELDS = tuple(f.name for f in fields(PackHeader))

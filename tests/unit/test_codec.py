@@ -1,9 +1,10 @@
-"""The byte-plane codec: bit-exact on every dtype and odd value, refuses malformed containers."""
+"""The byte-plane codec: bit-exact on every dtype and odd value, refuses malformed containers, still reads version 1."""
 
 from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 import torch
 import zstandard
@@ -12,69 +13,151 @@ from safetensors.torch import save
 from packstore.errors import IntegrityError
 from packstore.format import codec
 
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PREAMBLE = struct.Struct("<4sBBBIQI")
+
 
 def blob_of(*tensors: torch.Tensor) -> bytes:
     return save({f"t{i}": t.contiguous() for i, t in enumerate(tensors)})
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_round_trip_is_bit_exact_including_special_values(dtype: torch.dtype) -> None:
-    info = torch.finfo(dtype)
-    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), info.tiny / 4, info.max, info.min], dtype=dtype)
+def frame_table(stored: bytes) -> list[tuple[int, int]]:
+    _, _, width, _, _, elements, segment = PREAMBLE.unpack_from(stored)
+    count = 1 + width * -(-elements // segment)
+    return [struct.unpack_from("<BI", stored, PREAMBLE.size + 5 * i) for i in range(count)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_is_bit_exact_including_special_values(dtype: str) -> None:
+    info = torch.finfo(DTYPES[dtype])
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), info.tiny / 4, info.max, info.min], dtype=DTYPES[dtype])
     gen = torch.Generator().manual_seed(1)
-    blob = blob_of(torch.randn(2, 50, 16, generator=gen).to(dtype), special)
-    assert codec.decode(codec.encode(blob, special.element_size()), len(blob)) == blob
+    blob = blob_of(torch.randn(2, 50, 16, generator=gen).to(DTYPES[dtype]), special, -special)
+    assert codec.decode(codec.encode(blob, dtype), len(blob)) == blob
 
 
-def test_beats_plain_zstd_on_float_data() -> None:
-    gen = torch.Generator().manual_seed(2)
-    for dtype in (torch.float32, torch.bfloat16):
-        blob = blob_of(torch.randn(4, 512, 64, generator=gen).to(dtype))
-        assert len(codec.encode(blob, 2 if dtype == torch.bfloat16 else 4)) < len(zstandard.compress(blob, 3))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rotation_gives_the_exponent_a_plane_of_its_own(dtype: str) -> None:
+    """float32 and bfloat16 are rotated left one bit: the last plane is the 8-bit exponent, the sign goes to bit 0."""
+    values = torch.randn(4096, generator=torch.Generator().manual_seed(4)).to(DTYPES[dtype])
+    planes = codec.decode_planes(codec.encode(blob_of(values), dtype), 1 << 20)
+    bits = values.view(torch.int16 if dtype == "bfloat16" else torch.int32).numpy().astype(np.int64)
+    exponent_shift = 7 if dtype == "bfloat16" else 23
+    assert planes.rotated
+    assert (planes.planes[-1] == (bits >> exponent_shift) & 0xFF).all()
+    assert (planes.planes[0] & 1 == (bits < 0)).all()
 
 
-def test_incompressible_planes_are_stored_raw() -> None:
-    noise = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
-    blob = blob_of(noise)
-    stored = codec.encode(blob, 1)
-    method, plain_len, stored_len = struct.unpack_from("<BQQ", stored, 7 + 17)  # frame 1: the only plane
-    assert method == codec.RAW and plain_len == stored_len == 4096
+def test_float16_is_not_rotated() -> None:
+    planes = codec.decode_planes(codec.encode(blob_of(torch.randn(64).half()), "float16"), 1 << 20)
+    assert not planes.rotated
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_beats_plain_zstd_on_float_data(dtype: str) -> None:
+    blob = blob_of(torch.randn(4, 512, 64, generator=torch.Generator().manual_seed(2)).to(DTYPES[dtype]))
+    assert len(codec.encode(blob, dtype)) < len(zstandard.compress(blob, 3))
+
+
+def test_planes_are_coded_in_segments_and_noise_is_stored_raw_and_read_in_place() -> None:
+    noise = torch.randint(-(1 << 15), 1 << 15, (3 * codec.SEGMENT + 5,), dtype=torch.int16, generator=torch.Generator().manual_seed(3))
+    blob = blob_of(noise.view(torch.float16))
+    stored = codec.encode(blob, "float16")
+    frames = frame_table(stored)
+    assert len(frames) == 1 + 2 * 4  # the header, then 4 segments per plane (the last one of 5 elements)
+    assert [method for method, _ in frames[1:]] == [codec.RAW] * 8
+    planes = codec.decode_planes(stored, len(blob))
+    assert all(np.shares_memory(plane, np.frombuffer(stored, dtype=np.uint8)) for plane in planes.planes)
+    assert codec.decode(stored, len(blob)) == blob
+
+
+def test_each_segment_takes_the_smallest_coding() -> None:
+    """A plane of runs (zeros) codes better with zstd's matches than with entropy coding alone: either may win."""
+    zeros_then_noise = torch.cat([torch.zeros(codec.SEGMENT), torch.randn(codec.SEGMENT, generator=torch.Generator().manual_seed(5))])
+    blob = blob_of(zeros_then_noise.to(torch.bfloat16))
+    stored = codec.encode(blob, "bfloat16")
+    frames = frame_table(stored)
+    zeros_frame = frames[1 + 2]  # the exponent plane's first segment
+    assert zeros_frame[0] == codec.ZSTD and zeros_frame[1] < 100
     assert codec.decode(stored, len(blob)) == blob
 
 
 def test_empty_tensor_round_trips() -> None:
     blob = blob_of(torch.zeros(0, 4))
-    assert codec.decode(codec.encode(blob, 4), len(blob)) == blob
+    assert codec.decode(codec.encode(blob, "float32"), len(blob)) == blob
+
+
+def test_token_block_lands_in_its_place_and_only_the_positions_asked() -> None:
+    """``Planes.write`` puts a block of positions at an offset of a whole layer, and stops at ``count``."""
+    layer = torch.randn(3, 10, 8).to(torch.bfloat16)
+    block = layer[:, 4:9]
+    planes = codec.decode_planes(codec.encode(blob_of(block), "bfloat16"), 1 << 20)
+    out = torch.zeros_like(layer)
+    planes.write(out.view(torch.int16).numpy().view(np.uint16), 0, (3, 5, 8), offset=4, count=3)
+    assert torch.equal(out[:, 4:7], layer[:, 4:7])
+    assert not out[:, :4].any() and not out[:, 7:].any()
+
+
+def version_1(blob: bytes, width: int) -> bytes:
+    """A container as codec ``byteplane-zstd`` (version 1) wrote it: header and whole planes, each one zstd frame."""
+    split = codec.safetensors_split(blob)
+    elements = np.frombuffer(blob, dtype=np.uint8, offset=split).reshape(-1, width)
+    parts = [blob[:split]] + [np.ascontiguousarray(elements[:, j]).tobytes() for j in range(width)]
+    frames = [(codec.ZSTD, zstandard.ZstdCompressor(level=1).compress(p)) for p in parts]
+    table = b"".join(struct.pack("<BQQ", method, len(p), len(body)) for (method, body), p in zip(frames, parts))
+    return struct.pack("<4sBBB", b"PSBP", 1, width, width + 1) + table + b"".join(body for _, body in frames)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_version_1_containers_still_decode(dtype: str) -> None:
+    blob = blob_of(torch.randn(2, 30, 8).to(DTYPES[dtype]))
+    old = version_1(blob, DTYPES[dtype].itemsize)
+    assert codec.decode(old, len(blob)) == blob
+    assert not codec.decode_planes(old, len(blob), version=1).rotated
+
+
+def test_a_container_of_another_version_than_the_packs_codec_is_refused() -> None:
+    blob = blob_of(torch.randn(8, 8))
+    with pytest.raises(IntegrityError, match="version 2, where the pack's codec has version 1"):
+        codec.decode_planes(codec.encode(blob, "float32"), len(blob), version=1)
+    with pytest.raises(IntegrityError, match="version 1, where the pack's codec has version 2"):
+        codec.decode_planes(version_1(blob, 4), len(blob), version=2)
 
 
 @pytest.mark.parametrize(
     "mangle,message",
     [
         (lambda s: s[:5], "truncated"),
+        (lambda s: s[:3], "truncated"),
         (lambda s: b"XXXX" + s[4:], "known version"),
+        (lambda s: s[:4] + b"\x07" + s[5:], "known version"),
+        (lambda s: s[:6] + b"\x09" + s[7:], "transform 9"),
         (lambda s: s + b"\x00", "length"),
         (lambda s: s[:-1], "length"),
     ],
 )
 def test_malformed_containers_are_refused(mangle, message) -> None:
-    stored = codec.encode(blob_of(torch.randn(8, 8)), 4)
+    stored = codec.encode(blob_of(torch.randn(8, 8)), "float32")
     with pytest.raises(IntegrityError, match=message):
         codec.decode(mangle(stored), 1 << 20)
 
 
 def test_corrupt_zstd_frame_is_refused() -> None:
-    stored = bytearray(codec.encode(blob_of(torch.zeros(64, 64)), 4))
+    stored = bytearray(codec.encode(blob_of(torch.zeros(64, 64)), "float32"))
     stored[-3] ^= 0xFF  # inside the last (highly compressed) plane frame
     with pytest.raises(IntegrityError):
         codec.decode(bytes(stored), 1 << 20)
 
 
 def test_declared_lengths_beyond_the_cap_are_refused_before_decompressing() -> None:
-    """A frame without a content size that claims 1 TiB used to make the reader allocate it."""
-    frame = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * 4096)
-    container = struct.pack("<4sBBB", b"PSBP", 1, 1, 2) + struct.pack("<BQQ", 1, 1 << 40, len(frame)) + struct.pack("<BQQ", 0, 0, 0) + frame
-    with pytest.raises(IntegrityError, match="declares 1099511627776 plain bytes, more than the 8192 allowed"):
+    """A container that claims 1 Ti elements must not make the reader allocate them."""
+    container = PREAMBLE.pack(b"PSBP", 2, 4, 0, 0, 1 << 40, codec.SEGMENT)
+    with pytest.raises(IntegrityError, match="declares 4398046511104 plain bytes, more than the 8192 allowed"):
         codec.decode(container, 8192)
+    frame = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * 4096)
+    old = struct.pack("<4sBBB", b"PSBP", 1, 2, 3) + struct.pack("<BQQ", 1, 1 << 40, len(frame)) + struct.pack("<BQQ", 0, 0, 0) * 2 + frame
+    with pytest.raises(IntegrityError, match="declares 1099511627776 plain bytes"):
+        codec.decode(old, 8192)
     blob = blob_of(torch.randn(8, 8))
     with pytest.raises(IntegrityError, match="more than"):
-        codec.decode(codec.encode(blob, 4), len(blob) - 1)
+        codec.decode(codec.encode(blob, "float32"), len(blob) - 1)

@@ -23,22 +23,26 @@ def canonical(value) -> bytes:
 
 
 def byteplane_decode(stored: bytes) -> bytes:
-    """The byte-plane container of docs/format.md §1.4, decoded from its description."""
-    magic, version, element_size, count = struct.unpack_from("<4sBBB", stored)
-    assert (magic, version, count) == (b"PSBP", 1, element_size + 1)
-    table = [struct.unpack_from("<BQQ", stored, 7 + 17 * i) for i in range(count)]
-    offset, parts = 7 + 17 * count, []
-    for method, plain_len, stored_len in table:
+    """The byte-plane container (version 2) of docs/format.md §1.4, decoded from its description."""
+    magic, version, width, transform, header_len, elements, segment = struct.unpack_from("<4sBBBIQI", stored)
+    assert (magic, version) == (b"PSBP", 2) and transform in (0, 1)
+    per_plane = -(-elements // segment)
+    count = 1 + width * per_plane
+    table = [struct.unpack_from("<BI", stored, 23 + 5 * i) for i in range(count)]
+    plain_lengths = [header_len] + [min(segment, elements - s) for _ in range(width) for s in range(0, elements, segment)]
+    offset, parts = 23 + 5 * count, []
+    for (method, stored_len), plain_len in zip(table, plain_lengths):
         body = stored[offset : offset + stored_len]
         offset += stored_len
         part = body if method == 0 else zstandard.ZstdDecompressor().decompress(body, max_output_size=plain_len)
         assert len(part) == plain_len
         parts.append(part)
-    header, planes = parts[0], parts[1:]
-    data = bytearray(len(planes[0]) * element_size)
-    for j, plane in enumerate(planes):
-        data[j::element_size] = plane
-    return header + bytes(data)
+    assert offset == len(stored)
+    planes = [b"".join(parts[1 + j * per_plane : 1 + (j + 1) * per_plane]) for j in range(width)]
+    rotated = [int.from_bytes(bytes(plane[i] for plane in planes), "little") for i in range(elements)]
+    bits = 8 * width
+    values = [(v >> 1) | ((v & 1) << (bits - 1)) for v in rotated] if transform == 1 else rotated
+    return parts[0] + b"".join(v.to_bytes(width, "little") for v in values)
 
 
 def test_stored_pack_decodes_by_the_document_alone(store_path: Path) -> None:
@@ -54,7 +58,7 @@ def test_stored_pack_decodes_by_the_document_alone(store_path: Path) -> None:
         raw_header = txn.get(key.encode(), db=packs)
         header = json.loads(raw_header)
         assert canonical(header) == raw_header
-        assert header["format"] == "packstore-pack" and header["version"] == 4
+        assert header["format"] == "packstore-pack" and header["version"] == 4 and header["codec"] == "byteplane-zstd-2"
         sealed = {k: v for k, v in header.items() if k != "pack_sha256"}
         assert header["pack_sha256"] == hashlib.sha256(canonical(sealed)).hexdigest()
 

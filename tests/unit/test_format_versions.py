@@ -33,18 +33,21 @@ def old_store(tmp_path: Path) -> Path:
     return tmp_path / "store"
 
 
-def test_a_version_3_store_reads_verifies_and_takes_version_4_packs(old_store: Path, tmp_path: Path) -> None:
+def test_a_version_3_store_reads_verifies_and_takes_version_4_packs_in_the_new_codec(old_store: Path, tmp_path: Path) -> None:
     with LmdbStore(old_store) as store:
         for name, (version, expected) in EXPECTED.items():
             encoded = store.get(name)
             record = json.loads(encoded.header.to_json())
             assert record["version"] == version and all("sha256" in chunk for chunk in record["chunks"])
+            assert record["codec"] == "byteplane-zstd"  # container version 1 (docs/format.md §1.4), still read
             pack = decode_pack(encoded)
             assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, expected.keys + expected.values))
         assert len(store.get("v1-exact").signatures) == 1 and store.get("v1-exact").signatures[0].digest == store.get("v1-exact").header.pack_sha256
         assert len(store.get("v1-blocks").header.chunks) == 9  # 3 layers x 3 token blocks of 16 positions
         new, created = store.put(encode_pack(knowledge(6, 5)), name="v4-exact")
         assert created and json.loads(store.stat(new).header.to_json())["version"] == 4
+        assert store.stat(new).header.codec == "byteplane-zstd-2"
+        assert torch.equal(decode_pack(store.get(new)).keys[1], knowledge(6, 5).keys[1])
         old_copy = export_pack(store, "v2-rope", tmp_path / "v2-rope.pack")
         assert old_copy[0] == store.stat("v2-rope").header.key
     assert packctl(["--store", str(old_store), "verify"]) == 0
