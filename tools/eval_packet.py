@@ -302,14 +302,14 @@ def tables(summary: dict) -> str:
 def plot(summary: dict, figures: Path) -> None:
     panels_quality = {
         model: {
-            "F1 %": {LABELS[m]: 100 * v["f1"].mean for m, v in entry["methods"].items()},
-            "EM %": {LABELS[m]: 100 * v["em"].mean for m, v in entry["methods"].items()},
+            "F1 %": {LABELS[m]: v["f1"].scaled(100) for m, v in entry["methods"].items()},
+            "EM %": {LABELS[m]: v["em"].scaled(100) for m, v in entry["methods"].items()},
         }
         for model, entry in summary.items()
     }
     if not panels_quality:
         return
-    grouped_bars(figures / "eval_packet_quality.png", panels_quality, title="Multi-document ckc questions (2-5 paragraphs), by method", ylabel="percent")
+    grouped_bars(figures / "eval_packet_quality.png", panels_quality, title="Multi-document ckc questions (2-5 paragraphs), by method (95 % bootstrap intervals)", ylabel="percent")
     panels_cost = {
         model: {
             "GFLOPs to compose (relative to full)": {LABELS[m]: v["gflops"] / entry["methods"]["full"]["gflops"] for m, v in entry["methods"].items()},

@@ -121,6 +121,10 @@ class Interval:
         """``mean [low, high]`` in percent, one decimal."""
         return f"{100 * self.mean:.1f} [{100 * self.low:.1f}, {100 * self.high:.1f}]"
 
+    def scaled(self, factor: float) -> "Interval":
+        """The same interval in other units (``100``: percent), for plotting."""
+        return Interval(factor * self.mean, factor * self.low, factor * self.high)
+
 
 def mean_interval(values: Sequence[float], *, resamples: int = 2000, seed: int = 0) -> Interval:
     """The mean of ``values`` with a 95% percentile-bootstrap interval (seeded, so reruns agree)."""
