@@ -288,14 +288,19 @@ def tables(summary: dict) -> str:
         for t in entry["training"]:
             trained.append(
                 [model, str(t["seed"]), str(t["steps"]), str(t["examples"]), f"{t['train_seconds']:.0f}", f"{t['peak_rss_mb']:.0f}",
-                 f"{t['holdout_kl_before']:.4f}", f"{t['holdout_kl_after']:.4f}"]
+                 f"{t['holdout_kl_no_adapter']:.4f}", f"{t['holdout_kl_before']:.4f}", f"{t['holdout_kl_after']:.4f}",
+                 f"{t['holdout_kl_after'] / t['holdout_kl_no_adapter'] - 1:+.0%}"]
             )
     quality = markdown_table(
         ["model", "method", "EM % [95% CI]", "EM by seed (mean ± sd)", "F1 % [95% CI]", "F1 by seed", "first-token logit cosine to full", "same first token %", "same answer as full %"],
         rows, left=2,
     )
     cost = markdown_table(["model", "method", "positions computed", "GFLOPs to compose", "vs full", "TTFT ms (median)", "vs full"], costs, left=2)
-    training = markdown_table(["model", "seed", "steps", "examples", "seconds", "peak RSS MB", "held-out KL before", "after"], trained, left=1)
+    training = markdown_table(
+        ["model", "seed", "steps", "examples", "seconds", "peak RSS MB", "held-out KL: RoPE splice, no adapter", "soft tokens at init", "trained",
+         "trained vs no adapter"],
+        trained, left=1,
+    )
     return "\n\n".join([quality, cost, training])
 
 

@@ -53,7 +53,11 @@ def signatures_of(records) -> tuple[Signature, ...]:
 
 def chunk_pieces(index: int, data: bytes, digest: str) -> Iterator[store_pb2.Chunk]:
     """A chunk as consecutive Chunk messages with the same index (at least one, even when empty),
-    made one at a time as they are sent, so a stream holds one piece beyond the chunk itself."""
+    made one at a time as they are sent, so a stream holds one piece beyond the chunk itself. A chunk that
+    fits one piece goes as it is, not copied first."""
+    if len(data) <= PIECE_BYTES:
+        yield store_pb2.Chunk(index=index, data=bytes(data), digest=digest)  # bytes(b) is b itself
+        return
     view = memoryview(data)
     for start in range(0, max(len(data), 1), PIECE_BYTES):
         yield store_pb2.Chunk(index=index, data=bytes(view[start : start + PIECE_BYTES]), digest=digest)
