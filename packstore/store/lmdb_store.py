@@ -356,7 +356,7 @@ class LmdbStore(BankTables):
         if data is None:
             self._missing(txn, key)
         try:
-            header = PackHeader.from_json(data)
+            header = PackHeader.from_json(bytes(data))  # a memoryview in a buffers transaction
         except (IntegrityError, InvalidInput) as exc:
             raise IntegrityError(f"pack {key}: stored header is damaged: {exc}") from None
         if header.key != key:
@@ -451,15 +451,18 @@ class LmdbStore(BankTables):
         """A pack's header and chunks as stored, not yet checked against their checksums."""
         key = self.resolve(ref, model_fp=model_fp)
         with self._env.read() as txn:
-            header = self._header_in(txn, key)
-            chunks = []
-            for index in range(len(header.chunks)):
-                data = txn.get(_chunk_key(key, index), db=self._chunks)
-                if data is None:
-                    raise IntegrityError(f"pack {key}: chunk {index} is missing")
-                chunks.append(data)
-            signatures = self._signatures_in(txn, key)
-        return EncodedPack(header=header, chunks=chunks, signatures=signatures)
+            return self._encoded_in(txn, key)
+
+    def _encoded_in(self, txn: lmdb.Transaction, key: str) -> EncodedPack:
+        """The pack ``key`` as ``txn`` holds it (its chunks memoryviews of the map in a ``buffers`` transaction)."""
+        header = self._header_in(txn, key)
+        chunks = []
+        for index in range(len(header.chunks)):
+            data = txn.get(_chunk_key(key, index), db=self._chunks)
+            if data is None:
+                raise IntegrityError(f"pack {key}: chunk {index} is missing")
+            chunks.append(data)
+        return EncodedPack(header=header, chunks=chunks, signatures=self._signatures_in(txn, key))
 
     def get(self, ref: str, *, model_fp: str | None = None, template_fp: str | None = None) -> EncodedPack:
         """Read a pack's header and every chunk, verifying each chunk's checksum (and stated identities)."""
@@ -475,9 +478,11 @@ class LmdbStore(BankTables):
         """Get, verify and decode a pack; refuses one whose identities differ from those the caller states."""
         from packstore.tensors import decode_pack
 
-        encoded = self._read(ref, model_fp=model_fp)
-        encoded.header.check_identities(model_fp, template_fp)
-        return decode_pack(encoded, device)  # verifies every chunk's checksum before decoding it
+        key = self.resolve(ref, model_fp=model_fp)
+        with self._env.read(buffers=True) as txn:  # chunks decode straight from the map, not copied out first
+            encoded = self._encoded_in(txn, key)
+            encoded.header.check_identities(model_fp, template_fp)
+            return decode_pack(encoded, device)  # verifies every chunk's checksum before decoding it
 
     def fetch_part(
         self,

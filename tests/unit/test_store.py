@@ -167,6 +167,23 @@ def test_readonly_open_of_missing_store_is_a_clear_error(tmp_path: Path) -> None
         LmdbStore(tmp_path / "absent", readonly=True)
 
 
+def test_fetch_decodes_chunks_from_the_map_without_copying_them(store_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fetch`` hands the decoder memoryviews of LMDB's map (valid while its read transaction is open), so the
+    stored bytes are not copied out before they are hashed and decoded; the pack comes out exact."""
+    import packstore.format.body as body
+
+    seen = []
+    real = body.chunk_digest
+    monkeypatch.setattr(body, "chunk_digest", lambda data, algorithm: seen.append(type(data)) or real(data, algorithm))
+    pack = make_pack(tokens=40)
+    with LmdbStore(store_path) as store:
+        key, _ = store.put(encode_pack(pack, block_positions=16))
+        seen.clear()  # the put's own hashes
+        fetched = store.fetch(key)
+    assert seen and set(seen) == {memoryview}
+    assert all(torch.equal(a, b) for a, b in zip(fetched.keys + fetched.values, pack.keys + pack.values))
+
+
 def test_every_read_hashes_each_chunk_once(store_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk is verified once per hop: the store's read or the decoder, never both."""
     import packstore.format.body as body

@@ -33,8 +33,10 @@ def encoded_packs(count: int, first_tokens: int, dim: int = 32) -> list[EncodedP
 
 
 def stream(store: LmdbStore, key: str) -> None:
-    """Read a pack the two ways the service does: whole (checksums verified) and chunk by chunk."""
+    """Read a pack the ways the service and the worker do: whole (checksums verified), decoded straight from
+    the map (``fetch`` holds its read transaction while the chunk threads decode), and chunk by chunk."""
     store.get(key)
+    store.fetch(key)
     header = store.stat(key).header
     for _ in store.read_chunks(header, range(len(header.chunks))):
         pass
