@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import struct
 
 import blake3
@@ -86,3 +87,21 @@ def test_a_checksummed_chunk_whose_k_and_v_share_bytes_is_refused() -> None:
     header = dataclasses.replace(encoded.header, chunks=(info,))
     with pytest.raises(IntegrityError, match="chunk 0 cannot be decoded: tensor 'layers.0.value': aliases the bytes of tensor 'layers.0.key'"):
         decode_pack(EncodedPack(header, [stored]))
+
+
+def _round_trip_exits_zero() -> None:
+    pack = make_pack(tokens=40)
+    decoded = decode_pack(encode_pack(pack, block_positions=16))
+    raise SystemExit(0 if torch.equal(decoded.values[2], pack.values[2]) else 3)
+
+
+def test_a_forked_child_codes_chunks_in_its_own_pool() -> None:
+    """The chunk pool lives for the process; a child forked after its threads started has none of them, so it
+    must start its own rather than queue work that no thread takes (it used to hang)."""
+    decode_pack(encode_pack(make_pack(tokens=40), block_positions=16))  # the parent's pool threads are running
+    child = multiprocessing.get_context("fork").Process(target=_round_trip_exits_zero)
+    child.start()
+    child.join(timeout=120)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0
