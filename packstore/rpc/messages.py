@@ -82,8 +82,9 @@ class ChunkAssembler:
         if piece.index != index:
             raise InvalidInput(f"chunk {piece.index} arrived where chunk {index} was expected")
         expected = self.header.chunks[index].stored_bytes
-        self._parts.append(piece.data)
-        self._size += len(piece.data)
+        data = piece.data  # each access of a protobuf bytes field copies it
+        self._parts.append(data)
+        self._size += len(data)
         if self._size > expected:
             raise InvalidInput(f"chunk {piece.index} is longer than the {expected} bytes the header states")
         if self._size < expected:
