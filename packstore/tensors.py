@@ -36,16 +36,17 @@ from packstore.format.header import CHUNK_DIGEST, CODEC, CODECS, ChunkInfo, Pack
 # zstd, blake3 and the plane join release the GIL, so chunks are coded in parallel threads. The pool lives as
 # long as the process: its threads keep their decoding buffers warm (packstore.format.codec).
 WORKERS = max(1, min(8, os.cpu_count() or 1))
-_POOL = ThreadPoolExecutor(WORKERS, thread_name_prefix="packstore-chunks")
 
 
-def _new_pool_in_child() -> None:
-    """A forked child has none of its parent's threads: it starts its own pool (threads start on first use)."""
+def _start_pool() -> None:
+    """The process's chunk pool (threads start on first use); a forked child, which has none of its parent's
+    threads, starts its own."""
     global _POOL
     _POOL = ThreadPoolExecutor(WORKERS, thread_name_prefix="packstore-chunks")
 
 
-os.register_at_fork(after_in_child=_new_pool_in_child)
+_start_pool()
+os.register_at_fork(after_in_child=_start_pool)
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
