@@ -37,6 +37,7 @@ _V1_FRAME = struct.Struct("<BQQ")  # method, plain length, stored length
 _V2 = struct.Struct("<4sBBBIQI")  # magic, version 2, element size, transform, header length, elements, segment
 _V2_FRAME = struct.Struct("<BI")  # method, stored length
 _UNSIGNED = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+MAX_SCRATCH = 1 << 26  # bytes of a plane kept for reuse per thread (real chunks' planes are a few MB)
 _SCRATCH = threading.local()  # per thread: plane buffers reused across chunks (fresh pages fault on first touch)
 
 
@@ -199,7 +200,10 @@ def _planes_v2(stored: memoryview, max_plain_bytes: int) -> Planes:
 
 
 def _scratch_plane(index: int, elements: int) -> np.ndarray:
-    """This thread's reusable buffer for plane ``index``, ``elements`` bytes long."""
+    """This thread's reusable buffer for plane ``index``, ``elements`` bytes long (a new one past
+    ``MAX_SCRATCH``, so that one huge chunk does not pin its size in every thread)."""
+    if elements > MAX_SCRATCH:
+        return np.empty(elements, dtype=np.uint8)
     buffers = _SCRATCH.__dict__.setdefault("planes", {})
     if len(buffers.get(index, ())) < elements:
         buffers[index] = np.empty(elements, dtype=np.uint8)
