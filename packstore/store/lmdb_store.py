@@ -66,11 +66,13 @@ def _by_name_key(name: str, model_fp: str) -> bytes:
 
 
 def _prefix_scan(txn: lmdb.Transaction, db: object, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-    """Every (key, value) of ``db`` whose key starts with ``prefix``, in key order."""
+    """Every (key, value) of ``db`` whose key starts with ``prefix``, in key order (keys as bytes, also in a
+    ``buffers`` transaction, whose values stay memoryviews)."""
     cursor = txn.cursor(db=db)
     if not cursor.set_range(prefix):
         return
     for key, value in cursor:
+        key = bytes(key)
         if not key.startswith(prefix):
             return
         yield key, value

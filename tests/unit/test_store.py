@@ -169,8 +169,10 @@ def test_readonly_open_of_missing_store_is_a_clear_error(tmp_path: Path) -> None
 
 def test_fetch_decodes_chunks_from_the_map_without_copying_them(store_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``fetch`` hands the decoder memoryviews of LMDB's map (valid while its read transaction is open), so the
-    stored bytes are not copied out before they are hashed and decoded; the pack comes out exact."""
+    stored bytes are not copied out before they are hashed and decoded; the pack, signed, comes out exact."""
     import packstore.format.body as body
+    from packstore.api import sign_pack
+    from packstore.trust import SigningKey, generate_key
 
     seen = []
     real = body.chunk_digest
@@ -178,9 +180,11 @@ def test_fetch_decodes_chunks_from_the_map_without_copying_them(store_path: Path
     pack = make_pack(tokens=40)
     with LmdbStore(store_path) as store:
         key, _ = store.put(encode_pack(pack, block_positions=16))
+        signature = sign_pack(store, key, SigningKey.load(generate_key(store_path.parent / "signer")[0]))[1]
         seen.clear()  # the put's own hashes
-        fetched = store.fetch(key)
-    assert seen and set(seen) == {memoryview}
+        fetched = store.fetch(key)  # reads the signatures too, in the same transaction
+        assert seen and set(seen) == {memoryview}
+        assert store.get(key).signatures == (signature,)
     assert all(torch.equal(a, b) for a, b in zip(fetched.keys + fetched.values, pack.keys + pack.values))
 
 
