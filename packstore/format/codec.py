@@ -149,7 +149,7 @@ def _planes_v1(stored: memoryview, max_plain_bytes: int) -> Planes:
         raise IntegrityError(f"byte-plane container version 1 with {count} frames of {width}-byte elements")
     offset = _V1.size + count * _V1_FRAME.size
     _need(stored, offset)
-    frames = [_V1_FRAME.unpack_from(stored, _V1.size + i * _V1_FRAME.size) for i in range(count)]
+    frames = list(_V1_FRAME.iter_unpack(stored[_V1.size : offset]))
     if offset + sum(f[2] for f in frames) != len(stored):
         raise IntegrityError("byte-plane container length does not match its frame table")
     _check_declared(sum(f[1] for f in frames), max_plain_bytes)
@@ -173,7 +173,7 @@ def _planes_v2(stored: memoryview, max_plain_bytes: int) -> Planes:
     per_plane = math.ceil(elements / segment)
     offset = _V2.size + (1 + width * per_plane) * _V2_FRAME.size
     _need(stored, offset)
-    frames = [_V2_FRAME.unpack_from(stored, _V2.size + i * _V2_FRAME.size) for i in range(1 + width * per_plane)]
+    frames = list(_V2_FRAME.iter_unpack(stored[_V2.size : offset]))
     if offset + sum(f[1] for f in frames) != len(stored):
         raise IntegrityError("byte-plane container length does not match its frame table")
     decompressor = zstandard.ZstdDecompressor()
