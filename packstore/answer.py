@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Generator, Sequence
 
 from packstore.errors import InvalidInput, PackNotFound, Untrusted
 from packstore.format import PackHeader, pack_key, parse_key
-from packstore.tensors import Pack, encode_pack
+from packstore.tensors import ArrivingPack, Pack, encode_pack
 from packstore.kv.build import build_pack, clean_facts
 from packstore.kv.compose import COMPOSE_MODES, check_parts, extend, splice
 from packstore.kv.inject import Sampling, answer_with_text, cache_aligned_ids, cache_from_pack, check_identity, generate_stream, prepare
@@ -86,6 +86,11 @@ class ReadyCache:
                 self._packs.move_to_end(key)
                 return self._packs[key], True
         pack = load(key)
+        self.put(key, pack)
+        return pack, False
+
+    def put(self, key: str, pack: Pack) -> None:
+        """Keep ``pack`` as ``key`` (unless one is kept already or it alone exceeds the limit), evicting the least recently used."""
         size = pack.header.raw_bytes
         with self._lock:
             if size <= self.limit_bytes and key not in self._packs:
@@ -94,7 +99,6 @@ class ReadyCache:
                 while self._bytes > self.limit_bytes:
                     _, evicted = self._packs.popitem(last=False)
                     self._bytes -= evicted.header.raw_bytes
-        return pack, False
 
     def peek(self, key: str) -> Pack | None:
         """The cached pack for ``key`` (marked recently used), or None; never loads."""
@@ -130,6 +134,9 @@ class ReadyPartition:
 
     def peek(self, key: str) -> Pack | None:
         return self.cache.peek(self._key(key))
+
+    def put(self, key: str, pack: Pack) -> None:
+        self.cache.put(self._key(key), pack)
 
 
 @dataclass(frozen=True)
@@ -253,6 +260,18 @@ class Answerer:
         """The ready adapter ``ref`` names; PackMismatch for another kind, model or template."""
         return self._ready(ref, check_adapter)[0]
 
+    def arriving(self, ref: str) -> tuple[Pack | ArrivingPack, bool]:
+        """The knowledge pack ``ref`` names as answering takes it, and whether it was ready: the ready pack, or
+        one still arriving from the store (``PackStore.start_fetch``) whose first layers the model can run while
+        the rest decode; it becomes ready once whole. Refused as ``pack`` refuses, before anything is fetched."""
+        stored = self.lookup(ref)
+        check_identity(self.lm, stored.header)
+        if (ready := self.ready.peek(stored.key)) is not None:
+            return ready, True
+        arriving = self._start_download(stored)
+        arriving.when_complete(lambda pack: self.ready.put(stored.key, pack))
+        return arriving, False
+
     def _ready(self, ref: str, check: Callable[[LoadedModel, PackHeader], None]) -> tuple[Pack, bool]:
         """The ready pack ``ref`` names and whether it was ready: ``check`` (kind and identities) runs on
         its stored header before it is fetched, and again on a ready one."""
@@ -276,8 +295,13 @@ class Answerer:
 
     def _download(self, stored: StoredPack) -> Pack:
         """Fetch the pack ``stored`` describes; with trusted keys, its fetched digest must bear a trusted signature."""
+        return self._start_download(stored).result()
+
+    def _start_download(self, stored: StoredPack) -> ArrivingPack:
+        """Start fetching the pack ``stored`` describes; with trusted keys its header's digest (which the chunks
+        are verified against as they arrive) must bear a trusted signature, checked before this returns."""
         key = stored.key
-        pack = self.store.fetch(key, device=self.lm.device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
+        pack = self.store.start_fetch(key, device=self.lm.device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
         if self.trusted is not None:
             try:
                 self.trusted.require(f"pack {key}", "pack", pack.header.pack_sha256, stored.signatures)
@@ -311,15 +335,16 @@ class Answerer:
         check_parts(self.lm, headers)
         return keys, headers
 
-    def composed(self, refs: Sequence[str], extra_facts: Sequence[str] = ()) -> tuple[Pack, list[str], bool, int]:
+    def composed(self, refs: Sequence[str], extra_facts: Sequence[str] = ()) -> tuple[Pack | ArrivingPack, list[str], bool, int]:
         """The ready exact composition of the packs ``refs`` names (then ``extra_facts``), its part
-        keys, whether it was ready, and how many tokens were prefilled to compose it.
+        keys, whether it was ready, and how many tokens were prefilled to compose it. One pack alone
+        may still be arriving (``arriving``).
 
         Looked up by its content key in the ready-cache, then in the store; otherwise extended from
         the longest leading composition already ready (or the first pack), prefilling only the rest.
         """
         if len(refs) == 1 and not extra_facts:
-            pack, hit = self.pack(refs[0])
+            pack, hit = self.arriving(refs[0])
             return pack, [pack.header.key], hit, 0
         keys, headers = self.parts(refs)
         groups = [list(header.facts) for header in headers] + ([list(extra_facts)] if extra_facts else [])
@@ -431,7 +456,7 @@ class Answerer:
         reused: bool | None = None
         parts: list[str] | None = None
         composed_tokens: int | None = None
-        pack: Pack | None = None
+        pack: Pack | ArrivingPack | None = None
         hit: bool | None = None
         deltas, applied = self.steering(question) if question.steering else ({}, None)
         if question.bank:
@@ -461,6 +486,8 @@ class Answerer:
         ids = cache_aligned_ids(pack.header, rendering.token_ids, self.lm.stop_token_ids[0]) if pack is not None else rendering.token_ids
         with self._device_lock:
             answer = yield from generate_stream(self.lm, ids, question.sampling, cache(filled=True))
+            if isinstance(pack, ArrivingPack):
+                pack = pack.result()  # whole by now (the model took every layer), and ready for the next request
             rag = (
                 answer_with_text(
                     self.lm, pack.header.facts, question.text, raw=pack.header.raw, sampling=question.sampling, cache=cache(filled=False)

@@ -10,9 +10,10 @@ import dataclasses
 import hashlib
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -70,6 +71,10 @@ class Pack:
     def check_shapes(self) -> None:
         """Raise InvalidInput unless every tensor matches the header's shape and dtype."""
         check_shapes(self.header, self.header.body_layers, self.keys, self.values)
+
+    def layer(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the ``slot``-th body layer (what ``ArrivingPack.layer`` waits for; here at once)."""
+        return self.keys[slot], self.values[slot]
 
 
 def check_shapes(
@@ -218,6 +223,13 @@ class BodyAssembler:
                 with self._lock:
                     self._covered[slot] += 1 if self.positions is None else stop - held.start
 
+    def completed(self, index: int) -> list[int]:
+        """The slots of chunk ``index``'s layers that every position wanted of has reached (each chunk added once)."""
+        info, whole = self.header.chunks[index], 1 if self.positions is None else self.positions
+        slots = range(max(info.first_layer, self.layers.start) - self.layers.start, min(info.stop_layer, self.layers.stop) - self.layers.start)
+        with self._lock:
+            return [slot for slot in slots if self._covered[slot] == whole]
+
     def finish(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """K and V per layer; IntegrityError if the chunks placed did not cover every layer and position once."""
         whole = 1 if self.positions is None else self.positions
@@ -275,6 +287,116 @@ def pack_from_chunks(header: PackHeader, chunks: Iterable[tuple[int, bytes]], de
     part = decode_part(header, None, None, chunks, device, verified=verified)
     pack = Pack(header=header, keys=part.keys, values=part.values)
     check_tensor_digest(pack)
+    return pack
+
+
+ChunkSource = Callable[[], AbstractContextManager[Iterable[tuple[int, bytes | memoryview]]]]
+
+
+class ArrivingPack:
+    """A whole pack whose chunks are still being read, verified and decoded, in layer order, in the background
+    (``start_pack``). ``layer(i)`` waits for body layer i alone, so a model can run its first layers while later
+    ones decode; ``result()`` waits for the whole pack. A damaged, missing or repeated chunk raises from both:
+    no tensor of a pack that fails is handed out after the failure is known, and ``result()`` never returns one."""
+
+    def __init__(self, header: PackHeader, device: object = None) -> None:
+        self.header = header
+        self._assembler = BodyAssembler(header, header.body_layers, None, device)
+        self._layer_done = [threading.Event() for _ in header.body_layers]
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._seen: set[int] = set()
+        self._error: BaseException | None = None
+        self._pack: Pack | None = None
+        self._callbacks: list[Callable[[Pack], None]] = []
+
+    def layer(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the ``slot``-th body layer once every chunk of it is verified and decoded."""
+        self._layer_done[slot].wait()
+        if self._error is not None:
+            raise self._error
+        return self._assembler.keys[slot], self._assembler.values[slot]
+
+    def result(self) -> Pack:
+        """The whole pack, once every chunk is in, the layers are complete and the ``when_complete`` callbacks have
+        run; the first failure otherwise."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._pack is not None
+        return self._pack
+
+    def when_complete(self, callback: Callable[[Pack], None]) -> None:
+        """Call ``callback(pack)`` once the whole pack is in (now, if it is); never for a pack that fails."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        if self._pack is not None:
+            callback(self._pack)
+
+    def _feed(self, source: ChunkSource, verified: bool) -> None:
+        """Submit each chunk ``source`` yields to the chunk pool as it comes; leave ``source`` only once every
+        submitted decode is over (its bytes may be views of a read transaction); then check the whole."""
+        try:
+            with source() as chunks:
+                futures = []
+                try:
+                    for index, data in chunks:
+                        if self._error is not None:
+                            break
+                        futures.append(_POOL.submit(self._add, index, data, verified))
+                finally:
+                    wait(futures)
+            for future in futures:
+                future.result()
+            keys, values = self._assembler.finish()
+            pack = Pack(header=self.header, keys=keys, values=values)
+            check_tensor_digest(pack)
+        except BaseException as exc:  # handed to every waiter
+            self._fail(exc)
+            return
+        while True:  # every callback has run when ``result`` returns
+            with self._lock:
+                callbacks, self._callbacks = self._callbacks, []
+                if not callbacks:
+                    self._pack = pack
+                    self._done.set()
+                    return
+            for callback in callbacks:
+                callback(pack)
+
+    def _add(self, index: int, data: bytes | memoryview, verified: bool) -> None:
+        if self._error is not None:
+            return
+        try:
+            with self._lock:
+                if not 0 <= index < len(self.header.chunks) or index in self._seen:
+                    raise IntegrityError(f"pack {self.header.key}: chunk {index} is not a chunk of the pack, or came twice")
+                self._seen.add(index)
+            self._assembler.add(index, data, verified=verified)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        for slot in self._assembler.completed(index):
+            self._layer_done[slot].set()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = exc
+            self._callbacks = []
+            self._done.set()
+        for event in self._layer_done:
+            event.set()
+
+
+def start_pack(header: PackHeader, source: ChunkSource, device: object = None, *, verified: bool = False) -> ArrivingPack:
+    """Start reading a whole pack's chunks from ``source`` (a context that yields (index, bytes) in layer order and
+    stays open until every chunk is decoded) and verifying (unless ``verified``) and decoding them in parallel on
+    ``device``; returns at once. A store's ``start_fetch`` hands this its read transaction or stream."""
+    pack = ArrivingPack(header, device)
+    threading.Thread(target=pack._feed, args=(source, verified), name="packstore-arrive", daemon=True).start()
     return pack
 
 

@@ -5,10 +5,10 @@ and noisy: repetitions are interleaved and every figure is a median over them):
 
 1. Time to first token (``max_new_tokens=1``) for packs of about 512, 2k and 8k tokens built
    from consecutive contexts of ``ckc_dev.jsonl``:
-   stored = ``Answerer.pack`` with no ready-cache, from an LMDB store (read, verify, decode) + inject
-   + first token;
+   stored = ``Answerer.ask`` with no ready-cache: the pack arrives from an LMDB store (read, verify,
+   decode, layer by layer while the model runs the layers before) + inject + first token;
    prefill = the same facts as prompt text (``answer_with_text``);
-   floor = the same KV already decoded in memory (``answer_with_pack``).
+   floor = ``Answerer.ask`` with the same KV already decoded in its ready-cache (a hit).
 2. Store get throughput: ``LmdbStore.get`` (read + digest verify) in stored MB/s, ``LmdbStore.fetch``
    (read, verify and decode straight from the map, each chunk hashed once) in decoded-KV MB/s, against reading a scratch file of the same size from the page cache (in the
    same pieces as the pack's header and chunks, each into a new bytes object, as ``get`` does); and
@@ -50,12 +50,12 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 import zstandard  # noqa: E402
 
-from packstore.answer import Answerer  # noqa: E402
+from packstore.answer import Answerer, Question  # noqa: E402
 from packstore.format import codec  # noqa: E402
 from packstore.format.body import max_plain_bytes  # noqa: E402
 from packstore.tensors import Pack, decode_pack, encode_pack  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402
-from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text  # noqa: E402
+from packstore.kv.inject import Sampling, answer_with_text  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
 from packstore.kv.render import render  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
@@ -143,6 +143,17 @@ def load_stored(lm: LoadedModel, store: LmdbStore, key: str) -> Pack:
     return Answerer(lm, store, cache_bytes=0).pack(key)[0]
 
 
+def ask(lm: LoadedModel, store: LmdbStore, case: "Case", ready: bool) -> str:
+    """The first token's text through ``Answerer.ask``: from the store (``ready`` False, an Answerer with no
+    ready-cache, as on a miss) or with the case's pack already ready (a hit)."""
+    answerer = Answerer(lm, store, cache_bytes=case.kv_bytes if ready else 0)
+    if ready:
+        answerer.ready.put(case.key, case.pack)
+    result = answerer.ask(Question(text=case.question, refs=(case.key,), sampling=FIRST_TOKEN))
+    assert result.cache_hit is ready
+    return result.answer
+
+
 def make_case(lm: LoadedModel, store: LmdbStore, records: Sequence[Record], target: int) -> Case:
     facts, question = select_facts(lm, records, target)
     pack = build_pack(lm, facts)
@@ -159,16 +170,12 @@ def make_case(lm: LoadedModel, store: LmdbStore, records: Sequence[Record], targ
 TTFT_MODES = ("stored", "prefill", "floor")
 
 
-def first_token(lm: LoadedModel, store: LmdbStore, case: Case, mode: str) -> tuple[float, list[int]]:
-    """Seconds to the first generated token in ``mode``, and the generated ids."""
-    if mode == "stored":
-        run = lambda: answer_with_pack(lm, load_stored(lm, store, case.key), case.question, FIRST_TOKEN)  # noqa: E731
-    elif mode == "prefill":
-        run = lambda: answer_with_text(lm, case.facts, case.question, sampling=FIRST_TOKEN)  # noqa: E731
-    else:
-        run = lambda: answer_with_pack(lm, case.pack, case.question, FIRST_TOKEN)  # noqa: E731
-    seconds, answer = timed(run)
-    return seconds, answer.token_ids
+def first_token(lm: LoadedModel, store: LmdbStore, case: Case, mode: str) -> tuple[float, str]:
+    """Seconds to the first generated token in ``mode``, and its text."""
+    if mode == "prefill":
+        seconds, answer = timed(lambda: answer_with_text(lm, case.facts, case.question, sampling=FIRST_TOKEN))
+        return seconds, answer.text
+    return timed(lambda: ask(lm, store, case, ready=mode == "floor"))
 
 
 def bench_ttft(lm: LoadedModel, store: LmdbStore, cases: Sequence[Case], repeats: int) -> None:
@@ -176,20 +183,20 @@ def bench_ttft(lm: LoadedModel, store: LmdbStore, cases: Sequence[Case], repeats
     for mode in TTFT_MODES:
         first_token(lm, store, cases[0], mode)
     times = {(c.target, m): [] for c in cases for m in TTFT_MODES}
-    tokens: dict[tuple[int, str], list[int]] = {}
+    tokens: dict[tuple[int, str], str] = {}
     for r in range(repeats):
         for case in cases:
             order = TTFT_MODES[r % 3 :] + TTFT_MODES[: r % 3]  # rotate so no mode always runs first
             for mode in order:
                 gc.collect()
-                seconds, ids = first_token(lm, store, case, mode)
+                seconds, text = first_token(lm, store, case, mode)
                 times[case.target, mode].append(seconds)
-                tokens[case.target, mode] = ids
+                tokens[case.target, mode] = text
             log(f"  repeat {r + 1}/{repeats}, {case.tokens} tokens: " + ", ".join(f"{m} {times[case.target, m][-1]:.2f}s" for m in TTFT_MODES))
     rows = []
     for case in cases:
         stored, prefill, floor = (median(times[case.target, m]) for m in TTFT_MODES)
-        same = len({tuple(tokens[case.target, m]) for m in TTFT_MODES}) == 1
+        same = len({tokens[case.target, m] for m in TTFT_MODES}) == 1
         rows.append([
             str(case.target), str(case.tokens), f"{stored:.3f}", f"{prefill:.3f}", f"{floor:.3f}",
             f"{prefill / stored:.1f}x", f"{stored / floor:.2f}x", "yes" if same else "NO",

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from queue import Queue
-from typing import Generator, Sequence
+from typing import Callable, Generator, Sequence
 
 import torch
-from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, DynamicLayer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.format import PackHeader
-from packstore.tensors import Pack
+from packstore.tensors import ArrivingPack, Pack
 from packstore.kv.build import cache_tensors, prefill
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import Rendering, check_prefix, render
@@ -77,12 +79,62 @@ def cache_aligned_ids(header: PackHeader, token_ids: Sequence[int], placeholder:
     return aligned + ids[previous:]
 
 
-def cache_from_pack(pack: Pack, device: torch.device, tokens: int | None = None, *, cache: DynamicCache | None = None) -> DynamicCache:
+class PackLayer(DynamicLayer):
+    """A DynamicLayer that starts as one layer of a pack, taken only when the model first needs it: an
+    ``ArrivingPack``'s layer may still be decoding while the model runs the layers before it. The first update
+    concatenates the pack's K/V with the new states, the one copy made; the pack's tensors are never written."""
+
+    def __init__(self, take: Callable[[], tuple[torch.Tensor, torch.Tensor]], positions: int) -> None:
+        super().__init__()
+        self._take, self._positions = take, positions
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        self._arrive()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._take, self._keys = None, value  # whatever is set replaces the pack's layer (a reset, say)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        self._arrive()
+        return self._values
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._take, self._values = None, value
+
+    def _arrive(self) -> None:
+        if getattr(self, "_take", None) is not None:
+            take, self._take = self._take, None
+            self._keys, self._values = take()
+            self.dtype, self.device, self.is_initialized = self._keys.dtype, self._keys.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        self._arrive()
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def get_seq_length(self) -> int:
+        return self._positions if self._take is not None else super().get_seq_length()
+
+
+def cache_from_pack(
+    pack: Pack | ArrivingPack, device: torch.device, tokens: int | None = None, *, cache: DynamicCache | None = None
+) -> DynamicCache:
     """A fresh DynamicCache (or the empty ``cache`` given, e.g. a steered one) holding the pack's K/V
-    (its first ``tokens`` positions) on ``device``; generation or a further prefill extends it in place."""
+    (its first ``tokens`` positions) on ``device``; generation or a further prefill extends it, leaving the
+    pack as it is. Each layer is taken when the model reaches it, so an arriving pack's later layers decode
+    while the model runs the first ones; a layer that fails to arrive raises there."""
     cache = DynamicCache() if cache is None else cache
-    for layer, (k, v) in enumerate(zip(pack.keys, pack.values)):
-        cache.update(k[:, :tokens].unsqueeze(0).to(device), v[:, :tokens].unsqueeze(0).to(device), layer)
+    positions = pack.header.positions if tokens is None else min(tokens, pack.header.positions)
+
+    def take(slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = pack.layer(slot)
+        return k[:, :positions].unsqueeze(0).to(device), v[:, :positions].unsqueeze(0).to(device)
+
+    cache.layers = [PackLayer(lambda slot=slot: take(slot), positions) for slot in range(len(pack.header.body_layers))]
     return cache
 
 
@@ -159,6 +211,18 @@ def generate(lm: LoadedModel, token_ids: Sequence[int], sampling: Sampling, cach
     return _answer(lm, out[0, ids.shape[1] :].tolist(), ids.shape[1] - cached)
 
 
+def _start_generator() -> None:
+    """The process's generation thread (a forked child starts its own). Streamed generation runs on this one
+    long-lived thread, not on a fresh thread per request: a fresh thread gets a fresh malloc arena whose pages
+    fault in on first touch, which cost 0.2-1.2 s a request at 8k positions (docs/benchmarks.md)."""
+    global _GENERATOR
+    _GENERATOR = ThreadPoolExecutor(1, thread_name_prefix="packstore-generate")
+
+
+_start_generator()
+os.register_at_fork(after_in_child=_start_generator)
+
+
 class _TokenQueue(BaseStreamer):
     """Receives token ids from ``generate`` (the first put is the prompt) and hands them to a reader."""
 
@@ -199,8 +263,7 @@ def generate_stream(
             failure.append(exc)
             streamer.end()
 
-    worker = threading.Thread(target=run, name="packstore-generate", daemon=True)
-    worker.start()
+    done = _GENERATOR.submit(run)
     new: list[int] = []
     try:
         while (token := streamer.queue.get()) is not None:
@@ -208,7 +271,7 @@ def generate_stream(
             yield token
     finally:
         stop.set()
-        worker.join()
+        done.result()
     if failure:
         raise failure[0]
     return _answer(lm, new, ids.shape[1] - cached)

@@ -9,6 +9,7 @@ import shutil
 import struct
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, NoReturn, Sequence, TypeVar
 
@@ -26,7 +27,7 @@ from packstore.store.protocol import DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, BankSt
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
 
 if TYPE_CHECKING:
-    from packstore.tensors import Pack, PackPart
+    from packstore.tensors import ArrivingPack, Pack, PackPart
 
 STORE_LAYOUT_VERSION = b"2"  # 2 added summaries, key_names, by_name and the running counters
 LOCK_FILE = "packstore.lock"
@@ -458,13 +459,15 @@ class LmdbStore(BankTables):
     def _encoded_in(self, txn: lmdb.Transaction, key: str) -> EncodedPack:
         """The pack ``key`` as ``txn`` holds it (its chunks memoryviews of the map in a ``buffers`` transaction)."""
         header = self._header_in(txn, key)
-        chunks = []
-        for index in range(len(header.chunks)):
-            data = txn.get(_chunk_key(key, index), db=self._chunks)
-            if data is None:
-                raise IntegrityError(f"pack {key}: chunk {index} is missing")
-            chunks.append(data)
+        chunks = [self._chunk_in(txn, key, index) for index in range(len(header.chunks))]
         return EncodedPack(header=header, chunks=chunks, signatures=self._signatures_in(txn, key))
+
+    def _chunk_in(self, txn: lmdb.Transaction, key: str, index: int) -> bytes | memoryview:
+        """Chunk ``index`` of pack ``key`` as ``txn`` holds it; IntegrityError when it is missing."""
+        data = txn.get(_chunk_key(key, index), db=self._chunks)
+        if data is None:
+            raise IntegrityError(f"pack {key}: chunk {index} is missing")
+        return data
 
     def get(self, ref: str, *, model_fp: str | None = None, template_fp: str | None = None) -> EncodedPack:
         """Read a pack's header and every chunk, verifying each chunk's checksum (and stated identities)."""
@@ -478,13 +481,30 @@ class LmdbStore(BankTables):
         self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
     ) -> "Pack":
         """Get, verify and decode a pack; refuses one whose identities differ from those the caller states."""
-        from packstore.tensors import decode_pack
+        return self.start_fetch(ref, device=device, model_fp=model_fp, template_fp=template_fp).result()
+
+    def start_fetch(
+        self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
+    ) -> "ArrivingPack":
+        """``fetch`` returning once the header is read and its identities checked: the chunks are verified and
+        decoded in the background, in layer order, straight from LMDB's map (a read transaction held until the
+        last is decoded), so a model can run layer i while later layers decode (``ArrivingPack``)."""
+        from packstore.tensors import start_pack
 
         key = self.resolve(ref, model_fp=model_fp)
-        with self._env.read(buffers=True) as txn:  # chunks decode straight from the map, not copied out first
-            encoded = self._encoded_in(txn, key)
-            encoded.header.check_identities(model_fp, template_fp)
-            return decode_pack(encoded, device)  # verifies every chunk's checksum before decoding it
+        with self._env.read() as txn:
+            header = self._header_in(txn, key)
+            stored_header = txn.get(key.encode(), db=self._packs)
+        header.check_identities(model_fp, template_fp)
+
+        @contextmanager
+        def chunks() -> Iterator[Iterator[tuple[int, memoryview]]]:
+            with self._env.read(buffers=True) as txn:
+                if txn.get(key.encode(), db=self._packs) != stored_header:
+                    raise PackNotFound(f"pack {key} was deleted or replaced while it was being read")
+                yield ((index, self._chunk_in(txn, key, index)) for index in range(len(header.chunks)))
+
+        return start_pack(header, chunks, device)
 
     def fetch_part(
         self,

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from packstore.format.bank import BankMeta
     from packstore.format.body import EncodedPack
     from packstore.format.signature import Signature
-    from packstore.tensors import Pack, PackPart
+    from packstore.tensors import ArrivingPack, Pack, PackPart
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
@@ -147,6 +147,13 @@ class PackStore(Protocol):
         self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
     ) -> "Pack":
         """``get`` and decode into tensors on ``device`` (CPU when None)."""
+
+    def start_fetch(
+        self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
+    ) -> "ArrivingPack":
+        """``fetch`` that returns once the header is read and the identities stated are checked (PackMismatch,
+        PackNotFound at once); the chunks are read, verified and decoded in the background in layer order, and
+        ``layer(i)`` of the result waits for layer i alone, so a model can start before the whole pack is in."""
 
     def fetch_part(
         self,

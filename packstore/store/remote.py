@@ -6,6 +6,7 @@ the target device (through pinned host memory and non-blocking copies on CUDA).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import grpc
@@ -22,7 +23,7 @@ from packstore.v1 import store_pb2, store_pb2_grpc
 if TYPE_CHECKING:
     from packstore.format.bank import BankMeta
     from packstore.format.signature import Signature
-    from packstore.tensors import Pack, PackPart
+    from packstore.tensors import ArrivingPack, Pack, PackPart
 
 
 class RemoteStore(GrpcClient):
@@ -118,10 +119,17 @@ class RemoteStore(GrpcClient):
 
         The server refuses (FAILED_PRECONDITION) when ``model_fp`` / ``template_fp`` differ from the pack's.
         """
-        from packstore.tensors import pack_from_chunks
+        return self.start_fetch(ref, device=device, model_fp=model_fp, template_fp=template_fp).result()
+
+    def start_fetch(
+        self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
+    ) -> "ArrivingPack":
+        """``fetch`` returning once the header has arrived: the rest of the stream is read, verified and decoded
+        in the background, layer by layer as it arrives (``ArrivingPack``)."""
+        from packstore.tensors import start_pack
 
         stored, chunks = self._stream(ref, model_fp, template_fp)
-        return pack_from_chunks(stored.header, chunks, device)
+        return start_pack(stored.header, lambda: nullcontext(chunks), device)
 
     def fetch_part(
         self,

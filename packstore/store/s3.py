@@ -18,6 +18,7 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
@@ -36,7 +37,7 @@ from packstore.store.registers import UNCHANGED, Registers, Version
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
 
 if TYPE_CHECKING:
-    from packstore.tensors import Pack, PackPart
+    from packstore.tensors import ArrivingPack, Pack, PackPart
 
 DEFAULT_GC_GRACE = 3600.0  # seconds an unreferenced object is kept (docs/operations.md, "Object store tier")
 READ_AHEAD = 4  # chunks a stream fetches ahead of the one it sends
@@ -380,9 +381,19 @@ class ObjectStore(ObjectBankTables):
 
     def fetch(self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None) -> "Pack":
         """Get, verify and decode a pack; refuses one whose identities differ from those the caller states."""
-        from packstore.tensors import decode_pack
+        return self.start_fetch(ref, device=device, model_fp=model_fp, template_fp=template_fp).result()
 
-        return decode_pack(self.get(ref, model_fp=model_fp, template_fp=template_fp), device, verified=True)
+    def start_fetch(
+        self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
+    ) -> "ArrivingPack":
+        """``fetch`` returning once the header is read and its identities checked: the chunks are read (cache
+        first), verified and decoded in the background, layer by layer (``ArrivingPack``)."""
+        from packstore.tensors import start_pack
+
+        header, _ = self._header(self.resolve(ref, model_fp=model_fp))
+        header.check_identities(model_fp, template_fp)
+        indices = range(len(header.chunks))
+        return start_pack(header, lambda: nullcontext(zip(indices, self.read_chunks(header, indices))), device, verified=True)
 
     def fetch_part(
         self,

@@ -9,7 +9,7 @@ import pytest
 
 from packstore.answer import Answerer, Question, ReadyCache
 from packstore.bank.synthetic import synthetic_facts
-from packstore.errors import InvalidInput, PackMismatch
+from packstore.errors import IntegrityError, InvalidInput, PackMismatch
 from packstore.format import PackHeader
 from packstore.tensors import Pack, encode_pack
 from packstore.format.header import ChunkInfo
@@ -18,6 +18,7 @@ from packstore.kv.inject import Sampling, answer_with_text
 from packstore.kv.models import load_model
 from packstore.records import AnswerResult
 from packstore.store import LmdbStore
+from packstore.store.lmdb_store import _chunk_key
 from test_identity import ALT_TEMPLATE
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
@@ -58,6 +59,24 @@ def test_the_second_ask_finds_the_pack_ready(tiny_lm, store) -> None:
     first, second = answerer.ask(question), answerer.ask(question)
     assert (first.cache_hit, second.cache_hit) == (False, True) and first.answer == second.answer
     assert answerer.ready.stats == (1, store.stat("wexley").header.raw_bytes)
+
+
+def test_a_damaged_chunk_fails_the_answer_before_any_token_and_is_never_made_ready(tiny_lm, tmp_path: Path) -> None:
+    with LmdbStore(tmp_path / "store") as store:
+        key, _ = store.put(encode_pack(build_pack(tiny_lm, FACTS)))
+        last = len(store.stat(key).header.chunks) - 1  # the last layer's: the model has run every layer before it
+
+        def flip(txn) -> None:
+            damaged = bytearray(txn.get(_chunk_key(key, last), db=store._chunks))
+            damaged[-1] ^= 1
+            txn.put(_chunk_key(key, last), bytes(damaged), db=store._chunks)
+
+        store._env.write(flip)
+        answerer = Answerer(tiny_lm, store)
+        tokens = answerer.stream(Question(QUESTION, refs=(key,), sampling=GREEDY))
+        with pytest.raises(IntegrityError, match=f"chunk {last} .* is damaged"):
+            next(tokens)
+        assert answerer.ready.stats == (0, 0)
 
 
 def test_packs_of_another_model_or_template_are_refused(tiny_lm, store, tiny_model_dir, other_tiny_model_dir) -> None:

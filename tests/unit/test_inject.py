@@ -6,6 +6,7 @@ import pytest
 
 from packstore.errors import PackMismatch
 from packstore.tensors import decode_pack, encode_pack
+from packstore.kv import inject
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling, TextDeltas, answer_with_pack, answer_with_text, prefill_divergence
 from packstore.kv.models import load_model
@@ -94,13 +95,27 @@ def test_streamed_text_pieces_concatenate_to_the_answer_even_inside_utf8_charact
 
 
 def test_closing_a_token_stream_stops_generation_before_returning(tiny_lm, pack) -> None:
-    """A cancelled stream must free the device: the generating thread is gone once close() returns."""
-    import threading
-
+    """A cancelled stream must free the device: generation has stopped once close() returns."""
     from packstore.kv.inject import cache_from_pack, generate_stream, prepare
 
     rendering = prepare(tiny_lm, pack.header, QUESTIONS[0])
     tokens = generate_stream(tiny_lm, rendering.token_ids, Sampling(max_new_tokens=5000), cache_from_pack(pack, tiny_lm.device))
     next(tokens)
     tokens.close()
-    assert not [t for t in threading.enumerate() if t.name == "packstore-generate"]
+    inject._GENERATOR.submit(lambda: None).result(timeout=1)  # the generation thread is free: 5000 tokens take far longer
+
+
+def test_every_stream_generates_on_the_same_long_lived_thread(tiny_lm, pack, monkeypatch) -> None:
+    """A fresh thread per request would fault in a fresh malloc arena's pages each time (docs/benchmarks.md)."""
+    import threading
+
+    idents = []
+
+    def record(lm, ids, sampling, cache, streamer, stop):
+        idents.append(threading.get_ident())
+        streamer.end()
+
+    monkeypatch.setattr(inject, "_run_generate", record)
+    for _ in range(3):
+        list(inject.generate_stream(tiny_lm, [1, 2], Sampling(max_new_tokens=1)))
+    assert len(idents) == 3 and len(set(idents)) == 1 and threading.get_ident() not in idents

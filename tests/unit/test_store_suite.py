@@ -103,6 +103,24 @@ def test_put_stat_get_fetch_round_trip(store: PackStore, model_fp: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, fetched.keys + fetched.values))
 
 
+def test_start_fetch_checks_identities_at_once_then_hands_out_layers_as_they_decode(store: PackStore, model_fp: str) -> None:
+    pack = pack_of(model_fp, tokens=2500)  # token blocks: each layer is whole only once its three chunks are in
+    key, _ = store.put(encode_pack(pack))
+    arriving = store.start_fetch(key, model_fp=model_fp, template_fp=FP_B)
+    assert arriving.header.key == key
+    for slot in range(pack.header.layers):
+        k, v = arriving.layer(slot)
+        assert torch.equal(k, pack.keys[slot]) and torch.equal(v, pack.values[slot])
+    whole = arriving.result()
+    assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, whole.keys + whole.values))
+    with pytest.raises(PackMismatch):
+        store.start_fetch(key, model_fp="0" * 64)
+    with pytest.raises(PackMismatch):
+        store.start_fetch(key, template_fp="0" * 64)
+    with pytest.raises(PackNotFound):
+        store.start_fetch("f" * 64 + "/" + "f" * 64 + "/" + "f" * 64)
+
+
 def test_steering_packs_round_trip_with_their_partial_layer_range(store: PackStore, model_fp: str) -> None:
     base = pack_of(model_fp).header
     recipe = {"pairs": [{"good": "kind words", "bad": "cruel words"}], "pooling": "last", "layers": [1, base.layers - 1]}
