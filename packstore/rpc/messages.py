@@ -8,10 +8,8 @@ from packstore.errors import InvalidInput
 from packstore.format import PackHeader
 from packstore.format.signature import Signature
 from packstore.records import PackSummary, StoredPack
+from packstore.rpc.wire import ChunkPiece, piece_views
 from packstore.v1 import store_pb2
-
-PIECE_BYTES = 1 << 20  # chunks travel in pieces of at most 1 MiB, whatever the message-size limits
-
 
 def summary_info(summary: PackSummary) -> store_pb2.PackInfo:
     """A pack's summary as a PackInfo without the header (what ListPacks pages carry)."""
@@ -52,15 +50,11 @@ def signatures_of(records) -> tuple[Signature, ...]:
 
 
 def chunk_pieces(index: int, data: bytes, digest: str) -> Iterator[store_pb2.Chunk]:
-    """A chunk as consecutive Chunk messages with the same index (at least one, even when empty),
-    made one at a time as they are sent, so a stream holds one piece beyond the chunk itself. A chunk that
-    fits one piece goes as it is, not copied first."""
-    if len(data) <= PIECE_BYTES:
-        yield store_pb2.Chunk(index=index, data=bytes(data), digest=digest)  # bytes(b) is b itself
-        return
-    view = memoryview(data)
-    for start in range(0, max(len(data), 1), PIECE_BYTES):
-        yield store_pb2.Chunk(index=index, data=bytes(view[start : start + PIECE_BYTES]), digest=digest)
+    """A chunk as consecutive Chunk messages with the same index (at least one, even when empty), made one at
+    a time as they are sent, so a stream holds one piece beyond the chunk itself (an upload's; GetPack writes
+    its chunk messages by hand: ``packstore.rpc.wire``)."""
+    for piece in piece_views(data):
+        yield store_pb2.Chunk(index=index, data=bytes(piece), digest=digest)
 
 
 class ChunkAssembler:
@@ -71,11 +65,12 @@ class ChunkAssembler:
         self.header = header
         self.indices = tuple(indices) if indices is not None else tuple(range(len(header.chunks)))
         self.received = 0  # whole chunks so far
-        self._parts: list[bytes] = []
+        self._parts: list[bytes | memoryview] = []
         self._size = 0
 
-    def add(self, piece: store_pb2.Chunk) -> tuple[int, bytes] | None:
-        """Add one piece; returns (chunk index, whole chunk) when this piece completes it."""
+    def add(self, piece: store_pb2.Chunk | ChunkPiece) -> tuple[int, bytes | memoryview] | None:
+        """Add one piece; returns (chunk index, whole chunk) when this piece completes it (a chunk that came in
+        one piece is that piece's data, not copied)."""
         if self.received >= len(self.indices):
             raise InvalidInput(f"chunk {piece.index} arrived after the last chunk expected ({self.indices[-1] if self.indices else 'none'})")
         index = self.indices[self.received]
@@ -89,7 +84,7 @@ class ChunkAssembler:
             raise InvalidInput(f"chunk {piece.index} is longer than the {expected} bytes the header states")
         if self._size < expected:
             return None
-        data = b"".join(self._parts)
+        data = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
         self._parts, self._size = [], 0
         self.received += 1
         return index, data

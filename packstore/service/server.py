@@ -21,7 +21,8 @@ from packstore.format import PackHeader
 from packstore.format.body import chunks_for
 from packstore.format.signature import Signature
 from packstore.rpc.listen import bind
-from packstore.rpc.messages import ChunkAssembler, bank_info, chunk_pieces, pack_info, signatures_of, summary_info
+from packstore.rpc.messages import ChunkAssembler, bank_info, pack_info, signatures_of, summary_info
+from packstore.rpc.wire import chunk_responses, serialize_get_pack_response
 from packstore.rpc.status import abort_with_error, status_for
 from packstore.service.auth import Auth, Principal
 from packstore.service.config import ServiceConfig
@@ -174,8 +175,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
                 if not context.is_active():
                     call["cancelled"] = True
                     return
-                for piece in chunk_pieces(index, data, header.chunks[index].digest):
-                    yield store_pb2.GetPackResponse(chunk=piece)
+                yield from chunk_responses(index, data, header.chunks[index].digest)
                 self.metrics.bytes_sent.inc(len(data))
 
     def StatPack(self, request, context):
@@ -332,6 +332,28 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             return self._bank_status(call.store, request.name)
 
 
+class _Handlers:
+    """Stands in for a server to catch the method handlers that generated code registers."""
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.service, self.handlers = service, dict(handlers)
+
+
+def add_pack_store(service: PackStoreService, server: grpc.Server) -> None:
+    """Register the PackStore methods as generated, except GetPack's serializer, which passes the chunk
+    messages ``chunk_responses`` wrote through as they are."""
+    caught = _Handlers()
+    store_pb2_grpc.add_PackStoreServicer_to_server(service, caught)
+    caught.handlers["GetPack"] = grpc.unary_stream_rpc_method_handler(
+        service.GetPack, request_deserializer=store_pb2.GetPackRequest.FromString, response_serializer=serialize_get_pack_response
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(caught.service, caught.handlers),))
+    server.add_registered_method_handlers(caught.service, caught.handlers)
+
+
 def build_server(
     config: ServiceConfig, stores: NamespaceStores, metrics: ServiceMetrics, auth: Auth
 ) -> tuple[grpc.Server, health.HealthServicer, PackStoreService]:
@@ -344,7 +366,7 @@ def build_server(
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers), options=limits, maximum_concurrent_rpcs=config.workers * 4)
     service = PackStoreService(stores, config, metrics, auth)
     service._track_store_gauges()
-    store_pb2_grpc.add_PackStoreServicer_to_server(service, server)
+    add_pack_store(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)

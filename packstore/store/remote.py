@@ -17,6 +17,7 @@ from packstore.format.body import chunks_for, verify_chunk
 from packstore.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
 from packstore.rpc.channel import Connection, GrpcClient
 from packstore.rpc.messages import ChunkAssembler, bank_meta, chunk_pieces, pack_summary, signatures_of, stored_pack
+from packstore.rpc.wire import ChunkPiece, get_pack_method
 from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, MAX_PAGE, check_name
 from packstore.v1 import store_pb2, store_pb2_grpc
 
@@ -34,6 +35,7 @@ class RemoteStore(GrpcClient):
     def __init__(self, target: str, *, timeout: float | None = None, connection: Connection | None = None) -> None:
         super().__init__(target, timeout=timeout, connection=connection)
         self._stub = store_pb2_grpc.PackStoreStub(self._channel)
+        self._get_pack = get_pack_method(self._channel)  # chunk messages read without copying their bytes
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -84,7 +86,7 @@ class RemoteStore(GrpcClient):
         given; else of every chunk); returns the stored pack (header, signatures) and an iterator of whole (index, chunk bytes)."""
         span = store_pb2.LayerRange(first=layers[0], last=layers[1]) if layers else None
         request = store_pb2.GetPackRequest(ref=ref, model_fp=model_fp or "", template_fp=template_fp or "", layers=span, prefix=prefix or 0)
-        responses = self._stub.GetPack(request, timeout=self.timeout)
+        responses = self._get_pack(request, timeout=self.timeout)
         first = self._call(lambda: next(responses, None))
         if first is None or first.WhichOneof("item") != "header":
             raise PackstoreError("GetPack did not start with the pack header")
@@ -95,7 +97,9 @@ class RemoteStore(GrpcClient):
             assembler = ChunkAssembler(header, chunks_for(header, layers, prefix))
             try:
                 for response in responses:
-                    whole = assembler.add(response.chunk)
+                    if not isinstance(response, ChunkPiece):
+                        raise PackstoreError(f"pack {header.key}: GetPack sent a {response.WhichOneof('item')} where a chunk was expected")
+                    whole = assembler.add(response)
                     if whole is not None:
                         yield whole
             except grpc.RpcError as exc:
