@@ -25,6 +25,11 @@ rotates), every figure is a median, and the ratios within this one run are what 
    this process while the worker is idle. Time to first token is until the first streamed
    response. The first generated token id is compared between the three.
 
+Torch runs one intra-op thread in the worker and in this process by default (``--threads``), as
+``tools/bench_pack.py`` does and docs/operations.md advises where the worker shares its cores: here
+the worker shares two cores with the pack service, and a cold pack's chunks decode on the worker's
+chunk threads while the model runs.
+
 Building the packs (prefills on CPU) takes most of the setup. Run from the repository root
 (about 6-10 minutes on a 2-core CPU):
 
@@ -512,12 +517,14 @@ def main() -> None:
     parser.add_argument("--throughput-size", type=int, default=2048, help="target tokens of the throughput pack")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 16], help="concurrent clients to measure")
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 2048], help="target pack sizes (tokens) for time to first token")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the worker and of this process (see above)")
     parser.add_argument("--data", type=Path, default=DATA, help="JSON lines with 'context' and 'question'")
     parser.add_argument("--workdir", type=Path, default=None, help="where stores and logs go (default: a temp dir, removed after)")
     args = parser.parse_args()
     if min(args.repeats, args.ttft_repeats, *args.clients) < 1:
         parser.error("repetitions and client counts must be at least 1")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the servers are stopped
+    torch.set_num_threads(args.threads)
 
     print(f"Machine: {machine_description()}")
     print(f"Source: {source_description()}")
@@ -553,7 +560,7 @@ def main() -> None:
             [server.process.pid, redis_server.process.pid],
         )
         log("starting the worker")
-        worker = stack.enter_context(running_worker(server.url, MODEL, workdir, "--cache-bytes", str(WORKER_CACHE_BYTES)))
+        worker = stack.enter_context(running_worker(server.url, MODEL, workdir, "--cache-bytes", str(WORKER_CACHE_BYTES), "--threads", str(args.threads)))
         bench_ttft(lm, worker.address, cases, args.ttft_repeats)
     print(f"\nTotal run time: {elapsed():.0f} s")
 
