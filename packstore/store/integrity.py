@@ -31,11 +31,17 @@ _META = struct.Struct("<IIQQ48s48sQQ")  # magic, version, address, mapsize, free
 _WALK = r"""
 import sys, lmdb
 env = lmdb.open(sys.argv[1], readonly=True, max_dbs=64, subdir=True, map_size=int(sys.argv[2]))
-with env.begin(buffers=True) as txn:
+def begin():
+    while True:
+        try:
+            return env.begin(buffers=True)
+        except lmdb.MapResizedError:  # another process grew the store since it was opened: not damage
+            env.set_mapsize(0)  # adopt the size the file now has
+with begin() as txn:
     names = [bytes(key) for key, _ in txn.cursor()]
 for name in names:
     db = env.open_db(name, create=False)
-    with env.begin(buffers=True) as txn:
+    with begin() as txn:
         for key, value in txn.cursor(db=db):
             len(key), len(value)
 print("ok")
