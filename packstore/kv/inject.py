@@ -79,6 +79,20 @@ def cache_aligned_ids(header: PackHeader, token_ids: Sequence[int], placeholder:
     return aligned + ids[previous:]
 
 
+def _arriving_tensor(slot: str) -> property:
+    """A PackLayer's K or V: reading takes the pack's layer first; whatever is set replaces it (a reset, say)."""
+
+    def get(layer: "PackLayer") -> torch.Tensor | None:
+        layer._arrive()
+        return getattr(layer, slot)
+
+    def set(layer: "PackLayer", value: torch.Tensor | None) -> None:
+        layer._take = None
+        setattr(layer, slot, value)
+
+    return property(get, set)
+
+
 class PackLayer(DynamicLayer):
     """A DynamicLayer that starts as one layer of a pack, taken only when the model first needs it: an
     ``ArrivingPack``'s layer may still be decoding while the model runs the layers before it. The first update
@@ -88,23 +102,8 @@ class PackLayer(DynamicLayer):
         super().__init__()
         self._take, self._positions = take, positions
 
-    @property
-    def keys(self) -> torch.Tensor | None:
-        self._arrive()
-        return self._keys
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        self._take, self._keys = None, value  # whatever is set replaces the pack's layer (a reset, say)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        self._arrive()
-        return self._values
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        self._take, self._values = None, value
+    keys = _arriving_tensor("_keys")
+    values = _arriving_tensor("_values")
 
     def _arrive(self) -> None:
         if getattr(self, "_take", None) is not None:
