@@ -11,7 +11,7 @@ import hashlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -281,15 +281,6 @@ def decode_part(
     return PackPart(header, span, header.positions if prefix is None else prefix, keys, values)
 
 
-def pack_from_chunks(header: PackHeader, chunks: Iterable[tuple[int, bytes]], device: object = None, *, verified: bool = False) -> Pack:
-    """A whole pack from every chunk as (index, bytes), each verified (unless ``verified``) and decoded (in
-    parallel, as they come) on ``device``."""
-    part = decode_part(header, None, None, chunks, device, verified=verified)
-    pack = Pack(header=header, keys=part.keys, values=part.values)
-    check_tensor_digest(pack)
-    return pack
-
-
 ChunkSource = Callable[[], AbstractContextManager[Iterable[tuple[int, bytes | memoryview]]]]
 
 
@@ -398,6 +389,14 @@ def start_pack(header: PackHeader, source: ChunkSource, device: object = None, *
     pack = ArrivingPack(header, device)
     threading.Thread(target=pack._feed, args=(source, verified), name="packstore-arrive", daemon=True).start()
     return pack
+
+
+def pack_from_chunks(header: PackHeader, chunks: Iterable[tuple[int, bytes]], device: object = None, *, verified: bool = False) -> Pack:
+    """A whole pack from every chunk as (index, bytes), each verified (unless ``verified``) and decoded (in
+    parallel, as they come) on ``device``: ``start_pack``'s reading and checks, run on the caller's thread."""
+    pack = ArrivingPack(header, device)
+    pack._feed(lambda: nullcontext(chunks), verified)
+    return pack.result()
 
 
 def decode_pack(encoded: EncodedPack, device: object = None, *, verified: bool = False) -> Pack:
