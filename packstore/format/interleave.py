@@ -14,39 +14,43 @@ from numba import njit
 
 
 @njit(nogil=True, cache=True)
-def _join2(p0, p1, out, offset, count, rotated):  # pragma: no cover - compiled; tested through join_planes
-    for a in range(p0.shape[0]):
-        for t in range(count):
-            for d in range(p0.shape[2]):
-                v = np.uint16(p0[a, t, d]) | (np.uint16(p1[a, t, d]) << np.uint16(8))
-                if rotated:
-                    v = (v >> np.uint16(1)) | ((v & np.uint16(1)) << np.uint16(15))
-                out[a, offset + t, d] = v
+def _join2(p0, p1, out, heads, rows, positions, offset, count, rotated):  # pragma: no cover - compiled; tested through join_planes
+    width = p0.shape[0] // (heads * rows)  # the innermost dimension; each head's rows are one run in both arrays
+    run = count * width
+    for a in range(heads):
+        src, dst = a * rows * width, (a * positions + offset) * width
+        b0, b1, to = p0[src : src + run], p1[src : src + run], out[dst : dst + run]  # loop indices then need no sign checks
+        for i in range(run):
+            v = np.uint16(b0[i]) | (np.uint16(b1[i]) << np.uint16(8))
+            if rotated:
+                v = (v >> np.uint16(1)) | ((v & np.uint16(1)) << np.uint16(15))
+            to[i] = v
 
 
 @njit(nogil=True, cache=True)
-def _join4(p0, p1, p2, p3, out, offset, count, rotated):  # pragma: no cover - compiled; tested through join_planes
-    for a in range(p0.shape[0]):
-        for t in range(count):
-            for d in range(p0.shape[2]):
-                v = (
-                    np.uint32(p0[a, t, d])
-                    | (np.uint32(p1[a, t, d]) << np.uint32(8))
-                    | (np.uint32(p2[a, t, d]) << np.uint32(16))
-                    | (np.uint32(p3[a, t, d]) << np.uint32(24))
-                )
-                if rotated:
-                    v = (v >> np.uint32(1)) | ((v & np.uint32(1)) << np.uint32(31))
-                out[a, offset + t, d] = v
+def _join4(p0, p1, p2, p3, out, heads, rows, positions, offset, count, rotated):  # pragma: no cover - compiled; tested through join_planes
+    width = p0.shape[0] // (heads * rows)
+    run = count * width
+    for a in range(heads):
+        src, dst = a * rows * width, (a * positions + offset) * width
+        b0, b1, b2, b3 = p0[src : src + run], p1[src : src + run], p2[src : src + run], p3[src : src + run]
+        to = out[dst : dst + run]
+        for i in range(run):
+            v = np.uint32(b0[i]) | (np.uint32(b1[i]) << np.uint32(8)) | (np.uint32(b2[i]) << np.uint32(16)) | (np.uint32(b3[i]) << np.uint32(24))
+            if rotated:
+                v = (v >> np.uint32(1)) | ((v & np.uint32(1)) << np.uint32(31))
+            to[i] = v
 
 
-def join_planes(planes: list[np.ndarray], out: np.ndarray, offset: int, count: int, rotated: bool) -> None:
-    """Write elements ``[:, :count]`` of ``planes`` (uint8, each ``[A, T, D]``: byte j of every element of a tensor)
-    to ``out[:, offset : offset + count]`` (C-contiguous ``[A, P, D]`` of uint16 or uint32); ``rotated``: the
-    elements were stored rotated left by one bit, so rotate them back."""
+def join_planes(planes: list[np.ndarray], shape: tuple[int, int, int], out: np.ndarray, offset: int, count: int, rotated: bool) -> None:
+    """Write elements ``[:, :count]`` of ``planes`` (uint8, each the flat bytes of an ``[A, T, D]`` ``shape``: byte j
+    of every element of a tensor) to ``out[:, offset : offset + count]`` (C-contiguous ``[A, P, D]`` of uint16 or
+    uint32); ``rotated``: the elements were stored rotated left by one bit, so rotate them back. Each head's
+    positions are one run of memory on both sides, so the kernels copy runs rather than rows."""
+    dims = (shape[0], shape[1], out.shape[1], offset, count, rotated)
     if len(planes) == 2 and out.dtype == np.uint16:
-        _join2(planes[0], planes[1], out, offset, count, rotated)
+        _join2(planes[0], planes[1], out.reshape(-1), *dims)
     elif len(planes) == 4 and out.dtype == np.uint32:
-        _join4(planes[0], planes[1], planes[2], planes[3], out, offset, count, rotated)
+        _join4(planes[0], planes[1], planes[2], planes[3], out.reshape(-1), *dims)
     else:
         raise ValueError(f"cannot join {len(planes)} byte planes into {out.dtype} elements")

@@ -44,8 +44,8 @@ def test_rotation_gives_the_exponent_a_plane_of_its_own(dtype: str) -> None:
     bits = values.view(torch.int16 if dtype == "bfloat16" else torch.int32).numpy().astype(np.int64)
     exponent_shift = 7 if dtype == "bfloat16" else 23
     assert planes.rotated
-    assert (planes.planes[-1] == (bits >> exponent_shift) & 0xFF).all()
-    assert (planes.planes[0] & 1 == (bits < 0)).all()
+    assert (planes.plane(planes.element_size - 1) == (bits >> exponent_shift) & 0xFF).all()
+    assert (planes.plane(0) & 1 == (bits < 0)).all()
 
 
 def test_float16_is_not_rotated() -> None:
@@ -61,25 +61,57 @@ def test_beats_plain_zstd_on_float_data(dtype: str) -> None:
 
 def test_planes_are_coded_in_segments_and_noise_is_stored_raw_and_read_in_place() -> None:
     noise = torch.randint(-(1 << 15), 1 << 15, (3 * codec.SEGMENT + 5,), dtype=torch.int16, generator=torch.Generator().manual_seed(3))
-    blob = blob_of(noise.view(torch.float16))
+    blob = blob_of(*noise.view(torch.float16).split(codec.SEGMENT))  # tensors of 65536 elements and one of 5
     stored = codec.encode(blob, "float16")
     frames = frame_table(stored)
     assert len(frames) == 1 + 2 * 4  # the header, then 4 segments per plane (the last one of 5 elements)
     assert [method for method, _ in frames[1:]] == [codec.RAW] * 8
     planes = codec.decode_planes(stored, len(blob))
-    assert all(np.shares_memory(plane, np.frombuffer(stored, dtype=np.uint8)) for plane in planes.planes)
+    assert all(np.shares_memory(segment, np.frombuffer(stored, dtype=np.uint8)) for plane in planes.segments for segment in plane)
     assert codec.decode(stored, len(blob)) == blob
 
 
 def test_each_segment_takes_the_smallest_coding() -> None:
     """A plane of runs (zeros) codes better with zstd's matches than with entropy coding alone: either may win."""
-    zeros_then_noise = torch.cat([torch.zeros(codec.SEGMENT), torch.randn(codec.SEGMENT, generator=torch.Generator().manual_seed(5))])
-    blob = blob_of(zeros_then_noise.to(torch.bfloat16))
+    zeros, noise = torch.zeros(codec.SEGMENT), torch.randn(codec.SEGMENT, generator=torch.Generator().manual_seed(5))
+    blob = blob_of(zeros.to(torch.bfloat16), noise.to(torch.bfloat16))
     stored = codec.encode(blob, "bfloat16")
     frames = frame_table(stored)
     zeros_frame = frames[1 + 2]  # the exponent plane's first segment
     assert zeros_frame[0] == codec.ZSTD and zeros_frame[1] < 100
     assert codec.decode(stored, len(blob)) == blob
+
+
+def test_segments_end_at_tensor_boundaries() -> None:
+    """A chunk's K and V (here 3 heads x 1024 positions x 64 each) are one segment each, so each has its own
+    Huffman tables and a chunk has few frames; tensors of other sizes get the smallest aligned multiple."""
+    key, value = (torch.randn(3, 1024, 64, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16) for s in (6, 7))
+    blob = blob_of(key, value)
+    stored = codec.encode(blob, "bfloat16")
+    assert PREAMBLE.unpack_from(stored)[-1] == 3 * 1024 * 64
+    assert len(frame_table(stored)) == 1 + 2 * 2
+    assert codec.decode(stored, len(blob)) == blob
+    assert codec.segment_for([3 * 8 * 64, 3 * 8 * 64]) == 43 * 1536  # small tensors: a multiple of their size past 65536
+    assert codec.segment_for([100_000, 50_000]) == 100_000
+    assert codec.segment_for([8 << 20]) == codec.WRITE_SEGMENT_LIMIT
+    assert codec.segment_for([]) == codec.SEGMENT
+
+
+def test_tensors_across_segment_boundaries_are_joined() -> None:
+    """Containers whose segments do not end at tensor boundaries (writers before, or other writers) still read:
+    a tensor spanning segments is joined from their parts; one within a segment is read straight from it."""
+    gen = torch.Generator().manual_seed(8)
+    key, value = (torch.randn(3, 40, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
+    blob = blob_of(key, value)
+    stored = codec.encode(blob, "bfloat16", segment=700)  # 1,920-element tensors over 700-element segments
+    assert codec.decode(stored, len(blob)) == blob
+    planes = codec.decode_planes(stored, len(blob))
+    assert planes.segment == 700 and len(planes.segments[1]) == 6
+    for first, tensor in ((0, key), (key.numel(), value)):
+        out = np.zeros((3, 40, 16), dtype=np.uint16)
+        planes.write(out, first, (3, 40, 16))
+        assert (out == tensor.view(torch.int16).numpy().view(np.uint16)).all()
+    assert np.shares_memory(planes.plane(1, 710, 1390), planes.segments[1][1])
 
 
 def test_empty_tensor_round_trips() -> None:
