@@ -14,9 +14,8 @@ from numba import njit
 
 
 @njit(nogil=True, cache=True)
-def _join2(p0, p1, out, heads, rows, positions, offset, count, rotated):  # pragma: no cover - compiled; tested through join_planes
-    width = p0.shape[0] // (heads * rows)  # the innermost dimension; each head's rows are one run in both arrays
-    run = count * width
+def _join2(p0, p1, out, heads, rows, width, positions, offset, count, rotated):  # pragma: no cover - compiled; tested through join_planes
+    run = count * width  # each head's positions are one run in both arrays
     for a in range(heads):
         src, dst = a * rows * width, (a * positions + offset) * width
         b0, b1, to = p0[src : src + run], p1[src : src + run], out[dst : dst + run]  # loop indices then need no sign checks
@@ -28,8 +27,7 @@ def _join2(p0, p1, out, heads, rows, positions, offset, count, rotated):  # prag
 
 
 @njit(nogil=True, cache=True)
-def _join4(p0, p1, p2, p3, out, heads, rows, positions, offset, count, rotated):  # pragma: no cover - compiled; tested through join_planes
-    width = p0.shape[0] // (heads * rows)
+def _join4(p0, p1, p2, p3, out, heads, rows, width, positions, offset, count, rotated):  # pragma: no cover - compiled; tested through join_planes
     run = count * width
     for a in range(heads):
         src, dst = a * rows * width, (a * positions + offset) * width
@@ -47,7 +45,11 @@ def join_planes(planes: list[np.ndarray], shape: tuple[int, int, int], out: np.n
     of every element of a tensor) to ``out[:, offset : offset + count]`` (C-contiguous ``[A, P, D]`` of uint16 or
     uint32); ``rotated``: the elements were stored rotated left by one bit, so rotate them back. Each head's
     positions are one run of memory on both sides, so the kernels copy runs rather than rows."""
-    dims = (shape[0], shape[1], out.shape[1], offset, count, rotated)
+    heads, rows, width = shape
+    fits = out.ndim == 3 and out.shape[0] == heads and out.shape[2] == width and 0 <= count <= rows and 0 <= offset <= out.shape[1] - count
+    if not (fits and out.flags.c_contiguous and all(len(plane) == heads * rows * width for plane in planes)):
+        raise ValueError(f"cannot join planes of {[len(p) for p in planes]} bytes as {shape} into positions {offset} .. {offset + count} of {out.shape}")
+    dims = (heads, rows, width, out.shape[1], offset, count, rotated)
     if len(planes) == 2 and out.dtype == np.uint16:
         _join2(planes[0], planes[1], out.reshape(-1), *dims)
     elif len(planes) == 4 and out.dtype == np.uint32:

@@ -130,6 +130,18 @@ def test_token_block_lands_in_its_place_and_only_the_positions_asked() -> None:
     assert not out[:, :4].any() and not out[:, 7:].any()
 
 
+@pytest.mark.parametrize("offset, count, out_shape", [(3, 2, (2, 4, 8)), (0, 5, (2, 8, 8)), (0, 4, (3, 4, 8)), (-1, 2, (2, 4, 8))])
+def test_a_join_that_does_not_fit_its_target_is_refused(offset: int, count: int, out_shape: tuple[int, int, int]) -> None:
+    """The compiled join does not check bounds, so its caller does: positions past the target, more than the block
+    holds, or a target of other heads or head size are refused before anything is written."""
+    blob = blob_of(torch.randn(2, 4, 8).half())
+    planes = codec.decode_planes(codec.encode(blob, "float16"), len(blob))
+    with pytest.raises(ValueError, match="cannot join planes"):
+        planes.write(np.zeros(out_shape, dtype=np.uint16), 0, (2, 4, 8), offset, count)
+    with pytest.raises(ValueError, match="cannot join planes"):
+        planes.write(np.zeros((2, 8, 8), dtype=np.uint16)[:, ::2], 0, (2, 4, 8))  # not contiguous
+
+
 def version_1(blob: bytes, width: int) -> bytes:
     """A container as codec ``byteplane-zstd`` (version 1) wrote it: header and whole planes, each one zstd frame."""
     split = codec.safetensors_split(blob)
