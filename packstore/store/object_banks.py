@@ -12,6 +12,7 @@ and is computed again. gc removes records no newest head names once they are old
 from __future__ import annotations
 
 import hashlib
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -53,8 +54,10 @@ class ObjectBankTables:
         return self._immutable(obj, check, missing=f"bank {name!r}: record {record} is missing from the object store")
 
     def _upload_records(self: "ObjectStore", name: str, records: dict[str, bytes]) -> dict[str, list]:
-        """Upload new record objects (fresh names, so no gc can count them old) within the writer window."""
-        started = self.bucket.now().timestamp()
+        """Upload new record objects (fresh names, so no gc can count them old) within the writer window. The upload's
+        duration is timed on this host's monotonic clock: the store's clock (HTTP Date) counts whole seconds, which
+        would fail an upload of a moment that crossed a second boundary whenever the window is under 2 s."""
+        started = time.monotonic()
         write = uuid.uuid4().hex
         items = list(records.items())
 
@@ -65,7 +68,7 @@ class ObjectBankTables:
             return [obj, hashlib.sha256(data).hexdigest(), data[-32:].hex(), len(data)]
 
         entries = dict(zip((record for record, _ in items), self._pool.map(upload, range(len(items)))))
-        if self.bucket.now().timestamp() - started >= self.writer_window:
+        if time.monotonic() - started >= self.writer_window:
             raise Unavailable(f"the object store is too slow: uploading bank {name!r} took longer than {self.writer_window:.0f} s")
         return entries
 

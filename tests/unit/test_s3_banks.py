@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from packstore.errors import IntegrityError, PackNotFound
+from packstore.errors import IntegrityError, PackNotFound, Unavailable
 from packstore.store.s3 import ObjectStore
 from test_s3_store import objects
 
@@ -55,6 +55,15 @@ def test_a_bank_is_whole_or_absent_and_gc_removes_a_dead_builds_records(url, sea
         kept = a._bank_head("kept")
         assert {name for name in left if "/records/" in name} == {obj.split("ns/default/", 1)[1] for obj, *_ in kept["records"].values()}
         assert b.banks().route("kept", [FACTS[25]], top_k=1)[0].facts[0][0] == FACTS[25]
+
+
+def test_a_bank_whose_upload_outlasts_the_writer_window_is_refused_and_absent(url, tmp_path) -> None:
+    """The upload is timed on a monotonic clock (the store's counts whole seconds): one longer than the window
+    (here 25 µs) is refused before the bank is committed, so a gc counting its records old cannot break it."""
+    with ObjectStore(url, cache_dir=tmp_path / "a", gc_grace=1e-4) as a:
+        with pytest.raises(Unavailable, match="too slow: uploading bank 'slow'"):
+            a.banks().build("slow", FACTS)
+        assert [m.name for m, _ in a.banks().list()] == []
 
 
 def test_a_damaged_bank_record_is_data_loss(replicas, seaweed, url) -> None:
