@@ -70,12 +70,37 @@ def _admin_ports() -> tuple[int, int]:
             return port, port + 10000
 
 
+START_ATTEMPTS = 3  # a port found free can be taken (by another process, or by the mini's own outgoing connections) before the mini binds it
+PORT_TAKEN = ("address already in use", "is not available")  # weed's words when it binds a taken port, or finds one taken at start
+
+
 @contextmanager
 def running_seaweed(root: Path, bucket: str = "packs") -> Iterator[Seaweed]:
-    """``weed mini`` with its data in ``root``, the test identity, and ``bucket`` created; stopped on exit."""
+    """``weed mini`` with its data in ``root``, the test identity, and ``bucket`` created; stopped on exit. A start
+    that fails on a port taken in the meantime is tried again on fresh ports."""
     root.mkdir(parents=True, exist_ok=True)
     identities = {"identities": [{"name": "tester", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
     (root / "s3.json").write_text(json.dumps(identities))
+    (root / "data").mkdir(exist_ok=True)
+    for attempt in range(1, START_ATTEMPTS + 1):
+        server = _start(root, bucket)
+        try:
+            _wait_ready(server)
+            break
+        except RuntimeError:
+            _stop(server.process)
+            log = server.log.read_text(errors="replace")
+            if attempt == START_ATTEMPTS or not any(words in log for words in PORT_TAKEN):
+                raise
+    try:
+        server.client().create_bucket(Bucket=bucket)
+        yield server
+    finally:
+        _stop(server.process)
+
+
+def _start(root: Path, bucket: str) -> Seaweed:
+    """Start ``weed mini`` on fresh free ports, logging to ``root/weed.log`` (replaced)."""
     ports = {flag: free_port() for flag in _PORTS}
     ports["admin.port"], ports["admin.port.grpc"] = _admin_ports()
     weed = Path(sys.executable).parent / "weed"
@@ -85,22 +110,19 @@ def running_seaweed(root: Path, bucket: str = "packs") -> Iterator[Seaweed]:
         "-webdav=false", "-admin.ui=false", f"-s3.config={root / 's3.json'}", "-s3.allowDeleteBucketNotEmpty=false",
         "-s3.autoCreateBucket=false", *(f"-{flag}={port}" for flag, port in ports.items()),
     ]
-    (root / "data").mkdir(exist_ok=True)
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    server = Seaweed(process, f"http://127.0.0.1:{ports['s3.port']}", bucket, log)
-    try:
-        _wait_ready(server)
-        server.client().create_bucket(Bucket=bucket)
-        yield server
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+    return Seaweed(process, f"http://127.0.0.1:{ports['s3.port']}", bucket, log)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 def _wait_ready(server: Seaweed, timeout: float = 60.0) -> None:
