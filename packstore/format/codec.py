@@ -121,10 +121,12 @@ class Planes:
         lie within it, else joined into a buffer of this thread that the next join of that plane reuses."""
         stop = self.elements if stop is None else stop
         parts = self.segments[index]
-        first, last = start // self.segment, max(start, stop - 1) // self.segment
-        if first == last or start == stop:
+        if start == stop:
+            return np.empty(0, dtype=np.uint8)
+        first, last = start // self.segment, (stop - 1) // self.segment
+        if first == last:
             base = first * self.segment
-            return parts[first][start - base : stop - base] if parts else np.empty(0, dtype=np.uint8)
+            return parts[first][start - base : stop - base]
         joined = _scratch_plane(index, stop - start)
         at = 0
         for k in range(first, last + 1):
