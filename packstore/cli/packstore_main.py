@@ -43,7 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from packstore.service.config import load_config
     from packstore.service.server import serve
 
-    names = ("data", "listen", "metrics", "workers", "max_message_bytes", "max_pack_bytes", "max_chunk_bytes", "max_facts_bytes", "max_store_bytes")
+    names = ("data", "listen", "bulk_listen", "metrics", "workers", "max_message_bytes", "max_pack_bytes", "max_chunk_bytes", "max_facts_bytes", "max_store_bytes")
     overrides = {name: getattr(args, name) for name in names + ("auth", "tls_cert", "tls_key", "tls_client_ca", "objects", "s3_endpoint", "cache_bytes")}
     serve(load_config(args.config, overrides))
     return 0
@@ -97,6 +97,10 @@ def build_cli() -> CommandLine:
     p.add_argument("--s3-endpoint", metavar="URL", help="the object store's endpoint (default: $AWS_ENDPOINT_URL_S3, else AWS S3)")
     p.add_argument("--cache-bytes", type=int, metavar="N", help="with --objects: local cache per namespace, in bytes (default 1 GiB)")
     p.add_argument("--listen", metavar="HOST:PORT", help="gRPC address (default 127.0.0.1:50551; $PACKSTORE_LISTEN)")
+    p.add_argument(
+        "--bulk-listen", metavar="HOST:PORT",
+        help="the bulk port GetPack sends chunks through (default: --listen's host, any free port; off: stream on gRPC only)",
+    )
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics here ($PACKSTORE_METRICS)")
     p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings (see docs/operations.md)")
     p.add_argument("--workers", type=int, help="concurrent RPCs (default 16)")

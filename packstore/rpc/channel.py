@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import ssl
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -75,6 +76,18 @@ class Connection:
             private_key=_read(self.tls_client_key, "TLS client key"),
             certificate_chain=_read(self.tls_client_cert, "TLS client certificate"),
         )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same trust and client certificate as ``credentials``, for the bulk port's TLS."""
+        if bool(self.tls_client_cert) != bool(self.tls_client_key):
+            raise InvalidInput("a TLS client certificate needs its key, and a key its certificate")
+        try:
+            context = ssl.create_default_context(cafile=self.tls_ca or None)
+            if self.tls_client_cert:
+                context.load_cert_chain(self.tls_client_cert, self.tls_client_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidInput(f"cannot load the TLS files for the bulk port: {exc}") from None
+        return context
 
 
 class _Metadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):

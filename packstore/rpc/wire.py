@@ -105,14 +105,15 @@ class _Reader:
 
 
 def parse_get_pack_response(message: bytes) -> store_pb2.GetPackResponse | ChunkPiece:
-    """GetPack's response deserializer: a chunk piece read by hand (its data not copied), anything else by protobuf.
+    """GetPack's response deserializer: a chunk piece read by hand (its data not copied), anything else (the
+    header, a bulk ticket) by protobuf.
 
     Raises ValueError for a malformed message, which gRPC reports to the caller as an INTERNAL error."""
     item = None
     for number, wire_type, value in _Reader(memoryview(message)).fields():
-        if number in (1, 2) and wire_type == _LEN:
+        if number in (1, 2, 3) and wire_type == _LEN:
             item = (number, value)  # the oneof: the last one on the wire wins
-    if item is None or item[0] == 1:
+    if item is None or item[0] != 2:
         return store_pb2.GetPackResponse.FromString(message)
     index, data, digest = 0, memoryview(b""), ""
     for number, wire_type, value in _Reader(item[1]).fields():

@@ -19,6 +19,7 @@ class ServiceConfig:
 
     data: str = ""  # the store directory; with ``objects``, only the caches of the object store
     listen: str = "127.0.0.1:50551"
+    bulk_listen: str = ""  # HOST:PORT of the bulk port GetPack hands tickets for; empty: listen's host, any free port; off: none
     metrics: str = ""  # HOST:PORT for Prometheus; empty disables
     workers: int = 16  # concurrent RPCs served
     max_message_bytes: int = 4 << 20  # per gRPC message, both directions

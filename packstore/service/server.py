@@ -25,6 +25,7 @@ from packstore.rpc.messages import ChunkAssembler, bank_info, pack_info, signatu
 from packstore.rpc.wire import chunk_responses, serialize_get_pack_response
 from packstore.rpc.status import abort_with_error, status_for
 from packstore.service.auth import Auth, Principal
+from packstore.service.bulk import BulkServer, Tickets, bulk_address, server_tls
 from packstore.service.config import ServiceConfig
 from packstore.store.namespaces import NamespaceStores
 from packstore.service.metrics import ServiceMetrics
@@ -67,11 +68,14 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
     """The pack service over the stores of its namespaces, embedded or on an object store; besides the
     PackStore protocol it uses their streaming side (``begin_upload``, ``read_chunks``)."""
 
-    def __init__(self, stores: NamespaceStores, config: ServiceConfig, metrics: ServiceMetrics, auth: Auth | None = None) -> None:
+    def __init__(
+        self, stores: NamespaceStores, config: ServiceConfig, metrics: ServiceMetrics, auth: Auth | None = None, bulk: BulkServer | None = None
+    ) -> None:
         self.stores = stores
         self.auth = auth or Auth()
         self.config = config
         self.metrics = metrics
+        self.bulk = bulk  # the bulk port GetPack hands tickets for; None: GetPack always streams
 
     @contextmanager
     def _call(self, method: str, context: grpc.ServicerContext, **fields: object) -> Iterator[Call]:
@@ -171,6 +175,12 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             span = (request.layers.first, request.layers.last) if request.HasField("layers") else None
             indices = chunks_for(header, span, request.prefix or None)
             yield store_pb2.GetPackResponse(header=pack_info(stored))
+            if request.bulk and self.bulk is not None:
+                ticket = self.bulk.tickets.issue(call.store, header, indices, {k: call[k] for k in ("token", "namespace", "key")})
+                if ticket is not None:
+                    call["bulk"] = True
+                    yield store_pb2.GetPackResponse(bulk=self.bulk.ticket_message(ticket))
+                    return
             for index, data in zip(indices, call.store.read_chunks(header, indices)):
                 if not context.is_active():
                     call["cancelled"] = True
@@ -358,13 +368,18 @@ def build_server(
     config: ServiceConfig, stores: NamespaceStores, metrics: ServiceMetrics, auth: Auth
 ) -> tuple[grpc.Server, health.HealthServicer, PackStoreService]:
     """A gRPC server with the pack service, health and reflection (both open to callers without a
-    token: they reveal no data), bound to ``config.listen``."""
+    token: they reveal no data), bound to ``config.listen``; the service's bulk port is bound too, not yet started."""
     limits = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
     ]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers), options=limits, maximum_concurrent_rpcs=config.workers * 4)
-    service = PackStoreService(stores, config, metrics, auth)
+    address = bulk_address(config.listen, config.bulk_listen)
+    bulk = None
+    if address is not None:
+        tls = server_tls(config.tls_cert, config.tls_key, config.tls_client_ca)
+        bulk = BulkServer(address, Tickets(), metrics, tls=tls, max_connections=config.workers * 4)
+    service = PackStoreService(stores, config, metrics, auth, bulk)
     service._track_store_gauges()
     add_pack_store(service, server)
     health_servicer = health.HealthServicer()
@@ -391,9 +406,11 @@ def serve(config: ServiceConfig) -> None:
         if config.metrics:
             metrics.serve(config.metrics)
         server.start()
+        if service.bulk is not None:
+            service.bulk.start()
         for name in ("", SERVICE_NAME):
             health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        fields = {"listen": config.listen, "data": config.data, "objects": config.objects or None, "metrics": config.metrics or None}
+        fields = {"listen": config.listen, "bulk_port": service.bulk.port if service.bulk else None, "data": config.data, "objects": config.objects or None, "metrics": config.metrics or None}
         fields |= {"tls": bool(config.tls_cert), "mutual_tls": bool(config.tls_client_ca)}
         if auth.enabled:
             fields |= {"auth": f"tokens from {config.auth} ({auth.reload()} tokens; SIGHUP reloads)"}
@@ -407,6 +424,8 @@ def serve(config: ServiceConfig) -> None:
         stop.wait()
         log.info("shutting down", extra={"fields": {"grace_seconds": config.shutdown_grace_seconds}})
         health_servicer.enter_graceful_shutdown()
+        if service.bulk is not None:
+            service.bulk.stop()
         server.stop(config.shutdown_grace_seconds).wait()
         log.info("stopped")
     finally:

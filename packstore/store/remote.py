@@ -6,15 +6,20 @@ the target device (through pinned host memory and non-blocking copies on CUDA).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import logging
+import socket
+import ssl
+from contextlib import contextmanager, nullcontext
+from itertools import chain
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import grpc
 
 from packstore.errors import PackNotFound, PackstoreError
-from packstore.format import EncodedPack
+from packstore.format import EncodedPack, PackHeader
 from packstore.format.body import chunks_for, verify_chunk
 from packstore.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
+from packstore.rpc.bulk import ReceiveBuffers, bulk_chunks, connect
 from packstore.rpc.channel import Connection, GrpcClient
 from packstore.rpc.messages import ChunkAssembler, bank_meta, chunk_pieces, pack_summary, signatures_of, stored_pack
 from packstore.rpc.wire import ChunkPiece, get_pack_method
@@ -24,18 +29,36 @@ from packstore.v1 import store_pb2, store_pb2_grpc
 if TYPE_CHECKING:
     from packstore.format.bank import BankMeta
     from packstore.format.signature import Signature
-    from packstore.tensors import ArrivingPack, Pack, PackPart
+    from packstore.tensors import ArrivingPack, ChunkSource, Pack, PackPart
+
+log = logging.getLogger("packstore.remote")
+RECEIVE_BUFFER_BYTES = 256 << 20
 
 
 class RemoteStore(GrpcClient):
-    """A pack store served by ``packstore serve``, addressed as ``grpc://HOST:PORT`` or ``grpcs://HOST:PORT`` (TLS)."""
+    """A pack store served by ``packstore serve``, addressed as ``grpc://HOST:PORT`` or ``grpcs://HOST:PORT`` (TLS).
+
+    ``bulk``: read GetPack's chunks over the service's bulk port when it offers one (protocol.md, "Bulk
+    transfer"); False keeps them on the gRPC stream. ``receive_buffer_bytes``: how much of the buffers bulk reads
+    received into the client keeps for the next fetch (0: none)."""
 
     what = "pack service"
 
-    def __init__(self, target: str, *, timeout: float | None = None, connection: Connection | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = None,
+        connection: Connection | None = None,
+        bulk: bool = True,
+        receive_buffer_bytes: int = RECEIVE_BUFFER_BYTES,
+    ) -> None:
         super().__init__(target, timeout=timeout, connection=connection)
         self._stub = store_pb2_grpc.PackStoreStub(self._channel)
         self._get_pack = get_pack_method(self._channel)  # chunk messages read without copying their bytes
+        self.bulk = bulk  # ask GetPack for the bulk port (off after the port could not be reached once)
+        self._buffers = ReceiveBuffers(receive_buffer_bytes)
+        self._tls: ssl.SSLContext | None = None
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -80,23 +103,40 @@ class RemoteStore(GrpcClient):
         return StoreCounts(packs=reply.packs, stored_bytes=reply.stored_bytes)
 
     def _stream(
-        self, ref: str, model_fp: str | None, template_fp: str | None, layers: tuple[int, int] | None = None, prefix: int | None = None
-    ) -> tuple[StoredPack, Iterator[tuple[int, bytes]]]:
+        self,
+        ref: str,
+        model_fp: str | None,
+        template_fp: str | None,
+        layers: tuple[int, int] | None = None,
+        prefix: int | None = None,
+        *,
+        reuse: bool = True,
+    ) -> tuple[StoredPack, "ChunkSource"]:
         """Start GetPack (of the chunks holding ``layers``, first and last, and positions below ``prefix``, when
-        given; else of every chunk); returns the stored pack (header, signatures) and an iterator of whole (index, chunk bytes)."""
+        given; else of every chunk); returns the stored pack (header, signatures) and a source of whole (index,
+        chunk bytes), read over the bulk port when the server offers it, else from the stream. With ``reuse``
+        the chunks are only good until the source's context ends, their buffer going back to the client's pool."""
         span = store_pb2.LayerRange(first=layers[0], last=layers[1]) if layers else None
-        request = store_pb2.GetPackRequest(ref=ref, model_fp=model_fp or "", template_fp=template_fp or "", layers=span, prefix=prefix or 0)
-        responses = self._get_pack(request, timeout=self.timeout)
-        first = self._call(lambda: next(responses, None))
-        if first is None or first.WhichOneof("item") != "header":
-            raise PackstoreError("GetPack did not start with the pack header")
-        stored = stored_pack(first.header)
+        request = store_pb2.GetPackRequest(
+            ref=ref, model_fp=model_fp or "", template_fp=template_fp or "", layers=span, prefix=prefix or 0, bulk=self.bulk
+        )
+        stored, second, responses = self._start_get_pack(request)
         header = stored.header
+        indices = chunks_for(header, layers, prefix)
+        if isinstance(second, store_pb2.GetPackResponse) and second.WhichOneof("item") == "bulk":
+            try:
+                sock = connect(self.address.rsplit(":", 1)[0], second.bulk.port, second.bulk.ticket, timeout=self.timeout, tls=self._bulk_tls(second.bulk))
+                return stored, lambda: self._received(sock, header, indices, reuse)
+            except OSError as exc:
+                log.warning("the bulk port %s of %s cannot be reached (%s): GetPack streams from now on", second.bulk.port, self.target, exc)
+                self.bulk = False
+                request.ref, request.bulk = header.key, False  # the key, not a name that may have moved meanwhile
+                stored, second, responses = self._start_get_pack(request)
 
         def chunks() -> Iterator[tuple[int, bytes]]:
-            assembler = ChunkAssembler(header, chunks_for(header, layers, prefix))
+            assembler = ChunkAssembler(header, indices)
             try:
-                for response in responses:
+                for response in chain([second] if second is not None else [], responses):
                     if not isinstance(response, ChunkPiece):
                         raise PackstoreError(f"pack {header.key}: GetPack sent a {response.WhichOneof('item')} where a chunk was expected")
                     whole = assembler.add(response)
@@ -105,17 +145,42 @@ class RemoteStore(GrpcClient):
             except grpc.RpcError as exc:
                 raise self._error(exc) from None
             if not assembler.complete:
-                raise PackstoreError(f"pack {header.key}: the stream ended after {assembler.received} of the {len(assembler.indices)} chunks asked for")
+                raise PackstoreError(f"pack {header.key}: the stream ended after {assembler.received} of {len(assembler.indices)} chunks asked for")
 
-        return stored, chunks()
+        return stored, lambda: nullcontext(chunks())
+
+    @contextmanager
+    def _received(self, sock: socket.socket, header: PackHeader, indices: tuple[int, ...], reuse: bool) -> Iterator[Iterator[tuple[int, memoryview]]]:
+        """The chunks from a bulk connection, received into a leased buffer (``reuse``) or each into its own."""
+        size = sum(header.chunks[index].stored_bytes for index in indices)
+        with self._buffers.lease(size) if reuse else nullcontext() as buffer:
+            yield bulk_chunks(sock, header, indices, f"{self.what} at {self.target}", buffer)
+
+    def _start_get_pack(self, request: store_pb2.GetPackRequest) -> tuple[StoredPack, object, Iterator[object]]:
+        """Call GetPack and read its first two responses: the stored pack, then a bulk ticket, the first chunk
+        piece, or None (no chunks); the rest of the responses follow."""
+        responses = self._get_pack(request, timeout=self.timeout)
+        first = self._call(lambda: next(responses, None))
+        if first is None or first.WhichOneof("item") != "header":
+            raise PackstoreError("GetPack did not start with the pack header")
+        return stored_pack(first.header), self._call(lambda: next(responses, None)), responses
+
+    def _bulk_tls(self, ticket: store_pb2.BulkTicket) -> ssl.SSLContext | None:
+        """The TLS context for a bulk connection: the channel's trust and client certificate, when the port speaks TLS."""
+        if not ticket.tls:
+            return None
+        if self._tls is None:
+            self._tls = self.connection.ssl_context()
+        return self._tls
 
     def get(self, ref: str, *, model_fp: str | None = None, template_fp: str | None = None) -> EncodedPack:
         """The pack's header and stored chunks, each checked against its digest."""
-        stored, chunks = self._stream(ref, model_fp, template_fp)
+        stored, source = self._stream(ref, model_fp, template_fp, reuse=False)
         data = []
-        for index, chunk in chunks:
-            verify_chunk(stored.header, index, chunk)
-            data.append(chunk)
+        with source() as chunks:
+            for index, chunk in chunks:
+                verify_chunk(stored.header, index, chunk)
+                data.append(chunk)
         return EncodedPack(header=stored.header, chunks=data, signatures=stored.signatures)
 
     def fetch(self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None) -> "Pack":
@@ -132,8 +197,8 @@ class RemoteStore(GrpcClient):
         in the background, layer by layer as it arrives (``ArrivingPack``)."""
         from packstore.tensors import start_pack
 
-        stored, chunks = self._stream(ref, model_fp, template_fp)
-        return start_pack(stored.header, lambda: nullcontext(chunks), device)
+        stored, source = self._stream(ref, model_fp, template_fp)
+        return start_pack(stored.header, source, device)
 
     def fetch_part(
         self,
@@ -150,8 +215,9 @@ class RemoteStore(GrpcClient):
 
         if prefix is not None and prefix < 1:  # 0 would travel as "no prefix": refuse it as the other tiers do
             chunks_for(self.stat(ref, model_fp=model_fp).header, layers, prefix)
-        stored, chunks = self._stream(ref, model_fp, template_fp, layers, prefix)
-        return decode_part(stored.header, layers, prefix, chunks, device)
+        stored, source = self._stream(ref, model_fp, template_fp, layers, prefix)
+        with source() as chunks:
+            return decode_part(stored.header, layers, prefix, chunks, device)
 
     # -- writes ----------------------------------------------------------------------------------
 

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
+import torch
 
 from packstore.cli.packctl import main as packctl
 from packstore.errors import Unavailable
 from packstore.kv.build import build_pack
+from packstore.rpc.bulk import MAGIC, connect, read_frame
 from packstore.rpc.channel import Connection
 from packstore.store.remote import RemoteStore
 from packstore.tensors import encode_pack
+from packstore.v1 import store_pb2
 from service_helpers import running_server, running_worker
 from test_format import make_pack
 from tls_helpers import make_certificates
@@ -27,8 +31,15 @@ def test_the_service_speaks_tls_only_to_clients_that_trust_its_ca(certs, tmp_pat
     with running_server(tmp_path / "data", *tls, tls={"ca": certs["ca"]}) as server:
         secure = f"grpcs://{server.address}"
         with RemoteStore(secure, connection=Connection(tls_ca=certs["ca"]), timeout=10) as store:
-            key, created = store.put(encode_pack(make_pack()))
+            pack = make_pack()
+            key, created = store.put(encode_pack(pack))
             assert created and store.stat(key).key == key
+            assert torch.equal(store.fetch(key).keys[0], pack.keys[0]) and store.bulk  # the bulk port spoke TLS: no fallback
+            _, ticket, _ = store._start_get_pack(store_pb2.GetPackRequest(ref=key, bulk=True))
+            assert ticket.bulk.tls
+        with socket.create_connection(("127.0.0.1", ticket.bulk.port), timeout=5) as raw, pytest.raises((OSError, EOFError)):
+            raw.sendall(MAGIC + ticket.bulk.ticket)  # in the clear, to a TLS port
+            read_frame(raw)
         with RemoteStore(f"grpc://{server.address}", connection=Connection(), timeout=5) as plain, pytest.raises(Unavailable):
             plain.stat(key)  # a plain client cannot talk to a TLS port
         other = make_certificates(tmp_path / "other", prefix="other-")
@@ -46,6 +57,10 @@ def test_mutual_tls_requires_a_client_certificate_from_the_client_ca(certs, tmp_
         mutual = Connection(tls_ca=certs["ca"], tls_client_cert=certs["client_cert"], tls_client_key=certs["client_key"])
         with RemoteStore(secure, connection=mutual, timeout=10) as store:
             store.put(encode_pack(make_pack()), name="p")
+            assert store.fetch("p") and store.bulk
+            _, ticket, _ = store._start_get_pack(store_pb2.GetPackRequest(ref="p", bulk=True))
+        with pytest.raises((OSError, EOFError)):  # the bulk port, too, wants a client certificate
+            read_frame(connect("127.0.0.1", ticket.bulk.port, ticket.bulk.ticket, timeout=5, tls=Connection(tls_ca=certs["ca"]).ssl_context()))
         argv = ["--store", secure, "--tls-ca", certs["ca"], "--tls-client-cert", certs["client_cert"], "--tls-client-key", certs["client_key"]]
         assert packctl([*argv, "ls", "--json"]) == 0 and json.loads(capsys.readouterr().out)[0]["name"] == "p"
         assert packctl(["--store", secure, "--tls-ca", certs["ca"], "--tls-client-cert", certs["client_cert"], "ls"]) == 1

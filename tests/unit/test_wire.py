@@ -41,6 +41,8 @@ def test_the_reader_takes_protobuf_messages_with_fields_in_any_order_and_unknown
         assert (piece.index, bytes(piece.data), piece.digest) == (3, b"xyz", "d")
     header = store_pb2.GetPackResponse(header=store_pb2.PackInfo(key="k", stored_bytes=5))
     assert parse_get_pack_response(header.SerializeToString()) == header
+    ticket = store_pb2.GetPackResponse(bulk=store_pb2.BulkTicket(port=5, ticket=b"\x12" * 32, expires_ms=30000))
+    assert parse_get_pack_response(ticket.SerializeToString()) == ticket
     assert serialize_get_pack_response(header) == header.SerializeToString()
     assert serialize_get_pack_response(b"as written") == b"as written"
 

@@ -1,0 +1,153 @@
+"""GetPack's bulk transfer: a pack's chunks on a plain TCP (or TLS) connection beside the gRPC port.
+
+gRPC's Python stream costs more per byte than the rest of a fetch together (HTTP/2 framing, a copy out of
+each message, a thread hand-off per message). A GetPack that asks for ``bulk`` gets a single-use ticket
+instead of the chunks; the client presents it on the bulk port and reads each chunk straight into a
+buffer of its own. protocol.md ("Bulk transfer") is the specification; this module holds both ends'
+framing and the client's reader.
+
+    client -> server   MAGIC, ticket (TICKET_BYTES)
+    server -> client   frames: FRAME (kind, index, length), then ``length`` bytes
+                       CHUNK (index, stored bytes), ..., END; or ERROR (a JSON error) instead
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import struct
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from packstore.errors import ERROR_CLASSES, InvalidInput, PackstoreError, Unavailable
+from packstore.format import PackHeader
+
+MAGIC = b"PKB1"
+TICKET_BYTES = 32
+FRAME = struct.Struct("<BIQ")  # kind, chunk index (0 for END and ERROR), length of what follows
+CHUNK, END, ERROR = 1, 2, 3
+MAX_ERROR_BYTES = 64 << 10
+STALL_SECONDS = 120.0  # a bulk read that receives nothing for this long fails (unless the client set a timeout)
+
+
+def chunk_frame(index: int, length: int) -> bytes:
+    return FRAME.pack(CHUNK, index, length)
+
+
+def end_frame() -> bytes:
+    return FRAME.pack(END, 0, 0)
+
+
+def error_frame(error: PackstoreError) -> bytes:
+    """An ERROR frame carrying the error as gRPC's rich status does: its code, message and fields."""
+    body = json.dumps({"code": error.code, "message": str(error), "fields": error.fields}).encode()[:MAX_ERROR_BYTES]
+    return FRAME.pack(ERROR, 0, len(body)) + body
+
+
+def error_from_frame(body: bytes) -> PackstoreError:
+    """The packstore error an ERROR frame carries (the same class and fields as raised on the server)."""
+    try:
+        found = json.loads(bytes(body))
+        return ERROR_CLASSES.get(found["code"], PackstoreError).from_fields(found["message"], dict(found["fields"]))
+    except (ValueError, KeyError, TypeError):
+        return PackstoreError(f"the bulk transfer failed with an unreadable error: {bytes(body[:200])!r}")
+
+
+def recv_exact(sock: socket.socket, size: int, into: memoryview | None = None) -> memoryview:
+    """Exactly ``size`` bytes from ``sock``, into ``into`` (a view of that size) or a fresh buffer (not zero-filled
+    first); EOFError when the peer closes before they have all come."""
+    view = memoryview(np.empty(size, np.uint8)).cast("B") if into is None else into
+    got = 0
+    while got < size:
+        count = sock.recv_into(view[got:], size - got)
+        if not count:
+            raise EOFError(f"the connection closed after {got} of {size} bytes")
+        got += count
+    return view
+
+
+class ReceiveBuffers:
+    """Receive buffers one client keeps for reuse, at most ``keep_bytes`` of them idle. A fetch leases one big
+    enough for all its chunks and gives it back once every chunk is decoded: its pages are then touched once,
+    not on every fetch (faulting in fresh pages costs about as much CPU as the transfer itself)."""
+
+    def __init__(self, keep_bytes: int) -> None:
+        self.keep_bytes = keep_bytes
+        self._idle: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def lease(self, size: int) -> Iterator[memoryview]:
+        """A buffer of ``size`` bytes, this lease's alone until the context ends."""
+        with self._lock:  # idle buffers are kept smallest first: take the first that fits (by position: == on arrays compares bytes)
+            fits = next((i for i, b in enumerate(self._idle) if b.nbytes >= size), None)
+            buffer = self._idle.pop(fits) if fits is not None else np.empty(size, np.uint8)
+        try:
+            yield memoryview(buffer)[:size]
+        finally:
+            with self._lock:
+                self._idle.append(buffer)
+                self._idle.sort(key=lambda b: b.nbytes)
+                while self._idle and sum(b.nbytes for b in self._idle) > self.keep_bytes:
+                    self._idle.pop()  # the largest goes first
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(b.nbytes for b in self._idle)
+
+
+def read_frame(sock: socket.socket) -> tuple[int, int, int]:
+    """The next frame's (kind, index, length)."""
+    return FRAME.unpack(recv_exact(sock, FRAME.size))
+
+
+def connect(host: str, port: int, ticket: bytes, *, timeout: float | None, tls: ssl.SSLContext | None) -> socket.socket:
+    """A connection to the bulk port with ``ticket`` presented (OSError when it cannot be opened)."""
+    sock = socket.create_connection((host.strip("[]"), port), timeout=min(timeout or 10.0, 10.0))
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            sock = tls.wrap_socket(sock, server_hostname=host.strip("[]"))
+        sock.settimeout(timeout or STALL_SECONDS)
+        sock.sendall(MAGIC + ticket)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def bulk_chunks(
+    sock: socket.socket, header: PackHeader, indices: Sequence[int], peer: str, buffer: memoryview | None = None
+) -> Iterator[tuple[int, memoryview]]:
+    """Read the chunks ``indices`` of ``header``'s pack from a bulk connection, in order, as (index, bytes), each
+    into its place in ``buffer`` (their stored sizes end to end) or, without one, a buffer of its own; raises the
+    server's error from an ERROR frame, and Unavailable when the connection breaks off. The connection is
+    closed when the chunks are done or the reader stops."""
+    received, offset = 0, 0
+    try:
+        for expected in indices:
+            kind, index, length = read_frame(sock)
+            if kind == ERROR:
+                raise error_from_frame(recv_exact(sock, min(length, MAX_ERROR_BYTES)))
+            if kind != CHUNK or index != expected or length != header.chunks[expected].stored_bytes:
+                raise InvalidInput(
+                    f"pack {header.key}: the bulk transfer sent frame {kind} for chunk {index} of {length} bytes where chunk "
+                    f"{expected} of {header.chunks[expected].stored_bytes} bytes was expected"
+                )
+            into = None if buffer is None else buffer[offset : offset + length]
+            yield index, recv_exact(sock, length, into)
+            received, offset = received + 1, offset + length
+        kind, _, length = read_frame(sock)
+        if kind == ERROR:
+            raise error_from_frame(recv_exact(sock, min(length, MAX_ERROR_BYTES)))
+        if kind != END:
+            raise InvalidInput(f"pack {header.key}: the bulk transfer went on after the {len(indices)} chunks asked for")
+    except (OSError, EOFError) as exc:
+        raise Unavailable(f"{peer}: the bulk transfer of pack {header.key} broke off after {received} of {len(indices)} chunks: {exc}") from None
+    finally:
+        sock.close()
