@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
-import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -39,8 +37,6 @@ from packstore.format.header import CHUNK_DIGEST, CODEC, CODECS, ChunkInfo, Pack
 # zstd, blake3 and the plane join release the GIL, so chunks are coded in parallel threads. The pool lives as
 # long as the process: its threads keep their decoding buffers warm (packstore.format.codec).
 WORKERS = max(1, min(8, os.cpu_count() or 1))
-HUGE_PAGE_BYTES = 4 << 20
-HUGE_PAGES = os.environ.get("PACKSTORE_HUGE_PAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def _start_pool() -> None:
@@ -162,19 +158,6 @@ def encode_pack(pack: Pack, *, block_positions: int = BLOCK_POSITIONS) -> Encode
     return EncodedPack(header=header, chunks=[stored for stored, _ in results])
 
 
-def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor; one of HUGE_PAGE_BYTES or more lies in memory advised for transparent huge
-    pages (unless ``$PACKSTORE_HUGE_PAGES`` is 0, or the system has none). A fresh pack's memory then faults in
-    2 MiB at a time instead of 4 KiB, and decoding into it costs about a fifth less CPU (docs/benchmarks.md); the
-    memory goes back to the system when the last tensor viewing it is gone."""
-    size = math.prod(shape) * dtype.itemsize
-    if size < HUGE_PAGE_BYTES or not HUGE_PAGES:
-        return torch.empty(shape, dtype=dtype)
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(region, dtype=torch.uint8, count=size).view(dtype).view(shape)  # the tensor keeps region alive
-
-
 class BodyAssembler:
     """Decodes chunks straight into K and V per layer of ``layers`` for positions ``0 .. positions-1`` (all when
     None) on ``device``. On CPU each chunk's planes are interleaved into their place in the layer's tensor (a
@@ -188,12 +171,8 @@ class BodyAssembler:
         self.positions = header.positions if positions is None and header.kind == "knowledge" else positions
         shape = header.tensor_shape if self.positions is None else (header.kv_heads, self.positions, header.head_dim)
         dtype = torch_dtype(header.dtype)
-        if self.device.type == "cpu":  # one region for the whole body: see host_empty
-            both = host_empty((2, len(layers), *shape), dtype)
-            self.keys, self.values = list(both[0]), list(both[1])
-        else:
-            self.keys = [torch.empty(shape, dtype=dtype, device=self.device) for _ in layers]
-            self.values = [torch.empty(shape, dtype=dtype, device=self.device) for _ in layers]
+        self.keys = [torch.empty(shape, dtype=dtype, device=self.device) for _ in layers]
+        self.values = [torch.empty(shape, dtype=dtype, device=self.device) for _ in layers]
         self._slots = {}  # tensor name -> (list, slot)
         for slot, layer in enumerate(layers):
             k_name, v_name = header.tensor_names(layer)

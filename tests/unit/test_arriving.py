@@ -141,24 +141,3 @@ def test_a_layer_that_fails_to_arrive_raises_where_the_model_takes_it() -> None:
     with pytest.raises(IntegrityError):
         for layer in range(3):
             cache.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4), layer)
-
-
-def test_a_large_pack_decodes_into_one_huge_page_region_and_a_small_one_into_plain_tensors(monkeypatch) -> None:
-    import mmap
-
-    import packstore.tensors as tensors
-
-    regions, make_region = [], mmap.mmap
-    monkeypatch.setattr(mmap, "mmap", lambda *a, **k: regions.append(make_region(*a, **k)) or regions[-1])
-    large = make_pack(layers=4, tokens=4000, dim=64)  # 4 MiB and more of K and V
-    small = make_pack(layers=2, tokens=8, dim=16)
-    for huge in (True, False):
-        monkeypatch.setattr(tensors, "HUGE_PAGES", huge and tensors.HUGE_PAGES)
-        for pack in (large, small):
-            regions.clear()
-            decoded = tensors.decode_pack(encode_pack(pack))
-            assert all(torch.equal(a, b) for a, b in zip(decoded.keys + decoded.values, pack.keys + pack.values))
-            assert len(regions) == (1 if tensors.HUGE_PAGES and pack is large else 0)
-            if regions:  # every layer's K and V are contiguous views of the one region
-                base = decoded.keys[0].untyped_storage().data_ptr()
-                assert all(t.is_contiguous() and t.untyped_storage().data_ptr() == base for t in decoded.keys + decoded.values)
