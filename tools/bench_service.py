@@ -9,7 +9,9 @@ rotates), every figure is a median, and the ratios within this one run are what 
 1. GetPack throughput, in MB/s of decoded KV delivered (``header.raw_bytes`` per fetch / wall
    seconds), for 1 and for 16 concurrent clients (threads started together on a barrier) fetching
    a ~2k-token pack (~94 MB of KV, ~80 MB stored) into CPU tensors:
-   service = ``RemoteStore.fetch`` over gRPC from ``packstore serve`` (one RemoteStore per thread);
+   service = ``RemoteStore.fetch`` from ``packstore serve`` (one RemoteStore per thread): GetPack over
+   gRPC, the chunks over the bulk port (the default); stream = the same with ``bulk=False``, the chunks
+   on GetPack's gRPC stream;
    local = ``LmdbStore.fetch`` on a local LMDB store holding the same pack (one store, shared by
    the threads, as LMDB allows one environment per process);
    redis = the Redis-protocol server holding the same stored chunks as plain values (one key per chunk,
@@ -93,7 +95,7 @@ DATA = Path("/work/shared/data/ckc_dev.jsonl")
 FIRST_TOKEN = Sampling(max_new_tokens=1)
 WORKER_CACHE_BYTES = 2 << 30  # the worker's LRU; every pack of this run must fit (checked)
 MB = 1e6
-MODES = ("service", "local", "redis")
+MODES = ("service", "stream", "local", "redis")
 TTFT_MODES = ("prefill", "cold", "warm")
 TTFT_ORDERS = (TTFT_MODES, ("cold", "prefill", "warm"), ("cold", "warm", "prefill"))  # cold precedes warm; prefill moves
 T = TypeVar("T")
@@ -314,14 +316,16 @@ class Clients:
 
 def make_clients(clients: int, service_url: str, local: LmdbStore, redis_address: str, key: str) -> Clients:
     remotes = [RemoteStore(service_url) for _ in range(clients)]
+    streams = [RemoteStore(service_url, bulk=False) for _ in range(clients)]
     caches = [redis_client(redis_address) for _ in range(clients)]
     return Clients(
         fetchers={
             "service": [lambda r=r: r.fetch(key) for r in remotes],
+            "stream": [lambda r=r: r.fetch(key) for r in streams],
             "local": [lambda: local.fetch(key) for _ in range(clients)],
             "redis": [lambda c=c: redis_fetch(c, key) for c in caches],
         },
-        close=[r.close for r in remotes] + [c.close for c in caches],
+        close=[r.close for r in remotes + streams] + [c.close for c in caches],
     )
 
 
@@ -393,33 +397,36 @@ def bench_throughput(
         rate = {m: n * kv / median(times[n, m]) / MB for m in MODES}
         # a throughput ratio is the inverse ratio of wall times
         vs_local, vs_redis = (paired_ratio(times[n, other], times[n, "service"]) for other in ("local", "redis"))
+        stream_vs_redis = paired_ratio(times[n, "redis"], times[n, "stream"])
         rows.append([
-            str(n), f"{rate['service']:.0f}", f"{rate['local']:.0f}", f"{rate['redis']:.0f}",
-            f"{vs_local:.2f}x", f"{vs_redis:.2f}x",
+            str(n), f"{rate['service']:.0f}", f"{rate['stream']:.0f}", f"{rate['local']:.0f}", f"{rate['redis']:.0f}",
+            f"{vs_local:.2f}x", f"{vs_redis:.2f}x", f"{stream_vs_redis:.2f}x",
         ])
     print_table(
         f"1. GetPack throughput, decoded-KV MB/s (median of {repeats}; {built.tokens}-token pack, "
         f"{kv / MB:.1f} MB KV, {built.encoded.stored_bytes / MB:.1f} MB stored, {len(built.encoded.chunks)} chunks)",
-        ["clients", "service MB/s", "local MB/s", "redis MB/s", "service/local", "service/redis"],
+        ["clients", "service MB/s", "stream MB/s", "local MB/s", "redis MB/s", "service/local", "service/redis", "stream/redis"],
         rows,
     )
     print("   MB/s = clients x decoded KV bytes per fetch / wall seconds until the last client has its tensors;")
     print("   ratios = median over repetitions of the ratio within each repetition (the variants run back to back)")
     print("   each mode's first fetch equals the pack as built, tensor for tensor (asserted)")
-    print(f"   {sum(concurrency)} RemoteStores and {sum(concurrency)} redis clients were open; TCP connections from them: "
-          f"to the service {service_conns}, to redis {redis_conns}")
+    print(f"   {2 * sum(concurrency)} RemoteStores and {sum(concurrency)} redis clients were open; TCP connections from them: "
+          f"to the service's gRPC port {service_conns} (a bulk connection lasts one fetch), to redis {redis_conns}")
     print(f"   1-minute load average at the start and end of this section: {load_start}, {load_average()}")
     rows = []
     for n in concurrency:
         per_gb = {m: median(cpu[n, m]) / (n * kv / 1e9) for m in MODES}
         vs_local, vs_redis = (paired_ratio(cpu[n, "service"], cpu[n, other]) for other in ("local", "redis"))
+        stream_vs_redis = paired_ratio(cpu[n, "stream"], cpu[n, "redis"])
         rows.append([
-            str(n), f"{per_gb['service']:.2f}", f"{per_gb['local']:.2f}", f"{per_gb['redis']:.2f}", f"{vs_local:.2f}x", f"{vs_redis:.2f}x",
+            str(n), f"{per_gb['service']:.2f}", f"{per_gb['stream']:.2f}", f"{per_gb['local']:.2f}", f"{per_gb['redis']:.2f}",
+            f"{vs_local:.2f}x", f"{vs_redis:.2f}x", f"{stream_vs_redis:.2f}x",
         ])
     print_table(
         f"1b. CPU cost of the same fetches, CPU seconds per GB of decoded KV (median of {repeats}; "
         "this process + packstore serve + redis-server, user + system)",
-        ["clients", "service CPU s/GB", "local CPU s/GB", "redis CPU s/GB", "service/local", "service/redis"],
+        ["clients", "service CPU s/GB", "stream CPU s/GB", "local CPU s/GB", "redis CPU s/GB", "service/local", "service/redis", "stream/redis"],
         rows,
     )
     print("   CPU time is less sensitive than wall time to other load on a shared machine (10 ms tick resolution)")
