@@ -92,8 +92,9 @@ class ReceiveBuffers:
             with self._lock:
                 self._idle.append(buffer)
                 self._idle.sort(key=lambda b: b.nbytes)
-                while self._idle and sum(b.nbytes for b in self._idle) > self.keep_bytes:
-                    self._idle.pop()  # the largest goes first
+                idle = sum(b.nbytes for b in self._idle)
+                while idle > self.keep_bytes:
+                    idle -= self._idle.pop().nbytes  # the largest goes first
 
     @property
     def idle_bytes(self) -> int:
@@ -106,13 +107,22 @@ def read_frame(sock: socket.socket) -> tuple[int, int, int]:
     return FRAME.unpack(recv_exact(sock, FRAME.size))
 
 
+def _next_frame(sock: socket.socket) -> tuple[int, int, int]:
+    """``read_frame``, raising the error an ERROR frame carries."""
+    kind, index, length = read_frame(sock)
+    if kind == ERROR:
+        raise error_from_frame(recv_exact(sock, min(length, MAX_ERROR_BYTES)))
+    return kind, index, length
+
+
 def connect(host: str, port: int, ticket: bytes, *, timeout: float | None, tls: ssl.SSLContext | None) -> socket.socket:
     """A connection to the bulk port with ``ticket`` presented (OSError when it cannot be opened)."""
-    sock = socket.create_connection((host.strip("[]"), port), timeout=min(timeout or 10.0, 10.0))
+    host = host.strip("[]")  # an IPv6 address as written in a target
+    sock = socket.create_connection((host, port), timeout=min(timeout or 10.0, 10.0))
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if tls is not None:
-            sock = tls.wrap_socket(sock, server_hostname=host.strip("[]"))
+            sock = tls.wrap_socket(sock, server_hostname=host)
         sock.settimeout(timeout or STALL_SECONDS)
         sock.sendall(MAGIC + ticket)
     except BaseException:
@@ -131,9 +141,7 @@ def bulk_chunks(
     received, offset = 0, 0
     try:
         for expected in indices:
-            kind, index, length = read_frame(sock)
-            if kind == ERROR:
-                raise error_from_frame(recv_exact(sock, min(length, MAX_ERROR_BYTES)))
+            kind, index, length = _next_frame(sock)
             if kind != CHUNK or index != expected or length != header.chunks[expected].stored_bytes:
                 raise InvalidInput(
                     f"pack {header.key}: the bulk transfer sent frame {kind} for chunk {index} of {length} bytes where chunk "
@@ -142,10 +150,7 @@ def bulk_chunks(
             into = None if buffer is None else buffer[offset : offset + length]
             yield index, recv_exact(sock, length, into)
             received, offset = received + 1, offset + length
-        kind, _, length = read_frame(sock)
-        if kind == ERROR:
-            raise error_from_frame(recv_exact(sock, min(length, MAX_ERROR_BYTES)))
-        if kind != END:
+        if _next_frame(sock)[0] != END:
             raise InvalidInput(f"pack {header.key}: the bulk transfer went on after the {len(indices)} chunks asked for")
     except (OSError, EOFError) as exc:
         raise Unavailable(f"{peer}: the bulk transfer of pack {header.key} broke off after {received} of {len(indices)} chunks: {exc}") from None

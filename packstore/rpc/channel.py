@@ -67,10 +67,13 @@ class Connection:
             found.append((NAMESPACE_HEADER, self.namespace))
         return found
 
-    def credentials(self) -> grpc.ChannelCredentials:
-        """TLS credentials: the CA to trust (else the system's) and, for mutual TLS, the client's certificate."""
+    def _check_client_pair(self) -> None:
         if bool(self.tls_client_cert) != bool(self.tls_client_key):
             raise InvalidInput("a TLS client certificate needs its key, and a key its certificate")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """TLS credentials: the CA to trust (else the system's) and, for mutual TLS, the client's certificate."""
+        self._check_client_pair()
         return grpc.ssl_channel_credentials(
             root_certificates=_read(self.tls_ca, "TLS CA"),
             private_key=_read(self.tls_client_key, "TLS client key"),
@@ -79,8 +82,7 @@ class Connection:
 
     def ssl_context(self) -> ssl.SSLContext:
         """The same trust and client certificate as ``credentials``, for the bulk port's TLS."""
-        if bool(self.tls_client_cert) != bool(self.tls_client_key):
-            raise InvalidInput("a TLS client certificate needs its key, and a key its certificate")
+        self._check_client_pair()
         try:
             context = ssl.create_default_context(cafile=self.tls_ca or None)
             if self.tls_client_cert:

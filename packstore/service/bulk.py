@@ -84,21 +84,6 @@ def bulk_address(listen: str, bulk_listen: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port) if bulk_listen else 0
 
 
-def server_tls(cert: str, key: str, client_ca: str) -> ssl.SSLContext | None:
-    """The bulk port's TLS: the gRPC port's certificate and key, and its client CA (mutual TLS) when set."""
-    if not cert:
-        return None
-    try:
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(cert, key)
-        if client_ca:
-            context.load_verify_locations(client_ca)
-            context.verify_mode = ssl.CERT_REQUIRED
-    except (OSError, ssl.SSLError) as exc:
-        raise InvalidInput(f"cannot load the TLS files for the bulk port: {exc}") from None
-    return context
-
-
 class BulkServer:
     """Accepts bulk connections on its own thread and serves each on another, at most ``max_connections`` at once."""
 
@@ -144,7 +129,8 @@ class BulkServer:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.settimeout(IDLE_SECONDS)
         if not self._slots.acquire(blocking=False):
-            self._refuse(conn, LimitExceeded("too many bulk connections at once; try again, or read the pack on the gRPC stream"))
+            self._send_error(conn, LimitExceeded("too many bulk connections at once; try again, or read the pack on the gRPC stream"))
+            conn.close()
             return
         try:
             if self.tls is not None:
@@ -157,12 +143,12 @@ class BulkServer:
             self._slots.release()
             conn.close()
 
-    def _refuse(self, conn: socket.socket, error: PackstoreError) -> None:
+    def _send_error(self, conn: socket.socket, error: PackstoreError) -> None:
+        """An ERROR frame, if the client still listens; the connection ends after it (its owner closes it)."""
         try:
             conn.sendall(error_frame(error))
         except OSError:
             pass
-        conn.close()
 
     def _transfer(self, conn: socket.socket, peer: str) -> bool:
         """Serve the next ticket on ``conn``; False when the connection is done with."""
@@ -186,7 +172,7 @@ class BulkServer:
             return True
         except PackstoreError as exc:
             code, fields["error"] = exc.grpc_status, str(exc)
-            self._refuse(conn, exc)
+            self._send_error(conn, exc)
             return False
         except OSError as exc:
             code, fields["error"] = "CANCELLED", f"the client went away: {exc}"
@@ -194,7 +180,7 @@ class BulkServer:
         except Exception as exc:  # an unexpected failure: report INTERNAL, keep serving others
             code = "INTERNAL"
             log.exception("internal error", extra={"fields": {"method": METHOD}})
-            self._refuse(conn, PackstoreError(f"internal error: {exc}"))
+            self._send_error(conn, PackstoreError(f"internal error: {exc}"))
             return False
         finally:
             elapsed = time.perf_counter() - start

@@ -20,12 +20,12 @@ from packstore.errors import InvalidInput, LimitExceeded, PackstoreError
 from packstore.format import PackHeader
 from packstore.format.body import chunks_for
 from packstore.format.signature import Signature
-from packstore.rpc.listen import bind
+from packstore.rpc.listen import bind, server_ssl_context
 from packstore.rpc.messages import ChunkAssembler, bank_info, pack_info, signatures_of, summary_info
 from packstore.rpc.wire import chunk_responses, serialize_get_pack_response
 from packstore.rpc.status import abort_with_error, status_for
 from packstore.service.auth import Auth, Principal
-from packstore.service.bulk import BulkServer, Tickets, bulk_address, server_tls
+from packstore.service.bulk import BulkServer, Tickets, bulk_address
 from packstore.service.config import ServiceConfig
 from packstore.store.namespaces import NamespaceStores
 from packstore.service.metrics import ServiceMetrics
@@ -377,7 +377,7 @@ def build_server(
     address = bulk_address(config.listen, config.bulk_listen)
     bulk = None
     if address is not None:
-        tls = server_tls(config.tls_cert, config.tls_key, config.tls_client_ca)
+        tls = server_ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca)
         bulk = BulkServer(address, Tickets(), metrics, tls=tls, max_connections=config.workers * 4)
     service = PackStoreService(stores, config, metrics, auth, bulk)
     service._track_store_gauges()
