@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
 import reprlib
 import struct
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping, NoReturn
 
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch
@@ -52,7 +53,15 @@ MAX_MODEL_NAME_CHARS = 4096  # the model specifier as given: an alias or a local
 MAX_CREATED_CHARS = 64
 MAX_CODEC_CHARS = 64
 MAX_CHUNK_STORED_BYTES = 1 << 40
+PARSED_ENTRIES = 16  # headers remembered once parsed (PackHeader.from_json)
+PARSED_MAX_BYTES = 1 << 18  # the largest remembered: a 2k-token pack's header is 36 KB, an 8k one's about 140 KB
 _HEX64 = re.compile(r"[0-9a-f]{64}")  # used with fullmatch: no trailing newline
+
+
+def _fields_of(instance: Any) -> dict[str, Any]:
+    """A dataclass's fields as a dict, values as they are (``asdict`` copies every nested value, which took
+    most of the time of encoding a header: its token ids are thousands of ints)."""
+    return {f.name: getattr(instance, f.name) for f in fields(instance)}
 
 
 def canonical_json(value: Any) -> bytes:
@@ -131,7 +140,7 @@ class ChunkInfo:
 
     def to_record(self) -> dict[str, Any]:
         """The header's JSON entry: five fields (the digest named by its algorithm), or seven for a token block."""
-        record = asdict(self)
+        record = _fields_of(self)
         record[record.pop("algorithm")] = record.pop("digest")
         if self.stop_position is None:
             del record["first_position"], record["stop_position"]
@@ -233,7 +242,16 @@ class PackHeader:
         return sum(c.raw_bytes for c in self.chunks)
 
     def to_json(self) -> bytes:
-        record = asdict(self)
+        """The header as stored: canonical JSON sealed by ``pack_sha256``. Made once per header (it is
+        immutable): a service sends the same header with every StatPack and GetPack."""
+        made = self.__dict__.get("_json")
+        if made is None:
+            made = self._sealed_json()
+            object.__setattr__(self, "_json", made)  # a memo beside the fields: not compared, not a field
+        return made
+
+    def _sealed_json(self) -> bytes:
+        record = _fields_of(self)
         record["chunks"] = [c.to_record() for c in self.chunks]
         record["format"] = FORMAT_NAME
         record["version"] = self.version
@@ -251,9 +269,18 @@ class PackHeader:
         return canonical_json(record)
 
     @classmethod
-    def from_json(cls, data: bytes) -> "PackHeader":
+    def from_json(cls, data: bytes | memoryview) -> "PackHeader":
         """Parse a header: IntegrityError if it is not one or its seal or derived fields do not match,
-        InvalidInput naming the field if any field has the wrong JSON type or is out of range."""
+        InvalidInput naming the field if any field has the wrong JSON type or is out of range.
+
+        The last ``PARSED_ENTRIES`` headers parsed (of at most ``PARSED_MAX_BYTES``) are remembered by their
+        bytes and returned as they are (a header is immutable): a service parses the same header for every
+        StatPack and GetPack of a pack, a client again for each, 2 ms apiece for a 2k-token pack."""
+        data = bytes(data)
+        return _remembered_header(data) if len(data) <= PARSED_MAX_BYTES else cls._parse(data)
+
+    @classmethod
+    def _parse(cls, data: bytes) -> "PackHeader":
         try:
             record = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -605,3 +632,6 @@ def _check_chunks(record: Mapping[str, Any]) -> None:
         raise _field_error("chunks", f"must cover positions 0 to {positions - 1} of layers {run[0]}-{run[1] - 1}, got blocks ending at position {next_position - 1}")
     if chunks and next_layer != layers:
         raise _field_error("chunks", f"must cover layers {first_layer} to {layers - 1}, got chunks ending at layer {next_layer - 1}")
+
+
+_remembered_header = functools.lru_cache(maxsize=PARSED_ENTRIES)(PackHeader._parse)

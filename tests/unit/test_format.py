@@ -16,6 +16,7 @@ import torch
 from packstore.errors import IntegrityError, InvalidInput
 from packstore.format import EncodedPack, PackHeader, content_hash, pack_key, parse_key
 from packstore.tensors import Pack, decode_pack, encode_pack, torch_dtype
+from packstore.format import header as header_format
 from packstore.format.header import canonical_json, sha256_hex
 
 FP_A = "a" * 64
@@ -74,6 +75,21 @@ def test_header_json_round_trip_and_is_canonical() -> None:
     assert again.to_json() == data
     assert encoded.header.raw_bytes == 2 * 3 * 2 * 5 * 4 * 4
 
+
+
+def test_headers_are_encoded_once_and_parsed_once_per_bytes() -> None:
+    header = encode_pack(make_pack()).header
+    data = header.to_json()
+    assert header.to_json() is data  # made once: the header is immutable
+    assert dataclasses.replace(header, created="2026-01-02T00:00:00Z").to_json() != data  # a changed copy is encoded afresh
+    parsed = PackHeader.from_json(data)
+    assert PackHeader.from_json(bytearray(data)) is parsed  # the same bytes: the header parsed before
+    with pytest.raises(IntegrityError, match="pack_sha256"):
+        PackHeader.from_json(data.replace(b"one fact", b"One fact"))  # a refusal is never remembered
+    with pytest.raises(IntegrityError, match="pack_sha256"):
+        PackHeader.from_json(data.replace(b"one fact", b"One fact"))
+    big = dataclasses.replace(header, facts=("x" * header_format.PARSED_MAX_BYTES,))
+    assert PackHeader.from_json(big.to_json()) is not PackHeader.from_json(big.to_json())  # too large to remember
 
 def reseal(record: dict) -> bytes:
     """Re-encode a header record with a matching pack_sha256, as a careless writer would."""
