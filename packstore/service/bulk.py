@@ -183,8 +183,4 @@ class BulkServer:
             self._send_error(conn, PackstoreError(f"internal error: {exc}"))
             return False
         finally:
-            elapsed = time.perf_counter() - start
-            self.metrics.requests.labels(METHOD, code).inc()
-            self.metrics.latency.labels(METHOD).observe(elapsed)
-            level = logging.INFO if code == "OK" else logging.WARNING
-            log.log(level, METHOD, extra={"fields": {"method": METHOD, "code": code, "ms": round(elapsed * 1000, 2), "bytes": sent, **fields}})
+            self.metrics.record(METHOD, code, time.perf_counter() - start, {"bytes": sent, **fields})

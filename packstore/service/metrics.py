@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_log = logging.getLogger("packstore.service")
 
 
 class ServiceMetrics:
@@ -17,6 +21,14 @@ class ServiceMetrics:
         self.store_packs = Gauge("packstore_store_packs", "Packs in the store", registry=self.registry)
         self.store_pack_bytes = Gauge("packstore_store_pack_bytes", "Stored bytes of every pack (headers and chunks)", registry=self.registry)
         self.store_bytes = Gauge("packstore_store_file_bytes", "Size of the store's data file", registry=self.registry)
+
+    def record(self, method: str, code: str, seconds: float, fields: dict) -> None:
+        """Count, time and log one finished call (an RPC or a bulk transfer): logged at INFO when ``code`` is
+        OK, else WARNING, with ``fields`` (never a token, only its name)."""
+        self.requests.labels(method, code).inc()
+        self.latency.labels(method).observe(seconds)
+        level = logging.INFO if code == "OK" else logging.WARNING
+        _log.log(level, method, extra={"fields": {"method": method, "code": code, "ms": round(seconds * 1000, 2), **fields}})
 
     def serve(self, address: str) -> None:
         host, _, port = address.rpartition(":")

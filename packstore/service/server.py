@@ -100,11 +100,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             log.exception("internal error", extra={"fields": {"method": method}})
             abort_with_error(context, PackstoreError(f"internal error: {exc}"))
         finally:
-            elapsed = time.perf_counter() - start
-            self.metrics.requests.labels(method, code.name).inc()
-            self.metrics.latency.labels(method).observe(elapsed)
-            level = logging.INFO if code == grpc.StatusCode.OK else logging.WARNING
-            log.log(level, method, extra={"fields": {"method": method, "code": code.name, "ms": round(elapsed * 1000, 2), "peer": context.peer(), **info}})
+            self.metrics.record(method, code.name, time.perf_counter() - start, {"peer": context.peer(), **info})
 
     def _track_store_gauges(self) -> None:
         """Have each scrape read the open namespaces' packs and stored bytes (running counters in an embedded
