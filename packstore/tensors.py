@@ -207,6 +207,7 @@ class BodyAssembler:
             return  # a block past the positions wanted holds nothing of them
         block = _as_3d(shape)  # positions on its middle axis for a knowledge pack; else the tensor is written whole
         offset, count = (held.start, stop - held.start) if header.kind == "knowledge" else (0, block[1])
+        written = []  # the slots whose K this chunk wrote (its V too, once the loop is over)
         for entry in entries:
             if entry.name not in self._slots:
                 continue
@@ -220,8 +221,10 @@ class BodyAssembler:
                 planes.write(_elements(staged), first, block, 0, count)
                 place.copy_(staged, non_blocking=True)  # the staged tensor lives until the copy is done (torch keeps it)
             if target is self.keys:
-                with self._lock:
-                    self._covered[slot] += 1 if self.positions is None else stop - held.start
+                written.append(slot)
+        with self._lock:  # counted only now: a layer is complete only once every chunk wrote both its K and its V
+            for slot in written:
+                self._covered[slot] += 1 if self.positions is None else stop - held.start
 
     def completed(self, index: int) -> list[int]:
         """The slots of chunk ``index``'s layers that every position wanted of has reached (each chunk added once)."""

@@ -12,7 +12,8 @@ import torch
 from packstore.errors import IntegrityError
 from packstore.format.body import EncodedPack
 from packstore.kv.inject import PackLayer, cache_from_pack
-from packstore.tensors import ArrivingPack, encode_pack, start_pack
+from packstore.format import codec
+from packstore.tensors import ArrivingPack, BodyAssembler, encode_pack, start_pack
 from test_format import make_pack
 
 
@@ -141,3 +142,31 @@ def test_a_layer_that_fails_to_arrive_raises_where_the_model_takes_it() -> None:
     with pytest.raises(IntegrityError):
         for layer in range(3):
             cache.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4), layer)
+
+
+def test_a_layer_in_token_blocks_is_complete_only_once_every_block_wrote_its_values_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of one layer decode in parallel threads: the block that completes the layer's positions with its K must
+    not mark the layer complete while its V is still being written (the model would read a half-written V)."""
+    pack = make_pack(layers=1, tokens=8)
+    encoded = encode_pack(pack, block_positions=4)  # one layer in two token blocks
+    assembler = BodyAssembler(encoded.header, encoded.header.body_layers, None)
+    writing_values, resume = threading.Event(), threading.Event()
+    write = codec.Planes.write
+
+    def slow_values(planes, out, first, *args, **kwargs) -> None:
+        if threading.current_thread().name == "second-block" and first > 0:  # the chunk's second tensor: V
+            writing_values.set()
+            assert resume.wait(10)
+        write(planes, out, first, *args, **kwargs)
+
+    monkeypatch.setattr(codec.Planes, "write", slow_values)
+    assembler.add(0, encoded.chunks[0])
+    second = threading.Thread(target=assembler.add, args=(1, encoded.chunks[1]), name="second-block")
+    second.start()
+    assert writing_values.wait(10)  # the second block's K is written, its V is not
+    assert assembler.completed(0) == [] and assembler.completed(1) == []
+    resume.set()
+    second.join()
+    assert assembler.completed(1) == [0]
+    keys, values = assembler.finish()
+    assert torch.equal(keys[0], pack.keys[0]) and torch.equal(values[0], pack.values[0])
