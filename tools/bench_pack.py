@@ -15,7 +15,7 @@ and noisy: repetitions are interleaved and every figure is a median over them):
    decoding the stored layout (token blocks of 1,024 positions) against the same pack written with
    one chunk per whole layer (the layout before blocks).
 3. Codec on the real KV of the ~2k pack in float32, bfloat16 and float16 (model loaded in that
-   dtype): packstore's codec (byteplane-zstd-2) vs. plain zstd level 3 on the same safetensors chunk blobs
+   dtype): packstore's codec (byteplane-3) vs. plain zstd level 3 on the same safetensors chunk blobs
    vs. ZipNN. Ratio = raw / stored bytes; MB/s in raw MB (10^6 bytes), one thread, timed per
    chunk and summed over all chunks. Every decode is checked bit-exact.
 

@@ -39,9 +39,9 @@ ADAPTER_DATA_FIELDS = ("examples", "sha256", "source")
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}  # header dtype -> bytes per element
 DTYPES = tuple(DTYPE_SIZES)
 # Body codecs (packstore.format.codec, docs/format.md §1.4) by the byte-plane container version they hold;
-# writers use CODEC, packs written before it keep "byteplane-zstd".
-CODECS = {"byteplane-zstd": 1, "byteplane-zstd-2": 2}
-CODEC = "byteplane-zstd-2"
+# writers use CODEC; packs written before it keep the codec they were written with.
+CODECS = {"byteplane-zstd": 1, "byteplane-zstd-2": 2, "byteplane-3": 3}
+CODEC = "byteplane-3"
 # Ranges of header fields (docs/format.md §1.1): far beyond any real model, small enough that
 # sizes computed from them stay exact and every way in can refuse a hostile header cheaply.
 MAX_TOKENS = 1 << 20

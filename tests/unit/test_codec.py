@@ -1,4 +1,4 @@
-"""The byte-plane codec: bit-exact on every dtype and odd value, refuses malformed containers, still reads version 1."""
+"""The byte-plane codec: bit-exact on every dtype and odd value, refuses malformed containers, still reads versions 1 and 2."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ def blob_of(*tensors: torch.Tensor) -> bytes:
 
 
 def frame_table(stored: bytes) -> list[tuple[int, int]]:
-    _, _, width, _, _, elements, segment = PREAMBLE.unpack_from(stored)
-    count = 1 + width * -(-elements // segment)
+    _, _, width, transform, _, elements, segment = PREAMBLE.unpack_from(stored)
+    count = 1 + (3 if transform == codec.SPLIT_FLOAT16 else width) * -(-elements // segment)
     return [struct.unpack_from("<BI", stored, PREAMBLE.size + 5 * i) for i in range(count)]
 
 
@@ -48,9 +48,18 @@ def test_rotation_gives_the_exponent_a_plane_of_its_own(dtype: str) -> None:
     assert (planes.plane(0) & 1 == (bits < 0)).all()
 
 
-def test_float16_is_not_rotated() -> None:
-    planes = codec.decode_planes(codec.encode(blob_of(torch.randn(64).half()), "float16"), 1 << 20)
-    assert not planes.rotated
+def test_float16_is_split_so_only_sign_and_exponent_are_entropy_coded() -> None:
+    """float16's 5-bit exponent fills no byte: plane 1 holds bits 10-15 (sign and exponent), plane 0 the low byte,
+    and plane 2 the two top mantissa bits, four elements a byte, a row of 64 elements at one shift."""
+    values = torch.randn(3 * 256 + 70, generator=torch.Generator().manual_seed(9)).half()
+    planes = codec.decode_planes(codec.encode(blob_of(values), "float16"), 1 << 20)
+    bits = values.view(torch.int16).numpy().view(np.uint16).astype(np.int64)
+    assert planes.transform == codec.SPLIT_FLOAT16 and not planes.rotated and len(planes.segments) == 3
+    assert (planes.plane(0) == bits & 0xFF).all() and (planes.plane(1) == bits >> 10).all()
+    packed, first, covered = planes.packed(0, len(values))
+    assert first == 0 and covered == len(values) and len(packed) == 3 * 64 + 64
+    e = np.arange(len(values))
+    assert ((packed[(e // 256) * 64 + e % 64] >> (2 * (e // 64 % 4))) & 3 == (bits >> 8) & 3).all()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -60,25 +69,27 @@ def test_beats_plain_zstd_on_float_data(dtype: str) -> None:
 
 
 def test_planes_are_coded_in_segments_and_noise_is_stored_raw_and_read_in_place() -> None:
-    noise = torch.randint(-(1 << 15), 1 << 15, (3 * codec.SEGMENT + 5,), dtype=torch.int16, generator=torch.Generator().manual_seed(3))
-    blob = blob_of(*noise.view(torch.float16).split(codec.SEGMENT))  # tensors of 65536 elements and one of 5
-    stored = codec.encode(blob, "float16")
+    noise = torch.randint(-(1 << 31), 1 << 31, (3 * codec.SEGMENT + 5,), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
+    blob = blob_of(*noise.view(torch.float32).split(codec.SEGMENT))  # tensors of 65536 elements and one of 5
+    stored = codec.encode(blob, "float32")
     frames = frame_table(stored)
-    assert len(frames) == 1 + 2 * 4  # the header, then 4 segments per plane (the last one of 5 elements)
-    assert [method for method, _ in frames[1:]] == [codec.RAW] * 8
+    assert len(frames) == 1 + 4 * 4  # the header, then 4 segments per plane (the last one of 5 elements)
+    assert [method for method, _ in frames] == [codec.RAW] * 17  # the header too: a few hundred bytes of JSON
     planes = codec.decode_planes(stored, len(blob))
     assert all(np.shares_memory(segment, np.frombuffer(stored, dtype=np.uint8)) for plane in planes.segments for segment in plane)
     assert codec.decode(stored, len(blob)) == blob
 
 
-def test_each_segment_takes_the_smallest_coding() -> None:
-    """A plane of runs (zeros) codes better with zstd's matches than with entropy coding alone: either may win."""
+def test_each_segment_takes_huffman_unless_zstd_is_clearly_smaller() -> None:
+    """An exponent plane is Huffman-coded (it decodes fastest); a plane of runs (zeros, repeated rows) codes far
+    better with zstd's matches, and takes zstd."""
     zeros, noise = torch.zeros(codec.SEGMENT), torch.randn(codec.SEGMENT, generator=torch.Generator().manual_seed(5))
     blob = blob_of(zeros.to(torch.bfloat16), noise.to(torch.bfloat16))
     stored = codec.encode(blob, "bfloat16")
     frames = frame_table(stored)
-    zeros_frame = frames[1 + 2]  # the exponent plane's first segment
+    zeros_frame, noise_frame = frames[1 + 2], frames[1 + 3]  # the exponent plane's segments
     assert zeros_frame[0] == codec.ZSTD and zeros_frame[1] < 100
+    assert noise_frame[0] == codec.HUFFMAN and noise_frame[1] < codec.SEGMENT / 2
     assert codec.decode(stored, len(blob)) == blob
 
 
@@ -97,13 +108,15 @@ def test_segments_end_at_tensor_boundaries() -> None:
     assert codec.segment_for([]) == codec.SEGMENT
 
 
-def test_tensors_across_segment_boundaries_are_joined() -> None:
-    """Containers whose segments do not end at tensor boundaries (writers before, or other writers) still read:
-    a tensor spanning segments is joined from their parts; one within a segment is read straight from it."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tensors_across_segment_boundaries_are_joined(dtype: str) -> None:
+    """Containers whose segments do not end at tensor boundaries (writers before, other writers, tensors larger than
+    a segment) still read: a tensor spanning segments is joined from their parts (the float16 split's packed bits
+    packed again for it); one within a segment is read straight from it."""
     gen = torch.Generator().manual_seed(8)
-    key, value = (torch.randn(3, 40, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
+    key, value = (torch.randn(3, 40, 16, generator=gen).to(DTYPES[dtype]) for _ in range(2))
     blob = blob_of(key, value)
-    stored = codec.encode(blob, "bfloat16", segment=700)  # 1,920-element tensors over 700-element segments
+    stored = codec.encode(blob, dtype, segment=700)  # 1,920-element tensors over 700-element segments
     assert codec.decode(stored, len(blob)) == blob
     planes = codec.decode_planes(stored, len(blob))
     assert planes.segment == 700 and len(planes.segments[1]) == 6
@@ -152,20 +165,56 @@ def version_1(blob: bytes, width: int) -> bytes:
     return struct.pack("<4sBBB", b"PSBP", 1, width, width + 1) + table + b"".join(body for _, body in frames)
 
 
+def version_2(blob: bytes, dtype: str, segment: int = 700) -> bytes:
+    """A container as codec ``byteplane-zstd-2`` (version 2) wrote it: float32/bfloat16 rotated, float16 not, every
+    plane in segments, each a level-1 zstd frame."""
+    width = DTYPES[dtype].itemsize
+    split = codec.safetensors_split(blob)
+    elements = np.frombuffer(blob, dtype=np.dtype(f"<u{width}"), offset=split)
+    transform = codec.ROTATE_LEFT_1 if dtype in codec.ROTATED else codec.NO_TRANSFORM
+    if transform:
+        elements = (elements << 1) | (elements >> (8 * width - 1))
+    planes = elements.view(np.uint8).reshape(-1, width)
+    parts = [blob[:split]] + [np.ascontiguousarray(planes[s : s + segment, j]).tobytes() for j in range(width) for s in range(0, len(elements), segment)]
+    frames = [zstandard.ZstdCompressor(level=1).compress(p) for p in parts]
+    table = b"".join(struct.pack("<BI", codec.ZSTD, len(f)) for f in frames)
+    return PREAMBLE.pack(b"PSBP", 2, width, transform, split, len(elements), segment) + table + b"".join(frames)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_version_1_containers_still_decode(dtype: str) -> None:
-    blob = blob_of(torch.randn(2, 30, 8).to(DTYPES[dtype]))
+def test_version_1_and_2_containers_still_decode(dtype: str) -> None:
+    blob = blob_of(torch.randn(2, 30, 8).to(DTYPES[dtype]), torch.randn(3, 300, 2).to(DTYPES[dtype]))
     old = version_1(blob, DTYPES[dtype].itemsize)
     assert codec.decode(old, len(blob)) == blob
     assert not codec.decode_planes(old, len(blob), version=1).rotated
+    two = version_2(blob, dtype)
+    assert codec.decode(two, len(blob)) == blob
+    assert codec.decode_planes(two, len(blob), version=2).transform == (codec.ROTATE_LEFT_1 if dtype in codec.ROTATED else codec.NO_TRANSFORM)
+
+
+def test_version_2_containers_cannot_hold_what_version_3_added() -> None:
+    """Huffman frames and the float16 split are version 3's: a version-2 container naming them is malformed."""
+    blob = blob_of(torch.randn(4, 64).half())
+    three = bytearray(codec.encode(blob, "float16"))
+    assert three[4] == 3 and three[6] == codec.SPLIT_FLOAT16
+    three[4] = 2
+    with pytest.raises(IntegrityError, match="version 2 with 2-byte elements, transform 2"):
+        codec.decode(bytes(three), len(blob))
+    bf16 = bytearray(codec.encode(blob_of(torch.randn(4, 4096).to(torch.bfloat16)), "bfloat16"))
+    assert codec.HUFFMAN in [method for method, _ in frame_table(bytes(bf16))]
+    bf16[4] = 2
+    with pytest.raises(IntegrityError, match="unknown byte-plane frame method 2 .container version 2"):
+        codec.decode(bytes(bf16), 1 << 20)
 
 
 def test_a_container_of_another_version_than_the_packs_codec_is_refused() -> None:
     blob = blob_of(torch.randn(8, 8))
-    with pytest.raises(IntegrityError, match="version 2, where the pack's codec has version 1"):
+    with pytest.raises(IntegrityError, match="version 3, where the pack's codec has version 1"):
         codec.decode_planes(codec.encode(blob, "float32"), len(blob), version=1)
-    with pytest.raises(IntegrityError, match="version 1, where the pack's codec has version 2"):
-        codec.decode_planes(version_1(blob, 4), len(blob), version=2)
+    with pytest.raises(IntegrityError, match="version 1, where the pack's codec has version 3"):
+        codec.decode_planes(version_1(blob, 4), len(blob), version=3)
+    with pytest.raises(IntegrityError, match="version 2, where the pack's codec has version 3"):
+        codec.decode_planes(version_2(blob, "float32"), len(blob), version=3)
 
 
 @pytest.mark.parametrize(
@@ -188,8 +237,20 @@ def test_malformed_containers_are_refused(mangle, message) -> None:
 
 def test_corrupt_zstd_frame_is_refused() -> None:
     stored = bytearray(codec.encode(blob_of(torch.zeros(64, 64)), "float32"))
+    assert frame_table(bytes(stored))[-1][0] == codec.ZSTD
     stored[-3] ^= 0xFF  # inside the last (highly compressed) plane frame
     with pytest.raises(IntegrityError):
+        codec.decode(bytes(stored), 1 << 20)
+
+
+def test_corrupt_huffman_frame_is_refused_naming_the_frame() -> None:
+    blob = blob_of(torch.randn(4, 4096, generator=torch.Generator().manual_seed(10)))
+    stored = bytearray(codec.encode(blob, "float32"))
+    table = frame_table(bytes(stored))
+    assert table[-1][0] == codec.HUFFMAN
+    start = len(stored) - table[-1][1]
+    stored[start + 1] = 0  # the frame now lists one code length: not a complete code
+    with pytest.raises(IntegrityError, match=r"code lengths do not form a complete prefix code of at most 11 bits \(frame 0\)"):
         codec.decode(bytes(stored), 1 << 20)
 
 

@@ -317,7 +317,7 @@ def test_validate_encoded_demands_every_chunk_and_the_codec() -> None:
     header.validate()
     with pytest.raises(InvalidInput, match="'chunks' must list the stored chunks of all 3 layers"):
         header.validate(encoded=True)
-    with pytest.raises(InvalidInput, match=r"'codec' must be one of \['byteplane-zstd', 'byteplane-zstd-2'\]"):
+    with pytest.raises(InvalidInput, match=r"'codec' must be one of \['byteplane-3', 'byteplane-zstd', 'byteplane-zstd-2'\]"):
         dataclasses.replace(encode_pack(make_pack()).header, codec="").validate(encoded=True)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import blake3
 import lmdb
+import pytest
 import torch
 import zstandard
 from safetensors.torch import load as safetensors_load
@@ -22,31 +23,82 @@ def canonical(value) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def byteplane_decode(stored: bytes) -> bytes:
-    """The byte-plane container (version 2) of docs/format.md §1.4, decoded from its description."""
+def huffman_decode(frame: bytes, count: int) -> bytes:
+    """A Huffman frame (method 2) of docs/format.md §1.4, decoded from its description, one bit at a time."""
+    first, used = frame[0], frame[1] + 1
+    nibbles = [byte >> shift & 15 for byte in frame[2 : 2 + (used + 1) // 2] for shift in (0, 4)]
+    lengths = {first + i: length for i, length in enumerate(nibbles[:used]) if length}
+    assert max(lengths.values()) <= 11 and sum(2 ** (11 - length) for length in lengths.values()) == 2**11
+    codes, code = {}, 0
+    for length in range(1, 12):
+        for value in sorted(v for v, n in lengths.items() if n == length):
+            codes[(length, code)] = value
+            code += 1
+        code <<= 1
+    at = 2 + (used + 1) // 2
+    sizes = list(struct.unpack_from("<3I", frame, at))
+    bounds = [at + 12]
+    for size in sizes + [len(frame) - at - 12 - sum(sizes)]:
+        bounds.append(bounds[-1] + size)
+    quarter = -(-count // 4)
+    out = []
+    for k in range(4):
+        stream = frame[bounds[k] : bounds[k + 1]]
+        bit = 0
+        for _ in range(max(0, min((k + 1) * quarter, count) - k * quarter)):
+            length = code = 0
+            while (length, code) not in codes:
+                code, length, bit = code << 1 | (stream[bit // 8] >> (bit % 8)) & 1, length + 1, bit + 1
+            out.append(codes[(length, code)])
+        assert (bit + 7) // 8 == len(stream)
+    return bytes(out)
+
+
+def byteplane_decode(stored: bytes, seen: set[int]) -> bytes:
+    """The byte-plane container (versions 3 and 2) of docs/format.md §1.4, decoded from its description; the frame
+    methods met are added to ``seen``."""
     magic, version, width, transform, header_len, elements, segment = struct.unpack_from("<4sBBBIQI", stored)
-    assert (magic, version) == (b"PSBP", 2) and transform in (0, 1)
+    assert magic == b"PSBP" and version in (2, 3) and transform in (0, 1, 2)
     per_plane = -(-elements // segment)
-    count = 1 + width * per_plane
+    plane_count = 3 if transform == 2 else width
+    count = 1 + plane_count * per_plane
     table = [struct.unpack_from("<BI", stored, 23 + 5 * i) for i in range(count)]
-    plain_lengths = [header_len] + [min(segment, elements - s) for _ in range(width) for s in range(0, elements, segment)]
+    sizes = [min(segment, elements - s) for s in range(0, elements, segment)]
+    packed = [(n // 256) * 64 + min(n % 256, 64) for n in sizes]
+    plain_lengths = [header_len] + [size for j in range(plane_count) for size in (packed if transform == 2 and j == 2 else sizes)]
     offset, parts = 23 + 5 * count, []
     for (method, stored_len), plain_len in zip(table, plain_lengths):
         body = stored[offset : offset + stored_len]
         offset += stored_len
-        part = body if method == 0 else zstandard.ZstdDecompressor().decompress(body, max_output_size=plain_len)
+        seen.add(method)
+        if method == 0:
+            part = body
+        elif method == 1:
+            part = zstandard.ZstdDecompressor().decompress(body, max_output_size=plain_len)
+        else:
+            part = huffman_decode(body, plain_len)
         assert len(part) == plain_len
         parts.append(part)
     assert offset == len(stored)
-    planes = [b"".join(parts[1 + j * per_plane : 1 + (j + 1) * per_plane]) for j in range(width)]
-    rotated = [int.from_bytes(bytes(plane[i] for plane in planes), "little") for i in range(elements)]
-    bits = 8 * width
-    values = [(v >> 1) | ((v & 1) << (bits - 1)) for v in rotated] if transform == 1 else rotated
+    planes = [parts[1 + j * per_plane : 1 + (j + 1) * per_plane] for j in range(plane_count)]
+    if transform == 2:
+        low, high = b"".join(planes[0]), b"".join(planes[1])
+        values = []
+        for i in range(elements):
+            group, e = planes[2][i // segment], i % segment
+            bits = group[(e // 256) * 64 + e % 64] >> (2 * (e // 64 % 4)) & 3
+            values.append(high[i] << 10 | bits << 8 | low[i])
+    else:
+        joined = [b"".join(plane) for plane in planes]
+        values = [int.from_bytes(bytes(plane[i] for plane in joined), "little") for i in range(elements)]
+        if transform == 1:
+            values = [(v >> 1) | ((v & 1) << (8 * width - 1)) for v in values]
     return parts[0] + b"".join(v.to_bytes(width, "little") for v in values)
 
 
-def test_stored_pack_decodes_by_the_document_alone(store_path: Path) -> None:
-    pack = make_pack("bfloat16")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_stored_pack_decodes_by_the_document_alone(store_path: Path, dtype: str) -> None:
+    pack = make_pack(dtype, layers=2, tokens=40, dim=64)  # large enough for Huffman frames
     with LmdbStore(store_path) as store:
         store.put(encode_pack(pack), name="doc-test")
 
@@ -58,7 +110,7 @@ def test_stored_pack_decodes_by_the_document_alone(store_path: Path) -> None:
         raw_header = txn.get(key.encode(), db=packs)
         header = json.loads(raw_header)
         assert canonical(header) == raw_header
-        assert header["format"] == "packstore-pack" and header["version"] == 4 and header["codec"] == "byteplane-zstd-2"
+        assert header["format"] == "packstore-pack" and header["version"] == 4 and header["codec"] == "byteplane-3"
         sealed = {k: v for k, v in header.items() if k != "pack_sha256"}
         assert header["pack_sha256"] == hashlib.sha256(canonical(sealed)).hexdigest()
 
@@ -68,16 +120,17 @@ def test_stored_pack_decodes_by_the_document_alone(store_path: Path) -> None:
         assert key == f"{header['model_fp']}/{header['template_fp']}/{content_hash}"
         assert header["source_sha256"] == hashlib.sha256(canonical(header["facts"])).hexdigest()
 
-        tensors = {}
+        tensors, methods = {}, set()
         for index, info in enumerate(header["chunks"]):
             data = txn.get(key.encode() + b"#" + struct.pack(">I", index), db=chunks)
             assert len(data) == info["stored_bytes"]
             assert blake3.blake3(data).hexdigest() == info["blake3"]
-            part = safetensors_load(byteplane_decode(data))
+            part = safetensors_load(byteplane_decode(data, methods))
             assert set(part) == {f"layers.{i}.{kv}" for i in range(info["first_layer"], info["stop_layer"]) for kv in ("key", "value")}
             assert sum(t.numel() * t.element_size() for t in part.values()) == info["raw_bytes"]
             tensors.update(part)
     env.close()
+    assert 2 in methods  # Huffman frames were among those decoded
 
     for i in range(header["layers"]):
         for name, expected in (("key", pack.keys[i]), ("value", pack.values[i])):
