@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -173,10 +174,11 @@ class BodyAssembler:
         dtype = torch_dtype(header.dtype)
         self.keys = [torch.empty(shape, dtype=dtype, device=self.device) for _ in layers]
         self.values = [torch.empty(shape, dtype=dtype, device=self.device) for _ in layers]
-        self._slots = {}  # tensor name -> (list, slot)
+        self._slots = {}  # tensor name -> (list, slot, its elements as unsigned ints on the CPU: None elsewhere)
         for slot, layer in enumerate(layers):
             k_name, v_name = header.tensor_names(layer)
-            self._slots[k_name], self._slots[v_name] = (self.keys, slot), (self.values, slot)
+            for name, target in ((k_name, self.keys), (v_name, self.values)):
+                self._slots[name] = (target, slot, _elements(target[slot]) if self.device.type == "cpu" else None)
         self._covered = [0] * len(layers)
         self._lock = threading.Lock()
 
@@ -211,10 +213,10 @@ class BodyAssembler:
         for entry in entries:
             if entry.name not in self._slots:
                 continue
-            target, slot = self._slots[entry.name]
+            target, slot, elements = self._slots[entry.name]
             first = entry.start // planes.element_size
-            if self.device.type == "cpu":
-                planes.write(_elements(target[slot]), first, block, offset, count)
+            if elements is not None:
+                planes.write(elements, first, block, offset, count)
             else:
                 place = target[slot][:, held.start : stop] if header.kind == "knowledge" else target[slot]
                 staged = torch.empty(place.shape, dtype=place.dtype, pin_memory=self.device.type == "cuda")
@@ -257,7 +259,7 @@ def _elements(tensor: torch.Tensor) -> np.ndarray:
 def _as_3d(shape: tuple[int, ...]) -> tuple[int, int, int]:
     """``shape`` as ``[A, P, D]``: leading axes merged, positions (the second-to-last axis) and the last kept."""
     padded = (1, 1, *shape)
-    return int(np.prod(padded[:-2], dtype=np.int64)), padded[-2], padded[-1]
+    return math.prod(padded[:-2]), padded[-2], padded[-1]
 
 
 def decode_part(

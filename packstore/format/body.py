@@ -7,6 +7,7 @@ tensors is the torch side, in ``packstore.tensors``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -191,10 +192,26 @@ def tensor_table(blob: bytes | bytearray | memoryview) -> list[TensorEntry]:
     return [TensorEntry(e.name, e.dtype, e.shape, data_start + e.start, data_start + e.stop) for e in entries]
 
 
-def data_table(head: bytes | bytearray | memoryview, data_len: int) -> list[TensorEntry]:
+def data_table(head: bytes | bytearray | memoryview, data_len: int) -> tuple[TensorEntry, ...]:
     """``tensor_table`` of a blob given as its header (size field and JSON table, exactly) and the length of
     the data section that follows, with byte ranges relative to that section: for decoding the data
-    straight into place without the blob ever being put together."""
+    straight into place without the blob ever being put together. Small tables are parsed once per distinct
+    bytes (a pack's chunks repeat theirs from fetch to fetch, and packs of one model share them)."""
+    if len(head) <= REMEMBERED_TABLE_BYTES:
+        return _remembered_table(bytes(head), data_len)
+    return _parse_table(head, data_len)
+
+
+REMEMBERED_TABLE_BYTES = 4096
+REMEMBERED_TABLES = 4096  # about 1 MB at most; a chunk of one layer's K and V has a table of about 200 bytes
+
+
+@functools.lru_cache(maxsize=REMEMBERED_TABLES)
+def _remembered_table(head: bytes, data_len: int) -> tuple[TensorEntry, ...]:
+    return _parse_table(head, data_len)  # a table refused raises: lru_cache remembers only results
+
+
+def _parse_table(head: bytes | bytearray | memoryview, data_len: int) -> tuple[TensorEntry, ...]:
     if len(head) < 8 or 8 + struct.unpack_from("<Q", head)[0] != len(head):
         raise IntegrityError(f"safetensors header of {len(head)} bytes does not match its size field")
     if len(head) - 8 > MAX_TABLE_BYTES:
@@ -226,4 +243,4 @@ def data_table(head: bytes | bytearray | memoryview, data_len: int) -> list[Tens
     if end != data_len:
         after = f"after tensor {previous.name!r}" if previous else "and no tensors"
         raise IntegrityError(f"safetensors data section has {data_len - end} trailing bytes {after} (tensors must cover it exactly)")
-    return entries
+    return tuple(entries)
