@@ -9,9 +9,11 @@ rotates), every figure is a median, and the ratios within this one run are what 
 1. GetPack throughput, in MB/s of decoded KV delivered (``header.raw_bytes`` per fetch / wall
    seconds), for 1 and for 16 concurrent clients (threads started together on a barrier) fetching
    a ~2k-token pack (~94 MB of KV, ~80 MB stored) into CPU tensors:
-   service = ``RemoteStore.fetch`` from ``packstore serve`` (one RemoteStore per thread): GetPack over
-   gRPC, the chunks over the bulk port (the default); stream = the same with ``bulk=False``, the chunks
-   on GetPack's gRPC stream;
+   service = ``RemoteStore.fetch`` from ``packstore serve`` (one RemoteStore per thread), as it runs by
+   default: GetPack over gRPC, then, the pack being hot in the service (it was just uploaded), its sealed
+   segment mapped over the local bulk socket (client and service share this host); tcp = the same with
+   ``local_bulk=False``: the chunks over the bulk port's TCP connection, sent from the hot segment, as a
+   client on another host gets them; stream = ``bulk=False``, the chunks on GetPack's gRPC stream;
    local = ``LmdbStore.fetch`` on a local LMDB store holding the same pack (one store, shared by
    the threads, as LMDB allows one environment per process);
    redis = the Redis-protocol server holding the same stored chunks as plain values (one key per chunk,
@@ -21,11 +23,14 @@ rotates), every figure is a median, and the ratios within this one run are what 
    Each variant's first fetch is compared tensor by tensor with the pack as built (asserted).
 2. Time to first token (``max_new_tokens=1``) for packs of ~512 and ~2k tokens:
    cold = ``Generate`` on the worker with a pack not yet in its LRU (a distinct pack per
-   repetition, all uploaded beforehand: the worker fetches it from the service, injects it and
-   prefills the question); warm = the same pack asked again (now in the LRU; asserted through
-   ``GenerateDone.cache_hit``); prefill = the same facts as prompt text (``answer_with_text``) in
-   this process while the worker is idle. Time to first token is until the first streamed
-   response. The first generated token id is compared between the three.
+   repetition, all uploaded beforehand, so hot in the service: the worker maps it over the local
+   bulk socket, decodes and injects it and prefills the question); cold, store = the same with
+   another distinct pack written straight into the service's store, so not hot in the service
+   either (it reads and verifies the chunks from its store and sends them over the local socket);
+   warm = the first pack asked again (now in the LRU; asserted through ``GenerateDone.cache_hit``);
+   prefill = the same facts as prompt text (``answer_with_text``) in this process while the worker is
+   idle. Time to first token is until the first streamed response. The first generated token id is
+   compared between the four.
 
 Torch runs one intra-op thread in the worker and in this process by default (``--threads``), as
 ``tools/bench_pack.py`` does and docs/operations.md advises where the worker shares its cores: here
@@ -95,9 +100,11 @@ DATA = Path("/work/shared/data/ckc_dev.jsonl")
 FIRST_TOKEN = Sampling(max_new_tokens=1)
 WORKER_CACHE_BYTES = 2 << 30  # the worker's LRU; every pack of this run must fit (checked)
 MB = 1e6
-MODES = ("service", "stream", "local", "redis")
-TTFT_MODES = ("prefill", "cold", "warm")
-TTFT_ORDERS = (TTFT_MODES, ("cold", "prefill", "warm"), ("cold", "warm", "prefill"))  # cold precedes warm; prefill moves
+MODES = ("service", "tcp", "stream", "local", "redis")
+RATIOS = (("service", "local"), ("service", "redis"), ("tcp", "redis"), ("stream", "redis"))  # (variant, against)
+TTFT_MODES = ("prefill", "cold", "cold, store", "warm")
+# cold precedes warm; prefill and the store's cold pack move
+TTFT_ORDERS = (TTFT_MODES, ("cold", "cold, store", "prefill", "warm"), ("cold, store", "cold", "warm", "prefill"))
 T = TypeVar("T")
 
 
@@ -316,16 +323,18 @@ class Clients:
 
 def make_clients(clients: int, service_url: str, local: LmdbStore, redis_address: str, key: str) -> Clients:
     remotes = [RemoteStore(service_url) for _ in range(clients)]
+    tcps = [RemoteStore(service_url, local_bulk=False) for _ in range(clients)]
     streams = [RemoteStore(service_url, bulk=False) for _ in range(clients)]
     caches = [redis_client(redis_address) for _ in range(clients)]
     return Clients(
         fetchers={
             "service": [lambda r=r: r.fetch(key) for r in remotes],
+            "tcp": [lambda r=r: r.fetch(key) for r in tcps],
             "stream": [lambda r=r: r.fetch(key) for r in streams],
             "local": [lambda: local.fetch(key) for _ in range(clients)],
             "redis": [lambda c=c: redis_fetch(c, key) for c in caches],
         },
-        close=[r.close for r in remotes + streams] + [c.close for c in caches],
+        close=[r.close for r in remotes + tcps + streams] + [c.close for c in caches],
     )
 
 
@@ -396,37 +405,29 @@ def bench_throughput(
     for n in concurrency:
         rate = {m: n * kv / median(times[n, m]) / MB for m in MODES}
         # a throughput ratio is the inverse ratio of wall times
-        vs_local, vs_redis = (paired_ratio(times[n, other], times[n, "service"]) for other in ("local", "redis"))
-        stream_vs_redis = paired_ratio(times[n, "redis"], times[n, "stream"])
-        rows.append([
-            str(n), f"{rate['service']:.0f}", f"{rate['stream']:.0f}", f"{rate['local']:.0f}", f"{rate['redis']:.0f}",
-            f"{vs_local:.2f}x", f"{vs_redis:.2f}x", f"{stream_vs_redis:.2f}x",
-        ])
+        ratios = [paired_ratio(times[n, other], times[n, mode]) for mode, other in RATIOS]
+        rows.append([str(n), *(f"{rate[m]:.0f}" for m in MODES), *(f"{r:.2f}x" for r in ratios)])
     print_table(
         f"1. GetPack throughput, decoded-KV MB/s (median of {repeats}; {built.tokens}-token pack, "
         f"{kv / MB:.1f} MB KV, {built.encoded.stored_bytes / MB:.1f} MB stored, {len(built.encoded.chunks)} chunks)",
-        ["clients", "service MB/s", "stream MB/s", "local MB/s", "redis MB/s", "service/local", "service/redis", "stream/redis"],
+        ["clients", *(f"{m} MB/s" for m in MODES), *(f"{mode}/{other}" for mode, other in RATIOS)],
         rows,
     )
     print("   MB/s = clients x decoded KV bytes per fetch / wall seconds until the last client has its tensors;")
     print("   ratios = median over repetitions of the ratio within each repetition (the variants run back to back)")
     print("   each mode's first fetch equals the pack as built, tensor for tensor (asserted)")
-    print(f"   {2 * sum(concurrency)} RemoteStores and {sum(concurrency)} redis clients were open; TCP connections from them: "
+    print(f"   {3 * sum(concurrency)} RemoteStores and {sum(concurrency)} redis clients were open; TCP connections from them: "
           f"to the service's gRPC port {service_conns} (a bulk connection lasts one fetch), to redis {redis_conns}")
     print(f"   1-minute load average at the start and end of this section: {load_start}, {load_average()}")
     rows = []
     for n in concurrency:
         per_gb = {m: median(cpu[n, m]) / (n * kv / 1e9) for m in MODES}
-        vs_local, vs_redis = (paired_ratio(cpu[n, "service"], cpu[n, other]) for other in ("local", "redis"))
-        stream_vs_redis = paired_ratio(cpu[n, "stream"], cpu[n, "redis"])
-        rows.append([
-            str(n), f"{per_gb['service']:.2f}", f"{per_gb['stream']:.2f}", f"{per_gb['local']:.2f}", f"{per_gb['redis']:.2f}",
-            f"{vs_local:.2f}x", f"{vs_redis:.2f}x", f"{stream_vs_redis:.2f}x",
-        ])
+        ratios = [paired_ratio(cpu[n, mode], cpu[n, other]) for mode, other in RATIOS]
+        rows.append([str(n), *(f"{per_gb[m]:.2f}" for m in MODES), *(f"{r:.2f}x" for r in ratios)])
     print_table(
         f"1b. CPU cost of the same fetches, CPU seconds per GB of decoded KV (median of {repeats}; "
         "this process + packstore serve + redis-server, user + system)",
-        ["clients", "service CPU s/GB", "stream CPU s/GB", "local CPU s/GB", "redis CPU s/GB", "service/local", "service/redis", "stream/redis"],
+        ["clients", *(f"{m} CPU s/GB" for m in MODES), *(f"{mode}/{other}" for mode, other in RATIOS)],
         rows,
     )
     print("   CPU time is less sensitive than wall time to other load on a shared machine (10 ms tick resolution)")
@@ -465,17 +466,20 @@ def prefill_first_token(lm: LoadedModel, case: Built) -> FirstToken:
     return FirstToken(seconds, answer.token_ids[0] if answer.token_ids else None)
 
 
-def measure(lm: LoadedModel, stub: worker_pb2_grpc.WorkerStub, case: Built, mode: str) -> FirstToken:
+def measure(lm: LoadedModel, stub: worker_pb2_grpc.WorkerStub, case: tuple[Built, Built], mode: str) -> FirstToken:
+    """``case``: a pack uploaded through the service (hot there), and one written straight into its store."""
     gc.collect()
+    uploaded, stored = case
     if mode == "prefill":
-        return prefill_first_token(lm, case)
-    result = worker_first_token(stub, case.key, case.question)
+        return prefill_first_token(lm, uploaded)
+    result = worker_first_token(stub, (stored if mode == "cold, store" else uploaded).key, uploaded.question)
     assert result.cache_hit == (mode == "warm"), f"{mode} request reported cache_hit={result.cache_hit}"
     return result
 
 
-def bench_ttft(lm: LoadedModel, worker_address: str, cases: dict[int, list[Built]], repeats: int) -> None:
-    """``cases[size]``: repeats + 1 distinct packs of that size; the first warms the worker up."""
+def bench_ttft(lm: LoadedModel, worker_address: str, cases: dict[int, list[tuple[Built, Built]]], repeats: int) -> None:
+    """``cases[size]``: repeats + 1 distinct pairs of packs of that size (one uploaded, one written into the service's
+    store); the first warms the worker up."""
     results: dict[tuple[int, str], list[FirstToken]] = {(s, m): [] for s in cases for m in TTFT_MODES}
     load_start = load_average()
     with grpc.insecure_channel(worker_address) as channel:
@@ -489,27 +493,31 @@ def bench_ttft(lm: LoadedModel, worker_address: str, cases: dict[int, list[Built
                 case = packs[r + 1]
                 for mode in TTFT_ORDERS[r % len(TTFT_ORDERS)]:
                     results[size, mode].append(measure(lm, stub, case, mode))
-                log(f"time to first token: repeat {r + 1}/{repeats}, {case.tokens} tokens: "
+                log(f"time to first token: repeat {r + 1}/{repeats}, {case[0].tokens} tokens: "
                     + ", ".join(f"{m} {results[size, m][-1].seconds:.2f}s" for m in TTFT_MODES))
     rows = []
     for size, packs in cases.items():
-        cold, warm, prefill = ([x.seconds for x in results[size, m]] for m in ("cold", "warm", "prefill"))
-        same = sum(len({results[size, m][r].token_id for m in TTFT_MODES}) == 1 for r in range(repeats))
-        tokens = median([p.tokens for p in packs[1:]])
-        kv = median([p.kv_bytes for p in packs[1:]])
+        cold, stored, warm, prefill = ([x.seconds for x in results[size, m]] for m in ("cold", "cold, store", "warm", "prefill"))
+        same = sum(len({results[size, m][r].token_id for m in ("cold", "warm", "prefill")}) == 1 for r in range(repeats))
+        tokens = median([p.tokens for p, _ in packs[1:]])
+        kv = median([p.kv_bytes for p, _ in packs[1:]])
         rows.append([
-            str(size), f"{tokens:.0f}", f"{kv / MB:.1f}", f"{median(cold):.3f}", f"{median(warm):.3f}", f"{median(prefill):.3f}",
-            f"{paired_ratio(prefill, warm):.1f}x", f"{paired_ratio(prefill, cold):.1f}x", f"{paired_ratio(cold, warm):.1f}x",
-            f"{same}/{repeats}",
+            str(size), f"{tokens:.0f}", f"{kv / MB:.1f}", f"{median(cold):.3f}", f"{median(stored):.3f}", f"{median(warm):.3f}",
+            f"{median(prefill):.3f}", f"{paired_ratio(prefill, warm):.1f}x", f"{paired_ratio(prefill, cold):.1f}x",
+            f"{paired_ratio(cold, warm):.2f}x", f"{paired_ratio(stored, warm):.2f}x", f"{same}/{repeats}",
         ])
     print_table(
         f"2. Time to first token through the worker, {MODEL} float32 (median of {repeats}, seconds)",
-        ["size", "pack tokens", "KV MB", "cold s", "warm s", "prefill s", "prefill/warm", "prefill/cold", "cold/warm", "same token"],
+        ["size", "pack tokens", "KV MB", "cold s", "cold, store s", "warm s", "prefill s", "prefill/warm", "prefill/cold",
+         "cold/warm", "cold, store/warm", "same token"],
         rows,
     )
-    print("   cold: a pack not yet in the worker's LRU (cache_hit false, asserted): fetch from the service + decode + inject + question")
-    print("   warm: the same pack again, from the LRU (cache_hit true, asserted); prefill: facts as prompt text, in this process")
-    print("   ratios: median over repetitions of the ratio within each repetition (one pack, its three measurements back to back)")
+    print("   cold: a pack not yet in the worker's LRU (cache_hit false, asserted), uploaded beforehand, so hot in the service:")
+    print("         mapped over the local bulk socket + decode + inject + question")
+    print("   cold, store: another such pack written straight into the service's store, so not hot there either: read,")
+    print("         verified and sent by the service over the local socket + decode + inject + question")
+    print("   warm: the cold pack again, from the LRU (cache_hit true, asserted); prefill: facts as prompt text, in this process")
+    print("   ratios: median over repetitions of the ratio within each repetition (one pair of packs, its measurements back to back)")
     print("   same token: repetitions where cold, warm and prefill produced the same first token id")
     print(f"   1-minute load average at the start and end of this section: {load_start}, {load_average()}")
 
@@ -541,11 +549,11 @@ def main() -> None:
     source = FactSource(lm, args.data)
     log(f"building the {args.throughput_size}-token throughput pack")
     throughput_pack = build(lm, source, args.throughput_size)
-    cases: dict[int, list[Built]] = {}
+    cases: dict[int, list[tuple[Built, Built]]] = {}
     for size in sorted(args.sizes):
-        log(f"building {args.ttft_repeats + 1} packs of {size} tokens")
-        cases[size] = [build(lm, source, size) for _ in range(args.ttft_repeats + 1)]
-    worker_bytes = sum(p.kv_bytes for packs in cases.values() for p in packs)
+        log(f"building {2 * (args.ttft_repeats + 1)} packs of {size} tokens")
+        cases[size] = [(build(lm, source, size), build(lm, source, size)) for _ in range(args.ttft_repeats + 1)]
+    worker_bytes = sum(p.kv_bytes for pairs in cases.values() for pair in pairs for p in pair)
     if worker_bytes > WORKER_CACHE_BYTES:
         raise SystemExit(f"the time-to-first-token packs ({worker_bytes / MB:.0f} MB) do not fit the worker's LRU")
 
@@ -558,8 +566,11 @@ def main() -> None:
         redis_address = redis_server.address
         log(f"servers up: service {server.address}, redis {redis_address}; uploading packs")
         with RemoteStore(server.url) as remote:
-            for built in [throughput_pack, *(p for packs in cases.values() for p in packs)]:
+            for built in [throughput_pack, *(uploaded for pairs in cases.values() for uploaded, _ in pairs)]:
                 remote.put(built.encoded)
+        with LmdbStore(workdir / "service") as service_store:  # the default namespace: the service does not hold these hot
+            for _, stored in (pair for pairs in cases.values() for pair in pairs):
+                service_store.put(stored.encoded)
         with redis_client(redis_address) as cache:
             redis_put(cache, throughput_pack.encoded)
         bench_throughput(

@@ -43,7 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from packstore.service.config import load_config
     from packstore.service.server import serve
 
-    names = ("data", "listen", "bulk_listen", "metrics", "workers", "max_message_bytes", "max_pack_bytes", "max_chunk_bytes", "max_facts_bytes", "max_store_bytes")
+    names = ("data", "listen", "bulk_listen", "bulk_local", "hot_bytes", "metrics", "workers", "max_message_bytes", "max_pack_bytes", "max_chunk_bytes", "max_facts_bytes", "max_store_bytes")
     overrides = {name: getattr(args, name) for name in names + ("auth", "tls_cert", "tls_key", "tls_client_ca", "objects", "s3_endpoint", "cache_bytes")}
     serve(load_config(args.config, overrides))
     return 0
@@ -101,6 +101,11 @@ def build_cli() -> CommandLine:
         "--bulk-listen", metavar="HOST:PORT",
         help="the bulk port GetPack sends chunks through (default: --listen's host, any free port; off: stream on gRPC only)",
     )
+    p.add_argument(
+        "--bulk-local", choices=("on", "off"),
+        help="a local bulk socket too, where clients on this host map hot packs instead of reading them (default on)",
+    )
+    p.add_argument("--hot-bytes", type=int, metavar="N", help="stored bytes of packs kept hot in sealed shared memory for bulk reads (default 1 GiB; 0: none)")
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics here ($PACKSTORE_METRICS)")
     p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings (see docs/operations.md)")
     p.add_argument("--workers", type=int, help="concurrent RPCs (default 16)")

@@ -1,10 +1,14 @@
-"""The service's bulk port: GetPack's chunks sent on a plain TCP (or TLS) connection, for a ticket GetPack issued.
+"""The service's bulk port: GetPack's chunks sent on a plain TCP (or TLS) connection, or on a local socket to a
+client on this host, for a ticket GetPack issued.
 
 GetPack authenticates the caller, resolves the pack and checks identities as always, then hands out a ticket
 naming exactly what it would have streamed (the namespace's store, the header, the chunk indices). The bulk
-port sends those chunks, each read and verified as GetPack's stream does, with one write of framing and one of
-the stored bytes per chunk. A ticket is single-use and lapses after TICKET_SECONDS: that is the bound within
-which a revoked token or a deletion is honoured (a chunk deleted before it is read still fails NOT_FOUND).
+port sends those chunks with one write of framing and one of the stored bytes per chunk: from the pack's hot
+segment when the service holds one (``packstore.service.hot``: verified when it was written, so neither read
+nor hashed again), else read and verified as GetPack's stream does, and written into a new hot segment as they
+go when the ticket is for the whole pack. On the local socket a hot pack goes as its segment's descriptor. A
+ticket is single-use and lapses after TICKET_SECONDS: that is the bound within which a revoked token or a
+deletion is honoured (a chunk deleted before it is read still fails NOT_FOUND, unless the pack is hot).
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ import socket
 import ssl
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Sequence
 
 from packstore.errors import InvalidInput, LimitExceeded, PackstoreError, Unauthenticated
 from packstore.format import PackHeader
-from packstore.rpc.bulk import MAGIC, TICKET_BYTES, chunk_frame, end_frame, error_frame, recv_exact
+from packstore.rpc.bulk import MAGIC, TICKET_BYTES, chunk_frame, end_frame, error_frame, recv_exact, segment_frame
+from packstore.service.hot import HotPacks, Segment
 from packstore.service.metrics import ServiceMetrics
 from packstore.store.protocol import PackStore
 from packstore.v1 import store_pb2
@@ -85,10 +91,20 @@ def bulk_address(listen: str, bulk_listen: str) -> tuple[str, int] | None:
 
 
 class BulkServer:
-    """Accepts bulk connections on its own thread and serves each on another, at most ``max_connections`` at once."""
+    """Accepts bulk connections on its own threads (the TCP port, and with ``local`` an abstract unix socket that
+    only clients on this host and in this network namespace reach) and serves each on another, at most
+    ``max_connections`` at once. ``hot``: the service's hot packs, which transfers read from and add to."""
 
     def __init__(
-        self, address: tuple[str, int], tickets: Tickets, metrics: ServiceMetrics, *, tls: ssl.SSLContext | None, max_connections: int
+        self,
+        address: tuple[str, int],
+        tickets: Tickets,
+        metrics: ServiceMetrics,
+        *,
+        tls: ssl.SSLContext | None,
+        max_connections: int,
+        hot: HotPacks | None = None,
+        local: bool = False,
     ) -> None:
         host, port = address
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -97,51 +113,104 @@ class BulkServer:
         except OSError as exc:
             raise InvalidInput(f"cannot listen on {host}:{port} for bulk transfers: {exc.strerror}") from None
         self.port = self._listener.getsockname()[1]
-        self.tickets, self.metrics, self.tls = tickets, metrics, tls
+        self.local_name, self._local = "", None
+        if local:  # a random name: only a client GetPack told it can find it
+            self.local_name = f"packstore-bulk-{secrets.token_hex(16)}"
+            self._local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._local.bind("\0" + self.local_name)
+            self._local.listen(128)
+        self.tickets, self.metrics, self.tls, self.hot = tickets, metrics, tls, hot
         self._slots = threading.BoundedSemaphore(max_connections)
         self._closed = False
 
     def ticket_message(self, ticket: bytes) -> store_pb2.BulkTicket:
-        """What GetPack sends for ``ticket``: this port, and whether it speaks TLS."""
-        return store_pb2.BulkTicket(port=self.port, ticket=ticket, expires_ms=int(self.tickets.lifetime * 1000), tls=self.tls is not None)
+        """What GetPack sends for ``ticket``: this port, whether it speaks TLS, and the local socket's name."""
+        return store_pb2.BulkTicket(
+            port=self.port, ticket=ticket, expires_ms=int(self.tickets.lifetime * 1000), tls=self.tls is not None, local_socket=self.local_name
+        )
 
     def start(self) -> None:
-        threading.Thread(target=self._accept, name="packstore-bulk", daemon=True).start()
+        threading.Thread(target=self._accept, args=(self._listener, False), name="packstore-bulk", daemon=True).start()
+        if self._local is not None:
+            threading.Thread(target=self._accept, args=(self._local, True), name="packstore-bulk-local", daemon=True).start()
 
     def stop(self) -> None:
         """Take no more connections; transfers under way go on until they end."""
         self._closed = True
         self._listener.close()
+        if self._local is not None:
+            self._local.close()
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket, local: bool) -> None:
         while not self._closed:
             try:
-                conn, peer = self._listener.accept()
+                conn, peer = listener.accept()
             except OSError:
                 if self._closed:
                     return
                 continue  # e.g. out of file descriptors for a moment; keep serving
-            name = f"ipv6:[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"ipv4:{peer[0]}:{peer[1]}"
-            threading.Thread(target=self._serve, args=(conn, name), name="packstore-bulk-conn", daemon=True).start()
+            if local:
+                name = "unix:local"
+            else:
+                name = f"ipv6:[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"ipv4:{peer[0]}:{peer[1]}"
+            threading.Thread(target=self._serve, args=(conn, name, local), name="packstore-bulk-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket, peer: str) -> None:
+    def _serve(self, conn: socket.socket, peer: str, local: bool = False) -> None:
         """One connection: a ticket, its transfer, and again, until the client closes or something fails."""
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if not local:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.settimeout(IDLE_SECONDS)
         if not self._slots.acquire(blocking=False):
             self._send_error(conn, LimitExceeded("too many bulk connections at once; try again, or read the pack on the gRPC stream"))
             conn.close()
             return
         try:
-            if self.tls is not None:
+            if self.tls is not None and not local:
                 conn = self.tls.wrap_socket(conn, server_side=True)
-            while self._transfer(conn, peer):
+            while self._transfer(conn, peer, local):
                 pass
         except (OSError, EOFError) as exc:
             log.debug("bulk connection closed", extra={"fields": {"peer": peer, "reason": str(exc)}})
         finally:
             self._slots.release()
             conn.close()
+
+    def _send_chunk(self, conn: socket.socket, index: int, data: bytes | memoryview) -> int:
+        """One CHUNK frame and its bytes; their count."""
+        conn.sendall(chunk_frame(index, len(data)))
+        conn.sendall(data)
+        self.metrics.bytes_sent.inc(len(data))
+        return len(data)
+
+    def _send_segment(self, conn: socket.socket, segment: Segment, indices: Sequence[int]) -> int:
+        """A SEGMENT frame carrying the hot segment's descriptor and where the ticket's chunks are in it."""
+        entries = [(index, segment.offsets[index], segment.header.chunks[index].stored_bytes) for index in indices]
+        frame = segment_frame(entries)
+        at = socket.send_fds(conn, [frame], [segment.fd])
+        if at < len(frame):
+            conn.sendall(frame[at:])
+        shared = sum(size for _, _, size in entries)
+        self.metrics.bytes_sent.inc(shared)
+        return shared
+
+    def _send_from_store(self, conn: socket.socket, transfer: Transfer) -> int:
+        """The ticket's chunks read (and verified) from the store; when they are the whole pack, also written into a
+        new hot segment, kept once every chunk is sent."""
+        header, indices = transfer.header, transfer.indices
+        writer = self.hot.writer(header) if self.hot is not None and len(indices) == len(header.chunks) else None
+        sent = 0
+        try:
+            for index, data in zip(indices, transfer.store.read_chunks(header, indices)):
+                sent += self._send_chunk(conn, index, data)
+                if writer is not None:
+                    writer.add(index, data)
+            if writer is not None:
+                self.hot.add(writer)
+                writer = None
+            return sent
+        finally:
+            if writer is not None:
+                writer.discard()
 
     def _send_error(self, conn: socket.socket, error: PackstoreError) -> None:
         """An ERROR frame, if the client still listens; the connection ends after it (its owner closes it)."""
@@ -150,7 +219,7 @@ class BulkServer:
         except OSError:
             pass
 
-    def _transfer(self, conn: socket.socket, peer: str) -> bool:
+    def _transfer(self, conn: socket.socket, peer: str, local: bool = False) -> bool:
         """Serve the next ticket on ``conn``; False when the connection is done with."""
         try:
             hello = recv_exact(conn, len(MAGIC) + TICKET_BYTES)
@@ -162,12 +231,15 @@ class BulkServer:
                 raise InvalidInput("not a packstore bulk connection (its first bytes are not the bulk magic)")
             transfer = self.tickets.take(hello[len(MAGIC) :])
             fields |= transfer.fields
-            header = transfer.header
-            for index, data in zip(transfer.indices, transfer.store.read_chunks(header, transfer.indices)):
-                conn.sendall(chunk_frame(index, len(data)))
-                conn.sendall(data)
-                sent += len(data)
-                self.metrics.bytes_sent.inc(len(data))
+            with self.hot.lease(transfer.header) if self.hot is not None else nullcontext() as segment:
+                fields["hot"] = segment is not None
+                self.metrics.hot_reads.labels("hit" if segment is not None else "miss").inc()
+                if segment is not None and local:
+                    sent = self._send_segment(conn, segment, transfer.indices)
+                elif segment is not None:
+                    sent = sum(self._send_chunk(conn, index, segment.chunk(index)) for index in transfer.indices)
+                else:
+                    sent = self._send_from_store(conn, transfer)
             conn.sendall(end_frame())
             return True
         except PackstoreError as exc:

@@ -26,6 +26,7 @@ from packstore.rpc.wire import chunk_responses, serialize_get_pack_response
 from packstore.rpc.status import abort_with_error, status_for
 from packstore.service.auth import Auth, Principal
 from packstore.service.bulk import BulkServer, Tickets, bulk_address
+from packstore.service.hot import HotPacks
 from packstore.service.config import ServiceConfig
 from packstore.store.namespaces import NamespaceStores
 from packstore.service.metrics import ServiceMetrics
@@ -69,13 +70,20 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
     PackStore protocol it uses their streaming side (``begin_upload``, ``read_chunks``)."""
 
     def __init__(
-        self, stores: NamespaceStores, config: ServiceConfig, metrics: ServiceMetrics, auth: Auth | None = None, bulk: BulkServer | None = None
+        self,
+        stores: NamespaceStores,
+        config: ServiceConfig,
+        metrics: ServiceMetrics,
+        auth: Auth | None = None,
+        bulk: BulkServer | None = None,
+        hot: HotPacks | None = None,
     ) -> None:
         self.stores = stores
         self.auth = auth or Auth()
         self.config = config
         self.metrics = metrics
         self.bulk = bulk  # the bulk port GetPack hands tickets for; None: GetPack always streams
+        self.hot = hot  # packs kept in sealed shared memory for the bulk port; uploads join it, deletions leave it
 
     @contextmanager
     def _call(self, method: str, context: grpc.ServicerContext, **fields: object) -> Iterator[Call]:
@@ -116,6 +124,9 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
         self.metrics.store_packs.set_function(lambda: total("packs"))
         self.metrics.store_pack_bytes.set_function(lambda: total("stored_bytes"))
         self.metrics.store_bytes.set_function(self.stores.local_file_bytes)
+        if self.hot is not None:
+            self.metrics.hot_packs.set_function(lambda: len(self.hot))
+            self.metrics.hot_bytes.set_function(lambda: self.hot.bytes)
 
     # -- RPCs ------------------------------------------------------------------------------------
 
@@ -133,6 +144,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             call["key"] = header.key
             upload = call.store.begin_upload(header)
             assembler = ChunkAssembler(header)
+            hot = self.hot.writer(header) if self.hot is not None else None  # a pack just uploaded is likely read soon
             try:
                 for message in request_iterator:
                     if message.WhichOneof("item") != "chunk":
@@ -140,13 +152,21 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
                     self.metrics.bytes_received.inc(len(message.chunk.data))
                     whole = assembler.add(message.chunk)
                     if whole is not None:
-                        upload.add_chunk(*whole)
+                        upload.add_chunk(*whole)  # verified against its digest, then staged
+                        if hot is not None:
+                            hot.add(*whole)
                 if not assembler.complete:
                     raise InvalidInput(f"upload ended after {assembler.received} of {len(header.chunks)} chunks")
                 key, created = upload.commit(name=name, signatures=signatures)
+                if hot is not None and created:  # (a pack already stored keeps its own header, and so its own digest)
+                    self.hot.add(hot)
+                    hot = None
             except BaseException:
                 upload.abort()
                 raise
+            finally:
+                if hot is not None:
+                    hot.discard()
             call["created"] = created
             return store_pb2.PutPackResponse(pack=pack_info(call.store.stat(key)), created=created)
 
@@ -222,6 +242,8 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
     def DeletePack(self, request, context):
         with self._call("DeletePack", context, ref=request.ref) as call:
             call["key"] = key = call.store.delete(request.ref, model_fp=request.model_fp or None)
+            if self.hot is not None:
+                self.hot.evict(key)
             return store_pb2.DeletePackResponse(key=key)
 
     def SetName(self, request, context):
@@ -371,11 +393,12 @@ def build_server(
     ]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers), options=limits, maximum_concurrent_rpcs=config.workers * 4)
     address = bulk_address(config.listen, config.bulk_listen)
-    bulk = None
+    bulk, hot = None, HotPacks(config.hot_bytes) if config.hot_bytes else None
     if address is not None:
         tls = server_ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca)
-        bulk = BulkServer(address, Tickets(), metrics, tls=tls, max_connections=config.workers * 4)
-    service = PackStoreService(stores, config, metrics, auth, bulk)
+        local = config.bulk_local == "on"
+        bulk = BulkServer(address, Tickets(), metrics, tls=tls, max_connections=config.workers * 4, hot=hot, local=local)
+    service = PackStoreService(stores, config, metrics, auth, bulk, hot)
     service._track_store_gauges()
     add_pack_store(service, server)
     health_servicer = health.HealthServicer()

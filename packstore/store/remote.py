@@ -19,7 +19,7 @@ from packstore.errors import PackNotFound, PackstoreError
 from packstore.format import EncodedPack, PackHeader
 from packstore.format.body import chunks_for, verify_chunk
 from packstore.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
-from packstore.rpc.bulk import ReceiveBuffers, bulk_chunks, connect
+from packstore.rpc.bulk import Mappings, ReceiveBuffers, bulk_chunks, connect, connect_local
 from packstore.rpc.channel import Connection, GrpcClient
 from packstore.rpc.messages import ChunkAssembler, bank_meta, chunk_pieces, pack_summary, signatures_of, stored_pack
 from packstore.rpc.wire import ChunkPiece, get_pack_method
@@ -39,7 +39,8 @@ class RemoteStore(GrpcClient):
     """A pack store served by ``packstore serve``, addressed as ``grpc://HOST:PORT`` or ``grpcs://HOST:PORT`` (TLS).
 
     ``bulk``: read GetPack's chunks over the service's bulk port when it offers one (protocol.md, "Bulk
-    transfer"); False keeps them on the gRPC stream. ``receive_buffer_bytes``: how much of the buffers bulk reads
+    transfer"); False keeps them on the gRPC stream. ``local_bulk``: on the service's host, read them over its local
+    bulk socket, where a pack it holds hot is mapped rather than received. ``receive_buffer_bytes``: how much of the buffers bulk reads
     received into the client keeps for the next fetch (0: none)."""
 
     what = "pack service"
@@ -51,12 +52,14 @@ class RemoteStore(GrpcClient):
         timeout: float | None = None,
         connection: Connection | None = None,
         bulk: bool = True,
+        local_bulk: bool = True,
         receive_buffer_bytes: int = RECEIVE_BUFFER_BYTES,
     ) -> None:
         super().__init__(target, timeout=timeout, connection=connection)
         self._stub = store_pb2_grpc.PackStoreStub(self._channel)
         self._get_pack = get_pack_method(self._channel)  # chunk messages read without copying their bytes
         self.bulk = bulk  # ask GetPack for the bulk port (off after the port could not be reached once)
+        self.local_bulk = bulk and local_bulk  # use the service's local bulk socket when offered (off once it could not be reached)
         self._buffers = ReceiveBuffers(receive_buffer_bytes)
         self._tls: ssl.SSLContext | None = None
 
@@ -124,6 +127,9 @@ class RemoteStore(GrpcClient):
         header = stored.header
         indices = chunks_for(header, layers, prefix)
         if isinstance(second, store_pb2.GetPackResponse) and second.WhichOneof("item") == "bulk":
+            local = self._connect_local(second.bulk)
+            if local is not None:
+                return stored, lambda: self._received(local, header, indices, reuse, Mappings())
             try:
                 sock = connect(self.address.rsplit(":", 1)[0], second.bulk.port, second.bulk.ticket, timeout=self.timeout, tls=self._bulk_tls(second.bulk))
                 return stored, lambda: self._received(sock, header, indices, reuse)
@@ -149,12 +155,28 @@ class RemoteStore(GrpcClient):
 
         return stored, lambda: nullcontext(chunks())
 
+    def _connect_local(self, ticket: store_pb2.BulkTicket) -> socket.socket | None:
+        """A connection to the service's local bulk socket with the ticket presented, when the service offers one and it
+        is reachable from here (the same host and network namespace); None otherwise, and from then on."""
+        if not (self.local_bulk and ticket.local_socket):
+            return None
+        try:
+            return connect_local(ticket.local_socket, ticket.ticket, timeout=self.timeout)
+        except OSError as exc:
+            log.info("the local bulk socket of %s cannot be reached (%s): bulk reads go over TCP from now on", self.target, exc)
+            self.local_bulk = False
+            return None
+
     @contextmanager
-    def _received(self, sock: socket.socket, header: PackHeader, indices: tuple[int, ...], reuse: bool) -> Iterator[Iterator[tuple[int, memoryview]]]:
-        """The chunks from a bulk connection, received into a leased buffer (``reuse``) or each into its own."""
+    def _received(
+        self, sock: socket.socket, header: PackHeader, indices: tuple[int, ...], reuse: bool, mappings: Mappings | None = None
+    ) -> Iterator[Iterator[tuple[int, memoryview]]]:
+        """The chunks from a bulk connection, received into a leased buffer (``reuse``) or each into its own, or on a
+        local connection (``mappings``) maybe mapped from the service's segment, unmapped when the context ends."""
         size = sum(header.chunks[index].stored_bytes for index in indices)
-        with self._buffers.lease(size) if reuse else nullcontext() as buffer:
-            yield bulk_chunks(sock, header, indices, f"{self.what} at {self.target}", buffer)
+        with self._buffers.lease(size) if reuse else nullcontext() as buffer, mappings or nullcontext():
+            chunks = bulk_chunks(sock, header, indices, f"{self.what} at {self.target}", buffer, mappings)
+            yield chunks if reuse or mappings is None else ((index, bytes(data)) for index, data in chunks)
 
     def _start_get_pack(self, request: store_pb2.GetPackRequest) -> tuple[StoredPack, object, Iterator[object]]:
         """Call GetPack and read its first two responses: the stored pack, then a bulk ticket, the first chunk

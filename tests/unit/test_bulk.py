@@ -1,8 +1,11 @@
 """GetPack's bulk transfer: chunks over the bulk port for a single-use ticket, the same bytes as the stream,
-errors as typed as gRPC's, and the stream whenever the port is off or cannot be reached."""
+errors as typed as gRPC's, and the stream whenever the port is off or cannot be reached; on the service's host,
+hot packs mapped from their sealed segments."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import socket
 import time
 import urllib.request
@@ -13,9 +16,22 @@ import pytest
 import torch
 
 from packstore.errors import IntegrityError, InvalidInput, LimitExceeded, PackNotFound, Unauthenticated, Unavailable
-from packstore.rpc.bulk import MAGIC, TICKET_BYTES, ReceiveBuffers, bulk_chunks, connect, end_frame, error_frame, read_frame
+from packstore.rpc.bulk import (
+    MAGIC,
+    TICKET_BYTES,
+    Mappings,
+    ReceiveBuffers,
+    bulk_chunks,
+    chunk_frame,
+    connect,
+    end_frame,
+    error_frame,
+    read_frame,
+    segment_frame,
+)
 from packstore.rpc.messages import stored_pack
 from packstore.service.bulk import Tickets, bulk_address
+from packstore.store import LmdbStore
 from packstore.store.remote import RemoteStore
 from packstore.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
@@ -134,7 +150,8 @@ def test_with_the_bulk_port_off_or_out_of_reach_a_fetch_streams(tmp_path: Path, 
         assert same(remote.fetch(key), pack) and remote.bulk
         assert requests_counted(server, "GetPack.bulk", "OK") == 0
     # bound on 127.0.0.2: a client that reached gRPC on 127.0.0.1 finds nothing at that port, as past a firewall
-    with running_server(tmp_path / "away", "--bulk-listen", f"127.0.0.2:{free_port()}") as server, RemoteStore(server.url) as remote:
+    away = ("--bulk-listen", f"127.0.0.2:{free_port()}", "--bulk-local", "off")  # (a local socket would be reached)
+    with running_server(tmp_path / "away", *away) as server, RemoteStore(server.url) as remote:
         key, _ = remote.put(encode_pack(pack), name="p")
         assert same(remote.fetch("p"), pack) and not remote.bulk
         assert "cannot be reached" in caplog.text
@@ -200,3 +217,113 @@ def test_error_frames_carry_the_error_class_and_fields() -> None:
     a.close()
     with pytest.raises(Unavailable, match="broke off after 0 of 1"):
         list(bulk_chunks(b, header, [0], "test"))
+
+
+def metric(server, sample: str) -> float:
+    """The value of one Prometheus sample (name and labels exactly as exposed), 0 when absent."""
+    text = urllib.request.urlopen(f"http://{server.metrics}/metrics").read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(sample + " "))
+
+
+def test_on_the_services_host_a_hot_pack_arrives_as_its_sealed_segment(server, monkeypatch) -> None:
+    """An upload makes a pack hot; a client on the service's host then maps its segment (the bytes cross no socket),
+    for the whole pack or part of it, and what it returns outlives the mapping."""
+    pack = make_pack(layers=4, tokens=600, dim=64)
+    encoded = encode_pack(pack)
+    mapped, original = [], Mappings.map
+    monkeypatch.setattr(Mappings, "map", lambda self, fd, end: mapped.append(end) or original(self, fd, end))
+    hits = metric(server, 'packstore_hot_reads_total{result="hit"}')
+    with RemoteStore(server.url) as remote:
+        key, _ = remote.put(encoded, name="hot")
+        _, ticket = ticket_for(server, key)
+        assert ticket.local_socket.startswith("packstore-bulk-")
+        assert same(remote.fetch("hot"), pack) and len(mapped) == 1
+        part = remote.fetch_part(key, layers=(1, 2), prefix=100)
+        assert torch.equal(part.values[1], pack.values[2][..., :100, :]) and len(mapped) == 2
+        assert [bytes(c) for c in remote.get(key).chunks] == list(encoded.chunks)
+    assert metric(server, 'packstore_hot_reads_total{result="hit"}') - hits == 3
+    assert metric(server, "packstore_hot_packs") >= 1
+
+
+def test_a_pack_turns_hot_on_its_first_whole_read_and_leaves_when_deleted(tmp_path: Path) -> None:
+    pack = make_pack(layers=3, tokens=300, dim=32)
+    with LmdbStore(tmp_path / "data") as store:
+        key, _ = store.put(encode_pack(pack))  # stored before the service starts: not hot
+    with running_server(tmp_path / "data") as server, RemoteStore(server.url) as remote:
+        remote.fetch_part(key, layers=(0, 0))  # a part is read from the store and not kept
+        assert metric(server, "packstore_hot_packs") == 0
+        assert same(remote.fetch(key), pack)  # the first whole read keeps it
+        assert metric(server, "packstore_hot_packs") == 1 and metric(server, 'packstore_hot_reads_total{result="miss"}') == 2
+        assert same(remote.fetch(key), pack)
+        assert metric(server, 'packstore_hot_reads_total{result="hit"}') == 1
+        remote.delete(key)
+        assert metric(server, "packstore_hot_packs") == 0 and metric(server, "packstore_hot_bytes") == 0
+        with pytest.raises(PackNotFound):
+            remote.fetch(key)
+
+
+def test_hot_packs_stay_within_hot_bytes_the_least_recently_used_going_first(tmp_path: Path) -> None:
+    packs = [make_pack(layers=2, tokens=200 + i, dim=32) for i in range(3)]
+    size = encode_pack(packs[0]).stored_bytes
+    with running_server(tmp_path / "data", "--hot-bytes", str(int(size * 1.6))) as server, RemoteStore(server.url) as remote:
+        keys = [remote.put(encode_pack(p))[0] for p in packs]
+        assert metric(server, "packstore_hot_packs") == 1 and metric(server, "packstore_hot_bytes") <= size * 1.6
+        for key, pack in reversed(list(zip(keys, packs))):  # each read whole turns hot, evicting the one before
+            assert same(remote.fetch(key), pack)
+        assert metric(server, 'packstore_hot_reads_total{result="hit"}') == 1  # only the last upload was still hot
+        assert metric(server, "packstore_hot_packs") == 1
+
+
+def test_without_a_local_socket_or_hot_packs_fetches_go_over_tcp(tmp_path: Path, monkeypatch) -> None:
+    pack = make_pack(layers=2, tokens=300, dim=32)
+    mapped = []
+    monkeypatch.setattr(Mappings, "map", lambda self, fd, end: mapped.append(end))
+    with running_server(tmp_path / "data", "--bulk-local", "off", "--hot-bytes", "0") as server, RemoteStore(server.url) as remote:
+        key, _ = remote.put(encode_pack(pack))
+        _, ticket = ticket_for(server, key)
+        assert ticket.local_socket == ""
+        assert same(remote.fetch(key), pack) and same(remote.fetch(key), pack) and not mapped
+        assert metric(server, "packstore_hot_packs") == 0 and requests_counted(server, "GetPack.bulk", "OK") == 2
+
+
+def segment_transfer(descriptor: int, entries: list[tuple[int, int, int]]) -> socket.socket:
+    """The client's end of a local connection on which a server sent a SEGMENT frame with ``descriptor``, then END."""
+    server_end, client_end = socket.socketpair(socket.AF_UNIX)
+    socket.send_fds(server_end, [segment_frame(entries)], [descriptor])
+    server_end.sendall(end_frame())
+    server_end.close()
+    os.close(descriptor)
+    return client_end
+
+
+def test_a_client_maps_only_a_sealed_segment_that_holds_its_table() -> None:
+    encoded = encode_pack(make_pack(tokens=8, dim=8))
+    header, data = encoded.header, encoded.chunks[0]
+    entries = [(0, 0, len(data))]
+
+    def memfd(sealed: bool, size: int) -> int:
+        fd = os.memfd_create("test", os.MFD_ALLOW_SEALING)
+        os.write(fd, data[:size])
+        if sealed:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+        return fd
+
+    with Mappings() as mappings:
+        chunks = list(bulk_chunks(segment_transfer(memfd(True, len(data)), entries), header, [0], "test", None, mappings))
+        assert [(i, bytes(c)) for i, c in chunks] == [(0, data)]
+    with Mappings() as mappings, pytest.raises(IntegrityError, match="not sealed"):
+        list(bulk_chunks(segment_transfer(memfd(False, len(data)), entries), header, [0], "test", None, mappings))
+    with Mappings() as mappings, pytest.raises(IntegrityError, match="whose table reaches byte"):
+        list(bulk_chunks(segment_transfer(memfd(True, len(data) - 1), entries), header, [0], "test", None, mappings))
+    with Mappings() as mappings, pytest.raises(InvalidInput, match="holds chunk 0 of 3 bytes"):
+        list(bulk_chunks(segment_transfer(memfd(True, len(data)), [(0, 0, 3)]), header, [0], "test", None, mappings))
+    server_end, client_end = socket.socketpair(socket.AF_UNIX)
+    socket.send_fds(server_end, [chunk_frame(0, len(data))], [memfd(True, len(data))])
+    with Mappings() as mappings, pytest.raises(InvalidInput, match="a descriptor with a frame of kind 1"):
+        list(bulk_chunks(client_end, header, [0], "test", None, mappings))
+    server_end.close()
+    a, b = socket.socketpair()
+    a.sendall(segment_frame(entries))  # a segment on a TCP-like connection (no mappings): refused
+    with pytest.raises(InvalidInput, match="sent frame 4"):
+        list(bulk_chunks(b, header, [0], "test"))
+    a.close()

@@ -188,7 +188,7 @@ def test_a_client_that_knows_only_the_protos(tmp_path: Path, server, remote) -> 
 
 def test_damaged_pack_is_never_served(tmp_path: Path) -> None:
     encoded = encode_pack(make_pack(tokens=64, dim=16))
-    with running_server(tmp_path / "data") as server, RemoteStore(server.url) as remote:
+    with running_server(tmp_path / "data", "--hot-bytes", "0") as server, RemoteStore(server.url) as remote:
         key, _ = remote.put(encoded, name="victim")
         flip_in_file(server.data / "data.mdb", encoded.chunks[2], 30)
         with pytest.raises(IntegrityError, match="chunk 2"):
@@ -198,6 +198,22 @@ def test_damaged_pack_is_never_served(tmp_path: Path) -> None:
         assert info.value.code() == grpc.StatusCode.DATA_LOSS
         assert not remote.verify("victim").ok
         assert remote.stat("victim").key == key  # still serving
+
+
+def test_a_hot_pack_is_served_from_its_verified_copy_while_its_stored_copy_is_damaged(tmp_path: Path) -> None:
+    """A pack held hot (it was just uploaded) is read from the copy verified on its way in: damage to the stored copy
+    is never served, it shows in verify and in every read from the store (the gRPC stream, or once no longer hot)."""
+    pack = make_pack(tokens=64, dim=16)
+    encoded = encode_pack(pack)
+    with running_server(tmp_path / "data") as server, RemoteStore(server.url) as remote:
+        key, _ = remote.put(encoded, name="victim")
+        flip_in_file(server.data / "data.mdb", encoded.chunks[2], 30)
+        fetched = remote.fetch("victim")
+        assert all(torch.equal(a, b) for a, b in zip(fetched.keys + fetched.values, pack.keys + pack.values))
+        assert not remote.verify("victim").ok
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub_for(server).GetPack(store_pb2.GetPackRequest(ref=key)))
+        assert info.value.code() == grpc.StatusCode.DATA_LOSS
 
 
 def test_size_limit_is_enforced(tmp_path: Path) -> None:
