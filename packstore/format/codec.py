@@ -36,7 +36,7 @@ VERSION = 3  # the container writers write
 RAW, ZSTD, HUFFMAN = 0, 1, 2
 METHODS = {2: (RAW, ZSTD), 3: (RAW, ZSTD, HUFFMAN)}  # frame methods by container version
 RAW_THRESHOLD = 0.98  # a frame that saves less than 2 % is stored raw
-ZSTD_PREFERENCE = 0.97  # a segment is coded with zstd rather than Huffman only when that saves 3 %
+ZSTD_PREFERENCE = 0.75  # a segment is coded with zstd rather than Huffman only when that saves 25 % (zstd decodes slower)
 SEGMENT = 1 << 16  # fewest plain bytes per coded piece of a plane (v2) that writers use
 WRITE_SEGMENT_LIMIT = 1 << 20  # most plain bytes per piece that writers use
 MAX_SEGMENT = 1 << 24  # most that readers accept
@@ -48,6 +48,7 @@ _V1_FRAME = struct.Struct("<BQQ")  # method, plain length, stored length
 _PREAMBLE = struct.Struct("<4sBBBIQI")  # versions 2 and 3: magic, version, element size, transform, header length, elements, segment
 _ENTRY = struct.Struct("<BI")  # versions 2 and 3: a frame's method and stored length
 _UNSIGNED = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+_ALIGN = 64
 MAX_SCRATCH = 1 << 26  # bytes of a joined plane range kept for reuse per thread (real tensors' are a few MB at most)
 _SCRATCH = threading.local()  # per thread: a decompressor, the buffer Huffman frames decode into, and buffers for plane ranges that span segments
 
@@ -258,23 +259,20 @@ def _planes_segmented(stored: memoryview, max_plain_bytes: int, version: int) ->
     count = 1 + plane_count * per_plane
     _need(stored, _PREAMBLE.size + count * _ENTRY.size)
     source = np.frombuffer(stored, np.uint8)
-    found = _frame_table(source, count, header_len, elements, segment, per_plane, transform == SPLIT_FLOAT16, max(METHODS[version]))
-    status, methods, starts, stops, plain, at, huffman_bytes = found
+    table, decoded = _scratch_table(count), _scratch("huffman", elements * plane_count)  # no plane segment exceeds its N bytes
+    status = _read_frames(source, count, header_len, elements, segment, per_plane, transform == SPLIT_FLOAT16, max(METHODS[version]), table, decoded)
     if status == _LENGTHS_DIFFER:
         raise IntegrityError("byte-plane container length does not match its frame table")
     if status == _UNKNOWN_METHOD:
-        raise IntegrityError(f"unknown byte-plane frame method {int(methods.max())} (container version {version})")
-    decoded = _scratch("huffman", huffman_bytes)
-    chosen = np.flatnonzero(methods == HUFFMAN)
-    if chosen.size:
-        huffman.decode_frames(source, starts[chosen], stops[chosen], decoded, at[chosen], plain[chosen])
-    methods, starts, stops, plain, at = methods.tolist(), starts.tolist(), stops.tolist(), plain.tolist(), at.tolist()
+        raise IntegrityError(f"unknown byte-plane frame method {int(table[:, 0].max())} (container version {version})")
+    if status:
+        raise IntegrityError(f"{huffman.ERRORS[status % 16]} (frame {status // 16 - 1})")
     decompressor, parts = _decompressor(), []
-    for i in range(count):
-        if methods[i] == HUFFMAN:
-            parts.append(decoded[at[i] : at[i] + plain[i]])
+    for i, (method, start, stop, plain, at) in enumerate(table.tolist()):
+        if method == HUFFMAN:
+            parts.append(decoded[at : at + plain])
         else:
-            part = _frame(methods[i], stored[starts[i] : stops[i]], plain[i], decompressor)
+            part = _frame(method, stored[start:stop], plain, decompressor)
             parts.append(part if i == 0 else np.frombuffer(part, dtype=np.uint8))
     planes = [parts[1 + j * per_plane : 1 + (j + 1) * per_plane] for j in range(plane_count)]
     return Planes(parts[0], planes, segment, elements, width, transform)
@@ -284,33 +282,39 @@ _LENGTHS_DIFFER, _UNKNOWN_METHOD = 1, 2
 
 
 @njit(nogil=True, cache=True)
-def _frame_table(source, count, header_len, elements, segment, per_plane, split, max_method):  # pragma: no cover - compiled
-    """Each frame's method, stored range, plain length and (a Huffman frame) place in the buffer the Huffman frames
-    decode into end to end, and that buffer's size, from a version 2/3 container's table (the caller checked that the
-    table is there); status 0, _LENGTHS_DIFFER or _UNKNOWN_METHOD. Compiled: a chunk's frames are read in a few
-    microseconds, not one Python step each."""
-    methods, starts, stops = np.empty(count, np.int64), np.empty(count, np.int64), np.empty(count, np.int64)
-    plain, at = np.empty(count, np.int64), np.zeros(count, np.int64)
-    offset, huffman_bytes, status = 23 + 5 * count, 0, 0  # the preamble and the table
+def _read_frames(source, count, header_len, elements, segment, per_plane, split, max_method, table, decoded):  # pragma: no cover - compiled
+    """Read a version 2/3 container's frame table (the caller checked that it is there) into ``table``: per frame its
+    method, stored range, plain length and, a Huffman frame, where its plain bytes go in ``decoded`` (end to end); then,
+    once every frame is known to lie in the container, decode every Huffman frame into ``decoded``. Returns 0,
+    _LENGTHS_DIFFER, _UNKNOWN_METHOD, or 16 * (frame index + 1) + the Huffman error's code. One compiled call per chunk:
+    its frames are read and decoded without a Python step each."""
+    offset, at, status = 23 + 5 * count, 0, 0  # past the preamble and the table
     for i in range(count):
         entry = 23 + 5 * i
-        methods[i] = source[entry]
+        method = np.int64(source[entry])
         stored = np.int64(source[entry + 1]) | (np.int64(source[entry + 2]) << 8) | (np.int64(source[entry + 3]) << 16) | (np.int64(source[entry + 4]) << 24)
-        starts[i], offset = offset, offset + stored
-        stops[i] = offset
         if i == 0:
-            plain[i] = header_len
+            plain = header_len
         else:
             size = min(segment, elements - ((i - 1) % per_plane) * segment)
-            plain[i] = (size // 256) * 64 + min(size % 256, 64) if split and (i - 1) // per_plane == 2 else size  # packed_length
-        if methods[i] > max_method or (i == 0 and methods[i] == HUFFMAN):
+            plain = (size // 256) * 64 + min(size % 256, 64) if split and (i - 1) // per_plane == 2 else size  # packed_length
+        table[i, 0], table[i, 1], table[i, 2], table[i, 3], table[i, 4] = method, offset, offset + stored, plain, at
+        offset += stored
+        if method > max_method or (i == 0 and method == HUFFMAN):
             status = _UNKNOWN_METHOD
-        elif methods[i] == HUFFMAN:
-            at[i] = huffman_bytes
-            huffman_bytes += plain[i]
+        elif method == HUFFMAN:
+            at += plain
     if offset != len(source):
-        status = _LENGTHS_DIFFER
-    return status, methods, starts, stops, plain, at, huffman_bytes
+        return _LENGTHS_DIFFER
+    if status:
+        return status
+    single_symbol, single_length, lookups = np.empty(huffman.TABLE, np.uint8), np.empty(huffman.TABLE, np.uint8), np.empty(huffman.TABLE, np.uint64)
+    for i in range(count):
+        if table[i, 0] == HUFFMAN:
+            found = huffman.decode_frame(source, table[i, 1], table[i, 2], decoded, table[i, 4], table[i, 3], single_symbol, single_length, lookups)
+            if found:
+                return 16 * (i + 1) + found
+    return 0
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
@@ -331,6 +335,11 @@ def _scratch(name: object, size: int) -> np.ndarray:
     if name not in buffers or len(buffers[name]) < size:
         buffers[name] = np.empty(size, dtype=np.uint8)
     return buffers[name][:size]
+
+
+def _scratch_table(count: int) -> np.ndarray:
+    """This thread's reusable frame table, ``count`` rows of (method, start, stop, plain length, place)."""
+    return _scratch("table", count * 40).view(np.int64).reshape(count, 5)
 
 
 def _scratch_plane(index: int, elements: int) -> np.ndarray:
@@ -361,7 +370,9 @@ def decode(stored: bytes | memoryview, max_plain_bytes: int) -> memoryview:
     IntegrityError on a malformed container (see ``decode_planes``)."""
     planes = decode_planes(stored, max_plain_bytes)
     split, width = len(planes.header), planes.element_size
-    out = np.empty(split + planes.elements * width, dtype=np.uint8)
+    room = np.empty(split + planes.elements * width + _ALIGN, dtype=np.uint8)
+    start = -(room.__array_interface__["data"][0] + split) % _ALIGN  # the elements start aligned, and so the join's stores
+    out = room[start : start + split + planes.elements * width]
     out[:split] = np.frombuffer(planes.header, dtype=np.uint8)
     data = out[split:].view(_UNSIGNED[width])
     for start in range(0, planes.elements, planes.segment):  # a segment at a time: each joined from where it lies

@@ -278,9 +278,15 @@ def _tail(src, position, end, single_symbol, single_length, out, at, stop):  # p
     return (position + 7) >> 3 == end
 
 
+def decode_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Work space for ``decode_frame``: the tables it builds for each frame (reused from frame to frame)."""
+    return np.empty(TABLE, np.uint8), np.empty(TABLE, np.uint8), np.empty(TABLE, np.uint64)
+
+
 @njit(nogil=True, cache=True)
-def _decode(src, start, stop, out, at, count, single_symbol, single_length, lookups):  # pragma: no cover - compiled
-    """Decode the frame ``src[start:stop]`` into ``out[at : at + count]``; OK or the error's code."""
+def decode_frame(src, start, stop, out, at, count, single_symbol, single_length, lookups):  # pragma: no cover - compiled
+    """Decode the frame ``src[start:stop]`` into ``out[at : at + count]`` (the caller guarantees both lie in their
+    arrays), with ``decode_tables`` as work space; OK or the error's code (ERRORS). Compiled code calls it directly."""
     if stop - start < _FRAME_FIXED or stop - start >= (1 << (SHIFT - 3)):
         return TRUNCATED
     first, used = np.int64(src[start]), np.int64(src[start + 1]) + 1
@@ -325,11 +331,9 @@ def _decode(src, start, stop, out, at, count, single_symbol, single_length, look
 def _decode_frames(src, starts, stops, out, ats, counts):  # pragma: no cover - compiled
     """Decode frame ``i`` (``src[starts[i]:stops[i]]``) into ``out[ats[i] : ats[i] + counts[i]]`` for every i; -1, or
     the first failing frame's index * 16 + its error code."""
-    single_symbol = np.empty(TABLE, np.uint8)
-    single_length = np.empty(TABLE, np.uint8)
-    lookups = np.empty(TABLE, np.uint64)
+    single_symbol, single_length, lookups = np.empty(TABLE, np.uint8), np.empty(TABLE, np.uint8), np.empty(TABLE, np.uint64)
     for i in range(len(starts)):
-        found = _decode(src, starts[i], stops[i], out, ats[i], counts[i], single_symbol, single_length, lookups)
+        found = decode_frame(src, starts[i], stops[i], out, ats[i], counts[i], single_symbol, single_length, lookups)
         if found != OK:
             return i * 16 + found
     return -1
