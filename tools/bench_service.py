@@ -23,8 +23,9 @@ rotates), every figure is a median, and the ratios within this one run are what 
    Each variant's first fetch is compared tensor by tensor with the pack as built (asserted).
 2. Time to first token (``max_new_tokens=1``) for packs of ~512 and ~2k tokens:
    cold = ``Generate`` on the worker with a pack not yet in its LRU (a distinct pack per
-   repetition, all uploaded beforehand, so hot in the service: the worker maps it over the local
-   bulk socket, decodes and injects it and prefills the question); cold, store = the same with
+   repetition, all uploaded beforehand, so hot in the service, whose ``--hot-bytes`` holds every pack of
+   the run: the worker maps it over the local bulk socket, decodes and injects it and prefills the
+   question); cold, store = the same with
    another distinct pack written straight into the service's store, so not hot in the service
    either (it reads and verifies the chunks from its store and sends them over the local socket);
    warm = the first pack asked again (now in the LRU; asserted through ``GenerateDone.cache_hit``);
@@ -561,7 +562,9 @@ def main() -> None:
         workdir = Path(tmp)
         local = stack.enter_context(LmdbStore(workdir / "local"))
         local.put(throughput_pack.encoded)
-        server = stack.enter_context(running_server(workdir / "service"))
+        every_pack = throughput_pack.encoded.stored_bytes + sum(p.encoded.stored_bytes for pairs in cases.values() for pair in pairs for p in pair)
+        # hot room for every pack of the run: a pack uploaded stays hot however many others are read meanwhile
+        server = stack.enter_context(running_server(workdir / "service", "--hot-bytes", str(2 * every_pack)))
         redis_server = stack.enter_context(running_redis(workdir))
         redis_address = redis_server.address
         log(f"servers up: service {server.address}, redis {redis_address}; uploading packs")

@@ -202,7 +202,7 @@ class Mappings:
                 raise IntegrityError(f"the bulk transfer sent a segment of {size} bytes whose table reaches byte {end}")
             if not size:
                 return memoryview(b"")
-            mapped = mmap.mmap(descriptor, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+            mapped = mmap.mmap(descriptor, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         except OSError as exc:  # not a memfd, say: F_GET_SEALS fails
             raise IntegrityError(f"the bulk transfer sent a descriptor that is not a sealed segment: {exc}") from None
         finally:
