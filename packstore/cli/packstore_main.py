@@ -71,6 +71,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise InvalidInput(f"--ref-ttl must be from 0 to 86400 seconds, got {args.ref_ttl}")
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     lm = load_model(args.model, device=args.device, dtype=args.dtype, chat_template=template, progress=not args.quiet and sys.stderr.isatty())
+    if lm.device.type == "cpu" and args.reserve_memory == "on":
+        from packstore.memory import PackMemory, use_pack_memory
+
+        use_pack_memory(PackMemory(args.cache_bytes, background=True))
     from packstore.service.auth import Auth
     from packstore.worker.stores import NamespaceReaders
 
@@ -121,6 +125,10 @@ def build_cli() -> CommandLine:
     p.add_argument("--model", required=True, metavar="M", help="smollm2-135m, gemma3-270m, or a local Hugging Face model directory")
     p.add_argument("--listen", default="127.0.0.1:50552", metavar="HOST:PORT", help="gRPC address of the Worker service")
     p.add_argument("--cache-bytes", type=int, default=2 << 30, metavar="N", help="LRU of ready packs, in decoded KV bytes (default 2 GiB)")
+    p.add_argument(
+        "--reserve-memory", choices=("on", "off"), default="on",
+        help="on a CPU device, reserve the LRU's memory, touch it in the background from the start, and decode packs into it (default on)",
+    )
     p.add_argument(
         "--ref-ttl", type=float, metavar="SECONDS",
         help="use what the store said of a pack ref for this long without asking again: a warm answer makes no store "

@@ -1,0 +1,103 @@
+"""Memory that decoded packs live in: a region reserved and touched once, carved into packs and given back when
+their tensors are gone.
+
+A pack decoded into memory the process has never used pays a page fault per 4 KiB, and on a virtual machine
+whose host backs guest memory lazily the first touch of a page costs several times the decoding
+(docs/benchmarks.md, "Service": 0.2-0.3 s of CPU for a 95 MB pack at times, against 0.1 s of decoding). A
+worker keeps an LRU of ready packs, so until the LRU is full every cold pack is such new memory. As serving
+systems reserve their KV memory up front, ``PackMemory`` touches a region once (in the background, from when
+the worker starts) and hands out blocks of its touched part; a block returns to the region when the last tensor
+viewing it is freed (a weak reference to the numpy view the tensors were made from), so an evicted pack's
+memory serves the next one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+ALIGN = 64  # every block starts at a multiple of this
+
+
+class PackMemory:
+    """A region of ``nbytes`` handing out blocks first-fit from the part of it already touched; ``take`` returns None
+    when no free run there fits (the caller allocates as usual). ``background``: touch it on a thread of its own
+    (it takes about a second a GiB, more on a fresh virtual machine), else now."""
+
+    TOUCH_STEP = 64 << 20
+
+    def __init__(self, nbytes: int, *, background: bool = False) -> None:
+        self.nbytes = nbytes - nbytes % ALIGN
+        self._region = np.empty(self.nbytes, np.uint8)
+        self._free: list[tuple[int, int]] = [(0, self.nbytes)] if self.nbytes else []  # (offset, size), by offset
+        self._touched = 0  # blocks come from below this
+        self._lock = threading.Lock()
+        if background:
+            threading.Thread(target=self._touch, name="packstore-pack-memory", daemon=True).start()
+        else:
+            self._touch()
+
+    def _touch(self) -> None:
+        """Write every page of the region, a step at a time, so that packs are never decoded into fresh pages."""
+        for start in range(0, self.nbytes, self.TOUCH_STEP):
+            stop = min(start + self.TOUCH_STEP, self.nbytes)
+            self._region[start:stop].fill(0)
+            with self._lock:
+                self._touched = stop
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(size for _, size in self._free)
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """A uint8 tensor of ``nbytes`` in the region, or None; its block is free again once every tensor made from
+        it (views included) is gone."""
+        size = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        with self._lock:
+            fit = next((i for i, (at, free) in enumerate(self._free) if min(free, self._touched - at) >= size), None)
+            if fit is None:
+                return None
+            offset, free = self._free[fit]
+            if free == size:
+                del self._free[fit]
+            else:
+                self._free[fit] = (offset + size, free - size)
+        block = self._region[offset : offset + nbytes]  # only the tensor's storage refers to it
+        weakref.finalize(block, self._give_back, offset, size)
+        return torch.from_numpy(block)
+
+    def _give_back(self, offset: int, size: int) -> None:
+        """Return a block, merging it with free neighbours."""
+        with self._lock:
+            at = bisect.bisect_left(self._free, (offset, 0))
+            if at < len(self._free) and offset + size == self._free[at][0]:
+                size += self._free.pop(at)[1]
+            if at > 0 and self._free[at - 1][0] + self._free[at - 1][1] == offset:
+                offset, size = self._free[at - 1][0], self._free[at - 1][1] + size
+                del self._free[at - 1]
+                at -= 1
+            self._free.insert(at, (offset, size))
+
+
+_MEMORY: PackMemory | None = None
+
+
+def use_pack_memory(memory: PackMemory | None) -> None:
+    """Decode the packs of this process (on the CPU) into ``memory`` from now on; None: allocate each as usual."""
+    global _MEMORY
+    _MEMORY = memory
+
+
+def cpu_tensors(shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[torch.Tensor]:
+    """``count`` new CPU tensors of ``shape`` and ``dtype`` (not zeroed): one block of this process's pack memory
+    when it has room, else allocated as usual."""
+    each = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    block = _MEMORY.take(each * count) if _MEMORY is not None and count else None
+    if block is None:
+        return [torch.empty(shape, dtype=dtype) for _ in range(count)]
+    return [block[i * each : (i + 1) * each].view(dtype).view(shape) for i in range(count)]

@@ -1,0 +1,84 @@
+"""Pack memory: a touched region decoded packs are carved from, each block free again once its tensors are gone."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from packstore.memory import ALIGN, PackMemory, cpu_tensors, use_pack_memory
+from packstore.store import LmdbStore
+from packstore.tensors import encode_pack
+from test_format import make_pack
+
+
+def inside(memory: PackMemory, tensor: torch.Tensor) -> bool:
+    start = memory._region.ctypes.data
+    return start <= tensor.data_ptr() < start + memory.nbytes
+
+
+def test_blocks_are_carved_first_fit_and_come_back_when_every_view_is_gone() -> None:
+    memory = PackMemory(10 * ALIGN)
+    a, b = memory.take(3 * ALIGN), memory.take(2 * ALIGN + 1)  # the second rounds up to 3 * ALIGN
+    assert a is not None and b is not None and len(b) == 2 * ALIGN + 1
+    assert b.data_ptr() - a.data_ptr() == 3 * ALIGN and memory.free_bytes == 4 * ALIGN
+    assert memory.take(5 * ALIGN) is None  # no free run fits: the caller allocates as usual
+    view = a[ALIGN:].view(torch.int32)
+    del a
+    gc.collect()
+    assert memory.free_bytes == 4 * ALIGN  # a view still holds the block
+    del view
+    assert memory.free_bytes == 7 * ALIGN
+    del b
+    assert memory.free_bytes == 10 * ALIGN and memory._free == [(0, 10 * ALIGN)]  # merged back into one run
+    whole = memory.take(10 * ALIGN)
+    assert whole is not None and whole.data_ptr() == memory._region.ctypes.data
+
+
+def test_cpu_tensors_come_from_the_process_pack_memory_when_it_has_room() -> None:
+    memory = PackMemory(1 << 20)
+    use_pack_memory(memory)
+    try:
+        tensors = cpu_tensors((2, 8, 16), torch.float32, 6)
+        assert all(inside(memory, t) and t.shape == (2, 8, 16) and t.dtype == torch.float32 for t in tensors)
+        assert len({t.data_ptr() for t in tensors}) == 6
+        too_big = cpu_tensors((1024, 1024), torch.float32, 1)  # 4 MB: no room, allocated as usual
+        assert not inside(memory, too_big[0])
+    finally:
+        use_pack_memory(None)
+    assert not inside(memory, cpu_tensors((2, 8, 16), torch.float32, 1)[0])
+
+
+def test_packs_decode_into_the_pack_memory_and_give_it_back_when_dropped(tmp_path) -> None:
+    pack = make_pack(layers=3, tokens=40, dim=16)
+    memory = PackMemory(1 << 20)
+    with LmdbStore(tmp_path / "store") as store:
+        key, _ = store.put(encode_pack(pack, block_positions=16))
+        use_pack_memory(memory)
+        try:
+            fetched = store.fetch(key)
+        finally:
+            use_pack_memory(None)
+    assert all(inside(memory, t) for t in fetched.keys + fetched.values)
+    assert all(torch.equal(a, b) for a, b in zip(fetched.keys + fetched.values, pack.keys + pack.values))
+    assert memory.free_bytes < memory.nbytes
+    del fetched
+    gc.collect()
+    assert memory.free_bytes == memory.nbytes
+
+
+@pytest.mark.parametrize("size", [0, 1, ALIGN - 1])
+def test_tiny_regions_and_blocks_are_handled(size: int) -> None:
+    memory = PackMemory(size)
+    assert memory.nbytes == 0 and memory.take(1) is None
+
+
+def test_a_region_touched_in_the_background_hands_out_only_what_is_touched(monkeypatch) -> None:
+    touch = PackMemory._touch
+    monkeypatch.setattr(PackMemory, "_touch", lambda self: None)  # the background thread has not got far yet
+    memory = PackMemory(16 * ALIGN, background=True)
+    assert memory.take(ALIGN) is None
+    monkeypatch.setattr(PackMemory, "TOUCH_STEP", 4 * ALIGN)
+    touch(memory)
+    assert memory._touched == memory.nbytes and memory.take(16 * ALIGN) is not None
