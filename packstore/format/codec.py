@@ -297,7 +297,7 @@ def _read_frames(source, count, header_len, elements, segment, per_plane, split,
             plain = header_len
         else:
             size = min(segment, elements - ((i - 1) % per_plane) * segment)
-            plain = (size // 256) * 64 + min(size % 256, 64) if split and (i - 1) // per_plane == 2 else size  # packed_length
+            plain = packed_length(size) if split and (i - 1) // per_plane == 2 else size
         table[i, 0], table[i, 1], table[i, 2], table[i, 3], table[i, 4] = method, offset, offset + stored, plain, at
         offset += stored
         if method > max_method or (i == 0 and method == HUFFMAN):

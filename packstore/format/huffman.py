@@ -196,19 +196,12 @@ def _build_tables(lengths, single_symbol, single_length, lookups):  # pragma: no
             kraft += 1 << (MAX_LENGTH - lengths[symbol])
     if kraft != TABLE:
         return False
-    code = 0
-    for length in range(1, MAX_LENGTH + 1):
-        for symbol in range(256):
-            if lengths[symbol] == length:
-                reverse, rest = 0, code
-                for _ in range(length):
-                    reverse = (reverse << 1) | (rest & 1)
-                    rest >>= 1
-                for window in range(reverse, TABLE, 1 << length):
-                    single_symbol[window] = symbol
-                    single_length[window] = length
-                code += 1
-        code <<= 1
+    codes = _reversed_codes(lengths)
+    for symbol in range(256):
+        if lengths[symbol]:
+            for window in range(np.int64(codes[symbol]), TABLE, 1 << np.int64(lengths[symbol])):  # every window it begins
+                single_symbol[window] = symbol
+                single_length[window] = lengths[symbol]
     for window in range(TABLE):
         used, packed, count = 0, 0, 0
         while count < LOOKUP_SYMBOLS:

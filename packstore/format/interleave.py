@@ -45,6 +45,7 @@ def _join4(p0, p1, p2, p3, out, heads, rows, width, positions, offset, count, ro
 PACKED_GROUP = 256  # elements whose top mantissa bits share 64 bytes of the packed plane
 
 
+@njit(nogil=True, cache=True)
 def packed_length(elements: int) -> int:
     """Bytes of the packed plane of ``elements`` elements: 64 per whole group of 256, then one per element of the
     last group's first row of 64."""

@@ -26,7 +26,7 @@ import ssl
 import struct
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -154,35 +154,40 @@ def _next_frame(sock: socket.socket, mappings: "Mappings | None" = None) -> tupl
     return kind, index, length, descriptor
 
 
-def connect(host: str, port: int, ticket: bytes, *, timeout: float | None, tls: ssl.SSLContext | None) -> socket.socket:
-    """A connection to the bulk port with ``ticket`` presented (OSError when it cannot be opened)."""
-    host = host.strip("[]")  # an IPv6 address as written in a target
-    sock = socket.create_connection((host, port), timeout=min(timeout or 10.0, 10.0))
+def _opened(sock: socket.socket, setup: Callable[[socket.socket], socket.socket], ticket: bytes, timeout: float | None) -> socket.socket:
+    """``setup(sock)`` (the socket to use: ``sock`` or a wrapper of it), with ``ticket`` presented on it under the
+    transfer's timeout; whatever fails closes it."""
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if tls is not None:
-            sock = tls.wrap_socket(sock, server_hostname=host)
+        sock = setup(sock)
         sock.settimeout(timeout or STALL_SECONDS)
         sock.sendall(MAGIC + ticket)
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def connect(host: str, port: int, ticket: bytes, *, timeout: float | None, tls: ssl.SSLContext | None) -> socket.socket:
+    """A connection to the bulk port with ``ticket`` presented (OSError when it cannot be opened)."""
+    host = host.strip("[]")  # an IPv6 address as written in a target
+
+    def setup(sock: socket.socket) -> socket.socket:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock if tls is None else tls.wrap_socket(sock, server_hostname=host)
+
+    return _opened(socket.create_connection((host, port), timeout=min(timeout or 10.0, 10.0)), setup, ticket, timeout)
 
 
 def connect_local(name: str, ticket: bytes, *, timeout: float | None) -> socket.socket:
     """A connection to the service's local bulk socket (the abstract unix socket ``name``) with ``ticket`` presented;
     OSError when there is none on this host (the service runs elsewhere, or in another network namespace)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
+
+    def setup(sock: socket.socket) -> socket.socket:
         sock.settimeout(min(timeout or 10.0, 10.0))
         sock.connect("\0" + name)
-        sock.settimeout(timeout or STALL_SECONDS)
-        sock.sendall(MAGIC + ticket)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+        return sock
+
+    return _opened(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), setup, ticket, timeout)
 
 
 class Mappings:
