@@ -43,7 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from packstore.service.config import load_config
     from packstore.service.server import serve
 
-    names = ("data", "listen", "bulk_listen", "bulk_local", "hot_bytes", "metrics", "workers", "max_message_bytes", "max_pack_bytes", "max_chunk_bytes", "max_facts_bytes", "max_store_bytes")
+    names = ("data", "listen", "bulk_listen", "bulk_local", "bulk_per_peer", "hot_bytes", "upload_seconds", "metrics", "workers", "max_message_bytes", "max_pack_bytes", "max_chunk_bytes", "max_facts_bytes", "max_store_bytes")
     overrides = {name: getattr(args, name) for name in names + ("auth", "tls_cert", "tls_key", "tls_client_ca", "objects", "s3_endpoint", "cache_bytes")}
     serve(load_config(args.config, overrides))
     return 0
@@ -109,7 +109,9 @@ def build_cli() -> CommandLine:
         "--bulk-local", choices=("on", "off"),
         help="a local bulk socket too, where clients on this host map hot packs instead of reading them (default on)",
     )
-    p.add_argument("--hot-bytes", type=int, metavar="N", help="stored bytes of packs kept hot in sealed shared memory for bulk reads (default 1 GiB; 0: none)")
+    p.add_argument("--bulk-per-peer", type=int, metavar="N", help="bulk transfers one peer (address, or local process) may run at once (default: half of 4 x workers)")
+    p.add_argument("--hot-bytes", type=int, metavar="N", help="memory for packs kept hot for bulk reads, per service, all namespaces (default 1 GiB; 0: none)")
+    p.add_argument("--upload-seconds", type=float, metavar="S", help="cancel a PutPack still running after this (default 600)")
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics here ($PACKSTORE_METRICS)")
     p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings (see docs/operations.md)")
     p.add_argument("--workers", type=int, help="concurrent RPCs (default 16)")

@@ -1,26 +1,20 @@
 """GetPack's bulk transfer: a pack's chunks on a plain TCP (or TLS) connection beside the gRPC port, or on a
-local socket when client and service share a host.
+local unix socket when client and service share a host.
 
 gRPC's Python stream costs more per byte than the rest of a fetch together (HTTP/2 framing, a copy out of
 each message, a thread hand-off per message). A GetPack that asks for ``bulk`` gets a single-use ticket
 instead of the chunks; the client presents it on the bulk port and reads each chunk straight into a
-buffer of its own. On the local socket a pack the service holds hot arrives as one sealed shared-memory
-segment instead (a file descriptor and a table of where each chunk is), which the client maps: its bytes
-cross no socket. protocol.md ("Bulk transfer") is the specification; this module holds both ends'
+buffer of its own. protocol.md ("Bulk transfer") is the specification; this module holds both ends'
 framing and the client's reader.
 
-    client -> server   MAGIC, ticket (TICKET_BYTES)
+    client -> server   MAGIC, ticket (TICKET_BYTES), within HELLO_SECONDS of connecting
     server -> client   frames: FRAME (kind, index, length), then ``length`` bytes
-                       CHUNK (index, stored bytes), ..., END; or (local socket) SEGMENT (a descriptor, and
-                       where each chunk lies in it), END; or ERROR (a JSON error) instead
+                       CHUNK (index, stored bytes), ..., END; or ERROR (a JSON error) instead
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
-import mmap
-import os
 import socket
 import ssl
 import struct
@@ -30,16 +24,17 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from packstore.errors import ERROR_CLASSES, IntegrityError, InvalidInput, PackstoreError, Unavailable
+from packstore.errors import ERROR_CLASSES, InvalidInput, PackstoreError, Unavailable
 from packstore.format import PackHeader
 
 MAGIC = b"PKB1"
 TICKET_BYTES = 32
-FRAME = struct.Struct("<BIQ")  # kind, chunk index (0 for END and ERROR; the entry count for SEGMENT), length of what follows
-CHUNK, END, ERROR, SEGMENT = 1, 2, 3, 4
-SEGMENT_ENTRY = struct.Struct("<IQQ")  # chunk index, where its stored bytes start in the segment, their length
-REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE  # a segment's bytes can neither change nor vanish under the reader
+HELLO = len(MAGIC) + TICKET_BYTES
+FRAME = struct.Struct("<BIQ")  # kind, chunk index (0 for END and ERROR), length of what follows
+CHUNK, END, ERROR = 1, 2, 3  # (4 was SEGMENT, a shared-memory segment on the local socket; retired, never sent)
+HELLO_SECONDS = 1.0  # a connection must finish any TLS handshake and present its ticket within this, or it is closed
 MAX_ERROR_BYTES = 64 << 10
+START_SECONDS = 10.0  # a transfer whose first frame takes longer is given up: the client streams the pack instead
 STALL_SECONDS = 120.0  # a bulk read that receives nothing for this long fails (unless the client set a timeout)
 
 
@@ -49,12 +44,6 @@ def chunk_frame(index: int, length: int) -> bytes:
 
 def end_frame() -> bytes:
     return FRAME.pack(END, 0, 0)
-
-
-def segment_frame(entries: Sequence[tuple[int, int, int]]) -> bytes:
-    """A SEGMENT frame and its table: (chunk index, offset in the segment, stored length) per chunk, in order. It
-    travels with the segment's descriptor (SCM_RIGHTS) on a local socket."""
-    return FRAME.pack(SEGMENT, len(entries), SEGMENT_ENTRY.size * len(entries)) + b"".join(SEGMENT_ENTRY.pack(*e) for e in entries)
 
 
 def error_frame(error: PackstoreError) -> bytes:
@@ -122,36 +111,22 @@ def read_frame(sock: socket.socket) -> tuple[int, int, int]:
     return FRAME.unpack(recv_exact(sock, FRAME.size))
 
 
-def _read_frame_and_descriptor(sock: socket.socket) -> tuple[tuple[int, int, int], int | None]:
-    """The next frame from a local socket, and the descriptor that came with its first bytes (None if none did)."""
-    data, fds, flags, _ = socket.recv_fds(sock, FRAME.size, 1)
-    descriptor = fds[0] if fds else None
-    try:
-        if flags & socket.MSG_CTRUNC:
-            raise InvalidInput("the bulk transfer sent more descriptors than one")
-        if not data:
-            raise EOFError("the connection closed between frames")
-        frame = FRAME.unpack(bytes(data) + bytes(recv_exact(sock, FRAME.size - len(data)))) if len(data) < FRAME.size else FRAME.unpack(data)
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    return frame, descriptor
-
-
-def _next_frame(sock: socket.socket, mappings: "Mappings | None" = None) -> tuple[int, int, int, int | None]:
-    """The next frame's (kind, index, length, descriptor), raising the error an ERROR frame carries. Descriptors
-    come only on local sockets (``mappings`` given), and only with a SEGMENT frame."""
-    if mappings is None:
-        (kind, index, length), descriptor = read_frame(sock), None
-    else:
-        (kind, index, length), descriptor = _read_frame_and_descriptor(sock)
-    if descriptor is not None and kind != SEGMENT:
-        os.close(descriptor)
-        raise InvalidInput(f"the bulk transfer sent a descriptor with a frame of kind {kind}")
+def next_frame(sock: socket.socket) -> tuple[int, int, int]:
+    """The next frame's (kind, index, length), raising the error an ERROR frame carries."""
+    kind, index, length = read_frame(sock)
     if kind == ERROR:
         raise error_from_frame(recv_exact(sock, min(length, MAX_ERROR_BYTES)))
-    return kind, index, length, descriptor
+    return kind, index, length
+
+
+def first_frame(sock: socket.socket, timeout: float | None) -> tuple[int, int, int]:
+    """The transfer's first frame, awaited at most START_SECONDS (a server that admits a transfer answers at once);
+    the socket is left with the transfer's own timeout. Raises the error an ERROR frame carries, OSError (a timeout, a
+    reset) or EOFError (closed unanswered) otherwise; the caller closes the socket then."""
+    sock.settimeout(min(timeout or START_SECONDS, START_SECONDS))
+    frame = next_frame(sock)
+    sock.settimeout(timeout or STALL_SECONDS)
+    return frame
 
 
 def _opened(sock: socket.socket, setup: Callable[[socket.socket], socket.socket], ticket: bytes, timeout: float | None) -> socket.socket:
@@ -190,62 +165,23 @@ def connect_local(name: str, ticket: bytes, *, timeout: float | None) -> socket.
     return _opened(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), setup, ticket, timeout)
 
 
-class Mappings:
-    """The segments one transfer mapped; unmapped when the context ends (once every chunk read from them is
-    decoded). A segment is refused unless it is sealed against writing and shrinking and holds its table."""
-
-    def __init__(self) -> None:
-        self._maps: list[tuple[mmap.mmap, memoryview]] = []
-
-    def map(self, descriptor: int, end: int) -> memoryview:
-        """The segment ``descriptor`` (closed here: the mapping keeps the memory) mapped read-only, at least ``end`` bytes."""
-        try:
-            seals, size = fcntl.fcntl(descriptor, fcntl.F_GET_SEALS), os.fstat(descriptor).st_size
-            if seals & REQUIRED_SEALS != REQUIRED_SEALS:
-                raise IntegrityError("the bulk transfer sent a segment that is not sealed against writes and shrinking")
-            if size < end:
-                raise IntegrityError(f"the bulk transfer sent a segment of {size} bytes whose table reaches byte {end}")
-            if not size:
-                return memoryview(b"")
-            mapped = mmap.mmap(descriptor, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        except OSError as exc:  # not a memfd, say: F_GET_SEALS fails
-            raise IntegrityError(f"the bulk transfer sent a descriptor that is not a sealed segment: {exc}") from None
-        finally:
-            os.close(descriptor)
-        view = memoryview(mapped)
-        self._maps.append((mapped, view))
-        return view
-
-    def __enter__(self) -> "Mappings":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for mapped, view in self._maps:
-            view.release()
-            try:
-                mapped.close()
-            except BufferError:  # a view of it is still alive somewhere: the mapping goes when that does
-                pass
-        self._maps.clear()
-
-
 def bulk_chunks(
-    sock: socket.socket, header: PackHeader, indices: Sequence[int], peer: str, buffer: memoryview | None = None, mappings: Mappings | None = None
+    sock: socket.socket,
+    header: PackHeader,
+    indices: Sequence[int],
+    peer: str,
+    buffer: memoryview | None = None,
+    first: tuple[int, int, int] | None = None,
 ) -> Iterator[tuple[int, memoryview]]:
     """Read the chunks ``indices`` of ``header``'s pack from a bulk connection, in order, as (index, bytes), each
-    into its place in ``buffer`` (their stored sizes end to end) or, without one, a buffer of its own; on a local
-    socket (``mappings`` given) they may come as one segment, mapped into ``mappings`` instead. Raises the server's
-    error from an ERROR frame, and Unavailable when the connection breaks off. The connection is closed when the
-    chunks are done or the reader stops."""
+    into its place in ``buffer`` (their stored sizes end to end) or, without one, a buffer of its own; ``first``: the
+    first frame when the caller already read it (``start_transfer``). Raises the server's error from an ERROR frame,
+    and Unavailable when the connection breaks off. The connection is closed when the chunks are done or the
+    reader stops."""
     received, offset = 0, 0
     try:
-        kind, index, length, descriptor = _next_frame(sock, mappings)
-        if kind == SEGMENT and mappings is not None:
-            for found in _segment_chunks(sock, header, indices, index, length, descriptor, mappings):
-                yield found
-                received += 1
-            kind, index, length, descriptor = _next_frame(sock, mappings)
-        for expected in indices[received:]:
+        kind, index, length = first if first is not None else next_frame(sock)
+        for expected in indices:
             if kind != CHUNK or index != expected or length != header.chunks[expected].stored_bytes:
                 raise InvalidInput(
                     f"pack {header.key}: the bulk transfer sent frame {kind} for chunk {index} of {length} bytes where chunk "
@@ -254,32 +190,10 @@ def bulk_chunks(
             into = None if buffer is None else buffer[offset : offset + length]
             yield index, recv_exact(sock, length, into)
             received, offset = received + 1, offset + length
-            kind, index, length, descriptor = _next_frame(sock, mappings)
+            kind, index, length = next_frame(sock)
         if kind != END:
             raise InvalidInput(f"pack {header.key}: the bulk transfer went on after the {len(indices)} chunks asked for")
     except (OSError, EOFError) as exc:
         raise Unavailable(f"{peer}: the bulk transfer of pack {header.key} broke off after {received} of {len(indices)} chunks: {exc}") from None
     finally:
         sock.close()
-
-
-def _segment_chunks(
-    sock: socket.socket, header: PackHeader, indices: Sequence[int], count: int, length: int, descriptor: int | None, mappings: Mappings
-) -> Iterator[tuple[int, memoryview]]:
-    """The chunks of a SEGMENT frame: its table read and checked against the chunks asked for, then the segment mapped."""
-    if descriptor is None:
-        raise InvalidInput(f"pack {header.key}: the bulk transfer sent a segment without its descriptor")
-    try:
-        if count != len(indices) or length != SEGMENT_ENTRY.size * count:
-            raise InvalidInput(f"pack {header.key}: the bulk transfer's segment lists {count} chunks where {len(indices)} were asked for")
-        table = list(SEGMENT_ENTRY.iter_unpack(recv_exact(sock, length))) if length else []
-        for (index, start, size), expected in zip(table, indices):
-            if index != expected or size != header.chunks[expected].stored_bytes:
-                raise InvalidInput(f"pack {header.key}: the bulk transfer's segment holds chunk {index} of {size} bytes where chunk {expected} was expected")
-        owned, descriptor = descriptor, None  # map() closes it, whatever happens
-        segment = mappings.map(owned, max((start + size for _, start, size in table), default=0))
-    finally:
-        if descriptor is not None:
-            os.close(descriptor)
-    for index, start, size in table:
-        yield index, segment[start : start + size]

@@ -1,32 +1,40 @@
-"""The service's bulk port: GetPack's chunks sent on a plain TCP (or TLS) connection, or on a local socket to a
+"""The service's bulk port: GetPack's chunks sent on a plain TCP (or TLS) connection, or on a local unix socket to a
 client on this host, for a ticket GetPack issued.
 
 GetPack authenticates the caller, resolves the pack and checks identities as always, then hands out a ticket
-naming exactly what it would have streamed (the namespace's store, the header, the chunk indices). The bulk
-port sends those chunks with one write of framing and one of the stored bytes per chunk: from the pack's hot
-segment when the service holds one (``packstore.service.hot``: verified when it was written, so neither read
-nor hashed again), else read and verified as GetPack's stream does, and written into a new hot segment as they
-go when the ticket is for the whole pack. On the local socket a hot pack goes as its segment's descriptor. A
-ticket is single-use and lapses after TICKET_SECONDS: that is the bound within which a revoked token or a
-deletion is honoured (a chunk deleted before it is read still fails NOT_FOUND, unless the pack is hot).
+naming exactly what it would have streamed (the namespace and its store, the header, the chunk indices). The bulk
+port sends those chunks with one write of framing and one of the stored bytes per chunk: from the namespace's hot
+copy of the pack when the service holds one (``packstore.service.hot``: verified when it was written, so neither
+read nor hashed again), else read and verified as GetPack's stream does, and written into a new hot copy as they
+go when the ticket is for the whole pack. A ticket is single-use and lapses after TICKET_SECONDS: that is the bound
+within which a revoked token or a deletion is honoured (a chunk deleted before it is read still fails NOT_FOUND,
+unless the pack is hot).
+
+Nobody without a ticket holds anything for long: one thread waits on every new connection at once until it has
+finished any TLS handshake and presented a valid ticket, within HELLO_SECONDS, and only then does the connection
+take one of ``max_connections`` transfer slots (at most ``per_peer`` of them for one peer: an address for TCP, a
+process (uid and pid) for the local socket). Connections awaiting their ticket are bounded per peer and in all.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import selectors
 import socket
 import ssl
+import struct
 import threading
 import time
+from collections import Counter
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from packstore.errors import InvalidInput, LimitExceeded, PackstoreError, Unauthenticated
 from packstore.format import PackHeader
-from packstore.rpc.bulk import MAGIC, TICKET_BYTES, chunk_frame, end_frame, error_frame, recv_exact, segment_frame
-from packstore.service.hot import HotPacks, Segment
+from packstore.rpc.bulk import HELLO, HELLO_SECONDS, MAGIC, TICKET_BYTES, chunk_frame, end_frame, error_frame
+from packstore.service.hot import HotPacks
 from packstore.service.metrics import ServiceMetrics
 from packstore.store.protocol import PackStore
 from packstore.v1 import store_pb2
@@ -35,8 +43,12 @@ log = logging.getLogger("packstore.service")
 
 TICKET_SECONDS = 30.0  # how long an issued ticket may wait to be used
 MAX_TICKETS = 4096  # outstanding at once; past it GetPack streams instead
-IDLE_SECONDS = 60.0  # a connection that presents no ticket for this long is closed
+PEER_PENDING = 16  # connections one peer may have awaiting their ticket at once; more are closed on accept
+MAX_PENDING = 1024  # connections awaiting their ticket, all peers together
+TRANSFER_SECONDS = 60.0  # a transfer must end within this plus its bytes at TRANSFER_RATE, or it is cut off
+TRANSFER_RATE = 16 << 20  # bytes per second: the slowest reader a transfer waits for
 METHOD = "GetPack.bulk"  # how transfers appear in logs and metrics
+_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,7 @@ class Transfer:
     """What one ticket entitles its bearer to: these chunks of this pack, from this namespace's store."""
 
     store: PackStore
+    namespace: str
     header: PackHeader
     indices: tuple[int, ...]
     fields: dict  # the GetPack call's log fields (token, namespace, key), repeated in the transfer's log line
@@ -58,7 +71,7 @@ class Tickets:
         self._transfers: dict[bytes, Transfer] = {}
         self._lock = threading.Lock()
 
-    def issue(self, store: PackStore, header: PackHeader, indices: Sequence[int], fields: dict) -> bytes | None:
+    def issue(self, store: PackStore, namespace: str, header: PackHeader, indices: Sequence[int], fields: dict) -> bytes | None:
         """A new ticket for the transfer, or None when MAX_TICKETS are outstanding (the caller streams instead)."""
         now = time.monotonic()
         with self._lock:
@@ -67,7 +80,7 @@ class Tickets:
             if len(self._transfers) >= self.limit:
                 return None
             ticket = secrets.token_bytes(TICKET_BYTES)
-            self._transfers[ticket] = Transfer(store, header, tuple(indices), dict(fields), now + self.lifetime)
+            self._transfers[ticket] = Transfer(store, namespace, header, tuple(indices), dict(fields), now + self.lifetime)
             return ticket
 
     def take(self, ticket: bytes) -> Transfer:
@@ -90,10 +103,43 @@ def bulk_address(listen: str, bulk_listen: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port) if bulk_listen else 0
 
 
+@dataclass(frozen=True)
+class Peer:
+    """Who is at the other end: ``key`` is what the limits count by, ``name`` what logs show."""
+
+    key: str
+    name: str
+
+    @staticmethod
+    def of_tcp(address: tuple) -> "Peer":
+        host, port = address[0], address[1]
+        return Peer(host, f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}")
+
+    @staticmethod
+    def of_local(conn: socket.socket) -> "Peer":
+        """The connecting process, from the kernel's credentials of the socket (SO_PEERCRED)."""
+        pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        name = f"unix:uid={uid},pid={pid}"
+        return Peer(name, name)
+
+
+@dataclass(eq=False)
+class Pending:
+    """A connection that has yet to present its ticket, by ``deadline`` (time.monotonic())."""
+
+    conn: socket.socket
+    peer: Peer
+    local: bool
+    deadline: float
+    handshaking: bool
+    hello: bytearray = field(default_factory=bytearray)
+
+
 class BulkServer:
-    """Accepts bulk connections on its own threads (the TCP port, and with ``local`` an abstract unix socket that
-    only clients on this host and in this network namespace reach) and serves each on another, at most
-    ``max_connections`` at once. ``hot``: the service's hot packs, which transfers read from and add to."""
+    """The bulk port (TCP, and with ``local`` an abstract unix socket that only clients on this host and in this
+    network namespace reach). One thread accepts connections and waits for each one's ticket; each admitted
+    transfer runs on a thread of its own, at most ``max_connections`` at once and ``per_peer`` for one peer.
+    ``hot``: the service's hot packs, which transfers read from and add to."""
 
     def __init__(
         self,
@@ -103,9 +149,11 @@ class BulkServer:
         *,
         tls: ssl.SSLContext | None,
         max_connections: int,
+        per_peer: int = 0,
         hot: HotPacks | None = None,
         local: bool = False,
     ) -> None:
+        """``per_peer``: transfers one peer may run at once; 0: half of ``max_connections`` (at least 1)."""
         host, port = address
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
@@ -120,8 +168,15 @@ class BulkServer:
             self._local.bind("\0" + self.local_name)
             self._local.listen(128)
         self.tickets, self.metrics, self.tls, self.hot = tickets, metrics, tls, hot
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self.max_connections, self.per_peer = max_connections, per_peer or max(1, max_connections // 2)
+        self._selector = selectors.DefaultSelector()
+        self._wake_read, self._wake = socket.socketpair()
+        self._pending: set[Pending] = set()
+        self._pending_by_peer: Counter[str] = Counter()
+        self._active_by_peer: Counter[str] = Counter()
+        self._lock = threading.Lock()  # guards the active counts (transfer threads end on their own)
         self._closed = False
+        self._thread: threading.Thread | None = None
 
     def ticket_message(self, ticket: bytes) -> store_pb2.BulkTicket:
         """What GetPack sends for ``ticket``: this port, whether it speaks TLS, and the local socket's name."""
@@ -129,79 +184,221 @@ class BulkServer:
             port=self.port, ticket=ticket, expires_ms=int(self.tickets.lifetime * 1000), tls=self.tls is not None, local_socket=self.local_name
         )
 
+    @property
+    def active(self) -> int:
+        """Transfers running now."""
+        with self._lock:
+            return sum(self._active_by_peer.values())
+
+    @property
+    def pending(self) -> int:
+        """Connections awaiting their ticket now."""
+        return len(self._pending)
+
     def start(self) -> None:
-        threading.Thread(target=self._accept, args=(self._listener, False), name="packstore-bulk", daemon=True).start()
-        if self._local is not None:
-            threading.Thread(target=self._accept, args=(self._local, True), name="packstore-bulk-local", daemon=True).start()
+        for listener, local in ((self._listener, False), (self._local, True)):
+            if listener is not None:
+                listener.setblocking(False)
+                self._selector.register(listener, selectors.EVENT_READ, local)
+        self._wake_read.setblocking(False)
+        self._selector.register(self._wake_read, selectors.EVENT_READ, "wake")
+        self._thread = threading.Thread(target=self._run, name="packstore-bulk", daemon=True)
+        self._thread.start()
 
     def stop(self) -> None:
-        """Take no more connections; transfers under way go on until they end."""
+        """Take no more connections, drop those still without a ticket; transfers under way go on until they end."""
         self._closed = True
-        self._listener.close()
-        if self._local is not None:
-            self._local.close()
+        self._wake.send(b"\0")
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # -- the gate: accepting connections and reading their tickets ---------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._closed:
+                soonest = min((p.deadline for p in self._pending), default=None)
+                wait = 0.25 if soonest is None else min(0.25, max(0.0, soonest - time.monotonic()))
+                for key, _ in self._selector.select(wait):
+                    if key.data == "wake":
+                        continue
+                    if isinstance(key.data, bool):
+                        self._accept(key.fileobj, key.data)
+                    else:
+                        self._advance(key.data)
+                self._expire()
+        finally:
+            for pending in list(self._pending):
+                self._forget(pending)
+                pending.conn.close()
+            for listener in (self._listener, self._local, self._wake_read, self._wake):
+                if listener is not None:
+                    listener.close()
+            self._selector.close()
 
     def _accept(self, listener: socket.socket, local: bool) -> None:
-        while not self._closed:
+        """Every connection waiting on ``listener``: closed at once when its peer, or everyone, has too many awaiting
+        their ticket; else waited on."""
+        while True:
             try:
-                conn, peer = listener.accept()
+                conn, address = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # e.g. out of file descriptors for a moment; keep serving
+                return
+            try:
+                peer = Peer.of_local(conn) if local else Peer.of_tcp(address)
             except OSError:
-                if self._closed:
-                    return
-                continue  # e.g. out of file descriptors for a moment; keep serving
-            if local:
-                name = "unix:local"
-            else:
-                name = f"ipv6:[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"ipv4:{peer[0]}:{peer[1]}"
-            threading.Thread(target=self._serve, args=(conn, name, local), name="packstore-bulk-conn", daemon=True).start()
+                conn.close()
+                continue
+            if self._pending_by_peer[peer.key] >= PEER_PENDING or len(self._pending) >= MAX_PENDING:
+                self._refused(peer, "pending")
+                conn.close()
+                continue
+            conn.setblocking(False)
+            if not local:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tls = self.tls is not None and not local
+            if tls:
+                conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+            pending = Pending(conn, peer, local, time.monotonic() + HELLO_SECONDS, tls)
+            self._pending.add(pending)
+            self._pending_by_peer[peer.key] += 1
+            self._selector.register(conn, selectors.EVENT_READ, pending)
+            self._advance(pending)  # a TLS client may have sent its hello already
 
-    def _serve(self, conn: socket.socket, peer: str, local: bool = False) -> None:
-        """One connection: a ticket, its transfer, and again, until the client closes or something fails."""
-        if not local:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn.settimeout(IDLE_SECONDS)
-        if not self._slots.acquire(blocking=False):
-            self._send_error(conn, LimitExceeded("too many bulk connections at once; try again, or read the pack on the gRPC stream"))
+    def _advance(self, pending: Pending) -> None:
+        """Go on with the TLS handshake and the hello as far as the bytes that came allow."""
+        conn = pending.conn
+        try:
+            if pending.handshaking:
+                conn.do_handshake()
+                pending.handshaking = False
+            while len(pending.hello) < HELLO:
+                data = conn.recv(HELLO - len(pending.hello))
+                if not data:
+                    self._forget(pending)
+                    conn.close()
+                    return
+                pending.hello += data
+        except ssl.SSLWantReadError:
+            self._selector.modify(conn, selectors.EVENT_READ, pending)
+            return
+        except ssl.SSLWantWriteError:
+            self._selector.modify(conn, selectors.EVENT_WRITE, pending)
+            return
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # a failed handshake (ssl.SSLError), a reset
+            self._refused(pending.peer, "handshake")
+            self._forget(pending)
             conn.close()
             return
-        try:
-            if self.tls is not None and not local:
-                conn = self.tls.wrap_socket(conn, server_side=True)
-            while self._transfer(conn, peer, local):
-                pass
-        except (OSError, EOFError) as exc:
-            log.debug("bulk connection closed", extra={"fields": {"peer": peer, "reason": str(exc)}})
-        finally:
-            self._slots.release()
-            conn.close()
+        self._forget(pending)
+        self._admit(pending)
 
-    def _send_chunk(self, conn: socket.socket, index: int, data: bytes | memoryview) -> int:
+    def _expire(self) -> None:
+        """Close the connections whose ticket did not come in time."""
+        now = time.monotonic()
+        for pending in [p for p in self._pending if p.deadline <= now]:
+            self._refused(pending.peer, "timeout")
+            self._forget(pending)
+            pending.conn.close()
+
+    def _forget(self, pending: Pending) -> None:
+        """Stop waiting on ``pending`` (it leaves the selector and the counts; its connection stays open)."""
+        self._pending.discard(pending)
+        self._pending_by_peer[pending.peer.key] -= 1
+        if self._pending_by_peer[pending.peer.key] <= 0:
+            del self._pending_by_peer[pending.peer.key]
+        try:
+            self._selector.unregister(pending.conn)
+        except (KeyError, ValueError):
+            pass
+
+    def _admit(self, pending: Pending) -> None:
+        """A whole hello: its ticket taken, then a slot for its peer; the transfer runs on a thread of its own. A bad
+        hello or a full port gets an ERROR frame (the client streams instead on LIMIT_EXCEEDED)."""
+        conn, peer, hello, fields = pending.conn, pending.peer, bytes(pending.hello), {"peer": pending.peer.name}
+        try:
+            if hello[: len(MAGIC)] != MAGIC:
+                self._refused(peer, "magic")
+                raise InvalidInput("not a packstore bulk connection (its first bytes are not the bulk magic)")
+            try:
+                transfer = self.tickets.take(hello[len(MAGIC) :])
+            except Unauthenticated:
+                self._refused(peer, "ticket")
+                raise
+            fields |= transfer.fields
+            with self._lock:
+                if sum(self._active_by_peer.values()) >= self.max_connections or self._active_by_peer[peer.key] >= self.per_peer:
+                    full = "too many bulk transfers at once" + (" from this peer" if self._active_by_peer[peer.key] >= self.per_peer else "")
+                    raise LimitExceeded(f"{full}; try again, or read the pack on the gRPC stream")
+                self._active_by_peer[peer.key] += 1
+        except PackstoreError as exc:
+            self._send_error(conn, exc)
+            conn.close()
+            self.metrics.record(METHOD, exc.grpc_status, 0.0, fields | {"error": str(exc)})
+            return
+        threading.Thread(target=self._serve, args=(conn, pending, transfer, fields), name="packstore-bulk-conn", daemon=True).start()
+
+    def _refused(self, peer: Peer, reason: str) -> None:
+        """Count a connection turned away before it showed a valid ticket (logged at debug only: no caller is known)."""
+        self.metrics.bulk_refused.labels(reason).inc()
+        log.debug("bulk connection refused", extra={"fields": {"peer": peer.name, "reason": reason}})
+
+    # -- transfers ----------------------------------------------------------------------------
+
+    def _serve(self, conn: socket.socket, pending: Pending, transfer: Transfer, fields: dict) -> None:
+        """One admitted transfer, then the connection closes (one ticket per connection)."""
+        start, sent, code = time.perf_counter(), 0, "OK"
+        size = sum(transfer.header.chunks[index].stored_bytes for index in transfer.indices)
+        deadline = time.monotonic() + TRANSFER_SECONDS + size / TRANSFER_RATE
+        try:
+            conn.setblocking(True)
+            with self.hot.lease(transfer.namespace, transfer.header) if self.hot is not None else nullcontext() as segment:
+                fields["hot"] = segment is not None
+                self.metrics.hot_reads.labels(transfer.namespace, "hit" if segment is not None else "miss").inc()
+                if segment is not None:
+                    for index in transfer.indices:
+                        sent += self._send_chunk(conn, index, segment.chunk(index), deadline)
+                else:
+                    sent = self._send_from_store(conn, transfer, deadline)
+            _send(conn, end_frame(), deadline)
+        except PackstoreError as exc:
+            code, fields["error"] = exc.grpc_status, str(exc)
+            self._send_error(conn, exc)
+        except OSError as exc:
+            code, fields["error"] = "CANCELLED", f"the client went away: {exc}"
+        except Exception as exc:  # an unexpected failure: report INTERNAL, keep serving others
+            code = "INTERNAL"
+            log.exception("internal error", extra={"fields": {"method": METHOD}})
+            self._send_error(conn, PackstoreError(f"internal error: {exc}"))
+        finally:
+            conn.close()
+            with self._lock:
+                self._active_by_peer[pending.peer.key] -= 1
+                if self._active_by_peer[pending.peer.key] <= 0:
+                    del self._active_by_peer[pending.peer.key]
+            self.metrics.record(METHOD, code, time.perf_counter() - start, {"bytes": sent, **fields})
+
+    def _send_chunk(self, conn: socket.socket, index: int, data: bytes | memoryview, deadline: float) -> int:
         """One CHUNK frame and its bytes; their count."""
-        conn.sendall(chunk_frame(index, len(data)))
-        conn.sendall(data)
+        _send(conn, chunk_frame(index, len(data)), deadline)
+        _send(conn, data, deadline)
         self.metrics.bytes_sent.inc(len(data))
         return len(data)
 
-    def _send_segment(self, conn: socket.socket, segment: Segment, indices: Sequence[int]) -> int:
-        """A SEGMENT frame carrying the hot segment's descriptor and where the ticket's chunks are in it."""
-        entries = [(index, segment.offsets[index], segment.header.chunks[index].stored_bytes) for index in indices]
-        frame = segment_frame(entries)
-        at = socket.send_fds(conn, [frame], [segment.fd])
-        if at < len(frame):
-            conn.sendall(frame[at:])
-        shared = sum(size for _, _, size in entries)
-        self.metrics.bytes_sent.inc(shared)
-        return shared
-
-    def _send_from_store(self, conn: socket.socket, transfer: Transfer) -> int:
+    def _send_from_store(self, conn: socket.socket, transfer: Transfer, deadline: float) -> int:
         """The ticket's chunks read (and verified) from the store; when they are the whole pack, also written into a
-        new hot segment, kept once every chunk is sent."""
+        new hot copy, kept once every chunk is sent."""
         header, indices = transfer.header, transfer.indices
-        writer = self.hot.writer(header) if self.hot is not None and len(indices) == len(header.chunks) else None
+        whole = self.hot is not None and len(indices) == len(header.chunks)
+        writer = self.hot.writer(transfer.namespace, header) if whole else None
         sent = 0
         try:
             for index, data in zip(indices, transfer.store.read_chunks(header, indices)):
-                sent += self._send_chunk(conn, index, data)
+                sent += self._send_chunk(conn, index, data, deadline)
                 if writer is not None:
                     writer.add(index, data)
             if writer is not None:
@@ -213,46 +410,21 @@ class BulkServer:
                 writer.discard()
 
     def _send_error(self, conn: socket.socket, error: PackstoreError) -> None:
-        """An ERROR frame, if the client still listens; the connection ends after it (its owner closes it)."""
+        """An ERROR frame, if the client still listens (never waiting on it); the connection ends after it."""
         try:
-            conn.sendall(error_frame(error))
-        except OSError:
+            conn.setblocking(False)
+            conn.send(error_frame(error))
+        except (OSError, ValueError):
             pass
 
-    def _transfer(self, conn: socket.socket, peer: str, local: bool = False) -> bool:
-        """Serve the next ticket on ``conn``; False when the connection is done with."""
-        try:
-            hello = recv_exact(conn, len(MAGIC) + TICKET_BYTES)
-        except EOFError:
-            return False  # closed between transfers
-        start, sent, code, fields = time.perf_counter(), 0, "OK", {"peer": peer}
-        try:
-            if hello[: len(MAGIC)] != MAGIC:
-                raise InvalidInput("not a packstore bulk connection (its first bytes are not the bulk magic)")
-            transfer = self.tickets.take(hello[len(MAGIC) :])
-            fields |= transfer.fields
-            with self.hot.lease(transfer.header) if self.hot is not None else nullcontext() as segment:
-                fields["hot"] = segment is not None
-                self.metrics.hot_reads.labels("hit" if segment is not None else "miss").inc()
-                if segment is not None and local:
-                    sent = self._send_segment(conn, segment, transfer.indices)
-                elif segment is not None:
-                    sent = sum(self._send_chunk(conn, index, segment.chunk(index)) for index in transfer.indices)
-                else:
-                    sent = self._send_from_store(conn, transfer)
-            conn.sendall(end_frame())
-            return True
-        except PackstoreError as exc:
-            code, fields["error"] = exc.grpc_status, str(exc)
-            self._send_error(conn, exc)
-            return False
-        except OSError as exc:
-            code, fields["error"] = "CANCELLED", f"the client went away: {exc}"
-            return False
-        except Exception as exc:  # an unexpected failure: report INTERNAL, keep serving others
-            code = "INTERNAL"
-            log.exception("internal error", extra={"fields": {"method": METHOD}})
-            self._send_error(conn, PackstoreError(f"internal error: {exc}"))
-            return False
-        finally:
-            self.metrics.record(METHOD, code, time.perf_counter() - start, {"bytes": sent, **fields})
+
+def _send(conn: socket.socket, data: bytes | memoryview, deadline: float) -> None:
+    """Send all of ``data`` by ``deadline``, or raise LimitExceeded (a reader too slow holds a slot no longer)."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise LimitExceeded(f"the bulk transfer was read too slowly (a transfer may take {TRANSFER_SECONDS:g} s plus 1 s per {TRANSFER_RATE >> 20} MiB)")
+    conn.settimeout(remaining)
+    try:
+        conn.sendall(data)
+    except socket.timeout:
+        raise LimitExceeded(f"the bulk transfer was read too slowly (a transfer may take {TRANSFER_SECONDS:g} s plus 1 s per {TRANSFER_RATE >> 20} MiB)") from None

@@ -21,7 +21,9 @@ class ServiceConfig:
     listen: str = "127.0.0.1:50551"
     bulk_listen: str = ""  # HOST:PORT of the bulk port GetPack hands tickets for; empty: listen's host, any free port; off: none
     bulk_local: str = "on"  # on: also a local bulk socket, where clients on this host map hot packs; off: none
-    hot_bytes: int = 1 << 30  # stored bytes of packs kept hot in sealed shared memory for the bulk port; 0: none
+    bulk_per_peer: int = 0  # bulk transfers one peer (an address; a process on the local socket) may run at once; 0: half the slots
+    hot_bytes: int = 1 << 30  # memory for packs kept hot for the bulk port (kept, being written, being sent); 0: none
+    upload_seconds: float = 600.0  # a PutPack still running after this is cancelled (gRPC sets no deadline of its own)
     metrics: str = ""  # HOST:PORT for Prometheus; empty disables
     workers: int = 16  # concurrent RPCs served
     max_message_bytes: int = 4 << 20  # per gRPC message, both directions
@@ -77,8 +79,10 @@ def load_config(config_file: str | None = None, overrides: dict[str, Any] | None
         raise InvalidInput("workers must be >= 1 and max_message_bytes at least 1 MiB + 4 KiB (chunk pieces are 1 MiB)")
     if config.objects and config.max_store_bytes:
         raise InvalidInput("max_store_bytes bounds a local store; with objects, bound the bucket with the object store's own quota")
-    if config.cache_bytes < 0 or config.hot_bytes < 0:
-        raise InvalidInput("cache_bytes and hot_bytes must be >= 0")
+    if config.cache_bytes < 0 or config.hot_bytes < 0 or config.bulk_per_peer < 0:
+        raise InvalidInput("cache_bytes, hot_bytes and bulk_per_peer must be >= 0")
+    if not 0 < config.upload_seconds <= 86400:  # also refuses NaN
+        raise InvalidInput(f"upload_seconds must be from 0 to 86400, got {config.upload_seconds}")
     if config.bulk_local not in ("on", "off"):
         raise InvalidInput(f"bulk_local must be on or off, got {config.bulk_local!r}")
     return config

@@ -1,19 +1,19 @@
-"""Hot packs: verified packs the service keeps in sealed shared-memory segments, one per pack, for the bulk port.
+"""Hot packs: verified packs the service keeps in its own memory, one buffer per pack and namespace, for the bulk port.
 
-A segment holds one pack's stored chunks end to end in a memfd, written once from chunks that were verified
-against their digests on the way in (read from the store, or uploaded), then sealed: nobody, the service
-included, can write, grow or shrink it again. The bulk port sends a hot pack's chunks from it without reading
-the store or hashing them again (the chunks crossed no hop since they were verified), and hands a client on
-this host the segment itself over the local socket, so the bytes cross no socket at all. At most
-``max_bytes`` are kept, the least recently used going first; a segment a transfer is still reading stays open
-until that transfer is done (a client's own descriptor keeps its copy of the memory alive on its own).
+A hot pack holds one pack's stored chunks end to end, written once from chunks that were verified against their
+digests on the way in (read from the store, or uploaded). The bulk port sends a hot pack's chunks from it without
+reading the store or hashing them again (the chunks crossed no hop since they were verified).
+
+Tenants share nothing here: a hot pack is keyed by its namespace and its header's digest, so a pack one namespace
+holds is never a hit for another, even for the same content, and deleting it in one namespace touches no other.
+Memory is bounded: packs kept, packs being written (an upload or a whole-pack read in flight) and packs evicted
+while a transfer still sends them all count against ``max_bytes`` until their memory is unmapped. No buffer ever
+leaves the process (clients receive copies of the bytes), so nothing a client does can keep one alive.
 """
 
 from __future__ import annotations
 
-import fcntl
 import mmap
-import os
 import threading
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -22,11 +22,9 @@ from typing import Iterator
 from packstore.errors import IntegrityError
 from packstore.format import PackHeader
 
-SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE  # none can be lifted again
-
 
 def chunk_offsets(header: PackHeader) -> tuple[int, ...]:
-    """Where each chunk starts in a segment of the pack: stored end to end, in body order."""
+    """Where each chunk starts in a hot pack's buffer: stored end to end, in body order."""
     offsets, at = [], 0
     for chunk in header.chunks:
         offsets.append(at)
@@ -34,15 +32,20 @@ def chunk_offsets(header: PackHeader) -> tuple[int, ...]:
     return tuple(offsets)
 
 
-class Segment:
-    """One pack's chunks in a sealed memfd, mapped read-only for sending; ``fd`` is what a local client receives."""
+def stored_size(header: PackHeader) -> int:
+    return sum(chunk.stored_bytes for chunk in header.chunks)
 
-    def __init__(self, fd: int, header: PackHeader) -> None:
-        self.fd, self.header = fd, header
+
+class Segment:
+    """One pack's chunks in an anonymous mapping of its own (unmapped as a whole when dropped), written by a
+    ``SegmentWriter`` and read-only from then on."""
+
+    def __init__(self, namespace: str, header: PackHeader, memory: mmap.mmap | None) -> None:
+        self.namespace, self.header = namespace, header
         self.offsets = chunk_offsets(header)
-        self.size = sum(chunk.stored_bytes for chunk in header.chunks)
-        self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if self.size else None
-        self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
+        self.size = stored_size(header)
+        self._map = memory
+        self.view = memoryview(memory).toreadonly() if memory is not None else memoryview(b"")
         self._users, self._evicted = 0, False
 
     def chunk(self, index: int) -> memoryview:
@@ -56,68 +59,77 @@ class Segment:
                 self._map.close()
             except BufferError:  # a view of a chunk is still alive somewhere: the mapping goes when that does
                 pass
-        os.close(self.fd)
 
 
 class SegmentWriter:
-    """A pack's segment being written, each chunk once in any order; ``finish`` seals it."""
+    """A pack's hot copy being written, each chunk once in any order, within bytes its ``HotPacks`` reserved for it."""
 
-    def __init__(self, header: PackHeader) -> None:
-        self.header = header
+    def __init__(self, owner: "HotPacks", namespace: str, header: PackHeader) -> None:
+        self.owner, self.namespace, self.header = owner, namespace, header
         self.offsets = chunk_offsets(header)
-        self._fd = os.memfd_create(f"packstore-{header.content_hash[:16]}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(self._fd, sum(chunk.stored_bytes for chunk in header.chunks))
+        self.size = stored_size(header)
+        self._map: mmap.mmap | None = mmap.mmap(-1, self.size)
         self._written: set[int] = set()
 
     def add(self, index: int, data: bytes | memoryview) -> None:
         """Chunk ``index``'s stored bytes, already checked against its digest by the caller."""
+        if self._map is None:
+            raise ValueError(f"pack {self.header.key}: its hot copy was already finished or discarded")
         view, at = memoryview(data), self.offsets[index]
         if len(view) != self.header.chunks[index].stored_bytes:
             raise IntegrityError(f"pack {self.header.key}: chunk {index} has {len(view)} bytes, its header says {self.header.chunks[index].stored_bytes}")
-        while view:
-            written = os.pwrite(self._fd, view, at)
-            view, at = view[written:], at + written
+        self._map[at : at + len(view)] = view
         self._written.add(index)
 
     def finish(self) -> Segment:
-        """The sealed segment; ValueError unless every chunk was added."""
-        if len(self._written) != len(self.header.chunks):
+        """The finished hot pack; ValueError unless every chunk was added."""
+        if len(self._written) != len(self.header.chunks) or self._map is None:
             raise ValueError(f"pack {self.header.key}: {len(self._written)} of {len(self.header.chunks)} chunks written")
-        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, SEALS)
-        fd, self._fd = self._fd, -1
-        return Segment(fd, self.header)
+        memory, self._map = self._map, None
+        return Segment(self.namespace, self.header, memory)
 
     def discard(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Give the memory and its reservation back (an upload that failed, a transfer cut short)."""
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+            self.owner._release(self.size)
 
 
 class HotPacks:
-    """The service's hot packs: segments by the digest of their header (``pack_sha256``, which covers every chunk's
-    digest, so a segment serves exactly the pack it was written for, in whichever namespace holds it), at most
-    ``max_bytes`` of them (0: none are kept)."""
+    """The service's hot packs, by (namespace, header digest), at most ``max_bytes`` of memory in all (0: none kept)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._segments: OrderedDict[str, Segment] = OrderedDict()  # least recently used first
-        self._bytes = 0
+        self._segments: OrderedDict[tuple[str, str], Segment] = OrderedDict()  # least recently used first
+        self._bytes = 0  # memory mapped: kept, being written, or evicted but still sent by a transfer
         self._lock = threading.Lock()
 
     @property
     def bytes(self) -> int:
+        """Memory the hot packs hold now (never more than ``max_bytes``)."""
         return self._bytes
 
     def __len__(self) -> int:
         return len(self._segments)
 
-    @contextmanager
-    def lease(self, header: PackHeader) -> Iterator[Segment | None]:
-        """The pack's segment, open until the context ends even if it is evicted meanwhile; None when not hot."""
+    def stats_by_namespace(self) -> dict[str, tuple[int, int]]:
+        """Per namespace, (hot packs, their stored bytes)."""
+        found: dict[str, tuple[int, int]] = {}
         with self._lock:
-            segment = self._segments.get(header.pack_sha256)
+            for segment in self._segments.values():
+                packs, size = found.get(segment.namespace, (0, 0))
+                found[segment.namespace] = (packs + 1, size + segment.size)
+        return found
+
+    @contextmanager
+    def lease(self, namespace: str, header: PackHeader) -> Iterator[Segment | None]:
+        """The namespace's hot copy of the pack, kept until the context ends even if evicted meanwhile; None when not hot."""
+        key = (namespace, header.pack_sha256)
+        with self._lock:
+            segment = self._segments.get(key)
             if segment is not None:
-                self._segments.move_to_end(header.pack_sha256)
+                self._segments.move_to_end(key)
                 segment._users += 1
         try:
             yield segment
@@ -126,32 +138,42 @@ class HotPacks:
                 with self._lock:
                     segment._users -= 1
                     if segment._evicted and not segment._users:
-                        segment._close()
+                        self._unmap(segment)
 
-    def writer(self, header: PackHeader) -> SegmentWriter | None:
-        """A writer for the pack's segment, or None when it could not be kept (too large, or none are kept)."""
-        size = sum(chunk.stored_bytes for chunk in header.chunks)
+    def writer(self, namespace: str, header: PackHeader) -> SegmentWriter | None:
+        """A writer for the namespace's hot copy of the pack, its memory reserved now (evicting the least recently used
+        packs to make room); None when it cannot be kept (larger than ``max_bytes``, or the room is taken by writes and
+        transfers in flight)."""
+        size = stored_size(header)
         if not 0 < size <= self.max_bytes:
             return None
-        return SegmentWriter(header)
+        with self._lock:
+            while self._bytes + size > self.max_bytes and self._segments:
+                self._drop(self._segments.popitem(last=False)[1])
+            if self._bytes + size > self.max_bytes:
+                return None
+            self._bytes += size
+        try:
+            return SegmentWriter(self, namespace, header)
+        except BaseException:
+            self._release(size)
+            raise
 
     def add(self, writer: SegmentWriter) -> None:
-        """Seal ``writer``'s segment and keep it, evicting the least recently used to stay within ``max_bytes``."""
+        """Keep ``writer``'s finished hot pack (its memory was reserved when the writer was made)."""
         segment = writer.finish()
         with self._lock:
-            old = self._segments.pop(segment.header.pack_sha256, None)
+            key = (segment.namespace, segment.header.pack_sha256)
+            old = self._segments.pop(key, None)
             if old is not None:
                 self._drop(old)
-            self._segments[segment.header.pack_sha256] = segment
-            self._bytes += segment.size
-            while self._bytes > self.max_bytes:
-                self._drop(self._segments.popitem(last=False)[1])
+            self._segments[key] = segment
 
-    def evict(self, key: str) -> None:
-        """Drop every segment of pack ``key`` (it was deleted)."""
+    def evict(self, namespace: str, key: str) -> None:
+        """Drop the namespace's hot copies of pack ``key`` (it was deleted there); other namespaces keep theirs."""
         with self._lock:
-            for digest in [d for d, s in self._segments.items() if s.header.key == key]:
-                self._drop(self._segments.pop(digest))
+            for found in [k for k, s in self._segments.items() if k[0] == namespace and s.header.key == key]:
+                self._drop(self._segments.pop(found))
 
     def clear(self) -> None:
         with self._lock:
@@ -159,8 +181,16 @@ class HotPacks:
                 self._drop(self._segments.popitem()[1])
 
     def _drop(self, segment: Segment) -> None:
-        """Forget ``segment`` (lock held); it closes now, or when its last lease ends."""
-        self._bytes -= segment.size
+        """Forget ``segment`` (lock held); its memory goes now, or when its last lease ends."""
         segment._evicted = True
         if not segment._users:
-            segment._close()
+            self._unmap(segment)
+
+    def _unmap(self, segment: Segment) -> None:
+        """(lock held)"""
+        segment._close()
+        self._bytes -= segment.size
+
+    def _release(self, size: int) -> None:
+        with self._lock:
+            self._bytes -= size

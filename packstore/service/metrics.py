@@ -21,9 +21,12 @@ class ServiceMetrics:
         self.store_packs = Gauge("packstore_store_packs", "Packs in the store", registry=self.registry)
         self.store_pack_bytes = Gauge("packstore_store_pack_bytes", "Stored bytes of every pack (headers and chunks)", registry=self.registry)
         self.store_bytes = Gauge("packstore_store_file_bytes", "Size of the store's data file", registry=self.registry)
-        self.hot_packs = Gauge("packstore_hot_packs", "Packs held hot in sealed shared memory for the bulk port", registry=self.registry)
+        self.hot_packs = Gauge("packstore_hot_packs", "Packs held hot in memory for the bulk port", registry=self.registry)
         self.hot_bytes = Gauge("packstore_hot_bytes", "Stored bytes of the packs held hot", registry=self.registry)
-        self.hot_reads = Counter("packstore_hot_reads", "Bulk transfers, by whether their pack was hot", ["result"], registry=self.registry)
+        self.hot_reads = Counter("packstore_hot_reads", "Bulk transfers, by namespace and whether their pack was hot there", ["namespace", "result"], registry=self.registry)
+        self.bulk_refused = Counter(
+            "packstore_bulk_refused", "Bulk connections turned away before a valid ticket, by reason", ["reason"], registry=self.registry
+        )
 
     def record(self, method: str, code: str, seconds: float, fields: dict) -> None:
         """Count, time and log one finished call (an RPC or a bulk transfer): logged at INFO when ``code`` is

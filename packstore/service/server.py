@@ -131,7 +131,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
     # -- RPCs ------------------------------------------------------------------------------------
 
     def PutPack(self, request_iterator, context):
-        with self._call("PutPack", context) as call:
+        with self._call("PutPack", context) as call, upload_deadline(context, self.config.upload_seconds):
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("item") != "begin":
                 raise InvalidInput("PutPack must start with a PutPackBegin message carrying the header")
@@ -144,7 +144,8 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             call["key"] = header.key
             upload = call.store.begin_upload(header)
             assembler = ChunkAssembler(header)
-            hot = self.hot.writer(header) if self.hot is not None else None  # a pack just uploaded is likely read soon
+            namespace = call.principal.namespace
+            hot = self.hot.writer(namespace, header) if self.hot is not None else None  # a pack just uploaded is likely read soon
             try:
                 for message in request_iterator:
                     if message.WhichOneof("item") != "chunk":
@@ -192,7 +193,8 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             indices = chunks_for(header, span, request.prefix or None)
             yield store_pb2.GetPackResponse(header=pack_info(stored))
             if request.bulk and self.bulk is not None:
-                ticket = self.bulk.tickets.issue(call.store, header, indices, {k: call[k] for k in ("token", "namespace", "key")})
+                fields = {k: call[k] for k in ("token", "namespace", "key")}
+                ticket = self.bulk.tickets.issue(call.store, call.principal.namespace, header, indices, fields)
                 if ticket is not None:
                     call["bulk"] = True
                     yield store_pb2.GetPackResponse(bulk=self.bulk.ticket_message(ticket))
@@ -243,7 +245,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
         with self._call("DeletePack", context, ref=request.ref) as call:
             call["key"] = key = call.store.delete(request.ref, model_fp=request.model_fp or None)
             if self.hot is not None:
-                self.hot.evict(key)
+                self.hot.evict(call.principal.namespace, key)
             return store_pb2.DeletePackResponse(key=key)
 
     def SetName(self, request, context):
@@ -360,6 +362,23 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             return self._bank_status(call.store, request.name)
 
 
+@contextmanager
+def upload_deadline(context: grpc.ServicerContext, seconds: float) -> Iterator[None]:
+    """Cancel the call if it is still running after ``seconds``: a stalled upload holds a worker thread, staged chunks
+    and the room reserved for its hot copy, and gRPC gives a call no deadline unless its client sets one."""
+    timer = threading.Timer(seconds, context.cancel)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except grpc.RpcError:
+        if not timer.is_alive():
+            log.warning("upload cancelled", extra={"fields": {"reason": f"not finished within upload_seconds ({seconds:g} s)"}})
+        raise
+    finally:
+        timer.cancel()
+
+
 class _Handlers:
     """Stands in for a server to catch the method handlers that generated code registers."""
 
@@ -397,7 +416,9 @@ def build_server(
     if address is not None:
         tls = server_ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca)
         local = config.bulk_local == "on"
-        bulk = BulkServer(address, Tickets(), metrics, tls=tls, max_connections=config.workers * 4, hot=hot, local=local)
+        bulk = BulkServer(
+            address, Tickets(), metrics, tls=tls, max_connections=config.workers * 4, per_peer=config.bulk_per_peer, hot=hot, local=local
+        )
     service = PackStoreService(stores, config, metrics, auth, bulk, hot)
     service._track_store_gauges()
     add_pack_store(service, server)

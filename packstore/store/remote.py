@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import grpc
 
-from packstore.errors import PackNotFound, PackstoreError
+from packstore.errors import LimitExceeded, PackNotFound, PackstoreError, Unauthenticated
 from packstore.format import EncodedPack, PackHeader
 from packstore.format.body import chunks_for, verify_chunk
 from packstore.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
-from packstore.rpc.bulk import Mappings, ReceiveBuffers, bulk_chunks, connect, connect_local
+from packstore.rpc.bulk import ReceiveBuffers, bulk_chunks, connect, connect_local, first_frame
 from packstore.rpc.channel import Connection, GrpcClient
 from packstore.rpc.messages import ChunkAssembler, bank_meta, chunk_pieces, pack_summary, signatures_of, stored_pack
 from packstore.rpc.wire import ChunkPiece, get_pack_method
@@ -62,6 +62,7 @@ class RemoteStore(GrpcClient):
         self.local_bulk = bulk and local_bulk  # use the service's local bulk socket when offered (off once it could not be reached)
         self._buffers = ReceiveBuffers(receive_buffer_bytes)
         self._tls: ssl.SSLContext | None = None
+        self._fallbacks: set[str] = set()  # why bulk transfers fell back to the stream, each logged once
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -127,17 +128,12 @@ class RemoteStore(GrpcClient):
         header = stored.header
         indices = chunks_for(header, layers, prefix)
         if isinstance(second, store_pb2.GetPackResponse) and second.WhichOneof("item") == "bulk":
-            local = self._connect_local(second.bulk)
-            if local is not None:
-                return stored, lambda: self._received(local, header, indices, reuse, Mappings())
-            try:
-                sock = connect(self.address.rsplit(":", 1)[0], second.bulk.port, second.bulk.ticket, timeout=self.timeout, tls=self._bulk_tls(second.bulk))
-                return stored, lambda: self._received(sock, header, indices, reuse)
-            except OSError as exc:
-                log.warning("the bulk port %s of %s cannot be reached (%s): GetPack streams from now on", second.bulk.port, self.target, exc)
-                self.bulk = False
-                request.ref, request.bulk = header.key, False  # the key, not a name that may have moved meanwhile
-                stored, second, responses = self._start_get_pack(request)
+            started = self._start_bulk(second.bulk)
+            if started is not None:
+                sock, first = started
+                return stored, lambda: self._received(sock, header, indices, reuse, first)
+            request.ref, request.bulk = header.key, False  # the key, not a name that may have moved meanwhile
+            stored, second, responses = self._start_get_pack(request)
 
         def chunks() -> Iterator[tuple[int, bytes]]:
             assembler = ChunkAssembler(header, indices)
@@ -155,6 +151,35 @@ class RemoteStore(GrpcClient):
 
         return stored, lambda: nullcontext(chunks())
 
+    def _start_bulk(self, ticket: store_pb2.BulkTicket) -> tuple[socket.socket, tuple[int, int, int]] | None:
+        """A bulk connection with the ticket presented and the transfer's first frame read (over the local socket when
+        offered and reachable, else TCP); None when this fetch streams instead: the port cannot be reached (and then
+        no later fetch asks for it), or the server refused the transfer for now (LIMIT_EXCEEDED, a ticket that lapsed)
+        or did not answer in time. Each reason is logged once per client."""
+        try:
+            sock = self._connect_local(ticket)
+            if sock is None:
+                sock = connect(self.address.rsplit(":", 1)[0], ticket.port, ticket.ticket, timeout=self.timeout, tls=self._bulk_tls(ticket))
+        except OSError as exc:
+            self._fall_back("unreachable", f"the bulk port {ticket.port} of {self.target} cannot be reached ({exc}): GetPack streams from now on")
+            self.bulk = False
+            return None
+        try:
+            return sock, first_frame(sock, self.timeout)
+        except (LimitExceeded, Unauthenticated, OSError, EOFError) as exc:
+            sock.close()
+            self._fall_back(type(exc).__name__, f"the bulk port of {self.target} did not start a transfer ({exc}): that fetch streamed instead")
+            return None
+        except BaseException:
+            sock.close()
+            raise
+
+    def _fall_back(self, reason: str, message: str) -> None:
+        """Log ``message`` the first time this client falls back to the stream for ``reason``."""
+        if reason not in self._fallbacks:
+            self._fallbacks.add(reason)
+            log.warning(message)
+
     def _connect_local(self, ticket: store_pb2.BulkTicket) -> socket.socket | None:
         """A connection to the service's local bulk socket with the ticket presented, when the service offers one and it
         is reachable from here (the same host and network namespace); None otherwise, and from then on."""
@@ -169,14 +194,13 @@ class RemoteStore(GrpcClient):
 
     @contextmanager
     def _received(
-        self, sock: socket.socket, header: PackHeader, indices: tuple[int, ...], reuse: bool, mappings: Mappings | None = None
+        self, sock: socket.socket, header: PackHeader, indices: tuple[int, ...], reuse: bool, first: tuple[int, int, int]
     ) -> Iterator[Iterator[tuple[int, memoryview]]]:
-        """The chunks from a bulk connection, received into a leased buffer (``reuse``) or each into its own, or on a
-        local connection (``mappings``) maybe mapped from the service's segment, unmapped when the context ends."""
+        """The chunks from a bulk connection whose first frame was read, received into a leased buffer (``reuse``) or each
+        into its own."""
         size = sum(header.chunks[index].stored_bytes for index in indices)
-        with self._buffers.lease(size) if reuse else nullcontext() as buffer, mappings or nullcontext():
-            chunks = bulk_chunks(sock, header, indices, f"{self.what} at {self.target}", buffer, mappings)
-            yield chunks if reuse or mappings is None else ((index, bytes(data)) for index, data in chunks)
+        with self._buffers.lease(size) if reuse else nullcontext() as buffer:
+            yield bulk_chunks(sock, header, indices, f"{self.what} at {self.target}", buffer, first)
 
     def _start_get_pack(self, request: store_pb2.GetPackRequest) -> tuple[StoredPack, object, Iterator[object]]:
         """Call GetPack and read its first two responses: the stored pack, then a bulk ticket, the first chunk

@@ -1,12 +1,14 @@
 """GetPack's bulk transfer: chunks over the bulk port for a single-use ticket, the same bytes as the stream,
-errors as typed as gRPC's, and the stream whenever the port is off or cannot be reached; on the service's host,
-hot packs mapped from their sealed segments."""
+errors as typed as gRPC's, and the stream whenever the port is off, cannot be reached or is busy; connections that
+present no ticket in time take no slot; hot packs per namespace, within their memory bound, never passed as
+descriptors."""
 
 from __future__ import annotations
 
-import fcntl
-import os
+import array
+import logging
 import socket
+import struct
 import time
 import urllib.request
 from pathlib import Path
@@ -17,24 +19,26 @@ import torch
 
 from packstore.errors import IntegrityError, InvalidInput, LimitExceeded, PackNotFound, Unauthenticated, Unavailable
 from packstore.rpc.bulk import (
+    CHUNK,
+    END,
     MAGIC,
     TICKET_BYTES,
-    Mappings,
     ReceiveBuffers,
     bulk_chunks,
-    chunk_frame,
     connect,
     end_frame,
     error_frame,
     read_frame,
-    segment_frame,
+    recv_exact,
 )
 from packstore.rpc.messages import stored_pack
 from packstore.service.bulk import Tickets, bulk_address
+from packstore.service.hot import HotPacks
 from packstore.store import LmdbStore
 from packstore.store.remote import RemoteStore
 from packstore.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 from service_helpers import free_port, running_server
 from test_format import make_pack
 
@@ -125,22 +129,66 @@ def test_a_client_that_goes_away_mid_transfer_leaves_the_server_serving(server) 
         assert same(remote.fetch(key), pack)
 
 
-def test_connections_past_the_limit_are_refused_with_resource_exhausted(server) -> None:
+def test_connections_without_a_ticket_take_no_slot_and_are_closed_within_about_a_second(server) -> None:
+    """--workers 1 gives 4 transfer slots: 8 idle connections and 8 sending garbage slowly hold none of them, a fetch
+    still goes over the bulk port meanwhile, and each idle one is closed after about a second."""
     with RemoteStore(server.url) as remote:
         key, _ = remote.put(encode_pack(make_pack(tokens=64, dim=16)))
-    _, ticket = ticket_for(server, key)
-    idle = [socket.create_connection(("127.0.0.1", ticket.port), timeout=10) for _ in range(4)]  # --workers 1: 4 at once
-    try:
-        time.sleep(0.2)
-        with socket.create_connection(("127.0.0.1", ticket.port), timeout=10) as extra:
-            kind, _, length = read_frame(extra)
-            assert kind == 3 and b"LIMIT_EXCEEDED" in extra.recv(length)
-    finally:
-        for sock in idle:
-            sock.close()
-    time.sleep(0.2)
+        _, ticket = ticket_for(server, key)
+        idle = [socket.create_connection(("127.0.0.1", ticket.port), timeout=10) for _ in range(8)]
+        slow = [socket.create_connection(("127.0.0.1", ticket.port), timeout=10, source_address=("127.0.0.2", 0)) for _ in range(8)]
+        try:
+            for sock in slow:
+                sock.sendall(MAGIC[:2])
+            before = requests_counted(server, "GetPack.bulk", "OK")
+            assert remote.fetch(key).header.key == key
+            assert requests_counted(server, "GetPack.bulk", "OK") - before == 1
+            started = time.monotonic()
+            for sock in idle + slow:
+                assert sock.recv(1) == b""  # closed by the server, without a frame
+            assert time.monotonic() - started < 5
+        finally:
+            for sock in idle + slow:
+                sock.close()
+
+
+def big_pack():
+    """A pack of about 33 MB: more than the kernel buffers a transfer nobody reads can fill."""
+    return make_pack(layers=8, tokens=4000, dim=64)
+
+
+def test_a_peer_past_its_share_of_slots_gets_limit_exceeded_and_the_client_streams_instead(server, caplog) -> None:
+    """--workers 1: 4 slots, 2 per peer. Two transfers nobody reads hold this peer's share; a third connection of the
+    same peer gets LIMIT_EXCEEDED, a RemoteStore on it streams the pack instead and says so once in its log; a client
+    at another address still reads over the bulk port."""
+    pack = big_pack()
     with RemoteStore(server.url) as remote:
-        assert remote.fetch(key).header.key == key
+        key, _ = remote.put(encode_pack(pack))
+    stalled = []
+    try:
+        for _ in range(2):
+            _, ticket = ticket_for(server, key)
+            stalled.append(connect("127.0.0.1", ticket.port, ticket.ticket, timeout=10, tls=None))
+            read_frame(stalled[-1])  # admitted: its first chunk is on its way
+        _, ticket = ticket_for(server, key)
+        with connect("127.0.0.1", ticket.port, ticket.ticket, timeout=10, tls=None) as third:
+            kind, _, length = read_frame(third)
+            body = bytes(recv_exact(third, length))
+            assert kind == 3 and b"LIMIT_EXCEEDED" in body and b"from this peer" in body
+        info, ticket = ticket_for(server, key)
+        with socket.create_connection(("127.0.0.1", ticket.port), timeout=10, source_address=("127.0.0.2", 0)) as other:
+            other.sendall(MAGIC + ticket.ticket)
+            header = stored_pack(info).header
+            assert len(list(bulk_chunks(other, header, range(len(header.chunks)), "other peer"))) == len(header.chunks)
+        caplog.set_level(logging.WARNING, logger="packstore.remote")
+        with RemoteStore(server.url, local_bulk=False) as remote:
+            before = requests_counted(server, "GetPack", "OK")
+            assert same(remote.fetch(key), pack) and same(remote.fetch(key), pack) and remote.bulk
+            assert requests_counted(server, "GetPack", "OK") - before == 4  # twice asked for bulk, twice streamed
+        assert caplog.text.count("did not start a transfer") == 1
+    finally:
+        for sock in stalled:
+            sock.close()
 
 
 def test_with_the_bulk_port_off_or_out_of_reach_a_fetch_streams(tmp_path: Path, caplog) -> None:
@@ -161,14 +209,14 @@ def test_with_the_bulk_port_off_or_out_of_reach_a_fetch_streams(tmp_path: Path, 
 def test_tickets_lapse_and_are_bounded() -> None:
     tickets = Tickets(lifetime=0.05, limit=2)
     header = encode_pack(make_pack(tokens=4, dim=4)).header
-    first = tickets.issue(None, header, [0], {})
-    second = tickets.issue(None, header, [0], {})
-    assert first != second and tickets.issue(None, header, [0], {}) is None  # at the limit: the caller streams
+    first = tickets.issue(None, "default", header, [0], {})
+    second = tickets.issue(None, "default", header, [0], {})
+    assert first != second and tickets.issue(None, "default", header, [0], {}) is None  # at the limit: the caller streams
     assert tickets.take(second).indices == (0,)
     time.sleep(0.1)
     with pytest.raises(Unauthenticated, match="lapsed"):
         tickets.take(first)
-    assert tickets.issue(None, header, [0], {}) is not None  # lapsed ones make room
+    assert tickets.issue(None, "default", header, [0], {}) is not None  # lapsed ones make room
 
 
 def test_the_bulk_address_follows_the_grpc_one_unless_told() -> None:
@@ -219,29 +267,44 @@ def test_error_frames_carry_the_error_class_and_fields() -> None:
         list(bulk_chunks(b, header, [0], "test"))
 
 
-def metric(server, sample: str) -> float:
-    """The value of one Prometheus sample (name and labels exactly as exposed), 0 when absent."""
+def metric(server, name: str, **labels: str) -> float:
+    """The sum of the samples ``name`` whose labels include ``labels`` (0 when none)."""
     text = urllib.request.urlopen(f"http://{server.metrics}/metrics").read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(sample + " "))
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
-def test_on_the_services_host_a_hot_pack_arrives_as_its_sealed_segment(server, monkeypatch) -> None:
-    """An upload makes a pack hot; a client on the service's host then maps its segment (the bytes cross no socket),
-    for the whole pack or part of it, and what it returns outlives the mapping."""
+def test_on_the_services_host_a_hot_pack_comes_over_the_local_socket_as_chunks_never_as_a_descriptor(server) -> None:
+    """An upload makes a pack hot; a client on the service's host reads it over the local socket, whole or in part,
+    as CHUNK frames with no file descriptor attached (a descriptor could keep the memory alive past --hot-bytes)."""
     pack = make_pack(layers=4, tokens=600, dim=64)
     encoded = encode_pack(pack)
-    mapped, original = [], Mappings.map
-    monkeypatch.setattr(Mappings, "map", lambda self, fd, end: mapped.append(end) or original(self, fd, end))
-    hits = metric(server, 'packstore_hot_reads_total{result="hit"}')
+    hits = metric(server, "packstore_hot_reads_total", result="hit")
     with RemoteStore(server.url) as remote:
         key, _ = remote.put(encoded, name="hot")
-        _, ticket = ticket_for(server, key)
+        info, ticket = ticket_for(server, key)
         assert ticket.local_socket.startswith("packstore-bulk-")
-        assert same(remote.fetch("hot"), pack) and len(mapped) == 1
+        header = stored_pack(info).header
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.settimeout(10)
+            raw.connect("\0" + ticket.local_socket)
+            raw.sendall(MAGIC + ticket.ticket)
+            fds = array.array("i")
+            for index in range(len(header.chunks)):
+                data, ancillary, _, _ = raw.recvmsg(13, socket.CMSG_LEN(4 * fds.itemsize))
+                assert not ancillary
+                kind, got, length = struct.unpack("<BIQ", data + bytes(recv_exact(raw, 13 - len(data))))
+                assert (kind, got) == (CHUNK, index) and bytes(recv_exact(raw, length)) == encoded.chunks[index]
+            assert read_frame(raw)[0] == END
+        assert same(remote.fetch("hot"), pack)
         part = remote.fetch_part(key, layers=(1, 2), prefix=100)
-        assert torch.equal(part.values[1], pack.values[2][..., :100, :]) and len(mapped) == 2
+        assert torch.equal(part.values[1], pack.values[2][..., :100, :])
         assert [bytes(c) for c in remote.get(key).chunks] == list(encoded.chunks)
-    assert metric(server, 'packstore_hot_reads_total{result="hit"}') - hits == 3
+    assert metric(server, "packstore_hot_reads_total", result="hit") - hits == 4
     assert metric(server, "packstore_hot_packs") >= 1
 
 
@@ -253,9 +316,9 @@ def test_a_pack_turns_hot_on_its_first_whole_read_and_leaves_when_deleted(tmp_pa
         remote.fetch_part(key, layers=(0, 0))  # a part is read from the store and not kept
         assert metric(server, "packstore_hot_packs") == 0
         assert same(remote.fetch(key), pack)  # the first whole read keeps it
-        assert metric(server, "packstore_hot_packs") == 1 and metric(server, 'packstore_hot_reads_total{result="miss"}') == 2
+        assert metric(server, "packstore_hot_packs") == 1 and metric(server, "packstore_hot_reads_total", result="miss") == 2
         assert same(remote.fetch(key), pack)
-        assert metric(server, 'packstore_hot_reads_total{result="hit"}') == 1
+        assert metric(server, "packstore_hot_reads_total", result="hit") == 1
         remote.delete(key)
         assert metric(server, "packstore_hot_packs") == 0 and metric(server, "packstore_hot_bytes") == 0
         with pytest.raises(PackNotFound):
@@ -270,60 +333,61 @@ def test_hot_packs_stay_within_hot_bytes_the_least_recently_used_going_first(tmp
         assert metric(server, "packstore_hot_packs") == 1 and metric(server, "packstore_hot_bytes") <= size * 1.6
         for key, pack in reversed(list(zip(keys, packs))):  # each read whole turns hot, evicting the one before
             assert same(remote.fetch(key), pack)
-        assert metric(server, 'packstore_hot_reads_total{result="hit"}') == 1  # only the last upload was still hot
+        assert metric(server, "packstore_hot_reads_total", result="hit") == 1  # only the last upload was still hot
         assert metric(server, "packstore_hot_packs") == 1
 
 
-def test_without_a_local_socket_or_hot_packs_fetches_go_over_tcp(tmp_path: Path, monkeypatch) -> None:
+def test_without_a_local_socket_or_hot_packs_fetches_go_over_tcp(tmp_path: Path) -> None:
     pack = make_pack(layers=2, tokens=300, dim=32)
-    mapped = []
-    monkeypatch.setattr(Mappings, "map", lambda self, fd, end: mapped.append(end))
     with running_server(tmp_path / "data", "--bulk-local", "off", "--hot-bytes", "0") as server, RemoteStore(server.url) as remote:
         key, _ = remote.put(encode_pack(pack))
         _, ticket = ticket_for(server, key)
         assert ticket.local_socket == ""
-        assert same(remote.fetch(key), pack) and same(remote.fetch(key), pack) and not mapped
+        assert same(remote.fetch(key), pack) and same(remote.fetch(key), pack)
         assert metric(server, "packstore_hot_packs") == 0 and requests_counted(server, "GetPack.bulk", "OK") == 2
 
 
-def segment_transfer(descriptor: int, entries: list[tuple[int, int, int]]) -> socket.socket:
-    """The client's end of a local connection on which a server sent a SEGMENT frame with ``descriptor``, then END."""
-    server_end, client_end = socket.socketpair(socket.AF_UNIX)
-    socket.send_fds(server_end, [segment_frame(entries)], [descriptor])
-    server_end.sendall(end_frame())
-    server_end.close()
-    os.close(descriptor)
-    return client_end
+def test_hot_packs_count_writes_in_flight_and_copies_still_being_sent_against_their_bound() -> None:
+    """Every byte of memory the hot packs map counts: a pack being written reserves its size first (none is made when
+    the room is taken), and an evicted pack a transfer still sends counts until that transfer ends."""
+    encoded = encode_pack(make_pack(layers=2, tokens=100, dim=16))
+    size = sum(c.stored_bytes for c in encoded.header.chunks)
+    hot = HotPacks(int(size * 2.5))
+    first, second = hot.writer("a", encoded.header), hot.writer("b", encoded.header)
+    assert hot.bytes == 2 * size and hot.writer("c", encoded.header) is None  # two in flight: no room for a third
+    second.discard()
+    for index, chunk in enumerate(encoded.chunks):
+        first.add(index, chunk)
+    hot.add(first)
+    with hot.lease("a", encoded.header) as segment:
+        assert segment is not None and bytes(segment.chunk(0)) == encoded.chunks[0]
+        for namespace in ("b", "c"):  # each new one evicts the least recently used; "a" is still being sent
+            writer = hot.writer(namespace, encoded.header)
+            for index, chunk in enumerate(encoded.chunks):
+                writer.add(index, chunk)
+            hot.add(writer)
+            assert hot.bytes <= hot.max_bytes
+        assert hot.bytes == 2 * size and len(hot) == 1  # c kept; a evicted for it but still mapped (b evicted, unmapped)
+    assert hot.bytes == size and hot.stats_by_namespace() == {"c": (1, size)}
 
 
-def test_a_client_maps_only_a_sealed_segment_that_holds_its_table() -> None:
-    encoded = encode_pack(make_pack(tokens=8, dim=8))
-    header, data = encoded.header, encoded.chunks[0]
-    entries = [(0, 0, len(data))]
+def test_a_stalled_upload_is_cancelled_after_upload_seconds_and_gives_its_hot_room_back(tmp_path: Path) -> None:
+    """An upload reserves hot memory for its pack when it starts; one that stalls is cancelled by the server after
+    --upload-seconds (gRPC sets no deadline of its own), stores nothing, and the room it reserved is free again."""
+    encoded = encode_pack(make_pack(layers=2, tokens=300, dim=32))
+    with running_server(tmp_path / "data", "--upload-seconds", "1") as server:
+        stub = store_pb2_grpc.PackStoreStub(grpc.insecure_channel(server.address))
 
-    def memfd(sealed: bool, size: int) -> int:
-        fd = os.memfd_create("test", os.MFD_ALLOW_SEALING)
-        os.write(fd, data[:size])
-        if sealed:
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
-        return fd
+        def stalled():
+            yield store_pb2.PutPackRequest(begin=store_pb2.PutPackBegin(header_json=encoded.header.to_json()))
+            time.sleep(4)  # then nothing: the server gives up first
 
-    with Mappings() as mappings:
-        chunks = list(bulk_chunks(segment_transfer(memfd(True, len(data)), entries), header, [0], "test", None, mappings))
-        assert [(i, bytes(c)) for i, c in chunks] == [(0, data)]
-    with Mappings() as mappings, pytest.raises(IntegrityError, match="not sealed"):
-        list(bulk_chunks(segment_transfer(memfd(False, len(data)), entries), header, [0], "test", None, mappings))
-    with Mappings() as mappings, pytest.raises(IntegrityError, match="whose table reaches byte"):
-        list(bulk_chunks(segment_transfer(memfd(True, len(data) - 1), entries), header, [0], "test", None, mappings))
-    with Mappings() as mappings, pytest.raises(InvalidInput, match="holds chunk 0 of 3 bytes"):
-        list(bulk_chunks(segment_transfer(memfd(True, len(data)), [(0, 0, 3)]), header, [0], "test", None, mappings))
-    server_end, client_end = socket.socketpair(socket.AF_UNIX)
-    socket.send_fds(server_end, [chunk_frame(0, len(data))], [memfd(True, len(data))])
-    with Mappings() as mappings, pytest.raises(InvalidInput, match="a descriptor with a frame of kind 1"):
-        list(bulk_chunks(client_end, header, [0], "test", None, mappings))
-    server_end.close()
-    a, b = socket.socketpair()
-    a.sendall(segment_frame(entries))  # a segment on a TCP-like connection (no mappings): refused
-    with pytest.raises(InvalidInput, match="sent frame 4"):
-        list(bulk_chunks(b, header, [0], "test"))
-    a.close()
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            stub.PutPack(stalled(), timeout=30)
+        assert info.value.code() == grpc.StatusCode.CANCELLED and time.monotonic() - started < 4
+        assert metric(server, "packstore_hot_bytes") == 0
+        with RemoteStore(server.url) as remote:
+            assert remote.keys() == []
+            key, _ = remote.put(encoded)  # a prompt upload still goes through, and turns hot
+            assert metric(server, "packstore_hot_packs") == 1
