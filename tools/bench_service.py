@@ -10,10 +10,10 @@ rotates), every figure is a median, and the ratios within this one run are what 
    seconds), for 1 and for 16 concurrent clients (threads started together on a barrier) fetching
    a ~2k-token pack (~94 MB of KV, ~80 MB stored) into CPU tensors:
    service = ``RemoteStore.fetch`` from ``packstore serve`` (one RemoteStore per thread), as it runs by
-   default: GetPack over gRPC, then, the pack being hot in the service (it was just uploaded), its sealed
-   segment mapped over the local bulk socket (client and service share this host); tcp = the same with
-   ``local_bulk=False``: the chunks over the bulk port's TCP connection, sent from the hot segment, as a
-   client on another host gets them; stream = ``bulk=False``, the chunks on GetPack's gRPC stream;
+   default: GetPack over gRPC, then, the pack being hot in the service (it was just uploaded), its chunks
+   sent from the hot copy over the local bulk socket (client and service share this host); tcp = the same
+   with ``local_bulk=False``: the chunks over the bulk port's TCP connection, as a client on another host
+   gets them; stream = ``bulk=False``, the chunks on GetPack's gRPC stream;
    local = ``LmdbStore.fetch`` on a local LMDB store holding the same pack (one store, shared by
    the threads, as LMDB allows one environment per process);
    redis = the Redis-protocol server holding the same stored chunks as plain values (one key per chunk,
@@ -24,7 +24,7 @@ rotates), every figure is a median, and the ratios within this one run are what 
 2. Time to first token (``max_new_tokens=1``) for packs of ~512 and ~2k tokens:
    cold = ``Generate`` on the worker with a pack not yet in its LRU (a distinct pack per
    repetition, all uploaded beforehand, so hot in the service, whose ``--hot-bytes`` holds every pack of
-   the run: the worker maps it over the local bulk socket, decodes and injects it and prefills the
+   the run: the worker receives it over the local bulk socket, decodes and injects it and prefills the
    question); cold, store = the same with
    another distinct pack written straight into the service's store, so not hot in the service
    either (it reads and verifies the chunks from its store and sends them over the local socket);

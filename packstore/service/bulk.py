@@ -421,10 +421,11 @@ class BulkServer:
 def _send(conn: socket.socket, data: bytes | memoryview, deadline: float) -> None:
     """Send all of ``data`` by ``deadline``, or raise LimitExceeded (a reader too slow holds a slot no longer)."""
     remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise LimitExceeded(f"the bulk transfer was read too slowly (a transfer may take {TRANSFER_SECONDS:g} s plus 1 s per {TRANSFER_RATE >> 20} MiB)")
-    conn.settimeout(remaining)
     try:
+        if remaining <= 0:
+            raise socket.timeout
+        conn.settimeout(remaining)
         conn.sendall(data)
     except socket.timeout:
-        raise LimitExceeded(f"the bulk transfer was read too slowly (a transfer may take {TRANSFER_SECONDS:g} s plus 1 s per {TRANSFER_RATE >> 20} MiB)") from None
+        limit = f"a transfer may take {TRANSFER_SECONDS:g} s plus 1 s per {TRANSFER_RATE >> 20} MiB"
+        raise LimitExceeded(f"the bulk transfer was read too slowly ({limit})") from None
