@@ -69,50 +69,68 @@ class RefCache:
 class ReadyCache:
     """An LRU of ready packs (tensors already on the device), bounded by their decoded KV bytes.
 
-    A single pack larger than the limit is returned but not kept. ``get`` loads a missing pack
-    with ``load(key)``; concurrent misses on one key may load it twice, which is harmless.
+    Keys live in partitions (one per namespace on a worker, ``partition``; the cache's own methods use the
+    unnamed one): a key of one partition never meets another's, while all share the one byte budget and LRU
+    order. Packs and bytes are counted per partition too (``stats_of``), so each tenant can be told its own.
+    A single pack larger than the limit is returned but not kept. ``get`` loads a missing pack with
+    ``load(key)``; concurrent misses on one key may load it twice, which is harmless.
     """
 
     def __init__(self, limit_bytes: int) -> None:
         self.limit_bytes = limit_bytes
-        self._packs: OrderedDict[str, Pack] = OrderedDict()
+        self._packs: OrderedDict[tuple[str, str], Pack] = OrderedDict()  # by (partition, key), least recently used first
         self._bytes = 0
+        self._usage: dict[str, tuple[int, int]] = {}  # partition -> (packs, bytes), partitions holding packs only
         self._lock = threading.Lock()
 
-    def get(self, key: str, load: Callable[[str], Pack]) -> tuple[Pack, bool]:
+    def get(self, key: str, load: Callable[[str], Pack], partition: str = "") -> tuple[Pack, bool]:
         """The pack for ``key`` and whether it was already cached."""
         with self._lock:
-            if key in self._packs:
-                self._packs.move_to_end(key)
-                return self._packs[key], True
+            if (partition, key) in self._packs:
+                self._packs.move_to_end((partition, key))
+                return self._packs[partition, key], True
         pack = load(key)
-        self.put(key, pack)
+        self.put(key, pack, partition)
         return pack, False
 
-    def put(self, key: str, pack: Pack) -> None:
+    def put(self, key: str, pack: Pack, partition: str = "") -> None:
         """Keep ``pack`` as ``key`` (unless one is kept already or it alone exceeds the limit), evicting the least recently used."""
         size = pack.header.raw_bytes
         with self._lock:
-            if size <= self.limit_bytes and key not in self._packs:
-                self._packs[key] = pack
-                self._bytes += size
+            if size <= self.limit_bytes and (partition, key) not in self._packs:
+                self._packs[partition, key] = pack
+                self._count(partition, 1, size)
                 while self._bytes > self.limit_bytes:
-                    _, evicted = self._packs.popitem(last=False)
-                    self._bytes -= evicted.header.raw_bytes
+                    (owner, _), evicted = self._packs.popitem(last=False)
+                    self._count(owner, -1, -evicted.header.raw_bytes)
 
-    def peek(self, key: str) -> Pack | None:
+    def _count(self, partition: str, packs: int, size: int) -> None:
+        """(lock held) Add ``packs`` and ``size`` bytes to ``partition``'s usage and the total."""
+        held, total = self._usage.get(partition, (0, 0))
+        if held + packs:
+            self._usage[partition] = (held + packs, total + size)
+        else:
+            self._usage.pop(partition, None)
+        self._bytes += size
+
+    def peek(self, key: str, partition: str = "") -> Pack | None:
         """The cached pack for ``key`` (marked recently used), or None; never loads."""
         with self._lock:
-            if key in self._packs:
-                self._packs.move_to_end(key)
-                return self._packs[key]
+            if (partition, key) in self._packs:
+                self._packs.move_to_end((partition, key))
+                return self._packs[partition, key]
         return None
 
     @property
     def stats(self) -> tuple[int, int]:
-        """(packs cached, bytes cached)."""
+        """(packs cached, bytes cached), all partitions together."""
         with self._lock:
             return len(self._packs), self._bytes
+
+    def stats_of(self, partition: str) -> tuple[int, int]:
+        """(packs cached, bytes cached) of one partition."""
+        with self._lock:
+            return self._usage.get(partition, (0, 0))
 
     def partition(self, name: str) -> "ReadyPartition":
         """A view of this cache whose keys never meet another partition's (one per namespace)."""
@@ -120,23 +138,25 @@ class ReadyCache:
 
 
 class ReadyPartition:
-    """One namespace's share of a ReadyCache: the same bytes budget, keys of its own, so a pack one
-    tenant made ready is never a cache hit for another."""
+    """One namespace's share of a ReadyCache: the same bytes budget, keys and counts of its own, so a pack one
+    tenant made ready is never a cache hit for another, and its ``stats`` tell only of its own packs."""
 
     def __init__(self, cache: ReadyCache, name: str) -> None:
         self.cache, self.name = cache, name
 
-    def _key(self, key: str) -> str:
-        return f"{self.name}\x00{key}"
-
     def get(self, key: str, load: Callable[[str], Pack]) -> tuple[Pack, bool]:
-        return self.cache.get(self._key(key), lambda _: load(key))
+        return self.cache.get(key, load, self.name)
 
     def peek(self, key: str) -> Pack | None:
-        return self.cache.peek(self._key(key))
+        return self.cache.peek(key, self.name)
 
     def put(self, key: str, pack: Pack) -> None:
-        self.cache.put(self._key(key), pack)
+        self.cache.put(key, pack, self.name)
+
+    @property
+    def stats(self) -> tuple[int, int]:
+        """(packs cached, bytes cached) of this partition only."""
+        return self.cache.stats_of(self.name)
 
 
 @dataclass(frozen=True)

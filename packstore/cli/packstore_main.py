@@ -112,7 +112,10 @@ def build_cli() -> CommandLine:
     p.add_argument("--bulk-per-peer", type=int, metavar="N", help="bulk transfers one peer (address, or local process) may run at once (default: half of 4 x workers)")
     p.add_argument("--hot-bytes", type=int, metavar="N", help="memory for packs kept hot for bulk reads, per service, all namespaces (default 1 GiB; 0: none)")
     p.add_argument("--upload-seconds", type=float, metavar="S", help="cancel a PutPack still running after this (default 600)")
-    p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics here ($PACKSTORE_METRICS)")
+    p.add_argument(
+        "--metrics", metavar="HOST:PORT",
+        help="serve Prometheus metrics here (:PORT or PORT: on loopback; with --auth, a scrape needs a bearer token) ($PACKSTORE_METRICS)",
+    )
     p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings (see docs/operations.md)")
     p.add_argument("--workers", type=int, help="concurrent RPCs (default 16)")
     p.add_argument("--max-message-bytes", type=int, help="gRPC message size limit (default 4 MiB)")

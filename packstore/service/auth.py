@@ -97,6 +97,12 @@ def load_tokens(path: str | Path) -> dict[str, Token]:
     return tokens
 
 
+def bearer_secret(authorization: str) -> str | None:
+    """The token of an ``authorization`` header value ``Bearer <token>``; None for another scheme or an empty token."""
+    scheme, _, secret = authorization.partition(" ")
+    return secret.strip() if scheme.lower() == "bearer" and secret.strip() else None
+
+
 class Auth:
     """Authenticates calls against a tokens file (``path``), reloadable; with no file, everyone is admin in ``default``."""
 
@@ -119,17 +125,21 @@ class Auth:
             self._tokens = tokens
         return len(tokens)
 
+    def token_of(self, secret: str) -> Token | None:
+        """The token entry for ``secret`` (a token as a caller sends it), or None if the file has none."""
+        with self._lock:
+            return self._tokens.get(hashlib.sha256(secret.encode()).hexdigest())
+
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]], method: str, role: str) -> Principal:
         """The principal a call with ``metadata`` acts as, checked for ``role``; Unauthenticated without a
         known token, PermissionDenied for a role or namespace the token does not have."""
         headers = {key.lower(): value for key, value in metadata if isinstance(value, str)}
         if self.path is None:
             return Principal("anonymous", "admin", DEFAULT_NAMESPACE)
-        scheme, _, secret = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secret.strip():
+        secret = bearer_secret(headers.get("authorization", ""))
+        if secret is None:
             raise Unauthenticated(f"{method} needs a token: send 'authorization: Bearer <token>'")
-        with self._lock:
-            token = self._tokens.get(hashlib.sha256(secret.strip().encode()).hexdigest())
+        token = self.token_of(secret)
         if token is None:
             raise Unauthenticated("unknown token")
         asked = headers.get(NAMESPACE_HEADER)

@@ -24,7 +24,7 @@ class ServiceConfig:
     bulk_per_peer: int = 0  # bulk transfers one peer (an address; a process on the local socket) may run at once; 0: half the slots
     hot_bytes: int = 1 << 30  # memory for packs kept hot for the bulk port (kept, being written, being sent); 0: none
     upload_seconds: float = 600.0  # a PutPack still running after this is cancelled (gRPC sets no deadline of its own)
-    metrics: str = ""  # HOST:PORT for Prometheus; empty disables
+    metrics: str = ""  # HOST:PORT for Prometheus (no host: loopback); empty disables
     workers: int = 16  # concurrent RPCs served
     max_message_bytes: int = 4 << 20  # per gRPC message, both directions
     max_pack_bytes: int = 4 << 30  # stored bytes of one uploaded pack

@@ -21,6 +21,7 @@ from packstore.format import PackHeader
 from packstore.format.body import chunks_for
 from packstore.format.signature import Signature
 from packstore.rpc.listen import bind, server_ssl_context
+from packstore.rpc.metrics_http import serve_metrics
 from packstore.rpc.messages import ChunkAssembler, bank_info, pack_info, signatures_of, summary_info
 from packstore.rpc.wire import chunk_responses, serialize_get_pack_response
 from packstore.rpc.status import abort_with_error, status_for
@@ -88,14 +89,16 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
     @contextmanager
     def _call(self, method: str, context: grpc.ServicerContext, **fields: object) -> Iterator[Call]:
         """Authenticate, time, count and log one RPC (by its token's name, never the token); turn
-        packstore errors into a status with a clear message."""
+        packstore errors into a status with a clear message. Only a write or admin call creates its namespace's
+        store: a read of a namespace without one reads an empty store, so reading creates nothing."""
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         info = Call(fields)
         try:
-            info.principal = self.auth.authenticate(context.invocation_metadata(), method, ROLE_OF[method])
-            info.update(token=info.principal.token, namespace=info.principal.namespace)
-            info.store = self.stores.get(info.principal.namespace)
+            info.principal = principal = self.auth.authenticate(context.invocation_metadata(), method, ROLE_OF[method])
+            info.update(token=principal.token, namespace=principal.namespace)
+            reads = ROLE_OF[method] == "read"
+            info.store = self.stores.for_reading(principal.namespace) if reads else self.stores.get(principal.namespace)
             yield info
         except PackstoreError as exc:
             code = status_for(exc)
@@ -111,22 +114,31 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             self.metrics.record(method, code.name, time.perf_counter() - start, {"peer": context.peer(), **info})
 
     def _track_store_gauges(self) -> None:
-        """Have each scrape read the open namespaces' packs and stored bytes (running counters in an embedded
-        store, a listing in an object store, where other replicas write too) and the size of the local files;
-        a store that cannot be read then reports NaN rather than fail the scrape."""
+        """Have each scrape read, per open namespace, its packs and stored bytes (running counters in an embedded
+        store, a listing in an object store, where other replicas write too) and its hot packs, and the size of
+        the local files and the hot memory of the whole service; a namespace whose store cannot be read then
+        reports NaN rather than fail the scrape."""
 
-        def total(field: str) -> float:
-            try:
-                return float(sum(getattr(store.counts(), field) for store in self.stores.opened().values()))
-            except PackstoreError:
-                return float("nan")
+        def counts(field: str) -> dict[str, float]:
+            found = {}
+            for namespace, store in self.stores.opened().items():
+                try:
+                    found[namespace] = float(getattr(store.counts(), field))
+                except PackstoreError:
+                    found[namespace] = float("nan")
+            return found
 
-        self.metrics.store_packs.set_function(lambda: total("packs"))
-        self.metrics.store_pack_bytes.set_function(lambda: total("stored_bytes"))
+        def hot(index: int) -> dict[str, float]:
+            held = self.hot.stats_by_namespace()
+            return {namespace: float(held.get(namespace, (0, 0))[index]) for namespace in self.stores.opened().keys() | held.keys()}
+
+        self.metrics.store_packs.set_function(lambda: counts("packs"))
+        self.metrics.store_pack_bytes.set_function(lambda: counts("stored_bytes"))
         self.metrics.store_bytes.set_function(self.stores.local_file_bytes)
         if self.hot is not None:
-            self.metrics.hot_packs.set_function(lambda: len(self.hot))
-            self.metrics.hot_bytes.set_function(lambda: self.hot.bytes)
+            self.metrics.hot_packs.set_function(lambda: hot(0))
+            self.metrics.hot_bytes.set_function(lambda: hot(1))
+            self.metrics.hot_memory.set_function(lambda: self.hot.bytes)
 
     # -- RPCs ------------------------------------------------------------------------------------
 
@@ -443,14 +455,17 @@ def serve(config: ServiceConfig) -> None:
     )
     try:
         server, health_servicer, service = build_server(config, stores, metrics, auth)
+        metrics_at = None  # where the metrics port listens (loopback unless --metrics names a host)
         if config.metrics:
-            metrics.serve(config.metrics)
+            tls = server_ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca)
+            host, port = serve_metrics(config.metrics, metrics.registry, auth, tls=tls).server_address[:2]
+            metrics_at = f"{host}:{port}"
         server.start()
         if service.bulk is not None:
             service.bulk.start()
         for name in ("", SERVICE_NAME):
             health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        fields = {"listen": config.listen, "bulk_port": service.bulk.port if service.bulk else None, "data": config.data, "objects": config.objects or None, "metrics": config.metrics or None}
+        fields = {"listen": config.listen, "bulk_port": service.bulk.port if service.bulk else None, "data": config.data, "objects": config.objects or None, "metrics": metrics_at}
         fields |= {"tls": bool(config.tls_cert), "mutual_tls": bool(config.tls_client_ca)}
         if auth.enabled:
             fields |= {"auth": f"tokens from {config.auth} ({auth.reload()} tokens; SIGHUP reloads)"}

@@ -2,16 +2,18 @@
 
 Embedded: ``default`` is the data directory itself (the store a service without tokens serves, so a
 store written before namespaces existed is the ``default`` namespace); any other namespace ``N`` is
-the store in ``DATA/namespaces/N``, created on first use. On an object store (``objects``), each
-namespace is its tree of the bucket and the data directory holds only each one's bounded cache, in
+the store in ``DATA/namespaces/N``, created by the first write to it. On an object store (``objects``),
+each namespace is its tree of the bucket and the data directory holds only each one's bounded cache, in
 ``DATA/object-cache/N``. Two namespaces holding the same content hold two packs, each with its own
-records, sizes and times.
+records, sizes and times. A read never creates a namespace: one without a store (no data file; on an
+object store, no object in its tree) is read as an empty store.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,7 @@ from packstore.store.protocol import PackStore, check_name
 NAMESPACES_DIR = "namespaces"
 CACHES_DIR = "object-cache"
 DEFAULT_NAMESPACE = "default"
+EMPTY_MAP_BYTES = 1 << 20  # the empty store's map: it is never written
 
 
 def namespace_path(data: str | Path, namespace: str) -> Path:
@@ -31,10 +34,17 @@ def namespace_path(data: str | Path, namespace: str) -> Path:
     return Path(data) if namespace == DEFAULT_NAMESPACE else Path(data) / NAMESPACES_DIR / check_name(namespace)
 
 
+def empty_store(directory: str | Path) -> LmdbStore:
+    """A store with nothing in it, made in ``directory`` and opened read-only: what a namespace without a store reads
+    as, answering every read exactly as an empty namespace does (the same NOT_FOUND for any pack or bank)."""
+    LmdbStore(directory, map_size=EMPTY_MAP_BYTES).close()
+    return LmdbStore(directory, readonly=True, map_size=EMPTY_MAP_BYTES)
+
+
 class NamespaceStores:
     """The stores of a data directory (or of an object store, cached there), one per namespace, opened
     when first used and kept open; the ``default`` one is opened at once, so a store that cannot be
-    reached fails at start."""
+    reached fails at start. ``get`` (for writes) creates a namespace's store; ``for_reading`` never does."""
 
     def __init__(
         self,
@@ -52,6 +62,8 @@ class NamespaceStores:
         self.objects, self.endpoint, self.cache_bytes = objects, endpoint, cache_bytes
         self._stores: dict[str, PackStore] = {}
         self._lock = threading.Lock()
+        self._scratch = tempfile.TemporaryDirectory(prefix="packstore-empty-")
+        self._empty = empty_store(self._scratch.name)
         self.get(DEFAULT_NAMESPACE)
 
     def _open(self, namespace: str) -> PackStore:
@@ -63,11 +75,28 @@ class NamespaceStores:
         return ObjectStore(self.objects, endpoint=self.endpoint, cache_dir=cache, cache_bytes=self.cache_bytes, namespace=namespace)
 
     def get(self, namespace: str) -> PackStore:
+        """The namespace's store, created if it has none (a write, or an admin action)."""
         with self._lock:
             store = self._stores.get(namespace)
             if store is None:
                 store = self._stores[namespace] = self._open(namespace)
             return store
+
+    def for_reading(self, namespace: str) -> PackStore:
+        """The namespace's store if it has one, else the read-only empty store: a read creates nothing (no
+        directory, data file or cache), so a token may name any number of namespaces without making one."""
+        with self._lock:
+            store = self._stores.get(namespace)
+        if store is not None:
+            return store
+        return self.get(namespace) if self._exists(namespace) else self._empty
+
+    def _exists(self, namespace: str) -> bool:
+        """Whether the namespace has a store to open without creating one: its data file, or on an object store
+        any object in its tree of the bucket (another replica may have written it)."""
+        if self.objects is None:
+            return (namespace_path(self.data, namespace) / "data.mdb").exists()
+        return self.get(DEFAULT_NAMESPACE).holds_namespace(namespace)
 
     def opened(self) -> dict[str, PackStore]:
         with self._lock:
@@ -85,6 +114,8 @@ class NamespaceStores:
             for store in self._stores.values():
                 store.close()
             self._stores.clear()
+            self._empty.close()
+            self._scratch.cleanup()
 
 
 def namespaces_at(data: str | Path) -> list[str]:

@@ -171,6 +171,11 @@ class Bucket:
             params["ContinuationToken"] = answer["NextContinuationToken"]
             params.pop("StartAfter", None)
 
+    def holds(self, prefix: str) -> bool:
+        """Whether any object's name starts with ``prefix`` (a listing of at most one name)."""
+        answer = self._call(self._client.list_objects_v2, Prefix=self.root + prefix, MaxKeys=1)
+        return bool(answer.get("Contents"))
+
     def folders(self, prefix: str) -> list[str]:
         """The next path segment of every object below ``prefix`` (``Delimiter="/"``), in order."""
         params: dict[str, Any] = {"Prefix": self.root + prefix, "Delimiter": "/"}

@@ -49,6 +49,11 @@ def _stamp(moment: datetime) -> float:
     return moment.timestamp()
 
 
+def namespace_prefix(namespace: str) -> str:
+    """Where a namespace's tree starts below the store's prefix: every object of the namespace is named under it."""
+    return f"ns/{check_name(namespace)}/"
+
+
 class ObjectStore(ObjectBankTables):
     """A namespace of packs under ``s3://BUCKET/PREFIX``, cached in a bounded local LMDB cache.
 
@@ -71,7 +76,7 @@ class ObjectStore(ObjectBankTables):
         """``cache_dir``: the cache's directory, one per open store (None: a temporary one, removed on close);
         ``gc_grace``: how long gc keeps unreferenced objects, and bounds how long a put may take;
         ``retries``/``timeout``: attempts per S3 call and seconds per connect and read."""
-        check_name(namespace)
+        self._base = namespace_prefix(namespace)
         try:
             self.bucket = Bucket(url, endpoint=endpoint, retries=retries, timeout=timeout)
         except ValueError as exc:
@@ -79,13 +84,17 @@ class ObjectStore(ObjectBankTables):
         self.bucket.check()
         self.namespace = namespace
         self.gc_grace = float(gc_grace)
-        self._base = f"ns/{namespace}/"
         self.path = f"s3://{self.bucket.bucket}/{self.bucket.root}{self._base}"  # where the store is (bank caches key on it)
         self._scratch = tempfile.TemporaryDirectory(prefix="packstore-cache-") if cache_dir is None else None
         self.cache = ObjectCache(cache_dir if cache_dir is not None else self._scratch.name, cache_bytes)
         self._cache_scope = f"{self.bucket.bucket}/{self.bucket.root}"
         self._registers = Registers(self.bucket, self._fetch_bytes)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="packstore-s3")
+
+    def holds_namespace(self, namespace: str) -> bool:
+        """Whether the bucket, under this store's prefix, holds any object of ``namespace`` (someone wrote to it): how
+        a service tells a namespace that exists from one a read must not create. One listing of at most one name."""
+        return self.bucket.holds(namespace_prefix(namespace))
 
     @property
     def writer_window(self) -> float:

@@ -22,7 +22,6 @@ from packstore.kv.models import LoadedModel
 from packstore.rpc.listen import bind
 from packstore.rpc.status import abort_with_error
 from packstore.service.auth import Auth
-from packstore.store.namespaces import DEFAULT_NAMESPACE
 from packstore.service.server import JsonLogFormatter, reload_tokens
 from packstore.store.protocol import DEFAULT_TOP_K, PackStore
 from packstore.v1 import store_pb2, worker_pb2, worker_pb2_grpc
@@ -73,9 +72,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def answerer(self, namespace: str) -> Answerer:
         with self._lock:
             if namespace not in self._answerers:
-                ready = self.ready if namespace == DEFAULT_NAMESPACE else self.ready.partition(namespace)
                 self._answerers[namespace] = Answerer(
-                    self.lm, self.store_for(namespace), ready=ready, device_lock=self._device_lock, trusted=self.trusted, ref_ttl=self.ref_ttl
+                    self.lm, self.store_for(namespace), ready=self.ready.partition(namespace), device_lock=self._device_lock,
+                    trusted=self.trusted, ref_ttl=self.ref_ttl,
                 )
             return self._answerers[namespace]
 
@@ -144,8 +143,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             principal = self.auth.authenticate(context.invocation_metadata(), "Status", "read")
         except PackstoreError as exc:
             abort_with_error(context, exc)
-        lm, ready, store = self.lm, self.ready, self.answerer(principal.namespace).store
-        packs, size = ready.stats
+        answerer = self.answerer(principal.namespace)
+        lm, store = self.lm, answerer.store
+        packs, size = answerer.ready.stats  # the caller's own partition: never what other tenants made ready
         return worker_pb2.WorkerStatus(
             model=lm.name,
             model_fp=lm.model_fp,
@@ -154,7 +154,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             dtype=lm.dtype_name,
             cached_packs=packs,
             cached_bytes=size,
-            cache_limit_bytes=ready.limit_bytes,
+            cache_limit_bytes=self.ready.limit_bytes,
             store=str(getattr(store, "target", getattr(store, "path", ""))),
             cpu_threads=torch.get_num_threads(),
         )

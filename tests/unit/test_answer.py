@@ -209,3 +209,19 @@ def test_ready_cache_is_an_lru_bounded_in_bytes() -> None:
     cache.get("d", load)  # larger than the whole cache: served, not kept
     assert cache.get("d", load)[1] is False and cache.stats[1] <= 100
     assert loads == ["a", "b", "c", "b", "d", "d"]
+
+
+def test_ready_cache_partitions_share_the_budget_and_count_their_own_packs() -> None:
+    cache = ReadyCache(limit_bytes=100)
+    a, b = cache.partition("a"), cache.partition("b")
+
+    def load(key: str) -> Pack:
+        return fake_pack(key, 30)
+
+    for partition, key in ((a, "k"), (a, "l"), (b, "k")):
+        partition.get(key, load)
+    assert b.get("k", load)[1] is True and a.peek("m") is None and b.peek("l") is None  # keys never meet
+    assert (a.stats, b.stats, cache.stats) == ((2, 60), (1, 30), (3, 90))
+    b.put("m", fake_pack("m", 30))  # over the shared budget: a's least recently used pack goes
+    assert (a.stats, b.stats, cache.stats) == ((1, 30), (2, 60), (3, 90)) and a.peek("l") is not None
+    assert cache.partition("c").stats == (0, 0) and cache.stats_of("a") == a.stats

@@ -6,11 +6,16 @@ import hashlib
 import json
 import signal
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from packstore.answer import Question
 from packstore.errors import InvalidInput, PackNotFound, PermissionDenied, Unauthenticated
@@ -18,6 +23,7 @@ from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling
 from packstore.rpc.channel import Connection
 from packstore.service.auth import Auth, load_tokens
+from packstore.store.namespaces import namespace_path
 from packstore.store.remote import RemoteStore
 from packstore.tensors import encode_pack
 from packstore.worker.client import WorkerClient
@@ -122,6 +128,65 @@ def test_a_token_with_several_namespaces_names_one_and_only_its_own(server) -> N
         elsewhere.list()
 
 
+def scrape(server, secret: str | None) -> str:
+    """The metrics port's text for a bearer token (None: no Authorization header); HTTPError when refused."""
+    headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+    request = urllib.request.Request(f"http://{server.metrics}/metrics", headers=headers)
+    return urllib.request.urlopen(request, timeout=10).read().decode()
+
+
+def samples(text: str) -> list[Sample]:
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def test_metrics_need_a_token_and_show_a_tenant_only_its_namespaces(server) -> None:
+    for secret in (None, "not-a-token"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            scrape(server, secret)
+        assert refused.value.code == 401 and refused.value.headers["WWW-Authenticate"].startswith("Bearer")
+    with client(server, "a-writer") as a:
+        a.put(encode_pack(make_pack(tokens=21)), name="metered")
+    before = scrape(server, TOKENS["a-reader"][0])
+    with client(server, "b-writer") as b:
+        key, _ = b.put(encode_pack(make_pack(tokens=22)))
+        b.fetch(key)
+        with pytest.raises(PackNotFound):
+            b.stat("metered")
+    assert scrape(server, TOKENS["a-reader"][0]) == before  # b's activity shows nowhere in what a's token reads
+    mine = samples(before)
+    assert {s.labels.get("namespace") for s in mine} == {"a"}  # no series of b, none of the whole service
+    assert {"packstore_requests_total", "packstore_received_bytes_total", "packstore_store_packs", "packstore_hot_packs"} <= {s.name for s in mine}
+    assert {s.labels.get("namespace") for s in samples(scrape(server, TOKENS["ab-reader"][0]))} == {"a", "b"}
+    everything = samples(scrape(server, TOKENS["operator"][0]))  # "*": every namespace and the whole service's series
+    assert {"a", "b", ""} <= {s.labels.get("namespace", "") for s in everything}
+    assert any(s.name == "packstore_store_file_bytes" for s in everything)
+
+
+def refusal(read: Callable[[], object]) -> str:
+    """The message of the NOT_FOUND that ``read()`` gets."""
+    with pytest.raises(PackNotFound) as refused:
+        read()
+    return str(refused.value)
+
+
+def test_a_read_creates_no_namespace_and_answers_as_an_empty_one(server) -> None:
+    ghost = namespace_path(server.data, "ghost")
+    with client(server, "operator", namespace="ghost") as reader, client(server, "a-reader") as a:
+        assert (reader.list(), reader.keys(), reader.counts().packs, reader.verify_all(), reader.banks().list()) == ([], [], 0, [], [])
+        for read in (
+            lambda store: store.stat("nothing"), lambda store: store.fetch("nothing"), lambda store: store.verify("nothing"),
+            lambda store: store.banks().route("kb-nothing", ["who?"]), lambda store: store.banks().digest("kb-nothing"),
+        ):
+            absent, missing = refusal(lambda: read(reader)), refusal(lambda: read(a))  # a: a namespace that exists
+            assert absent == missing and "nothing" in absent
+    assert not ghost.exists()
+    operator_view = samples(scrape(server, TOKENS["operator"][0]))
+    assert not any(s.labels.get("namespace") == "ghost" for s in operator_view if s.name.startswith("packstore_store_"))
+    with client(server, "operator", namespace="ghost") as writer:
+        key, _ = writer.put(encode_pack(make_pack(tokens=23)))
+        assert (ghost / "data.mdb").exists() and [p.key for p in writer.list()] == [key]  # a write creates it
+
+
 def test_tokens_never_reach_the_log_and_sighup_reloads_them(server, tmp_path) -> None:
     log = (server.data.parent / f"{server.data.name}-server.log").read_text()
     assert "a-writer" in log and not any(secret in log for secret, _, _ in TOKENS.values())
@@ -148,9 +213,12 @@ def test_without_auth_the_start_log_says_so(tmp_path) -> None:
 
 
 def test_the_worker_reads_each_callers_namespace_with_its_own_token(server, tiny_lm, tiny_model_dir, tmp_path) -> None:
+    """...and its Status tells each caller of its own namespace's ready packs only (``default`` included)."""
+    facts = {"a-writer": "Alice lives in Paris.", "b-writer": "Bob lives in Oslo, Norway."}
+    packs = {name: encode_pack(build_pack(tiny_lm, [fact])) for name, fact in facts.items()}
     with client(server, "a-writer") as a, client(server, "b-writer") as b:
-        a.put(encode_pack(build_pack(tiny_lm, ["Alice lives in Paris."])), name="facts")
-        b.put(encode_pack(build_pack(tiny_lm, ["Bob lives in Oslo."])), name="facts")
+        a.put(packs["a-writer"], name="facts")
+        b.put(packs["b-writer"], name="facts")
     (tmp_path / "worker.token").write_text(TOKENS["operator"][0])  # the worker's own token reads every namespace
     extra = ("--threads", "1", "--token-file", str(tmp_path / "worker.token"), "--auth", str(server.tokens), "--ref-ttl", "0.5")
     with running_worker(server.url, str(tiny_model_dir), tmp_path, *extra) as worker:
@@ -164,6 +232,11 @@ def test_the_worker_reads_each_callers_namespace_with_its_own_token(server, tiny
                 answers[name] = first.pack
                 assert (first.cache_hit, again.cache_hit) == (False, True)  # a's ready pack is never a hit for b
         assert answers["a-writer"] != answers["b-writer"]
+        for name, namespace in (("a-writer", None), ("b-writer", None), ("operator", "default")):
+            with WorkerClient(worker.address, connection=Connection(token=TOKENS[name][0], namespace=namespace)) as caller:
+                status = caller.status()
+            mine = (1, packs[name].header.raw_bytes) if name in packs else (0, 0)
+            assert (status["cached_packs"], int(status["cached_bytes"])) == mine and int(status["cache_limit_bytes"]) == 2 << 30
         with client(server, "a-writer") as a:
             a.delete("facts", model_fp=tiny_lm.model_fp)
         time.sleep(0.6)

@@ -23,6 +23,7 @@ import torch
 
 from packstore.api import sign_bank
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, Unavailable
+from packstore.rpc.channel import Connection
 from packstore.rpc.messages import chunk_pieces
 from packstore.store import LmdbStore
 from packstore.store.migrate import migrate
@@ -33,6 +34,7 @@ from packstore.trust import SigningKey, generate_key
 from packstore.v1 import store_pb2, store_pb2_grpc
 from seaweed_helpers import Seaweed, running_seaweed
 from service_helpers import RunningServer, free_port, running_server
+from test_auth import TOKENS, refusal, tokens_file
 from test_format import FP_B
 from test_s3_banks import FACTS
 from test_s3_store import objects, random_pack, same_tensors
@@ -166,6 +168,28 @@ def test_a_damaged_object_is_data_loss_through_the_service(seaweed, url, tmp_pat
                 list(stream)
         assert error.value.code() == grpc.StatusCode.DATA_LOSS and "is damaged" in error.value.details()
         assert [r.ok for r in b.verify_all()] == [False]
+
+
+def test_a_read_creates_no_namespace_in_the_bucket_or_the_cache(seaweed, url, tmp_path, model_fp) -> None:
+    """A namespace exists on the object tier once its tree of the bucket holds an object: a read of one that holds
+    none creates nothing (no cache, no object) and answers as an empty namespace; a write through any replica creates it."""
+    tokens = str(tokens_file(tmp_path / "tokens.toml"))
+
+    def as_operator(namespace: str) -> Connection:
+        return Connection(token=TOKENS["operator"][0], namespace=namespace)
+
+    ghost_objects = {"Bucket": seaweed.bucket, "Prefix": url.split("/", 3)[3] + "/ns/ghost/"}
+    with replica(seaweed, url, tmp_path / "a", "--auth", tokens) as (a, _), replica(seaweed, url, tmp_path / "b", "--auth", tokens) as (b, _):
+        with RemoteStore(a.url, connection=as_operator("ghost")) as ghost, RemoteStore(a.url, connection=as_operator("default")) as default:
+            assert (ghost.list(), ghost.counts().packs, ghost.verify_all(), ghost.banks().list()) == ([], 0, [], [])
+            for read in (lambda store: store.stat("nothing"), lambda store: store.fetch("nothing"), lambda store: store.banks().route("nothing", ["?"])):
+                assert refusal(lambda: read(ghost)) == refusal(lambda: read(default))  # as a namespace that exists answers
+        assert not (tmp_path / "a" / "object-cache" / "ghost").exists() and seaweed.client().list_objects_v2(**ghost_objects)["KeyCount"] == 0
+        with RemoteStore(b.url, connection=as_operator("ghost")) as writer:
+            key, _ = writer.put(encode_pack(random_pack(model_fp, 6)))
+        with RemoteStore(a.url, connection=as_operator("ghost")) as ghost:
+            assert [p.key for p in ghost.list()] == [key]  # b's write made the namespace: a finds it in the bucket
+        assert (tmp_path / "a" / "object-cache" / "ghost").is_dir()
 
 
 def _serve_fails(url: str, data: Path, env: dict[str, str], *extra: str) -> str:

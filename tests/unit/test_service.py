@@ -15,9 +15,13 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from packstore.store.remote import RemoteStore
-from packstore.errors import IntegrityError, PackMismatch, PackNotFound, PackstoreError
+from packstore.errors import IntegrityError, InvalidInput, PackMismatch, PackNotFound, PackstoreError
+from packstore.rpc.metrics_http import metrics_address, serve_metrics
+from packstore.service.auth import Auth
 from packstore.tensors import decode_pack, encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
@@ -129,12 +133,40 @@ def test_health_and_reflection(server) -> None:
     assert {"packstore.v1.PackStore", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
 
 
-def test_metrics_count_requests_and_bytes(server, remote) -> None:
-    remote.put(encode_pack(make_pack()), name="m")
-    remote.fetch("m")
+def scraped(server) -> dict[tuple[str, tuple], float]:
+    """Every sample of the metrics port, by name and labels."""
     text = urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10).read().decode()
-    assert 'packstore_requests_total{code="OK",method="PutPack"}' in text
-    assert "packstore_sent_bytes_total" in text and "packstore_store_packs 1.0" in text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_count_requests_and_bytes_per_namespace(server, remote) -> None:
+    encoded = encode_pack(make_pack(tokens=17))
+    chunk_bytes = sum(chunk.stored_bytes for chunk in encoded.header.chunks)
+    before = scraped(server)
+    remote.put(encoded, name="m")
+    remote.fetch("m")
+    after = scraped(server)
+    default = (("namespace", "default"),)
+
+    def grew(name: str, labels: tuple = default) -> float:
+        return after[name, labels] - before.get((name, labels), 0)
+
+    assert grew("packstore_requests_total", (("code", "OK"), ("method", "PutPack"), ("namespace", "default"))) == 1
+    assert grew("packstore_received_bytes_total") == grew("packstore_sent_bytes_total") == chunk_bytes
+    assert after["packstore_store_packs", default] == 1 and ("packstore_store_file_bytes", ()) in after  # the whole service: no label
+
+
+def test_a_metrics_address_without_a_host_listens_on_loopback() -> None:
+    assert metrics_address("9100") == metrics_address(":9100") == ("127.0.0.1", 9100)
+    assert metrics_address("0.0.0.0:9100") == ("0.0.0.0", 9100) and metrics_address("[::1]:9100") == ("::1", 9100)
+    with pytest.raises(InvalidInput, match="use HOST:PORT"):
+        metrics_address("9100:")
+    port = serve_metrics(":0", CollectorRegistry(), Auth())
+    try:
+        assert port.server_address[0] == "127.0.0.1"
+    finally:
+        port.shutdown()
+        port.server_close()
 
 
 PROTO_ONLY_CLIENT = """

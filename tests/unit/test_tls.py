@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
+import ssl
+import urllib.request
 
 import pytest
 import torch
@@ -37,6 +40,10 @@ def test_the_service_speaks_tls_only_to_clients_that_trust_its_ca(certs, tmp_pat
             assert torch.equal(store.fetch(key).keys[0], pack.keys[0]) and store.bulk  # the bulk port spoke TLS: no fallback
             _, ticket, _ = store._start_get_pack(store_pb2.GetPackRequest(ref=key, bulk=True))
             assert ticket.bulk.tls
+        scrape = urllib.request.urlopen(f"https://{server.metrics}/metrics", context=ssl.create_default_context(cafile=certs["ca"]), timeout=10)
+        assert "packstore_requests_total" in scrape.read().decode()  # the metrics port speaks TLS with the same certificate
+        with pytest.raises((OSError, http.client.HTTPException)):
+            urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10)
         with socket.create_connection(("127.0.0.1", ticket.bulk.port), timeout=5) as raw, pytest.raises((OSError, EOFError)):
             raw.sendall(MAGIC + ticket.bulk.ticket)  # in the clear, to a TLS port
             read_frame(raw)
@@ -61,6 +68,9 @@ def test_mutual_tls_requires_a_client_certificate_from_the_client_ca(certs, tmp_
             _, ticket, _ = store._start_get_pack(store_pb2.GetPackRequest(ref="p", bulk=True))
         with pytest.raises((OSError, EOFError)):  # the bulk port, too, wants a client certificate
             read_frame(connect("127.0.0.1", ticket.bulk.port, ticket.bulk.ticket, timeout=5, tls=Connection(tls_ca=certs["ca"]).ssl_context()))
+        with pytest.raises((OSError, http.client.HTTPException)):  # and the metrics port
+            urllib.request.urlopen(f"https://{server.metrics}/metrics", context=Connection(tls_ca=certs["ca"]).ssl_context(), timeout=10).read()
+        assert b"packstore_requests_total" in urllib.request.urlopen(f"https://{server.metrics}/metrics", context=mutual.ssl_context(), timeout=10).read()
         argv = ["--store", secure, "--tls-ca", certs["ca"], "--tls-client-cert", certs["client_cert"], "--tls-client-key", certs["client_key"]]
         assert packctl([*argv, "ls", "--json"]) == 0 and json.loads(capsys.readouterr().out)[0]["name"] == "p"
         assert packctl(["--store", secure, "--tls-ca", certs["ca"], "--tls-client-cert", certs["client_cert"], "ls"]) == 1

@@ -69,7 +69,7 @@ def store_calls(server) -> dict[str, float]:
     """RPCs the pack service finished, by method (from its Prometheus metrics)."""
     text = urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10).read().decode()
     calls: dict[str, float] = {}
-    for method, count in re.findall(r'packstore_requests_total\{code="[A-Z_]+",method="(\w+)"\} ([0-9.e+]+)', text):
+    for method, count in re.findall(r'packstore_requests_total\{code="[A-Z_]+",method="(\w+)",namespace="\w*"\} ([0-9.e+]+)', text):
         calls[method] = calls.get(method, 0) + float(count)
     return calls
 

@@ -1,0 +1,128 @@
+"""The Prometheus port of a packstore server, by one set of rules for every server that opens one.
+
+prometheus_client's own WSGI app (text or OpenMetrics, gzip, ``name[]``) on wsgiref's threading HTTP server:
+- an address without a host (``:9100``, ``9100``) listens on loopback, never on every interface;
+- with the server's TLS files the port speaks TLS (and requires client certificates with a client CA);
+- with tokens (``Auth`` enabled) a scrape needs ``Authorization: Bearer TOKEN`` of the tokens file (else 401): a
+  token with ``"*"`` reads every series; any other only the series labelled with one of its namespaces.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import socket
+import ssl
+import threading
+from typing import Any, Callable, Iterable, Iterator
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import RestrictedRegistry
+
+from packstore.errors import InvalidInput
+from packstore.service.auth import ANY_NAMESPACE, Auth, bearer_secret
+
+LOOPBACK = "127.0.0.1"
+NAMESPACE_LABEL = "namespace"
+REQUEST_SECONDS = 10.0  # a scrape's connection may take this long between bytes, TLS handshake included
+UNAUTHORIZED = b"metrics need 'Authorization: Bearer <token>' with a token of the server's tokens file\n"
+log = logging.getLogger("packstore.metrics")
+
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+def metrics_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``:PORT`` or ``PORT`` as (host, port); no host means loopback, so the port is never opened to
+    every interface unless asked for (``0.0.0.0:PORT``)."""
+    host, _, port = address.rpartition(":")
+    number = int(port) if port.isdigit() else -1
+    if not 0 <= number <= 65535:
+        raise InvalidInput(f"metrics address {address!r}: use HOST:PORT, :PORT or PORT")
+    return host.strip("[]") or LOOPBACK, number
+
+
+class NamespaceView:
+    """What a tenant's token reads of a registry: the samples whose ``namespace`` label is one of ``namespaces``;
+    series of the whole server (without that label) are left out."""
+
+    def __init__(self, source: CollectorRegistry | RestrictedRegistry, namespaces: frozenset[str]) -> None:
+        self.source, self.namespaces = source, namespaces
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            samples = [sample for sample in family.samples if sample.labels.get(NAMESPACE_LABEL) in self.namespaces]
+            if samples:
+                kept = copy.copy(family)
+                kept.samples = samples
+                yield kept
+
+    def restricted_registry(self, names: Iterable[str]) -> "NamespaceView":
+        """The same view of only the series ``names`` (prometheus_client's ``name[]`` query)."""
+        return NamespaceView(self.source.restricted_registry(names), self.namespaces)
+
+
+def metrics_app(registry: CollectorRegistry, auth: Auth) -> WsgiApp:
+    """The WSGI app serving ``registry``: to anyone without tokens; with them, to a known bearer token, scoped to
+    its namespaces (a 401 for no token or an unknown one)."""
+    everything = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if not auth.enabled:
+            return everything(environ, start_response)
+        secret = bearer_secret(environ.get("HTTP_AUTHORIZATION", ""))
+        token = auth.token_of(secret) if secret else None
+        if token is None:
+            log.debug("metrics scrape refused", extra={"fields": {"peer": environ.get("REMOTE_ADDR"), "token": "none" if secret is None else "unknown"}})
+            start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"), ("WWW-Authenticate", 'Bearer realm="packstore"')])
+            return [UNAUTHORIZED]
+        if ANY_NAMESPACE in token.namespaces:
+            return everything(environ, start_response)
+        return make_wsgi_app(NamespaceView(registry, frozenset(token.namespaces)))(environ, start_response)
+
+    return app
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """wsgiref's request handler, without a log line per scrape."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class MetricsServer(ThreadingWSGIServer):
+    """One thread per scrape; with ``tls`` the handshake runs on that thread too, under the same timeout, so a client
+    that never finishes it holds only its own thread, never the accepting one."""
+
+    tls: ssl.SSLContext | None = None
+
+    def finish_request(self, request: socket.socket, client_address: Any) -> None:
+        request.settimeout(REQUEST_SECONDS)
+        if self.tls is None:
+            super().finish_request(request, client_address)
+            return
+        with self.tls.wrap_socket(request, server_side=True) as secure:
+            super().finish_request(secure, client_address)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A failed handshake, a timeout or a client gone: logged at debug only, as nobody known made the request."""
+        log.debug("metrics request failed", exc_info=True, extra={"fields": {"peer": str(client_address)}})
+
+
+class MetricsServer6(MetricsServer):
+    address_family = socket.AF_INET6
+
+
+def serve_metrics(address: str, registry: CollectorRegistry, auth: Auth, tls: ssl.SSLContext | None = None) -> MetricsServer:
+    """Serve ``registry`` at ``address`` on a daemon thread, by the rules above; returns the server (``server_address``
+    is where it listens). InvalidInput when the address is malformed or cannot be listened on."""
+    host, port = metrics_address(address)
+    try:
+        server = make_server(host, port, metrics_app(registry, auth), MetricsServer6 if ":" in host else MetricsServer, _QuietHandler)
+    except OSError as exc:
+        raise InvalidInput(f"cannot listen on {host}:{port} for metrics: {exc.strerror or exc}") from None
+    server.tls = tls
+    threading.Thread(target=server.serve_forever, name="packstore-metrics", daemon=True).start()
+    return server
