@@ -361,7 +361,7 @@ class BulkServer:
                 self.metrics.hot_reads.labels(transfer.namespace, "hit" if segment is not None else "miss").inc()
                 if segment is not None:
                     for index in transfer.indices:
-                        sent += self._send_chunk(conn, index, segment.chunk(index), deadline)
+                        sent += self._send_chunk(conn, transfer, index, segment.chunk(index), deadline)
                 else:
                     sent = self._send_from_store(conn, transfer, deadline)
             _send(conn, end_frame(), deadline)
@@ -382,11 +382,11 @@ class BulkServer:
                     del self._active_by_peer[pending.peer.key]
             self.metrics.record(METHOD, code, time.perf_counter() - start, {"bytes": sent, **fields})
 
-    def _send_chunk(self, conn: socket.socket, index: int, data: bytes | memoryview, deadline: float) -> int:
+    def _send_chunk(self, conn: socket.socket, transfer: Transfer, index: int, data: bytes | memoryview, deadline: float) -> int:
         """One CHUNK frame and its bytes; their count."""
         _send(conn, chunk_frame(index, len(data)), deadline)
         _send(conn, data, deadline)
-        self.metrics.bytes_sent.inc(len(data))
+        self.metrics.bytes_sent.labels(transfer.namespace).inc(len(data))
         return len(data)
 
     def _send_from_store(self, conn: socket.socket, transfer: Transfer, deadline: float) -> int:
@@ -398,7 +398,7 @@ class BulkServer:
         sent = 0
         try:
             for index, data in zip(indices, transfer.store.read_chunks(header, indices)):
-                sent += self._send_chunk(conn, index, data, deadline)
+                sent += self._send_chunk(conn, transfer, index, data, deadline)
                 if writer is not None:
                     writer.add(index, data)
             if writer is not None:

@@ -9,7 +9,6 @@ refused before they had a namespace (no token, say) count under ``namespace=""``
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -40,26 +39,6 @@ class NamespaceGauge(Collector):
         yield family
 
 
-class CallBytes:
-    """A byte counter by namespace for code that moves bytes without knowing the namespace (``inc(n)``): what a
-    thread moves is held for it and counted under the namespace of the call it records next (``ServiceMetrics.record``).
-    Each RPC and each bulk transfer runs on one thread from its first byte to its record, so the bytes of one
-    call are never counted under another's namespace."""
-
-    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
-        self.counter = Counter(name, documentation, ["namespace"], registry=registry)
-        self._held = threading.local()
-
-    def inc(self, amount: float) -> None:
-        self._held.amount = getattr(self._held, "amount", 0) + amount
-
-    def settle(self, namespace: str) -> None:
-        """Count what this thread moved since its last call under ``namespace``."""
-        amount, self._held.amount = getattr(self._held, "amount", 0), 0
-        if amount:
-            self.counter.labels(namespace).inc(amount)
-
-
 class ServiceMetrics:
     """Requests, bytes, latencies and errors per method and namespace, and what each namespace holds."""
 
@@ -68,8 +47,8 @@ class ServiceMetrics:
         registry = self.registry
         self.requests = Counter("packstore_requests", "RPCs finished, by namespace, method and status code", ["namespace", "method", "code"], registry=registry)
         self.latency = Histogram("packstore_request_seconds", "RPC latency, by namespace and method", ["namespace", "method"], registry=registry)
-        self.bytes_sent = CallBytes("packstore_sent_bytes", "Pack bytes sent to clients, by namespace", registry)
-        self.bytes_received = CallBytes("packstore_received_bytes", "Pack bytes received from clients, by namespace", registry)
+        self.bytes_sent = Counter("packstore_sent_bytes", "Pack bytes sent to clients, by namespace", ["namespace"], registry=registry)
+        self.bytes_received = Counter("packstore_received_bytes", "Pack bytes received from clients, by namespace", ["namespace"], registry=registry)
         self.store_packs = NamespaceGauge("packstore_store_packs", "Packs in each open namespace's store", registry)
         self.store_pack_bytes = NamespaceGauge("packstore_store_pack_bytes", "Stored bytes of every pack (headers and chunks), by namespace", registry)
         self.store_bytes = Gauge("packstore_store_file_bytes", "Size of the local data files of the open namespaces", registry=registry)
@@ -82,13 +61,10 @@ class ServiceMetrics:
         )
 
     def record(self, method: str, code: str, seconds: float, fields: dict) -> None:
-        """Count, time and log one finished call (an RPC or a bulk transfer) under the namespace in ``fields``, with
-        the bytes its thread moved: logged at INFO when ``code`` is OK, else WARNING, with ``fields`` (never a
+        """Count, time and log one finished call (an RPC or a bulk transfer) under the namespace in ``fields``: logged at INFO when ``code`` is OK, else WARNING, with ``fields`` (never a
         token, only its name)."""
         namespace = fields.get("namespace", "")
         self.requests.labels(namespace, method, code).inc()
         self.latency.labels(namespace, method).observe(seconds)
-        self.bytes_sent.settle(namespace)
-        self.bytes_received.settle(namespace)
         level = logging.INFO if code == "OK" else logging.WARNING
         _log.log(level, method, extra={"fields": {"method": method, "code": code, "ms": round(seconds * 1000, 2), **fields}})

@@ -162,7 +162,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
                 for message in request_iterator:
                     if message.WhichOneof("item") != "chunk":
                         raise InvalidInput("after the header, PutPack takes only chunks")
-                    self.metrics.bytes_received.inc(len(message.chunk.data))
+                    self.metrics.bytes_received.labels(namespace).inc(len(message.chunk.data))
                     whole = assembler.add(message.chunk)
                     if whole is not None:
                         upload.add_chunk(*whole)  # verified against its digest, then staged
@@ -216,7 +216,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
                     call["cancelled"] = True
                     return
                 yield from chunk_responses(index, data, header.chunks[index].digest)
-                self.metrics.bytes_sent.inc(len(data))
+                self.metrics.bytes_sent.labels(call.principal.namespace).inc(len(data))
 
     def StatPack(self, request, context):
         with self._call("StatPack", context, ref=request.ref) as call:
