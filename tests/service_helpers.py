@@ -10,10 +10,13 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+if TYPE_CHECKING:
+    from cgroup_helpers import MemoryCgroup
 
 
 def free_port() -> int:
@@ -61,14 +64,20 @@ class RunningServer:
 
 
 @contextmanager
-def running_server(data: Path, *extra: str, tls: dict | None = None, env: dict | None = None) -> Iterator[RunningServer]:
+def running_server(
+    data: Path, *extra: str, tls: dict | None = None, env: dict | None = None, cgroup: "MemoryCgroup | None" = None
+) -> Iterator[RunningServer]:
+    """``packstore serve`` on ``data``; yields once its health reports SERVING. ``cgroup``: start it inside that memory
+    cgroup (``cgroup_helpers.memory_cgroup``), so what it holds can be read there."""
     address, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     packstore = Path(sys.executable).parent / "packstore"
     log = open(data.parent / f"{data.name}-server.log", "w")
+    argv = [str(packstore), "serve", "--data", str(data), "--listen", address, "--metrics", metrics, *extra]
     process = subprocess.Popen(
-        [str(packstore), "serve", "--data", str(data), "--listen", address, "--metrics", metrics, *extra],
-        stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {}),
+        cgroup.command(argv) if cgroup is not None else argv, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {}),
     )
+    if cgroup is not None:
+        cgroup.track(process)
     server = RunningServer(process, address, metrics, data)
     try:
         wait_serving(address, tls=tls)
@@ -79,15 +88,19 @@ def running_server(data: Path, *extra: str, tls: dict | None = None, env: dict |
 
 
 @contextmanager
-def running_worker(store_url: str, model: str, log_dir: Path, *extra: str, tls: dict | None = None, env: dict | None = None) -> Iterator[RunningServer]:
-    """``packstore worker`` against ``store_url``; yields once its health reports SERVING."""
+def running_worker(
+    store_url: str, model: str, log_dir: Path, *extra: str, tls: dict | None = None, env: dict | None = None, cgroup: "MemoryCgroup | None" = None
+) -> Iterator[RunningServer]:
+    """``packstore worker`` against ``store_url``; yields once its health reports SERVING. ``cgroup``: as for ``running_server``."""
     address = f"127.0.0.1:{free_port()}"
     packstore = Path(sys.executable).parent / "packstore"
     log = open(log_dir / "worker.log", "w")
+    argv = [str(packstore), "--store", store_url, "worker", "--model", model, "--listen", address, *extra]
     process = subprocess.Popen(
-        [str(packstore), "--store", store_url, "worker", "--model", model, "--listen", address, *extra],
-        stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {}),
+        cgroup.command(argv) if cgroup is not None else argv, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {}),
     )
+    if cgroup is not None:
+        cgroup.track(process)
     worker = RunningServer(process, address, "", log_dir)
     try:
         wait_serving(address, timeout=300, tls=tls)

@@ -1,0 +1,113 @@
+"""A unary gRPC call written by hand on one HTTP/2 connection, for headers a real gRPC client refuses to send.
+
+gRPC's own clients check metadata before it leaves (printable ASCII values, lowercase keys, 16 KiB); a hostile
+peer need not. ``raw_unary`` sends whatever header bytes it is given (HPACK literals, no Huffman, no indexing;
+CONTINUATION frames past 16 KiB) and a request message, and returns the response messages and how the stream
+ended. It does not decode the response headers (that needs HPACK's Huffman table): a test learns the status the
+service gave from the service's own metrics, and whether it answered from the messages.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, CONTINUATION = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7, 0x9
+END_STREAM, END_HEADERS, ACK = 0x1, 0x4, 0x1
+MAX_FRAME = 16384
+
+
+def _integer(value: int, prefix_bits: int, first: int = 0) -> bytes:
+    """HPACK's integer with an N-bit prefix (RFC 7541 §5.1)."""
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes([first | value])
+    out, value = bytearray([first | limit]), value - limit
+    while value >= 128:
+        out.append(value % 128 + 128)
+        value //= 128
+    out.append(value)
+    return bytes(out)
+
+
+def _literal(name: bytes, value: bytes) -> bytes:
+    """A header field as a literal without indexing, new name, neither string Huffman-coded (RFC 7541 §6.2.2)."""
+    return b"\x00" + _integer(len(name), 7) + name + _integer(len(value), 7) + value
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
+
+
+@dataclass
+class RawReply:
+    messages: list[bytes] = field(default_factory=list)  # the response messages, without gRPC's 5-byte prefix
+    ended: str = ""  # "trailers", "reset" (RST_STREAM), "goaway", "closed" (the connection ended first)
+
+
+def raw_unary(address: str, path: str, request: bytes, headers: list[tuple[bytes, bytes]], timeout: float = 10.0) -> RawReply:
+    """Call ``path`` (e.g. /packstore.v1.PackStore/StatPack) at ``address`` (host:port, plaintext) with ``request`` (a
+    serialized message) and ``headers`` sent as given, after gRPC's own; TimeoutError when the stream has not ended
+    within ``timeout`` seconds."""
+    host, port = address.rsplit(":", 1)
+    block = b"".join(
+        _literal(name, value)
+        for name, value in [
+            (b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode()), (b":authority", address.encode()),
+            (b"content-type", b"application/grpc"), (b"te", b"trailers"), *headers,
+        ]
+    )
+    pieces = [block[i : i + MAX_FRAME] for i in range(0, len(block), MAX_FRAME)] or [b""]
+    out = [PREFACE, _frame(SETTINGS, 0, 0)]
+    for number, piece in enumerate(pieces):
+        kind = HEADERS if number == 0 else CONTINUATION
+        out.append(_frame(kind, END_HEADERS if number == len(pieces) - 1 else 0, 1, piece))
+    out.append(_frame(DATA, END_STREAM, 1, b"\x00" + struct.pack(">I", len(request)) + request))
+    reply, body, deadline = RawReply(), bytearray(), time.monotonic() + timeout
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        try:
+            sock.sendall(b"".join(out))
+        except OSError:  # the server may have answered and closed already
+            pass
+        buffer = bytearray()
+        while not reply.ended:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{path}: the stream did not end within {timeout} s")
+            sock.settimeout(remaining)
+            try:
+                data = sock.recv(65536)
+            except socket.timeout:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                reply.ended = "closed"
+                break
+            buffer += data
+            while len(buffer) >= 9:
+                length = int.from_bytes(buffer[:3], "big")
+                if len(buffer) < 9 + length:
+                    break
+                kind, flags, stream = buffer[3], buffer[4], int.from_bytes(buffer[5:9], "big") & 0x7FFFFFFF
+                payload, buffer = bytes(buffer[9 : 9 + length]), buffer[9 + length :]
+                if kind == SETTINGS and not flags & ACK:
+                    sock.sendall(_frame(SETTINGS, ACK, 0))
+                elif kind == PING and not flags & ACK:
+                    sock.sendall(_frame(PING, ACK, 0, payload))
+                elif kind == GOAWAY and int.from_bytes(payload[:4], "big") & 0x7FFFFFFF < 1:  # our stream will not be processed
+                    reply.ended = reply.ended or "goaway"
+                elif stream == 1 and kind == RST_STREAM:
+                    reply.ended = "reset"
+                elif stream == 1 and kind == DATA:
+                    body += payload
+                if stream == 1 and kind in (DATA, HEADERS) and flags & END_STREAM:
+                    reply.ended = "trailers"
+    while len(body) >= 5:
+        size = int.from_bytes(body[1:5], "big")
+        reply.messages.append(bytes(body[5 : 5 + size]))
+        body = body[5 + size :]
+    return reply
