@@ -21,9 +21,15 @@ from packstore.kv.models import LoadedModel
 from packstore.kv.render import Rendering, check_prefix, render
 
 
+GREEDY_BELOW = 1e-5
+MAX_TEMPERATURE = 100.0
+MAX_NEW_TOKENS = 1 << 15
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """Decoding options; ``temperature`` 0 means greedy (the default, and what equivalence is checked on)."""
+    """Decoding options; ``temperature`` 0 means greedy (the default, and what equivalence is checked on), and so does
+    any temperature below GREEDY_BELOW (dividing logits by it would overflow them, as vLLM also treats it)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -31,10 +37,14 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise InvalidInput("max_new_tokens must be at least 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise InvalidInput("temperature must be >= 0 and top_p in (0, 1]")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise InvalidInput(f"max_new_tokens must be from 1 to {MAX_NEW_TOKENS}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE or not 0 < self.top_p <= 1:  # (NaN fails both)
+            raise InvalidInput(f"temperature must be from 0 to {MAX_TEMPERATURE:g} and top_p in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)
@@ -163,9 +173,9 @@ def _generation_config(lm: LoadedModel, sampling: Sampling) -> GenerationConfig:
         max_new_tokens=sampling.max_new_tokens,
         eos_token_id=list(lm.stop_token_ids),
         pad_token_id=lm.stop_token_ids[0],
-        do_sample=sampling.temperature > 0,
+        do_sample=not sampling.greedy,
     )
-    if sampling.temperature > 0:
+    if not sampling.greedy:
         options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
     return GenerationConfig(**options)
 
@@ -202,8 +212,17 @@ def _answer(lm: LoadedModel, new: list[int], prompt_tokens: int) -> Answer:
     return Answer(text=lm.tokenizer.decode(new, skip_special_tokens=True).strip(), token_ids=new, prompt_tokens=prompt_tokens)
 
 
+def check_context(lm: LoadedModel, tokens: int) -> None:
+    """InvalidInput when a prompt of ``tokens`` (the pack's included) is longer than the model's context: past it the
+    positions are ones the model never saw, and attention over a prompt far past it can take gigabytes."""
+    context = getattr(lm.model.config, "max_position_embeddings", None)
+    if context and tokens > context:
+        raise InvalidInput(f"the prompt has {tokens} tokens, more than the {context} of {lm.name}'s context: shorten the question")
+
+
 def generate(lm: LoadedModel, token_ids: Sequence[int], sampling: Sampling, cache: DynamicCache | None = None) -> Answer:
     """Generate after ``token_ids``; with ``cache`` the model prefills only the ids the cache lacks."""
+    check_context(lm, len(token_ids))
     cached = cache.get_seq_length() if cache is not None else 0
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=lm.device)
     out = _run_generate(lm, ids, sampling, cache)
@@ -249,6 +268,7 @@ def generate_stream(
     The generator's return value is the final Answer. Closing the generator early (a cancelled
     stream) stops generation at the next token and waits for it, so the device is free on return.
     """
+    check_context(lm, len(token_ids))
     cached = cache.get_seq_length() if cache is not None else 0
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=lm.device)
     streamer = _TokenQueue()

@@ -57,7 +57,7 @@ def error_from_frame(body: bytes) -> PackstoreError:
     try:
         found = json.loads(bytes(body))
         return ERROR_CLASSES.get(found["code"], PackstoreError).from_fields(found["message"], dict(found["fields"]))
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # (JSON nested too deep for the parser)
         return PackstoreError(f"the bulk transfer failed with an unreadable error: {bytes(body[:200])!r}")
 
 

@@ -148,6 +148,7 @@ class Auth:
             if len(mine) != 1 or ANY_NAMESPACE in token.namespaces:
                 raise InvalidInput(f"token {token.name!r} may use several namespaces: name one in the {NAMESPACE_HEADER} header")
             asked = mine[0]
+        check_name(asked, "namespace")  # before anything quotes it or counts under it
         if not token.may_use(asked):
             raise PermissionDenied(f"token {token.name!r} may not use namespace {asked!r}")
         principal = Principal(token.name, token.role, asked)

@@ -32,12 +32,12 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}")
 HASH_PREFIX = re.compile(r"[0-9a-f]{8,64}")  # a ref that may be a unique prefix of a content hash
 
 
-def check_name(name: str) -> str:
-    """Names of packs and banks: 1-128 letters, digits and ``._:@+-``, starting with a letter or
+def check_name(name: str, what: str = "pack") -> str:
+    """Names of packs, banks and namespaces (``what``): 1-128 letters, digits and ``._:@+-``, starting with a letter or
     digit (so never a separator, whitespace or control character); every store checks them."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         shown = repr(name[:40]) + f"... ({len(name)} characters)" if isinstance(name, str) and len(name) > 40 else repr(name)
-        raise InvalidInput(f"invalid pack name {shown}: use 1-128 letters, digits or ._:@+- , starting with a letter or digit")
+        raise InvalidInput(f"invalid {what} name {shown}: use 1-128 letters, digits or ._:@+- , starting with a letter or digit")
     return name
 
 

@@ -134,6 +134,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         except PackstoreError as exc:
             fields.update(code=exc.grpc_status, error=str(exc))
             abort_with_error(context, exc)
+        except Exception as exc:  # an unexpected failure: report INTERNAL with a message, keep serving
+            if isinstance(exc, grpc.RpcError) or type(exc).__name__ == "_AbortionError":
+                raise
+            fields.update(code="INTERNAL", error=str(exc))
+            log.exception("internal error", extra={"fields": {"method": "Generate"}})
+            abort_with_error(context, PackstoreError(f"internal error: {exc}"))
         finally:
             fields["ms"] = round((time.perf_counter() - start) * 1000, 2)
             log.info("Generate", extra={"fields": fields})
