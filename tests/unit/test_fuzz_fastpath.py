@@ -499,7 +499,7 @@ def hostile_streams(draw):
         elif how == "index":
             frames[j][1] = draw(u32s)
         elif how == "length":
-            frames[j][2] = draw(st.one_of(u64s, st.sampled_from([frames[j][2] - 1, frames[j][2] + 1]).filter(lambda n: n >= 0)))
+            frames[j][2] = draw(st.one_of(u64s, st.sampled_from([frames[j][2] - 1, frames[j][2] + 1]).filter(lambda n: 0 <= n < 1 << 64)))
         elif how == "body":
             body = frames[j][3]
             frames[j][3] = draw(st.one_of(st.binary(min_size=len(body), max_size=len(body)), st.binary(max_size=len(body) + 8)))
