@@ -184,17 +184,6 @@ class BulkServer:
             port=self.port, ticket=ticket, expires_ms=int(self.tickets.lifetime * 1000), tls=self.tls is not None, local_socket=self.local_name
         )
 
-    @property
-    def active(self) -> int:
-        """Transfers running now."""
-        with self._lock:
-            return sum(self._active_by_peer.values())
-
-    @property
-    def pending(self) -> int:
-        """Connections awaiting their ticket now."""
-        return len(self._pending)
-
     def start(self) -> None:
         for listener, local in ((self._listener, False), (self._local, True)):
             if listener is not None:

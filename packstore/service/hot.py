@@ -175,11 +175,6 @@ class HotPacks:
             for found in [k for k, s in self._segments.items() if k[0] == namespace and s.header.key == key]:
                 self._drop(self._segments.pop(found))
 
-    def clear(self) -> None:
-        with self._lock:
-            while self._segments:
-                self._drop(self._segments.popitem()[1])
-
     def _drop(self, segment: Segment) -> None:
         """Forget ``segment`` (lock held); its memory goes now, or when its last lease ends."""
         segment._evicted = True
