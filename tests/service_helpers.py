@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -56,6 +57,11 @@ class RunningServer:
     @property
     def url(self) -> str:
         return f"grpc://{self.address}"
+
+    def log_lines(self) -> list[dict]:
+        """The server's JSON log lines (``running_server`` writes them beside its data directory)."""
+        text = (self.data.parent / f"{self.data.name}-server.log").read_text()
+        return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
     def stop(self) -> int:
         if self.process.poll() is None:

@@ -62,12 +62,6 @@ print(json.dumps({"opened": opened, "closed_by_server": closed}))
 """
 
 
-def server_log(tmp_path) -> list[dict]:
-    """The service's JSON log lines (``running_server`` writes them beside its data directory)."""
-    text = (tmp_path / "data-server.log").read_text()
-    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-
-
 @pytest.mark.parametrize("seconds", [8, pytest.param(120, marks=pytest.mark.long)], ids=["short", "long"])
 def test_two_hundred_idle_or_garbage_connections_do_not_stop_authorised_fetches(tmp_path, robustness_report, seconds) -> None:
     pack = make_pack(layers=4, tokens=600, dim=64)
@@ -93,7 +87,7 @@ def test_two_hundred_idle_or_garbage_connections_do_not_stop_authorised_fetches(
                 report = json.loads(attacker.communicate(timeout=30)[0] or "{}")
         assert server.process.poll() is None
     me = f"unix:uid={os.getuid()},pid={os.getpid()}"  # how the service names this process on its local socket
-    local_bulk = [line for line in server_log(tmp_path) if line.get("method") == "GetPack.bulk" and line.get("peer") == me]
+    local_bulk = [line for line in server.log_lines() if line.get("method") == "GetPack.bulk" and line.get("peer") == me]
     assert fetches["local"] >= 3 and len(local_bulk) == fetches["local"]  # its own peer: always over the bulk port
     assert {line["code"] for line in local_bulk} == {"OK"}
     robustness_report.append(

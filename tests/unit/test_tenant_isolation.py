@@ -4,7 +4,6 @@ metrics. Two services run the same script for B; only A's activity differs (the 
 
 from __future__ import annotations
 
-import json
 import socket
 import urllib.request
 from pathlib import Path
@@ -66,9 +65,7 @@ def metrics_seen(server, name: str) -> list[tuple]:
 
 
 def log_lines_of(server, namespace: str) -> list[dict]:
-    log = server.data.parent / f"{server.data.name}-server.log"
-    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
-    return [{k: v for k, v in line.items() if k not in VOLATILE_LOG_FIELDS} for line in lines if line.get("namespace") == namespace]
+    return [{k: v for k, v in line.items() if k not in VOLATILE_LOG_FIELDS} for line in server.log_lines() if line.get("namespace") == namespace]
 
 
 def b_sees(root: Path, a_reads_the_same_pack: bool) -> dict:
