@@ -50,10 +50,10 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 import zstandard  # noqa: E402
 
-from packstore.answer import Answerer, Question  # noqa: E402
+from packstore.answering.answer import Answerer, Question  # noqa: E402
 from packstore.format import codec  # noqa: E402
 from packstore.format.body import max_plain_bytes  # noqa: E402
-from packstore.tensors import Pack, decode_pack, encode_pack  # noqa: E402
+from packstore.packs.tensors import Pack, decode_pack, encode_pack  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.inject import Sampling, answer_with_text  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402

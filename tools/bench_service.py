@@ -74,7 +74,7 @@ import transformers  # noqa: E402
 
 from packstore.store.remote import RemoteStore  # noqa: E402
 from packstore.format import EncodedPack, PackHeader  # noqa: E402
-from packstore.tensors import Pack, encode_pack, pack_from_chunks  # noqa: E402
+from packstore.packs.tensors import Pack, encode_pack, pack_from_chunks  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.inject import Sampling, answer_with_text  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402

@@ -38,7 +38,7 @@ from packstore.rpc.channel import Connection  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 from packstore.store.namespaces import namespace_path  # noqa: E402
 from packstore.store.remote import RemoteStore  # noqa: E402
-from packstore.tensors import encode_pack  # noqa: E402
+from packstore.packs.tensors import encode_pack  # noqa: E402
 
 log = logger("bench_tenants")
 TOKENS = {"a": "bench-secret-a", "b": "bench-secret-b"}

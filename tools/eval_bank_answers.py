@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from packstore.answer import Answerer, Question  # noqa: E402
+from packstore.answering.answer import Answerer, Question  # noqa: E402
 from packstore.kv.inject import Sampling, answer_with_text  # noqa: E402
 from packstore.kv.models import load_model  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402

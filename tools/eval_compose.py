@@ -57,7 +57,7 @@ from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.compose import Composition, amend, compose_exact, splice  # noqa: E402
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text, cache_from_pack, prepare  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
-from packstore.tensors import Pack  # noqa: E402
+from packstore.packs.tensors import Pack  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, median, source_description, timed  # noqa: E402

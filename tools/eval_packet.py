@@ -53,8 +53,8 @@ from packstore.kv.models import LoadedModel, load_model  # noqa: E402
 from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_TOKENS  # noqa: E402
 from packstore.kv.packet import generated_examples, packet_compose, train_adapter  # noqa: E402
 from packstore.kv.render import render  # noqa: E402
-from packstore.records import Example  # noqa: E402
-from packstore.tensors import Pack, decode_pack, encode_pack  # noqa: E402
+from packstore.kv.records import Example  # noqa: E402
+from packstore.packs.tensors import Pack, decode_pack, encode_pack  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, median, source_description  # noqa: E402

@@ -41,8 +41,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from packstore.answer import Answerer, Question  # noqa: E402
-from packstore.api import build_and_store  # noqa: E402
+from packstore.answering.answer import Answerer, Question  # noqa: E402
+from packstore.answering.api import build_and_store  # noqa: E402
 from packstore.kv.inject import Answer, Sampling, generate  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402

@@ -24,7 +24,7 @@ Parts:
     of the value deltas of two directions (and of two authors' sentiment directions, and random vectors).
   keys: the key-arithmetic control: the same deltas added to the keys (alpha 0.5, 1, 2) or to both (1).
   dual (Tables 9-10): ckc questions answered with their paragraph as a knowledge pack through the one
-    answering path (packstore.answer), steered by sentiment at alpha 0 .. 2; EM/F1, the answers'
+    answering path (packstore.answering.answer), steered by sentiment at alpha 0 .. 2; EM/F1, the answers'
     sentiment, and (first ``--compare`` questions per alpha) divergences from the steered text-in-prompt answer.
 
 Generation is greedy, ``--max-new-tokens`` tokens, batched (left-padded, each row steered from its own
@@ -54,18 +54,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from packstore.answer import Answerer, Question  # noqa: E402
-from packstore.api import store_pack  # noqa: E402
-from packstore.facts import read_items, read_pairs  # noqa: E402
+from packstore.answering.answer import Answerer, Question  # noqa: E402
+from packstore.answering.api import store_pack  # noqa: E402
+from packstore.answering.facts import read_items, read_pairs  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.inject import Sampling  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
 from packstore.kv.render import render  # noqa: E402
 from packstore.kv.steer import Direction, SteeredCache, build_steering, model_layers, steering_deltas  # noqa: E402
 from packstore.kv.options import middle_third  # noqa: E402
-from packstore.records import Pair  # noqa: E402
+from packstore.kv.records import Pair  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
-from packstore.tensors import Pack, encode_pack  # noqa: E402
+from packstore.packs.tensors import Pack, encode_pack  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, source_description  # noqa: E402

@@ -17,14 +17,14 @@ from packstore.bank.lexical import LEXICAL_KIND, LexicalIndex
 from packstore.errors import InvalidInput, PackMismatch, StoreBusy
 from packstore.format.bank import VECTOR_KINDS, BankMeta, Cluster, quantize
 from packstore.format.signature import Signature
-from packstore.records import Route
-from packstore.store.banks import BankChanged
+from packstore.store.records import Route
+from packstore.store.lmdb.banks import BankChanged
 from packstore.store.protocol import check_name
 from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_TOP_K, MIN_PROBE, PROBED_SHARE, ROUTE_MODES
 
 if TYPE_CHECKING:
-    from packstore.store.lmdb_store import LmdbStore
-    from packstore.store.s3 import ObjectStore
+    from packstore.store.lmdb.store import LmdbStore
+    from packstore.store.objects.store import ObjectStore
 
     Tables = LmdbStore | ObjectStore  # a store with the bank record methods (store/banks.py, store/object_banks.py)
 

@@ -62,8 +62,8 @@ def _print_summary(record: dict[str, Any]) -> None:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from packstore.api import build_and_store, pack_summary
-    from packstore.facts import read_facts
+    from packstore.answering.api import build_and_store, pack_summary
+    from packstore.answering.facts import read_facts
 
     facts = read_facts(args.facts)
     lm = _load_model(args)
@@ -84,7 +84,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def _report_composed(args: argparse.Namespace, stored: Any, created: bool, composition: Any, what: str) -> None:
-    from packstore.api import pack_summary
+    from packstore.answering.api import pack_summary
 
     record = pack_summary(stored) | {"created_new": created}
     record |= composition.to_json() if composition is not None else {"reused_tokens": 0, "prefilled_tokens": 0}
@@ -112,7 +112,7 @@ def _pack_model(args: argparse.Namespace, ref: str):
 
 
 def cmd_compose(args: argparse.Namespace) -> int:
-    from packstore.api import compose_and_store
+    from packstore.answering.api import compose_and_store
 
     lm = _pack_model(args, args.refs[0])
     with _open_store(args) as store:
@@ -122,7 +122,7 @@ def cmd_compose(args: argparse.Namespace) -> int:
 
 
 def cmd_amend(args: argparse.Namespace) -> int:
-    from packstore.api import amend_and_store
+    from packstore.answering.api import amend_and_store
 
     lm = _pack_model(args, args.ref)
     with _open_store(args) as store:
@@ -146,8 +146,8 @@ def _print_answer(result: Any, compare: bool) -> None:
 def cmd_ask(args: argparse.Namespace) -> int:
     from contextlib import ExitStack
 
-    from packstore.answer import Answerer, Question
-    from packstore.facts import read_questions
+    from packstore.answering.answer import Answerer, Question
+    from packstore.answering.facts import read_questions
     from packstore.kv.inject import Sampling
 
     from packstore.kv.options import parse_layers, parse_steer
@@ -235,7 +235,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from packstore.api import pack_details, steering_details
+    from packstore.answering.api import pack_details, steering_details
 
     with _open_store(args, readonly=True) as store:
         stored = store.stat(args.ref)
@@ -278,8 +278,8 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from packstore.api import verify_packs
-    from packstore.trust import TrustedKeys
+    from packstore.answering.api import verify_packs
+    from packstore.security.trust import TrustedKeys
 
     trusted = TrustedKeys.load(args.trusted_keys) if args.trusted_keys else None
     with _open_store(args, readonly=True) as store:
@@ -317,7 +317,7 @@ def cmd_backup(args: argparse.Namespace) -> int:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from packstore.trust import generate_key
+    from packstore.security.trust import generate_key
 
     private, public, key_id = generate_key(args.out)
     if args.json:
@@ -328,8 +328,8 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_sign(args: argparse.Namespace) -> int:
-    from packstore.api import sign_pack
-    from packstore.trust import SigningKey
+    from packstore.answering.api import sign_pack
+    from packstore.security.trust import SigningKey
 
     key = SigningKey.load(args.key)
     with _open_store(args) as store:
@@ -342,7 +342,7 @@ def cmd_sign(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from packstore.api import export_pack
+    from packstore.answering.api import export_pack
 
     with _open_store(args, readonly=True) as store:
         key, size = export_pack(store, args.ref, args.output)
@@ -354,7 +354,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from packstore.api import import_pack, pack_summary
+    from packstore.answering.api import import_pack, pack_summary
 
     with _open_store(args) as store:
         stored, created = import_pack(store, args.file, name=args.name)
@@ -410,8 +410,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_steer(args: argparse.Namespace) -> int:
-    from packstore.api import build_steering_and_store, pack_summary
-    from packstore.facts import read_pairs
+    from packstore.answering.api import build_steering_and_store, pack_summary
+    from packstore.answering.facts import read_pairs
     from packstore.kv.options import parse_layers
 
     pairs = read_pairs(args.pairs)
@@ -431,8 +431,8 @@ def cmd_steer(args: argparse.Namespace) -> int:
 
 
 def cmd_adapter(args: argparse.Namespace) -> int:
-    from packstore.api import pack_summary, train_adapter_and_store
-    from packstore.facts import read_examples
+    from packstore.answering.api import pack_summary, train_adapter_and_store
+    from packstore.answering.facts import read_examples
 
     examples = read_examples(args.data) if args.data else None
     lm = _load_model(args)
@@ -462,7 +462,7 @@ def _bank_record(meta: Any, stored_bytes: int) -> dict[str, Any]:
 
 
 def cmd_bank(args: argparse.Namespace) -> int:
-    from packstore.facts import read_facts, read_items
+    from packstore.answering.facts import read_facts, read_items
 
     with _open_store(args, readonly=args.bank_command in ("route", "ls", "verify")) as store:
         banks = store.banks()
@@ -492,8 +492,8 @@ def cmd_bank(args: argparse.Namespace) -> int:
                 for text, score in result.facts:
                     print(f"  {score:6.3f}  {text}")
         elif args.bank_command == "sign":
-            from packstore.api import sign_bank
-            from packstore.trust import SigningKey
+            from packstore.answering.api import sign_bank
+            from packstore.security.trust import SigningKey
 
             signature = sign_bank(store, args.name, SigningKey.load(args.key))
             if args.json:
@@ -501,8 +501,8 @@ def cmd_bank(args: argparse.Namespace) -> int:
             else:
                 print(f"signed bank {args.name} (digest {signature.digest[:16]}) with key {signature.key_id}")
         elif args.bank_command == "verify":
-            from packstore.api import verify_banks
-            from packstore.trust import TrustedKeys
+            from packstore.answering.api import verify_banks
+            from packstore.security.trust import TrustedKeys
 
             results = verify_banks(store, args.names, TrustedKeys.load(args.trusted_keys))
             if args.json:

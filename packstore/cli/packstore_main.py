@@ -61,10 +61,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from packstore.trust import TrustedKeys
+    from packstore.security.trust import TrustedKeys
 
     trusted = TrustedKeys.load(args.trusted_keys) if args.trusted_keys else None
-    from packstore.answer import REF_TTL_SECONDS
+    from packstore.answering.answer import REF_TTL_SECONDS
 
     ref_ttl = REF_TTL_SECONDS if args.ref_ttl is None else args.ref_ttl
     if not 0 <= ref_ttl <= 86400:  # also refuses NaN
@@ -72,10 +72,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     lm = load_model(args.model, device=args.device, dtype=args.dtype, chat_template=template, progress=not args.quiet and sys.stderr.isatty())
     if lm.device.type == "cpu" and args.reserve_memory == "on":
-        from packstore.memory import PackMemory, use_pack_memory
+        from packstore.packs.memory import PackMemory, use_pack_memory
 
         use_pack_memory(PackMemory(args.cache_bytes, background=True))
-    from packstore.service.auth import Auth
+    from packstore.security.auth import Auth
     from packstore.worker.stores import NamespaceReaders
 
     auth = Auth(args.auth) if args.auth else None

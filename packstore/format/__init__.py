@@ -1,6 +1,6 @@
 """Pack format: bytes <-> header, chunks, pack file and bank records; no torch, no I/O. See docs/format.md.
 
-The tensor side (chunk bytes <-> K/V tensors) is ``packstore.tensors``.
+The tensor side (chunk bytes <-> K/V tensors) is ``packstore.packs.tensors``.
 """
 
 from packstore.format.header import (

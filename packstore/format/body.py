@@ -2,7 +2,7 @@
 
 A chunk's plain bytes are a safetensors blob; ``tensor_table`` validates its layout as strictly
 as safetensors does and says where each tensor's bytes are. Turning those bytes into K/V
-tensors is the torch side, in ``packstore.tensors``.
+tensors is the torch side, in ``packstore.packs.tensors``.
 """
 
 from __future__ import annotations

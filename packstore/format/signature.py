@@ -4,7 +4,7 @@ A signature record is canonical JSON: the algorithm, the signer's public key (ra
 and its id (sha256 of those bytes), what is signed (``subject`` and its ``digest``), and the 64-byte
 signature over ``signed_message(subject, digest)``. A pack's digest is its ``pack_sha256``, which
 covers the header and, through the chunk digests, every byte of the body, so one signature vouches
-for the whole pack. Pure bytes: no I/O; key files are read by ``packstore.trust``.
+for the whole pack. Pure bytes: no I/O; key files are read by ``packstore.security.trust``.
 """
 
 from __future__ import annotations

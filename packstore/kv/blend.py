@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from packstore.errors import InvalidInput
 from packstore.kv.build import prefill
 from packstore.kv.models import LoadedModel
-from packstore.tensors import Pack
+from packstore.packs.tensors import Pack
 
 DEFAULT_SHARE = 0.15
 PROBE_LAYERS = 2

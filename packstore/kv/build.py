@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from packstore.errors import InvalidInput
 from packstore.format import PackHeader
-from packstore.tensors import Pack
+from packstore.packs.tensors import Pack
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import pack_prefix_ids
 

@@ -25,7 +25,7 @@ from packstore.kv.inject import cache_from_pack, check_identity
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import group_spans, pack_prefix_ids
 from packstore.kv.rope import layer_frequencies, rotate_keys
-from packstore.tensors import Pack
+from packstore.packs.tensors import Pack
 
 ERRATUM_PREFIX = "Correction: "  # an erratum is rendered as one more line: this prefix, then its text
 COMPOSE_MODES = COMPOSITIONS  # exact first, the default

@@ -15,7 +15,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.format import PackHeader
-from packstore.tensors import ArrivingPack, Pack
+from packstore.packs.tensors import ArrivingPack, Pack
 from packstore.kv.build import cache_tensors, prefill
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import Rendering, check_prefix, render

@@ -31,8 +31,8 @@ from packstore.kv.inject import check_identity, greedy_with_logits
 from packstore.kv.models import LoadedModel
 from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_TOKENS
 from packstore.kv.render import render
-from packstore.records import Example
-from packstore.tensors import Pack, adapter_tensors_sha256
+from packstore.kv.records import Example
+from packstore.packs.tensors import Pack, adapter_tensors_sha256
 
 OBJECTIVE = "kl(teacher=exact composition, student=packet) over the teacher's greedy answer tokens"
 ANSWER_TOKENS = 12  # teacher answer tokens the loss covers per example

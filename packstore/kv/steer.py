@@ -28,8 +28,8 @@ from packstore.kv.inject import check_identity
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import check_no_special_tokens
 from packstore.kv.options import STEER_TARGETS, middle_third
-from packstore.records import Pair
-from packstore.tensors import Pack
+from packstore.kv.records import Pair
+from packstore.packs.tensors import Pack
 
 
 

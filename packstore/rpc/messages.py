@@ -7,7 +7,7 @@ from typing import Iterator, Sequence
 from packstore.errors import InvalidInput
 from packstore.format import PackHeader
 from packstore.format.signature import Signature
-from packstore.records import PackSummary, StoredPack
+from packstore.store.records import PackSummary, StoredPack
 from packstore.rpc.wire import ChunkPiece, piece_views
 from packstore.v1 import store_pb2
 

@@ -23,7 +23,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import RestrictedRegistry
 
 from packstore.errors import InvalidInput
-from packstore.service.auth import ANY_NAMESPACE, Auth, bearer_secret
+from packstore.security.auth import ANY_NAMESPACE, Auth, bearer_secret
 
 LOOPBACK = "127.0.0.1"
 NAMESPACE_LABEL = "namespace"

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from packstore.errors import InvalidInput
-from packstore.store.object_cache import DEFAULT_CACHE_BYTES
+from packstore.store.objects.cache import DEFAULT_CACHE_BYTES
 
 
 @dataclass(frozen=True)

@@ -25,13 +25,13 @@ from packstore.rpc.metrics_http import serve_metrics
 from packstore.rpc.messages import ChunkAssembler, bank_info, pack_info, signatures_of, summary_info
 from packstore.rpc.wire import chunk_responses, serialize_get_pack_response
 from packstore.rpc.status import abort_with_error, status_for
-from packstore.service.auth import Auth, Principal
+from packstore.security.auth import Auth, Principal
 from packstore.service.bulk import BulkServer, Tickets, bulk_address
 from packstore.service.hot import HotPacks
 from packstore.service.config import ServiceConfig
 from packstore.store.namespaces import NamespaceStores
 from packstore.service.metrics import ServiceMetrics
-from packstore.records import PackPage
+from packstore.store.records import PackPage
 from packstore.store import PackStore
 from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, check_name
 from packstore.v1 import store_pb2, store_pb2_grpc

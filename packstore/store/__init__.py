@@ -4,9 +4,31 @@ from __future__ import annotations
 
 import os
 
-from packstore.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
-from packstore.store.lmdb_store import LmdbStore, default_store_path
+from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
 from packstore.store.protocol import BankStore, PackStore
+
+if TYPE_CHECKING:
+    from packstore.store.lmdb.store import LmdbStore
+
+
+def default_store_path() -> Path:
+    """``$PACKSTORE_STORE``, else ``$XDG_DATA_HOME/packstore``, else ``~/.local/share/packstore``."""
+    if os.environ.get("PACKSTORE_STORE"):
+        return Path(os.environ["PACKSTORE_STORE"])
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "packstore"
+
+
+def __getattr__(name: str) -> Any:
+    """``LmdbStore`` is imported on first use, so that records and protocols stay a light import (no lmdb)."""
+    if name == "LmdbStore":
+        from packstore.store.lmdb.store import LmdbStore
+
+        return LmdbStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def is_remote(spec: str | os.PathLike[str] | None) -> bool:
@@ -26,7 +48,7 @@ def open_store(spec: str | os.PathLike[str] | None = None, *, readonly: bool = F
     if spec.startswith("s3://"):
         from packstore.rpc.channel import Connection
         from packstore.store.namespaces import DEFAULT_NAMESPACE
-        from packstore.store.s3 import ObjectStore
+        from packstore.store.objects.store import ObjectStore
 
         connection = connection or Connection.from_env()
         return ObjectStore(spec, endpoint=connection.s3_endpoint, namespace=connection.namespace or DEFAULT_NAMESPACE)
@@ -34,6 +56,8 @@ def open_store(spec: str | os.PathLike[str] | None = None, *, readonly: bool = F
         from packstore.store.remote import RemoteStore
 
         return RemoteStore(spec, connection=connection)
+    from packstore.store.lmdb.store import LmdbStore
+
     return LmdbStore(spec, readonly=readonly)
 
 

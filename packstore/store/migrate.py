@@ -18,9 +18,9 @@ from __future__ import annotations
 from typing import Callable
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound
-from packstore.records import MigrateReport
-from packstore.store.banks import BankChanged, BankTables, digest_of
-from packstore.store.object_banks import ObjectBankTables
+from packstore.store.records import MigrateReport
+from packstore.store.lmdb.banks import BankChanged, BankTables, digest_of
+from packstore.store.objects.banks import ObjectBankTables
 from packstore.store.protocol import PackStore
 
 Progress = Callable[[str, str], None]

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from packstore.errors import InvalidInput
-from packstore.store.lmdb_store import LmdbStore
-from packstore.store.object_cache import DEFAULT_CACHE_BYTES
+from packstore.store.lmdb.store import LmdbStore
+from packstore.store.objects.cache import DEFAULT_CACHE_BYTES
 from packstore.store.protocol import PackStore, check_name
 
 NAMESPACES_DIR = "namespaces"
@@ -69,7 +69,7 @@ class NamespaceStores:
     def _open(self, namespace: str) -> PackStore:
         if self.objects is None:
             return LmdbStore(namespace_path(self.data, namespace), max_bytes=self.max_bytes)
-        from packstore.store.s3 import ObjectStore
+        from packstore.store.objects.store import ObjectStore
 
         cache = self.data / CACHES_DIR / check_name(namespace)
         return ObjectStore(self.objects, endpoint=self.endpoint, cache_dir=cache, cache_bytes=self.cache_bytes, namespace=namespace)

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 from packstore.errors import AmbiguousRef, InvalidInput, PackNotFound
 
-from packstore.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
+from packstore.store.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
 
 if TYPE_CHECKING:
     from packstore.format.bank import BankMeta
     from packstore.format.body import EncodedPack
     from packstore.format.signature import Signature
-    from packstore.tensors import ArrivingPack, Pack, PackPart
+    from packstore.packs.tensors import ArrivingPack, Pack, PackPart
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000

@@ -18,7 +18,7 @@ import grpc
 from packstore.errors import LimitExceeded, PackNotFound, PackstoreError, Unauthenticated
 from packstore.format import EncodedPack, PackHeader
 from packstore.format.body import chunks_for, verify_chunk
-from packstore.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
+from packstore.store.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
 from packstore.rpc.bulk import ReceiveBuffers, bulk_chunks, connect, connect_local, first_frame
 from packstore.rpc.channel import Connection, GrpcClient
 from packstore.rpc.messages import ChunkAssembler, bank_meta, chunk_pieces, pack_summary, signatures_of, stored_pack
@@ -29,7 +29,7 @@ from packstore.v1 import store_pb2, store_pb2_grpc
 if TYPE_CHECKING:
     from packstore.format.bank import BankMeta
     from packstore.format.signature import Signature
-    from packstore.tensors import ArrivingPack, ChunkSource, Pack, PackPart
+    from packstore.packs.tensors import ArrivingPack, ChunkSource, Pack, PackPart
 
 log = logging.getLogger("packstore.remote")
 RECEIVE_BUFFER_BYTES = 256 << 20
@@ -241,7 +241,7 @@ class RemoteStore(GrpcClient):
     ) -> "ArrivingPack":
         """``fetch`` returning once the header has arrived: the rest of the stream is read, verified and decoded
         in the background, layer by layer as it arrives (``ArrivingPack``)."""
-        from packstore.tensors import start_pack
+        from packstore.packs.tensors import start_pack
 
         stored, source = self._stream(ref, model_fp, template_fp)
         return start_pack(stored.header, source, device)
@@ -257,7 +257,7 @@ class RemoteStore(GrpcClient):
         template_fp: str | None = None,
     ) -> "PackPart":
         """Stream only the chunks holding some layers and/or a prefix (GetPack with ``layers`` / ``prefix``) and decode them."""
-        from packstore.tensors import decode_part
+        from packstore.packs.tensors import decode_part
 
         if prefix is not None and prefix < 1:  # 0 would travel as "no prefix": refuse it as the other tiers do
             chunks_for(self.stat(ref, model_fp=model_fp).header, layers, prefix)

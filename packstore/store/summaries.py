@@ -11,7 +11,7 @@ import json
 from packstore.errors import IntegrityError
 from packstore.format import PackHeader
 from packstore.format.header import canonical_json
-from packstore.records import PackSummary, StoredPack
+from packstore.store.records import PackSummary, StoredPack
 
 _decode_json = json.JSONDecoder().decode
 

@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING, Callable
 import grpc
 
 from packstore.errors import PackstoreError
-from packstore.records import AnswerResult
+from packstore.answering.records import AnswerResult
 from packstore.rpc.channel import Connection, GrpcClient
 from packstore.v1 import worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
-    from packstore.answer import Question
+    from packstore.answering.answer import Question
 
 
 class WorkerClient(GrpcClient):

@@ -15,19 +15,19 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from packstore.answer import REF_TTL_SECONDS, Answerer, Question, ReadyCache
+from packstore.answering.answer import REF_TTL_SECONDS, Answerer, Question, ReadyCache
 from packstore.errors import PackstoreError
 from packstore.kv.inject import Sampling, TextDeltas
 from packstore.kv.models import LoadedModel
 from packstore.rpc.listen import bind
 from packstore.rpc.status import abort_with_error
-from packstore.service.auth import Auth
+from packstore.security.auth import Auth
 from packstore.service.server import JsonLogFormatter, reload_tokens
 from packstore.store.protocol import DEFAULT_TOP_K, PackStore
 from packstore.v1 import store_pb2, worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
-    from packstore.trust import TrustedKeys
+    from packstore.security.trust import TrustedKeys
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 log = logging.getLogger("packstore.worker")

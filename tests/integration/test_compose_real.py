@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from packstore.answer import Question
-from packstore.api import amend_and_store, compose_and_store, export_pack, import_pack
+from packstore.answering.answer import Question
+from packstore.answering.api import amend_and_store, compose_and_store, export_pack, import_pack
 from packstore.cli.packctl import main as packctl
 from packstore.errors import PackNotFound
 from packstore.kv.build import build_pack
@@ -18,7 +18,7 @@ from packstore.kv.models import load_model
 from packstore.kv.rope import layer_frequencies
 from packstore.store import LmdbStore
 from packstore.store.remote import RemoteStore
-from packstore.tensors import encode_pack
+from packstore.packs.tensors import encode_pack
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
 from test_real_models import MODELS, eval_rows

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from packstore.answer import Answerer, Question
+from packstore.answering.answer import Answerer, Question
 from packstore.cli.packctl import main as packctl
 from packstore.kv.blend import selective_recompute
 from packstore.kv.build import build_pack
@@ -17,7 +17,7 @@ from packstore.kv.inject import Sampling
 from packstore.kv.models import load_model
 from packstore.kv.packet import generated_examples
 from packstore.store.remote import RemoteStore
-from packstore.tensors import encode_pack
+from packstore.packs.tensors import encode_pack
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
 from test_real_models import MODELS, eval_rows

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from packstore.errors import PackMismatch
-from packstore.tensors import decode_pack, encode_pack
+from packstore.packs.tensors import decode_pack, encode_pack
 from packstore.format.body import BLOCK_POSITIONS
 from packstore.kv.build import build_pack, prefill
 from packstore.store import LmdbStore

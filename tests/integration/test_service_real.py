@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from packstore.answer import Question
+from packstore.answering.answer import Question
 from packstore.errors import PackMismatch
-from packstore.tensors import encode_pack
+from packstore.packs.tensors import encode_pack
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling
 from packstore.kv.models import load_model

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from packstore.answer import Answerer, Question
+from packstore.answering.answer import Answerer, Question
 from packstore.cli.packctl import main as packctl
 from packstore.kv.inject import Sampling
 from packstore.kv.models import load_model
@@ -74,9 +74,9 @@ def test_steer_build_ask_alone_and_with_a_pack_via_cli_and_worker(real_lm, tmp_p
 
 def test_a_steering_pack_answers_only_its_own_model(tmp_path: Path) -> None:
     """A steering pack built on one real model is refused by the other (model identity)."""
-    from packstore.api import build_steering_and_store
+    from packstore.answering.api import build_steering_and_store
     from packstore.errors import PackMismatch
-    from packstore.facts import read_pairs
+    from packstore.answering.facts import read_pairs
 
     first, second = (load_model(name, progress=False) for name in MODELS)
     with LmdbStore(tmp_path / "store") as store:

@@ -9,7 +9,7 @@ from typing import Iterator
 
 import pytest
 
-from packstore.store.s3 import ObjectStore
+from packstore.store.objects.store import ObjectStore
 from seaweed_helpers import Seaweed, running_seaweed
 
 

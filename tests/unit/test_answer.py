@@ -7,18 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from packstore.answer import Answerer, Question, ReadyCache
+from packstore.answering.answer import Answerer, Question, ReadyCache
 from packstore.bank.synthetic import synthetic_facts
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch
 from packstore.format import PackHeader
-from packstore.tensors import Pack, encode_pack
+from packstore.packs.tensors import Pack, encode_pack
 from packstore.format.header import ChunkInfo
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling, answer_with_text
 from packstore.kv.models import load_model
-from packstore.records import AnswerResult
+from packstore.answering.records import AnswerResult
 from packstore.store import LmdbStore
-from packstore.store.lmdb_store import _chunk_key
+from packstore.store.lmdb.store import _chunk_key
 from test_identity import ALT_TEMPLATE
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]

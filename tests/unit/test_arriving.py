@@ -13,7 +13,7 @@ from packstore.errors import IntegrityError
 from packstore.format.body import EncodedPack
 from packstore.kv.inject import PackLayer, cache_from_pack
 from packstore.format import codec
-from packstore.tensors import ArrivingPack, BodyAssembler, encode_pack, start_pack
+from packstore.packs.tensors import ArrivingPack, BodyAssembler, encode_pack, start_pack
 from test_format import make_pack
 
 

@@ -17,15 +17,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from packstore.answer import Question
+from packstore.answering.answer import Question
 from packstore.errors import InvalidInput, PackNotFound, PermissionDenied, Unauthenticated
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling
 from packstore.rpc.channel import Connection
-from packstore.service.auth import Auth, load_tokens
+from packstore.security.auth import Auth, load_tokens
 from packstore.store.namespaces import namespace_path
 from packstore.store.remote import RemoteStore
-from packstore.tensors import encode_pack
+from packstore.packs.tensors import encode_pack
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
 from test_format import make_pack

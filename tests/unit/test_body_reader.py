@@ -17,7 +17,7 @@ from safetensors.torch import save as safetensors_save
 from packstore.errors import IntegrityError
 from packstore.format import codec
 from packstore.format.body import MAX_TABLE_BYTES, EncodedPack, tensor_table
-from packstore.tensors import decode_pack, encode_pack
+from packstore.packs.tensors import decode_pack, encode_pack
 from test_format import make_pack
 
 

@@ -36,7 +36,7 @@ from packstore.service.bulk import Tickets, bulk_address
 from packstore.service.hot import HotPacks
 from packstore.store import LmdbStore
 from packstore.store.remote import RemoteStore
-from packstore.tensors import encode_pack
+from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from service_helpers import free_port, running_server

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from packstore.store.remote import RemoteStore
-from packstore.tensors import encode_pack
+from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 from test_format import make_pack

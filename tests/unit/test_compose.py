@@ -12,7 +12,7 @@ from packstore.kv.compose import ERRATUM_PREFIX, amend, compose_exact, splice
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text
 from packstore.kv.models import load_model
 from packstore.kv.rope import rotate_keys
-from packstore.tensors import decode_pack, encode_pack
+from packstore.packs.tensors import decode_pack, encode_pack
 
 PART_A = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
 PART_B = ["Alice lives in Paris and works as a baker."]

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from packstore.api import export_pack
+from packstore.answering.api import export_pack
 from packstore.errors import PackstoreError
 from packstore.store import LmdbStore
 from packstore.store.remote import RemoteStore
-from packstore.tensors import Pack, encode_pack
+from packstore.packs.tensors import Pack, encode_pack
 from service_helpers import free_port, wait_serving
 from test_format import make_pack
 

@@ -14,7 +14,7 @@ import torch
 import zstandard
 from safetensors.torch import load as safetensors_load
 
-from packstore.tensors import encode_pack
+from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
 from test_format import make_pack
 

@@ -12,7 +12,7 @@ LIGHT_MODULES = (
     "packstore.format.codec",
     "packstore.format.packfile",
     "packstore.format.bank",
-    "packstore.records",
+    "packstore.store.records",
     "packstore.errors",
 )
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from packstore.api import export_pack, import_pack
+from packstore.answering.api import export_pack, import_pack
 from packstore.cli.packctl import main as packctl
 from packstore.store import LmdbStore
-from packstore.tensors import decode_pack, encode_pack
+from packstore.packs.tensors import decode_pack, encode_pack
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "version3"
 CODEC2 = Path(__file__).resolve().parents[1] / "data" / "codec2"

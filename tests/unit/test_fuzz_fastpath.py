@@ -44,7 +44,7 @@ from packstore.rpc.bulk import CHUNK, END, ERROR, FRAME, HELLO, MAGIC, MAX_ERROR
 from packstore.rpc.channel import NAMESPACE_HEADER, Connection
 from packstore.rpc.messages import stored_pack
 from packstore.store.remote import RemoteStore
-from packstore.tensors import encode_pack
+from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc, worker_pb2, worker_pb2_grpc
 from cgroup_helpers import memory_cgroup
 from raw_grpc import raw_unary

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import grpc
 import pytest
 
-from packstore.api import export_pack, import_pack
+from packstore.answering.api import export_pack, import_pack
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, InvalidInput, LimitExceeded, PackstoreError
 from packstore.format.body import chunk_digest
@@ -22,7 +22,7 @@ from packstore.format.header import canonical_json, sha256_hex
 from packstore.format.packfile import FILE_MAGIC
 from packstore.store import LmdbStore
 from packstore.store.remote import RemoteStore
-from packstore.tensors import encode_pack
+from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 from test_format import make_pack

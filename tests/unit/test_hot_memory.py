@@ -15,7 +15,7 @@ from cgroup_helpers import memory_cgroup
 from packstore.rpc.bulk import FRAME, MAGIC, recv_exact
 from packstore.rpc.messages import chunk_pieces
 from packstore.store.remote import RemoteStore
-from packstore.tensors import encode_pack
+from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 from test_format import make_pack

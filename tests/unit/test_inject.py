@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from packstore.errors import PackMismatch
-from packstore.tensors import decode_pack, encode_pack
+from packstore.packs.tensors import decode_pack, encode_pack
 from packstore.kv import inject
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling, TextDeltas, answer_with_pack, answer_with_text, prefill_divergence

@@ -15,10 +15,10 @@ import lmdb
 import pytest
 import torch
 
-from packstore.api import export_pack, import_pack
+from packstore.answering.api import export_pack, import_pack
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, StoreBusy
-from packstore.tensors import decode_pack, encode_pack
+from packstore.packs.tensors import decode_pack, encode_pack
 from packstore.format.packfile import parse_pack_file
 from packstore.store import LmdbStore
 from test_format import make_pack
@@ -165,7 +165,7 @@ def test_compaction_refuses_while_another_process_has_the_store(store_path: Path
 
 WRITER = """
 import sys, torch
-from packstore.tensors import encode_pack
+from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
 sys.path.insert(0, {tests!r})
 from test_format import make_pack

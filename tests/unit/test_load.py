@@ -14,7 +14,7 @@ import pytest
 
 from packstore.errors import LimitExceeded, PackstoreError
 from packstore.store.remote import RemoteStore
-from packstore.tensors import encode_pack
+from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 from test_format import make_pack

@@ -7,9 +7,9 @@ import gc
 import pytest
 import torch
 
-from packstore.memory import ALIGN, PackMemory, cpu_tensors, use_pack_memory
+from packstore.packs.memory import ALIGN, PackMemory, cpu_tensors, use_pack_memory
 from packstore.store import LmdbStore
-from packstore.tensors import encode_pack
+from packstore.packs.tensors import encode_pack
 from test_format import make_pack
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from packstore.errors import IntegrityError, PackNotFound, Unavailable
-from packstore.store.s3 import ObjectStore
+from packstore.store.objects.store import ObjectStore
 from test_s3_store import objects
 
 FACTS = [f"Locker {i} holds the {('red', 'green', 'blue', 'amber')[i % 4]} umbrella of guest {200 + i}." for i in range(40)]

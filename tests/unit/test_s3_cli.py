@@ -9,13 +9,13 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from packstore.api import sign_bank
+from packstore.answering.api import sign_bank
 from packstore.cli.packctl import main
 from packstore.format.body import EncodedPack
 from packstore.store import LmdbStore
-from packstore.store.s3 import ObjectStore
-from packstore.tensors import encode_pack
-from packstore.trust import SigningKey, generate_key
+from packstore.store.objects.store import ObjectStore
+from packstore.packs.tensors import encode_pack
+from packstore.security.trust import SigningKey, generate_key
 from test_s3_banks import FACTS
 from test_s3_store import random_pack
 

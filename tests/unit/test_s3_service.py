@@ -21,16 +21,16 @@ import grpc
 import pytest
 import torch
 
-from packstore.api import sign_bank
+from packstore.answering.api import sign_bank
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, Unavailable
 from packstore.rpc.channel import Connection
 from packstore.rpc.messages import chunk_pieces
 from packstore.store import LmdbStore
 from packstore.store.migrate import migrate
-from packstore.store.object_cache import DEFAULT_CACHE_BYTES, ObjectCache
+from packstore.store.objects.cache import DEFAULT_CACHE_BYTES, ObjectCache
 from packstore.store.remote import RemoteStore
-from packstore.tensors import encode_pack
-from packstore.trust import SigningKey, generate_key
+from packstore.packs.tensors import encode_pack
+from packstore.security.trust import SigningKey, generate_key
 from packstore.v1 import store_pb2, store_pb2_grpc
 from seaweed_helpers import Seaweed, running_seaweed
 from service_helpers import RunningServer, free_port, running_server

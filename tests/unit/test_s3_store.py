@@ -21,9 +21,9 @@ import torch
 
 from packstore.errors import IntegrityError, PackNotFound, PermissionDenied, StoreBusy, StoreNotFound, Unavailable
 from packstore.format.body import EncodedPack
-from packstore.store.s3 import ObjectStore
-from packstore.tensors import Pack, encode_pack
-from packstore.trust import SigningKey, generate_key
+from packstore.store.objects.store import ObjectStore
+from packstore.packs.tensors import Pack, encode_pack
+from packstore.security.trust import SigningKey, generate_key
 from seaweed_helpers import Seaweed
 from service_helpers import free_port
 from test_format import FP_B, make_pack
@@ -118,8 +118,8 @@ def test_concurrent_name_writes_from_two_replicas_lose_no_update(replicas, seawe
 
 _KILLED_WRITER = """
 import os, sys, time
-from packstore.store.s3 import ObjectStore
-from packstore.tensors import encode_pack
+from packstore.store.objects.store import ObjectStore
+from packstore.packs.tensors import encode_pack
 from test_s3_store import random_pack
 upload = ObjectStore._upload_chunk
 def slow_upload(self, digest, data):

@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from packstore.store.remote import RemoteStore
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch, PackNotFound, PackstoreError
 from packstore.rpc.metrics_http import metrics_address, serve_metrics
-from packstore.service.auth import Auth
-from packstore.tensors import decode_pack, encode_pack
+from packstore.security.auth import Auth
+from packstore.packs.tensors import decode_pack, encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 from test_format import make_pack

@@ -10,8 +10,8 @@ import struct
 
 import pytest
 
-from packstore.answer import Answerer, Question
-from packstore.api import export_pack, import_pack, sign_bank, sign_pack, store_pack, verify_banks, verify_packs
+from packstore.answering.answer import Answerer, Question
+from packstore.answering.api import export_pack, import_pack, sign_bank, sign_pack, store_pack, verify_banks, verify_packs
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, InvalidInput, Untrusted
 from packstore.format.packfile import parse_pack_file, pack_file_parts
@@ -19,11 +19,11 @@ from packstore.format.signature import Signature, signed_message
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling
 from packstore.kv.steer import build_steering
-from packstore.records import Pair
+from packstore.kv.records import Pair
 from packstore.store import LmdbStore
 from packstore.store.remote import RemoteStore
-from packstore.tensors import encode_pack
-from packstore.trust import SigningKey, TrustedKeys, generate_key
+from packstore.packs.tensors import encode_pack
+from packstore.security.trust import SigningKey, TrustedKeys, generate_key
 from service_helpers import running_server
 from test_format import make_pack
 
@@ -148,7 +148,7 @@ def test_a_trusting_answerer_injects_only_signed_packs_and_trusts_what_it_derive
         sign_pack(store, "joy", keys["alice"])
         trusting.ask(Question("Who lives in Oslo?", refs=("a",), steering=(("joy", 1.0),), sampling=GREEDY))
         # an unsigned stored composition is not taken: the composition of the signed parts is computed
-        from packstore.api import compose_and_store
+        from packstore.answering.api import compose_and_store
 
         composed, _, _ = compose_and_store(store, tiny_lm, ["a", "b"], name="ab")
         result = trusting.ask(Question("Who lives in Oslo?", refs=("a", "b"), sampling=GREEDY))

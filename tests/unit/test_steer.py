@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from packstore.answer import Answerer, Question
-from packstore.api import build_steering_and_store, export_pack, import_pack, steering_details, store_pack
+from packstore.answering.answer import Answerer, Question
+from packstore.answering.api import build_steering_and_store, export_pack, import_pack, steering_details, store_pack
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch
-from packstore.facts import read_pairs
+from packstore.answering.facts import read_pairs
 from packstore.format import PackHeader
 from packstore.format.header import canonical_json, sha256_hex
 from packstore.kv.build import build_pack, prefill
@@ -20,9 +20,9 @@ from packstore.kv.models import load_model
 from packstore.kv.render import render
 from packstore.kv.steer import Direction, SteeredCache, build_steering, steering_deltas
 from packstore.kv.options import MAX_ALPHA, middle_third, parse_layers, parse_steer
-from packstore.records import Pair
+from packstore.kv.records import Pair
 from packstore.store import LmdbStore
-from packstore.tensors import decode_pack, encode_pack
+from packstore.packs.tensors import decode_pack, encode_pack
 
 PAIRS = [
     Pair("Alice lives in Paris and works as a baker.", "Bob lives in Oslo."),

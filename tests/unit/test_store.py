@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackNotFound
-from packstore.tensors import decode_pack, encode_pack
+from packstore.packs.tensors import decode_pack, encode_pack
 from packstore.store import LmdbStore
 from test_format import FP_A, make_pack, resealed
 
@@ -47,7 +47,7 @@ def test_store_persists_and_is_readable_from_another_process(store_path: Path) -
     with LmdbStore(store_path) as store:
         key, _ = store.put(encode_pack(make_pack()), name="persisted")
     code = (
-        "import sys; from packstore.store import LmdbStore; from packstore.tensors import decode_pack;"
+        "import sys; from packstore.store import LmdbStore; from packstore.packs.tensors import decode_pack;"
         f"s = LmdbStore({str(store_path)!r}, readonly=True); p = decode_pack(s.get('persisted'));"
         "print(p.header.key)"
     )
@@ -171,8 +171,8 @@ def test_fetch_decodes_chunks_from_the_map_without_copying_them(store_path: Path
     """``fetch`` hands the decoder memoryviews of LMDB's map (valid while its read transaction is open), so the
     stored bytes are not copied out before they are hashed and decoded; the pack, signed, comes out exact."""
     import packstore.format.body as body
-    from packstore.api import sign_pack
-    from packstore.trust import SigningKey, generate_key
+    from packstore.answering.api import sign_pack
+    from packstore.security.trust import SigningKey, generate_key
 
     seen = []
     real = body.chunk_digest

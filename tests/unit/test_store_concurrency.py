@@ -26,7 +26,7 @@ TINY_MAP = 64 * 1024
 def encoded_packs(count: int, first_tokens: int, dim: int = 32) -> list[EncodedPack]:
     """``count`` packs with distinct keys (token counts ``first_tokens``, ``first_tokens + 1``, ...)."""
     # Imported here: the processes spawned below import this module and need no torch.
-    from packstore.tensors import encode_pack
+    from packstore.packs.tensors import encode_pack
     from test_format import make_pack
 
     return [encode_pack(make_pack(layers=2, tokens=first_tokens + i, dim=dim)) for i in range(count)]

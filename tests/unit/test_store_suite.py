@@ -16,13 +16,13 @@ import torch
 
 from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackMismatch, PackNotFound
 from packstore.format.body import chunks_for
-from packstore.records import GcReport, PackPage, PackSummary, StoreCounts
+from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts
 from packstore.store import BankStore, LmdbStore, PackStore
 from packstore.store.remote import RemoteStore
-from packstore.store.s3 import ObjectStore
+from packstore.store.objects.store import ObjectStore
 from seaweed_helpers import running_seaweed
-from packstore.tensors import Pack, encode_pack
-from packstore.trust import SigningKey, generate_key
+from packstore.packs.tensors import Pack, encode_pack
+from packstore.security.trust import SigningKey, generate_key
 from service_helpers import running_server
 from test_format import FP_B, make_pack
 

@@ -17,7 +17,7 @@ from packstore.kv.build import build_pack
 from packstore.rpc.bulk import MAGIC, connect, read_frame
 from packstore.rpc.channel import Connection
 from packstore.store.remote import RemoteStore
-from packstore.tensors import encode_pack
+from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2
 from service_helpers import running_server, running_worker
 from test_format import make_pack

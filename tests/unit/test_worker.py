@@ -11,10 +11,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from packstore.answer import Question
+from packstore.answering.answer import Question
 from packstore.cli.packctl import main as packctl
 from packstore.errors import InvalidInput, PackMismatch, PackNotFound
-from packstore.tensors import encode_pack
+from packstore.packs.tensors import encode_pack
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text
 from packstore.kv.models import load_model
@@ -200,9 +200,9 @@ def test_worker_composes_several_packs_and_reuses_the_composition(stack, tiny_lm
 
 
 def test_worker_steers_alone_and_with_a_pack_as_the_local_path_does(stack, tiny_lm, tmp_path: Path) -> None:
-    from packstore.answer import Answerer
+    from packstore.answering.answer import Answerer
     from packstore.kv.steer import build_steering
-    from packstore.records import Pair
+    from packstore.kv.records import Pair
     from packstore.store import LmdbStore
 
     server, worker = stack
@@ -246,7 +246,7 @@ def test_worker_steers_alone_and_with_a_pack_as_the_local_path_does(stack, tiny_
 
 
 def test_worker_answers_with_rope_and_packet_compositions(stack, tiny_lm, tmp_path: Path) -> None:
-    from packstore.answer import Answerer
+    from packstore.answering.answer import Answerer
     from packstore.kv.packet import generated_examples, train_adapter
     from packstore.store import LmdbStore
 

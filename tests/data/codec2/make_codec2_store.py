@@ -11,7 +11,7 @@ import torch
 
 from packstore.format.header import PackHeader
 from packstore.store import LmdbStore
-from packstore.tensors import Pack, encode_pack
+from packstore.packs.tensors import Pack, encode_pack
 
 FP_A, FP_B = "a" * 64, "b" * 64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

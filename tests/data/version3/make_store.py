@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from packstore.api import export_pack
+from packstore.answering.api import export_pack
 from packstore.format.header import PackHeader
 from packstore.store import LmdbStore
-from packstore.tensors import Pack, encode_pack
-from packstore.trust import SigningKey
+from packstore.packs.tensors import Pack, encode_pack
+from packstore.security.trust import SigningKey
 
 FP_A, FP_B = "a" * 64, "b" * 64
 SIGNING_SEED = bytes(range(32))  # a fixed Ed25519 key, so the signature is reproducible

@@ -1,7 +1,7 @@
 """The Python API that packctl shells over: build, compose, amend, store, export and import knowledge
 packs, and build steering packs.
 
-Answering with packs is ``packstore.answer.Answerer``.
+Answering with packs is ``packstore.answering.answer.Answerer``.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from packstore.answer import Answerer
+from packstore.answering.answer import Answerer
 from packstore.errors import InvalidInput, PackNotFound
 from packstore.format import pack_key
-from packstore.tensors import Pack, decode_pack, encode_pack
+from packstore.packs.tensors import Pack, decode_pack, encode_pack
 from packstore.format.packfile import pack_file_parts, parse_pack_file
 from packstore.kv.build import build_pack
 from packstore.kv.compose import COMPOSE_MODES, ERRATUM_PREFIX, Composition, amend, check_erratum, compose_exact, splice
@@ -23,11 +23,12 @@ from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_T
 from packstore.kv.packet import generated_examples, packet_compose, train_adapter
 from packstore.kv.steer import applied_layers, build_span, build_steering, check_pairs, delta_norms, steering_key
 from packstore.format.signature import Signature
-from packstore.records import Example, Pair, VerifyResult
+from packstore.kv.records import Example, Pair
+from packstore.store.records import VerifyResult
 from packstore.store import PackStore, StoredPack
 
 if TYPE_CHECKING:
-    from packstore.trust import SigningKey, TrustedKeys
+    from packstore.security.trust import SigningKey, TrustedKeys
 
 
 DEFAULT_EXAMPLES = 96

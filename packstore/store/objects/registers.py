@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from packstore.errors import IntegrityError, StoreBusy
 from packstore.format.header import canonical_json
-from packstore.store.objects import Bucket, Conflict, Listed
+from packstore.store.objects.bucket import Bucket, Conflict, Listed
 
 SEQ_DIGITS = 20
 MAX_ATTEMPTS = 64

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from packstore.errors import InvalidInput
-from packstore.records import Example, Pair
+from packstore.kv.records import Example, Pair
 
 
 def _read_lines(path: str | Path) -> list[tuple[int, str]]:

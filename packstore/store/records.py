@@ -1,4 +1,4 @@
-"""Plain records shared by every layer: what stores, banks and the answering path return.
+"""The records stores return: pack summaries and headers, listing pages, verify and gc reports, counts, routes.
 
 No torch, no lmdb, no grpc: a client that only lists packs imports this and nothing heavy.
 """
@@ -155,50 +155,3 @@ class Route:
             "clusters": self.clusters,
             "facts": [{"text": text, "score": round(score, 6)} for text, score in self.facts],
         }
-
-
-@dataclass(frozen=True)
-class Pair:
-    """One contrastive pair for a steering pack: a text showing the behaviour, and one showing its opposite."""
-
-    good: str
-    bad: str
-
-    def to_json(self) -> dict[str, str]:
-        return {"good": self.good, "bad": self.bad}
-
-
-@dataclass(frozen=True)
-class Example:
-    """One adapter-training example: documents (each its facts; each becomes one part, built alone)
-    and a question about them, which the teacher answers."""
-
-    documents: tuple[tuple[str, ...], ...]
-    question: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"documents": [list(facts) for facts in self.documents], "question": self.question}
-
-
-@dataclass(frozen=True)
-class AnswerResult:
-    """One question answered with a pack, and optionally with the same facts as prompt text."""
-
-    question: str
-    answer: str
-    kv_prompt_tokens: int
-    rag_answer: str | None = None
-    rag_prompt_tokens: int | None = None
-    identical: bool | None = None
-    pack: str | None = None
-    bank: str | None = None
-    facts: list[str] | None = None  # with a bank: the routed facts the pack holds, best first
-    pack_reused: bool | None = None  # with a bank: the facts' pack was already stored
-    cache_hit: bool | None = None  # the pack's tensors were already in the ready-cache
-    parts: list[str] | None = None  # several packs (or packs and a bank): the part keys composed, in order
-    composed_tokens: int | None = None  # tokens prefilled to compose the pack for this answer (0 when it was ready)
-    steering: list[dict] | None = None  # steering packs applied: each {"pack": key, "alpha", "layers": [first, last]}
-    steer_on: str | None = None  # with steering: what the deltas were added to ("values", or the key control)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)

@@ -27,17 +27,17 @@ from packstore.errors import IntegrityError, InvalidInput, PackNotFound, StoreBu
 from packstore.format import EncodedPack, PackHeader, parse_key
 from packstore.format.body import chunks_for, verify_chunk
 from packstore.format.signature import Signature
-from packstore.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
+from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
 from packstore.store.namespaces import DEFAULT_NAMESPACE
-from packstore.store.object_cache import DEFAULT_CACHE_BYTES, ObjectCache
-from packstore.store.object_banks import ObjectBankTables
-from packstore.store.objects import Bucket, Conflict
+from packstore.store.objects.cache import DEFAULT_CACHE_BYTES, ObjectCache
+from packstore.store.objects.banks import ObjectBankTables
+from packstore.store.objects.bucket import Bucket, Conflict
 from packstore.store.protocol import DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, BankStore, check_name, pick_match
-from packstore.store.registers import UNCHANGED, Registers, Version
+from packstore.store.objects.registers import UNCHANGED, Registers, Version
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
 
 if TYPE_CHECKING:
-    from packstore.tensors import ArrivingPack, Pack, PackPart
+    from packstore.packs.tensors import ArrivingPack, Pack, PackPart
 
 DEFAULT_GC_GRACE = 3600.0  # seconds an unreferenced object is kept (docs/operations.md, "Object store tier")
 READ_AHEAD = 4  # chunks a stream fetches ahead of the one it sends
@@ -397,7 +397,7 @@ class ObjectStore(ObjectBankTables):
     ) -> "ArrivingPack":
         """``fetch`` returning once the header is read and its identities checked: the chunks are read (cache
         first), verified and decoded in the background, layer by layer (``ArrivingPack``)."""
-        from packstore.tensors import start_pack
+        from packstore.packs.tensors import start_pack
 
         header, _ = self._header(self.resolve(ref, model_fp=model_fp))
         header.check_identities(model_fp, template_fp)
@@ -415,7 +415,7 @@ class ObjectStore(ObjectBankTables):
         template_fp: str | None = None,
     ) -> "PackPart":
         """Decode part of a pack's body (some layers, a prefix) from the chunks holding it, leaving the others unread."""
-        from packstore.tensors import decode_part
+        from packstore.packs.tensors import decode_part
 
         header, _ = self._header(self.resolve(ref, model_fp=model_fp))
         header.check_identities(model_fp, template_fp)
@@ -424,7 +424,7 @@ class ObjectStore(ObjectBankTables):
 
     def verify(self, ref: str) -> VerifyResult:
         """Check the stored copy (not the cache): header seal, every chunk's checksum, that every chunk decodes, signatures."""
-        from packstore.tensors import decode_pack
+        from packstore.packs.tensors import decode_pack
 
         key = ref if parse_key(ref) else self.resolve(ref)
         try:

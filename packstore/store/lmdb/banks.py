@@ -25,7 +25,7 @@ from packstore.format.bank import (
 )
 from packstore.format.header import canonical_json
 from packstore.format.signature import Signature
-from packstore.store.environment import LmdbEnvironment
+from packstore.store.lmdb.environment import LmdbEnvironment
 
 
 def _meta_key(name: str) -> bytes:

@@ -16,31 +16,23 @@ from typing import TYPE_CHECKING, Callable, Iterator, NoReturn, Sequence, TypeVa
 import lmdb
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, StoreBusy
-from packstore.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
+from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
 from packstore.format import EncodedPack, PackHeader, parse_key
 from packstore.format.body import chunks_for, verify_chunk
 from packstore.format.signature import Signature
-from packstore.store.banks import BankTables
-from packstore.store.environment import DEFAULT_MAP_SIZE, LmdbEnvironment
-from packstore.store.integrity import check_structure
+from packstore.store.lmdb.banks import BankTables
+from packstore.store.lmdb.environment import DEFAULT_MAP_SIZE, LmdbEnvironment
+from packstore.store.lmdb.integrity import check_structure
 from packstore.store.protocol import DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, BankStore, check_name, pick_match
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
 
 if TYPE_CHECKING:
-    from packstore.tensors import ArrivingPack, Pack, PackPart
+    from packstore.packs.tensors import ArrivingPack, Pack, PackPart
 
 STORE_LAYOUT_VERSION = b"2"  # 2 added summaries, key_names, by_name and the running counters
 LOCK_FILE = "packstore.lock"
 STALE_UPLOAD_SECONDS = 3600
 T = TypeVar("T")
-
-
-def default_store_path() -> Path:
-    """``$PACKSTORE_STORE``, else ``$XDG_DATA_HOME/packstore``, else ``~/.local/share/packstore``."""
-    if os.environ.get("PACKSTORE_STORE"):
-        return Path(os.environ["PACKSTORE_STORE"])
-    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
-    return Path(base) / "packstore"
 
 
 def _chunk_key(key: str, index: int) -> bytes:
@@ -489,7 +481,7 @@ class LmdbStore(BankTables):
         """``fetch`` returning once the header is read and its identities checked: the chunks are verified and
         decoded in the background, in layer order, straight from LMDB's map (a read transaction held until the
         last is decoded), so a model can run layer i while later layers decode (``ArrivingPack``)."""
-        from packstore.tensors import start_pack
+        from packstore.packs.tensors import start_pack
 
         key = self.resolve(ref, model_fp=model_fp)
         with self._env.read() as txn:
@@ -517,7 +509,7 @@ class LmdbStore(BankTables):
         template_fp: str | None = None,
     ) -> "PackPart":
         """Decode part of a pack's body (some layers, a prefix) from the chunks holding it, leaving the others unread."""
-        from packstore.tensors import decode_part
+        from packstore.packs.tensors import decode_part
 
         key = self.resolve(ref, model_fp=model_fp)
         with self._env.read() as txn:
@@ -559,7 +551,7 @@ class LmdbStore(BankTables):
 
     def verify(self, ref: str) -> VerifyResult:
         """Check one pack's header seal, every chunk's checksum, and that every chunk decodes."""
-        from packstore.tensors import decode_pack
+        from packstore.packs.tensors import decode_pack
 
         key = ref if parse_key(ref) else self.resolve(ref)
         try:

@@ -21,12 +21,12 @@ import numpy as np
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, Unavailable
 from packstore.format.bank import BankMeta, Cluster, decode_centroids, decode_cluster, decode_lexical, encode_cluster
 from packstore.format.signature import Signature
-from packstore.store.banks import BankChanged, check_records, digest_of, encode_records, record_names
+from packstore.store.lmdb.banks import BankChanged, check_records, digest_of, encode_records, record_names
 from packstore.store.protocol import check_name
-from packstore.store.registers import Version
+from packstore.store.objects.registers import Version
 
 if TYPE_CHECKING:
-    from packstore.store.s3 import ObjectStore
+    from packstore.store.objects.store import ObjectStore
 
 
 class ObjectBankTables:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Generator, Sequence
 
 from packstore.errors import InvalidInput, PackNotFound, Untrusted
 from packstore.format import PackHeader, pack_key, parse_key
-from packstore.tensors import ArrivingPack, Pack, encode_pack
+from packstore.packs.tensors import ArrivingPack, Pack, encode_pack
 from packstore.kv.build import build_pack, clean_facts
 from packstore.kv.compose import COMPOSE_MODES, check_parts, extend, splice
 from packstore.kv.inject import Sampling, answer_with_text, cache_aligned_ids, cache_from_pack, check_identity, generate_stream, prepare
@@ -26,11 +26,12 @@ from packstore.kv.packet import check_adapter, packet_compose
 from packstore.kv.render import pack_prefix_ids, render
 from packstore.kv.steer import Direction, LayerDeltas, SteeredCache, applied_layers, check_steering, steering_deltas
 from packstore.kv.options import STEER_TARGETS, check_alpha
-from packstore.records import AnswerResult, StoredPack
+from packstore.answering.records import AnswerResult
+from packstore.store.records import StoredPack
 from packstore.store.protocol import DEFAULT_TOP_K, PackStore
 
 if TYPE_CHECKING:
-    from packstore.trust import TrustedKeys
+    from packstore.security.trust import TrustedKeys
 
 DEFAULT_CACHE_BYTES = 2 << 30
 REF_TTL_SECONDS = 5.0  # how long what the store said of a ref is used without asking again (docs/operations.md)

@@ -34,7 +34,7 @@ from packstore.format.body import (
     verify_chunk,
 )
 from packstore.format.header import CHUNK_DIGEST, CODEC, CODECS, ChunkInfo, PackHeader
-from packstore.memory import cpu_tensors
+from packstore.packs.memory import cpu_tensors
 
 # zstd, blake3 and the plane join release the GIL, so chunks are coded in parallel threads. The pool lives as
 # long as the process: its threads keep their decoding buffers warm (packstore.format.codec).
@@ -173,7 +173,7 @@ class BodyAssembler:
         self.positions = header.positions if positions is None and header.kind == "knowledge" else positions
         shape = header.tensor_shape if self.positions is None else (header.kv_heads, self.positions, header.head_dim)
         dtype = torch_dtype(header.dtype)
-        if self.device.type == "cpu":  # (in the process's pack memory, when it has one: packstore.memory)
+        if self.device.type == "cpu":  # (in the process's pack memory, when it has one: packstore.packs.memory)
             tensors = cpu_tensors(shape, dtype, 2 * len(layers))
             self.keys, self.values = tensors[0::2], tensors[1::2]
         else:
