@@ -49,6 +49,7 @@ from service_helpers import RunningServer, running_server  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, median, print_table, source_description, timed  # noqa: E402
+from packstore.packs.reader import PackReader
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M
 PREFIX = "bench"
@@ -86,7 +87,7 @@ def single_client(seaweed: Seaweed, replica: RunningServer, packs: Sequence[Enco
     with RemoteStore(replica.url) as remote:
         for index, encoded in enumerate(packs):
             key, size = encoded.header.key, encoded.stored_bytes
-            for mode, read in (("cold", lambda: remote.get(key)), ("warm", lambda: remote.get(key)), ("boto3", lambda: boto3_read(client, seaweed.bucket, encoded.header))):
+            for mode, read in (("cold", lambda: PackReader(remote).get(key)), ("warm", lambda: PackReader(remote).get(key)), ("boto3", lambda: boto3_read(client, seaweed.bucket, encoded.header))):
                 seconds, got = timed(read)
                 assert (got if isinstance(got, int) else got.stored_bytes) == size
                 rows[mode].append(seconds)
@@ -114,7 +115,7 @@ def concurrent(urls: Sequence[str], key: str, clients: int, calls: int) -> tuple
         try:
             barrier.wait()
             for _ in range(calls):
-                seconds, _ = timed(lambda: remote.get(key))
+                seconds, _ = timed(lambda: PackReader(remote).get(key))
                 latencies.append(seconds)
         except BaseException as exc:  # re-raised below
             errors.append(exc)
@@ -148,7 +149,7 @@ def replicas_section(replicas: Sequence[RunningServer], encoded: EncodedPack, cl
     key, size = encoded.header.key, encoded.stored_bytes
     for replica in replicas:  # warm both caches
         with RemoteStore(replica.url) as remote:
-            remote.get(key)
+            PackReader(remote).get(key)
     setups: dict[str, Sequence[str]] = {"1 replica": [replicas[0].url], "2 replicas": [r.url for r in replicas]}
     walls: dict[str, list[float]] = {name: [] for name in setups}
     latencies: dict[str, list[float]] = {name: [] for name in setups}

@@ -63,6 +63,7 @@ from packstore.store import LmdbStore  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, median, print_table, source_description, timed  # noqa: E402
 from benchlib import machine_description as describe_machine  # noqa: E402
+from packstore.packs.reader import PackReader
 
 log = logger("bench_pack")
 
@@ -220,7 +221,7 @@ def read_pieces(path: Path, sizes: Sequence[int]) -> list[bytes]:
 def bench_get(store: LmdbStore, cases: Sequence[Case], workdir: Path, repeats: int) -> None:
     scratch, pieces, layouts = {}, {}, {}
     for case in cases:
-        encoded = store.get(case.key)  # also warms the LMDB pages
+        encoded = PackReader(store).get(case.key)  # also warms the LMDB pages
         whole_layers = encode_pack(decode_pack(encoded), block_positions=case.tokens + 1)
         layouts[case.target] = {"blocks": encoded, "whole layers": whole_layers}
         pieces[case.target] = [len(encoded.header.to_json())] + [len(chunk) for chunk in encoded.chunks]
@@ -229,8 +230,8 @@ def bench_get(store: LmdbStore, cases: Sequence[Case], workdir: Path, repeats: i
         read_pieces(scratch[case.target], pieces[case.target])  # warm the page cache
     ops: dict[str, Callable[[Case], object]] = {
         "raw": lambda c: read_pieces(scratch[c.target], pieces[c.target]),
-        "get": lambda c: store.get(c.key),
-        "fetch": lambda c: store.fetch(c.key),
+        "get": lambda c: PackReader(store).get(c.key),
+        "fetch": lambda c: PackReader(store).fetch(c.key),
         "decode blocks": lambda c: decode_pack(layouts[c.target]["blocks"]),
         "decode whole layers": lambda c: decode_pack(layouts[c.target]["whole layers"]),
     }

@@ -87,6 +87,7 @@ from service_helpers import free_port, running_server, running_worker  # noqa: E
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import elapsed, logger, median, print_table, source_description, timed  # noqa: E402
 from benchlib import machine_description as describe_machine  # noqa: E402
+from packstore.packs.reader import PackReader
 
 log = logger("bench_service")
 
@@ -329,10 +330,10 @@ def make_clients(clients: int, service_url: str, local: LmdbStore, redis_address
     caches = [redis_client(redis_address) for _ in range(clients)]
     return Clients(
         fetchers={
-            "service": [lambda r=r: r.fetch(key) for r in remotes],
-            "tcp": [lambda r=r: r.fetch(key) for r in tcps],
-            "stream": [lambda r=r: r.fetch(key) for r in streams],
-            "local": [lambda: local.fetch(key) for _ in range(clients)],
+            "service": [lambda r=r: PackReader(r).fetch(key) for r in remotes],
+            "tcp": [lambda r=r: PackReader(r).fetch(key) for r in tcps],
+            "stream": [lambda r=r: PackReader(r).fetch(key) for r in streams],
+            "local": [lambda: PackReader(local).fetch(key) for _ in range(clients)],
             "redis": [lambda c=c: redis_fetch(c, key) for c in caches],
         },
         close=[r.close for r in remotes + tcps + streams] + [c.close for c in caches],

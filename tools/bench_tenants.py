@@ -39,6 +39,7 @@ from packstore.store import LmdbStore  # noqa: E402
 from packstore.store.namespaces import namespace_path  # noqa: E402
 from packstore.store.remote import RemoteStore  # noqa: E402
 from packstore.packs.tensors import encode_pack  # noqa: E402
+from packstore.packs.reader import PackReader
 
 log = logger("bench_tenants")
 TOKENS = {"a": "bench-secret-a", "b": "bench-secret-b"}
@@ -80,10 +81,10 @@ def main() -> None:
             times: dict[str, list[float]] = {"same": [], "other": [], "hot": []}
             for repeat in range(args.repeats + 1):  # the first round warms up and is not counted
                 for condition in ORDERS[repeat % 2]:
-                    a.fetch(shared_key if condition == "same" else other_key)
+                    PackReader(a).fetch(shared_key if condition == "same" else other_key)
                     gc.collect()
-                    seconds, _ = timed(lambda: b.fetch(shared_key))
-                    hot_seconds, _ = timed(lambda: b.fetch(shared_key))
+                    seconds, _ = timed(lambda: PackReader(b).fetch(shared_key))
+                    hot_seconds, _ = timed(lambda: PackReader(b).fetch(shared_key))
                     if repeat:
                         times[condition].append(seconds)
                         times["hot"].append(hot_seconds)

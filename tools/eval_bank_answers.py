@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, source_description  # noqa: E402
 from eval_packs import answer_without_knowledge, scored  # noqa: E402
 from evallib import REPO, frozen_split, grouped_bars, load_rows, markdown_table, mean_interval, write_jsonl  # noqa: E402
+from packstore.bank.bank import open_banks
 
 CONDITIONS = {
     "none": "(a) no knowledge",
@@ -136,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     records: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="eval-bank-answers-") as scratch, LmdbStore(Path(scratch) / "store") as store:
-        store.banks().build("ckc", [r.context for r in rows])
+        open_banks(store).build("ckc", [r.context for r in rows])
         for name in args.models:
             lm = load_model(name, progress=False)
             records += evaluate(lm, asked, store, sampling, args.top_k)

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Callable, Generator, Sequence
 
 from packstore.errors import InvalidInput, PackNotFound, Untrusted
 from packstore.format import PackHeader, pack_key, parse_key
+from packstore.bank.bank import BankCache, open_banks
+from packstore.packs.reader import PackReader
 from packstore.packs.tensors import ArrivingPack, Pack, encode_pack
 from packstore.kv.build import build_pack, clean_facts
 from packstore.kv.compose import COMPOSE_MODES, check_parts, extend, splice
@@ -32,6 +34,7 @@ from packstore.store.protocol import DEFAULT_TOP_K, PackStore
 
 if TYPE_CHECKING:
     from packstore.security.trust import TrustedKeys
+    from packstore.packs.decoder import Decoder
 
 DEFAULT_CACHE_BYTES = 2 << 30
 REF_TTL_SECONDS = 5.0  # how long what the store said of a ref is used without asking again (docs/operations.md)
@@ -232,14 +235,19 @@ class Answerer:
         ready: ReadyCache | ReadyPartition | None = None,
         device_lock: threading.Lock | None = None,
         ref_ttl: float = REF_TTL_SECONDS,
+        decoder: "Decoder | None" = None,
+        bank_cache: BankCache | None = None,
     ) -> None:
         """``trusted``: take from the store only packs a trusted key signed (docs/operations.md, "Signed
         packs"); what this Answerer derives from them in memory (compositions, a bank's fact packs) is
         trusted. ``ready`` and ``device_lock`` share an LRU (a partition of it) and the device with other
         Answerers of the same model (a worker's namespaces); by default they are its own. ``ref_ttl``: how long
-        what the store said of a ref is used without asking again (``RefCache``; 0 asks every time)."""
+        what the store said of a ref is used without asking again (``RefCache``; 0 asks every time). ``decoder``
+        and ``bank_cache``: the program's chunk decoder and bank cache (this Answerer's own when None)."""
         self.lm = lm
         self.store = store
+        self.reader = PackReader(store, decoder)
+        self.bank_cache = bank_cache if bank_cache is not None else BankCache()
         self.trusted = trusted
         self.ready = ready if ready is not None else ReadyCache(cache_bytes)
         self._device_lock = device_lock if device_lock is not None else threading.Lock()
@@ -322,7 +330,7 @@ class Answerer:
         """Start fetching the pack ``stored`` describes; with trusted keys its header's digest (which the chunks
         are verified against as they arrive) must bear a trusted signature, checked before this returns."""
         key = stored.key
-        pack = self.store.start_fetch(key, device=self.lm.device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
+        pack = self.reader.start_fetch(key, device=self.lm.device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
         if self.trusted is not None:
             try:
                 self.trusted.require(f"pack {key}", "pack", pack.header.pack_sha256, stored.signatures)
@@ -438,12 +446,12 @@ class Answerer:
             nonlocal stored
             if self.trusted is None:  # with trusted keys a fact pack is computed here, never taken unsigned from the store
                 try:
-                    return self.store.fetch(key, device=self.lm.device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
+                    return self.reader.fetch(key, device=self.lm.device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
                 except PackNotFound:
                     pass
             with self._device_lock:
                 pack = build_pack(self.lm, facts)
-            _, created = self.store.put(encode_pack(pack))
+            _, created = self.store.put(encode_pack(pack, decoder=self.reader.decoder))
             stored = not created
             return pack.to(self.lm.device)
 
@@ -456,7 +464,7 @@ class Answerer:
     ) -> list[str]:
         """The facts ``bank`` routes ``question`` to, best first; InvalidInput when there are none. With
         trusted keys the bank must bear a trusted signature over its current digest."""
-        banks = self.store.banks()
+        banks = open_banks(self.store, self.bank_cache)
         if self.trusted is not None:
             self.trusted.require(f"bank {bank!r}", "bank", banks.digest(bank), banks.signatures(bank))
         routed = banks.route(bank, [question], embedder, top_k=top_k, probe=probe)[0]

@@ -1,1 +1,1 @@
-"""Banks: large fact sets stored as text + embedding, clustered by k-means, routed per query."""
+"""Fact banks: embeddings, k-means clusters and a full-text index over a store's bank tables, routed per query (``bank.bank``)."""

@@ -7,7 +7,7 @@ import re
 import threading
 import time
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -19,18 +19,20 @@ from packstore.format.bank import VECTOR_KINDS, BankMeta, Cluster, quantize
 from packstore.format.signature import Signature
 from packstore.store.records import Route
 from packstore.store.lmdb.banks import BankChanged
-from packstore.store.protocol import check_name
-from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_TOP_K, MIN_PROBE, PROBED_SHARE, ROUTE_MODES
+from packstore.store.protocol import (
+    DEFAULT_EMBEDDER,
+    DEFAULT_TOP_K,
+    MIN_PROBE,
+    PROBED_SHARE,
+    ROUTE_MODES,
+    BankStore,
+    BankTables,
+    ServesBanks,
+    check_name,
+)
 
-if TYPE_CHECKING:
-    from packstore.store.lmdb.store import LmdbStore
-    from packstore.store.objects.store import ObjectStore
-
-    Tables = LmdbStore | ObjectStore  # a store with the bank record methods (store/banks.py, store/object_banks.py)
 
 FACTS_PER_CLUSTER = 20
-_EMBEDDERS: dict[str, "Embedder"] = {}
-_EMBEDDERS_LOCK = threading.Lock()
 MAX_QUERY_CHARS = 100_000
 LEXICAL_WEIGHT = 0.2  # x BM25 / the query's best BM25, added to the cosine; tuned on the tuning data (docs/evaluation.md)
 ADD_ATTEMPTS = 8  # times an add is computed again when concurrent writers keep changing the bank
@@ -128,7 +130,7 @@ def _group(ids: np.ndarray, vectors: np.ndarray, texts: list[str], assignment: n
 
 
 def build_bank(
-    store: Tables, name: str, facts: Sequence[str], embedder: Embedder, *, vectors: str = "fp16", progress: bool = False
+    store: BankTables, name: str, facts: Sequence[str], embedder: Embedder, *, vectors: str = "fp16", progress: bool = False
 ) -> BankMeta:
     """Embed every fact, cluster into about N/20 clusters, and store the bank (replacing one of that name).
 
@@ -151,35 +153,54 @@ def build_bank(
     return meta
 
 
-_RECORDS: dict[tuple, object] = {}
-_RECORDS_KEPT = 16
+class BankCache:
+    """What a program keeps between bank calls: the embedders it loaded (about a second each), by specifier, and the
+    last ``RECORDS_KEPT`` bank records it decoded (centroids, full-text indexes), keyed by their seal so that a
+    rebuilt bank misses. The program's entry point makes one and hands it to every ``LocalBanks``."""
+
+    RECORDS_KEPT = 16
+
+    def __init__(self) -> None:
+        self._embedders: dict[str, Embedder] = {}
+        self._records: dict[tuple[str, ...], object] = {}
+        self._lock = threading.Lock()
+
+    def embedder(self, spec: str) -> Embedder:
+        """The embedder ``spec`` names, loaded on first use."""
+        with self._lock:
+            if spec not in self._embedders:
+                self._embedders[spec] = load_embedder(spec)
+            return self._embedders[spec]
+
+    def record(self, key: tuple[str, ...], load: Callable[[], _Cached]) -> _Cached:
+        """``load()``, kept under ``key`` (which ends with the record's seal)."""
+        with self._lock:
+            found = self._records.get(key)
+        if found is None:
+            found = load()
+            with self._lock:
+                if len(self._records) >= self.RECORDS_KEPT:
+                    self._records.pop(next(iter(self._records)))
+                self._records[key] = found
+        return found  # type: ignore[return-value]
 
 
-def _cached(key: tuple, load: Callable[[], _Cached]) -> _Cached:
-    """A bank record decoded once per build: ``key`` ends with the record's seal, so a rebuild misses."""
-    with _EMBEDDERS_LOCK:
-        found = _RECORDS.get(key)
-    if found is None:
-        found = load()
-        with _EMBEDDERS_LOCK:
-            if len(_RECORDS) >= _RECORDS_KEPT:
-                _RECORDS.pop(next(iter(_RECORDS)))
-            _RECORDS[key] = found
-    return found  # type: ignore[return-value]
+def _kept(cache: BankCache | None, key: tuple[str, ...], load: Callable[[], _Cached]) -> _Cached:
+    return load() if cache is None else cache.record(key, load)
 
 
-def centroids_of(store: Tables, name: str) -> torch.Tensor:
-    """A bank's centroid matrix, read and verified once per build."""
+def centroids_of(store: BankTables, name: str, cache: BankCache | None = None) -> torch.Tensor:
+    """A bank's centroid matrix, read and verified once per build when ``cache`` keeps it."""
     key = (str(store.path), name, "centroids", store.bank_centroids_seal(name))
-    return _cached(key, lambda: torch.tensor(store.bank_centroids(name)))
+    return _kept(cache, key, lambda: torch.tensor(store.bank_centroids(name)))
 
 
-def lexical_index_of(store: Tables, name: str) -> LexicalIndex | None:
+def lexical_index_of(store: BankTables, name: str, cache: BankCache | None = None) -> LexicalIndex | None:
     """A bank's full-text index, read once per build or addition; None for a bank built without one."""
     seal = store.bank_lexical_seal(name)
     if seal is None:
         return None
-    return _cached((str(store.path), name, "lexical", seal), lambda: LexicalIndex.from_record(store.bank_lexical(name)))
+    return _kept(cache, (str(store.path), name, "lexical", seal), lambda: LexicalIndex.from_record(store.bank_lexical(name)))
 
 
 def nearest_centroids(vectors: np.ndarray, centroids: torch.Tensor, count: int) -> np.ndarray:
@@ -192,7 +213,9 @@ def nearest_centroids(vectors: np.ndarray, centroids: torch.Tensor, count: int) 
     return torch.topk(scores, min(count, centroids.shape[0]), dim=1).indices.numpy()
 
 
-def add_facts(store: Tables, name: str, facts: Sequence[str], embedder: Embedder, *, progress: bool = False) -> BankMeta:
+def add_facts(
+    store: BankTables, name: str, facts: Sequence[str], embedder: Embedder, *, progress: bool = False, cache: BankCache | None = None
+) -> BankMeta:
     """Add facts to an existing bank without re-clustering: each joins its nearest centroid's cluster.
 
     The full-text index is rebuilt over all the bank's facts (BM25 statistics cover every document).
@@ -206,7 +229,7 @@ def add_facts(store: Tables, name: str, facts: Sequence[str], embedder: Embedder
     for _ in range(ADD_ATTEMPTS):
         meta = store.bank(name)
         _check_embedder(meta, embedder)
-        updated, merged, lexical = _additions(store, meta, facts, vectors)
+        updated, merged, lexical = _additions(store, meta, facts, vectors, cache)
         try:
             store.update_bank(updated, merged, lexical, expected=meta)
         except BankChanged:
@@ -215,10 +238,12 @@ def add_facts(store: Tables, name: str, facts: Sequence[str], embedder: Embedder
     raise StoreBusy(f"bank {name!r} kept changing while facts were being added ({ADD_ATTEMPTS} attempts); try again")
 
 
-def _additions(store: Tables, meta: BankMeta, facts: list[str], vectors: np.ndarray) -> tuple[BankMeta, dict[int, Cluster], bytes]:
+def _additions(
+    store: BankTables, meta: BankMeta, facts: list[str], vectors: np.ndarray, cache: BankCache | None
+) -> tuple[BankMeta, dict[int, Cluster], bytes]:
     """The metadata, changed clusters and full-text index record of ``meta``'s bank with ``facts`` added."""
     name = meta.name
-    assignment = nearest_centroids(vectors, centroids_of(store, name), 1)[:, 0]
+    assignment = nearest_centroids(vectors, centroids_of(store, name, cache), 1)[:, 0]
     ids = np.arange(meta.next_fact_id, meta.next_fact_id + len(facts), dtype=np.uint32)
     additions = _group(ids, vectors, facts, assignment, meta.vectors)
     current = store.bank_clusters(name, list(range(meta.clusters)))
@@ -253,7 +278,7 @@ def _fact_documents(index: LexicalIndex, cluster_id: int, rows: int) -> np.ndarr
 
 
 def route(
-    store: Tables,
+    store: BankTables,
     name: str,
     queries: Sequence[str],
     embedder: Embedder,
@@ -261,6 +286,7 @@ def route(
     top_k: int = DEFAULT_TOP_K,
     probe: int | None = None,
     mode: str = "hybrid",
+    cache: BankCache | None = None,
 ) -> list[Route]:
     """Per query, the ``top_k`` best facts: the facts of the ``probe`` nearest clusters and of the best BM25 hits.
 
@@ -282,7 +308,7 @@ def route(
             raise InvalidInput(f"the query has {len(query)} characters; the limit is {MAX_QUERY_CHARS}")
     meta = store.bank(name)
     _check_embedder(meta, embedder)
-    lexical = lexical_index_of(store, name) if mode != "dense" else None
+    lexical = lexical_index_of(store, name, cache) if mode != "dense" else None
     if mode == "lexical" and lexical is None:
         raise InvalidInput(f"bank {name!r} has no full-text index (built by an older version): add facts or rebuild it")
     if probe is None:
@@ -290,7 +316,7 @@ def route(
     started = time.perf_counter()
     vectors = embedder.embed([q.strip() for q in queries])
     embedded = time.perf_counter()
-    nearest = nearest_centroids(vectors, centroids_of(store, name), probe).tolist() if mode != "lexical" else [[] for _ in queries]
+    nearest = nearest_centroids(vectors, centroids_of(store, name, cache), probe).tolist() if mode != "lexical" else [[] for _ in queries]
     routed = time.perf_counter()
     per_query = (embedded - started) / len(queries), (routed - embedded) / len(queries)
     return [
@@ -300,7 +326,7 @@ def route(
 
 
 def _rank(
-    store: Tables,
+    store: BankTables,
     name: str,
     query: str,
     vector: np.ndarray,
@@ -339,27 +365,20 @@ def _rank(
     )
 
 
-def cached_embedder(spec: str) -> Embedder:
-    """One loaded embedder per specifier per process (loading and fingerprinting cost about a second)."""
-    with _EMBEDDERS_LOCK:
-        if spec not in _EMBEDDERS:
-            _EMBEDDERS[spec] = load_embedder(spec)
-        return _EMBEDDERS[spec]
-
-
 class LocalBanks:
-    """Bank operations on a store this process holds (LMDB or object tier), with embedders named by specifier (as over the service)."""
+    """Bank operations on a store this process holds (LMDB or object tier), with embedders named by specifier (as
+    over the service), loaded and kept in ``cache`` (a fresh one, for this object alone, when None)."""
 
-    def __init__(self, store: Tables) -> None:
-        self.store = store
+    def __init__(self, store: BankTables, cache: BankCache | None = None) -> None:
+        self.store, self.cache = store, cache if cache is not None else BankCache()
 
     def build(
         self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, vectors: str = "fp16", progress: bool = False
     ) -> BankMeta:
-        return build_bank(self.store, name, facts, cached_embedder(embedder), vectors=vectors, progress=progress)
+        return build_bank(self.store, name, facts, self.cache.embedder(embedder), vectors=vectors, progress=progress)
 
     def add(self, name: str, facts: Sequence[str], embedder: str | None = None, *, progress: bool = False) -> BankMeta:
-        return add_facts(self.store, name, facts, self._embedder(name, embedder), progress=progress)
+        return add_facts(self.store, name, facts, self._embedder(name, embedder), progress=progress, cache=self.cache)
 
     def route(
         self,
@@ -371,11 +390,11 @@ class LocalBanks:
         probe: int | None = None,
         mode: str = "hybrid",
     ) -> list[Route]:
-        return route(self.store, name, queries, self._embedder(name, embedder), top_k=top_k, probe=probe, mode=mode)
+        return route(self.store, name, queries, self._embedder(name, embedder), top_k=top_k, probe=probe, mode=mode, cache=self.cache)
 
     def _embedder(self, name: str, spec: str | None) -> Embedder:
         """The named embedder, or the one the bank records when ``spec`` is None."""
-        return cached_embedder(spec if spec is not None else self.store.bank(name).embedder)
+        return self.cache.embedder(spec if spec is not None else self.store.bank(name).embedder)
 
     def list(self) -> list[tuple[BankMeta, int]]:
         """Every bank with its stored bytes."""
@@ -396,3 +415,13 @@ class LocalBanks:
 
     def sign(self, name: str, signature: Signature) -> None:
         self.store.sign_bank(name, signature)
+
+
+def open_banks(store: object, cache: BankCache | None = None) -> BankStore:
+    """The banks beside ``store``: the service's own when it serves them (routing runs there), else ``LocalBanks``
+    over its bank tables with ``cache``; InvalidInput for a store that keeps no banks."""
+    if isinstance(store, ServesBanks):
+        return store.banks()
+    if isinstance(store, BankTables):
+        return LocalBanks(store, cache)
+    raise InvalidInput(f"{type(store).__name__} keeps no banks")

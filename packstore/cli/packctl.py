@@ -62,7 +62,8 @@ def _print_summary(record: dict[str, Any]) -> None:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from packstore.answering.api import build_and_store, pack_summary
+    from packstore.answering.api import build_and_store
+    from packstore.packs.admin import pack_summary
     from packstore.answering.facts import read_facts
 
     facts = read_facts(args.facts)
@@ -84,7 +85,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def _report_composed(args: argparse.Namespace, stored: Any, created: bool, composition: Any, what: str) -> None:
-    from packstore.answering.api import pack_summary
+    from packstore.packs.admin import pack_summary
 
     record = pack_summary(stored) | {"created_new": created}
     record |= composition.to_json() if composition is not None else {"reused_tokens": 0, "prefilled_tokens": 0}
@@ -235,7 +236,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from packstore.answering.api import pack_details, steering_details
+    from packstore.answering.api import steering_details
+    from packstore.packs.admin import pack_details
 
     with _open_store(args, readonly=True) as store:
         stored = store.stat(args.ref)
@@ -278,7 +280,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from packstore.answering.api import verify_packs
+    from packstore.packs.admin import verify_packs
     from packstore.security.trust import TrustedKeys
 
     trusted = TrustedKeys.load(args.trusted_keys) if args.trusted_keys else None
@@ -328,7 +330,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_sign(args: argparse.Namespace) -> int:
-    from packstore.answering.api import sign_pack
+    from packstore.packs.admin import sign_pack
     from packstore.security.trust import SigningKey
 
     key = SigningKey.load(args.key)
@@ -342,7 +344,7 @@ def cmd_sign(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from packstore.answering.api import export_pack
+    from packstore.packs.admin import export_pack
 
     with _open_store(args, readonly=True) as store:
         key, size = export_pack(store, args.ref, args.output)
@@ -354,7 +356,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from packstore.answering.api import import_pack, pack_summary
+    from packstore.packs.admin import import_pack, pack_summary
 
     with _open_store(args) as store:
         stored, created = import_pack(store, args.file, name=args.name)
@@ -369,7 +371,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_migrate(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from packstore.store.migrate import migrate
+    from packstore.packs.migrate import migrate
 
     show = None if args.json or args.quiet else lambda key, what: print(f"{what:<8} {key}", file=sys.stderr)
     with _open_store(args, readonly=True) as source, _open_store(args, spec=args.to) as target:
@@ -410,7 +412,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_steer(args: argparse.Namespace) -> int:
-    from packstore.answering.api import build_steering_and_store, pack_summary
+    from packstore.answering.api import build_steering_and_store
+    from packstore.packs.admin import pack_summary
     from packstore.answering.facts import read_pairs
     from packstore.kv.options import parse_layers
 
@@ -431,7 +434,8 @@ def cmd_steer(args: argparse.Namespace) -> int:
 
 
 def cmd_adapter(args: argparse.Namespace) -> int:
-    from packstore.answering.api import pack_summary, train_adapter_and_store
+    from packstore.answering.api import train_adapter_and_store
+    from packstore.packs.admin import pack_summary
     from packstore.answering.facts import read_examples
 
     examples = read_examples(args.data) if args.data else None
@@ -463,9 +467,10 @@ def _bank_record(meta: Any, stored_bytes: int) -> dict[str, Any]:
 
 def cmd_bank(args: argparse.Namespace) -> int:
     from packstore.answering.facts import read_facts, read_items
+    from packstore.bank.bank import open_banks
 
     with _open_store(args, readonly=args.bank_command in ("route", "ls", "verify")) as store:
-        banks = store.banks()
+        banks = open_banks(store)
         if args.bank_command in ("build", "add"):
             facts = read_facts(args.facts)
             if args.bank_command == "build":

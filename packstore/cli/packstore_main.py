@@ -71,17 +71,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise InvalidInput(f"--ref-ttl must be from 0 to 86400 seconds, got {args.ref_ttl}")
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     lm = load_model(args.model, device=args.device, dtype=args.dtype, chat_template=template, progress=not args.quiet and sys.stderr.isatty())
-    if lm.device.type == "cpu" and args.reserve_memory == "on":
-        from packstore.packs.memory import PackMemory, use_pack_memory
+    from packstore.packs.buffers import HostBuffers
+    from packstore.packs.decoder import Decoder
+    from packstore.packs.memory import PackMemory
 
-        use_pack_memory(PackMemory(args.cache_bytes, background=True))
+    reserved = lm.device.type == "cpu" and args.reserve_memory == "on"
+    decoder = Decoder(buffers=HostBuffers(PackMemory(args.cache_bytes, background=True) if reserved else None))
     from packstore.security.auth import Auth
     from packstore.worker.stores import NamespaceReaders
 
     auth = Auth(args.auth) if args.auth else None
     listener = {"tls_cert": args.tls_cert or "", "tls_key": args.tls_key or "", "tls_client_ca": args.tls_client_ca or ""}
     with NamespaceReaders(args.store, connection_of(args, prefix="store_"), per_caller=auth is not None) as stores:
-        serve_worker(lm, stores.get, args.listen, args.cache_bytes, trusted=trusted, auth=auth, ref_ttl=ref_ttl, **listener)
+        serve_worker(lm, stores.get, args.listen, args.cache_bytes, trusted=trusted, auth=auth, ref_ttl=ref_ttl, decoder=decoder, **listener)
     return 0
 
 

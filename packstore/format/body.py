@@ -24,6 +24,7 @@ LAYERS_PER_CHUNK = 1
 # Writers split a knowledge pack longer than this into token blocks of this many positions per layer, so a
 # reader of a prefix fetches only the blocks holding it (about 1.5 MB per block on smollm2-135m, float32).
 BLOCK_POSITIONS = 1024
+ERRATUM_PREFIX = "Correction: "  # an erratum is rendered as one more line: this prefix, then its text
 MAX_TABLE_BYTES = 100_000_000  # the cap safetensors itself puts on its JSON header
 # safetensors dtype -> (header dtype name, element size): the dtypes a pack body may hold
 SAFETENSORS_DTYPES = {"F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2)}
@@ -40,13 +41,17 @@ class EncodedPack:
 
     def check_signatures(self) -> None:
         """Raise IntegrityError unless every signature signs this pack's digest and verifies."""
-        digest = self.header.pack_sha256
-        for signature in self.signatures:
-            signature.check("pack", digest)
+        check_pack_signatures(self.header, self.signatures)
 
     @property
     def stored_bytes(self) -> int:
         return len(self.header.to_json()) + sum(len(c) for c in self.chunks)
+
+
+def check_pack_signatures(header: PackHeader, signatures: tuple[Signature, ...]) -> None:
+    """Raise IntegrityError unless every signature signs ``header``'s pack digest and verifies."""
+    for signature in signatures:
+        signature.check("pack", header.pack_sha256)
 
 
 def chunk_tensor_names(header: PackHeader, info: ChunkInfo) -> set[str]:

@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
+from packstore.format.body import ERRATUM_PREFIX
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.format import PackHeader
 from packstore.format.header import COMPOSITIONS
@@ -27,7 +28,6 @@ from packstore.kv.render import group_spans, pack_prefix_ids
 from packstore.kv.rope import layer_frequencies, rotate_keys
 from packstore.packs.tensors import Pack
 
-ERRATUM_PREFIX = "Correction: "  # an erratum is rendered as one more line: this prefix, then its text
 COMPOSE_MODES = COMPOSITIONS  # exact first, the default
 SPLICE_MODES = ("rope", "naive")  # spliced without an adapter
 

@@ -1,14 +1,12 @@
 """Memory that decoded packs live in: a region reserved and touched once, carved into packs and given back when
 their tensors are gone.
 
-A pack decoded into memory the process has never used pays a page fault per 4 KiB, and on a virtual machine
-whose host backs guest memory lazily the first touch of a page costs several times the decoding
-(docs/benchmarks.md, "Service": 0.2-0.3 s of CPU for a 95 MB pack at times, against 0.1 s of decoding). A
-worker keeps an LRU of ready packs, so until the LRU is full every cold pack is such new memory. As serving
-systems reserve their KV memory up front, ``PackMemory`` touches a region once (in the background, from when
+A pack decoded into memory the process has never used pays a page fault per 4 KiB page, and on a virtual machine
+whose host backs guest memory lazily the first touch of a page can cost more than the decoding (docs/benchmarks.md,
+"Service"). A worker keeps an LRU of ready packs, so until the LRU is full every cold pack is such new memory. As
+serving systems reserve their KV memory up front, ``PackMemory`` touches a region once (in the background, from when
 the worker starts) and hands out blocks of its touched part; a block returns to the region when the last tensor
-viewing it is freed (a weak reference to the numpy view the tensors were made from), so an evicted pack's
-memory serves the next one.
+viewing it is freed, so an evicted pack's memory serves the next one. ``HostBuffers(memory)`` decodes into it.
 """
 
 from __future__ import annotations
@@ -82,22 +80,3 @@ class PackMemory:
                 del self._free[at - 1]
                 at -= 1
             self._free.insert(at, (offset, size))
-
-
-_MEMORY: PackMemory | None = None
-
-
-def use_pack_memory(memory: PackMemory | None) -> None:
-    """Decode the packs of this process (on the CPU) into ``memory`` from now on; None: allocate each as usual."""
-    global _MEMORY
-    _MEMORY = memory
-
-
-def cpu_tensors(shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[torch.Tensor]:
-    """``count`` new CPU tensors of ``shape`` and ``dtype`` (not zeroed): one block of this process's pack memory
-    when it has room, else allocated as usual."""
-    each = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-    block = _MEMORY.take(each * count) if _MEMORY is not None and count else None
-    if block is None:
-        return [torch.empty(shape, dtype=dtype) for _ in range(count)]
-    return [block[i * each : (i + 1) * each].view(dtype).view(shape) for i in range(count)]

@@ -1,18 +1,16 @@
 """The torch side of the format: chunk bytes <-> K/V tensors.
 
-``packstore.format`` holds everything about a pack's bytes that needs no torch (header, codec,
-chunk checksums, the strict safetensors table); this module builds tensors on top of it.
+``packstore.format`` holds everything about a pack's bytes that needs no torch (header, codec, chunk checksums,
+opening a chunk); this module builds tensors on top of it, on a ``Decoder``'s threads and in its buffers.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import math
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from concurrent.futures import wait
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -22,34 +20,12 @@ from safetensors.torch import save as safetensors_save
 
 from packstore.errors import IntegrityError, InvalidInput
 from packstore.format import codec
-from packstore.format.body import (
-    BLOCK_POSITIONS,
-    LAYERS_PER_CHUNK,
-    EncodedPack,
-    chunk_digest,
-    chunk_tensor_names,
-    data_table,
-    describe_chunk,
-    max_plain_bytes,
-    verify_chunk,
-)
-from packstore.format.header import CHUNK_DIGEST, CODEC, CODECS, ChunkInfo, PackHeader
-from packstore.packs.memory import cpu_tensors
+from packstore.format.body import BLOCK_POSITIONS, LAYERS_PER_CHUNK, EncodedPack, chunk_digest
+from packstore.format.chunks import UNSIGNED, ChunkSource, adapter_digest, as_3d, open_chunk
+from packstore.format.header import CHUNK_DIGEST, CODEC, ChunkInfo, PackHeader
+from packstore.packs.buffers import BufferProvider
+from packstore.packs.decoder import Decoder
 
-# zstd, blake3 and the plane join release the GIL, so chunks are coded in parallel threads. The pool lives as
-# long as the process: its threads keep their decoding buffers warm (packstore.format.codec).
-WORKERS = max(1, min(8, os.cpu_count() or 1))
-
-
-def _start_pool() -> None:
-    """The process's chunk pool (threads start on first use); a forked child, which has none of its parent's
-    threads, starts its own."""
-    global _POOL
-    _POOL = ThreadPoolExecutor(WORKERS, thread_name_prefix="packstore-chunks")
-
-
-_start_pool()
-os.register_at_fork(after_in_child=_start_pool)
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -108,10 +84,7 @@ class PackPart:
 
 def adapter_tensors_sha256(header: torch.Tensor, trailer: torch.Tensor) -> str:
     """sha256 of an adapter's header then trailer embeddings, as stored (C order, little-endian)."""
-    digest = hashlib.sha256()
-    for tensor in (header, trailer):
-        digest.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+    return adapter_digest(*(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes() for tensor in (header, trailer)))
 
 
 def check_tensor_digest(pack: Pack) -> None:
@@ -143,42 +116,47 @@ def _encode_chunk(pack: Pack, first: int, stop: int, block: range | None) -> tup
     return stored, info
 
 
-def encode_pack(pack: Pack, *, block_positions: int = BLOCK_POSITIONS) -> EncodedPack:
+def encode_pack(pack: Pack, *, block_positions: int = BLOCK_POSITIONS, decoder: Decoder | None = None) -> EncodedPack:
     """Serialize each run of ``LAYERS_PER_CHUNK`` layers as safetensors, compress and checksum it.
 
     A knowledge pack of more than ``block_positions`` positions is split further into token blocks of that
     many positions per layer run, so that a prefix can be read alone. A steering pack's deltas (a few KB)
-    go in one chunk."""
+    go in one chunk. Chunks are coded on ``decoder``'s threads (a short-lived pool of its own when None)."""
     pack.check_shapes()
     header, layers = pack.header, pack.header.body_layers
     per_chunk = LAYERS_PER_CHUNK if header.kind == "knowledge" else len(layers)
     blocked = header.kind == "knowledge" and header.positions > block_positions
     blocks = [range(p, min(p + block_positions, header.positions)) for p in range(0, header.positions, block_positions)] if blocked else [None]
     plan = [(first, min(first + per_chunk, layers.stop), block) for first in range(layers.start, layers.stop, per_chunk) for block in blocks]
-    results = list(_POOL.map(lambda chunk: _encode_chunk(pack, *chunk), plan))
+    with _using(decoder) as coder:
+        results = coder.map(lambda chunk: _encode_chunk(pack, *chunk), plan)
     header = dataclasses.replace(header, codec=CODEC, chunks=tuple(info for _, info in results))
     return EncodedPack(header=header, chunks=[stored for stored, _ in results])
 
 
+@contextmanager
+def _using(decoder: Decoder | None) -> Iterator[Decoder]:
+    """``decoder``, or a short-lived one of the caller's own (closed on leaving) when None."""
+    if decoder is not None:
+        yield decoder
+        return
+    with Decoder() as own:
+        yield own
+
+
 class BodyAssembler:
     """Decodes chunks straight into K and V per layer of ``layers`` for positions ``0 .. positions-1`` (all when
-    None) on ``device``. On CPU each chunk's planes are interleaved into their place in the layer's tensor (a
-    token block's is a strided view), so no byte is copied after decoding; for another device a chunk is
-    decoded into pinned memory and copied from there. ``add`` may be called from several threads, one chunk each."""
+    None) on ``device``, in tensors from ``buffers``. On CPU each chunk's planes are interleaved into their place in
+    the layer's tensor (a token block's is a strided view), so no byte is copied after decoding; for another device
+    a chunk is decoded into a staging tensor and copied from there. ``add`` may be called from several threads,
+    one chunk each."""
 
-    def __init__(self, header: PackHeader, layers: range, positions: int | None, device: object = None) -> None:
-        if header.codec not in CODECS:
-            raise IntegrityError(f"pack {header.key}: unknown codec {header.codec!r}")
-        self.header, self.layers, self.device = header, layers, torch.device(device or "cpu")
+    def __init__(self, header: PackHeader, layers: range, positions: int | None, device: object, buffers: BufferProvider) -> None:
+        self.header, self.layers, self.device, self.buffers = header, layers, torch.device(device or "cpu"), buffers
         self.positions = header.positions if positions is None and header.kind == "knowledge" else positions
         shape = header.tensor_shape if self.positions is None else (header.kv_heads, self.positions, header.head_dim)
-        dtype = torch_dtype(header.dtype)
-        if self.device.type == "cpu":  # (in the process's pack memory, when it has one: packstore.packs.memory)
-            tensors = cpu_tensors(shape, dtype, 2 * len(layers))
-            self.keys, self.values = tensors[0::2], tensors[1::2]
-        else:
-            self.keys = [torch.empty(shape, dtype=dtype, device=self.device) for _ in layers]
-            self.values = [torch.empty(shape, dtype=dtype, device=self.device) for _ in layers]
+        tensors = buffers.layer_tensors(shape, torch_dtype(header.dtype), 2 * len(layers), self.device)
+        self.keys, self.values = tensors[0::2], tensors[1::2]
         self._slots = {}  # tensor name -> (list, slot, its elements as unsigned ints on the CPU: None elsewhere)
         for slot, layer in enumerate(layers):
             k_name, v_name = header.tensor_names(layer)
@@ -188,45 +166,29 @@ class BodyAssembler:
         self._lock = threading.Lock()
 
     def add(self, index: int, data: bytes | memoryview, *, verified: bool = False) -> None:
-        """Verify chunk ``index`` against its digest (unless ``verified``: a store checked it on the way) and decode
-        the tensors wanted of it into their places (those of other layers, and positions past those wanted, are
-        not decoded); IntegrityError if it is damaged or does not hold exactly its layers' tensors in the header's
-        shape and dtype."""
-        header, info = self.header, self.header.chunks[index]
-        if not verified:
-            verify_chunk(header, index, data)
-        try:
-            planes = codec.decode_planes(data, max_plain_bytes(info), CODECS[header.codec])
-            entries = data_table(planes.header, planes.elements * planes.element_size)
-        except IntegrityError as exc:
-            raise IntegrityError(f"pack {header.key}: chunk {index} cannot be decoded: {exc}") from None
-        if {entry.name for entry in entries} != chunk_tensor_names(header, info):
-            raise IntegrityError(f"pack {header.key}: chunk {index} does not hold exactly the tensors of {describe_chunk(info)}")
-        held = info.positions_held(header.positions)
-        shape = (header.kv_heads, len(held), header.head_dim) if header.kind == "knowledge" else header.tensor_shape
-        for entry in entries:
-            if entry.dtype != header.dtype or entry.shape != shape:
-                raise IntegrityError(
-                    f"pack {header.key}: chunk {index} tensor {entry.name!r} is {entry.shape} {entry.dtype}, the header says {shape} {header.dtype}"
-                )
+        """Open chunk ``index`` (``format.chunks.open_chunk``: its digest unless ``verified``, its planes, its table)
+        and decode the tensors wanted of it into their places (those of other layers, and positions past those
+        wanted, are not decoded)."""
+        header = self.header
+        chunk = open_chunk(header, index, data, verified=verified)
+        held = chunk.positions
         stop = held.stop if self.positions is None else min(held.stop, self.positions)
         if self.positions is not None and stop <= held.start:
             return  # a block past the positions wanted holds nothing of them
-        block = _as_3d(shape)  # positions on its middle axis for a knowledge pack; else the tensor is written whole
-        offset, count = (held.start, stop - held.start) if header.kind == "knowledge" else (0, block[1])
+        offset, count = (held.start, stop - held.start) if header.kind == "knowledge" else (0, chunk.block[1])
         written = []  # the slots whose K this chunk wrote (its V too, once the loop is over)
-        for entry in entries:
+        for entry in chunk.entries:
             if entry.name not in self._slots:
                 continue
             target, slot, elements = self._slots[entry.name]
-            first = entry.start // planes.element_size
+            first = chunk.first_element(entry)
             if elements is not None:
-                planes.write(elements, first, block, offset, count)
+                chunk.planes.write(elements, first, chunk.block, offset, count)
             else:
                 place = target[slot][:, held.start : stop] if header.kind == "knowledge" else target[slot]
-                staged = torch.empty(place.shape, dtype=place.dtype, pin_memory=self.device.type == "cuda")
-                planes.write(_elements(staged), first, block, 0, count)
-                place.copy_(staged, non_blocking=True)  # the staged tensor lives until the copy is done (torch keeps it)
+                staged = self.buffers.staging(tuple(place.shape), place.dtype, self.device)
+                chunk.planes.write(_elements(staged), first, chunk.block, 0, count)
+                self.buffers.copy(staged, place)
             if target is self.keys:
                 written.append(slot)
         with self._lock:  # counted only now: a layer is complete only once every chunk wrote both its K and its V
@@ -246,25 +208,18 @@ class BodyAssembler:
         for slot, covered in enumerate(self._covered):
             if covered != whole:
                 raise IntegrityError(f"pack {self.header.key}: the chunks read hold {covered} of the {whole} positions of layer {self.layers[slot]}")
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        self.buffers.synchronize(self.device)
         return self.keys, self.values
 
 
-_UNSIGNED_VIEWS = {2: (torch.int16, np.uint16), 4: (torch.int32, np.uint32)}
+_SIGNED = {2: torch.int16, 4: torch.int32}
 
 
 def _elements(tensor: torch.Tensor) -> np.ndarray:
-    """A contiguous CPU tensor's elements as unsigned integers of their width, ``[A, P, D]`` (``_as_3d``): a view,
+    """A contiguous CPU tensor's elements as unsigned integers of their width, ``[A, P, D]`` (``as_3d``): a view,
     so writing it writes the tensor."""
-    signed, unsigned = _UNSIGNED_VIEWS[tensor.element_size()]
-    return tensor.view(signed).numpy().view(unsigned).reshape(_as_3d(tuple(tensor.shape)))
-
-
-def _as_3d(shape: tuple[int, ...]) -> tuple[int, int, int]:
-    """``shape`` as ``[A, P, D]``: leading axes merged, positions (the second-to-last axis) and the last kept."""
-    padded = (1, 1, *shape)
-    return math.prod(padded[:-2]), padded[-2], padded[-1]
+    width = tensor.element_size()
+    return tensor.view(_SIGNED[width]).numpy().view(UNSIGNED[width]).reshape(as_3d(tuple(tensor.shape)))
 
 
 def decode_part(
@@ -274,15 +229,17 @@ def decode_part(
     chunks: Iterable[tuple[int, bytes]],
     device: object = None,
     *,
+    decoder: Decoder | None = None,
     verified: bool = False,
 ) -> PackPart:
-    """Verify and decode the chunks ``chunks_for(header, layers, prefix)`` as (index, bytes), in parallel, into
-    layers ``layers`` (first, last; None: all) for the first ``prefix`` positions (None: all) on ``device``.
-    ``verified``: the chunks come from a store's ``read_chunks``, which checked each one: not hashed again."""
+    """Verify (unless ``verified``) and decode the chunks ``chunks_for(header, layers, prefix)`` as (index, bytes), in
+    parallel on ``decoder``'s threads, into layers ``layers`` (first, last; None: all) for the first ``prefix``
+    positions (None: all) on ``device``."""
     span = header.body_layers if layers is None else range(layers[0], layers[1] + 1)
-    assembler = BodyAssembler(header, span, prefix, device)
-    for future in [_POOL.submit(assembler.add, index, data, verified=verified) for index, data in chunks]:
-        future.result()
+    with _using(decoder) as coder:
+        assembler = BodyAssembler(header, span, prefix, device, coder.buffers)
+        for future in [coder.submit(assembler.add, index, data, verified=verified) for index, data in chunks]:
+            future.result()
     keys, values = assembler.finish()
     try:
         check_shapes(header, span, keys, values, positions=prefix)
@@ -291,18 +248,15 @@ def decode_part(
     return PackPart(header, span, header.positions if prefix is None else prefix, keys, values)
 
 
-ChunkSource = Callable[[], AbstractContextManager[Iterable[tuple[int, bytes | memoryview]]]]
-
-
 class ArrivingPack:
     """A whole pack whose chunks are still being read, verified and decoded, in layer order, in the background
     (``start_pack``). ``layer(i)`` waits for body layer i alone, so a model can run its first layers while later
     ones decode; ``result()`` waits for the whole pack. A damaged, missing or repeated chunk raises from both:
     no tensor of a pack that fails is handed out after the failure is known, and ``result()`` never returns one."""
 
-    def __init__(self, header: PackHeader, device: object = None) -> None:
-        self.header = header
-        self._assembler = BodyAssembler(header, header.body_layers, None, device)
+    def __init__(self, header: PackHeader, decoder: Decoder, device: object = None) -> None:
+        self.header, self._decoder = header, decoder
+        self._assembler = BodyAssembler(header, header.body_layers, None, device, decoder.buffers)
         self._layer_done = [threading.Event() for _ in header.body_layers]
         self._done = threading.Event()
         self._lock = threading.Lock()
@@ -337,7 +291,7 @@ class ArrivingPack:
             callback(self._pack)
 
     def _feed(self, source: ChunkSource, verified: bool) -> None:
-        """Submit each chunk ``source`` yields to the chunk pool as it comes; leave ``source`` only once every
+        """Submit each chunk ``source`` yields to the decoder's threads as it comes; leave ``source`` only once every
         submitted decode is over (its bytes may be views of a read transaction); then check the whole."""
         try:
             with source() as chunks:
@@ -346,7 +300,7 @@ class ArrivingPack:
                     for index, data in chunks:
                         if self._error is not None:
                             break
-                        futures.append(_POOL.submit(self._add, index, data, verified))
+                        futures.append(self._decoder.submit(self._add, index, data, verified))
                 finally:
                     wait(futures)
             for future in futures:
@@ -392,27 +346,31 @@ class ArrivingPack:
             event.set()
 
 
-def start_pack(header: PackHeader, source: ChunkSource, device: object = None, *, verified: bool = False) -> ArrivingPack:
+def start_pack(header: PackHeader, source: ChunkSource, decoder: Decoder, device: object = None, *, verified: bool = False) -> ArrivingPack:
     """Start reading a whole pack's chunks from ``source`` (a context that yields (index, bytes) in layer order and
     stays open until every chunk is decoded) and verifying (unless ``verified``) and decoding them in parallel on
-    ``device``; returns at once. A store's ``start_fetch`` hands this its read transaction or stream."""
-    pack = ArrivingPack(header, device)
+    ``decoder``'s threads, on ``device``; returns at once. The pack reader's ``start_fetch`` hands this a backend's
+    chunk source."""
+    pack = ArrivingPack(header, decoder, device)
     threading.Thread(target=pack._feed, args=(source, verified), name="packstore-arrive", daemon=True).start()
     return pack
 
 
-def pack_from_chunks(header: PackHeader, chunks: Iterable[tuple[int, bytes]], device: object = None, *, verified: bool = False) -> Pack:
+def pack_from_chunks(
+    header: PackHeader, chunks: Iterable[tuple[int, bytes | memoryview]], device: object = None, *, decoder: Decoder | None = None, verified: bool = False
+) -> Pack:
     """A whole pack from every chunk as (index, bytes), each verified (unless ``verified``) and decoded (in
     parallel, as they come) on ``device``: ``start_pack``'s reading and checks, run on the caller's thread."""
-    pack = ArrivingPack(header, device)
-    pack._feed(lambda: nullcontext(chunks), verified)
+    with _using(decoder) as coder:
+        pack = ArrivingPack(header, coder, device)
+        pack._feed(lambda: nullcontext(chunks), verified)
     return pack.result()
 
 
-def decode_pack(encoded: EncodedPack, device: object = None, *, verified: bool = False) -> Pack:
-    """Verify every chunk's checksum (unless ``verified``: a store's ``get`` did), then decode the chunks (in
-    parallel) into per-layer tensors on ``device``."""
+def decode_pack(encoded: EncodedPack, device: object = None, *, decoder: Decoder | None = None, verified: bool = False) -> Pack:
+    """Verify every chunk's checksum (unless ``verified``), then decode the chunks (in parallel on ``decoder``'s
+    threads; a short-lived pool when None) into per-layer tensors on ``device``."""
     header = encoded.header
     if len(encoded.chunks) != len(header.chunks):
         raise IntegrityError(f"pack {header.key}: has {len(encoded.chunks)} chunks, header lists {len(header.chunks)}")
-    return pack_from_chunks(header, enumerate(encoded.chunks), device, verified=verified)
+    return pack_from_chunks(header, enumerate(encoded.chunks), device, decoder=decoder, verified=verified)

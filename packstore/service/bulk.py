@@ -33,10 +33,11 @@ from typing import Sequence
 
 from packstore.errors import InvalidInput, LimitExceeded, PackstoreError, Unauthenticated
 from packstore.format import PackHeader
+from packstore.packs.reader import verified_chunks
 from packstore.rpc.bulk import HELLO, HELLO_SECONDS, MAGIC, TICKET_BYTES, chunk_frame, end_frame, error_frame
 from packstore.service.hot import HotPacks
 from packstore.service.metrics import ServiceMetrics
-from packstore.store.protocol import PackStore
+from packstore.store.protocol import ServedStore
 from packstore.v1 import store_pb2
 
 log = logging.getLogger("packstore.service")
@@ -55,7 +56,7 @@ _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 class Transfer:
     """What one ticket entitles its bearer to: these chunks of this pack, from this namespace's store."""
 
-    store: PackStore
+    store: ServedStore
     namespace: str
     header: PackHeader
     indices: tuple[int, ...]
@@ -71,7 +72,7 @@ class Tickets:
         self._transfers: dict[bytes, Transfer] = {}
         self._lock = threading.Lock()
 
-    def issue(self, store: PackStore, namespace: str, header: PackHeader, indices: Sequence[int], fields: dict) -> bytes | None:
+    def issue(self, store: ServedStore, namespace: str, header: PackHeader, indices: Sequence[int], fields: dict) -> bytes | None:
         """A new ticket for the transfer, or None when MAX_TICKETS are outstanding (the caller streams instead)."""
         now = time.monotonic()
         with self._lock:
@@ -386,7 +387,7 @@ class BulkServer:
         writer = self.hot.writer(transfer.namespace, header) if whole else None
         sent = 0
         try:
-            for index, data in zip(indices, transfer.store.read_chunks(header, indices)):
+            for index, data in verified_chunks(header, zip(indices, transfer.store.read_chunks(header, indices))):
                 sent += self._send_chunk(conn, transfer, index, data, deadline)
                 if writer is not None:
                     writer.add(index, data)

@@ -32,8 +32,9 @@ from packstore.service.config import ServiceConfig
 from packstore.store.namespaces import NamespaceStores
 from packstore.service.metrics import ServiceMetrics
 from packstore.store.records import PackPage
-from packstore.store import PackStore
-from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, check_name
+from packstore.bank.bank import BankCache, LocalBanks
+from packstore.packs.reader import PackReader, verified_chunks
+from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, BankStore, ServedStore, check_name
 from packstore.v1 import store_pb2, store_pb2_grpc
 
 SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["PackStore"].full_name
@@ -62,13 +63,14 @@ ROLE_OF = {
 class Call(dict):
     """One RPC's log fields (the dict), the store of its namespace, and who made it."""
 
-    store: PackStore
+    store: ServedStore
     principal: Principal
 
 
 class PackStoreService(store_pb2_grpc.PackStoreServicer):
-    """The pack service over the stores of its namespaces, embedded or on an object store; besides the
-    PackStore protocol it uses their streaming side (``begin_upload``, ``read_chunks``)."""
+    """The pack service over the stores of its namespaces, embedded or on an object store (``ServedStore``: packs,
+    bank tables, chunk-by-chunk reads and staged uploads). ``bank_cache``: the embedders and decoded bank records
+    bank calls share."""
 
     def __init__(
         self,
@@ -78,8 +80,10 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
         auth: Auth | None = None,
         bulk: BulkServer | None = None,
         hot: HotPacks | None = None,
+        bank_cache: BankCache | None = None,
     ) -> None:
         self.stores = stores
+        self.bank_cache = bank_cache if bank_cache is not None else BankCache()
         self.auth = auth or Auth()
         self.config = config
         self.metrics = metrics
@@ -211,7 +215,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
                     call["bulk"] = True
                     yield store_pb2.GetPackResponse(bulk=self.bulk.ticket_message(ticket))
                     return
-            for index, data in zip(indices, call.store.read_chunks(header, indices)):
+            for index, data in verified_chunks(header, zip(indices, call.store.read_chunks(header, indices))):
                 if not context.is_active():
                     call["cancelled"] = True
                     return
@@ -273,8 +277,9 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
     def VerifyPacks(self, request, context):
         with self._call("VerifyPacks", context) as call:
             keys = [call.store.resolve(ref) for ref in request.refs] if request.refs else call.store.keys()
+            reader = PackReader(call.store)  # verifying decodes without torch: no decoder needed
             for key in keys:
-                result = call.store.verify(key)
+                result = reader.verify(key)
                 yield store_pb2.VerifyResult(key=result.key, ok=result.ok, error=result.error or "")
 
 
@@ -319,19 +324,19 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
         with self._call("BuildBank", context) as call:
             name, embedder, vectors, facts = self._bank_stream(request_iterator)
             call["bank"] = name
-            meta = call.store.banks().build(name, facts, embedder or DEFAULT_EMBEDDER, vectors=vectors or "fp16")
+            meta = self._banks(call.store).build(name, facts, embedder or DEFAULT_EMBEDDER, vectors=vectors or "fp16")
             return bank_info(meta, call.store.bank_stored_bytes(name))
 
     def AddFacts(self, request_iterator, context):
         with self._call("AddFacts", context) as call:
             name, embedder, _, facts = self._bank_stream(request_iterator)
             call["bank"] = name
-            meta = call.store.banks().add(name, facts, embedder)
+            meta = self._banks(call.store).add(name, facts, embedder)
             return bank_info(meta, call.store.bank_stored_bytes(name))
 
     def RouteQuery(self, request, context):
         with self._call("RouteQuery", context, bank=request.name) as call:
-            routes = call.store.banks().route(
+            routes = self._banks(call.store).route(
                 request.name,
                 list(request.queries),
                 self._embedder(request.embedder),
@@ -348,16 +353,19 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
 
     def ListBanks(self, request, context):
         with self._call("ListBanks", context) as call:
-            return store_pb2.ListBanksResponse(banks=[bank_info(meta, size) for meta, size in call.store.banks().list()])
+            return store_pb2.ListBanksResponse(banks=[bank_info(meta, size) for meta, size in self._banks(call.store).list()])
 
     def DeleteBank(self, request, context):
         with self._call("DeleteBank", context, bank=request.name) as call:
-            call.store.banks().delete(request.name)
+            self._banks(call.store).delete(request.name)
             return store_pb2.DeleteBankResponse()
 
-    @staticmethod
-    def _bank_status(store: PackStore, name: str) -> store_pb2.BankStatus:
-        banks = store.banks()
+    def _banks(self, store: ServedStore) -> BankStore:
+        """The banks of a namespace's store, with the service's embedders and decoded records."""
+        return LocalBanks(store, self.bank_cache)
+
+    def _bank_status(self, store: ServedStore, name: str) -> store_pb2.BankStatus:
+        banks = self._banks(store)
         return store_pb2.BankStatus(
             bank=bank_info(store.bank(name), store.bank_stored_bytes(name)),
             digest=banks.digest(name),
@@ -370,7 +378,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
 
     def SignBank(self, request, context):
         with self._call("SignBank", context, bank=request.name) as call:
-            call.store.banks().sign(request.name, Signature.from_json(request.signature))
+            self._banks(call.store).sign(request.name, Signature.from_json(request.signature))
             return self._bank_status(call.store, request.name)
 
 

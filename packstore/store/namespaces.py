@@ -21,7 +21,7 @@ from pathlib import Path
 from packstore.errors import InvalidInput
 from packstore.store.lmdb.store import LmdbStore
 from packstore.store.objects.cache import DEFAULT_CACHE_BYTES
-from packstore.store.protocol import PackStore, check_name
+from packstore.store.protocol import ServedStore, check_name
 
 NAMESPACES_DIR = "namespaces"
 CACHES_DIR = "object-cache"
@@ -60,13 +60,13 @@ class NamespaceStores:
         self.data = Path(data)
         self.max_bytes = max_bytes
         self.objects, self.endpoint, self.cache_bytes = objects, endpoint, cache_bytes
-        self._stores: dict[str, PackStore] = {}
+        self._stores: dict[str, ServedStore] = {}
         self._lock = threading.Lock()
         self._scratch = tempfile.TemporaryDirectory(prefix="packstore-empty-")
         self._empty = empty_store(self._scratch.name)
         self.get(DEFAULT_NAMESPACE)
 
-    def _open(self, namespace: str) -> PackStore:
+    def _open(self, namespace: str) -> ServedStore:
         if self.objects is None:
             return LmdbStore(namespace_path(self.data, namespace), max_bytes=self.max_bytes)
         from packstore.store.objects.store import ObjectStore
@@ -74,7 +74,7 @@ class NamespaceStores:
         cache = self.data / CACHES_DIR / check_name(namespace)
         return ObjectStore(self.objects, endpoint=self.endpoint, cache_dir=cache, cache_bytes=self.cache_bytes, namespace=namespace)
 
-    def get(self, namespace: str) -> PackStore:
+    def get(self, namespace: str) -> ServedStore:
         """The namespace's store, created if it has none (a write, or an admin action)."""
         with self._lock:
             store = self._stores.get(namespace)
@@ -82,7 +82,7 @@ class NamespaceStores:
                 store = self._stores[namespace] = self._open(namespace)
             return store
 
-    def for_reading(self, namespace: str) -> PackStore:
+    def for_reading(self, namespace: str) -> ServedStore:
         """The namespace's store if it has one, else the read-only empty store: a read creates nothing (no
         directory, data file or cache), so a token may name any number of namespaces without making one."""
         with self._lock:
@@ -98,7 +98,7 @@ class NamespaceStores:
             return (namespace_path(self.data, namespace) / "data.mdb").exists()
         return self.get(DEFAULT_NAMESPACE).holds_namespace(namespace)
 
-    def opened(self) -> dict[str, PackStore]:
+    def opened(self) -> dict[str, ServedStore]:
         with self._lock:
             return dict(self._stores)
 

@@ -1,25 +1,29 @@
-"""The store interfaces every tier implements (LMDB, the gRPC client, later object storage).
+"""The interfaces every storage tier implements (LMDB, the S3 object tier, the gRPC client), in bytes and records.
 
-The API, the answering path, the worker, banks and the CLI depend on these protocols only, so
-a new tier plugs in by implementing them; ``tests/unit/test_store_suite.py`` runs one behaviour
-suite against every implementation. Refs are a full key, a name, or a unique content-hash
-prefix (8+ hex digits); ``model_fp`` scopes names and prefixes to one model's packs.
+A backend stores and hands out packs as bytes: headers, names, signatures and a source of stored chunks. It
+neither verifies nor decodes chunks: ``packstore.packs.reader.PackReader`` does, once, over any backend. Banks
+build on ``BankTables``; the service needs ``ServedStore``. ``tests/unit/test_store_suite.py`` runs one behaviour
+suite against every tier. Refs are a full key, a name, or a unique content-hash prefix (8+ hex digits);
+``model_fp`` scopes names and prefixes to one model's packs.
 """
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Protocol, Sequence, runtime_checkable
 
 from packstore.errors import AmbiguousRef, InvalidInput, PackNotFound
-
+from packstore.format.chunks import Buffer, ChunkSource
 from packstore.store.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
 
 if TYPE_CHECKING:
-    from packstore.format.bank import BankMeta
+    import numpy as np
+
+    from packstore.format.bank import BankMeta, Cluster
     from packstore.format.body import EncodedPack
+    from packstore.format.header import PackHeader
     from packstore.format.signature import Signature
-    from packstore.packs.tensors import ArrivingPack, Pack, PackPart
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
@@ -99,9 +103,20 @@ class BankStore(Protocol):
         """Store a signature with the bank, after checking that it signs the bank's current digest."""
 
 
+@dataclass(frozen=True)
+class OpenedPack:
+    """A pack opened for reading: its header, the signatures when asked for (else empty), the indices of the chunks
+    asked for in order, and ``chunks``: a context yielding (index, stored bytes) for each, not yet verified."""
+
+    header: "PackHeader"
+    signatures: tuple["Signature", ...]
+    indices: tuple[int, ...]
+    chunks: ChunkSource
+
+
 @runtime_checkable
 class PackStore(Protocol):
-    """Packs by key, with names; every write is atomic and idempotent by key."""
+    """Packs by key, with names, as bytes; every write is atomic and idempotent by key."""
 
     def close(self) -> None: ...
 
@@ -113,9 +128,11 @@ class PackStore(Protocol):
 
     def resolve(self, ref: str, *, model_fp: str | None = None) -> str:
         """The stored key ``ref`` names; PackNotFound or AmbiguousRef otherwise."""
+        ...
 
     def stat(self, ref: str, *, model_fp: str | None = None) -> StoredPack:
-        """Full header, names and stored size of one pack, without its body."""
+        """Full header, names, signatures and stored size of one pack, without its body."""
+        ...
 
     def list_page(
         self,
@@ -127,73 +144,140 @@ class PackStore(Protocol):
         name: str | None = None,
     ) -> PackPage:
         """Summaries of the packs after ``page_token`` in key order, at most ``page_size``."""
+        ...
 
-    def list(
-        self, *, model_fp: str | None = None, template_fp: str | None = None, name: str | None = None
-    ) -> list[PackSummary]:
+    def list(self, *, model_fp: str | None = None, template_fp: str | None = None, name: str | None = None) -> list[PackSummary]:
         """Every matching pack's summary, in key order."""
+        ...
 
     def keys(self) -> list[str]:
         """Every stored key, whether or not its header still parses."""
+        ...
 
     def counts(self) -> StoreCounts:
         """Packs stored and their stored bytes, without scanning."""
+        ...
 
-    def get(self, ref: str, *, model_fp: str | None = None, template_fp: str | None = None) -> "EncodedPack":
-        """Header and stored chunks, each checked against its sha256; identities stated by the
-        caller must match the pack's (PackMismatch otherwise)."""
-
-    def fetch(
-        self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
-    ) -> "Pack":
-        """``get`` and decode into tensors on ``device`` (CPU when None)."""
-
-    def start_fetch(
-        self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
-    ) -> "ArrivingPack":
-        """``fetch`` that returns once the header is read and the identities stated are checked (PackMismatch,
-        PackNotFound at once); the chunks are read, verified and decoded in the background in layer order, and
-        ``layer(i)`` of the result waits for layer i alone, so a model can start before the whole pack is in."""
-
-    def fetch_part(
+    def open_pack(
         self,
         ref: str,
         *,
-        layers: tuple[int, int] | None = None,
-        prefix: int | None = None,
-        device: object = None,
         model_fp: str | None = None,
         template_fp: str | None = None,
-    ) -> "PackPart":
-        """Layers ``layers`` (first, last, inclusive; None: all) of a pack's body for its first ``prefix``
-        positions (None: all), decoded on ``device``, reading only the chunks that hold them (a prefix saves
-        reads where the pack is split into token blocks), each verified; InvalidInput if the pack has no such
-        layers or positions."""
-
-    def verify(self, ref: str) -> VerifyResult:
-        """Check one pack's header seal, every chunk's checksum, and that every chunk decodes."""
-
-    def verify_all(self) -> list[VerifyResult]: ...
+        layers: tuple[int, int] | None = None,
+        prefix: int | None = None,
+        keep: bool = False,
+        signatures: bool = False,
+        as_stored: bool = False,
+    ) -> OpenedPack:
+        """Open a pack for reading the chunks holding ``layers`` (first, last; None: all) for positions below ``prefix``
+        (None: all) (``format.body.chunks_for``; InvalidInput when out of range). A tier may refuse a pack whose
+        identities differ from those stated (PackMismatch); the reader checks them in any case. ``keep``: the chunk
+        bytes stay valid after the source's context (else they may be views good only inside it); ``signatures``:
+        read the pack's signatures too; ``as_stored``: bypass any cache, so damage in the stored copy shows."""
+        ...
 
     # -- writes ------------------------------------------------------------------------------
 
     def put(self, encoded: "EncodedPack", *, name: str | None = None) -> tuple[str, bool]:
         """Store a pack (and optionally name it); returns ``(key, created)``."""
+        ...
 
     def add_signature(self, ref: str, signature: "Signature", *, model_fp: str | None = None) -> str:
         """Store a signature with a pack (checked against its digest first); returns the key."""
+        ...
 
     def delete(self, ref: str, *, model_fp: str | None = None) -> str:
         """Remove a pack, its signatures and every name pointing at it; returns the key."""
+        ...
 
     def set_name(self, ref: str, name: str, *, model_fp: str | None = None) -> str:
         """Point ``name`` at ``ref`` within the pack's model; returns the key."""
+        ...
 
     def delete_name(self, name: str, *, model_fp: str) -> str:
         """Remove one name of one model (the pack stays); returns the key it pointed at."""
+        ...
 
     def gc(self, *, compact: bool = False) -> GcReport:
         """Reclaim orphaned chunks, dangling names and stale uploads; optionally compact."""
+        ...
 
-    def banks(self) -> BankStore:
-        """The banks kept beside these packs."""
+
+@runtime_checkable
+class VerifiesWhereStored(Protocol):
+    """A tier whose bytes live elsewhere (the service) and are checked there, not streamed here to be checked."""
+
+    def verify(self, ref: str) -> VerifyResult: ...
+
+    def verify_all(self) -> list[VerifyResult]: ...
+
+
+@runtime_checkable
+class ServesBanks(Protocol):
+    """A tier that serves banks itself (the service: routing runs where the bank is)."""
+
+    def banks(self) -> BankStore: ...
+
+
+class Upload(Protocol):
+    """A staged upload: chunks land one at a time, then commit atomically (or abort, leaving nothing)."""
+
+    def add_chunk(self, index: int, data: bytes) -> None: ...
+
+    def commit(self, *, name: str | None = None, signatures: tuple["Signature", ...] = ()) -> tuple[str, bool]: ...
+
+    def abort(self) -> None: ...
+
+
+@runtime_checkable
+class BankTables(Protocol):
+    """What the bank layer needs of a local tier: a bank's records (metadata, centroids, full-text index, clusters)
+    and signatures, written atomically; ``BankChanged`` when ``update_bank`` finds another writer came first.
+    ``path`` says where the tables live (decoded records are cached under it)."""
+
+    path: object
+
+    def put_bank(self, meta: "BankMeta", centroids: "np.ndarray", clusters: "dict[int, Cluster]", lexical: bytes) -> None: ...
+
+    def put_bank_records(self, name: str, meta: bytes, records: dict[str, bytes]) -> None: ...
+
+    def update_bank(self, meta: "BankMeta", clusters: "dict[int, Cluster]", lexical: bytes, *, expected: "BankMeta") -> None: ...
+
+    def bank(self, name: str) -> "BankMeta": ...
+
+    def bank_centroids(self, name: str) -> "np.ndarray": ...
+
+    def bank_centroids_seal(self, name: str) -> bytes: ...
+
+    def bank_lexical_seal(self, name: str) -> bytes | None: ...
+
+    def bank_lexical(self, name: str) -> "tuple[np.ndarray, dict[str, bytes]] | None": ...
+
+    def bank_clusters(self, name: str, cluster_ids: list[int]) -> "dict[int, Cluster]": ...
+
+    def bank_records(self, name: str) -> tuple[bytes, dict[str, bytes]]: ...
+
+    def bank_stored_bytes(self, name: str) -> int: ...
+
+    def bank_metas(self) -> "list[BankMeta]": ...
+
+    def bank_digest(self, name: str) -> str: ...
+
+    def sign_bank(self, name: str, signature: "Signature") -> None: ...
+
+    def bank_signatures(self, name: str) -> tuple["Signature", ...]: ...
+
+    def delete_bank(self, name: str) -> None: ...
+
+
+@runtime_checkable
+class ServedStore(PackStore, BankTables, Protocol):
+    """What the service needs of the store behind it: packs, bank tables, chunk-by-chunk reads for a stream (each
+    read when taken, so a slow client holds one chunk) and staged uploads."""
+
+    def read_chunks(self, header: "PackHeader", indices: Sequence[int]) -> Iterator[Buffer]:
+        """Chunks ``indices`` of a pack in order, as stored (the reader verifies them)."""
+        ...
+
+    def begin_upload(self, header: "PackHeader") -> Upload: ...

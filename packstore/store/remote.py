@@ -1,7 +1,7 @@
-"""The gRPC client store: ``RemoteStore`` implements the PackStore protocol over ``packstore serve``.
+"""The gRPC client tier: ``RemoteStore`` implements the PackStore protocol over ``packstore serve``.
 
-``fetch`` decodes chunks as they arrive, in worker threads, straight into tensors preallocated on
-the target device (through pinned host memory and non-blocking copies on CUDA).
+``open_pack`` starts GetPack and hands out the chunks as they arrive, over the bulk port when the service offers
+it, so a pack reader decodes each one while the next is on the wire. Verify and banks run on the service.
 """
 
 from __future__ import annotations
@@ -17,19 +17,18 @@ import grpc
 
 from packstore.errors import LimitExceeded, PackNotFound, PackstoreError, Unauthenticated
 from packstore.format import EncodedPack, PackHeader
-from packstore.format.body import chunks_for, verify_chunk
+from packstore.format.body import chunks_for
 from packstore.store.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
 from packstore.rpc.bulk import ReceiveBuffers, bulk_chunks, connect, connect_local, first_frame
 from packstore.rpc.channel import Connection, GrpcClient
 from packstore.rpc.messages import ChunkAssembler, bank_meta, chunk_pieces, pack_summary, signatures_of, stored_pack
 from packstore.rpc.wire import ChunkPiece, get_pack_method
-from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, MAX_PAGE, check_name
+from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, MAX_PAGE, OpenedPack, check_name
 from packstore.v1 import store_pb2, store_pb2_grpc
 
 if TYPE_CHECKING:
     from packstore.format.bank import BankMeta
     from packstore.format.signature import Signature
-    from packstore.packs.tensors import ArrivingPack, ChunkSource, Pack, PackPart
 
 log = logging.getLogger("packstore.remote")
 RECEIVE_BUFFER_BYTES = 256 << 20
@@ -106,20 +105,25 @@ class RemoteStore(GrpcClient):
         reply = self._call(lambda: self._stub.StoreStats(store_pb2.StoreStatsRequest(), timeout=self.timeout))
         return StoreCounts(packs=reply.packs, stored_bytes=reply.stored_bytes)
 
-    def _stream(
+    def open_pack(
         self,
         ref: str,
-        model_fp: str | None,
-        template_fp: str | None,
+        *,
+        model_fp: str | None = None,
+        template_fp: str | None = None,
         layers: tuple[int, int] | None = None,
         prefix: int | None = None,
-        *,
-        reuse: bool = True,
-    ) -> tuple[StoredPack, "ChunkSource"]:
-        """Start GetPack (of the chunks holding ``layers``, first and last, and positions below ``prefix``, when
-        given; else of every chunk); returns the stored pack (header, signatures) and a source of whole (index,
-        chunk bytes), read over the bulk port when the server offers it, else from the stream. With ``reuse``
-        the chunks are only good until the source's context ends, their buffer going back to the client's pool."""
+        keep: bool = False,
+        signatures: bool = False,
+        as_stored: bool = False,
+    ) -> OpenedPack:
+        """Start GetPack of the chunks asked for: the service refuses (FAILED_PRECONDITION) a pack whose identities
+        differ from those stated, and sends the signatures with the header (``signatures`` and ``as_stored`` ask
+        nothing more). Without ``keep`` the chunks are only good until the source's context ends, their receive
+        buffer going back to the client's pool."""
+        if prefix is not None and prefix < 1:  # 0 would travel as "no prefix": refuse it as the other tiers do
+            chunks_for(self.stat(ref, model_fp=model_fp).header, layers, prefix)
+        reuse = not keep
         span = store_pb2.LayerRange(first=layers[0], last=layers[1]) if layers else None
         request = store_pb2.GetPackRequest(
             ref=ref, model_fp=model_fp or "", template_fp=template_fp or "", layers=span, prefix=prefix or 0, bulk=self.bulk
@@ -131,7 +135,7 @@ class RemoteStore(GrpcClient):
             started = self._start_bulk(second.bulk)
             if started is not None:
                 sock, first = started
-                return stored, lambda: self._received(sock, header, indices, reuse, first)
+                return OpenedPack(header, stored.signatures, indices, lambda: self._received(sock, header, indices, reuse, first))
             request.ref, request.bulk = header.key, False  # the key, not a name that may have moved meanwhile
             stored, second, responses = self._start_get_pack(request)
 
@@ -149,7 +153,7 @@ class RemoteStore(GrpcClient):
             if not assembler.complete:
                 raise PackstoreError(f"pack {header.key}: the stream ended after {assembler.received} of {len(assembler.indices)} chunks asked for")
 
-        return stored, lambda: nullcontext(chunks())
+        return OpenedPack(header, stored.signatures, indices, lambda: nullcontext(chunks()))
 
     def _start_bulk(self, ticket: store_pb2.BulkTicket) -> tuple[socket.socket, tuple[int, int, int]] | None:
         """A bulk connection with the ticket presented and the transfer's first frame read (over the local socket when
@@ -218,52 +222,6 @@ class RemoteStore(GrpcClient):
         if self._tls is None:
             self._tls = self.connection.ssl_context()
         return self._tls
-
-    def get(self, ref: str, *, model_fp: str | None = None, template_fp: str | None = None) -> EncodedPack:
-        """The pack's header and stored chunks, each checked against its digest."""
-        stored, source = self._stream(ref, model_fp, template_fp, reuse=False)
-        data = []
-        with source() as chunks:
-            for index, chunk in chunks:
-                verify_chunk(stored.header, index, chunk)
-                data.append(chunk)
-        return EncodedPack(header=stored.header, chunks=data, signatures=stored.signatures)
-
-    def fetch(self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None) -> "Pack":
-        """Stream a pack and decode each chunk as it arrives into tensors on ``device`` (CPU when None).
-
-        The server refuses (FAILED_PRECONDITION) when ``model_fp`` / ``template_fp`` differ from the pack's.
-        """
-        return self.start_fetch(ref, device=device, model_fp=model_fp, template_fp=template_fp).result()
-
-    def start_fetch(
-        self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
-    ) -> "ArrivingPack":
-        """``fetch`` returning once the header has arrived: the rest of the stream is read, verified and decoded
-        in the background, layer by layer as it arrives (``ArrivingPack``)."""
-        from packstore.packs.tensors import start_pack
-
-        stored, source = self._stream(ref, model_fp, template_fp)
-        return start_pack(stored.header, source, device)
-
-    def fetch_part(
-        self,
-        ref: str,
-        *,
-        layers: tuple[int, int] | None = None,
-        prefix: int | None = None,
-        device: object = None,
-        model_fp: str | None = None,
-        template_fp: str | None = None,
-    ) -> "PackPart":
-        """Stream only the chunks holding some layers and/or a prefix (GetPack with ``layers`` / ``prefix``) and decode them."""
-        from packstore.packs.tensors import decode_part
-
-        if prefix is not None and prefix < 1:  # 0 would travel as "no prefix": refuse it as the other tiers do
-            chunks_for(self.stat(ref, model_fp=model_fp).header, layers, prefix)
-        stored, source = self._stream(ref, model_fp, template_fp, layers, prefix)
-        with source() as chunks:
-            return decode_part(stored.header, layers, prefix, chunks, device)
 
     # -- writes ----------------------------------------------------------------------------------
 

@@ -15,6 +15,8 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from packstore.bank.bank import BankCache
+from packstore.packs.decoder import Decoder
 from packstore.answering.answer import REF_TTL_SECONDS, Answerer, Question, ReadyCache
 from packstore.errors import PackstoreError
 from packstore.kv.inject import Sampling, TextDeltas
@@ -58,8 +60,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         trusted: "TrustedKeys | None" = None,
         auth: Auth | None = None,
         ref_ttl: float = REF_TTL_SECONDS,
+        decoder: Decoder | None = None,
     ) -> None:
         self.lm = lm
+        self.decoder = decoder if decoder is not None else Decoder()  # one pool and buffer provider for every namespace
+        self.bank_cache = BankCache()
         self.ref_ttl = ref_ttl
         self.store_for = store_for
         self.auth = auth or Auth()
@@ -74,7 +79,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             if namespace not in self._answerers:
                 self._answerers[namespace] = Answerer(
                     self.lm, self.store_for(namespace), ready=self.ready.partition(namespace), device_lock=self._device_lock,
-                    trusted=self.trusted, ref_ttl=self.ref_ttl,
+                    trusted=self.trusted, ref_ttl=self.ref_ttl, decoder=self.decoder, bank_cache=self.bank_cache,
                 )
             return self._answerers[namespace]
 
@@ -179,15 +184,17 @@ def serve_worker(
     tls_key: str = "",
     tls_client_ca: str = "",
     ref_ttl: float = REF_TTL_SECONDS,
+    decoder: Decoder | None = None,
 ) -> None:
     """Serve Generate on ``listen`` (TLS with ``tls_cert``/``tls_key``, mutual with ``tls_client_ca``)
     until SIGTERM/SIGINT, then finish in-flight generations; with ``trusted``, only packs signed by a
-    trusted key are injected; with ``auth``, callers need a token (SIGHUP reloads the file); ``ref_ttl``: see ``Answerer``."""
+    trusted key are injected; with ``auth``, callers need a token (SIGHUP reloads the file); ``ref_ttl``: see ``Answerer``;
+    ``decoder``: the chunk decoder packs are fetched with (its threads, its buffers)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLogFormatter())
     logging.basicConfig(level="INFO", handlers=[handler], force=True)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    service = WorkerService(lm, store_for, cache_bytes=cache_bytes, trusted=trusted, auth=auth, ref_ttl=ref_ttl)
+    service = WorkerService(lm, store_for, cache_bytes=cache_bytes, trusted=trusted, auth=auth, ref_ttl=ref_ttl, decoder=decoder)
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -12,6 +12,8 @@ from packstore.bank.synthetic import synthetic_facts
 from packstore.kv.inject import Sampling
 from packstore.kv.models import load_model
 from packstore.store import LmdbStore
+from packstore.bank.bank import open_banks
+from bank_helpers import TEST_BANK_CACHE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 pytestmark = pytest.mark.integration
@@ -21,7 +23,7 @@ def test_lazy_recompute_on_a_real_model(tmp_path: Path) -> None:
     lm = load_model("smollm2-135m", progress=False)
     cases = synthetic_facts(1000)
     with LmdbStore(tmp_path / "store") as store:
-        store.banks().build("synthetic", [c.fact for c in cases])
+        open_banks(store, TEST_BANK_CACHE).build("synthetic", [c.fact for c in cases])
         answerer = Answerer(lm, store)
         for case in cases[::100]:
             result = answerer.ask(Question(case.query, bank="synthetic", compare_rag=True, sampling=Sampling(max_new_tokens=24)))
@@ -37,7 +39,7 @@ def test_a_bank_on_the_mpnet_embedder_records_it_and_routes_with_it(tmp_path: Pa
 
     cases = second_facts(200, seed=3)
     with LmdbStore(tmp_path / "store") as store:
-        banks = store.banks()
+        banks = open_banks(store, TEST_BANK_CACHE)
         meta = banks.build("mpnet", [c.fact for c in cases], "all-mpnet-base-v2")
         assert (meta.embedder, meta.dim, meta.lexical) == ("all-mpnet-base-v2", 768, "bm25s/en/snowball")
         routes = banks.route("mpnet", [c.question for c in cases[:40]], top_k=5)  # the bank's own embedder

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from packstore.answering.answer import Question
-from packstore.answering.api import amend_and_store, compose_and_store, export_pack, import_pack
+from packstore.answering.api import amend_and_store, compose_and_store
+from packstore.packs.admin import export_pack, import_pack
 from packstore.cli.packctl import main as packctl
 from packstore.errors import PackNotFound
 from packstore.kv.build import build_pack
@@ -22,6 +23,7 @@ from packstore.packs.tensors import encode_pack
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
 from test_real_models import MODELS, eval_rows
+from packstore.packs.reader import PackReader
 
 pytestmark = pytest.mark.integration
 GREEDY = Sampling(max_new_tokens=16)
@@ -90,16 +92,16 @@ def test_compose_accumulate_amend_and_splice_through_the_service_and_worker(real
             assert result.pack == rope["key"] and result.answer  # approximate: may differ from the text
 
             # ordinary packs everywhere: GetPack, verify, export/import; removing parents breaks no child
-            assert remote.fetch("rope02").header.composition == "rope"
+            assert PackReader(remote).fetch("rope02").header.composition == "rope"
             export_pack(remote, "rope02", tmp_path / "rope.pack")
             with LmdbStore(tmp_path / "local") as local:
                 imported, _ = import_pack(local, tmp_path / "rope.pack")
-                assert imported.key == rope["key"] and local.verify(imported.key).ok
+                assert imported.key == rope["key"] and PackReader(local).verify(imported.key).ok
             for name in names:
                 remote.delete(name)
             with pytest.raises(PackNotFound):
                 remote.stat(keys[0])
-            assert all(remote.verify(ref).ok for ref in ("all", "all-v2", "rope02"))
+            assert all(PackReader(remote).verify(ref).ok for ref in ("all", "all-v2", "rope02"))
         with WorkerClient(worker.address) as client:
             result = client.ask(Question(rows[1]["question"], refs=("all-v2",), sampling=GREEDY, compare_rag=True))
             assert result.identical is True

@@ -24,6 +24,7 @@ from packstore.kv.build import build_pack, prefill
 from packstore.store import LmdbStore
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text, prefill_divergence
 from packstore.kv.models import load_model
+from packstore.packs.reader import PackReader
 
 pytestmark = pytest.mark.integration
 
@@ -96,7 +97,7 @@ def test_a_stored_prefix_is_the_kv_of_that_prefix(real_lm, tmp_path: Path) -> No
     prefix = BLOCK_POSITIONS + 7  # the first block and 7 positions of the second
     with LmdbStore(tmp_path / "store") as store:
         key, _ = store.put(encode_pack(pack))
-        part = store.fetch_part(key, prefix=prefix, model_fp=real_lm.model_fp, template_fp=real_lm.template_fp)
+        part = PackReader(store).fetch_part(key, prefix=prefix, model_fp=real_lm.model_fp, template_fp=real_lm.template_fp)
     alone = prefill(real_lm, pack.header.token_ids[:prefix])
     for layer, (k, v) in enumerate(zip(part.keys, part.values)):
         assert torch.equal(k, pack.keys[layer][:, :prefix]) and torch.equal(v, pack.values[layer][:, :prefix])

@@ -20,6 +20,8 @@ from packstore.answering.records import AnswerResult
 from packstore.store import LmdbStore
 from packstore.store.lmdb.store import _chunk_key
 from test_identity import ALT_TEMPLATE
+from packstore.bank.bank import open_banks
+from bank_helpers import TEST_BANK_CACHE
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
 QUESTION = "What is Wexley famous for?"
@@ -95,7 +97,7 @@ def test_packs_of_another_model_or_template_are_refused(tiny_lm, store, tiny_mod
 def test_a_bank_question_builds_its_facts_pack_once_then_reuses_it(tiny_lm, tmp_path: Path) -> None:
     cases = synthetic_facts(60)
     with LmdbStore(tmp_path / "store") as store:
-        store.banks().build("b", [c.fact for c in cases])
+        open_banks(store, TEST_BANK_CACHE).build("b", [c.fact for c in cases])
         question = Question(cases[3].query, bank="b", top_k=2, compare_rag=True, sampling=GREEDY)
         answerer = Answerer(tiny_lm, store)
         first = answerer.ask(question)
@@ -156,7 +158,7 @@ def test_refs_and_a_bank_compose_the_routed_facts_after_the_packs(tiny_lm, tmp_p
     with LmdbStore(tmp_path / "store") as store:
         store.put(encode_pack(build_pack(tiny_lm, FACTS)), name="wexley")
         cases = synthetic_facts(40)
-        store.banks().build("b", [case.fact for case in cases])
+        open_banks(store, TEST_BANK_CACHE).build("b", [case.fact for case in cases])
         answerer = Answerer(tiny_lm, store)
         question = Question(cases[3].query, refs=("wexley",), bank="b", top_k=2, compare_rag=True, sampling=GREEDY)
         result = answerer.ask(question)

@@ -29,6 +29,9 @@ from packstore.packs.tensors import encode_pack
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
 from test_format import make_pack
+from packstore.packs.reader import PackReader
+from packstore.bank.bank import open_banks
+from bank_helpers import TEST_BANK_CACHE
 
 TOKENS = {
     "a-writer": ("secret-a-writer", ["a"], "write"),
@@ -100,10 +103,10 @@ def test_namespaces_partition_keys_names_and_banks(server) -> None:
         with pytest.raises(PackNotFound) as missing:
             b.stat(key[:-8] + "00000000")
         assert str(theirs.value).replace(key, "K") == str(missing.value).replace(key[:-8] + "00000000", "K")  # alike
-        a.banks().build("kb", ["The lighthouse Zorel was founded in 1801.", "The bakery Mirtel opened in 1922."])
-        assert [meta.name for meta, _ in reader.banks().list()] == ["kb"] and b.banks().list() == []
+        open_banks(a, TEST_BANK_CACHE).build("kb", ["The lighthouse Zorel was founded in 1801.", "The bakery Mirtel opened in 1922."])
+        assert [meta.name for meta, _ in open_banks(reader, TEST_BANK_CACHE).list()] == ["kb"] and open_banks(b, TEST_BANK_CACHE).list() == []
         with pytest.raises(PackNotFound):
-            b.banks().route("kb", ["Who founded Zorel?"])
+            open_banks(b, TEST_BANK_CACHE).route("kb", ["Who founded Zorel?"])
 
 
 def test_roles_bound_what_a_token_may_do(server) -> None:
@@ -149,7 +152,7 @@ def test_metrics_need_a_token_and_show_a_tenant_only_its_namespaces(server) -> N
     before = scrape(server, TOKENS["a-reader"][0])
     with client(server, "b-writer") as b:
         key, _ = b.put(encode_pack(make_pack(tokens=22)))
-        b.fetch(key)
+        PackReader(b).fetch(key)
         with pytest.raises(PackNotFound):
             b.stat("metered")
     assert scrape(server, TOKENS["a-reader"][0]) == before  # b's activity shows nowhere in what a's token reads
@@ -172,10 +175,10 @@ def refusal(read: Callable[[], object]) -> str:
 def test_a_read_creates_no_namespace_and_answers_as_an_empty_one(server) -> None:
     ghost = namespace_path(server.data, "ghost")
     with client(server, "operator", namespace="ghost") as reader, client(server, "a-reader") as a:
-        assert (reader.list(), reader.keys(), reader.counts().packs, reader.verify_all(), reader.banks().list()) == ([], [], 0, [], [])
+        assert (reader.list(), reader.keys(), reader.counts().packs, PackReader(reader).verify_all(), open_banks(reader, TEST_BANK_CACHE).list()) == ([], [], 0, [], [])
         for read in (
-            lambda store: store.stat("nothing"), lambda store: store.fetch("nothing"), lambda store: store.verify("nothing"),
-            lambda store: store.banks().route("kb-nothing", ["who?"]), lambda store: store.banks().digest("kb-nothing"),
+            lambda store: store.stat("nothing"), lambda store: PackReader(store).fetch("nothing"), lambda store: PackReader(store).verify("nothing"),
+            lambda store: open_banks(store, TEST_BANK_CACHE).route("kb-nothing", ["who?"]), lambda store: open_banks(store, TEST_BANK_CACHE).digest("kb-nothing"),
         ):
             absent, missing = refusal(lambda: read(reader)), refusal(lambda: read(a))  # a: a namespace that exists
             assert absent == missing and "nothing" in absent

@@ -25,6 +25,7 @@ sys.path[:0] = [sys.argv[3], sys.argv[3] + "/unit"]
 from test_format import make_pack
 from packstore.store import LmdbStore
 from packstore.packs.tensors import encode_pack
+from packstore.packs.reader import PackReader
 with LmdbStore(sys.argv[1]) as store, open(sys.argv[2], "a") as log:
     for index in range(100000):
         key, _ = store.put(encode_pack(make_pack(tokens=10 + index)))
@@ -57,7 +58,7 @@ def test_backup_is_a_consistent_copy_taken_while_a_writer_writes(tmp_path, capsy
     with LmdbStore(tmp_path / "copy", readonly=True) as copy:
         keys = set(copy.keys())
         assert before <= keys  # everything committed before the copy began is in it
-        assert all(result.ok for result in copy.verify_all())  # and every pack in it is complete
+        assert all(result.ok for result in PackReader(copy).verify_all())  # and every pack in it is complete
         assert copy.counts().packs == len(keys) == report["namespaces"]["default"]["packs"]
     assert packctl(["--store", str(namespace_path(tmp_path / "copy", "team-a")), "verify"]) == 0
     capsys.readouterr()
@@ -69,7 +70,7 @@ def test_a_backup_restores_by_serving_it(tmp_path) -> None:
         key, _ = store.put(encode_pack(make_pack(tokens=9)), name="kept")
     backup(data, tmp_path / "copy")
     with running_server(tmp_path / "copy") as server, RemoteStore(server.url) as remote:
-        assert remote.stat("kept", model_fp="a" * 64).key == key and remote.verify(key).ok
+        assert remote.stat("kept", model_fp="a" * 64).key == key and PackReader(remote).verify(key).ok
 
 
 def test_backup_refuses_an_existing_destination_a_missing_store_and_a_service(tmp_path, capsys) -> None:

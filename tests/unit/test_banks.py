@@ -17,6 +17,8 @@ from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch, PackNotFound
 from packstore.format.bank import encode_centroids, encode_cluster, encode_lexical
 from packstore.store import LmdbStore
+from packstore.bank.bank import open_banks
+from bank_helpers import TEST_BANK_CACHE
 
 N = 400
 
@@ -228,7 +230,7 @@ def test_added_facts_are_in_the_full_text_index(tmp_path: Path, embedder) -> Non
         assert store.bank_lexical_seal("b") != seal
         found = route(store, "b", ["Plomquatsch"], embedder, top_k=1, mode="lexical")[0]
         assert found.facts[0][0] == added[0]
-        assert store.banks().route("b", ["Who catalogued Plomquatsch?"], top_k=1)[0].facts[0][0] == added[0]  # the bank's own embedder
+        assert open_banks(store, TEST_BANK_CACHE).route("b", ["Who catalogued Plomquatsch?"], top_k=1)[0].facts[0][0] == added[0]  # the bank's own embedder
 
 
 def test_an_add_that_meets_a_concurrent_add_loses_no_facts(tmp_path: Path, embedder, monkeypatch) -> None:

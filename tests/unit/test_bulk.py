@@ -41,6 +41,7 @@ from packstore.v1 import store_pb2, store_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from service_helpers import free_port, running_server
 from test_format import make_pack
+from packstore.packs.reader import PackReader
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +74,12 @@ def test_a_fetch_reads_its_chunks_over_the_bulk_port_and_gets_what_the_stream_gi
     before = requests_counted(server, "GetPack.bulk", "OK")
     with RemoteStore(server.url) as remote, RemoteStore(server.url, bulk=False) as streamed:
         key, _ = remote.put(encoded, name="bulky")
-        assert same(remote.fetch("bulky"), pack) and same(streamed.fetch("bulky"), pack)
-        assert [bytes(c) for c in remote.get(key).chunks] == list(encoded.chunks)
-        part = remote.fetch_part(key, layers=(1, 2), prefix=100)
+        assert same(PackReader(remote).fetch("bulky"), pack) and same(PackReader(streamed).fetch("bulky"), pack)
+        assert [bytes(c) for c in PackReader(remote).get(key).chunks] == list(encoded.chunks)
+        part = PackReader(remote).fetch_part(key, layers=(1, 2), prefix=100)
         assert torch.equal(part.keys[0], pack.keys[1][..., :100, :])
         for _ in range(3):  # the receive buffer is reused, and what a finished fetch returned stays intact
-            again = remote.fetch(key)
+            again = PackReader(remote).fetch(key)
         assert same(again, pack) and remote._buffers.idle_bytes >= encoded.stored_bytes - len(encoded.header.to_json())
     assert requests_counted(server, "GetPack.bulk", "OK") - before == 6  # the stream client asked for none
 
@@ -126,7 +127,7 @@ def test_a_client_that_goes_away_mid_transfer_leaves_the_server_serving(server) 
             sock = connect("127.0.0.1", ticket.port, ticket.ticket, timeout=10, tls=None)
             read_frame(sock)
             sock.close()  # after the first frame, with megabytes still to come
-        assert same(remote.fetch(key), pack)
+        assert same(PackReader(remote).fetch(key), pack)
 
 
 def test_connections_without_a_ticket_take_no_slot_and_are_closed_within_about_a_second(server) -> None:
@@ -141,7 +142,7 @@ def test_connections_without_a_ticket_take_no_slot_and_are_closed_within_about_a
             for sock in slow:
                 sock.sendall(MAGIC[:2])
             before = requests_counted(server, "GetPack.bulk", "OK")
-            assert remote.fetch(key).header.key == key
+            assert PackReader(remote).fetch(key).header.key == key
             assert requests_counted(server, "GetPack.bulk", "OK") - before == 1
             started = time.monotonic()
             for sock in idle + slow:
@@ -183,7 +184,7 @@ def test_a_peer_past_its_share_of_slots_gets_limit_exceeded_and_the_client_strea
         caplog.set_level(logging.WARNING, logger="packstore.remote")
         with RemoteStore(server.url, local_bulk=False) as remote:
             before = requests_counted(server, "GetPack", "OK")
-            assert same(remote.fetch(key), pack) and same(remote.fetch(key), pack) and remote.bulk
+            assert same(PackReader(remote).fetch(key), pack) and same(PackReader(remote).fetch(key), pack) and remote.bulk
             assert requests_counted(server, "GetPack", "OK") - before == 4  # twice asked for bulk, twice streamed
         assert caplog.text.count("did not start a transfer") == 1
     finally:
@@ -195,15 +196,15 @@ def test_with_the_bulk_port_off_or_out_of_reach_a_fetch_streams(tmp_path: Path, 
     pack = make_pack(tokens=200, dim=32)
     with running_server(tmp_path / "off", "--bulk-listen", "off") as server, RemoteStore(server.url) as remote:
         key, _ = remote.put(encode_pack(pack))
-        assert same(remote.fetch(key), pack) and remote.bulk
+        assert same(PackReader(remote).fetch(key), pack) and remote.bulk
         assert requests_counted(server, "GetPack.bulk", "OK") == 0
     # bound on 127.0.0.2: a client that reached gRPC on 127.0.0.1 finds nothing at that port, as past a firewall
     away = ("--bulk-listen", f"127.0.0.2:{free_port()}", "--bulk-local", "off")  # (a local socket would be reached)
     with running_server(tmp_path / "away", *away) as server, RemoteStore(server.url) as remote:
         key, _ = remote.put(encode_pack(pack), name="p")
-        assert same(remote.fetch("p"), pack) and not remote.bulk
+        assert same(PackReader(remote).fetch("p"), pack) and not remote.bulk
         assert "cannot be reached" in caplog.text
-        assert same(remote.fetch("p"), pack)  # straight to the stream from now on
+        assert same(PackReader(remote).fetch("p"), pack)  # straight to the stream from now on
 
 
 def test_tickets_lapse_and_are_bounded() -> None:
@@ -300,10 +301,10 @@ def test_on_the_services_host_a_hot_pack_comes_over_the_local_socket_as_chunks_n
                 kind, got, length = struct.unpack("<BIQ", data + bytes(recv_exact(raw, 13 - len(data))))
                 assert (kind, got) == (CHUNK, index) and bytes(recv_exact(raw, length)) == encoded.chunks[index]
             assert read_frame(raw)[0] == END
-        assert same(remote.fetch("hot"), pack)
-        part = remote.fetch_part(key, layers=(1, 2), prefix=100)
+        assert same(PackReader(remote).fetch("hot"), pack)
+        part = PackReader(remote).fetch_part(key, layers=(1, 2), prefix=100)
         assert torch.equal(part.values[1], pack.values[2][..., :100, :])
-        assert [bytes(c) for c in remote.get(key).chunks] == list(encoded.chunks)
+        assert [bytes(c) for c in PackReader(remote).get(key).chunks] == list(encoded.chunks)
     assert metric(server, "packstore_hot_reads_total", result="hit") - hits == 4
     assert metric(server, "packstore_hot_packs") >= 1
 
@@ -313,16 +314,16 @@ def test_a_pack_turns_hot_on_its_first_whole_read_and_leaves_when_deleted(tmp_pa
     with LmdbStore(tmp_path / "data") as store:
         key, _ = store.put(encode_pack(pack))  # stored before the service starts: not hot
     with running_server(tmp_path / "data") as server, RemoteStore(server.url) as remote:
-        remote.fetch_part(key, layers=(0, 0))  # a part is read from the store and not kept
+        PackReader(remote).fetch_part(key, layers=(0, 0))  # a part is read from the store and not kept
         assert metric(server, "packstore_hot_packs") == 0
-        assert same(remote.fetch(key), pack)  # the first whole read keeps it
+        assert same(PackReader(remote).fetch(key), pack)  # the first whole read keeps it
         assert metric(server, "packstore_hot_packs") == 1 and metric(server, "packstore_hot_reads_total", result="miss") == 2
-        assert same(remote.fetch(key), pack)
+        assert same(PackReader(remote).fetch(key), pack)
         assert metric(server, "packstore_hot_reads_total", result="hit") == 1
         remote.delete(key)
         assert metric(server, "packstore_hot_packs") == 0 and metric(server, "packstore_hot_memory_bytes") == 0
         with pytest.raises(PackNotFound):
-            remote.fetch(key)
+            PackReader(remote).fetch(key)
 
 
 def test_hot_packs_stay_within_hot_bytes_the_least_recently_used_going_first(tmp_path: Path) -> None:
@@ -332,7 +333,7 @@ def test_hot_packs_stay_within_hot_bytes_the_least_recently_used_going_first(tmp
         keys = [remote.put(encode_pack(p))[0] for p in packs]
         assert metric(server, "packstore_hot_packs") == 1 and metric(server, "packstore_hot_memory_bytes") <= size * 1.6
         for key, pack in reversed(list(zip(keys, packs))):  # each read whole turns hot, evicting the one before
-            assert same(remote.fetch(key), pack)
+            assert same(PackReader(remote).fetch(key), pack)
         assert metric(server, "packstore_hot_reads_total", result="hit") == 1  # only the last upload was still hot
         assert metric(server, "packstore_hot_packs") == 1
 
@@ -343,7 +344,7 @@ def test_without_a_local_socket_or_hot_packs_fetches_go_over_tcp(tmp_path: Path)
         key, _ = remote.put(encode_pack(pack))
         _, ticket = ticket_for(server, key)
         assert ticket.local_socket == ""
-        assert same(remote.fetch(key), pack) and same(remote.fetch(key), pack)
+        assert same(PackReader(remote).fetch(key), pack) and same(PackReader(remote).fetch(key), pack)
         assert metric(server, "packstore_hot_packs") == 0 and requests_counted(server, "GetPack.bulk", "OK") == 2
 
 

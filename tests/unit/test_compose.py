@@ -8,7 +8,8 @@ import torch
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.format import PackHeader
 from packstore.kv.build import build_pack
-from packstore.kv.compose import ERRATUM_PREFIX, amend, compose_exact, splice
+from packstore.format.body import ERRATUM_PREFIX
+from packstore.kv.compose import amend, compose_exact, splice
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text
 from packstore.kv.models import load_model
 from packstore.kv.rope import rotate_keys

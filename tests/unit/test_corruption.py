@@ -19,6 +19,7 @@ from packstore.store.remote import RemoteStore
 from packstore.packs.tensors import encode_pack
 from service_helpers import running_server
 from test_format import make_pack
+from packstore.packs.reader import PackReader
 
 DAMAGES = ("flip", "truncate", "zero-page")
 
@@ -72,14 +73,14 @@ def run_trial(original, tmp_path: Path, trial: int, capsys) -> dict:
     with store:
         for key, pack in packs.items():
             try:
-                fetched = store.fetch(key)
+                fetched = PackReader(store).fetch(key)
             except IntegrityError as exc:
                 assert key in str(exc) or str(copy) in str(exc), (what, str(exc))
                 damaged.add(key)
                 continue
             # a pack that reads at all reads exactly: no wrong tensor ever reaches a caller
             assert all(torch.equal(a, b) for a, b in zip(fetched.keys + fetched.values, pack.keys + pack.values)), what
-        verified = {r.key for r in store.verify_all() if not r.ok}
+        verified = {r.key for r in PackReader(store).verify_all() if not r.ok}
     # verify names every damaged pack, and nothing else but keys the damage made up (a flipped key byte)
     assert verified & set(packs) == damaged and (verified - damaged).isdisjoint(packs), what
     code = packctl(["--store", str(copy), "verify"])
@@ -112,7 +113,7 @@ def test_the_service_answers_data_loss_for_damaged_packs_and_serves_the_rest(ori
         damage(copy, "flip", random.Random(trial))
         try:
             with LmdbStore(copy, readonly=True) as store:
-                damaged = {r.key for r in store.verify_all() if not r.ok}
+                damaged = {r.key for r in PackReader(store).verify_all() if not r.ok}
         except IntegrityError:
             continue
         if damaged:
@@ -123,8 +124,8 @@ def test_the_service_answers_data_loss_for_damaged_packs_and_serves_the_rest(ori
         for key, pack in packs.items():
             if key in damaged:
                 with pytest.raises(IntegrityError):
-                    remote.fetch(key)
+                    PackReader(remote).fetch(key)
             else:
-                fetched = remote.fetch(key)
+                fetched = PackReader(remote).fetch(key)
                 assert all(torch.equal(a, b) for a, b in zip(fetched.keys + fetched.values, pack.keys + pack.values))
         assert remote.counts().packs == len(packs)  # still serving

@@ -15,13 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from packstore.answering.api import export_pack
+from packstore.packs.admin import export_pack
 from packstore.errors import PackstoreError
 from packstore.store import LmdbStore
 from packstore.store.remote import RemoteStore
 from packstore.packs.tensors import Pack, encode_pack
 from service_helpers import free_port, wait_serving
 from test_format import make_pack
+from packstore.packs.reader import PackReader
+from packstore.bank.bank import open_banks
+from bank_helpers import TEST_BANK_CACHE
 
 UPLOADERS = 16
 PACKS_PER_UPLOADER = 3
@@ -70,7 +73,7 @@ def check_store(data: Path, acked: set[str]) -> int:
     with LmdbStore(data, readonly=True) as store:
         keys = set(store.keys())
         assert acked <= keys, f"acknowledged uploads lost: {sorted(acked - keys)[:3]}"
-        bad = [r for r in store.verify_all() if not r.ok]
+        bad = [r for r in PackReader(store).verify_all() if not r.ok]
         assert not bad, f"partial or damaged packs after a kill: {bad[:2]}"
         assert store.counts().packs == len(keys)
         return len(keys)
@@ -161,10 +164,10 @@ def test_killing_a_bank_build_leaves_the_bank_whole_or_absent(tmp_path, robustne
             outcomes["absent"] += 1
             continue
         with LmdbStore(data, readonly=True) as store:
-            banks = {meta.name: meta for meta, _ in store.banks().list()}
+            banks = {meta.name: meta for meta, _ in open_banks(store, TEST_BANK_CACHE).list()}
             if f"kb{trial}" in banks:
                 meta = banks[f"kb{trial}"]
-                assert meta.facts == 3000 and store.banks().route(f"kb{trial}", ["Who established the lighthouse?"])[0].facts
+                assert meta.facts == 3000 and open_banks(store, TEST_BANK_CACHE).route(f"kb{trial}", ["Who established the lighthouse?"])[0].facts
                 outcomes["whole"] += 1
             else:
                 assert store.bank_stored_bytes(f"kb{trial}") == 0  # no record of it at all

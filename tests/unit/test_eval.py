@@ -14,6 +14,8 @@ import eval_packs  # noqa: E402
 from evallib import Row, exact_match, frozen_split, load_rows, mean_interval, normalize, split_rows, token_f1  # noqa: E402
 from packstore.kv.inject import Sampling  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
+from packstore.bank.bank import open_banks
+from bank_helpers import TEST_BANK_CACHE
 
 
 @pytest.mark.parametrize(
@@ -116,7 +118,7 @@ def test_eval_bank_answers_on_the_tiny_model(tiny_lm, tmp_path: Path) -> None:
 
     rows = load_rows(limit=20)
     with LmdbStore(tmp_path / "store") as store:
-        store.banks().build("ckc", [r.context for r in rows])
+        open_banks(store, TEST_BANK_CACHE).build("ckc", [r.context for r in rows])
         records = eval_bank_answers.evaluate(tiny_lm, rows[:3], store, Sampling(max_new_tokens=4), top_k=2)
     assert [r["id"] for r in records] == [r.id for r in rows[:3]] and not any(r["divergent"] for r in records)
     for record in records:

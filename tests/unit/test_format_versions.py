@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from packstore.answering.api import export_pack, import_pack
+from packstore.packs.admin import export_pack, import_pack
 from packstore.cli.packctl import main as packctl
 from packstore.store import LmdbStore
 from packstore.packs.tensors import decode_pack, encode_pack
@@ -30,6 +30,7 @@ from make_store import knowledge, steering  # noqa: E402  the seeded packs the d
 
 sys.path.insert(0, str(CODEC2))
 import make_codec2_store as codec2  # noqa: E402  the seeded packs tests/data/codec2 holds
+from packstore.packs.reader import PackReader
 
 EXPECTED = {"v1-exact": (1, knowledge(5, 1)), "v1-blocks": (1, knowledge(40, 2)), "v2-rope": (2, knowledge(7, 4)), "v3-steering": (3, steering())}
 
@@ -43,18 +44,18 @@ def old_store(tmp_path: Path) -> Path:
 def test_a_version_3_store_reads_verifies_and_takes_version_4_packs_in_the_new_codec(old_store: Path, tmp_path: Path) -> None:
     with LmdbStore(old_store) as store:
         for name, (version, expected) in EXPECTED.items():
-            encoded = store.get(name)
+            encoded = PackReader(store).get(name)
             record = json.loads(encoded.header.to_json())
             assert record["version"] == version and all("sha256" in chunk for chunk in record["chunks"])
             assert record["codec"] == "byteplane-zstd"  # container version 1 (docs/format.md §1.4), still read
             pack = decode_pack(encoded)
             assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, expected.keys + expected.values))
-        assert len(store.get("v1-exact").signatures) == 1 and store.get("v1-exact").signatures[0].digest == store.get("v1-exact").header.pack_sha256
-        assert len(store.get("v1-blocks").header.chunks) == 9  # 3 layers x 3 token blocks of 16 positions
+        assert len(PackReader(store).get("v1-exact").signatures) == 1 and PackReader(store).get("v1-exact").signatures[0].digest == PackReader(store).get("v1-exact").header.pack_sha256
+        assert len(PackReader(store).get("v1-blocks").header.chunks) == 9  # 3 layers x 3 token blocks of 16 positions
         new, created = store.put(encode_pack(knowledge(6, 5)), name="v4-exact")
         assert created and json.loads(store.stat(new).header.to_json())["version"] == 4
         assert store.stat(new).header.codec == "byteplane-3"
-        assert torch.equal(decode_pack(store.get(new)).keys[1], knowledge(6, 5).keys[1])
+        assert torch.equal(decode_pack(PackReader(store).get(new)).keys[1], knowledge(6, 5).keys[1])
         old_copy = export_pack(store, "v2-rope", tmp_path / "v2-rope.pack")
         assert old_copy[0] == store.stat("v2-rope").header.key
     assert packctl(["--store", str(old_store), "verify"]) == 0
@@ -64,7 +65,7 @@ def test_a_version_3_pack_file_imports_with_its_signature(tmp_path: Path) -> Non
     with LmdbStore(tmp_path / "fresh") as store:
         stored, created = import_pack(store, DATA / "v1-exact.pack")
         assert created and stored.header.version == 1 and len(stored.signatures) == 1
-        pack = decode_pack(store.get(stored.header.key))
+        pack = decode_pack(PackReader(store).get(stored.header.key))
         assert torch.equal(pack.values[2], EXPECTED["v1-exact"][1].values[2])
 
 
@@ -75,9 +76,9 @@ def test_a_store_in_codec_byteplane_zstd_2_reads_bit_exact_and_takes_byteplane_3
         for name, pack in expected.items():
             stored = store.stat(name).header
             assert stored.codec == "byteplane-zstd-2" and stored.dtype == pack.header.dtype
-            fetched = store.fetch(name)
+            fetched = PackReader(store).fetch(name)
             assert all(torch.equal(a, b) for a, b in zip(fetched.keys + fetched.values, pack.keys + pack.values))
-            part = store.fetch_part(name, layers=(1, 1), prefix=7)
+            part = PackReader(store).fetch_part(name, layers=(1, 1), prefix=7)
             assert torch.equal(part.values[0], pack.values[1][:, :7])
         assert len(store.stat("f16-blocks").header.chunks) == 2 * 3  # 2 layers x 3 token blocks of 16 positions
         again = encode_pack(expected["f16"])
@@ -88,5 +89,5 @@ def test_a_store_in_codec_byteplane_zstd_2_reads_bit_exact_and_takes_byteplane_3
         fresh = codec2.knowledge("float16", 300, 9)
         key, created = store.put(encode_pack(fresh), name="f16-new")
         assert created and store.stat(key).header.codec == "byteplane-3"
-        assert torch.equal(store.fetch(key).keys[0], fresh.keys[0])
+        assert torch.equal(PackReader(store).fetch(key).keys[0], fresh.keys[0])
     assert packctl(["--store", str(tmp_path / "store"), "verify"]) == 0

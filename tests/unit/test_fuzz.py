@@ -30,6 +30,8 @@ from packstore.v1 import store_pb2, store_pb2_grpc
 from cgroup_helpers import memory_cgroup
 from service_helpers import running_server
 from test_format import make_pack
+from packstore.bank.bank import open_banks
+from bank_helpers import TEST_BANK_CACHE
 
 CLEAR = {
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS,
@@ -60,7 +62,7 @@ def service(tmp_path_factory):
         server.cgroup = cgroup
         with RemoteStore(server.url, timeout=60) as store:
             store.put(encode_pack(make_pack(tokens=6)), name="base")
-            store.banks().build("kb", ["The lighthouse Zorel was founded in 1801.", "The bakery Mirtel opened in 1922."])
+            open_banks(store, TEST_BANK_CACHE).build("kb", ["The lighthouse Zorel was founded in 1801.", "The bakery Mirtel opened in 1922."])
         channel = grpc.insecure_channel(server.address, options=[("grpc.max_send_message_length", 64 << 20)])
         yield server, store_pb2_grpc.PackStoreStub(channel), channel
         channel.close()
@@ -69,7 +71,7 @@ def service(tmp_path_factory):
 def state(server) -> tuple:
     """What the store holds: every key, the counts, the banks with their digests."""
     with RemoteStore(server.url, timeout=60) as store:
-        banks = store.banks()
+        banks = open_banks(store, TEST_BANK_CACHE)
         return tuple(store.keys()), store.counts(), tuple((m.name, m.facts, banks.digest(m.name)) for m, _ in banks.list())
 
 

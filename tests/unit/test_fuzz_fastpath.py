@@ -53,6 +53,9 @@ from test_auth import TOKENS, tokens_file
 from test_format import make_pack
 from test_fuzz import CLEAR, any_char, fuzz, texts
 from test_steer import PAIRS
+from packstore.packs.reader import PackReader
+from packstore.bank.bank import open_banks
+from bank_helpers import TEST_BANK_CACHE
 
 SCALE = {"short": 1, "long": 20}
 EXAMPLES = {"bulk_port": 150, "bulk_reader": 250, "get_pack": 120, "auth": 140, "worker": 50}  # per scale unit
@@ -416,9 +419,9 @@ def fetch_still_succeeds(service: Service, number: int) -> None:
     same bytes, over the local socket and over TCP in turn."""
     client = service.extra["local_client" if number % 2 else "tcp_client"]
     if number % 4 < 2:
-        assert [bytes(c) for c in client.get("multi").chunks] == list(service.packs["multi"].chunks)
+        assert [bytes(c) for c in PackReader(client).get("multi").chunks] == list(service.packs["multi"].chunks)
     else:
-        pack, fetched = service.extra["tensors"], client.fetch("small")
+        pack, fetched = service.extra["tensors"], PackReader(client).fetch("small")
         assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, fetched.keys + fetched.values))
     assert client.bulk and not client._fallbacks, client._fallbacks
     assert client is service.extra["tcp_client"] or client.local_bulk
@@ -970,7 +973,7 @@ def worker(authed, tiny_lm, tiny_model_dir, worker_cgroup, tmp_path_factory):
             for name, pack in packs.items():
                 keys[namespace].add(store.put(encode_pack(pack), name=name)[0])
             if namespace == "a":
-                store.banks().build("kb", FACTS_A + FACTS_B)
+                open_banks(store, TEST_BANK_CACHE).build("kb", FACTS_A + FACTS_B)
     (root / "worker.token").write_text(TOKENS["operator"][0])
     # --cache-bytes: the worker reserves (and touches, in the background) that much memory for ready packs at the start;
     # 256 MiB rather than the 2 GiB default keeps its cgroup's figure about what the fuzzing does

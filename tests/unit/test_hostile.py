@@ -14,7 +14,7 @@ from typing import Any, Callable
 import grpc
 import pytest
 
-from packstore.answering.api import export_pack, import_pack
+from packstore.packs.admin import export_pack, import_pack
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, InvalidInput, LimitExceeded, PackstoreError
 from packstore.format.body import chunk_digest
@@ -27,6 +27,8 @@ from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 from test_format import make_pack
 from test_service import remote, server  # noqa: F401  (fixtures: a server on loopback, a client that empties it after each test)
+from packstore.bank.bank import open_banks
+from bank_helpers import TEST_BANK_CACHE
 
 MIB = 1 << 20
 
@@ -219,7 +221,7 @@ def test_bad_names_are_refused_on_every_way_in(tmp_path: Path, server, remote, n
         with pytest.raises(InvalidInput, match="invalid pack name"):
             import_pack(store, tmp_path / "p.pack", name=name)
         with pytest.raises(InvalidInput, match="invalid"):
-            store.banks().build(name, ["a fact"])
+            open_banks(store, TEST_BANK_CACHE).build(name, ["a fact"])
         assert [p.names for p in store.list()] == [()]
     with pytest.raises(PackstoreError, match="invalid pack name"):
         remote.put(encoded, name=name)

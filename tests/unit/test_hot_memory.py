@@ -19,6 +19,7 @@ from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 from test_format import make_pack
+from packstore.packs.reader import PackReader
 
 MB = 1 << 20
 HOT_BYTES = 20 * MB
@@ -85,7 +86,7 @@ def test_service_memory_stays_within_hot_bytes_under_a_misbehaving_local_client(
         flags = ("--hot-bytes", str(HOT_BYTES), "--workers", "2", "--upload-seconds", "3")
         with running_server(tmp_path / "data", *flags, cgroup=cgroup) as server, RemoteStore(server.url) as remote:
             warm = encode_pack(make_pack(layers=2, tokens=50, dim=16))
-            remote.fetch(remote.put(warm)[0])
+            PackReader(remote).fetch(remote.put(warm)[0])
             remote.delete(warm.header.key)
             time.sleep(0.5)
             baseline = cgroup.sample()
@@ -93,7 +94,7 @@ def test_service_memory_stays_within_hot_bytes_under_a_misbehaving_local_client(
             for encoded in packs[:20]:  # each turns hot on upload; each read is served from it
                 key, _ = remote.put(encoded)
                 kept.append(read_keeping_everything(server, key))
-                kept.append(remote.fetch(key))
+                kept.append(PackReader(remote).fetch(key))
             assert not any(part for reads in kept[::2] for part in reads if isinstance(part, list))  # no descriptor came
             stalled = [stalled_transfer(server, packs[i].header.key) for i in (18, 19)]  # hot copies held by transfers
             uploads = [stalled_upload(server, encoded) for encoded in packs[20:24]]  # reservations for four more

@@ -15,7 +15,7 @@ import lmdb
 import pytest
 import torch
 
-from packstore.answering.api import export_pack, import_pack
+from packstore.packs.admin import export_pack, import_pack
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, StoreBusy
 from packstore.packs.tensors import decode_pack, encode_pack
@@ -54,10 +54,10 @@ def test_every_flipped_chunk_byte_in_the_lmdb_file_is_detected(store_path: Path)
             (store_path / "data.mdb").write_bytes(pristine)
             flip_in_file(store_path / "data.mdb", chunk, at)
             with LmdbStore(store_path) as store:
-                result = store.verify("victim")
+                result = PackReader(store).verify("victim")
                 assert not result.ok and f"chunk {index}" in result.error
                 with pytest.raises(IntegrityError, match=f"chunk {index}"):
-                    store.get("victim")
+                    PackReader(store).get("victim")
 
 
 def test_flipped_header_byte_is_detected(store_path: Path) -> None:
@@ -65,7 +65,7 @@ def test_flipped_header_byte_is_detected(store_path: Path) -> None:
     header = encoded.header.to_json()
     flip_in_file(store_path / "data.mdb", header, header.index(b'"created"') + 14)
     with LmdbStore(store_path) as store:
-        result = store.verify_all()
+        result = PackReader(store).verify_all()
     assert len(result) == 1 and not result[0].ok and "pack_sha256" in result[0].error
 
 
@@ -91,7 +91,7 @@ def test_export_import_round_trip(tmp_path: Path, store_path: Path) -> None:
         stored, created = import_pack(other, tmp_path / "victim.pack", name="moved")
         assert created and stored.key == key and stored.names == ("moved",)
         assert import_pack(other, tmp_path / "victim.pack")[1] is False
-        decoded = decode_pack(other.get("moved"))
+        decoded = decode_pack(PackReader(other).get("moved"))
     original = decode_pack(encoded)
     assert all(torch.equal(a, b) for a, b in zip(original.values, decoded.values))
 
@@ -142,7 +142,7 @@ def test_gc_removes_orphans_and_compaction_shrinks_the_file(store_path: Path) ->
         report = store.gc(compact=True)
         assert (report.orphan_chunks, report.orphan_chunk_bytes, report.dangling_names) == (1, 5, 1)
         assert report.file_bytes_after < report.file_bytes_before
-        assert [p.key for p in store.list()] == [keep] and store.verify("keep").ok
+        assert [p.key for p in store.list()] == [keep] and PackReader(store).verify("keep").ok
         store.put(encode_pack(make_pack(tokens=9)))  # still writable after the swap
         assert len(store.list()) == 2
 
@@ -158,7 +158,7 @@ def test_compaction_refuses_while_another_process_has_the_store(store_path: Path
         with LmdbStore(store_path) as store:
             with pytest.raises(StoreBusy, match="another process"):
                 store.gc(compact=True)
-            assert store.verify("victim").ok
+            assert PackReader(store).verify("victim").ok
     finally:
         holder.communicate("\n")
 
@@ -169,6 +169,7 @@ from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
 sys.path.insert(0, {tests!r})
 from test_format import make_pack
+from packstore.packs.reader import PackReader
 store = LmdbStore({path!r})
 for i in range(1000):
     encoded = encode_pack(make_pack(layers=24, tokens=1000 + i, dim=64))
@@ -192,7 +193,7 @@ def test_writer_killed_mid_put_leaves_no_partial_pack(store_path: Path, delay: f
                 break
     writer.wait()
     with LmdbStore(store_path) as store:
-        results = store.verify_all()
+        results = PackReader(store).verify_all()
         assert all(r.ok for r in results), results
         assert len(results) in (begun, begun + 1)  # the pack being written is whole or absent
         report = store.gc()

@@ -18,6 +18,9 @@ from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 from test_format import make_pack
+from packstore.packs.reader import PackReader
+from packstore.bank.bank import open_banks
+from bank_helpers import TEST_BANK_CACHE
 
 CLIENTS = 64
 MAX_RSS_MB = 1500
@@ -41,11 +44,11 @@ def client_loop(url: str, number: int, seeded: list[str], deadline: float, count
                     serial += 1
                     store.put(encode_pack(make_pack(layers=4, tokens=50 + (number * 10_000 + serial) % 5000)))
                 elif op == "read":
-                    store.fetch(rng.choice(seeded))
+                    PackReader(store).fetch(rng.choice(seeded))
                 elif op == "list":
                     store.list_page(page_size=50)
                 else:
-                    store.banks().route("kb", ["Who founded the lighthouse?"], top_k=3)
+                    open_banks(store, TEST_BANK_CACHE).route("kb", ["Who founded the lighthouse?"], top_k=3)
             except PackstoreError as exc:
                 errors.append(f"{op}: {exc}")
                 return
@@ -57,7 +60,7 @@ def test_sixty_four_clients_mixing_everything(tmp_path, robustness_report, secon
     with running_server(tmp_path / "data", "--workers", "32") as server:
         with RemoteStore(server.url, timeout=120) as store:
             seeded = [store.put(encode_pack(make_pack(layers=8, tokens=500 + i)))[0] for i in range(8)]
-            store.banks().build("kb", [f"The lighthouse number {i} was founded by keeper {i}." for i in range(200)])
+            open_banks(store, TEST_BANK_CACHE).build("kb", [f"The lighthouse number {i} was founded by keeper {i}." for i in range(200)])
         counts: dict[str, int] = {}
         errors: list[str] = []
         peak = [0.0]
@@ -69,7 +72,7 @@ def test_sixty_four_clients_mixing_everything(tmp_path, robustness_report, secon
             peak[0] = max(peak[0], rss_mb(server.process))
             time.sleep(0.2)
         with RemoteStore(server.url) as store:
-            assert all(result.ok for result in store.verify_all())
+            assert all(result.ok for result in PackReader(store).verify_all())
         high_water = rss_mb(server.process, "VmHWM")
     robustness_report.append(
         f"load: {CLIENTS} clients for {seconds} s: {sum(counts.values())} calls ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}), "
@@ -111,11 +114,11 @@ def test_a_full_store_refuses_writes_and_keeps_serving_reads(tmp_path) -> None:
         with pytest.raises(LimitExceeded, match="is full"):
             for index in range(1000):
                 store.put(encode_pack(make_pack(layers=4, tokens=2000 + index)))
-        assert store.fetch(kept).header.key == kept and store.verify(kept).ok and store.list()
+        assert PackReader(store).fetch(kept).header.key == kept and PackReader(store).verify(kept).ok and store.list()
         with pytest.raises(LimitExceeded, match="is full"):
-            store.banks().build("kb", [f"Fact number {i} is about the lighthouse keeper {i}." for i in range(2000)])
+            open_banks(store, TEST_BANK_CACHE).build("kb", [f"Fact number {i} is about the lighthouse keeper {i}." for i in range(2000)])
         listed = [summary.key for summary in store.list()]
         for key in listed[1:]:  # deleting frees space for new writes: a full store is not stuck
             store.delete(key)
         store.put(encode_pack(make_pack(layers=4, tokens=1999)))
-        assert store.fetch(listed[0]).header.key == listed[0]
+        assert PackReader(store).fetch(listed[0]).header.key == listed[0]

@@ -7,10 +7,15 @@ import gc
 import pytest
 import torch
 
-from packstore.packs.memory import ALIGN, PackMemory, cpu_tensors, use_pack_memory
-from packstore.store import LmdbStore
+from packstore.packs.buffers import HostBuffers
+from packstore.packs.decoder import Decoder
+from packstore.packs.memory import ALIGN, PackMemory
+from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
+from packstore.store import LmdbStore
 from test_format import make_pack
+
+CPU = torch.device("cpu")
 
 
 def inside(memory: PackMemory, tensor: torch.Tensor) -> bool:
@@ -36,18 +41,15 @@ def test_blocks_are_carved_first_fit_and_come_back_when_every_view_is_gone() -> 
     assert whole is not None and whole.data_ptr() == memory._region.ctypes.data
 
 
-def test_cpu_tensors_come_from_the_process_pack_memory_when_it_has_room() -> None:
+def test_host_buffers_come_from_their_pack_memory_when_it_has_room() -> None:
     memory = PackMemory(1 << 20)
-    use_pack_memory(memory)
-    try:
-        tensors = cpu_tensors((2, 8, 16), torch.float32, 6)
-        assert all(inside(memory, t) and t.shape == (2, 8, 16) and t.dtype == torch.float32 for t in tensors)
-        assert len({t.data_ptr() for t in tensors}) == 6
-        too_big = cpu_tensors((1024, 1024), torch.float32, 1)  # 4 MB: no room, allocated as usual
-        assert not inside(memory, too_big[0])
-    finally:
-        use_pack_memory(None)
-    assert not inside(memory, cpu_tensors((2, 8, 16), torch.float32, 1)[0])
+    buffers = HostBuffers(memory)
+    tensors = buffers.layer_tensors((2, 8, 16), torch.float32, 6, CPU)
+    assert all(inside(memory, t) and t.shape == (2, 8, 16) and t.dtype == torch.float32 for t in tensors)
+    assert len({t.data_ptr() for t in tensors}) == 6
+    too_big = buffers.layer_tensors((1024, 1024), torch.float32, 1, CPU)  # 4 MB: no room, allocated as usual
+    assert not inside(memory, too_big[0])
+    assert not inside(memory, HostBuffers().layer_tensors((2, 8, 16), torch.float32, 1, CPU)[0])
 
 
 def test_packs_decode_into_the_pack_memory_and_give_it_back_when_dropped(tmp_path) -> None:
@@ -55,11 +57,8 @@ def test_packs_decode_into_the_pack_memory_and_give_it_back_when_dropped(tmp_pat
     memory = PackMemory(1 << 20)
     with LmdbStore(tmp_path / "store") as store:
         key, _ = store.put(encode_pack(pack, block_positions=16))
-        use_pack_memory(memory)
-        try:
-            fetched = store.fetch(key)
-        finally:
-            use_pack_memory(None)
+        with Decoder(buffers=HostBuffers(memory)) as decoder:
+            fetched = PackReader(store, decoder).fetch(key)
     assert all(inside(memory, t) for t in fetched.keys + fetched.values)
     assert all(torch.equal(a, b) for a, b in zip(fetched.keys + fetched.values, pack.keys + pack.values))
     assert memory.free_bytes < memory.nbytes

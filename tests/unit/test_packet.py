@@ -24,6 +24,7 @@ from packstore.kv.steer import build_steering
 from packstore.kv.records import Pair
 from packstore.store import LmdbStore
 from packstore.packs.tensors import decode_pack, encode_pack
+from packstore.packs.reader import PackReader
 
 PART_A = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
 PART_B = ["Alice lives in Paris and works as a baker."]
@@ -166,7 +167,7 @@ def test_stored_adapter_training_and_examples_file(tiny_lm, tmp_path) -> None:
     with LmdbStore(tmp_path / "store") as store:
         stored, created = train_adapter_and_store(store, tiny_lm, name="pk", examples=examples, source="file", steps=2)
         assert created and stored.names == ("pk",) and stored.header.recipe["data"]["source"] == "file"
-        assert store.fetch("pk").header.kind == "adapter" and store.verify(stored.key).ok
+        assert PackReader(store).fetch("pk").header.kind == "adapter" and PackReader(store).verify(stored.key).ok
 
 
 def test_selective_recompute_spans_rope_to_full_recompute(tiny_lm, parts) -> None:

@@ -10,51 +10,53 @@ import pytest
 from packstore.errors import IntegrityError, PackNotFound, Unavailable
 from packstore.store.objects.store import ObjectStore
 from test_s3_store import objects
+from packstore.bank.bank import open_banks
+from bank_helpers import TEST_BANK_CACHE
 
 FACTS = [f"Locker {i} holds the {('red', 'green', 'blue', 'amber')[i % 4]} umbrella of guest {200 + i}." for i in range(40)]
 
 
 def test_replicas_share_banks_and_concurrent_adds_all_land(replicas) -> None:
     a, b = replicas
-    a.banks().build("lockers", FACTS)
-    assert b.banks().route("lockers", ["Which umbrella is in locker 13?"], top_k=1)[0].facts[0][0] == FACTS[13]
+    open_banks(a, TEST_BANK_CACHE).build("lockers", FACTS)
+    assert open_banks(b, TEST_BANK_CACHE).route("lockers", ["Which umbrella is in locker 13?"], top_k=1)[0].facts[0][0] == FACTS[13]
     added, start = [f"Locker {900 + i} holds a spare key." for i in range(6)], threading.Barrier(6)
 
     def add(i: int) -> None:
         start.wait()
-        (a, b)[i % 2].banks().add("lockers", [added[i]])
+        open_banks((a, b)[i % 2], TEST_BANK_CACHE).add("lockers", [added[i]])
 
     threads = [threading.Thread(target=add, args=(i,)) for i in range(6)]
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert a.bank("lockers").facts == len(FACTS) + 6  # each add was computed on the bank as it was, none lost
     for fact in added:
-        assert b.banks().route("lockers", [fact], top_k=1)[0].facts[0][0] == fact
+        assert open_banks(b, TEST_BANK_CACHE).route("lockers", [fact], top_k=1)[0].facts[0][0] == fact
 
 
 def test_a_bank_is_whole_or_absent_and_gc_removes_a_dead_builds_records(url, seaweed, tmp_path, monkeypatch) -> None:
     with ObjectStore(url, cache_dir=tmp_path / "a", gc_grace=2) as a, ObjectStore(url, cache_dir=tmp_path / "b", gc_grace=2) as b:
-        a.banks().build("kept", FACTS[:20])
+        open_banks(a, TEST_BANK_CACHE).build("kept", FACTS[:20])
 
         def die(*_args, **_kwargs):
             raise SystemExit("killed before the commit")
 
         monkeypatch.setattr(a._registers, "update", die)
         with pytest.raises(SystemExit):
-            a.banks().build("half", FACTS)
+            open_banks(a, TEST_BANK_CACHE).build("half", FACTS)
         monkeypatch.undo()
         assert any("banks/half/records/" in name for name in objects(seaweed, url, "banks/"))
-        assert [m.name for m, _ in b.banks().list()] == ["kept"]
+        assert [m.name for m, _ in open_banks(b, TEST_BANK_CACHE).list()] == ["kept"]
         with pytest.raises(PackNotFound, match="no bank named 'half'"):
-            b.banks().route("half", ["umbrella"])
-        a.banks().build("kept", FACTS[20:])  # a rebuild: the first build's records are garbage once old
+            open_banks(b, TEST_BANK_CACHE).route("half", ["umbrella"])
+        open_banks(a, TEST_BANK_CACHE).build("kept", FACTS[20:])  # a rebuild: the first build's records are garbage once old
         time.sleep(3.5)  # past the grace, +1 s: LastModified and Date are whole seconds
         b.gc()
         left = objects(seaweed, url, "banks/")
         assert not any("banks/half/" in name for name in left)
         kept = a._bank_head("kept")
         assert {name for name in left if "/records/" in name} == {obj.split("ns/default/", 1)[1] for obj, *_ in kept["records"].values()}
-        assert b.banks().route("kept", [FACTS[25]], top_k=1)[0].facts[0][0] == FACTS[25]
+        assert open_banks(b, TEST_BANK_CACHE).route("kept", [FACTS[25]], top_k=1)[0].facts[0][0] == FACTS[25]
 
 
 def test_a_bank_whose_upload_outlasts_the_writer_window_is_refused_and_absent(url, tmp_path) -> None:
@@ -62,15 +64,15 @@ def test_a_bank_whose_upload_outlasts_the_writer_window_is_refused_and_absent(ur
     (here 25 µs) is refused before the bank is committed, so a gc counting its records old cannot break it."""
     with ObjectStore(url, cache_dir=tmp_path / "a", gc_grace=1e-4) as a:
         with pytest.raises(Unavailable, match="too slow: uploading bank 'slow'"):
-            a.banks().build("slow", FACTS)
-        assert [m.name for m, _ in a.banks().list()] == []
+            open_banks(a, TEST_BANK_CACHE).build("slow", FACTS)
+        assert [m.name for m, _ in open_banks(a, TEST_BANK_CACHE).list()] == []
 
 
 def test_a_damaged_bank_record_is_data_loss(replicas, seaweed, url) -> None:
     a, b = replicas
-    a.banks().build("fragile", FACTS)
+    open_banks(a, TEST_BANK_CACHE).build("fragile", FACTS)
     obj = a._bank_head("fragile")["records"]["centroids/fragile"][0]
     seaweed.client().put_object(Bucket=seaweed.bucket, Key=url.split("/", 3)[3] + "/" + obj, Body=b"\0" * 64)
     with pytest.raises(IntegrityError, match="record centroids/fragile is damaged") as error:
-        b.banks().route("fragile", ["umbrella"])
+        open_banks(b, TEST_BANK_CACHE).route("fragile", ["umbrella"])
     assert error.value.grpc_status == "DATA_LOSS"

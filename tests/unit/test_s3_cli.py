@@ -18,6 +18,9 @@ from packstore.packs.tensors import encode_pack
 from packstore.security.trust import SigningKey, generate_key
 from test_s3_banks import FACTS
 from test_s3_store import random_pack
+from packstore.packs.reader import PackReader
+from packstore.bank.bank import open_banks
+from bank_helpers import TEST_BANK_CACHE
 
 NO_BANKS = {"banks": 0, "banks_copied": 0, "bank_signatures_added": 0, "banks_skipped": []}
 
@@ -64,10 +67,10 @@ def test_migrate_a_local_store_into_a_bucket_and_back(capsys, local, url, tmp_pa
     assert code == 0 and json.loads(out)["copied"] == 3
     with LmdbStore(path, readonly=True) as original, LmdbStore(back, readonly=True) as copy:
         for key in keys:
-            a, b = original.get(key), copy.get(key)
+            a, b = PackReader(original).get(key), PackReader(copy).get(key)
             assert (a.header, a.chunks, a.signatures) == (b.header, b.chunks, b.signatures)
             assert original.stat(key).names == copy.stat(key).names
-        assert all(r.ok for r in copy.verify_all())
+        assert all(r.ok for r in PackReader(copy).verify_all())
 
 
 def test_a_second_migrate_adds_only_missing_names_and_signatures(capsys, local, url, tmp_path) -> None:
@@ -101,15 +104,15 @@ def banked(local: tuple[Path, list[str]], tmp_path: Path) -> Path:
     "older" as an earlier version wrote it."""
     path, _ = local
     with LmdbStore(path) as store:
-        store.banks().build("lockers", FACTS)
-        store.banks().build("older", FACTS[:20])
+        open_banks(store, TEST_BANK_CACHE).build("lockers", FACTS)
+        open_banks(store, TEST_BANK_CACHE).build("older", FACTS[:20])
         sign_bank(store, "lockers", SigningKey.load(generate_key(tmp_path / "bank-key")[0]))
     _as_an_older_version_wrote_it(path, "older")
     return path
 
 
 def _routes(store, name: str) -> list[dict]:
-    return [r.to_json() for r in store.banks().route(name, ["Which umbrella is in locker 13?", "guest 207"], top_k=3)]
+    return [r.to_json() for r in open_banks(store, TEST_BANK_CACHE).route(name, ["Which umbrella is in locker 13?", "guest 207"], top_k=3)]
 
 
 def test_migrate_copies_banks_into_a_bucket_and_back_with_their_digests(capsys, banked, url, tmp_path) -> None:
@@ -131,7 +134,7 @@ def test_migrate_copies_banks_into_a_bucket_and_back_with_their_digests(capsys, 
     assert code == 0 and (report["banks_copied"], report["bank_signatures_added"]) == (2, 2)
     with LmdbStore(banked, readonly=True) as original, LmdbStore(back, readonly=True) as copy, ObjectStore(url, cache_dir=tmp_path / "c") as bucket:
         for name in ("lockers", "older"):
-            assert bucket.banks().digest(name) == copy.banks().digest(name) == original.banks().digest(name)
+            assert open_banks(bucket, TEST_BANK_CACHE).digest(name) == open_banks(copy, TEST_BANK_CACHE).digest(name) == open_banks(original, TEST_BANK_CACHE).digest(name)
             assert copy.bank_records(name) == bucket.bank_records(name) == original.bank_records(name)
             assert copy.bank_signatures(name) == original.bank_signatures(name) and len(copy.bank_signatures(name)) == 1
             assert _routes(bucket, name) == _routes(copy, name) == _routes(original, name)
@@ -142,7 +145,7 @@ def test_migrate_copies_banks_into_a_bucket_and_back_with_their_digests(capsys, 
 
 def test_a_bank_of_the_same_name_with_other_contents_stops_migrate(capsys, banked, url, tmp_path) -> None:
     with ObjectStore(url, cache_dir=tmp_path / "c") as bucket:
-        bucket.banks().build("older", FACTS[20:])
+        open_banks(bucket, TEST_BANK_CACHE).build("older", FACTS[20:])
         theirs = bucket.bank_records("older")
     code, _, err = packctl(capsys, "--store", str(banked), "migrate", "--to", url)
     assert code == 1 and "'older'" in err and "'lockers'" not in err and "never replaces a bank, so nothing was copied" in err

@@ -26,7 +26,7 @@ from packstore.errors import IntegrityError, InvalidInput, PackNotFound, Unavail
 from packstore.rpc.channel import Connection
 from packstore.rpc.messages import chunk_pieces
 from packstore.store import LmdbStore
-from packstore.store.migrate import migrate
+from packstore.packs.migrate import migrate
 from packstore.store.objects.cache import DEFAULT_CACHE_BYTES, ObjectCache
 from packstore.store.remote import RemoteStore
 from packstore.packs.tensors import encode_pack
@@ -38,6 +38,9 @@ from test_auth import TOKENS, refusal, tokens_file
 from test_format import FP_B
 from test_s3_banks import FACTS
 from test_s3_store import objects, random_pack, same_tensors
+from packstore.packs.reader import PackReader
+from packstore.bank.bank import open_banks
+from bank_helpers import TEST_BANK_CACHE
 
 
 @contextmanager
@@ -53,12 +56,12 @@ def test_two_replicas_serve_each_others_packs(seaweed, url, tmp_path, model_fp) 
         key, created = a.put(encode_pack(pack), name="shared")
         assert created and b.put(encode_pack(pack)) == (key, False)
         assert [(p.key, p.names) for p in b.list(model_fp=model_fp)] == [(key, ("shared",))]
-        assert same_tensors(b.fetch("shared", model_fp=model_fp, template_fp=FP_B), pack)  # GetPack, streamed chunk by chunk
-        assert b.stat(key).stored_bytes == encode_pack(pack).stored_bytes and b.verify(key).ok
+        assert same_tensors(PackReader(b).fetch("shared", model_fp=model_fp, template_fp=FP_B), pack)  # GetPack, streamed chunk by chunk
+        assert b.stat(key).stored_bytes == encode_pack(pack).stored_bytes and PackReader(b).verify(key).ok
         assert b.counts().packs == 1
         b.delete(key)
         with pytest.raises(PackNotFound):
-            a.fetch(key)  # a streamed it from its cache before; the commit object is gone, so it is gone for a too
+            PackReader(a).fetch(key)  # a streamed it from its cache before; the commit object is gone, so it is gone for a too
     assert sorted(p.name for p in (tmp_path / "a").rglob("data.mdb")) == ["data.mdb"]  # the data directory holds only the cache
     assert (tmp_path / "a" / "object-cache" / "default" / "data.mdb").exists()
 
@@ -67,26 +70,26 @@ def test_a_bank_built_through_one_replica_is_served_alike_by_another(seaweed, ur
     queries = ["Which umbrella is in locker 13?", "guest 207", "amber umbrella"]
 
     def answers(client: RemoteStore) -> tuple:
-        banks = client.banks()
+        banks = open_banks(client, TEST_BANK_CACHE)
         routes = [[r.to_json() for r in banks.route("lockers", queries, top_k=3, mode=mode)] for mode in ("hybrid", "dense", "lexical")]
         return routes, banks.list(), banks.digest("lockers"), banks.signatures("lockers")
 
     with replica(seaweed, url, tmp_path / "a") as (_, a), replica(seaweed, url, tmp_path / "b") as (_, b):
-        assert a.banks().build("lockers", FACTS).facts == len(FACTS)
-        assert b.banks().route("lockers", queries[:1], top_k=1)[0].facts[0][0] == FACTS[13]
+        assert open_banks(a, TEST_BANK_CACHE).build("lockers", FACTS).facts == len(FACTS)
+        assert open_banks(b, TEST_BANK_CACHE).route("lockers", queries[:1], top_k=1)[0].facts[0][0] == FACTS[13]
         sign_bank(a, "lockers", SigningKey.load(generate_key(tmp_path / "key")[0]))
         before = answers(b)
         assert before == answers(a) and len(before[3]) == 1
-        b.banks().add("lockers", ["Locker 900 holds a spare key."])
-        assert a.banks().route("lockers", ["spare key"], top_k=1, mode="lexical")[0].facts[0][0] == "Locker 900 holds a spare key."
+        open_banks(b, TEST_BANK_CACHE).add("lockers", ["Locker 900 holds a spare key."])
+        assert open_banks(a, TEST_BANK_CACHE).route("lockers", ["spare key"], top_k=1, mode="lexical")[0].facts[0][0] == "Locker 900 holds a spare key."
         after = answers(a)
         assert after == answers(b) and after[2] != before[2] and after[1][0][0].facts == len(FACTS) + 1
         with LmdbStore(tmp_path / "copy") as target:  # a service gives no bank records: migrate names the bank it could not copy
             assert migrate(b, target).banks_skipped == ("lockers",) and target.bank_metas() == []
-        a.banks().delete("lockers")
-        assert b.banks().list() == []
+        open_banks(a, TEST_BANK_CACHE).delete("lockers")
+        assert open_banks(b, TEST_BANK_CACHE).list() == []
         with pytest.raises(PackNotFound, match="no bank named 'lockers'"):
-            b.banks().route("lockers", queries[:1])
+            open_banks(b, TEST_BANK_CACHE).route("lockers", queries[:1])
 
 
 def test_getpack_of_a_prefix_sends_only_its_token_blocks(seaweed, url, tmp_path, model_fp) -> None:
@@ -97,10 +100,10 @@ def test_getpack_of_a_prefix_sends_only_its_token_blocks(seaweed, url, tmp_path,
             request = store_pb2.GetPackRequest(ref=key, prefix=1024)
             sent = [r.chunk.index for r in store_pb2_grpc.PackStoreStub(channel).GetPack(request) if r.WhichOneof("item") == "chunk"]
         assert sorted(set(sent)) == [0, 2]  # the first block of each layer
-        part = b.fetch_part(key, layers=(1, 1), prefix=1025)
+        part = PackReader(b).fetch_part(key, layers=(1, 1), prefix=1025)
         assert torch.equal(part.keys[0], pack.keys[1][:, :1025]) and torch.equal(part.values[0], pack.values[1][:, :1025])
         with pytest.raises(InvalidInput, match="a prefix of 1501 positions is not within its 1-1500"):
-            b.fetch_part(key, prefix=1501)
+            PackReader(b).fetch_part(key, prefix=1501)
 
 
 def test_getpack_of_a_layer_range_reads_only_its_chunk_objects(seaweed, url, tmp_path, model_fp) -> None:
@@ -112,10 +115,10 @@ def test_getpack_of_a_layer_range_reads_only_its_chunk_objects(seaweed, url, tmp
             request = store_pb2.GetPackRequest(ref=key, layers=store_pb2.LayerRange(first=2, last=3))
             sent = [r.chunk.index for r in store_pb2_grpc.PackStoreStub(channel).GetPack(request) if r.WhichOneof("item") == "chunk"]
         assert sorted(set(sent)) == [2, 3]
-        part = b.fetch_part(key, layers=(2, 3), model_fp=model_fp, template_fp=FP_B)
+        part = PackReader(b).fetch_part(key, layers=(2, 3), model_fp=model_fp, template_fp=FP_B)
         assert all(torch.equal(x, y) for x, y in zip(pack.keys[2:4] + pack.values[2:4], part.keys + part.values))
         with pytest.raises(InvalidInput, match="not within its layers 0-9"):
-            b.fetch_part(key, layers=(9, 10))
+            PackReader(b).fetch_part(key, layers=(9, 10))
     with closing(ObjectCache(tmp_path / "b" / "object-cache" / "default", DEFAULT_CACHE_BYTES)) as cache:
         cached = {name.rsplit("/", 1)[1] for name in cache.names() if "/chunks/" in name}
     assert cached == {c.address for c in encoded.header.chunks[2:4]}  # b got only these chunk objects from the bucket
@@ -150,7 +153,7 @@ def test_a_replica_killed_mid_upload_leaves_no_visible_pack(seaweed, url, tmp_pa
         assert b.list() == [] and b.counts().packs == 0
         for ref in (encoded.header.key, "half"):
             with pytest.raises(PackNotFound):
-                b.fetch(ref, model_fp=model_fp)
+                PackReader(b).fetch(ref, model_fp=model_fp)
 
 
 def test_a_damaged_object_is_data_loss_through_the_service(seaweed, url, tmp_path, model_fp) -> None:
@@ -161,13 +164,13 @@ def test_a_damaged_object_is_data_loss_through_the_service(seaweed, url, tmp_pat
         name = url.split("/", 3)[3] + f"/ns/default/chunks/{digest}"
         seaweed.client().put_object(Bucket=seaweed.bucket, Key=name, Body=b"\0" * len(encoded.chunks[1]))
         with pytest.raises(IntegrityError, match="chunk 1 .* is damaged"):
-            b.fetch(key)
+            PackReader(b).fetch(key)
         with grpc.insecure_channel(b_server.address) as channel:
             stream = store_pb2_grpc.PackStoreStub(channel).GetPack(store_pb2.GetPackRequest(ref=key))
             with pytest.raises(grpc.RpcError) as error:
                 list(stream)
         assert error.value.code() == grpc.StatusCode.DATA_LOSS and "is damaged" in error.value.details()
-        assert [r.ok for r in b.verify_all()] == [False]
+        assert [r.ok for r in PackReader(b).verify_all()] == [False]
 
 
 def test_a_read_creates_no_namespace_in_the_bucket_or_the_cache(seaweed, url, tmp_path, model_fp) -> None:
@@ -181,8 +184,8 @@ def test_a_read_creates_no_namespace_in_the_bucket_or_the_cache(seaweed, url, tm
     ghost_objects = {"Bucket": seaweed.bucket, "Prefix": url.split("/", 3)[3] + "/ns/ghost/"}
     with replica(seaweed, url, tmp_path / "a", "--auth", tokens) as (a, _), replica(seaweed, url, tmp_path / "b", "--auth", tokens) as (b, _):
         with RemoteStore(a.url, connection=as_operator("ghost")) as ghost, RemoteStore(a.url, connection=as_operator("default")) as default:
-            assert (ghost.list(), ghost.counts().packs, ghost.verify_all(), ghost.banks().list()) == ([], 0, [], [])
-            for read in (lambda store: store.stat("nothing"), lambda store: store.fetch("nothing"), lambda store: store.banks().route("nothing", ["?"])):
+            assert (ghost.list(), ghost.counts().packs, PackReader(ghost).verify_all(), open_banks(ghost, TEST_BANK_CACHE).list()) == ([], 0, [], [])
+            for read in (lambda store: store.stat("nothing"), lambda store: PackReader(store).fetch("nothing"), lambda store: open_banks(store, TEST_BANK_CACHE).route("nothing", ["?"])):
                 assert refusal(lambda: read(ghost)) == refusal(lambda: read(default))  # as a namespace that exists answers
         assert not (tmp_path / "a" / "object-cache" / "ghost").exists() and seaweed.client().list_objects_v2(**ghost_objects)["KeyCount"] == 0
         with RemoteStore(b.url, connection=as_operator("ghost")) as writer:
@@ -221,4 +224,4 @@ def test_a_store_gone_while_serving_is_unavailable_per_call(tmp_path, model_fp) 
                 a.list()
             assert error.value.grpc_status == "UNAVAILABLE"
             with pytest.raises(Unavailable):
-                a.fetch(key)  # the header is checked at the object store, cache or not
+                PackReader(a).fetch(key)  # the header is checked at the object store, cache or not

@@ -65,13 +65,13 @@ def test_a_pack_put_through_one_replica_is_listed_and_served_by_the_other(replic
     b.put(encode_pack(second))
     assert [p.key for p in b.list(model_fp=model_fp)] == sorted([key, second.header.key])
     assert b.stat("shared", model_fp=model_fp).key == key and b.list(name="shared")[0].names == ("shared",)
-    assert same_tensors(b.fetch("shared", model_fp=model_fp, template_fp=FP_B), first)
+    assert same_tensors(PackReader(b).fetch("shared", model_fp=model_fp, template_fp=FP_B), first)
     chunks = objects(seaweed, url, "chunks/")
     assert len(chunks) == len({c.address for c in encode_pack(second).header.chunks}) == 3  # stored once across both packs
     assert b.counts().packs == 2 and a.counts() == b.counts()
     a.delete(key)
     with pytest.raises(PackNotFound):
-        b.get(key)  # b had it cached; the commit object is gone, so it is gone for b too
+        PackReader(b).get(key)  # b had it cached; the commit object is gone, so it is gone for b too
     assert [p.key for p in b.list()] == [second.header.key]
 
 
@@ -121,6 +121,7 @@ import os, sys, time
 from packstore.store.objects.store import ObjectStore
 from packstore.packs.tensors import encode_pack
 from test_s3_store import random_pack
+from packstore.packs.reader import PackReader
 upload = ObjectStore._upload_chunk
 def slow_upload(self, digest, data):
     relied = upload(self, digest, data)
@@ -149,7 +150,7 @@ def test_a_writer_killed_mid_upload_leaves_no_visible_pack(url, seaweed, tmp_pat
         assert reader.list() == [] and reader.keys() == [] and reader.counts().packs == 0
         for ref in (key, "half"):
             with pytest.raises(PackNotFound):
-                reader.get(ref, model_fp=model_fp)
+                PackReader(reader).get(ref, model_fp=model_fp)
         time.sleep(3.5)  # past the grace (+1 s: the server's times are whole seconds): the dead writer's chunks are garbage now
         report = reader.gc()
         assert (report.orphan_chunks, report.orphan_chunk_bytes) == (len(uploaded), sum(uploaded.values()))
@@ -164,19 +165,19 @@ def test_a_damaged_object_is_data_loss_and_never_served(replicas, seaweed, url, 
     chunk = url.split("/", 3)[3] + f"/ns/default/chunks/{digest}"
     size = objects(seaweed, url, f"chunks/{digest}")[f"chunks/{digest}"]
     seaweed.client().put_object(Bucket=seaweed.bucket, Key=chunk, Body=b"\0" * size)
-    for read in (b.get, b.fetch):
+    for read in (PackReader(b).get, PackReader(b).fetch):
         with pytest.raises(IntegrityError, match="chunk 1 .* is damaged") as error:
             read(key)
         assert error.value.grpc_status == "DATA_LOSS"
     assert b.cache.get(b._cache_scope + b._chunk_name(digest)) is None  # damaged bytes are never cached
-    assert not b.verify(key).ok and [r.ok for r in b.verify_all()] == [False]
+    assert not PackReader(b).verify(key).ok and [r.ok for r in PackReader(b).verify_all()] == [False]
     # a writer that needs the same chunk for another pack heals the stored copy (its ETag is not the bytes' MD5)
     a.put(encode_pack(pack_of(model_fp, 20)))
-    assert b.verify(key).ok and same_tensors(b.fetch(key), pack)
+    assert PackReader(b).verify(key).ok and same_tensors(PackReader(b).fetch(key), pack)
     header = url.split("/", 3)[3] + f"/ns/default/headers/{key}"
     stored = seaweed.client().get_object(Bucket=seaweed.bucket, Key=header)["Body"].read()
     seaweed.client().put_object(Bucket=seaweed.bucket, Key=header, Body=stored.replace(b'"raw":false', b'"raw":true '))
-    for read in (b.stat, b.get):
+    for read in (b.stat, PackReader(b).get):
         with pytest.raises(IntegrityError, match="stored header is damaged"):
             read(key)
 
@@ -190,13 +191,13 @@ def test_the_cache_is_bounded_and_evicts_the_least_recently_used(url, tmp_path, 
             writer.put(encode_pack(pack))
     with ObjectStore(url, cache_dir=tmp_path / "r", cache_bytes=bound) as reader:
         for pack in packs:
-            assert same_tensors(reader.fetch(pack.header.key), pack)
+            assert same_tensors(PackReader(reader).fetch(pack.header.key), pack)
             assert reader.cache.held_bytes <= bound
         cached = set(reader.cache.names())
         first = {reader._cache_scope + reader._chunk_name(c.address) for c in packs[0].header.chunks}
         last = {reader._cache_scope + reader._chunk_name(c.address) for c in encode_pack(packs[-1]).header.chunks}
         assert not first & cached and last <= cached  # the oldest went first
-        assert same_tensors(reader.fetch(packs[0].header.key), packs[0])  # evicted: fetched again
+        assert same_tensors(PackReader(reader).fetch(packs[0].header.key), packs[0])  # evicted: fetched again
         assert reader.cache.held_bytes <= bound
 
 
@@ -207,15 +208,15 @@ def test_a_layer_range_gets_only_the_chunk_objects_holding_it(url, tmp_path, mod
         key, _ = writer.put(encoded)
     with ObjectStore(url, cache_dir=tmp_path / "r") as reader:
         gets = counted_gets(reader)
-        part = reader.fetch_part(key, layers=(4, 6))
+        part = PackReader(reader).fetch_part(key, layers=(4, 6))
         assert all(torch.equal(a, b) for a, b in zip(pack.keys[4:7] + pack.values[4:7], part.keys + part.values))
         wanted = sorted(f"chunks/{c.address}" for c in encoded.header.chunks[4:7])
         assert sorted(g for g in gets if g.startswith("chunks/")) == wanted  # 3 of the 12 chunk objects
         assert [g for g in gets if not g.startswith("chunks/")] == [f"headers/{key}"]
         gets.clear()
-        reader.fetch_part(key, layers=(5, 5))
+        PackReader(reader).fetch_part(key, layers=(5, 5))
         assert gets == []  # header and chunk from the cache (the header's version checked by a HEAD)
-        reader.fetch(key)
+        PackReader(reader).fetch(key)
         assert len(gets) == 9  # the whole pack: only the 9 chunks not read before
 
 
@@ -226,7 +227,7 @@ def test_a_prefix_gets_only_the_token_block_objects_holding_it(url, tmp_path, mo
         key, _ = writer.put(encoded)
     with ObjectStore(url, cache_dir=tmp_path / "r") as reader:
         gets = counted_gets(reader)
-        part = reader.fetch_part(key, prefix=1000)
+        part = PackReader(reader).fetch_part(key, prefix=1000)
         assert all(torch.equal(a[:, :1000], b) for a, b in zip(pack.keys + pack.values, part.keys + part.values))
         wanted = sorted(f"chunks/{c.address}" for c in encoded.header.chunks if c.first_position == 0)
         assert sorted(g for g in gets if g.startswith("chunks/")) == wanted  # the first block of each of the 4 layers
@@ -236,14 +237,14 @@ def test_a_damaged_cache_entry_is_dropped_and_fetched_again(replicas, model_fp) 
     a, b = replicas
     pack = pack_of(model_fp)
     key, _ = a.put(encode_pack(pack))
-    assert same_tensors(b.fetch(key), pack)  # now cached in b
+    assert same_tensors(PackReader(b).fetch(key), pack)  # now cached in b
     encoded = encode_pack(pack)
     chunk_slot = b._cache_scope + b._chunk_name(encoded.header.chunks[0].address)
     b.cache.put(chunk_slot, b"\xff" * len(encoded.chunks[0]))
     header_slot = b._cache_scope + b._header_name(key)
     etag = b.cache.get(header_slot).split(b"\n", 1)[0]
     b.cache.put(header_slot, etag + b"\n" + encoded.header.to_json().replace(b'"raw":false', b'"raw":true '))
-    assert same_tensors(b.fetch(key), pack) and b.stat(key).header == encoded.header
+    assert same_tensors(PackReader(b).fetch(key), pack) and b.stat(key).header == encoded.header
     assert b.cache.get(chunk_slot) == encoded.chunks[0]  # the good bytes replaced the damaged ones
 
 
@@ -260,7 +261,7 @@ def test_gc_keeps_fresh_unreferenced_chunks_and_removes_old_ones(url, seaweed, t
         report = store.gc()
         assert report.orphan_chunks == 3 and report.file_bytes_after < report.file_bytes_before
         assert set(objects(seaweed, url, "chunks/")) == {f"chunks/{c.address}" for c in encode_pack(live).header.chunks}
-        assert store.verify("live").ok and store.resolve("live", model_fp=model_fp) == live.header.key
+        assert PackReader(store).verify("live").ok and store.resolve("live", model_fp=model_fp) == live.header.key
         assert list(objects(seaweed, url, "names/")) == [f"names/{model_fp}/doomed/{1:020d}", f"names/{model_fp}/live/{0:020d}"]
 
 
@@ -303,7 +304,7 @@ def test_namespaces_keep_keys_and_names_apart(url, tmp_path, model_fp) -> None:
             with pytest.raises(PackNotFound):
                 b.stat(ref, model_fp=model_fp)
         a.delete("same-name", model_fp=model_fp)
-        assert b.verify(shared.header.key).ok and b.stat("same-name", model_fp=model_fp).names == ("same-name",)
+        assert PackReader(b).verify(shared.header.key).ok and b.stat("same-name", model_fp=model_fp).names == ("same-name",)
 
 
 def test_signatures_are_stored_and_served_with_their_packs(replicas, tmp_path, model_fp) -> None:
@@ -312,9 +313,9 @@ def test_signatures_are_stored_and_served_with_their_packs(replicas, tmp_path, m
     encoded = encode_pack(pack_of(model_fp))
     signed = EncodedPack(encoded.header, encoded.chunks, (signers[0].sign("pack", encoded.header.pack_sha256),))
     key, _ = a.put(signed)
-    assert b.stat(key).signatures == signed.signatures and b.get(key).signatures == signed.signatures
+    assert b.stat(key).signatures == signed.signatures and PackReader(b).get(key).signatures == signed.signatures
     a.add_signature(key, signers[1].sign("pack", encoded.header.pack_sha256))
-    assert {s.key_id for s in b.stat(key).signatures} == {s.key_id for s in signers} and b.verify(key).ok
+    assert {s.key_id for s in b.stat(key).signatures} == {s.key_id for s in signers} and PackReader(b).verify(key).ok
     with pytest.raises(IntegrityError, match="for another pack"):
         a.add_signature(key, signers[1].sign("pack", "0" * 64))
     a.delete(key)

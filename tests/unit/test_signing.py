@@ -11,7 +11,8 @@ import struct
 import pytest
 
 from packstore.answering.answer import Answerer, Question
-from packstore.answering.api import export_pack, import_pack, sign_bank, sign_pack, store_pack, verify_banks, verify_packs
+from packstore.answering.api import sign_bank, store_pack, verify_banks
+from packstore.packs.admin import export_pack, import_pack, sign_pack, verify_packs
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, InvalidInput, Untrusted
 from packstore.format.packfile import parse_pack_file, pack_file_parts
@@ -26,6 +27,8 @@ from packstore.packs.tensors import encode_pack
 from packstore.security.trust import SigningKey, TrustedKeys, generate_key
 from service_helpers import running_server
 from test_format import make_pack
+from packstore.bank.bank import open_banks
+from bank_helpers import TEST_BANK_CACHE
 
 GREEDY = Sampling(max_new_tokens=6)
 
@@ -163,7 +166,7 @@ def test_banks_are_signed_over_their_whole_contents(tiny_lm, keys, tmp_path) -> 
 
     cases = synthetic_facts(40)
     with LmdbStore(tmp_path / "store") as store:
-        banks = store.banks()
+        banks = open_banks(store, TEST_BANK_CACHE)
         banks.build("kb", [c.fact for c in cases[:30]])
         trusting = Answerer(tiny_lm, store, trusted=keys["trusted"])
         question = Question(cases[3].query, bank="kb", top_k=2, sampling=GREEDY)

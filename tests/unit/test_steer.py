@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from packstore.answering.answer import Answerer, Question
-from packstore.answering.api import build_steering_and_store, export_pack, import_pack, steering_details, store_pack
+from packstore.answering.api import build_steering_and_store, steering_details, store_pack
+from packstore.packs.admin import export_pack, import_pack
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch
 from packstore.answering.facts import read_pairs
 from packstore.format import PackHeader
@@ -23,6 +24,7 @@ from packstore.kv.options import MAX_ALPHA, middle_third, parse_layers, parse_st
 from packstore.kv.records import Pair
 from packstore.store import LmdbStore
 from packstore.packs.tensors import decode_pack, encode_pack
+from packstore.packs.reader import PackReader
 
 PAIRS = [
     Pair("Alice lives in Paris and works as a baker.", "Bob lives in Oslo."),
@@ -252,7 +254,7 @@ def test_store_build_is_idempotent_and_bad_pairs_store_nothing(tiny_lm, tmp_path
         export_pack(store, "joy", path)
     with LmdbStore(tmp_path / "t") as other:
         imported, _ = import_pack(other, path)
-        assert imported.key == stored.key and other.verify(imported.key).ok
+        assert imported.key == stored.key and PackReader(other).verify(imported.key).ok
 
 
 @pytest.mark.parametrize(

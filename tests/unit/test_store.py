@@ -15,6 +15,7 @@ from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackNot
 from packstore.packs.tensors import decode_pack, encode_pack
 from packstore.store import LmdbStore
 from test_format import FP_A, make_pack, resealed
+from packstore.packs.reader import PackReader
 
 
 def other_model(pack, fp: str = "c" * 64):
@@ -26,7 +27,7 @@ def test_put_get_round_trip(store_path: Path) -> None:
     with LmdbStore(store_path) as store:
         key, created = store.put(encode_pack(pack), name="alpha")
         assert created and key == pack.header.key
-        decoded = decode_pack(store.get("alpha"))
+        decoded = decode_pack(PackReader(store).get("alpha"))
     assert all(torch.equal(a, b) for a, b in zip(pack.keys, decoded.keys))
 
 
@@ -47,8 +48,8 @@ def test_store_persists_and_is_readable_from_another_process(store_path: Path) -
     with LmdbStore(store_path) as store:
         key, _ = store.put(encode_pack(make_pack()), name="persisted")
     code = (
-        "import sys; from packstore.store import LmdbStore; from packstore.packs.tensors import decode_pack;"
-        f"s = LmdbStore({str(store_path)!r}, readonly=True); p = decode_pack(s.get('persisted'));"
+        "import sys; from packstore.store import LmdbStore; from packstore.packs.reader import PackReader;"
+        f"s = LmdbStore({str(store_path)!r}, readonly=True); p = PackReader(s).fetch('persisted');"
         "print(p.header.key)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -105,7 +106,7 @@ def test_delete_removes_pack_chunks_and_names(store_path: Path) -> None:
             store.resolve("drop")
         with pytest.raises(PackNotFound):
             store.delete("drop")
-        assert decode_pack(store.get("keep")).header.key == keep.header.key
+        assert decode_pack(PackReader(store).get("keep")).header.key == keep.header.key
     env = lmdb.open(str(store_path), max_dbs=8, readonly=True)
     with env.begin() as txn:
         chunk_keys = [k for k, _ in txn.cursor(db=env.open_db(b"chunks", txn=txn, create=False))]
@@ -126,7 +127,7 @@ def test_damaged_stored_chunk_is_refused_and_named(store_path: Path) -> None:
     env.close()
     with LmdbStore(store_path) as store:
         with pytest.raises(IntegrityError, match=r"chunk \d+ .*damaged"):
-            store.get("victim")
+            PackReader(store).get("victim")
 
 
 def test_stored_header_breaking_a_field_rule_is_reported_by_verify(store_path: Path) -> None:
@@ -141,7 +142,7 @@ def test_stored_header_breaking_a_field_rule_is_reported_by_verify(store_path: P
         txn.put(key.encode(), resealed(header, model_name=123), db=env.open_db(b"packs", txn=txn))
     env.close()
     with LmdbStore(store_path) as store:
-        results = {r.key: r.error for r in store.verify_all()}
+        results = {r.key: r.error for r in PackReader(store).verify_all()}
         assert "'model_name'" in results[key] and list(results.values()).count(None) == 1
         assert len(store.list()) == 2
 
@@ -159,7 +160,7 @@ def test_map_grows_when_full(store_path: Path) -> None:
     with LmdbStore(store_path, map_size=256 * 1024) as store:
         keys = [store.put(encode_pack(make_pack(tokens=200 + i, dim=64)))[0] for i in range(4)]
         assert sorted(p.key for p in store.list()) == sorted(keys)
-        assert all(decode_pack(store.get(k)).header.key == k for k in keys)
+        assert all(decode_pack(PackReader(store).get(k)).header.key == k for k in keys)
 
 
 def test_readonly_open_of_missing_store_is_a_clear_error(tmp_path: Path) -> None:
@@ -171,7 +172,7 @@ def test_fetch_decodes_chunks_from_the_map_without_copying_them(store_path: Path
     """``fetch`` hands the decoder memoryviews of LMDB's map (valid while its read transaction is open), so the
     stored bytes are not copied out before they are hashed and decoded; the pack, signed, comes out exact."""
     import packstore.format.body as body
-    from packstore.answering.api import sign_pack
+    from packstore.packs.admin import sign_pack
     from packstore.security.trust import SigningKey, generate_key
 
     seen = []
@@ -182,9 +183,9 @@ def test_fetch_decodes_chunks_from_the_map_without_copying_them(store_path: Path
         key, _ = store.put(encode_pack(pack, block_positions=16))
         signature = sign_pack(store, key, SigningKey.load(generate_key(store_path.parent / "signer")[0]))[1]
         seen.clear()  # the put's own hashes
-        fetched = store.fetch(key)  # reads the signatures too, in the same transaction
+        fetched = PackReader(store).fetch(key)  # reads the signatures too, in the same transaction
         assert seen and set(seen) == {memoryview}
-        assert store.get(key).signatures == (signature,)
+        assert PackReader(store).get(key).signatures == (signature,)
     assert all(torch.equal(a, b) for a, b in zip(fetched.keys + fetched.values, pack.keys + pack.values))
 
 
@@ -199,10 +200,10 @@ def test_every_read_hashes_each_chunk_once(store_path: Path, monkeypatch: pytest
     with LmdbStore(store_path) as store:
         key, _ = store.put(encoded)
         for read, chunks in (
-            (lambda: store.fetch(key), 9),
-            (lambda: store.fetch_part(key), 9),
-            (lambda: store.fetch_part(key, layers=(1, 1), prefix=20), 2),
-            (lambda: store.get(key), 9),
+            (lambda: PackReader(store).fetch(key), 9),
+            (lambda: PackReader(store).fetch_part(key), 9),
+            (lambda: PackReader(store).fetch_part(key, layers=(1, 1), prefix=20), 2),
+            (lambda: PackReader(store).get(key), 9),
         ):
             hashed.clear()
             read()

@@ -19,6 +19,7 @@ import pytest
 from packstore.errors import PackNotFound
 from packstore.format import EncodedPack
 from packstore.store import LmdbStore
+from packstore.packs.reader import PackReader
 
 TINY_MAP = 64 * 1024
 
@@ -35,8 +36,8 @@ def encoded_packs(count: int, first_tokens: int, dim: int = 32) -> list[EncodedP
 def stream(store: LmdbStore, key: str) -> None:
     """Read a pack the ways the service and the worker do: whole (checksums verified), decoded straight from
     the map (``fetch`` holds its read transaction while the chunk threads decode), and chunk by chunk."""
-    store.get(key)
-    store.fetch(key)
+    PackReader(store).get(key)
+    PackReader(store).fetch(key)
     header = store.stat(key).header
     for _ in store.read_chunks(header, range(len(header.chunks))):
         pass
@@ -61,7 +62,7 @@ def run_threads(targets: list) -> list[str]:
 
 
 def assert_all_verify(store: LmdbStore) -> None:
-    damaged = [result for result in store.verify_all() if not result.ok]
+    damaged = [result for result in PackReader(store).verify_all() if not result.ok]
     assert damaged == []
 
 

@@ -25,6 +25,9 @@ from packstore.packs.tensors import Pack, encode_pack
 from packstore.security.trust import SigningKey, generate_key
 from service_helpers import running_server
 from test_format import FP_B, make_pack
+from packstore.packs.reader import PackReader
+from packstore.bank.bank import open_banks
+from bank_helpers import TEST_BANK_CACHE
 
 
 @pytest.fixture(scope="module", params=["lmdb", "grpc", "s3"])
@@ -61,11 +64,11 @@ def pack_of(model_fp: str, first_token: int = 10, *, template_fp: str = FP_B, to
 
 def test_implements_the_protocols(store: PackStore) -> None:
     assert isinstance(store, PackStore)
-    assert isinstance(store.banks(), BankStore)
+    assert isinstance(open_banks(store, TEST_BANK_CACHE), BankStore)
 
 
 def test_banks_build_add_route_list_sign_delete(store: PackStore, tmp_path: Path) -> None:
-    banks = store.banks()
+    banks = open_banks(store, TEST_BANK_CACHE)
     colours = ("red", "green", "blue", "amber", "violet", "silver")
     facts = [f"The {colours[i % 6]} key number {i} opens the door of room {100 + i}." for i in range(60)]
     meta = banks.build("suite-bank", facts)
@@ -97,16 +100,16 @@ def test_put_stat_get_fetch_round_trip(store: PackStore, model_fp: str) -> None:
     assert (key, created) == (pack.header.key, True)
     assert store.put(encode_pack(pack)) == (key, False)
     stored = store.stat("round", model_fp=model_fp)
-    assert stored.key == key and stored.names == ("round",) and stored.header == store.get(key).header
+    assert stored.key == key and stored.names == ("round",) and stored.header == PackReader(store).get(key).header
     assert stored.stored_bytes == encode_pack(pack).stored_bytes
-    fetched = store.fetch(key, model_fp=model_fp, template_fp=FP_B)
+    fetched = PackReader(store).fetch(key, model_fp=model_fp, template_fp=FP_B)
     assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, fetched.keys + fetched.values))
 
 
 def test_start_fetch_checks_identities_at_once_then_hands_out_layers_as_they_decode(store: PackStore, model_fp: str) -> None:
     pack = pack_of(model_fp, tokens=2500)  # token blocks: each layer is whole only once its three chunks are in
     key, _ = store.put(encode_pack(pack))
-    arriving = store.start_fetch(key, model_fp=model_fp, template_fp=FP_B)
+    arriving = PackReader(store).start_fetch(key, model_fp=model_fp, template_fp=FP_B)
     assert arriving.header.key == key
     for slot in range(pack.header.layers):
         k, v = arriving.layer(slot)
@@ -114,11 +117,11 @@ def test_start_fetch_checks_identities_at_once_then_hands_out_layers_as_they_dec
     whole = arriving.result()
     assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, whole.keys + whole.values))
     with pytest.raises(PackMismatch):
-        store.start_fetch(key, model_fp="0" * 64)
+        PackReader(store).start_fetch(key, model_fp="0" * 64)
     with pytest.raises(PackMismatch):
-        store.start_fetch(key, template_fp="0" * 64)
+        PackReader(store).start_fetch(key, template_fp="0" * 64)
     with pytest.raises(PackNotFound):
-        store.start_fetch("f" * 64 + "/" + "f" * 64 + "/" + "f" * 64)
+        PackReader(store).start_fetch("f" * 64 + "/" + "f" * 64 + "/" + "f" * 64)
 
 
 def test_steering_packs_round_trip_with_their_partial_layer_range(store: PackStore, model_fp: str) -> None:
@@ -132,29 +135,29 @@ def test_steering_packs_round_trip_with_their_partial_layer_range(store: PackSto
     assert created and store.resolve("steer", model_fp=model_fp) == key
     [summary] = store.list(model_fp=model_fp)
     assert (summary.kind, summary.tokens, summary.facts) == ("steering", 0, 0)
-    fetched = store.fetch(key)
+    fetched = PackReader(store).fetch(key)
     assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, fetched.keys + fetched.values))
-    assert store.stat(key).header.recipe == recipe and store.verify(key).ok
-    part = store.fetch_part(key, layers=(2, 2))  # a steering pack's body starts at its recipe's first layer
+    assert store.stat(key).header.recipe == recipe and PackReader(store).verify(key).ok
+    part = PackReader(store).fetch_part(key, layers=(2, 2))  # a steering pack's body starts at its recipe's first layer
     assert part.layers == range(2, 3) and torch.equal(part.keys[0], pack.keys[1]) and torch.equal(part.values[0], pack.values[1])
     with pytest.raises(InvalidInput):
-        store.fetch_part(key, layers=(0, 1))
+        PackReader(store).fetch_part(key, layers=(0, 1))
     with pytest.raises(InvalidInput, match="a steering pack has no token positions"):
-        store.fetch_part(key, prefix=1)
+        PackReader(store).fetch_part(key, prefix=1)
 
 
 def test_fetch_part_decodes_only_the_layers_asked_for(store: PackStore, model_fp: str) -> None:
     pack = pack_of(model_fp)
     key, _ = store.put(encode_pack(pack))
-    part = store.fetch_part(key, layers=(1, 2), model_fp=model_fp, template_fp=FP_B)
+    part = PackReader(store).fetch_part(key, layers=(1, 2), model_fp=model_fp, template_fp=FP_B)
     assert part.header.key == key and part.layers == range(1, 3)
     assert all(torch.equal(a, b) for a, b in zip(pack.keys[1:] + pack.values[1:], part.keys + part.values))
-    assert [k.shape for k in store.fetch_part(key, layers=(0, 0)).keys] == [pack.keys[0].shape]
+    assert [k.shape for k in PackReader(store).fetch_part(key, layers=(0, 0)).keys] == [pack.keys[0].shape]
     for first, last in ((2, 3), (2, 1)):
         with pytest.raises(InvalidInput, match="not within its layers 0-2"):
-            store.fetch_part(key, layers=(first, last))
+            PackReader(store).fetch_part(key, layers=(first, last))
     with pytest.raises(PackMismatch):
-        store.fetch_part(key, layers=(0, 0), model_fp="0" * 64)
+        PackReader(store).fetch_part(key, layers=(0, 0), model_fp="0" * 64)
 
 
 def test_fetch_part_of_a_prefix_decodes_only_the_token_blocks_holding_it(store: PackStore, model_fp: str) -> None:
@@ -163,22 +166,22 @@ def test_fetch_part_of_a_prefix_decodes_only_the_token_blocks_holding_it(store: 
     assert [(c.first_position, c.stop_position) for c in encoded.header.chunks[:3]] == [(0, 1024), (1024, 2048), (2048, 2500)]
     assert chunks_for(encoded.header, None, 1000) == (0, 3, 6) and chunks_for(encoded.header, (1, 2), 1025) == (3, 4, 6, 7)
     key, _ = store.put(encoded)
-    fetched = store.fetch(key)
+    fetched = PackReader(store).fetch(key)
     assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, fetched.keys + fetched.values))
     for layers, prefix in ((None, 1), (None, 1024), (None, 1025), ((1, 2), 2500), ((0, 0), 700)):
-        part = store.fetch_part(key, layers=layers, prefix=prefix, model_fp=model_fp, template_fp=FP_B)
+        part = PackReader(store).fetch_part(key, layers=layers, prefix=prefix, model_fp=model_fp, template_fp=FP_B)
         span = range(3) if layers is None else range(layers[0], layers[1] + 1)
         assert part.layers == span and part.positions == prefix
         wanted = [pack.keys[i][:, :prefix] for i in span] + [pack.values[i][:, :prefix] for i in span]
         assert all(torch.equal(a, b) for a, b in zip(wanted, part.keys + part.values))
     for prefix in (0, 2501):
         with pytest.raises(InvalidInput, match=f"a prefix of {prefix} positions is not within its 1-2500"):
-            store.fetch_part(key, prefix=prefix)
+            PackReader(store).fetch_part(key, prefix=prefix)
 
 
 def test_stated_identities_must_match(store: PackStore, model_fp: str) -> None:
     key, _ = store.put(encode_pack(pack_of(model_fp)))
-    for call in (store.fetch, store.get):
+    for call in (PackReader(store).fetch, PackReader(store).get):
         with pytest.raises(PackMismatch) as model_error:
             call(key, model_fp="0" * 64)
         assert model_error.value.what == "model" and model_error.value.fields["what"] == "model"
@@ -258,15 +261,15 @@ def test_counts_follow_writes(store: PackStore, model_fp: str) -> None:
 
 def test_verify_and_gc(store: PackStore, model_fp: str) -> None:
     key, _ = store.put(encode_pack(pack_of(model_fp)))
-    assert store.verify(key).ok
-    assert key in {r.key for r in store.verify_all() if r.ok}
+    assert PackReader(store).verify(key).ok
+    assert key in {r.key for r in PackReader(store).verify_all() if r.ok}
     assert key in store.keys()
     report = store.gc()
     assert isinstance(report, GcReport) and report.orphan_chunks == 0 and not report.compacted
 
 
 def test_missing_refs_raise_the_same_error(store: PackStore, model_fp: str) -> None:
-    for call in (store.stat, store.get, store.fetch, store.delete, store.resolve):
+    for call in (store.stat, PackReader(store).get, PackReader(store).fetch, store.delete, store.resolve):
         with pytest.raises(PackNotFound, match="no pack named 'absent-pack'"):
             call("absent-pack", model_fp=model_fp)
 

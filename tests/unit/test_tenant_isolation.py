@@ -23,6 +23,7 @@ from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 from test_auth import TOKENS, tokens_file
 from test_format import make_pack
+from packstore.packs.reader import PackReader
 
 VOLATILE_LOG_FIELDS = {"ts", "ms", "peer"}  # times, and the client's port
 
@@ -78,10 +79,10 @@ def b_sees(root: Path, a_reads_the_same_pack: bool) -> dict:
         with RemoteStore(server.url, connection=Connection(token=TOKENS["a-writer"][0])) as a:
             mine = shared if a_reads_the_same_pack else other
             a_key, _ = a.put(encode_pack(mine))  # uploading makes it hot in A's namespace
-            assert torch.equal(a.fetch(a_key).keys[0], mine.keys[0])
+            assert torch.equal(PackReader(a).fetch(a_key).keys[0], mine.keys[0])
         seen = {"reads": [bulk_read(server, "b-writer", key) for _ in range(2)]}
         with RemoteStore(server.url, connection=Connection(token=TOKENS["b-writer"][0])) as b:
-            assert torch.equal(b.fetch(key).values[2], shared.values[2])
+            assert torch.equal(PackReader(b).fetch(key).values[2], shared.values[2])
             seen["listing"] = [(p.key, p.stored_bytes) for p in b.list()]
         seen["metrics"] = metrics_seen(server, "b-writer")
     seen["logs"] = log_lines_of(server, "b")

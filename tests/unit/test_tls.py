@@ -22,6 +22,7 @@ from packstore.v1 import store_pb2
 from service_helpers import running_server, running_worker
 from test_format import make_pack
 from tls_helpers import make_certificates
+from packstore.packs.reader import PackReader
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def test_the_service_speaks_tls_only_to_clients_that_trust_its_ca(certs, tmp_pat
             pack = make_pack()
             key, created = store.put(encode_pack(pack))
             assert created and store.stat(key).key == key
-            assert torch.equal(store.fetch(key).keys[0], pack.keys[0]) and store.bulk  # the bulk port spoke TLS: no fallback
+            assert torch.equal(PackReader(store).fetch(key).keys[0], pack.keys[0]) and store.bulk  # the bulk port spoke TLS: no fallback
             _, ticket, _ = store._start_get_pack(store_pb2.GetPackRequest(ref=key, bulk=True))
             assert ticket.bulk.tls
         scrape = urllib.request.urlopen(f"https://{server.metrics}/metrics", context=ssl.create_default_context(cafile=certs["ca"]), timeout=10)
@@ -64,7 +65,7 @@ def test_mutual_tls_requires_a_client_certificate_from_the_client_ca(certs, tmp_
         mutual = Connection(tls_ca=certs["ca"], tls_client_cert=certs["client_cert"], tls_client_key=certs["client_key"])
         with RemoteStore(secure, connection=mutual, timeout=10) as store:
             store.put(encode_pack(make_pack()), name="p")
-            assert store.fetch("p") and store.bulk
+            assert PackReader(store).fetch("p") and store.bulk
             _, ticket, _ = store._start_get_pack(store_pb2.GetPackRequest(ref="p", bulk=True))
         with pytest.raises((OSError, EOFError)):  # the bulk port, too, wants a client certificate
             read_frame(connect("127.0.0.1", ticket.bulk.port, ticket.bulk.ticket, timeout=5, tls=Connection(tls_ca=certs["ca"]).ssl_context()))

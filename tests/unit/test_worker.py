@@ -23,6 +23,8 @@ from packstore.v1 import store_pb2, worker_pb2, worker_pb2_grpc
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
 from tiny_model import make_model_dir
+from packstore.bank.bank import open_banks
+from bank_helpers import TEST_BANK_CACHE
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
 GREEDY = Sampling(max_new_tokens=12)
@@ -172,7 +174,7 @@ def test_worker_answers_from_a_bank_with_lazy_recompute(stack, tiny_lm) -> None:
     server, worker = stack
     cases = synthetic_facts(60)
     with RemoteStore(server.url) as remote:
-        remote.banks().build("wbank", [c.fact for c in cases])
+        open_banks(remote, TEST_BANK_CACHE).build("wbank", [c.fact for c in cases])
         before = len(remote.list())
         with WorkerClient(worker.address) as client:
             first = client.ask(Question(cases[3].query, bank="wbank", top_k=2, sampling=GREEDY, compare_rag=True))

@@ -11,23 +11,20 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, NoReturn, Sequence, TypeVar
+from typing import Callable, Iterator, NoReturn, Sequence, TypeVar
 
 import lmdb
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, StoreBusy
-from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
+from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack
 from packstore.format import EncodedPack, PackHeader, parse_key
 from packstore.format.body import chunks_for, verify_chunk
 from packstore.format.signature import Signature
 from packstore.store.lmdb.banks import BankTables
 from packstore.store.lmdb.environment import DEFAULT_MAP_SIZE, LmdbEnvironment
 from packstore.store.lmdb.integrity import check_structure
-from packstore.store.protocol import DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, BankStore, check_name, pick_match
+from packstore.store.protocol import DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, OpenedPack, check_name, pick_match
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
-
-if TYPE_CHECKING:
-    from packstore.packs.tensors import ArrivingPack, Pack, PackPart
 
 STORE_LAYOUT_VERSION = b"2"  # 2 added summaries, key_names, by_name and the running counters
 LOCK_FILE = "packstore.lock"
@@ -442,18 +439,6 @@ class LmdbStore(BankTables):
         with self._env.read() as txn:
             return self._counts_in(txn)
 
-    def _read(self, ref: str, *, model_fp: str | None = None) -> EncodedPack:
-        """A pack's header and chunks as stored, not yet checked against their checksums."""
-        key = self.resolve(ref, model_fp=model_fp)
-        with self._env.read() as txn:
-            return self._encoded_in(txn, key)
-
-    def _encoded_in(self, txn: lmdb.Transaction, key: str) -> EncodedPack:
-        """The pack ``key`` as ``txn`` holds it (its chunks memoryviews of the map in a ``buffers`` transaction)."""
-        header = self._header_in(txn, key)
-        chunks = [self._chunk_in(txn, key, index) for index in range(len(header.chunks))]
-        return EncodedPack(header=header, chunks=chunks, signatures=self._signatures_in(txn, key))
-
     def _chunk_in(self, txn: lmdb.Transaction, key: str, index: int) -> bytes | memoryview:
         """Chunk ``index`` of pack ``key`` as ``txn`` holds it; IntegrityError when it is missing."""
         data = txn.get(_chunk_key(key, index), db=self._chunks)
@@ -461,79 +446,45 @@ class LmdbStore(BankTables):
             raise IntegrityError(f"pack {key}: chunk {index} is missing")
         return data
 
-    def get(self, ref: str, *, model_fp: str | None = None, template_fp: str | None = None) -> EncodedPack:
-        """Read a pack's header and every chunk, verifying each chunk's checksum (and stated identities)."""
-        encoded = self._read(ref, model_fp=model_fp)
-        encoded.header.check_identities(model_fp, template_fp)
-        for index, data in enumerate(encoded.chunks):
-            verify_chunk(encoded.header, index, data)
-        return encoded
-
-    def fetch(
-        self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
-    ) -> "Pack":
-        """Get, verify and decode a pack; refuses one whose identities differ from those the caller states."""
-        return self.start_fetch(ref, device=device, model_fp=model_fp, template_fp=template_fp).result()
-
-    def start_fetch(
-        self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
-    ) -> "ArrivingPack":
-        """``fetch`` returning once the header is read and its identities checked: the chunks are verified and
-        decoded in the background, in layer order, straight from LMDB's map (a read transaction held until the
-        last is decoded), so a model can run layer i while later layers decode (``ArrivingPack``)."""
-        from packstore.packs.tensors import start_pack
-
+    def open_pack(
+        self,
+        ref: str,
+        *,
+        model_fp: str | None = None,
+        template_fp: str | None = None,
+        layers: tuple[int, int] | None = None,
+        prefix: int | None = None,
+        keep: bool = False,
+        signatures: bool = False,
+        as_stored: bool = False,
+    ) -> OpenedPack:
+        """The chunks are read in one read transaction, straight from LMDB's map unless ``keep`` (then copied out),
+        after checking that the pack was not deleted or replaced since its header was read."""
         key = self.resolve(ref, model_fp=model_fp)
         with self._env.read() as txn:
             header = self._header_in(txn, key)
             stored_header = txn.get(key.encode(), db=self._packs)
-        header.check_identities(model_fp, template_fp)
+            found = self._signatures_in(txn, key) if signatures else ()
+        indices = chunks_for(header, layers, prefix)
 
         @contextmanager
-        def chunks() -> Iterator[Iterator[tuple[int, memoryview]]]:
-            with self._env.read(buffers=True) as txn:
+        def chunks() -> Iterator[Iterator[tuple[int, bytes | memoryview]]]:
+            with self._env.read(buffers=not keep) as txn:
                 if txn.get(key.encode(), db=self._packs) != stored_header:
                     raise PackNotFound(f"pack {key} was deleted or replaced while it was being read")
-                yield ((index, self._chunk_in(txn, key, index)) for index in range(len(header.chunks)))
+                yield ((index, self._chunk_in(txn, key, index)) for index in indices)
 
-        return start_pack(header, chunks, device)
-
-    def fetch_part(
-        self,
-        ref: str,
-        *,
-        layers: tuple[int, int] | None = None,
-        prefix: int | None = None,
-        device: object = None,
-        model_fp: str | None = None,
-        template_fp: str | None = None,
-    ) -> "PackPart":
-        """Decode part of a pack's body (some layers, a prefix) from the chunks holding it, leaving the others unread."""
-        from packstore.packs.tensors import decode_part
-
-        key = self.resolve(ref, model_fp=model_fp)
-        with self._env.read() as txn:
-            header = self._header_in(txn, key)
-        header.check_identities(model_fp, template_fp)
-        indices = chunks_for(header, layers, prefix)
-        return decode_part(header, layers, prefix, zip(indices, self.read_chunks(header, indices)), device, verified=True)
+        return OpenedPack(header=header, signatures=found, indices=indices, chunks=chunks)
 
     def read_chunks(self, header: PackHeader, indices: Sequence[int]) -> Iterator[bytes]:
-        """Chunks ``indices`` of a pack in order, each checked against its digest and read only when the caller
-        takes it (a stream holds one chunk at a time, not the pack)."""
+        """Chunks ``indices`` of a pack in order, as stored, each read (in a transaction of its own) only when the
+        caller takes it: a stream holds one chunk at a time, not the pack, nor a read transaction."""
         for index in indices:
             with self._env.read() as txn:
                 data = txn.get(_chunk_key(header.key, index), db=self._chunks)
             if data is None:
                 raise PackNotFound(f"pack {header.key}: chunk {index} is gone (was the pack deleted during the transfer?)")
-            verify_chunk(header, index, data)
             yield data
-
-    def banks(self) -> "BankStore":
-        """The banks beside these packs; routing embeds here, so the bank layer is imported late."""
-        from packstore.bank.bank import LocalBanks
-
-        return LocalBanks(self)
 
     def begin_upload(self, header: PackHeader) -> "Upload":
         """Start a staged upload: chunks land in ``staging`` one transaction each, then commit atomically."""
@@ -547,30 +498,7 @@ class LmdbStore(BankTables):
             found = {bytes(k) for k, _ in txn.cursor(db=self._packs)} | {bytes(k) for k, _ in txn.cursor(db=self._summaries)}
         return sorted(k.decode(errors="replace") for k in found)
 
-    # -- integrity and maintenance ---------------------------------------------------------
-
-    def verify(self, ref: str) -> VerifyResult:
-        """Check one pack's header seal, every chunk's checksum, and that every chunk decodes."""
-        from packstore.packs.tensors import decode_pack
-
-        key = ref if parse_key(ref) else self.resolve(ref)
-        try:
-            encoded = self._read(key)
-            encoded.check_signatures()
-            decode_pack(encoded)  # checks every checksum, then that every chunk decodes
-        except (IntegrityError, InvalidInput, PackNotFound) as exc:
-            return VerifyResult(key=key, error=str(exc))
-        return VerifyResult(key=key, error=None)
-
-    def _verify_listed(self, key: str) -> VerifyResult:
-        """``verify`` for a key the store lists, whatever damage made of it."""
-        try:
-            return self.verify(key)
-        except (IntegrityError, InvalidInput, PackNotFound) as exc:
-            return VerifyResult(key=key, error=str(exc))
-
-    def verify_all(self) -> list[VerifyResult]:
-        return [self._verify_listed(key) for key in self.keys()]
+    # -- maintenance -------------------------------------------------------------------------
 
     def _data_file_bytes(self) -> int:
         return (self.path / "data.mdb").stat().st_size

@@ -21,23 +21,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, StoreBusy, Unavailable
 from packstore.format import EncodedPack, PackHeader, parse_key
 from packstore.format.body import chunks_for, verify_chunk
 from packstore.format.signature import Signature
-from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
+from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack
 from packstore.store.namespaces import DEFAULT_NAMESPACE
 from packstore.store.objects.cache import DEFAULT_CACHE_BYTES, ObjectCache
 from packstore.store.objects.banks import ObjectBankTables
 from packstore.store.objects.bucket import Bucket, Conflict
-from packstore.store.protocol import DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, BankStore, check_name, pick_match
+from packstore.store.protocol import DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, OpenedPack, check_name, pick_match
 from packstore.store.objects.registers import UNCHANGED, Registers, Version
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
-
-if TYPE_CHECKING:
-    from packstore.packs.tensors import ArrivingPack, Pack, PackPart
 
 DEFAULT_GC_GRACE = 3600.0  # seconds an unreferenced object is kept (docs/operations.md, "Object store tier")
 READ_AHEAD = 4  # chunks a stream fetches ahead of the one it sends
@@ -370,11 +367,6 @@ class ObjectStore(ObjectBankTables):
         sizes = self._pool.map(lambda item: parse_summary(item[0], (), self._summary(*item)).stored_bytes, found)
         return StoreCounts(packs=len(found), stored_bytes=sum(sizes))
 
-    def _read(self, header: PackHeader, *, cached: bool = True) -> EncodedPack:
-        """A pack's chunks (verified when ``cached``; else as stored) and signatures, with its header."""
-        chunks = list(self._pool.map(lambda index: self._chunk(header, index, cached=cached), range(len(header.chunks))))
-        return EncodedPack(header=header, chunks=chunks, signatures=self._signatures(header.key))
-
     def _stored_header(self, key: str) -> PackHeader:
         """The header as the object store holds it, bypassing the cache."""
         found = self.bucket.get(self._header_name(key))
@@ -382,67 +374,31 @@ class ObjectStore(ObjectBankTables):
             raise PackNotFound(f"no pack with key {key}")
         return self._parse_header(key, found[0])
 
-    def get(self, ref: str, *, model_fp: str | None = None, template_fp: str | None = None) -> EncodedPack:
-        """Read a pack's header and every chunk, each verified against its checksum (and stated identities)."""
-        header, _ = self._header(self.resolve(ref, model_fp=model_fp))
-        header.check_identities(model_fp, template_fp)
-        return self._read(header)
-
-    def fetch(self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None) -> "Pack":
-        """Get, verify and decode a pack; refuses one whose identities differ from those the caller states."""
-        return self.start_fetch(ref, device=device, model_fp=model_fp, template_fp=template_fp).result()
-
-    def start_fetch(
-        self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
-    ) -> "ArrivingPack":
-        """``fetch`` returning once the header is read and its identities checked: the chunks are read (cache
-        first), verified and decoded in the background, layer by layer (``ArrivingPack``)."""
-        from packstore.packs.tensors import start_pack
-
-        header, _ = self._header(self.resolve(ref, model_fp=model_fp))
-        header.check_identities(model_fp, template_fp)
-        indices = range(len(header.chunks))
-        return start_pack(header, lambda: nullcontext(zip(indices, self.read_chunks(header, indices))), device, verified=True)
-
-    def fetch_part(
+    def open_pack(
         self,
         ref: str,
         *,
-        layers: tuple[int, int] | None = None,
-        prefix: int | None = None,
-        device: object = None,
         model_fp: str | None = None,
         template_fp: str | None = None,
-    ) -> "PackPart":
-        """Decode part of a pack's body (some layers, a prefix) from the chunks holding it, leaving the others unread."""
-        from packstore.packs.tensors import decode_part
-
-        header, _ = self._header(self.resolve(ref, model_fp=model_fp))
-        header.check_identities(model_fp, template_fp)
+        layers: tuple[int, int] | None = None,
+        prefix: int | None = None,
+        keep: bool = False,
+        signatures: bool = False,
+        as_stored: bool = False,
+    ) -> OpenedPack:
+        """Chunks come through the cache (each checked against its content address before it is cached or served
+        from it) with ``READ_AHEAD`` fetched in parallel; ``as_stored``: header and chunks straight from the object
+        store, unchecked, for the reader's ``verify`` to report."""
+        key = ref if as_stored and parse_key(ref) else self.resolve(ref, model_fp=model_fp)
+        header = self._stored_header(key) if as_stored else self._header(key)[0]
         indices = chunks_for(header, layers, prefix)
-        return decode_part(header, layers, prefix, zip(indices, self.read_chunks(header, indices)), device, verified=True)
+        if as_stored:
+            return OpenedPack(header, self._signatures(key) if signatures else (), indices, lambda: nullcontext(self._as_stored(header, indices)))
+        return OpenedPack(header, self._signatures(key) if signatures else (), indices, lambda: nullcontext(zip(indices, self.read_chunks(header, indices))))
 
-    def verify(self, ref: str) -> VerifyResult:
-        """Check the stored copy (not the cache): header seal, every chunk's checksum, that every chunk decodes, signatures."""
-        from packstore.packs.tensors import decode_pack
-
-        key = ref if parse_key(ref) else self.resolve(ref)
-        try:
-            encoded = self._read(self._stored_header(key), cached=False)
-            encoded.check_signatures()
-            decode_pack(encoded)  # checks every checksum, then that every chunk decodes
-        except (IntegrityError, InvalidInput, PackNotFound) as exc:
-            return VerifyResult(key=key, error=str(exc))
-        return VerifyResult(key=key, error=None)
-
-    def verify_all(self) -> list[VerifyResult]:
-        return [self.verify(key) for key in self.keys()]
-
-    def banks(self) -> BankStore:
-        """The banks beside these packs, with the same bank logic as a local store (routing embeds here)."""
-        from packstore.bank.bank import LocalBanks
-
-        return LocalBanks(self)
+    def _as_stored(self, header: PackHeader, indices: Sequence[int]) -> Iterator[tuple[int, bytes]]:
+        """Chunks straight from the object store, as stored (read in parallel, in order)."""
+        yield from zip(indices, self._pool.map(lambda index: self._chunk(header, index, cached=False), indices))
 
     # -- writes --------------------------------------------------------------------------------
 

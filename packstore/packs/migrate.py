@@ -19,9 +19,9 @@ from typing import Callable
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound
 from packstore.store.records import MigrateReport
-from packstore.store.lmdb.banks import BankChanged, BankTables, digest_of
-from packstore.store.objects.banks import ObjectBankTables
-from packstore.store.protocol import PackStore
+from packstore.packs.reader import PackReader
+from packstore.store.lmdb.banks import BankChanged, digest_of
+from packstore.store.protocol import BankTables, PackStore
 
 Progress = Callable[[str, str], None]
 
@@ -51,8 +51,8 @@ def _copy_packs(source: PackStore, target: PackStore, progress: Progress | None)
             held = None
         new = held is None
         if new:
-            target.put(source.get(key))
-            result = target.verify(key)
+            target.put(PackReader(source).get(key))
+            result = PackReader(target).verify(key)
             if not result.ok:
                 raise IntegrityError(f"pack {key} did not verify after copying: {result.error}")
             held, copied = target.stat(key), copied + 1
@@ -74,7 +74,7 @@ def _copy_packs(source: PackStore, target: PackStore, progress: Progress | None)
 
 def _holds_records(store: PackStore) -> bool:
     """Whether this process holds the store's bank records (a directory or a bucket, not a service)."""
-    return isinstance(store, (BankTables, ObjectBankTables))
+    return isinstance(store, BankTables)
 
 
 def _bank_names(store: PackStore) -> list[str]:
