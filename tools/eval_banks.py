@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import packstore.bank.bank as bank_module  # noqa: E402
-from packstore.bank.bank import build_bank, cached_embedder, route  # noqa: E402
+from packstore.bank.bank import BankCache, build_bank, route  # noqa: E402
 from packstore.bank.synthetic import synthetic_facts  # noqa: E402
 from packstore.format.bank import VECTOR_KINDS  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
@@ -48,6 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, source_description  # noqa: E402
 from evallib import REPO, frozen_split, grouped_bars, load_rows, markdown_table  # noqa: E402
 from second_facts import second_facts  # noqa: E402
+
+BANK_CACHE = BankCache()  # embedders loaded once per run
 
 MODES = ("hybrid", "dense", "flat", "lexical")
 EMBEDDERS = ("all-minilm-l6-v2", "all-mpnet-base-v2")
@@ -125,7 +127,7 @@ def evaluate(
         groups.setdefault(tuple(dataset.facts), []).append(dataset)
     rows = []
     for spec, vectors in ((spec, vectors) for spec in embedders for vectors in vector_kinds):
-        embedder = cached_embedder(spec)
+        embedder = BANK_CACHE.embedder(spec)
         with LmdbStore(scratch / f"{spec}-{vectors}") as store:
             for facts, members in groups.items():
                 started = time.perf_counter()
@@ -151,7 +153,7 @@ def sweep(weights: Sequence[float], scratch: Path, questions: int) -> list[dict]
     """Hybrid routing of the tuning data under each lexical weight (the embedder is the default)."""
     datasets = [own_dataset(5000, questions), ckc_datasets()[0]]
     rows = []
-    embedder = cached_embedder(EMBEDDERS[0])
+    embedder = BANK_CACHE.embedder(EMBEDDERS[0])
     with LmdbStore(scratch / "sweep") as store:
         for index, dataset in enumerate(datasets):
             meta = build_bank(store, f"s{index}", dataset.facts, embedder)

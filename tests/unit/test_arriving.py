@@ -13,8 +13,11 @@ from packstore.errors import IntegrityError
 from packstore.format.body import EncodedPack
 from packstore.kv.inject import PackLayer, cache_from_pack
 from packstore.format import codec
+from packstore.packs.decoder import Decoder
 from packstore.packs.tensors import ArrivingPack, BodyAssembler, encode_pack, start_pack
 from test_format import make_pack
+
+DECODER = Decoder()  # the chunk threads these tests decode on, as a program makes one
 
 
 def gated_source(encoded: EncodedPack, gate: threading.Event, before_gate: int, log: list[str]):
@@ -38,7 +41,7 @@ def test_a_layer_is_handed_out_before_the_later_layers_arrive() -> None:
     pack = make_pack(layers=3)
     encoded = encode_pack(pack)
     gate, log = threading.Event(), []
-    arriving = start_pack(encoded.header, gated_source(encoded, gate, 1, log))
+    arriving = start_pack(encoded.header, gated_source(encoded, gate, 1, log), DECODER)
     k, v = arriving.layer(0)  # layers 1 and 2 are still held back
     assert torch.equal(k, pack.keys[0]) and torch.equal(v, pack.values[0]) and not log
     completed = []
@@ -75,7 +78,7 @@ def test_a_pack_that_fails_hands_out_no_tensor_after_the_failure_and_never_compl
     def source():
         yield iter(feed(encoded))
 
-    arriving = start_pack(encoded.header, source)
+    arriving = start_pack(encoded.header, source, DECODER)
     completed = []
     arriving.when_complete(completed.append)
     with pytest.raises(IntegrityError):
@@ -101,7 +104,7 @@ def test_a_source_that_fails_is_left_only_after_the_chunks_it_gave_are_decoded()
         finally:
             log.append("left")
 
-    arriving = start_pack(encoded.header, source)
+    arriving = start_pack(encoded.header, source, DECODER)
     with pytest.raises(ConnectionError, match="the stream broke"):
         arriving.layer(2)
     with pytest.raises(ConnectionError):
@@ -114,7 +117,7 @@ def test_a_cache_takes_each_layer_when_the_model_first_updates_it_and_leaves_the
     before = [t.clone() for t in pack.keys + pack.values]
     encoded = encode_pack(pack)
     gate, log = threading.Event(), []
-    arriving: ArrivingPack = start_pack(encoded.header, gated_source(encoded, gate, 1, log))
+    arriving: ArrivingPack = start_pack(encoded.header, gated_source(encoded, gate, 1, log), DECODER)
     cache = cache_from_pack(arriving, torch.device("cpu"), tokens=4)
     assert all(isinstance(layer, PackLayer) for layer in cache.layers)
     assert cache.get_seq_length() == 4  # known from the header, before any layer is in
@@ -138,7 +141,7 @@ def test_a_layer_that_fails_to_arrive_raises_where_the_model_takes_it() -> None:
     def source():
         yield enumerate(damaged(encoded, 1).chunks)
 
-    cache = cache_from_pack(start_pack(encoded.header, source), torch.device("cpu"))
+    cache = cache_from_pack(start_pack(encoded.header, source, DECODER), torch.device("cpu"))
     with pytest.raises(IntegrityError):
         for layer in range(3):
             cache.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4), layer)
@@ -149,7 +152,7 @@ def test_a_layer_in_token_blocks_is_complete_only_once_every_block_wrote_its_val
     not mark the layer complete while its V is still being written (the model would read a half-written V)."""
     pack = make_pack(layers=1, tokens=8)
     encoded = encode_pack(pack, block_positions=4)  # one layer in two token blocks
-    assembler = BodyAssembler(encoded.header, encoded.header.body_layers, None)
+    assembler = BodyAssembler(encoded.header, encoded.header.body_layers, None, None, DECODER.buffers)
     writing_values, resume = threading.Event(), threading.Event()
     write = codec.Planes.write
 

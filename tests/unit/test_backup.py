@@ -18,6 +18,7 @@ from packstore.store.remote import RemoteStore
 from packstore.packs.tensors import encode_pack
 from service_helpers import running_server
 from test_format import make_pack
+from packstore.packs.reader import PackReader
 
 WRITER = r"""
 import sys
@@ -25,7 +26,6 @@ sys.path[:0] = [sys.argv[3], sys.argv[3] + "/unit"]
 from test_format import make_pack
 from packstore.store import LmdbStore
 from packstore.packs.tensors import encode_pack
-from packstore.packs.reader import PackReader
 with LmdbStore(sys.argv[1]) as store, open(sys.argv[2], "a") as log:
     for index in range(100000):
         key, _ = store.put(encode_pack(make_pack(tokens=10 + index)))

@@ -20,10 +20,10 @@ from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 from test_format import make_pack
+from packstore.packs.reader import PackReader
 
 ATTACKER = r"""
 import json, os, random, select, socket, sys, time
-from packstore.packs.reader import PackReader
 port, local_name, seconds, count = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
 rng = random.Random(7)
 sources = ["127.0.0.1", "127.0.0.3"]  # half from the fetching client's own address

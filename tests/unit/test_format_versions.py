@@ -22,6 +22,7 @@ from packstore.packs.admin import export_pack, import_pack
 from packstore.cli.packctl import main as packctl
 from packstore.store import LmdbStore
 from packstore.packs.tensors import decode_pack, encode_pack
+from packstore.packs.reader import PackReader
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "version3"
 CODEC2 = Path(__file__).resolve().parents[1] / "data" / "codec2"
@@ -30,7 +31,6 @@ from make_store import knowledge, steering  # noqa: E402  the seeded packs the d
 
 sys.path.insert(0, str(CODEC2))
 import make_codec2_store as codec2  # noqa: E402  the seeded packs tests/data/codec2 holds
-from packstore.packs.reader import PackReader
 
 EXPECTED = {"v1-exact": (1, knowledge(5, 1)), "v1-blocks": (1, knowledge(40, 2)), "v2-rope": (2, knowledge(7, 4)), "v3-steering": (3, steering())}
 

@@ -22,6 +22,7 @@ from packstore.packs.tensors import decode_pack, encode_pack
 from packstore.format.packfile import parse_pack_file
 from packstore.store import LmdbStore
 from test_format import make_pack
+from packstore.packs.reader import PackReader
 
 
 def stored_pack(store_path: Path, **shape):
@@ -169,7 +170,6 @@ from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
 sys.path.insert(0, {tests!r})
 from test_format import make_pack
-from packstore.packs.reader import PackReader
 store = LmdbStore({path!r})
 for i in range(1000):
     encoded = encode_pack(make_pack(layers=24, tokens=1000 + i, dim=64))

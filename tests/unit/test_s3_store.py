@@ -28,6 +28,7 @@ from seaweed_helpers import Seaweed
 from service_helpers import free_port
 from test_format import FP_B, make_pack
 from test_store_suite import pack_of
+from packstore.packs.reader import PackReader
 
 
 def random_pack(model_fp: str, seed: int, *, layers: int = 3, tokens: int = 8) -> Pack:
@@ -121,7 +122,6 @@ import os, sys, time
 from packstore.store.objects.store import ObjectStore
 from packstore.packs.tensors import encode_pack
 from test_s3_store import random_pack
-from packstore.packs.reader import PackReader
 upload = ObjectStore._upload_chunk
 def slow_upload(self, digest, data):
     relied = upload(self, digest, data)
