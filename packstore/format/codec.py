@@ -50,7 +50,8 @@ _ENTRY = struct.Struct("<BI")  # versions 2 and 3: a frame's method and stored l
 _UNSIGNED = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 _ALIGN = 64
 MAX_SCRATCH = 1 << 26  # bytes of a joined plane range kept for reuse per thread (real tensors' are a few MB at most)
-_SCRATCH = threading.local()  # per thread: a decompressor, the buffer Huffman frames decode into, and buffers for plane ranges that span segments
+# Per thread: a decompressor, the buffer Huffman frames decode into, and buffers for plane ranges that span segments.
+_SCRATCH = threading.local()
 
 
 def _code_segment(plain: np.ndarray, compressor: zstandard.ZstdCompressor) -> tuple[int, bytes]:
@@ -172,7 +173,9 @@ class Planes:
         if first == last:
             return self.segments[2][first], start - first * self.segment, min(self.segment, self.elements - first * self.segment)
         values = [
-            unpack_pairs(self.segments[2][k], min(self.segment, self.elements - k * self.segment))[max(start - k * self.segment, 0) : stop - k * self.segment]
+            unpack_pairs(self.segments[2][k], min(self.segment, self.elements - k * self.segment))[
+                max(start - k * self.segment, 0) : stop - k * self.segment
+            ]
             for k in range(first, last + 1)
         ]
         return pack_pairs(np.concatenate(values)), 0, stop - start
@@ -260,7 +263,8 @@ def _planes_segmented(stored: memoryview, max_plain_bytes: int, version: int) ->
     _need(stored, _PREAMBLE.size + count * _ENTRY.size)
     source = np.frombuffer(stored, np.uint8)
     table, decoded = _scratch_table(count), _scratch("huffman", elements * plane_count)  # no plane segment exceeds its N bytes
-    status = _read_frames(source, count, header_len, elements, segment, per_plane, transform == SPLIT_FLOAT16, max(METHODS[version]), table, decoded)
+    split = transform == SPLIT_FLOAT16
+    status = _read_frames(source, count, header_len, elements, segment, per_plane, split, max(METHODS[version]), table, decoded)
     if status == _LENGTHS_DIFFER:
         raise IntegrityError("byte-plane container length does not match its frame table")
     if status == _UNKNOWN_METHOD:
@@ -292,7 +296,12 @@ def _read_frames(source, count, header_len, elements, segment, per_plane, split,
     for i in range(count):
         entry = 23 + 5 * i
         method = np.int64(source[entry])
-        stored = np.int64(source[entry + 1]) | (np.int64(source[entry + 2]) << 8) | (np.int64(source[entry + 3]) << 16) | (np.int64(source[entry + 4]) << 24)
+        stored = (
+            np.int64(source[entry + 1])
+            | (np.int64(source[entry + 2]) << 8)
+            | (np.int64(source[entry + 3]) << 16)
+            | (np.int64(source[entry + 4]) << 24)
+        )
         if i == 0:
             plain = header_len
         else:
@@ -308,10 +317,14 @@ def _read_frames(source, count, header_len, elements, segment, per_plane, split,
         return _LENGTHS_DIFFER
     if status:
         return status
-    single_symbol, single_length, lookups = np.empty(huffman.TABLE, np.uint8), np.empty(huffman.TABLE, np.uint8), np.empty(huffman.TABLE, np.uint64)
+    single_symbol = np.empty(huffman.TABLE, np.uint8)
+    single_length = np.empty(huffman.TABLE, np.uint8)
+    lookups = np.empty(huffman.TABLE, np.uint64)
     for i in range(count):
         if table[i, 0] == HUFFMAN:
-            found = huffman.decode_frame(source, table[i, 1], table[i, 2], decoded, table[i, 4], table[i, 3], single_symbol, single_length, lookups)
+            found = huffman.decode_frame(
+                source, table[i, 1], table[i, 2], decoded, table[i, 4], table[i, 3], single_symbol, single_length, lookups
+            )
             if found:
                 return 16 * (i + 1) + found
     return 0

@@ -19,6 +19,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from packstore.errors import IntegrityError
+
 SHIFT = 28
 
 if sys.byteorder != "little":  # pragma: no cover - the unaligned loads below read little-endian words
