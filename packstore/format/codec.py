@@ -47,7 +47,7 @@ _V1 = struct.Struct("<4sBBB")  # magic, version 1, element size, frame count
 _V1_FRAME = struct.Struct("<BQQ")  # method, plain length, stored length
 _PREAMBLE = struct.Struct("<4sBBBIQI")  # versions 2 and 3: magic, version, element size, transform, header length, elements, segment
 _ENTRY = struct.Struct("<BI")  # versions 2 and 3: a frame's method and stored length
-_UNSIGNED = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+_UNSIGNED: dict[int, np.dtype] = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 _ALIGN = 64
 MAX_SCRATCH = 1 << 26  # bytes of a joined plane range kept for reuse per thread (real tensors' are a few MB at most)
 # Per thread: a decompressor, the buffer Huffman frames decode into, and buffers for plane ranges that span segments.
@@ -81,7 +81,8 @@ def safetensors_split(blob: bytes | memoryview) -> int:
     """Length of a safetensors blob's header (8-byte size + JSON); the tensor data follows it."""
     if len(blob) < 8:
         raise IntegrityError("safetensors blob is shorter than its size field")
-    return 8 + struct.unpack_from("<Q", blob)[0]
+    size: int = struct.unpack_from("<Q", blob)[0]
+    return 8 + size
 
 
 def segment_for(tensor_elements: list[int]) -> int:
@@ -271,28 +272,34 @@ def _planes_segmented(stored: memoryview, max_plain_bytes: int, version: int) ->
         raise IntegrityError(f"unknown byte-plane frame method {int(table[:, 0].max())} (container version {version})")
     if status:
         raise IntegrityError(f"{huffman.ERRORS[status % 16]} (frame {status // 16 - 1})")
-    decompressor, parts = _decompressor(), []
+    decompressor = _decompressor()
+    header: bytes | memoryview = b""
+    parts: list[np.ndarray] = []  # the planes' segments, plane by plane
     for i, (method, start, stop, plain, at) in enumerate(table.tolist()):
-        if method == HUFFMAN:
+        if method == HUFFMAN:  # never frame 0, the header (_read_frames refuses it)
             parts.append(decoded[at : at + plain])
+        elif i == 0:
+            header = _frame(method, stored[start:stop], plain, decompressor)
         else:
-            part = _frame(method, stored[start:stop], plain, decompressor)
-            parts.append(part if i == 0 else np.frombuffer(part, dtype=np.uint8))
-    planes = [parts[1 + j * per_plane : 1 + (j + 1) * per_plane] for j in range(plane_count)]
-    return Planes(parts[0], planes, segment, elements, width, transform)
+            parts.append(np.frombuffer(_frame(method, stored[start:stop], plain, decompressor), dtype=np.uint8))
+    planes = [parts[j * per_plane : (j + 1) * per_plane] for j in range(plane_count)]
+    return Planes(header, planes, segment, elements, width, transform)
 
 
 _LENGTHS_DIFFER, _UNKNOWN_METHOD = 1, 2
 
 
 @njit(nogil=True, cache=True)
-def _read_frames(source, count, header_len, elements, segment, per_plane, split, max_method, table, decoded):  # pragma: no cover - compiled
+def _read_frames(
+    source: np.ndarray, count: int, header_len: int, elements: int, segment: int, per_plane: int, split: bool, max_method: int,
+    table: np.ndarray, decoded: np.ndarray,
+) -> int:  # pragma: no cover - compiled
     """Read a version 2/3 container's frame table (the caller checked that it is there) into ``table``: per frame its
     method, stored range, plain length and, a Huffman frame, where its plain bytes go in ``decoded`` (end to end); then,
     once every frame is known to lie in the container, decode every Huffman frame into ``decoded``. Returns 0,
     _LENGTHS_DIFFER, _UNKNOWN_METHOD, or 16 * (frame index + 1) + the Huffman error's code. One compiled call per chunk:
     its frames are read and decoded without a Python step each."""
-    offset, at, status = 23 + 5 * count, 0, 0  # past the preamble and the table
+    offset, at, status = np.int64(23 + 5 * count), 0, 0  # past the preamble and the table
     for i in range(count):
         entry = 23 + 5 * i
         method = np.int64(source[entry])
@@ -344,7 +351,7 @@ def _scratch(name: object, size: int) -> np.ndarray:
     huge chunk does not pin its size in every thread)."""
     if size > MAX_SCRATCH:
         return np.empty(size, dtype=np.uint8)
-    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    buffers: dict[object, np.ndarray] = _SCRATCH.__dict__.setdefault("buffers", {})
     if name not in buffers or len(buffers[name]) < size:
         buffers[name] = np.empty(size, dtype=np.uint8)
     return buffers[name][:size]

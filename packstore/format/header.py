@@ -130,7 +130,7 @@ class ChunkInfo:
 
     def positions_held(self, positions: int) -> range:
         """The body positions this chunk holds: its token block's, or all ``positions`` of the pack."""
-        if self.stop_position is None:
+        if self.first_position is None or self.stop_position is None:  # both are set or neither (_check_chunks)
             return range(positions)
         return range(self.first_position, self.stop_position)
 
@@ -206,6 +206,7 @@ class PackHeader:
         if self.kind == "steering":
             return (self.kv_heads, self.head_dim)
         if self.kind == "adapter":
+            assert self.recipe is not None  # an adapter's header always has its recipe (checked on parse)
             return (self.recipe["tokens"], self.recipe["hidden_size"])
         return (self.kv_heads, self.positions, self.head_dim)
 
@@ -235,7 +236,8 @@ class PackHeader:
     @property
     def pack_sha256(self) -> str:
         """sha256 of the header without this field: it covers every chunk through the chunk digests."""
-        return json.loads(self.to_json())["pack_sha256"]
+        digest: str = json.loads(self.to_json())["pack_sha256"]
+        return digest
 
     @property
     def raw_bytes(self) -> int:
@@ -384,6 +386,7 @@ def _layout_of(record: Mapping[str, Any]) -> int:
 
 def _body_span(kind: str, layers: int, recipe: Mapping[str, Any] | None) -> range:
     if kind == "steering":
+        assert recipe is not None  # a steering header always has its recipe (checked on parse)
         first, last = recipe["layers"]
         return range(first, last + 1)
     if kind == "adapter":

@@ -16,7 +16,10 @@ from numba import njit
 
 
 @njit(nogil=True, cache=True)
-def _join2(p0, p1, out, heads, rows, width, positions, offset, count, rotated):  # pragma: no cover - compiled; tested through join_planes
+def _join2(
+    p0: np.ndarray, p1: np.ndarray, out: np.ndarray,
+    heads: int, rows: int, width: int, positions: int, offset: int, count: int, rotated: bool,
+) -> None:  # pragma: no cover - compiled; tested through join_planes
     run = count * width  # each head's positions are one run in both arrays
     for a in range(heads):
         src, dst = a * rows * width, (a * positions + offset) * width
@@ -29,7 +32,10 @@ def _join2(p0, p1, out, heads, rows, width, positions, offset, count, rotated): 
 
 
 @njit(nogil=True, cache=True)
-def _join4(p0, p1, p2, p3, out, heads, rows, width, positions, offset, count, rotated):  # pragma: no cover - compiled
+def _join4(
+    p0: np.ndarray, p1: np.ndarray, p2: np.ndarray, p3: np.ndarray, out: np.ndarray,
+    heads: int, rows: int, width: int, positions: int, offset: int, count: int, rotated: bool,
+) -> None:  # pragma: no cover - compiled
     run = count * width
     for a in range(heads):
         src, dst = a * rows * width, (a * positions + offset) * width
@@ -75,18 +81,24 @@ def pack_pairs(values: np.ndarray) -> np.ndarray:
 def unpack_pairs(packed: np.ndarray, elements: int) -> np.ndarray:
     """The 2-bit values (one uint8 per element) of a packed plane of ``elements`` elements."""
     byte, shift = packed_index(np.arange(elements))
-    return (packed[byte] >> shift.astype(np.uint8)) & 3
+    values: np.ndarray = (packed[byte] >> shift.astype(np.uint8)) & 3
+    return values
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _split_row(b0, b1, b2, shift, to, count):  # pragma: no cover - compiled
+def _split_row(
+    b0: np.ndarray, b1: np.ndarray, b2: np.ndarray, shift: np.uint8, to: np.ndarray, count: int
+) -> None:  # pragma: no cover - compiled
     """``count`` float16 of one packed row: consecutive bytes of every plane, one shift."""
     for t in range(count):
         to[t] = (np.uint16(b1[t]) << np.uint16(10)) | (np.uint16((b2[t] >> shift) & np.uint8(3)) << np.uint16(8)) | np.uint16(b0[t])
 
 
 @njit(nogil=True, cache=True)
-def _join_split(p0, p1, packed, packed_at, out, heads, rows, width, positions, offset, count):  # pragma: no cover - compiled
+def _join_split(
+    p0: np.ndarray, p1: np.ndarray, packed: np.ndarray, packed_at: int, out: np.ndarray,
+    heads: int, rows: int, width: int, positions: int, offset: int, count: int,
+) -> None:  # pragma: no cover - compiled
     """float16 from its low byte (``p0``), sign and exponent (``p1``: bits 10-15) and top mantissa bits (``packed``,
     element i of ``p0`` being element ``packed_at + i`` there)."""
     run = count * width
