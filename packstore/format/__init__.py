@@ -3,6 +3,7 @@
 The tensor side (chunk bytes <-> K/V tensors) is ``packstore.packs.tensors``.
 """
 
+from packstore.format.body import EncodedPack
 from packstore.format.header import (
     FORMAT_VERSION,
     ChunkInfo,
@@ -11,7 +12,6 @@ from packstore.format.header import (
     pack_key,
     parse_key,
 )
-from packstore.format.body import EncodedPack
 
 __all__ = [
     "FORMAT_VERSION",

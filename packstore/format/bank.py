@@ -9,8 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 import numpy as np
 import zstandard
@@ -48,7 +48,7 @@ class BankMeta:
         return canonical_json(asdict(self) | {"format": BANK_FORMAT, "version": BANK_VERSION})
 
     @classmethod
-    def from_json(cls, data: bytes) -> "BankMeta":
+    def from_json(cls, data: bytes) -> BankMeta:
         try:
             record = json.loads(data)
             if record.pop("format") != BANK_FORMAT or record.pop("version") != BANK_VERSION:
@@ -113,14 +113,14 @@ class Cluster:
             return self.embeddings.astype(np.float32)
         return self.embeddings.astype(np.float32) * self.scales.astype(np.float32)[:, None]
 
-    def take(self, rows: Sequence[int] | np.ndarray) -> "Cluster":
+    def take(self, rows: Sequence[int] | np.ndarray) -> Cluster:
         """The given rows, in that order."""
         rows = np.asarray(rows, dtype=np.int64)
         scales = None if self.scales is None else self.scales[rows]
         return Cluster(self.ids[rows], self.embeddings[rows], [self.texts[i] for i in rows], scales)
 
     @staticmethod
-    def joined(parts: Sequence["Cluster"]) -> "Cluster":
+    def joined(parts: Sequence[Cluster]) -> Cluster:
         """One cluster of ``parts`` in order (all stored the same way)."""
         scales = None if parts[0].scales is None else np.concatenate([p.scales for p in parts])
         return Cluster(
@@ -139,7 +139,10 @@ def encode_cluster(cluster: Cluster) -> bytes:
         magic, vectors = CLUSTER_MAGIC, [np.ascontiguousarray(cluster.embeddings, dtype="<f2").tobytes()]
     else:
         magic = QUANTIZED_CLUSTER_MAGIC
-        vectors = [np.ascontiguousarray(cluster.embeddings, dtype="i1").tobytes(), np.ascontiguousarray(cluster.scales, dtype="<f2").tobytes()]
+        vectors = [
+            np.ascontiguousarray(cluster.embeddings, dtype="i1").tobytes(),
+            np.ascontiguousarray(cluster.scales, dtype="<f2").tobytes(),
+        ]
     parts = [
         _PREAMBLE.pack(magic, BANK_VERSION, n, dim),
         np.ascontiguousarray(cluster.ids, dtype="<u4").tobytes(),

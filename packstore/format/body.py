@@ -241,6 +241,7 @@ def _parse_table(head: bytes | bytearray | memoryview, data_len: int) -> tuple[T
             where = f"after tensor {previous.name!r}" if previous else "at the start of the data section"
             raise IntegrityError(f"tensor {entry.name!r}: {entry.start - end} unused bytes {where} (tensors must be contiguous from 0)")
         if entry.start < end:
+            assert previous is not None  # end > 0 only once a tensor was read
             if (entry.start, entry.stop) == (previous.start, previous.stop):
                 raise IntegrityError(f"tensor {entry.name!r}: aliases the bytes of tensor {previous.name!r} (tensors must not share bytes)")
             raise IntegrityError(f"tensor {entry.name!r}: overlaps tensor {previous.name!r} (tensors must not share bytes)")

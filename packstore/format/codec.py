@@ -47,10 +47,11 @@ _V1 = struct.Struct("<4sBBB")  # magic, version 1, element size, frame count
 _V1_FRAME = struct.Struct("<BQQ")  # method, plain length, stored length
 _PREAMBLE = struct.Struct("<4sBBBIQI")  # versions 2 and 3: magic, version, element size, transform, header length, elements, segment
 _ENTRY = struct.Struct("<BI")  # versions 2 and 3: a frame's method and stored length
-_UNSIGNED = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+_UNSIGNED: dict[int, np.dtype] = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 _ALIGN = 64
 MAX_SCRATCH = 1 << 26  # bytes of a joined plane range kept for reuse per thread (real tensors' are a few MB at most)
-_SCRATCH = threading.local()  # per thread: a decompressor, the buffer Huffman frames decode into, and buffers for plane ranges that span segments
+# Per thread: a decompressor, the buffer Huffman frames decode into, and buffers for plane ranges that span segments.
+_SCRATCH = threading.local()
 
 
 def _code_segment(plain: np.ndarray, compressor: zstandard.ZstdCompressor) -> tuple[int, bytes]:
@@ -80,7 +81,8 @@ def safetensors_split(blob: bytes | memoryview) -> int:
     """Length of a safetensors blob's header (8-byte size + JSON); the tensor data follows it."""
     if len(blob) < 8:
         raise IntegrityError("safetensors blob is shorter than its size field")
-    return 8 + struct.unpack_from("<Q", blob)[0]
+    size: int = struct.unpack_from("<Q", blob)[0]
+    return 8 + size
 
 
 def segment_for(tensor_elements: list[int]) -> int:
@@ -172,7 +174,9 @@ class Planes:
         if first == last:
             return self.segments[2][first], start - first * self.segment, min(self.segment, self.elements - first * self.segment)
         values = [
-            unpack_pairs(self.segments[2][k], min(self.segment, self.elements - k * self.segment))[max(start - k * self.segment, 0) : stop - k * self.segment]
+            unpack_pairs(self.segments[2][k], min(self.segment, self.elements - k * self.segment))[
+                max(start - k * self.segment, 0) : stop - k * self.segment
+            ]
             for k in range(first, last + 1)
         ]
         return pack_pairs(np.concatenate(values)), 0, stop - start
@@ -260,39 +264,51 @@ def _planes_segmented(stored: memoryview, max_plain_bytes: int, version: int) ->
     _need(stored, _PREAMBLE.size + count * _ENTRY.size)
     source = np.frombuffer(stored, np.uint8)
     table, decoded = _scratch_table(count), _scratch("huffman", elements * plane_count)  # no plane segment exceeds its N bytes
-    status = _read_frames(source, count, header_len, elements, segment, per_plane, transform == SPLIT_FLOAT16, max(METHODS[version]), table, decoded)
+    split = transform == SPLIT_FLOAT16
+    status = _read_frames(source, count, header_len, elements, segment, per_plane, split, max(METHODS[version]), table, decoded)
     if status == _LENGTHS_DIFFER:
         raise IntegrityError("byte-plane container length does not match its frame table")
     if status == _UNKNOWN_METHOD:
         raise IntegrityError(f"unknown byte-plane frame method {int(table[:, 0].max())} (container version {version})")
     if status:
         raise IntegrityError(f"{huffman.ERRORS[status % 16]} (frame {status // 16 - 1})")
-    decompressor, parts = _decompressor(), []
+    decompressor = _decompressor()
+    header: bytes | memoryview = b""
+    parts: list[np.ndarray] = []  # the planes' segments, plane by plane
     for i, (method, start, stop, plain, at) in enumerate(table.tolist()):
-        if method == HUFFMAN:
+        if method == HUFFMAN:  # never frame 0, the header (_read_frames refuses it)
             parts.append(decoded[at : at + plain])
+        elif i == 0:
+            header = _frame(method, stored[start:stop], plain, decompressor)
         else:
-            part = _frame(method, stored[start:stop], plain, decompressor)
-            parts.append(part if i == 0 else np.frombuffer(part, dtype=np.uint8))
-    planes = [parts[1 + j * per_plane : 1 + (j + 1) * per_plane] for j in range(plane_count)]
-    return Planes(parts[0], planes, segment, elements, width, transform)
+            parts.append(np.frombuffer(_frame(method, stored[start:stop], plain, decompressor), dtype=np.uint8))
+    planes = [parts[j * per_plane : (j + 1) * per_plane] for j in range(plane_count)]
+    return Planes(header, planes, segment, elements, width, transform)
 
 
 _LENGTHS_DIFFER, _UNKNOWN_METHOD = 1, 2
 
 
 @njit(nogil=True, cache=True)
-def _read_frames(source, count, header_len, elements, segment, per_plane, split, max_method, table, decoded):  # pragma: no cover - compiled
+def _read_frames(
+    source: np.ndarray, count: int, header_len: int, elements: int, segment: int, per_plane: int, split: bool, max_method: int,
+    table: np.ndarray, decoded: np.ndarray,
+) -> int:  # pragma: no cover - compiled
     """Read a version 2/3 container's frame table (the caller checked that it is there) into ``table``: per frame its
     method, stored range, plain length and, a Huffman frame, where its plain bytes go in ``decoded`` (end to end); then,
     once every frame is known to lie in the container, decode every Huffman frame into ``decoded``. Returns 0,
     _LENGTHS_DIFFER, _UNKNOWN_METHOD, or 16 * (frame index + 1) + the Huffman error's code. One compiled call per chunk:
     its frames are read and decoded without a Python step each."""
-    offset, at, status = 23 + 5 * count, 0, 0  # past the preamble and the table
+    offset, at, status = np.int64(23 + 5 * count), 0, 0  # past the preamble and the table
     for i in range(count):
         entry = 23 + 5 * i
         method = np.int64(source[entry])
-        stored = np.int64(source[entry + 1]) | (np.int64(source[entry + 2]) << 8) | (np.int64(source[entry + 3]) << 16) | (np.int64(source[entry + 4]) << 24)
+        stored = (
+            np.int64(source[entry + 1])
+            | (np.int64(source[entry + 2]) << 8)
+            | (np.int64(source[entry + 3]) << 16)
+            | (np.int64(source[entry + 4]) << 24)
+        )
         if i == 0:
             plain = header_len
         else:
@@ -308,10 +324,14 @@ def _read_frames(source, count, header_len, elements, segment, per_plane, split,
         return _LENGTHS_DIFFER
     if status:
         return status
-    single_symbol, single_length, lookups = np.empty(huffman.TABLE, np.uint8), np.empty(huffman.TABLE, np.uint8), np.empty(huffman.TABLE, np.uint64)
+    single_symbol = np.empty(huffman.TABLE, np.uint8)
+    single_length = np.empty(huffman.TABLE, np.uint8)
+    lookups = np.empty(huffman.TABLE, np.uint64)
     for i in range(count):
         if table[i, 0] == HUFFMAN:
-            found = huffman.decode_frame(source, table[i, 1], table[i, 2], decoded, table[i, 4], table[i, 3], single_symbol, single_length, lookups)
+            found = huffman.decode_frame(
+                source, table[i, 1], table[i, 2], decoded, table[i, 4], table[i, 3], single_symbol, single_length, lookups
+            )
             if found:
                 return 16 * (i + 1) + found
     return 0
@@ -331,7 +351,7 @@ def _scratch(name: object, size: int) -> np.ndarray:
     huge chunk does not pin its size in every thread)."""
     if size > MAX_SCRATCH:
         return np.empty(size, dtype=np.uint8)
-    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    buffers: dict[object, np.ndarray] = _SCRATCH.__dict__.setdefault("buffers", {})
     if name not in buffers or len(buffers[name]) < size:
         buffers[name] = np.empty(size, dtype=np.uint8)
     return buffers[name][:size]

@@ -8,8 +8,9 @@ import json
 import re
 import reprlib
 import struct
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterable, Mapping, NoReturn
+from typing import Any, NoReturn
 
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch
 
@@ -129,7 +130,7 @@ class ChunkInfo:
 
     def positions_held(self, positions: int) -> range:
         """The body positions this chunk holds: its token block's, or all ``positions`` of the pack."""
-        if self.stop_position is None:
+        if self.first_position is None or self.stop_position is None:  # both are set or neither (_check_chunks)
             return range(positions)
         return range(self.first_position, self.stop_position)
 
@@ -147,7 +148,7 @@ class ChunkInfo:
         return record
 
     @classmethod
-    def from_record(cls, record: Mapping[str, Any], algorithm: str) -> "ChunkInfo":
+    def from_record(cls, record: Mapping[str, Any], algorithm: str) -> ChunkInfo:
         """The inverse of ``to_record`` for an entry already checked to name its digest ``algorithm``."""
         fields_of = {name: value for name, value in record.items() if name != algorithm}
         return cls(**fields_of, digest=record[algorithm], algorithm=algorithm)
@@ -205,6 +206,7 @@ class PackHeader:
         if self.kind == "steering":
             return (self.kv_heads, self.head_dim)
         if self.kind == "adapter":
+            assert self.recipe is not None  # an adapter's header always has its recipe (checked on parse)
             return (self.recipe["tokens"], self.recipe["hidden_size"])
         return (self.kv_heads, self.positions, self.head_dim)
 
@@ -234,7 +236,8 @@ class PackHeader:
     @property
     def pack_sha256(self) -> str:
         """sha256 of the header without this field: it covers every chunk through the chunk digests."""
-        return json.loads(self.to_json())["pack_sha256"]
+        digest: str = json.loads(self.to_json())["pack_sha256"]
+        return digest
 
     @property
     def raw_bytes(self) -> int:
@@ -269,7 +272,7 @@ class PackHeader:
         return canonical_json(record)
 
     @classmethod
-    def from_json(cls, data: bytes | memoryview) -> "PackHeader":
+    def from_json(cls, data: bytes | memoryview) -> PackHeader:
         """Parse a header: IntegrityError if it is not one or its seal or derived fields do not match,
         InvalidInput naming the field if any field has the wrong JSON type or is out of range.
 
@@ -280,7 +283,7 @@ class PackHeader:
         return _remembered_header(data) if len(data) <= PARSED_MAX_BYTES else cls._parse(data)
 
     @classmethod
-    def _parse(cls, data: bytes) -> "PackHeader":
+    def _parse(cls, data: bytes) -> PackHeader:
         try:
             record = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -383,6 +386,7 @@ def _layout_of(record: Mapping[str, Any]) -> int:
 
 def _body_span(kind: str, layers: int, recipe: Mapping[str, Any] | None) -> range:
     if kind == "steering":
+        assert recipe is not None  # a steering header always has its recipe (checked on parse)
         first, last = recipe["layers"]
         return range(first, last + 1)
     if kind == "adapter":
@@ -618,7 +622,8 @@ def _check_chunks(record: Mapping[str, Any]) -> None:
         if block:
             start, end = chunk["first_position"], chunk["stop_position"]
             if not _is_int(start) or start != next_position:
-                _refuse(f"{name}.first_position", f"{next_position} (the token blocks of layers {first}-{stop - 1} hold positions in order)", start)
+                expected = f"{next_position} (the token blocks of layers {first}-{stop - 1} hold positions in order)"
+                _refuse(f"{name}.first_position", expected, start)
             _check_int(f"{name}.stop_position", end, start + 1, positions)
             raw_bytes, held = raw_bytes * (end - start) // positions, f", positions {start}-{end - 1}"
             next_position, run = (0 if end == positions else end), (first, stop)
@@ -629,7 +634,8 @@ def _check_chunks(record: Mapping[str, Any]) -> None:
         if not next_position:
             next_layer = stop
     if chunks and next_position:
-        raise _field_error("chunks", f"must cover positions 0 to {positions - 1} of layers {run[0]}-{run[1] - 1}, got blocks ending at position {next_position - 1}")
+        covered = f"got blocks ending at position {next_position - 1}"
+        raise _field_error("chunks", f"must cover positions 0 to {positions - 1} of layers {run[0]}-{run[1] - 1}, {covered}")
     if chunks and next_layer != layers:
         raise _field_error("chunks", f"must cover layers {first_layer} to {layers - 1}, got chunks ending at layer {next_layer - 1}")
 

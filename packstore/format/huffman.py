@@ -12,6 +12,8 @@ every stream must end exactly where its length says. The frame layout is docs/fo
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from llvmlite import ir
@@ -19,6 +21,10 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from packstore.errors import IntegrityError
+
+if TYPE_CHECKING:
+    from numba.core.typing import Signature
+
 SHIFT = 28
 
 if sys.byteorder != "little":  # pragma: no cover - the unaligned loads below read little-endian words
@@ -37,13 +43,16 @@ ERRORS = {
     BAD_STREAM: "Huffman frame's streams do not decode to exactly their symbols and bytes",
 }
 _U = np.uint64
+# Compiled kernels take integers as Python ints or numpy integers alike (numba specialises on what arrives).
+Int = int | np.integer
+# numba's target context and llvmlite's IR builder and values are untyped.
+_Codegen = Callable[[Any, Any, "Signature", Sequence[Any]], Any]
 
 
-@intrinsic
-def _load_u64(typingctx, array, index):  # pragma: no cover - compiled
+def _load_u64_typing(typingctx: object, array: types.Type, index: types.Type) -> tuple[Signature, _Codegen]:  # pragma: no cover
     """The 8 bytes of a uint8 array at ``index`` as one little-endian word (unaligned; no bounds check)."""
 
-    def codegen(context, builder, signature, args):
+    def codegen(context: Any, builder: Any, signature: Signature, args: Sequence[Any]) -> Any:
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
         pointer = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(64).as_pointer())
         return builder.load(pointer, align=1)
@@ -51,11 +60,12 @@ def _load_u64(typingctx, array, index):  # pragma: no cover - compiled
     return types.uint64(array, index), codegen
 
 
-@intrinsic
-def _store_u32(typingctx, array, index, value):  # pragma: no cover - compiled
+def _store_u32_typing(
+    typingctx: object, array: types.Type, index: types.Type, value: types.Type
+) -> tuple[Signature, _Codegen]:  # pragma: no cover - compiled
     """Store the low 4 bytes of ``value`` into a uint8 array at ``index`` (unaligned; no bounds check)."""
 
-    def codegen(context, builder, signature, args):
+    def codegen(context: Any, builder: Any, signature: Signature, args: Sequence[Any]) -> Any:
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
         pointer = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(32).as_pointer())
         builder.store(builder.trunc(args[2], ir.IntType(32)), pointer, align=1)
@@ -64,11 +74,17 @@ def _store_u32(typingctx, array, index, value):  # pragma: no cover - compiled
     return types.void(array, index, value), codegen
 
 
+# numba's stubs type an intrinsic as its typing function (typing context first) returning Never, which is
+# how a call from Python behaves; compiled code calls it with the arguments below.
+_load_u64 = cast("Callable[[np.ndarray, Int], np.uint64]", intrinsic(_load_u64_typing))
+_store_u32 = cast("Callable[[np.ndarray, Int, Int], None]", intrinsic(_store_u32_typing))
+
+
 # -- writing -------------------------------------------------------------------------------------------------
 
 
 @njit(nogil=True, cache=True)
-def _code_lengths(counts):  # pragma: no cover - compiled; tested through encode
+def _code_lengths(counts: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled; tested through encode
     """Huffman code lengths (at most MAX_LENGTH) for the byte counts ``counts``: a complete prefix code over
     the bytes that occur (two codes of length 1 when only one does). Ties go to the smaller byte, so the
     lengths depend on the counts alone."""
@@ -120,7 +136,7 @@ def _code_lengths(counts):  # pragma: no cover - compiled; tested through encode
 
 
 @njit(nogil=True, cache=True)
-def _reversed_codes(lengths):  # pragma: no cover - compiled
+def _reversed_codes(lengths: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     """Each byte's canonical code (by length, then byte value), bit-reversed: the stream is read from bit 0 up."""
     codes = np.zeros(256, np.uint64)
     code = 0
@@ -138,7 +154,7 @@ def _reversed_codes(lengths):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def _encode_stream(plain, codes, lengths, out):  # pragma: no cover - compiled
+def _encode_stream(plain: np.ndarray, codes: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> int:  # pragma: no cover - compiled
     """Write ``plain``'s codes to ``out`` from bit 0 of byte 0 up; returns the bytes written (the last padded with 0s)."""
     acc, bits, at = _U(0), 0, 0
     for i in range(len(plain)):
@@ -184,7 +200,9 @@ def encode(plain: np.ndarray) -> bytes:
 
 
 @njit(nogil=True, cache=True)
-def _build_tables(lengths, single_symbol, single_length, lookups):  # pragma: no cover - compiled
+def _build_tables(
+    lengths: np.ndarray, single_symbol: np.ndarray, single_length: np.ndarray, lookups: np.ndarray
+) -> bool:  # pragma: no cover - compiled
     """Lookup tables over every MAX_LENGTH-bit window: the first code's symbol and length (``single_*``), and every
     whole code in the window (``lookups[2w]``: up to 4 bytes; ``lookups[2w+1]``: bits used | symbol count << 32). False unless
     ``lengths`` form a complete prefix code (every window then starts with a code)."""
@@ -203,7 +221,7 @@ def _build_tables(lengths, single_symbol, single_length, lookups):  # pragma: no
                 single_symbol[window] = symbol
                 single_length[window] = lengths[symbol]
     for window in range(TABLE):
-        used, packed, count = 0, 0, 0
+        used, packed, count = 0, np.int64(0), 0
         while count < LOOKUP_SYMBOLS:
             rest = window >> used
             length = single_length[rest]
@@ -217,13 +235,13 @@ def _build_tables(lengths, single_symbol, single_length, lookups):  # pragma: no
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _window(src, state):
+def _window(src: np.ndarray, state: np.uint64) -> np.uint64:
     position = state & _U((1 << SHIFT) - 1)
     return _load_u64(src, position >> _U(3)) >> (position & _U(7))
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _lookup(lookups, out, window, state):
+def _lookup(lookups: np.ndarray, out: np.ndarray, window: np.uint64, state: np.uint64) -> tuple[np.uint64, np.uint64]:
     entry = lookups[window & _U(TABLE - 1)]
     _store_u32(out, state >> _U(SHIFT), entry)
     step = entry >> _U(32)
@@ -231,7 +249,10 @@ def _lookup(lookups, out, window, state):
 
 
 @njit(nogil=True, cache=True)
-def _four_streams(src, out, lookups, s0, s1, s2, s3, e0, e1, e2, e3, o0, o1, o2, o3):
+def _four_streams(
+    src: np.ndarray, out: np.ndarray, lookups: np.ndarray, s0: np.uint64, s1: np.uint64, s2: np.uint64, s3: np.uint64,
+    e0: np.uint64, e1: np.uint64, e2: np.uint64, e3: np.uint64, o0: np.uint64, o1: np.uint64, o2: np.uint64, o3: np.uint64,
+) -> tuple[np.uint64, np.uint64, np.uint64, np.uint64]:
     low = _U((1 << SHIFT) - 1)
     while True:
         # iterations that cannot run out of input (<= 7 bytes each) or output (<= 20 symbols each)
@@ -253,11 +274,13 @@ def _four_streams(src, out, lookups, s0, s1, s2, s3, e0, e1, e2, e3, o0, o1, o2,
 
 
 @njit(nogil=True, cache=True)
-def _tail(src, position, end, single_symbol, single_length, out, at, stop):  # pragma: no cover - compiled
+def _tail(
+    src: np.ndarray, position: Int, end: Int, single_symbol: np.ndarray, single_length: np.ndarray, out: np.ndarray, at: Int, stop: Int
+) -> bool:  # pragma: no cover - compiled
     """Decode one code at a time, reading only bytes before ``end``, until ``out[stop]``; True if the stream ends
     exactly at its last byte."""
     while at < stop:
-        byte, window = position >> 3, 0
+        byte, window = position >> 3, np.int64(0)
         for k in range(3):  # MAX_LENGTH + 7 <= 24 bits
             if byte + k < end:
                 window |= np.int64(src[byte + k]) << (8 * k)
@@ -277,7 +300,10 @@ def decode_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 @njit(nogil=True, cache=True)
-def decode_frame(src, start, stop, out, at, count, single_symbol, single_length, lookups):  # pragma: no cover - compiled
+def decode_frame(
+    src: np.ndarray, start: Int, stop: Int, out: np.ndarray, at: Int, count: Int, single_symbol: np.ndarray, single_length: np.ndarray,
+    lookups: np.ndarray,
+) -> int:  # pragma: no cover - compiled
     """Decode the frame ``src[start:stop]`` into ``out[at : at + count]`` (the caller guarantees both lie in their
     arrays), with ``decode_tables`` as work space; OK or the error's code (ERRORS). Compiled code calls it directly."""
     if stop - start < _FRAME_FIXED or stop - start >= (1 << (SHIFT - 3)):
@@ -296,7 +322,7 @@ def decode_frame(src, start, stop, out, at, count, single_symbol, single_length,
     starts, ends = np.empty(STREAMS, np.int64), np.empty(STREAMS, np.int64)
     starts[0] = sizes + 4 * (STREAMS - 1)
     for k in range(STREAMS - 1):
-        size = 0
+        size = np.int64(0)
         for b in range(4):
             size |= np.int64(src[sizes + 4 * k + b]) << (8 * b)
         ends[k] = starts[k + 1] = starts[k] + size
@@ -321,7 +347,9 @@ def decode_frame(src, start, stop, out, at, count, single_symbol, single_length,
 
 
 @njit(nogil=True, cache=True)
-def _decode_frames(src, starts, stops, out, ats, counts):  # pragma: no cover - compiled
+def _decode_frames(
+    src: np.ndarray, starts: np.ndarray, stops: np.ndarray, out: np.ndarray, ats: np.ndarray, counts: np.ndarray
+) -> int:  # pragma: no cover - compiled
     """Decode frame ``i`` (``src[starts[i]:stops[i]]``) into ``out[ats[i] : ats[i] + counts[i]]`` for every i; -1, or
     the first failing frame's index * 16 + its error code."""
     single_symbol, single_length, lookups = np.empty(TABLE, np.uint8), np.empty(TABLE, np.uint8), np.empty(TABLE, np.uint64)

@@ -16,7 +16,10 @@ from numba import njit
 
 
 @njit(nogil=True, cache=True)
-def _join2(p0, p1, out, heads, rows, width, positions, offset, count, rotated):  # pragma: no cover - compiled; tested through join_planes
+def _join2(
+    p0: np.ndarray, p1: np.ndarray, out: np.ndarray,
+    heads: int, rows: int, width: int, positions: int, offset: int, count: int, rotated: bool,
+) -> None:  # pragma: no cover - compiled; tested through join_planes
     run = count * width  # each head's positions are one run in both arrays
     for a in range(heads):
         src, dst = a * rows * width, (a * positions + offset) * width
@@ -29,14 +32,22 @@ def _join2(p0, p1, out, heads, rows, width, positions, offset, count, rotated): 
 
 
 @njit(nogil=True, cache=True)
-def _join4(p0, p1, p2, p3, out, heads, rows, width, positions, offset, count, rotated):  # pragma: no cover - compiled; tested through join_planes
+def _join4(
+    p0: np.ndarray, p1: np.ndarray, p2: np.ndarray, p3: np.ndarray, out: np.ndarray,
+    heads: int, rows: int, width: int, positions: int, offset: int, count: int, rotated: bool,
+) -> None:  # pragma: no cover - compiled
     run = count * width
     for a in range(heads):
         src, dst = a * rows * width, (a * positions + offset) * width
         b0, b1, b2, b3 = p0[src : src + run], p1[src : src + run], p2[src : src + run], p3[src : src + run]
         to = out[dst : dst + run]
         for i in range(run):
-            v = np.uint32(b0[i]) | (np.uint32(b1[i]) << np.uint32(8)) | (np.uint32(b2[i]) << np.uint32(16)) | (np.uint32(b3[i]) << np.uint32(24))
+            v = (
+                np.uint32(b0[i])
+                | (np.uint32(b1[i]) << np.uint32(8))
+                | (np.uint32(b2[i]) << np.uint32(16))
+                | (np.uint32(b3[i]) << np.uint32(24))
+            )
             if rotated:
                 v = (v >> np.uint32(1)) | ((v & np.uint32(1)) << np.uint32(31))
             to[i] = v
@@ -70,18 +81,24 @@ def pack_pairs(values: np.ndarray) -> np.ndarray:
 def unpack_pairs(packed: np.ndarray, elements: int) -> np.ndarray:
     """The 2-bit values (one uint8 per element) of a packed plane of ``elements`` elements."""
     byte, shift = packed_index(np.arange(elements))
-    return (packed[byte] >> shift.astype(np.uint8)) & 3
+    values: np.ndarray = (packed[byte] >> shift.astype(np.uint8)) & 3
+    return values
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _split_row(b0, b1, b2, shift, to, count):  # pragma: no cover - compiled
+def _split_row(
+    b0: np.ndarray, b1: np.ndarray, b2: np.ndarray, shift: np.uint8, to: np.ndarray, count: int
+) -> None:  # pragma: no cover - compiled
     """``count`` float16 of one packed row: consecutive bytes of every plane, one shift."""
     for t in range(count):
         to[t] = (np.uint16(b1[t]) << np.uint16(10)) | (np.uint16((b2[t] >> shift) & np.uint8(3)) << np.uint16(8)) | np.uint16(b0[t])
 
 
 @njit(nogil=True, cache=True)
-def _join_split(p0, p1, packed, packed_at, out, heads, rows, width, positions, offset, count):  # pragma: no cover - compiled; tested through join_planes
+def _join_split(
+    p0: np.ndarray, p1: np.ndarray, packed: np.ndarray, packed_at: int, out: np.ndarray,
+    heads: int, rows: int, width: int, positions: int, offset: int, count: int,
+) -> None:  # pragma: no cover - compiled
     """float16 from its low byte (``p0``), sign and exponent (``p1``: bits 10-15) and top mantissa bits (``packed``,
     element i of ``p0`` being element ``packed_at + i`` there)."""
     run = count * width
@@ -94,12 +111,14 @@ def _join_split(p0, p1, packed, packed_at, out, heads, rows, width, positions, o
                 b2 = packed[(e >> 8) * 64 : (e >> 8) * 64 + 64]
                 for r in range(4):
                     at = i + 64 * r
-                    _split_row(p0[src + at : src + at + 64], p1[src + at : src + at + 64], b2, np.uint8(2 * r), out[dst + at : dst + at + 64], 64)
+                    low, high = p0[src + at : src + at + 64], p1[src + at : src + at + 64]
+                    _split_row(low, high, b2, np.uint8(2 * r), out[dst + at : dst + at + 64], 64)
                 i += PACKED_GROUP
                 continue
             take = min(run - i, 64 - (e & 63))  # else a row (or its part) at a time
             at = (e >> 8) * 64 + (e & 63)
-            _split_row(p0[src + i : src + i + take], p1[src + i : src + i + take], packed[at : at + take], np.uint8(2 * ((e >> 6) & 3)), out[dst + i : dst + i + take], take)
+            low, high = p0[src + i : src + i + take], p1[src + i : src + i + take]
+            _split_row(low, high, packed[at : at + take], np.uint8(2 * ((e >> 6) & 3)), out[dst + i : dst + i + take], take)
             i += take
 
 
@@ -125,7 +144,8 @@ def join_planes(
         plane, first, covered = packed
         fits = fits and 0 <= first and first + elements <= covered and len(plane) == packed_length(covered)
     if not (fits and out.flags.c_contiguous and all(len(plane) == elements for plane in planes)):
-        raise ValueError(f"cannot join planes of {[len(p) for p in planes]} bytes as {shape} into positions {offset} .. {offset + count} of {out.shape}")
+        sizes = [len(p) for p in planes]
+        raise ValueError(f"cannot join planes of {sizes} bytes as {shape} into positions {offset} .. {offset + count} of {out.shape}")
     dims = (heads, rows, width, out.shape[1], offset, count)
     if packed is not None and len(planes) == 2 and out.dtype == np.uint16:
         _join_split(planes[0], planes[1], packed[0], packed[1], out.reshape(-1), *dims)

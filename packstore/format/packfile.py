@@ -10,7 +10,7 @@ Writers write version 1 for a pack without signatures, version 2 otherwise.
 from __future__ import annotations
 
 import struct
-from typing import Iterator
+from collections.abc import Iterator
 
 from packstore.errors import IntegrityError, InvalidInput
 from packstore.format.body import EncodedPack, verify_chunk
@@ -46,7 +46,8 @@ def parse_pack_file(data: bytes) -> EncodedPack:
     if magic != FILE_MAGIC:
         raise IntegrityError("not a packstore pack file: bad magic")
     if version not in FILE_VERSIONS:
-        raise IntegrityError(f"pack file version {version} is not supported (this build reads versions {FILE_VERSIONS[0]} to {FILE_VERSIONS[-1]})")
+        readable = f"{FILE_VERSIONS[0]} to {FILE_VERSIONS[-1]}"
+        raise IntegrityError(f"pack file version {version} is not supported (this build reads versions {readable})")
     if header_len > min(MAX_HEADER_BYTES, len(data) - _PREAMBLE.size):
         raise IntegrityError("pack file is truncated or its header length is corrupt")
     offset = _PREAMBLE.size + header_len

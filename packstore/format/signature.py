@@ -62,7 +62,7 @@ class Signature:
         return canonical_json(record)
 
     @classmethod
-    def from_json(cls, data: bytes | str) -> "Signature":
+    def from_json(cls, data: bytes | str) -> Signature:
         """Parse a record strictly: exact fields and types, valid base64 of the right lengths, a matching key id."""
         if len(data) > MAX_SIGNATURE_BYTES:
             raise InvalidInput(f"signature record of {len(data)} bytes exceeds {MAX_SIGNATURE_BYTES}")
@@ -95,7 +95,7 @@ class Signature:
             return False
         return True
 
-    def check(self, subject: str, digest: str) -> "Signature":
+    def check(self, subject: str, digest: str) -> Signature:
         """Raise IntegrityError unless this signs exactly ``subject``/``digest`` and verifies."""
         if (self.subject, self.digest) != (subject, digest):
             raise IntegrityError(f"signature by key {self.key_id[:16]} is for another {self.subject} (digest {self.digest[:16]})")

@@ -14,8 +14,8 @@ tokens whose values deviate most from what a full prefill would give, and keeps 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from transformers import DynamicCache

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
-from typing import Sequence
+from collections.abc import Sequence
+from datetime import UTC, datetime
 
 import torch
 from tqdm.auto import tqdm
@@ -11,9 +11,9 @@ from transformers import DynamicCache
 
 from packstore.errors import InvalidInput
 from packstore.format import PackHeader
-from packstore.packs.tensors import Pack
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import pack_prefix_ids
+from packstore.packs.tensors import Pack
 
 PREFILL_CHUNK_TOKENS = 512
 
@@ -81,7 +81,7 @@ def knowledge_pack(
         dtype=lm.dtype_name,
         facts=tuple(facts),
         raw=raw,
-        created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         parents=tuple(parents),
         composition=composition,
         soft_tokens=tuple(tuple(pair) for pair in soft_tokens),

@@ -11,8 +11,8 @@ were computed (``naive``), and prefills only the few framing tokens no part hold
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from transformers import DynamicCache
@@ -156,7 +156,9 @@ class _Prefill:
             device = self.lm.device
             with torch.set_grad_enabled(self.grad):
                 dtype = embed.weight.dtype
-                pieces = [embed(torch.tensor(item, device=device)) if isinstance(item, list) else item.to(device, dtype) for item in self.pending]
+                pieces = [
+                    embed(torch.tensor(item, device=device)) if isinstance(item, list) else item.to(device, dtype) for item in self.pending
+                ]
                 self.lm.model(inputs_embeds=torch.cat(pieces)[None], past_key_values=self.cache, use_cache=True)
         self.pending = []
 
@@ -237,5 +239,8 @@ def _spliced_pack(lm: LoadedModel, parts: Sequence[Pack], assembly: Assembly, mo
         lm, assembly.token_ids, facts, assembly.cache, raw=parts[0].header.raw, parents=parents, composition=mode, soft_tokens=assembly.soft
     )
     return Composition(
-        pack=pack, reused_tokens=assembly.reused_tokens, prefilled_tokens=assembly.prefilled_tokens, computed_positions=tuple(assembly.computed)
+        pack=pack,
+        reused_tokens=assembly.reused_tokens,
+        prefilled_tokens=assembly.prefilled_tokens,
+        computed_positions=tuple(assembly.computed),
     )

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from queue import Queue
-from typing import Callable, Generator, Sequence
 
 import torch
 from transformers import DynamicCache, DynamicLayer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
@@ -15,11 +15,10 @@ from transformers.generation.streamers import BaseStreamer
 
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.format import PackHeader
-from packstore.packs.tensors import ArrivingPack, Pack
 from packstore.kv.build import cache_tensors, prefill
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import Rendering, check_prefix, render
-
+from packstore.packs.tensors import ArrivingPack, Pack
 
 GREEDY_BELOW = 1e-5
 MAX_TEMPERATURE = 100.0
@@ -92,11 +91,11 @@ def cache_aligned_ids(header: PackHeader, token_ids: Sequence[int], placeholder:
 def _arriving_tensor(slot: str) -> property:
     """A PackLayer's K or V: reading takes the pack's layer first; whatever is set replaces it (a reset, say)."""
 
-    def get(layer: "PackLayer") -> torch.Tensor | None:
+    def get(layer: PackLayer) -> torch.Tensor | None:
         layer._arrive()
         return getattr(layer, slot)
 
-    def set(layer: "PackLayer", value: torch.Tensor | None) -> None:
+    def set(layer: PackLayer, value: torch.Tensor | None) -> None:
         layer._take = None
         setattr(layer, slot, value)
 

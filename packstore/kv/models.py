@@ -247,6 +247,6 @@ def load_model(
             dtype=DTYPES[dtype],
             stop_token_ids=_stop_token_ids(tokenizer, model, wheel.extra_stop_tokens if wheel else ()),
         )
-        loaded.model_fp, loaded.template_fp  # computed once, here, under the progress bar
+        _ = loaded.model_fp, loaded.template_fp  # computed once, here, under the progress bar
         bar.update(1)
     return loaded

@@ -16,9 +16,9 @@ from __future__ import annotations
 import random
 import resource
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Callable, Sequence
+from datetime import UTC, datetime
 
 import torch
 
@@ -30,8 +30,8 @@ from packstore.kv.compose import Composition, SoftTokens, _spliced_pack, assembl
 from packstore.kv.inject import check_identity, greedy_with_logits
 from packstore.kv.models import LoadedModel
 from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_TOKENS
-from packstore.kv.render import render
 from packstore.kv.records import Example
+from packstore.kv.render import render
 from packstore.packs.tensors import Pack, adapter_tensors_sha256
 
 OBJECTIVE = "kl(teacher=exact composition, student=packet) over the teacher's greedy answer tokens"
@@ -84,7 +84,7 @@ def adapter_pack(lm: LoadedModel, soft: SoftTokens, *, recipe: dict, metrics: di
         dtype=lm.dtype_name,
         facts=(),
         raw=False,
-        created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         recipe=recipe | {"tensors_sha256": adapter_tensors_sha256(header_tensor, trailer_tensor)},
         metrics=metrics,
     )

@@ -8,8 +8,9 @@ the conversation once with a sentinel question and cutting at the last token tha
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from packstore.errors import InvalidInput, PackMismatch
 

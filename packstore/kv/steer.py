@@ -13,9 +13,9 @@ delta made at other positions is expected to break coherence, which is what the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Sequence
+from datetime import UTC, datetime
 
 import torch
 from transformers import DynamicCache
@@ -26,11 +26,10 @@ from packstore.format.header import POOLINGS, inputs_hash
 from packstore.kv.build import prefill
 from packstore.kv.inject import check_identity
 from packstore.kv.models import LoadedModel
-from packstore.kv.render import check_no_special_tokens
 from packstore.kv.options import STEER_TARGETS, middle_third
 from packstore.kv.records import Pair
+from packstore.kv.render import check_no_special_tokens
 from packstore.packs.tensors import Pack
-
 
 
 @dataclass(frozen=True)
@@ -116,7 +115,7 @@ def build_steering(
         dtype=lm.dtype_name,
         facts=(),
         raw=False,
-        created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         recipe=steering_recipe(pairs, pooling, (first, last)),
         metrics={},
     )
@@ -212,7 +211,8 @@ class SteeredCache(DynamicCache):
 
 
 def _add_where(states: torch.Tensor, delta: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
-    """``states`` ([batch, heads, positions, head_dim]) with ``delta`` ([heads, head_dim]) added where ``mask`` ([batch, positions]) is set."""
+    """``states`` ([batch, heads, positions, head_dim]) with ``delta`` ([heads, head_dim]) added where ``mask``
+    ([batch, positions]) is set."""
     if delta is None:
         return states
     return states + mask[:, None, :, None].to(states.dtype) * delta.to(states.dtype)[None, :, None, :]

@@ -1,0 +1,242 @@
+"""The package's import graph (issue 35): no import cycles, and each layer imports only the layers below it.
+
+The graph is read statically with ``ast`` from every module under packstore/ (the generated packstore/v1
+excepted), so it needs no import of torch, lmdb or grpc and runs in well under a second. Every import counts
+alike: at module level, inside a function (a lazy import still ties the layers together) and under
+``if TYPE_CHECKING:`` (an annotation-only import is still a dependency of the design).
+
+Resolution: ``import X`` is an edge to module X; ``from X import Y`` is an edge to module X.Y when that is a
+module, else to X (Y is a name defined in X); relative imports are made absolute against the importing
+module's package first. One exception, in the cycle check only: an edge from a package's ``__init__`` to a
+module inside that package (a re-export, e.g. packstore.store -> packstore.store.lmdb.store) is dropped, so
+a loop that only closes through such a re-export is not a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "packstore"
+GENERATED = "packstore.v1"
+
+# The layers: the second component of a module's name (packstore.store.lmdb.store is in "store",
+# packstore.errors is "errors"); the root package packstore/__init__.py (only __version__) is "packstore".
+# Each layer may import itself and the layers named here, nothing else in packstore. The design of
+# issue 35: format (pure bytes, no I/O) <- store (LMDB, object store) <- service (gRPC); format <- kv (model
+# side) <- worker; the CLI and the service are thin shells over library functions. rpc is the shared
+# server/client scaffold under service and worker; security (auth, trust) sits beside format.
+BASE = {"errors", "packstore"}
+ALLOWED: dict[str, set[str]] = {
+    "packstore": set(),
+    "errors": set(),
+    "format": BASE,
+    "store": BASE | {"format"},
+    "packs": BASE | {"format"},
+    "security": BASE | {"format"},
+    "kv": BASE | {"format", "packs"},
+    "bank": BASE | {"store", "packs", "format", "kv"},  # kv: the embedder finds its model wheel through kv.models
+    "rpc": BASE | {"store", "format", "security"},
+    "service": BASE | {"rpc", "store", "packs", "bank", "security", "format"},
+    "answering": BASE | {"kv", "packs", "store", "bank", "security", "format"},
+    "worker": BASE | {"rpc", "answering", "kv", "packs", "store", "security", "format"},
+    "cli": {"*"},  # a shell over everything
+}
+
+# Third-party packages a layer must not import at all (store backends speak bytes: no tensors).
+FORBIDDEN_EXTERNAL: dict[str, set[str]] = {
+    "format": {"torch", "transformers", "safetensors", "lmdb", "grpc", "boto3", "botocore", "faiss", "sentence_transformers"},
+    "store": {"torch", "transformers", "safetensors"},
+    "errors": {"torch", "transformers", "safetensors", "lmdb", "grpc", "boto3"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+@cache
+def modules() -> dict[str, Path]:
+    found = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    return {name: path for name, path in found.items() if name != GENERATED and not name.startswith(GENERATED + ".")}
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _imported_names(module: str, path: Path) -> list[tuple[str, str | None, int]]:
+    """(module named, imported name or None, line) for every import statement anywhere in the file."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[tuple[str, str | None, int]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            found += [(source, alias.name, node.lineno) for alias in node.names]
+    return found
+
+
+@cache
+def imports() -> tuple[dict[str, set[str]], dict[str, set[str]], list[str]]:
+    """Internal edges (module -> modules), external top-level packages per module, unresolved internal imports."""
+    known = modules()
+    edges: dict[str, set[str]] = defaultdict(set)
+    external: dict[str, set[str]] = defaultdict(set)
+    unresolved: list[str] = []
+    for module, path in known.items():
+        for source, name, line in _imported_names(module, path):
+            top = source.split(".")[0]
+            if top != "packstore":
+                external[module].add(top)
+                continue
+            if source == GENERATED or source.startswith(GENERATED + "."):
+                continue
+            target = f"{source}.{name}" if name is not None and f"{source}.{name}" in known else source
+            if target not in known:
+                unresolved.append(f"{path.relative_to(ROOT)}:{line}: {source}" + (f" (name {name})" if name else ""))
+            elif target != module:
+                edges[module].add(target)
+    return dict(edges), dict(external), unresolved
+
+
+def is_reexport(source: str, target: str) -> bool:
+    """An edge from a package's __init__ to a module inside that package."""
+    return modules()[source].name == "__init__.py" and target.startswith(source + ".")
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Cycle paths covering every strongly connected component of more than one module (Tarjan): for each
+    module of such a component a shortest cycle through it, each distinct cycle once."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:  # recursion depth is bounded by the package's ~100 modules
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    paths: list[list[str]] = []
+    for component in sorted(components):
+        for start in component:
+            path = _cycle_path(start, set(component), edges)
+            turn = path.index(min(path[:-1]))
+            path = path[turn:-1] + path[: turn + 1]  # the same cycle found from another module reads the same
+            if path not in paths:
+                paths.append(path)
+    return paths
+
+
+def _cycle_path(start: str, members: set[str], edges: dict[str, set[str]]) -> list[str]:
+    """A shortest cycle from ``start`` back to it within its component (breadth-first)."""
+    previous: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(edges.get(node, set()) & members):
+                if nxt == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(previous[path[-1]])
+                    return [*reversed(path), start]
+                if nxt not in previous:
+                    previous[nxt] = node
+                    following.append(nxt)
+        frontier = following
+    raise AssertionError(f"no cycle through {start} in {sorted(members)}")
+
+
+def layer_edges() -> dict[tuple[str, str], list[str]]:
+    """Every import from one layer to another, with the module edges behind it."""
+    edges, _, _ = imports()
+    crossing: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for source, targets in edges.items():
+        for target in sorted(targets):
+            if layer(source) != layer(target):
+                crossing[layer(source), layer(target)].append(f"{source} -> {target}")
+    return dict(sorted(crossing.items()))
+
+
+def test_every_internal_import_resolves() -> None:
+    _, _, unresolved = imports()
+    assert not unresolved, "imports of packstore modules that do not exist:\n" + "\n".join(unresolved)
+
+
+def test_no_import_cycles() -> None:
+    edges, _, _ = imports()
+    kept = {source: {t for t in targets if not is_reexport(source, t)} for source, targets in edges.items()}
+    found = cycles(kept)
+    assert not found, f"{len(found)} import cycle(s):\n" + "\n".join(" -> ".join(path) for path in found)
+
+
+def test_layers_import_only_the_layers_below() -> None:
+    crossing = layer_edges()
+    print("layer edges today:")
+    for (source, target), behind in crossing.items():
+        print(f"  {source} -> {target}: {', '.join(behind)}")
+    unknown = sorted({layer(m) for m in modules()} - set(ALLOWED))
+    assert not unknown, f"layers missing from ALLOWED (decide what they may import): {unknown}"
+    broken = [
+        f"{source} -> {target}: {', '.join(behind)}"
+        for (source, target), behind in crossing.items()
+        if "*" not in ALLOWED[source] and target not in ALLOWED[source]
+    ]
+    assert not broken, "imports against the layering (tests/unit/test_import_graph.py ALLOWED):\n" + "\n".join(broken)
+
+
+def test_layers_avoid_heavy_dependencies() -> None:
+    _, external, _ = imports()
+    broken = [
+        f"{module} imports {', '.join(sorted(packages & FORBIDDEN_EXTERNAL[layer(module)]))}"
+        for module, packages in sorted(external.items())
+        if packages & FORBIDDEN_EXTERNAL.get(layer(module), set())
+    ]
+    assert not broken, "\n".join(broken)
+
+
+def test_allowed_layers_form_no_cycle() -> None:
+    """The table itself is a layering: no two layers may each import the other, directly or round about."""
+    table = {source: {t for t in targets if t != "*" and t != source} for source, targets in ALLOWED.items()}
+    assert cycles(table) == []
+
+
+def test_cycle_finder_reports_a_path() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert cycles(graph) == [["a", "b", "c", "a"]]
+    two_loops = {"s": {"b", "c"}, "b": {"s"}, "c": {"s"}, "d": {"s"}}
+    assert cycles(two_loops) == [["b", "s", "b"], ["c", "s", "c"]]
