@@ -1,6 +1,6 @@
 """Banks at growing N: build cost, stored bytes per fact, routing accuracy, per-query latency.
 
-Facts are deterministic synthetic fictional facts (packstore.bank.synthetic: one invented entity
+Facts are deterministic synthetic fictional facts (packstore.kv.synthetic: one invented entity
 per fact), and each query is a paraphrase of one fact, drawn at random with a fixed seed, so the
 right answer is known.
 Routing accuracy = the answering fact is in the searched clusters (the probed ones and those of
@@ -36,7 +36,7 @@ from benchlib import logger, machine_description, print_table, source_descriptio
 
 from packstore.bank.bank import build_bank, default_probe, route  # noqa: E402
 from packstore.bank.embedder import Embedder, load_embedder  # noqa: E402
-from packstore.bank.synthetic import synthetic_fact, synthetic_facts  # noqa: E402
+from packstore.kv.synthetic import synthetic_fact, synthetic_facts  # noqa: E402
 from packstore.errors import PackNotFound  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.models import load_model  # noqa: E402

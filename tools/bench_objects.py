@@ -39,7 +39,7 @@ import grpc
 import torch
 
 from packstore.format import EncodedPack, PackHeader
-from packstore.store.remote import RemoteStore
+from packstore.rpc.remote import RemoteStore
 from packstore.store.objects.store import ObjectStore
 from packstore.packs.tensors import Pack, encode_pack
 

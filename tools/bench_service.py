@@ -72,7 +72,7 @@ import redis  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from packstore.store.remote import RemoteStore  # noqa: E402
+from packstore.rpc.remote import RemoteStore  # noqa: E402
 from packstore.format import EncodedPack, PackHeader  # noqa: E402
 from packstore.packs.tensors import Pack, encode_pack, pack_from_chunks  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402

@@ -37,7 +37,7 @@ from test_format import make_pack  # noqa: E402
 from packstore.rpc.channel import Connection  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 from packstore.store.namespaces import namespace_path  # noqa: E402
-from packstore.store.remote import RemoteStore  # noqa: E402
+from packstore.rpc.remote import RemoteStore  # noqa: E402
 from packstore.packs.tensors import encode_pack  # noqa: E402
 from packstore.packs.reader import PackReader
 

@@ -2,7 +2,7 @@
 
 Three kinds of data, each a bank of facts and questions whose one answering fact is known:
 
-- ``own``: the project's generator (packstore.bank.synthetic), the data the first routing was tuned on;
+- ``own``: the project's generator (packstore.kv.synthetic), the data the first routing was tuned on;
 - ``second``: tools/second_facts.py, written independently (other templates and name styles,
   questions that share few words with their facts); no setting was tuned on it;
 - ``ckc-tuning`` / ``ckc-held-out``: one bank of all 600 ckc_dev paragraphs, asked the questions of
@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 import packstore.bank.bank as bank_module  # noqa: E402
 from packstore.bank.bank import BankCache, build_bank, route  # noqa: E402
-from packstore.bank.synthetic import synthetic_facts  # noqa: E402
+from packstore.kv.synthetic import synthetic_facts  # noqa: E402
 from packstore.format.bank import VECTOR_KINDS  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 

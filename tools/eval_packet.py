@@ -1,7 +1,7 @@
 """KV Packet against full, no and selective recompute, on multi-document ckc questions, per model and seed.
 
 For each seed an adapter is trained (``packstore.kv.packet.train_adapter``, model frozen) on examples
-from the project's two fact generators (packstore.bank.synthetic and tools/second_facts.py: short
+from the project's two fact generators (packstore.kv.synthetic and tools/second_facts.py: short
 invented facts, 2-4 documents of 2-5 facts, a question about one fact), never on ckc. It is then
 tested on ckc: each question's paragraph (the gold) and 1-4 other paragraphs as distractors, 2-5 in
 all, in a seeded order with the gold at a seeded position, every paragraph its own pack built alone.
@@ -389,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if "train" in parts and not path.exists():
                     examples = training_examples(args.examples, seed)
                     adapter = train_adapter(
-                        lm, examples, source="packstore.bank.synthetic + tools/second_facts.py", tokens=args.tokens, steps=args.steps,
+                        lm, examples, source="packstore.kv.synthetic + tools/second_facts.py", tokens=args.tokens, steps=args.steps,
                         learning_rate=args.learning_rate, seed=seed,
                         progress=lambda step, loss: log(f"{name} seed {seed} step {step}: KL {loss:.4f}") if step % 25 == 0 else None,
                     )

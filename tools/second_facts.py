@@ -1,6 +1,6 @@
 """A second generator of invented facts, each with a paraphrased question, for measuring bank retrieval.
 
-The bank's retrieval code was tuned on the facts of packstore.bank.synthetic. This module was written
+The bank's retrieval code was tuned on the facts of packstore.kv.synthetic. This module was written
 separately from that generator, with its own vocabularies, sentence shapes and naming schemes, so a
 retrieval score measured on its cases is a score on data the retrieval code has not been fitted to.
 

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 
 DEFAULT_EXAMPLES = 96
-GENERATED_SOURCE = "packstore.bank.synthetic facts, 2-4 documents of 2-5 facts per example"
+GENERATED_SOURCE = "packstore.kv.synthetic facts, 2-4 documents of 2-5 facts per example"
 
 
 def steering_details(store: PackStore, stored: StoredPack) -> dict[str, Any]:

@@ -18,7 +18,7 @@ def _progress(args: argparse.Namespace) -> bool:
 
 def _open_store(args: argparse.Namespace, *, readonly: bool = False, spec: str | None = None):
     """The store ``--store`` names (or ``spec``), reached with the connection options when it is not a directory."""
-    from packstore.store import is_remote, open_store
+    from packstore.packs.stores import is_remote, open_store
 
     spec = spec or args.store or os.environ.get("PACKSTORE_STORE")
     return open_store(spec, readonly=readonly, connection=connection_of(args) if is_remote(spec) else None)
@@ -299,7 +299,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_backup(args: argparse.Namespace) -> int:
-    from packstore.store import default_store_path, is_remote
+    from packstore.store import default_store_path
+    from packstore.packs.stores import is_remote
     from packstore.store.namespaces import backup
 
     source = args.store or os.environ.get("PACKSTORE_STORE") or str(default_store_path())

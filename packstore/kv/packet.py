@@ -46,9 +46,9 @@ def data_digest(examples: Sequence[Example]) -> str:
 
 
 def generated_examples(count: int, *, seed: int = 0) -> list[Example]:
-    """Training examples from the project's fact generator (packstore.bank.synthetic), never ckc: each
+    """Training examples from the project's fact generator (packstore.kv.synthetic), never ckc: each
     has 2-4 documents of 2-5 facts and a question about one fact of one document."""
-    from packstore.bank.synthetic import synthetic_fact
+    from packstore.kv.synthetic import synthetic_fact
 
     rng = random.Random(seed)
     examples, index = [], seed * 1_000_003 % 1_000_000

@@ -13,11 +13,11 @@ import grpc
 
 from packstore.errors import InvalidInput, PackstoreError
 from packstore.rpc.status import error_from_rpc
+from packstore.security.auth import NAMESPACE_HEADER
 
 GRPC_SCHEME = "grpc://"
 GRPCS_SCHEME = "grpcs://"
 MAX_MESSAGE_BYTES = 64 << 20
-NAMESPACE_HEADER = "x-packstore-namespace"
 T = TypeVar("T")
 
 

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from packstore.errors import InvalidInput, PermissionDenied, Unauthenticated
-from packstore.rpc.channel import NAMESPACE_HEADER
 from packstore.store.namespaces import DEFAULT_NAMESPACE
 from packstore.store.protocol import check_name
+
+NAMESPACE_HEADER = "x-packstore-namespace"  # the metadata a caller names its namespace in
 
 ROLES = ("read", "write", "admin")  # each may do what the ones before it may
 ANY_NAMESPACE = "*"

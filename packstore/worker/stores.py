@@ -9,7 +9,8 @@ import threading
 
 from packstore.rpc.channel import Connection
 from packstore.store.namespaces import DEFAULT_NAMESPACE, namespace_path
-from packstore.store import PackStore, default_store_path, is_remote, open_store
+from packstore.store import PackStore, default_store_path
+from packstore.packs.stores import is_remote, open_store
 
 
 class NamespaceReaders:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from packstore.answering.answer import Answerer, Question
-from packstore.bank.synthetic import synthetic_facts
+from packstore.kv.synthetic import synthetic_facts
 from packstore.kv.inject import Sampling
 from packstore.kv.models import load_model
 from packstore.store import LmdbStore

@@ -18,7 +18,7 @@ from packstore.kv.inject import Sampling, answer_with_text
 from packstore.kv.models import load_model
 from packstore.kv.rope import layer_frequencies
 from packstore.store import LmdbStore
-from packstore.store.remote import RemoteStore
+from packstore.rpc.remote import RemoteStore
 from packstore.packs.tensors import encode_pack
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker

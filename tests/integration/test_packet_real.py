@@ -16,7 +16,7 @@ from packstore.kv.compose import compose_exact, splice
 from packstore.kv.inject import Sampling
 from packstore.kv.models import load_model
 from packstore.kv.packet import generated_examples
-from packstore.store.remote import RemoteStore
+from packstore.rpc.remote import RemoteStore
 from packstore.packs.tensors import encode_pack
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker

@@ -16,7 +16,7 @@ from packstore.packs.tensors import encode_pack
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling
 from packstore.kv.models import load_model
-from packstore.store.remote import RemoteStore
+from packstore.rpc.remote import RemoteStore
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
 from test_real_models import eval_rows, fact_sets

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from packstore.answering.answer import Answerer, Question, ReadyCache
-from packstore.bank.synthetic import synthetic_facts
+from packstore.kv.synthetic import synthetic_facts
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch
 from packstore.format import PackHeader
 from packstore.packs.tensors import Pack, encode_pack

@@ -24,7 +24,7 @@ from packstore.kv.inject import Sampling
 from packstore.rpc.channel import Connection
 from packstore.security.auth import Auth, load_tokens
 from packstore.store.namespaces import namespace_path
-from packstore.store.remote import RemoteStore
+from packstore.rpc.remote import RemoteStore
 from packstore.packs.tensors import encode_pack
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker

@@ -14,7 +14,7 @@ from packstore.cli.packctl import main as packctl
 from packstore.errors import InvalidInput
 from packstore.store import LmdbStore
 from packstore.store.namespaces import backup, namespace_path
-from packstore.store.remote import RemoteStore
+from packstore.rpc.remote import RemoteStore
 from packstore.packs.tensors import encode_pack
 from service_helpers import running_server
 from test_format import make_pack

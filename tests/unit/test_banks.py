@@ -12,7 +12,7 @@ import pytest
 
 from packstore.bank.bank import MIN_PROBE, add_facts, build_bank, default_probe, route
 from packstore.bank.embedder import load_embedder, resolve_embedder_dir
-from packstore.bank.synthetic import synthetic_facts
+from packstore.kv.synthetic import synthetic_facts
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch, PackNotFound
 from packstore.format.bank import encode_centroids, encode_cluster, encode_lexical

@@ -35,7 +35,7 @@ from packstore.rpc.messages import stored_pack
 from packstore.service.bulk import Tickets, bulk_address
 from packstore.service.hot import HotPacks
 from packstore.store import LmdbStore
-from packstore.store.remote import RemoteStore
+from packstore.rpc.remote import RemoteStore
 from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families

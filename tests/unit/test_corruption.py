@@ -15,7 +15,7 @@ import torch
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError
 from packstore.store import LmdbStore
-from packstore.store.remote import RemoteStore
+from packstore.rpc.remote import RemoteStore
 from packstore.packs.tensors import encode_pack
 from service_helpers import running_server
 from test_format import make_pack

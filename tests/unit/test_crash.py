@@ -18,7 +18,7 @@ import pytest
 from packstore.packs.admin import export_pack
 from packstore.errors import PackstoreError
 from packstore.store import LmdbStore
-from packstore.store.remote import RemoteStore
+from packstore.rpc.remote import RemoteStore
 from packstore.packs.tensors import Pack, encode_pack
 from service_helpers import free_port, wait_serving
 from test_format import make_pack
@@ -145,7 +145,7 @@ def test_killing_a_packctl_writer_leaves_each_pack_whole_or_absent(tmp_path, rob
 
 @pytest.mark.parametrize("trials", [1, pytest.param(100, marks=pytest.mark.long)], ids=["short", "long"])
 def test_killing_a_bank_build_leaves_the_bank_whole_or_absent(tmp_path, robustness_report, trials) -> None:
-    from packstore.bank.synthetic import synthetic_facts
+    from packstore.kv.synthetic import synthetic_facts
 
     facts = tmp_path / "facts.txt"
     facts.write_text("\n".join(case.fact for case in synthetic_facts(3000)) + "\n")

@@ -43,7 +43,7 @@ from packstore.kv.steer import build_steering
 from packstore.rpc.bulk import CHUNK, END, ERROR, FRAME, HELLO, MAGIC, MAX_ERROR_BYTES, TICKET_BYTES, ReceiveBuffers, bulk_chunks
 from packstore.rpc.channel import NAMESPACE_HEADER, Connection
 from packstore.rpc.messages import stored_pack
-from packstore.store.remote import RemoteStore
+from packstore.rpc.remote import RemoteStore
 from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc, worker_pb2, worker_pb2_grpc
 from cgroup_helpers import memory_cgroup

@@ -14,7 +14,7 @@ import grpc
 from cgroup_helpers import memory_cgroup
 from packstore.rpc.bulk import FRAME, MAGIC, recv_exact
 from packstore.rpc.messages import chunk_pieces
-from packstore.store.remote import RemoteStore
+from packstore.rpc.remote import RemoteStore
 from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server

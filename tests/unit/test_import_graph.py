@@ -34,15 +34,15 @@ ALLOWED: dict[str, set[str]] = {
     "packstore": set(),
     "errors": set(),
     "format": BASE,
-    "store": BASE | {"format"},
-    "packs": BASE | {"format"},
-    "security": BASE | {"format"},
+    "store": BASE | {"format"},  # backends in bytes: no torch, no packs/, no bank/ (the gRPC client tier is rpc.remote)
+    "security": BASE | {"format", "store"},
+    "rpc": BASE | {"store", "format", "security"},
+    "packs": BASE | {"format", "store", "rpc", "security"},  # the reader over every tier; open_store names them all
     "kv": BASE | {"format", "packs"},
     "bank": BASE | {"store", "packs", "format", "kv"},  # kv: the embedder finds its model wheel through kv.models
-    "rpc": BASE | {"store", "format", "security"},
     "service": BASE | {"rpc", "store", "packs", "bank", "security", "format"},
     "answering": BASE | {"kv", "packs", "store", "bank", "security", "format"},
-    "worker": BASE | {"rpc", "answering", "kv", "packs", "store", "security", "format"},
+    "worker": BASE | {"rpc", "answering", "kv", "packs", "bank", "store", "security", "format"},
     "cli": {"*"},  # a shell over everything
 }
 

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from packstore.errors import LimitExceeded, PackstoreError
-from packstore.store.remote import RemoteStore
+from packstore.rpc.remote import RemoteStore
 from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server

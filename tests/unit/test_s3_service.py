@@ -28,7 +28,7 @@ from packstore.rpc.messages import chunk_pieces
 from packstore.store import LmdbStore
 from packstore.packs.migrate import migrate
 from packstore.store.objects.cache import DEFAULT_CACHE_BYTES, ObjectCache
-from packstore.store.remote import RemoteStore
+from packstore.rpc.remote import RemoteStore
 from packstore.packs.tensors import encode_pack
 from packstore.security.trust import SigningKey, generate_key
 from packstore.v1 import store_pb2, store_pb2_grpc

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from packstore.store.remote import RemoteStore
+from packstore.rpc.remote import RemoteStore
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch, PackNotFound, PackstoreError
 from packstore.rpc.metrics_http import metrics_address, serve_metrics
 from packstore.security.auth import Auth
@@ -304,7 +304,7 @@ def test_many_concurrent_large_reads_keep_server_memory_bounded(tmp_path: Path) 
 
 
 def test_banks_over_the_service(server, remote) -> None:
-    from packstore.bank.synthetic import synthetic_facts
+    from packstore.kv.synthetic import synthetic_facts
 
     banks = open_banks(remote, TEST_BANK_CACHE)
     cases = synthetic_facts(120)

@@ -22,7 +22,7 @@ from packstore.kv.inject import Sampling
 from packstore.kv.steer import build_steering
 from packstore.kv.records import Pair
 from packstore.store import LmdbStore
-from packstore.store.remote import RemoteStore
+from packstore.rpc.remote import RemoteStore
 from packstore.packs.tensors import encode_pack
 from packstore.security.trust import SigningKey, TrustedKeys, generate_key
 from service_helpers import running_server
@@ -162,7 +162,7 @@ def test_a_trusting_answerer_injects_only_signed_packs_and_trusts_what_it_derive
 
 
 def test_banks_are_signed_over_their_whole_contents(tiny_lm, keys, tmp_path) -> None:
-    from packstore.bank.synthetic import synthetic_facts
+    from packstore.kv.synthetic import synthetic_facts
 
     cases = synthetic_facts(40)
     with LmdbStore(tmp_path / "store") as store:

@@ -18,7 +18,7 @@ from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackMis
 from packstore.format.body import chunks_for
 from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts
 from packstore.store import BankStore, LmdbStore, PackStore
-from packstore.store.remote import RemoteStore
+from packstore.rpc.remote import RemoteStore
 from packstore.store.objects.store import ObjectStore
 from seaweed_helpers import running_seaweed
 from packstore.packs.tensors import Pack, encode_pack

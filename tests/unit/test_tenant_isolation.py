@@ -17,7 +17,7 @@ from packstore.rpc.channel import Connection
 from packstore.rpc.messages import stored_pack
 from packstore.store import LmdbStore
 from packstore.store.namespaces import namespace_path
-from packstore.store.remote import RemoteStore
+from packstore.rpc.remote import RemoteStore
 from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server

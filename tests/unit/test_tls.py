@@ -16,7 +16,7 @@ from packstore.errors import Unavailable
 from packstore.kv.build import build_pack
 from packstore.rpc.bulk import MAGIC, connect, read_frame
 from packstore.rpc.channel import Connection
-from packstore.store.remote import RemoteStore
+from packstore.rpc.remote import RemoteStore
 from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2
 from service_helpers import running_server, running_worker

@@ -18,7 +18,7 @@ from packstore.packs.tensors import encode_pack
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text
 from packstore.kv.models import load_model
-from packstore.store.remote import RemoteStore
+from packstore.rpc.remote import RemoteStore
 from packstore.v1 import store_pb2, worker_pb2, worker_pb2_grpc
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
@@ -169,7 +169,7 @@ def test_packctl_ask_with_a_worker(stack, tiny_lm, tmp_path: Path, capsys) -> No
 
 
 def test_worker_answers_from_a_bank_with_lazy_recompute(stack, tiny_lm) -> None:
-    from packstore.bank.synthetic import synthetic_facts
+    from packstore.kv.synthetic import synthetic_facts
 
     server, worker = stack
     cases = synthetic_facts(60)

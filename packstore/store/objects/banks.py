@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -25,22 +25,20 @@ from packstore.store.lmdb.banks import BankChanged, check_records, digest_of, en
 from packstore.store.protocol import check_name
 from packstore.store.objects.registers import Version
 
-if TYPE_CHECKING:
-    from packstore.store.objects.store import ObjectStore
 
 
 class ObjectBankTables:
     """Mixed into ObjectStore. A head's value: ``{"meta": JSON, "records": {RECORD: [object, sha256, seal, size]},
     "signatures": [JSON, ...]}``; RECORD is the name the bank digest gives it (``record_names``)."""
 
-    def _bank_head_path(self: "ObjectStore", name: str) -> str:
+    def _bank_head_path(self: Any, name: str) -> str:
         return f"{self._base}banks/{check_name(name)}/head"
 
-    def _bank_head(self: "ObjectStore", name: str) -> dict[str, Any]:
+    def _bank_head(self: Any, name: str) -> dict[str, Any]:
         """The newest head of bank ``name``; PackNotFound if there is no such bank."""
         return _value(self._registers.latest(self._bank_head_path(name)), name)
 
-    def _bank_record(self: "ObjectStore", name: str, head: dict[str, Any], record: str) -> bytes | None:
+    def _bank_record(self: Any, name: str, head: dict[str, Any], record: str) -> bytes | None:
         """One record's bytes, checked against the sha256 its head gives (None: the bank has no such record)."""
         entry = head["records"].get(record)
         if entry is None:
@@ -53,7 +51,7 @@ class ObjectBankTables:
 
         return self._immutable(obj, check, missing=f"bank {name!r}: record {record} is missing from the object store")
 
-    def _upload_records(self: "ObjectStore", name: str, records: dict[str, bytes]) -> dict[str, list]:
+    def _upload_records(self: Any, name: str, records: dict[str, bytes]) -> dict[str, list]:
         """Upload new record objects (fresh names, so no gc can count them old) within the writer window. The upload's
         duration is timed on this host's monotonic clock: the store's clock (HTTP Date) counts whole seconds, which
         would fail an upload of a moment that crossed a second boundary whenever the window is under 2 s."""
@@ -72,17 +70,17 @@ class ObjectBankTables:
             raise Unavailable(f"the object store is too slow: uploading bank {name!r} took longer than {self.writer_window:.0f} s")
         return entries
 
-    def put_bank(self: "ObjectStore", meta: BankMeta, centroids: np.ndarray, clusters: dict[int, Cluster], lexical: bytes) -> None:
+    def put_bank(self: Any, meta: BankMeta, centroids: np.ndarray, clusters: dict[int, Cluster], lexical: bytes) -> None:
         """Store (or replace) a whole bank: its records, then one head version naming them (without signatures)."""
         self._commit_records(meta.name, meta.to_json(), encode_records(meta.name, centroids, clusters, lexical), replace=True)
 
-    def put_bank_records(self: "ObjectStore", name: str, meta: bytes, records: dict[str, bytes]) -> None:
+    def put_bank_records(self: Any, name: str, meta: bytes, records: dict[str, bytes]) -> None:
         """Store a new bank from its records as ``bank_records`` gives them, byte for byte (so its digest and
         signatures carry over: migrate), after checking each; BankChanged if the store holds a bank ``name``."""
         check_records(name, meta, records)
         self._commit_records(name, meta, records, replace=False)
 
-    def _commit_records(self: "ObjectStore", name: str, meta: bytes, records: dict[str, bytes], *, replace: bool) -> None:
+    def _commit_records(self: Any, name: str, meta: bytes, records: dict[str, bytes], *, replace: bool) -> None:
         """Upload a whole bank's records, then commit one head version naming them, over any bank of that
         name only if ``replace`` (BankChanged otherwise)."""
         path = self._bank_head_path(name)  # checks the name before anything is uploaded
@@ -95,7 +93,7 @@ class ObjectBankTables:
 
         self._registers.update(path, change)
 
-    def update_bank(self: "ObjectStore", meta: BankMeta, clusters: dict[int, Cluster], lexical: bytes, *, expected: BankMeta) -> None:
+    def update_bank(self: Any, meta: BankMeta, clusters: dict[int, Cluster], lexical: bytes, *, expected: BankMeta) -> None:
         """Replace some clusters, the full-text index and the metadata in one head version, only if the bank
         is still ``expected``: BankChanged otherwise, so a concurrent add or rebuild is never overwritten."""
         _, lexical_name, cluster_names = record_names(meta.name, sorted(clusters))
@@ -110,32 +108,32 @@ class ObjectBankTables:
 
         self._registers.update(self._bank_head_path(meta.name), change)
 
-    def bank(self: "ObjectStore", name: str) -> BankMeta:
+    def bank(self: Any, name: str) -> BankMeta:
         return _meta(self._bank_head(name), name)
 
-    def bank_centroids(self: "ObjectStore", name: str) -> np.ndarray:
+    def bank_centroids(self: Any, name: str) -> np.ndarray:
         head = self._bank_head(name)
         return decode_centroids(self._bank_record(name, head, record_names(name, [])[0]))
 
-    def bank_centroids_seal(self: "ObjectStore", name: str) -> bytes:
+    def bank_centroids_seal(self: Any, name: str) -> bytes:
         """The sha256 that ends the centroid record: names one build's centroids without reading them."""
         return bytes.fromhex(self._bank_head(name)["records"][record_names(name, [])[0]][2])
 
-    def bank_lexical_seal(self: "ObjectStore", name: str) -> bytes | None:
+    def bank_lexical_seal(self: Any, name: str) -> bytes | None:
         entry = self._bank_head(name)["records"].get(record_names(name, [])[1])
         return None if entry is None else bytes.fromhex(entry[2])
 
-    def bank_lexical(self: "ObjectStore", name: str) -> tuple[np.ndarray, dict[str, bytes]] | None:
+    def bank_lexical(self: Any, name: str) -> tuple[np.ndarray, dict[str, bytes]] | None:
         data = self._bank_record(name, self._bank_head(name), record_names(name, [])[1])
         return None if data is None else decode_lexical(data)
 
-    def bank_clusters(self: "ObjectStore", name: str, cluster_ids: list[int]) -> dict[int, Cluster]:
+    def bank_clusters(self: Any, name: str, cluster_ids: list[int]) -> dict[int, Cluster]:
         """The given clusters, fetched several at a time (a cluster with no facts yet is None)."""
         head = self._bank_head(name)
         found = self._pool.map(lambda record: self._bank_record(name, head, record), record_names(name, cluster_ids)[2])
         return {c: decode_cluster(data) if data is not None else None for c, data in zip(cluster_ids, found)}
 
-    def bank_records(self: "ObjectStore", name: str) -> tuple[bytes, dict[str, bytes]]:
+    def bank_records(self: Any, name: str) -> tuple[bytes, dict[str, bytes]]:
         """A bank's metadata record and every other record by digest name, each checked against its head (one
         head version): what ``put_bank_records`` takes to copy the bank into another store with the same digest."""
         head = self._bank_head(name)
@@ -143,12 +141,12 @@ class ObjectBankTables:
         found = self._pool.map(lambda record: self._bank_record(name, head, record), ordered)
         return head["meta"].encode(), dict(zip(ordered, found))
 
-    def bank_stored_bytes(self: "ObjectStore", name: str) -> int:
+    def bank_stored_bytes(self: Any, name: str) -> int:
         """Bytes of the bank's metadata and every record its head names."""
         head = self._bank_head(name)
         return len(head["meta"].encode()) + sum(entry[3] for entry in head["records"].values())
 
-    def bank_metas(self: "ObjectStore") -> list[BankMeta]:
+    def bank_metas(self: Any) -> list[BankMeta]:
         """Every bank's metadata, in name order."""
         metas = []
         for name in self.bucket.folders(f"{self._base}banks/"):
@@ -157,11 +155,11 @@ class ObjectBankTables:
                 metas.append(_meta(_value(version, name), name))
         return metas
 
-    def bank_digest(self: "ObjectStore", name: str) -> str:
+    def bank_digest(self: Any, name: str) -> str:
         """The digest a bank's signature covers: the same as the LMDB store gives the same bank (docs/format.md §8)."""
         return _digest(name, self._bank_head(name))
 
-    def sign_bank(self: "ObjectStore", name: str, signature: Signature) -> None:
+    def sign_bank(self: Any, name: str, signature: Signature) -> None:
         """Store a signature with bank ``name`` (one per key) after checking it signs the current digest."""
 
         def change(current: Version | None) -> dict[str, Any]:
@@ -172,20 +170,20 @@ class ObjectBankTables:
 
         self._registers.update(self._bank_head_path(name), change)
 
-    def bank_signatures(self: "ObjectStore", name: str) -> tuple[Signature, ...]:
+    def bank_signatures(self: Any, name: str) -> tuple[Signature, ...]:
         try:
             return tuple(Signature.from_json(s.encode()) for s in self._bank_head(name)["signatures"])
         except InvalidInput as exc:
             raise IntegrityError(f"bank {name!r}: a stored signature is damaged: {exc}") from None
 
-    def delete_bank(self: "ObjectStore", name: str) -> None:
+    def delete_bank(self: Any, name: str) -> None:
         """Remove a bank (one head version saying so); its records are left to gc."""
         def clear(current: Version | None) -> None:
             _value(current, name)  # PackNotFound if there is no such bank
 
         self._registers.update(self._bank_head_path(name), clear)
 
-    def _prune_banks(self: "ObjectStore", cutoff: float) -> list[str]:
+    def _prune_banks(self: Any, cutoff: float) -> list[str]:
         """For gc: of each bank unchanged since ``cutoff`` (so no reader still holds an older head), the
         records its newest head does not name that are older than ``cutoff``, and its older head versions."""
         doomed = []

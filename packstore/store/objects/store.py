@@ -28,11 +28,10 @@ from packstore.format import EncodedPack, PackHeader, parse_key
 from packstore.format.body import chunks_for, verify_chunk
 from packstore.format.signature import Signature
 from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack
-from packstore.store.namespaces import DEFAULT_NAMESPACE
 from packstore.store.objects.cache import DEFAULT_CACHE_BYTES, ObjectCache
 from packstore.store.objects.banks import ObjectBankTables
 from packstore.store.objects.bucket import Bucket, Conflict
-from packstore.store.protocol import DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, OpenedPack, check_name, pick_match
+from packstore.store.protocol import DEFAULT_NAMESPACE, DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, OpenedPack, check_name, pick_match
 from packstore.store.objects.registers import UNCHANGED, Registers, Version
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
 
