@@ -3,26 +3,20 @@
 from __future__ import annotations
 
 import logging
-import signal
-import sys
 import threading
 import time
-from concurrent import futures
 from typing import TYPE_CHECKING, Callable
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from packstore.answering.answer import REF_TTL_SECONDS, Answerer, Question, ReadyCache
 from packstore.errors import PackstoreError
 from packstore.kv.inject import Sampling, TextDeltas
 from packstore.kv.models import LoadedModel
-from packstore.rpc.listen import bind
+from packstore.rpc.serving import Server, log_as_json
 from packstore.rpc.status import abort_with_error
 from packstore.security.auth import Auth
-from packstore.service.server import JsonLogFormatter, reload_tokens
 from packstore.store.protocol import DEFAULT_TOP_K, PackStore
 from packstore.v1 import store_pb2, worker_pb2, worker_pb2_grpc
 
@@ -183,27 +177,13 @@ def serve_worker(
     """Serve Generate on ``listen`` (TLS with ``tls_cert``/``tls_key``, mutual with ``tls_client_ca``)
     until SIGTERM/SIGINT, then finish in-flight generations; with ``trusted``, only packs signed by a
     trusted key are injected; with ``auth``, callers need a token (SIGHUP reloads the file); ``ref_ttl``: see ``Answerer``."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonLogFormatter())
-    logging.basicConfig(level="INFO", handlers=[handler], force=True)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    log_as_json("INFO")
     service = WorkerService(lm, store_for, cache_bytes=cache_bytes, trusted=trusted, auth=auth, ref_ttl=ref_ttl)
-    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    tls = bind(server, listen, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca)
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    server = Server(
+        SERVICE_NAME, lambda grpc_server: worker_pb2_grpc.add_WorkerServicer_to_server(service, grpc_server), listen, log=log,
+        workers=8, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
+    )
     fields = {"listen": listen, "model": lm.name, "model_fp": lm.model_fp, "device": str(lm.device)}
     fields |= {"auth": f"callers need a token from {auth.path}" if auth and auth.enabled else "none: callers need no token"}
-    log.info("serving", extra={"fields": fields | {"tls": tls, "mutual_tls": bool(tls_client_ca), "trusted_keys": trusted.source if trusted else None}})
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    if service.auth.enabled:
-        signal.signal(signal.SIGHUP, lambda *_: reload_tokens(service.auth))
-    stop.wait()
-    health_servicer.enter_graceful_shutdown()
-    server.stop(grace_seconds).wait()
+    fields |= {"tls": server.tls, "mutual_tls": bool(tls_client_ca), "trusted_keys": trusted.source if trusted else None}
+    server.run(service.auth, grace_seconds, fields)
