@@ -10,30 +10,22 @@ from typing import TYPE_CHECKING, Callable
 import grpc
 import torch
 
-from packstore.answering.answer import REF_TTL_SECONDS, Answerer, Question, ReadyCache
+from packstore.answering.answer import REF_TTL_SECONDS, Answerer, ReadyCache
 from packstore.errors import PackstoreError
-from packstore.kv.inject import Sampling, TextDeltas
+from packstore.kv.inject import TextDeltas
 from packstore.kv.models import LoadedModel
 from packstore.rpc.serving import Server, log_as_json
 from packstore.rpc.status import abort_with_error
+from packstore.rpc.worker_messages import generate_done, question_of
 from packstore.security.auth import Auth
-from packstore.store.protocol import DEFAULT_TOP_K, PackStore
-from packstore.v1 import store_pb2, worker_pb2, worker_pb2_grpc
+from packstore.store.protocol import PackStore
+from packstore.v1 import worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
     from packstore.security.trust import TrustedKeys
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 log = logging.getLogger("packstore.worker")
-
-
-def sampling_from(message: worker_pb2.Sampling) -> Sampling:
-    return Sampling(
-        max_new_tokens=message.max_new_tokens or 64,
-        temperature=message.temperature,
-        top_p=message.top_p or 1.0,
-        seed=message.seed if message.HasField("seed") else None,
-    )
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -79,22 +71,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             principal = self.auth.authenticate(context.invocation_metadata(), "Generate", "read")
             fields.update(token=principal.token, namespace=principal.namespace)
             answerer = self.answerer(principal.namespace)
-            question = Question(
-                request.question,
-                refs=tuple(request.packs),
-                bank=request.bank or None,
-                top_k=request.top_k or DEFAULT_TOP_K,
-                probe=request.probe or None,
-                embedder=request.embedder or None,
-                compare_rag=request.compare_rag,
-                sampling=sampling_from(request.sampling),
-                steering=tuple((steer.pack, steer.alpha) for steer in request.steering),
-                steer_layers=(request.steer_layers.first, request.steer_layers.last) if request.HasField("steer_layers") else None,
-                steer_on=request.steer_on or "values",
-                mode=request.mode or "exact",
-                adapter=request.adapter or None,
-            )
-            tokens = answerer.stream(question)
+            tokens = answerer.stream(question_of(request))
             deltas = TextDeltas(self.lm.tokenizer)
             try:
                 while True:
@@ -105,26 +82,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                         yield worker_pb2.GenerateResponse(token=worker_pb2.Token(id=token, text=deltas.add(token)))
             except StopIteration as finished:
                 result = finished.value
-            done = worker_pb2.GenerateDone(
-                pack=result.pack or "",
-                answer=result.answer,
-                kv_prompt_tokens=result.kv_prompt_tokens,
-                generated_tokens=len(deltas.ids),
-                cache_hit=result.cache_hit,
-                facts=result.facts or [],
-                parts=result.parts or [],
-                composed_tokens=result.composed_tokens or 0,
-                steering=[
-                    worker_pb2.SteerApplied(pack=applied["pack"], alpha=applied["alpha"], layers=store_pb2.LayerRange(first=applied["layers"][0], last=applied["layers"][1]))
-                    for applied in result.steering or ()
-                ],
-                steer_on=result.steer_on or "",
-            )
-            if question.compare_rag:
-                done.compared, done.rag_answer, done.rag_prompt_tokens = True, result.rag_answer, result.rag_prompt_tokens
-                done.identical = result.identical
             fields.update(code="OK", key=result.pack, cache_hit=result.cache_hit, tokens=len(deltas.ids))
-            yield worker_pb2.GenerateResponse(done=done)
+            yield worker_pb2.GenerateResponse(done=generate_done(result, len(deltas.ids)))
         except PackstoreError as exc:
             fields.update(code=exc.grpc_status, error=str(exc))
             abort_with_error(context, exc)
