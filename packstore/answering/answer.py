@@ -21,13 +21,14 @@ from packstore.bank.bank import BankCache, open_banks
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import ArrivingPack, Pack, encode_pack
 from packstore.kv.build import build_pack, clean_facts
-from packstore.kv.compose import COMPOSE_MODES, check_parts, extend, splice
+from packstore.kv.compose import check_parts, extend
 from packstore.kv.inject import Sampling, answer_with_text, cache_aligned_ids, cache_from_pack, check_identity, generate_stream, prepare
 from packstore.kv.models import LoadedModel
-from packstore.kv.packet import check_adapter, packet_compose
+from packstore.kv.packet import check_adapter
 from packstore.kv.render import pack_prefix_ids, render
 from packstore.kv.steer import Direction, LayerDeltas, SteeredCache, applied_layers, check_steering, steering_deltas
 from packstore.kv.options import STEER_TARGETS, check_alpha
+from packstore.answering.composing import check_composition, compose, composition_key
 from packstore.answering.records import AnswerResult
 from packstore.store.records import StoredPack
 from packstore.store.protocol import DEFAULT_TOP_K, PackStore
@@ -206,12 +207,9 @@ class Question:
             raise InvalidInput("comparing with the facts as prompt text needs a pack or a bank")
         if self.steer_on not in STEER_TARGETS:
             raise InvalidInput(f"unknown steering target {self.steer_on!r}: use one of {', '.join(STEER_TARGETS)}")
-        if self.mode not in COMPOSE_MODES:
-            raise InvalidInput(f"unknown composition mode {self.mode!r}: use one of {', '.join(COMPOSE_MODES)}")
-        if (self.mode == "packet") != bool(self.adapter):
-            raise InvalidInput("a packet composition needs an adapter, and an adapter needs the packet mode")
-        if self.mode != "exact" and len(self.refs) + bool(self.bank) < 2:
-            raise InvalidInput(f"a {self.mode} composition needs at least 2 packs (or packs and a bank)")
+        parts = len(self.refs) + bool(self.bank)
+        if parts > 1 or self.mode != "exact" or self.adapter:  # else nothing is composed: one pack (or none) is used as it is
+            check_composition(self.mode, self.adapter, parts)
         if self.steer_layers is not None:
             first, last = self.steer_layers
             if not 0 <= first <= last:
@@ -384,10 +382,9 @@ class Answerer:
             """The composition key of the first ``n`` groups (the first pack's own key for one)."""
             if n == 1:
                 return keys[0]
-            ids = pack_prefix_ids(self.lm.tokenizer, sum(groups[:n], []), raw=raw)
-            return pack_key(self.lm.model_fp, self.lm.template_fp, ids)
+            return composition_key(self.lm, sum(groups[:n], []), raw=raw)
 
-        def compose(key: str) -> Pack:
+        def build(key: str) -> Pack:
             nonlocal prefilled
             if (stored := self._stored(key)) is not None:
                 return stored
@@ -398,7 +395,7 @@ class Answerer:
             prefilled = result.prefilled_tokens
             return result.pack.to(self.lm.device)
 
-        pack, hit = self.ready.get(key_of(len(groups)), compose)  # a warm request renders once
+        pack, hit = self.ready.get(key_of(len(groups)), build)  # a warm request renders once
         return pack, keys, hit, prefilled
 
     def spliced(
@@ -413,25 +410,24 @@ class Answerer:
         if extra_facts:
             extra = self.facts_pack(extra_facts)[0]
             parts_keys.append(extra.header.key)
-        if len(parts_keys) < 2:
-            raise InvalidInput(f"a {mode} composition needs at least 2 packs")
-        adapter_pack = self.adapter_pack(adapter) if mode == "packet" else None
+        check_composition(mode, adapter, len(parts_keys))
+        adapter_pack = self.adapter_pack(adapter) if adapter else None
         facts = [fact for header in headers for fact in header.facts] + (list(extra.header.facts) if extra else [])
         parents = parts_keys + ([adapter_pack.header.key] if adapter_pack is not None else [])
-        ids = pack_prefix_ids(self.lm.tokenizer, facts, raw=headers[0].raw)
         prefilled = 0
 
-        def compose(key: str) -> Pack:
+        def build(key: str) -> Pack:
             nonlocal prefilled
             if (stored := self._stored(key)) is not None:
                 return stored
             parts = [self.ready.get(part, self._fetch)[0] for part in keys] + ([extra] if extra is not None else [])
             with self._device_lock:
-                result = packet_compose(self.lm, parts, adapter_pack) if adapter_pack is not None else splice(self.lm, parts, mode)
+                result = compose(self.lm, mode, parts, adapter_pack)
             prefilled = result.prefilled_tokens
             return result.pack.to(self.lm.device)
 
-        pack, hit = self.ready.get(pack_key(self.lm.model_fp, self.lm.template_fp, ids, mode, parents), compose)
+        key = composition_key(self.lm, facts, raw=headers[0].raw, mode=mode, parents=parents)
+        pack, hit = self.ready.get(key, build)
         return pack, parts_keys, hit, prefilled
 
     def facts_pack(self, facts: Sequence[str]) -> tuple[Pack, bool, bool]:

@@ -9,18 +9,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from packstore.answering.answer import Answerer
-from packstore.errors import InvalidInput, PackNotFound
+from packstore.answering.composing import check_composition, compose, composition_key
+from packstore.errors import PackNotFound
 from packstore.format import pack_key
 from packstore.format.body import ERRATUM_PREFIX
 from packstore.bank.bank import open_banks
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import Pack, encode_pack
 from packstore.kv.build import build_pack
-from packstore.kv.compose import COMPOSE_MODES, Composition, amend, check_erratum, compose_exact, splice
+from packstore.kv.compose import Composition, amend, check_erratum
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import pack_prefix_ids
 from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_TOKENS
-from packstore.kv.packet import generated_examples, packet_compose, train_adapter
+from packstore.kv.packet import generated_examples, train_adapter
 from packstore.kv.steer import applied_layers, build_span, build_steering, check_pairs, delta_norms, steering_key
 from packstore.format.signature import Signature
 from packstore.kv.records import Example, Pair
@@ -98,28 +99,17 @@ def compose_and_store(
     §4.2, §4.4). Returns the stored pack, whether it is new, and the Composition (None when the
     same composition was already stored, so nothing was computed).
     """
-    if mode not in COMPOSE_MODES:
-        raise InvalidInput(f"unknown composition mode {mode!r}: use one of {', '.join(COMPOSE_MODES)}")
-    if (mode == "packet") != bool(adapter):
-        raise InvalidInput("a packet composition needs an adapter, and an adapter needs the packet mode")
-    if len(refs) < 2:
-        raise InvalidInput(f"compose needs at least 2 packs, got {len(refs)}")
+    check_composition(mode, adapter, len(refs))
     answerer = Answerer(lm, store)
     keys, headers = answerer.parts(refs)
     adapter_pack = answerer.adapter_pack(adapter) if adapter else None
-    parents: list[str] = [] if mode == "exact" else list(keys)  # an exact composition's key is its tokens' alone
-    if adapter_pack is not None:
-        parents.append(adapter_pack.header.key)
-    token_ids = pack_prefix_ids(lm.tokenizer, [fact for header in headers for fact in header.facts], raw=headers[0].raw)
-    existing = _stored_or_none(store, pack_key(lm.model_fp, lm.template_fp, token_ids, mode, parents), name)
+    parents = keys + ([adapter_pack.header.key] if adapter_pack is not None else [])
+    key = composition_key(lm, [fact for header in headers for fact in header.facts], raw=headers[0].raw, mode=mode, parents=parents)
+    existing = _stored_or_none(store, key, name)
     if existing is not None:
         return existing
-    if mode == "exact":
-        composition = compose_exact(lm, answerer.pack(keys[0])[0], headers[1:])
-    elif adapter_pack is not None:
-        composition = packet_compose(lm, [answerer.pack(key)[0] for key in keys], adapter_pack)
-    else:
-        composition = splice(lm, [answerer.pack(key)[0] for key in keys], mode)
+    later = headers[1:] if mode == "exact" else [answerer.pack(part)[0] for part in keys[1:]]  # exact needs the later parts' facts only
+    composition = compose(lm, mode, [answerer.pack(keys[0])[0], *later], adapter_pack)
     stored, created = store_pack(store, composition.pack, name=name)
     return stored, created, composition
 

@@ -2,28 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import signal
-import sys
 import threading
 import time
-from concurrent import futures
 from contextlib import contextmanager
 from typing import Iterator
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from packstore.errors import InvalidInput, LimitExceeded, PackstoreError
 from packstore.format import PackHeader
 from packstore.format.body import chunks_for
 from packstore.format.signature import Signature
-from packstore.rpc.listen import bind, server_ssl_context
+from packstore.rpc.listen import server_ssl_context
 from packstore.rpc.metrics_http import serve_metrics
 from packstore.rpc.messages import ChunkAssembler, bank_info, pack_info, signatures_of, summary_info
 from packstore.rpc.wire import chunk_responses, serialize_get_pack_response
+from packstore.rpc.serving import Server, log_as_json
 from packstore.rpc.status import abort_with_error, status_for
 from packstore.security.auth import Auth, Principal
 from packstore.service.bulk import BulkServer, Tickets, bulk_address
@@ -41,16 +36,7 @@ SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["PackStore"].full_name
 log = logging.getLogger("packstore.service")
 
 
-class JsonLogFormatter(logging.Formatter):
-    """One JSON object per line: time, level, message, and any structured fields passed in ``extra``."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {"ts": round(record.created, 3), "level": record.levelname.lower(), "msg": record.getMessage()}
-        entry.update(getattr(record, "fields", {}))
-        return json.dumps(entry, ensure_ascii=False)
-
-
-# The role each RPC needs (service/auth.py: read < write < admin).
+# The role each RPC needs (security/auth.py: read < write < admin).
 ROLE_OF = {
     "GetPack": "read", "StatPack": "read", "ListPacks": "read", "VerifyPacks": "read", "StoreStats": "read",
     "RouteQuery": "read", "ListBanks": "read", "StatBank": "read",
@@ -421,16 +407,13 @@ def add_pack_store(service: PackStoreService, server: grpc.Server) -> None:
     server.add_registered_method_handlers(caught.service, caught.handlers)
 
 
-def build_server(
-    config: ServiceConfig, stores: NamespaceStores, metrics: ServiceMetrics, auth: Auth
-) -> tuple[grpc.Server, health.HealthServicer, PackStoreService]:
-    """A gRPC server with the pack service, health and reflection (both open to callers without a
-    token: they reveal no data), bound to ``config.listen``; the service's bulk port is bound too, not yet started."""
+def build_server(config: ServiceConfig, stores: NamespaceStores, metrics: ServiceMetrics, auth: Auth) -> tuple[Server, PackStoreService]:
+    """The pack service on the servers' scaffold (health, reflection, TLS), bound to ``config.listen``; the service's
+    bulk port is bound too, not yet started."""
     limits = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
     ]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers), options=limits, maximum_concurrent_rpcs=config.workers * 4)
     address = bulk_address(config.listen, config.bulk_listen)
     bulk, hot = None, HotPacks(config.hot_bytes) if config.hot_bytes else None
     if address is not None:
@@ -441,20 +424,18 @@ def build_server(
         )
     service = PackStoreService(stores, config, metrics, auth, bulk, hot)
     service._track_store_gauges()
-    add_pack_store(service, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bind(server, config.listen, tls_cert=config.tls_cert, tls_key=config.tls_key, tls_client_ca=config.tls_client_ca)
-    return server, health_servicer, service
+    server = Server(
+        SERVICE_NAME, lambda grpc_server: add_pack_store(service, grpc_server), config.listen, log=log,
+        workers=config.workers, max_concurrent_rpcs=config.workers * 4, options=limits,
+        tls_cert=config.tls_cert, tls_key=config.tls_key, tls_client_ca=config.tls_client_ca,
+    )
+    return server, service
 
 
 def serve(config: ServiceConfig) -> None:
     """Run until SIGTERM/SIGINT, then stop taking calls and let in-flight ones finish (up to the grace
     period); SIGHUP reads the tokens file again."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonLogFormatter())
-    logging.basicConfig(level=config.log_level.upper(), handlers=[handler], force=True)
+    log_as_json(config.log_level)
     metrics = ServiceMetrics()
     auth = Auth(config.auth or None)
     stores = NamespaceStores(
@@ -462,42 +443,20 @@ def serve(config: ServiceConfig) -> None:
         endpoint=config.s3_endpoint or None, cache_bytes=config.cache_bytes,
     )
     try:
-        server, health_servicer, service = build_server(config, stores, metrics, auth)
+        server, service = build_server(config, stores, metrics, auth)
         metrics_at = None  # where the metrics port listens (loopback unless --metrics names a host)
         if config.metrics:
             tls = server_ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca)
             host, port = serve_metrics(config.metrics, metrics.registry, auth, tls=tls).server_address[:2]
             metrics_at = f"{host}:{port}"
-        server.start()
         if service.bulk is not None:
             service.bulk.start()
-        for name in ("", SERVICE_NAME):
-            health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         fields = {"listen": config.listen, "bulk_port": service.bulk.port if service.bulk else None, "data": config.data, "objects": config.objects or None, "metrics": metrics_at}
-        fields |= {"tls": bool(config.tls_cert), "mutual_tls": bool(config.tls_client_ca)}
+        fields |= {"tls": server.tls, "mutual_tls": bool(config.tls_client_ca)}
         if auth.enabled:
             fields |= {"auth": f"tokens from {config.auth} ({auth.reload()} tokens; SIGHUP reloads)"}
         else:
             fields |= {"auth": "none: no tokens, every caller is admin in the one namespace 'default'"}
-        log.info("serving", extra={"fields": fields})
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-        signal.signal(signal.SIGHUP, lambda *_: reload_tokens(auth))
-        stop.wait()
-        log.info("shutting down", extra={"fields": {"grace_seconds": config.shutdown_grace_seconds}})
-        health_servicer.enter_graceful_shutdown()
-        if service.bulk is not None:
-            service.bulk.stop()
-        server.stop(config.shutdown_grace_seconds).wait()
-        log.info("stopped")
+        server.run(auth, config.shutdown_grace_seconds, fields, stopping=service.bulk.stop if service.bulk is not None else None)
     finally:
         stores.close()
-
-
-def reload_tokens(auth: Auth) -> None:
-    """SIGHUP: read the tokens file again; if it does not parse, keep the tokens in force and say why."""
-    try:
-        log.info("tokens reloaded", extra={"fields": {"tokens": auth.reload()}})
-    except PackstoreError as exc:
-        log.error("tokens not reloaded, the previous ones stay in force", extra={"fields": {"error": str(exc)}})

@@ -9,6 +9,7 @@ import grpc
 from packstore.errors import PackstoreError
 from packstore.answering.records import AnswerResult
 from packstore.rpc.channel import Connection, GrpcClient
+from packstore.rpc.worker_messages import answer_result, generate_request
 from packstore.v1 import worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
@@ -29,28 +30,9 @@ class WorkerClient(GrpcClient):
 
         The result has the fields of a local ``Answerer.ask`` except ``pack_reused``, which the worker does not report.
         """
-        sampling = question.sampling
-        request = worker_pb2.GenerateRequest(
-            packs=list(question.refs),
-            bank=question.bank or "",
-            top_k=question.top_k,
-            probe=question.probe or 0,
-            embedder=question.embedder or "",
-            question=question.text,
-            compare_rag=question.compare_rag,
-            sampling=worker_pb2.Sampling(
-                max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed
-            ),
-            steering=[worker_pb2.Steer(pack=ref, alpha=alpha) for ref, alpha in question.steering],
-            steer_on=question.steer_on,
-            mode=question.mode,
-            adapter=question.adapter or "",
-        )
-        if question.steer_layers is not None:
-            request.steer_layers.first, request.steer_layers.last = question.steer_layers
         done = None
         try:
-            for response in self._stub.Generate(request, timeout=self.timeout):
+            for response in self._stub.Generate(generate_request(question), timeout=self.timeout):
                 if response.WhichOneof("item") == "token" and on_token is not None and not response.token.stop:
                     on_token(response.token.text)
                 elif response.WhichOneof("item") == "done":
@@ -59,22 +41,7 @@ class WorkerClient(GrpcClient):
             raise self._error(exc) from None
         if done is None:
             raise PackstoreError(f"worker at {self.address} ended the answer without a summary")
-        return AnswerResult(
-            question=question.text,
-            answer=done.answer,
-            kv_prompt_tokens=done.kv_prompt_tokens,
-            rag_answer=done.rag_answer if done.compared else None,
-            rag_prompt_tokens=done.rag_prompt_tokens if done.compared else None,
-            identical=done.identical if done.compared else None,
-            pack=done.pack or None,
-            bank=question.bank,
-            facts=list(done.facts) if question.bank else None,
-            cache_hit=done.cache_hit,
-            parts=list(done.parts) or None,
-            composed_tokens=done.composed_tokens if done.parts else None,
-            steering=[{"pack": a.pack, "alpha": a.alpha, "layers": [a.layers.first, a.layers.last]} for a in done.steering] or None,
-            steer_on=done.steer_on or None,
-        )
+        return answer_result(done, question)
 
     def status(self) -> dict:
         """The worker's model, identities, device and ready-cache occupancy."""

@@ -3,45 +3,31 @@
 from __future__ import annotations
 
 import logging
-import signal
-import sys
 import threading
 import time
-from concurrent import futures
 from typing import TYPE_CHECKING, Callable
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from packstore.answering.answer import REF_TTL_SECONDS, Answerer, ReadyCache
 from packstore.bank.bank import BankCache
 from packstore.packs.decoder import Decoder
-from packstore.answering.answer import REF_TTL_SECONDS, Answerer, Question, ReadyCache
 from packstore.errors import PackstoreError
-from packstore.kv.inject import Sampling, TextDeltas
+from packstore.kv.inject import TextDeltas
 from packstore.kv.models import LoadedModel
-from packstore.rpc.listen import bind
+from packstore.rpc.serving import Server, log_as_json
 from packstore.rpc.status import abort_with_error
+from packstore.rpc.worker_messages import generate_done, question_of
 from packstore.security.auth import Auth
-from packstore.service.server import JsonLogFormatter, reload_tokens
-from packstore.store.protocol import DEFAULT_TOP_K, PackStore
-from packstore.v1 import store_pb2, worker_pb2, worker_pb2_grpc
+from packstore.store.protocol import PackStore
+from packstore.v1 import worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
     from packstore.security.trust import TrustedKeys
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 log = logging.getLogger("packstore.worker")
-
-
-def sampling_from(message: worker_pb2.Sampling) -> Sampling:
-    return Sampling(
-        max_new_tokens=message.max_new_tokens or 64,
-        temperature=message.temperature,
-        top_p=message.top_p or 1.0,
-        seed=message.seed if message.HasField("seed") else None,
-    )
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -90,22 +76,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             principal = self.auth.authenticate(context.invocation_metadata(), "Generate", "read")
             fields.update(token=principal.token, namespace=principal.namespace)
             answerer = self.answerer(principal.namespace)
-            question = Question(
-                request.question,
-                refs=tuple(request.packs),
-                bank=request.bank or None,
-                top_k=request.top_k or DEFAULT_TOP_K,
-                probe=request.probe or None,
-                embedder=request.embedder or None,
-                compare_rag=request.compare_rag,
-                sampling=sampling_from(request.sampling),
-                steering=tuple((steer.pack, steer.alpha) for steer in request.steering),
-                steer_layers=(request.steer_layers.first, request.steer_layers.last) if request.HasField("steer_layers") else None,
-                steer_on=request.steer_on or "values",
-                mode=request.mode or "exact",
-                adapter=request.adapter or None,
-            )
-            tokens = answerer.stream(question)
+            tokens = answerer.stream(question_of(request))
             deltas = TextDeltas(self.lm.tokenizer)
             try:
                 while True:
@@ -116,26 +87,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                         yield worker_pb2.GenerateResponse(token=worker_pb2.Token(id=token, text=deltas.add(token)))
             except StopIteration as finished:
                 result = finished.value
-            done = worker_pb2.GenerateDone(
-                pack=result.pack or "",
-                answer=result.answer,
-                kv_prompt_tokens=result.kv_prompt_tokens,
-                generated_tokens=len(deltas.ids),
-                cache_hit=result.cache_hit,
-                facts=result.facts or [],
-                parts=result.parts or [],
-                composed_tokens=result.composed_tokens or 0,
-                steering=[
-                    worker_pb2.SteerApplied(pack=applied["pack"], alpha=applied["alpha"], layers=store_pb2.LayerRange(first=applied["layers"][0], last=applied["layers"][1]))
-                    for applied in result.steering or ()
-                ],
-                steer_on=result.steer_on or "",
-            )
-            if question.compare_rag:
-                done.compared, done.rag_answer, done.rag_prompt_tokens = True, result.rag_answer, result.rag_prompt_tokens
-                done.identical = result.identical
             fields.update(code="OK", key=result.pack, cache_hit=result.cache_hit, tokens=len(deltas.ids))
-            yield worker_pb2.GenerateResponse(done=done)
+            yield worker_pb2.GenerateResponse(done=generate_done(result, len(deltas.ids)))
         except PackstoreError as exc:
             fields.update(code=exc.grpc_status, error=str(exc))
             abort_with_error(context, exc)
@@ -190,27 +143,13 @@ def serve_worker(
     until SIGTERM/SIGINT, then finish in-flight generations; with ``trusted``, only packs signed by a
     trusted key are injected; with ``auth``, callers need a token (SIGHUP reloads the file); ``ref_ttl``: see ``Answerer``;
     ``decoder``: the chunk decoder packs are fetched with (its threads, its buffers)."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonLogFormatter())
-    logging.basicConfig(level="INFO", handlers=[handler], force=True)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    log_as_json("INFO")
     service = WorkerService(lm, store_for, cache_bytes=cache_bytes, trusted=trusted, auth=auth, ref_ttl=ref_ttl, decoder=decoder)
-    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    tls = bind(server, listen, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca)
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    server = Server(
+        SERVICE_NAME, lambda grpc_server: worker_pb2_grpc.add_WorkerServicer_to_server(service, grpc_server), listen, log=log,
+        workers=8, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
+    )
     fields = {"listen": listen, "model": lm.name, "model_fp": lm.model_fp, "device": str(lm.device)}
     fields |= {"auth": f"callers need a token from {auth.path}" if auth and auth.enabled else "none: callers need no token"}
-    log.info("serving", extra={"fields": fields | {"tls": tls, "mutual_tls": bool(tls_client_ca), "trusted_keys": trusted.source if trusted else None}})
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    if service.auth.enabled:
-        signal.signal(signal.SIGHUP, lambda *_: reload_tokens(service.auth))
-    stop.wait()
-    health_servicer.enter_graceful_shutdown()
-    server.stop(grace_seconds).wait()
+    fields |= {"tls": server.tls, "mutual_tls": bool(tls_client_ca), "trusted_keys": trusted.source if trusted else None}
+    server.run(service.auth, grace_seconds, fields)
