@@ -1,62 +1,31 @@
-"""The Python API that packctl shells over: build, compose, amend, store, export and import knowledge
-packs, and build steering packs.
+"""The Python API that packctl's model-side commands shell over: build, compose, amend and store knowledge
+packs, and build steering packs and adapters.
 
-Answering with packs is ``packstore.answering.answer.Answerer``.
+Answering with packs is ``packstore.answering.answer.Answerer``; what needs no model (pack records, pack
+files) is ``packstore.answering.stored``, and signing is ``packstore.security.signing``.
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from packstore.answering.answer import Answerer
 from packstore.errors import InvalidInput, PackNotFound
 from packstore.format import pack_key
-from packstore.packs.tensors import Pack, decode_pack, encode_pack
-from packstore.format.packfile import pack_file_parts, parse_pack_file
+from packstore.packs.tensors import Pack, encode_pack
 from packstore.kv.build import build_pack
-from packstore.kv.compose import COMPOSE_MODES, ERRATUM_PREFIX, Composition, amend, check_erratum, compose_exact, splice
+from packstore.kv.compose import COMPOSE_MODES, Composition, amend, check_erratum, compose_exact, splice
 from packstore.kv.models import LoadedModel
-from packstore.kv.render import pack_prefix_ids
+from packstore.kv.render import ERRATUM_PREFIX, pack_prefix_ids
 from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_TOKENS
 from packstore.kv.packet import generated_examples, packet_compose, train_adapter
 from packstore.kv.steer import applied_layers, build_span, build_steering, check_pairs, delta_norms, steering_key
-from packstore.format.signature import Signature
 from packstore.kv.records import Example, Pair
-from packstore.store.records import VerifyResult
 from packstore.store import PackStore, StoredPack
-
-if TYPE_CHECKING:
-    from packstore.security.trust import SigningKey, TrustedKeys
 
 
 DEFAULT_EXAMPLES = 96
 GENERATED_SOURCE = "packstore.bank.synthetic facts, 2-4 documents of 2-5 facts per example"
-
-
-def pack_summary(stored: StoredPack) -> dict[str, Any]:
-    """The JSON record of a stored pack shared by ``build``, ``inspect`` and ``ls``."""
-    return stored.summary.to_json()
-
-
-def pack_details(stored: StoredPack) -> dict[str, Any]:
-    """``pack_summary`` plus the full header: shapes, codec, chunks, facts and token ids."""
-    h = stored.header
-    return pack_summary(stored) | {
-        "layers": h.layers,
-        "kv_heads": h.kv_heads,
-        "head_dim": h.head_dim,
-        "codec": h.codec,
-        "chunks": [c.to_record() for c in h.chunks],
-        "facts": list(h.facts),
-        "errata": [fact[len(ERRATUM_PREFIX) :] for fact in h.facts if fact.startswith(ERRATUM_PREFIX)],
-        "token_ids": list(h.token_ids),
-        "signatures": [
-            {"key_id": sig.key_id, "created": sig.created, "valid": sig.subject == "pack" and sig.digest == h.pack_sha256 and sig.valid()}
-            for sig in stored.signatures
-        ],
-    }
 
 
 def steering_details(store: PackStore, stored: StoredPack) -> dict[str, Any]:
@@ -206,79 +175,3 @@ def train_adapter_and_store(
         lm, examples, source=source, tokens=tokens, steps=steps, learning_rate=learning_rate, seed=seed, progress=progress
     )
     return store_pack(store, adapter, name=name)
-
-
-def sign_pack(store: PackStore, ref: str, key: "SigningKey", *, model_fp: str | None = None) -> tuple[str, Signature]:
-    """Sign the pack ``ref``'s sealed digest (which covers every chunk) with ``key`` and store the
-    signature with it (replacing an earlier one by the same key); returns the key and the signature."""
-    stored = store.stat(ref, model_fp=model_fp)
-    signature = key.sign("pack", stored.header.pack_sha256)
-    return store.add_signature(stored.key, signature), signature
-
-
-def sign_bank(store: PackStore, name: str, key: "SigningKey") -> Signature:
-    """Sign bank ``name``'s current digest (every record of it) with ``key`` and store the signature."""
-    banks = store.banks()
-    signature = key.sign("bank", banks.digest(name))
-    banks.sign(name, signature)
-    return signature
-
-
-def verify_banks(store: PackStore, names: Sequence[str], trusted: "TrustedKeys") -> list[VerifyResult]:
-    """Per bank (default: every bank), None or why no trusted key signed its current contents."""
-    banks = store.banks()
-    names = list(names) or [meta.name for meta, _ in banks.list()]
-    results = []
-    for name in names:
-        problem = trusted.problem("bank", banks.digest(name), banks.signatures(name))
-        results.append(VerifyResult(name, f"not trusted: {problem}" if problem else None))
-    return results
-
-
-def verify_packs(store: PackStore, refs: Sequence[str], trusted: "TrustedKeys | None" = None) -> list[VerifyResult]:
-    """Every checksum of ``refs`` (default: every pack), and with ``trusted`` also that a trusted key
-    signed each pack; a failure of either is the result's error."""
-    results = [store.verify(ref) for ref in refs] if refs else store.verify_all()
-    if trusted is None:
-        return results
-    checked = []
-    for result in results:
-        if result.ok:
-            stored = store.stat(result.key)
-            problem = trusted.problem("pack", stored.header.pack_sha256, stored.signatures)
-            result = VerifyResult(result.key, f"not trusted: {problem}" if problem else None)
-        checked.append(result)
-    return checked
-
-
-def export_pack(store: PackStore, ref: str, path: str | os.PathLike[str]) -> tuple[str, int]:
-    """Write pack ``ref`` (checksums verified on read) to a single pack file; returns (key, bytes written).
-
-    The file appears only when complete: it is written beside its final name and renamed.
-    """
-    encoded = store.get(ref)
-    target = Path(path)
-    partial = target.with_name(f".{target.name}.partial")
-    try:
-        with open(partial, "wb") as out:
-            for part in pack_file_parts(encoded):
-                out.write(part)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(partial, target)
-    except OSError as exc:
-        partial.unlink(missing_ok=True)
-        raise InvalidInput(f"cannot write {target}: {exc.strerror}") from None
-    return encoded.header.key, target.stat().st_size
-
-
-def import_pack(store: PackStore, path: str | os.PathLike[str], *, name: str | None = None) -> tuple[StoredPack, bool]:
-    """Read a pack file, verify its seal, every checksum and that every chunk decodes, then store it."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise InvalidInput(f"cannot read {path}: {exc.strerror}") from None
-    encoded = parse_pack_file(data)
-    decode_pack(encoded)
-    key, created = store.put(encoded, name=name)
-    return store.stat(key), created

@@ -23,11 +23,10 @@ from packstore.format.header import COMPOSITIONS
 from packstore.kv.build import PREFILL_CHUNK_TOKENS, clean_facts, knowledge_pack, prefill
 from packstore.kv.inject import cache_from_pack, check_identity
 from packstore.kv.models import LoadedModel
-from packstore.kv.render import group_spans, pack_prefix_ids
+from packstore.kv.render import ERRATUM_PREFIX, group_spans, pack_prefix_ids
 from packstore.kv.rope import layer_frequencies, rotate_keys
 from packstore.packs.tensors import Pack
 
-ERRATUM_PREFIX = "Correction: "  # an erratum is rendered as one more line: this prefix, then its text
 COMPOSE_MODES = COMPOSITIONS  # exact first, the default
 SPLICE_MODES = ("rope", "naive")  # spliced without an adapter
 

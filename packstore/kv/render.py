@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from packstore.errors import InvalidInput, PackMismatch
 
 QUESTION_SENTINEL = "Question_placeholder_for_packstore_split"
+ERRATUM_PREFIX = "Correction: "  # an erratum is rendered as one more line: this prefix, then its text
 
 
 @dataclass(frozen=True)

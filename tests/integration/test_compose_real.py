@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from packstore.answering.answer import Question
-from packstore.answering.api import amend_and_store, compose_and_store, export_pack, import_pack
+from packstore.answering.api import amend_and_store, compose_and_store
+from packstore.answering.stored import export_pack, import_pack
 from packstore.cli.packctl import main as packctl
 from packstore.errors import PackNotFound
 from packstore.kv.build import build_pack

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from packstore.answering.api import export_pack
+from packstore.answering.stored import export_pack
 from packstore.errors import PackstoreError
 from packstore.store import LmdbStore
 from packstore.store.remote import RemoteStore

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from packstore.answering.api import export_pack, import_pack
+from packstore.answering.stored import export_pack, import_pack
 from packstore.cli.packctl import main as packctl
 from packstore.store import LmdbStore
 from packstore.packs.tensors import decode_pack, encode_pack

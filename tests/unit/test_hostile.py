@@ -14,7 +14,7 @@ from typing import Any, Callable
 import grpc
 import pytest
 
-from packstore.answering.api import export_pack, import_pack
+from packstore.answering.stored import export_pack, import_pack
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, InvalidInput, LimitExceeded, PackstoreError
 from packstore.format.body import chunk_digest

@@ -15,7 +15,7 @@ import lmdb
 import pytest
 import torch
 
-from packstore.answering.api import export_pack, import_pack
+from packstore.answering.stored import export_pack, import_pack
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, StoreBusy
 from packstore.packs.tensors import decode_pack, encode_pack

@@ -9,7 +9,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from packstore.answering.api import sign_bank
+from packstore.security.signing import sign_bank
 from packstore.cli.packctl import main
 from packstore.format.body import EncodedPack
 from packstore.store import LmdbStore

@@ -21,7 +21,7 @@ import grpc
 import pytest
 import torch
 
-from packstore.answering.api import sign_bank
+from packstore.security.signing import sign_bank
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, Unavailable
 from packstore.rpc.channel import Connection
 from packstore.rpc.messages import chunk_pieces

@@ -11,7 +11,9 @@ import struct
 import pytest
 
 from packstore.answering.answer import Answerer, Question
-from packstore.answering.api import export_pack, import_pack, sign_bank, sign_pack, store_pack, verify_banks, verify_packs
+from packstore.answering.api import store_pack
+from packstore.answering.stored import export_pack, import_pack
+from packstore.security.signing import sign_bank, sign_pack, verify_banks, verify_packs
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, InvalidInput, Untrusted
 from packstore.format.packfile import parse_pack_file, pack_file_parts

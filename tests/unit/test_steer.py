@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from packstore.answering.answer import Answerer, Question
-from packstore.answering.api import build_steering_and_store, export_pack, import_pack, steering_details, store_pack
+from packstore.answering.api import build_steering_and_store, steering_details, store_pack
+from packstore.answering.stored import export_pack, import_pack
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch
 from packstore.answering.facts import read_pairs
 from packstore.format import PackHeader

@@ -171,7 +171,7 @@ def test_fetch_decodes_chunks_from_the_map_without_copying_them(store_path: Path
     """``fetch`` hands the decoder memoryviews of LMDB's map (valid while its read transaction is open), so the
     stored bytes are not copied out before they are hashed and decoded; the pack, signed, comes out exact."""
     import packstore.format.body as body
-    from packstore.answering.api import sign_pack
+    from packstore.security.signing import sign_pack
     from packstore.security.trust import SigningKey, generate_key
 
     seen = []

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from packstore.answering.api import export_pack
+from packstore.answering.stored import export_pack
 from packstore.format.header import PackHeader
 from packstore.store import LmdbStore
 from packstore.packs.tensors import Pack, encode_pack
