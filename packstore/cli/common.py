@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -60,6 +61,16 @@ def connection_of(args: argparse.Namespace, prefix: str = ""):
         namespace=getattr(args, "namespace", None),
         s3_endpoint=getattr(args, "s3_endpoint", None),
     )
+
+
+def deferred(module: str, name: str) -> Callable[[argparse.Namespace], int]:
+    """The handler ``module.name``, imported only when its command runs: parsing, ``--help`` and the other
+    commands never load what it needs (torch, the model side)."""
+
+    def handler(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(module), name)(args)
+
+    return handler
 
 
 def emit_json(value: Any) -> None:

@@ -1,4 +1,5 @@
-"""Generate the Python gRPC modules from ``protos/`` with grpcio-tools (run by ``make install``).
+"""Generate the Python gRPC modules from ``protos/`` with grpcio-tools (run by setup.py's build hook on
+every install: into the wheel, or into the working tree for an editable install such as ``make install``).
 
 Output goes to ``packstore/v1/`` (ignored by git): ``protos/packstore/v1/x.proto`` becomes
 ``packstore.v1.x_pb2`` and ``packstore.v1.x_pb2_grpc``. Generated code is never edited by hand.
