@@ -3,7 +3,7 @@ worker and its client alike.
 
 A field the records and messages share by name is listed once below and converted both ways by one rule: a
 message leaves a record's ``None`` unset, and an unset message field (zero, empty, or absent where the field has
-presence) reads back as the record's default. ``Question`` and ``Sampling`` are imported only to read a request,
+presence) reads back as the record's default, except the ``*_VALUES``, read as sent (a False is no None). ``Question`` and ``Sampling`` are imported only to read a request,
 on the worker, so a client never loads the model's libraries.
 """
 
