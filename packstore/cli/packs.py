@@ -172,7 +172,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     # store.migrate loads the object-store tier (boto3, a tenth of a second): only migrate pays for it.
-    from packstore.store.migrate import migrate
+    from packstore.packs.migrate import migrate
 
     show = None if args.json or args.quiet else lambda key, what: print(f"{what:<8} {key}", file=sys.stderr)
     with store_of(args, readonly=True) as source, store_of(args, spec=args.to) as target:

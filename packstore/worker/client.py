@@ -9,7 +9,7 @@ import grpc
 from packstore.errors import PackstoreError
 from packstore.answering.records import AnswerResult
 from packstore.rpc.channel import Connection, GrpcClient
-from packstore.rpc.worker_messages import answer_result, generate_request
+from packstore.worker.messages import answer_result, generate_request
 from packstore.v1 import worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from packstore.kv.inject import TextDeltas
 from packstore.kv.models import LoadedModel
 from packstore.rpc.serving import Server, log_as_json
 from packstore.rpc.status import abort_with_error
-from packstore.rpc.worker_messages import generate_done, question_of
+from packstore.worker.messages import generate_done, question_of
 from packstore.security.auth import Auth
 from packstore.store.protocol import PackStore
 from packstore.v1 import worker_pb2, worker_pb2_grpc

@@ -1,4 +1,4 @@
-"""The worker's records survive their protocol messages both ways (packstore.rpc.worker_messages)."""
+"""The worker's records survive their protocol messages both ways (packstore.worker.messages)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from packstore.answering.answer import Question
 from packstore.answering.records import AnswerResult
 from packstore.kv.inject import Sampling
-from packstore.rpc.worker_messages import answer_result, generate_done, generate_request, question_of
+from packstore.worker.messages import answer_result, generate_done, generate_request, question_of
 from packstore.v1 import worker_pb2
 
 QUESTIONS = [  # floats exact in float32, as the wire carries them
