@@ -50,6 +50,9 @@ from service_helpers import RunningServer, running_server  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, median, print_table, source_description, timed  # noqa: E402
 from packstore.packs.reader import PackReader
+from packstore.packs.decoder import Decoder  # noqa: E402
+
+DECODER = Decoder()  # the chunk threads every read of this run decodes on, as a program's entry point makes one
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M
 PREFIX = "bench"
@@ -87,7 +90,7 @@ def single_client(seaweed: Seaweed, replica: RunningServer, packs: Sequence[Enco
     with RemoteStore(replica.url) as remote:
         for index, encoded in enumerate(packs):
             key, size = encoded.header.key, encoded.stored_bytes
-            for mode, read in (("cold", lambda: PackReader(remote).get(key)), ("warm", lambda: PackReader(remote).get(key)), ("boto3", lambda: boto3_read(client, seaweed.bucket, encoded.header))):
+            for mode, read in (("cold", lambda: PackReader(remote, DECODER).get(key)), ("warm", lambda: PackReader(remote, DECODER).get(key)), ("boto3", lambda: boto3_read(client, seaweed.bucket, encoded.header))):
                 seconds, got = timed(read)
                 assert (got if isinstance(got, int) else got.stored_bytes) == size
                 rows[mode].append(seconds)
@@ -115,7 +118,7 @@ def concurrent(urls: Sequence[str], key: str, clients: int, calls: int) -> tuple
         try:
             barrier.wait()
             for _ in range(calls):
-                seconds, _ = timed(lambda: PackReader(remote).get(key))
+                seconds, _ = timed(lambda: PackReader(remote, DECODER).get(key))
                 latencies.append(seconds)
         except BaseException as exc:  # re-raised below
             errors.append(exc)
@@ -149,7 +152,7 @@ def replicas_section(replicas: Sequence[RunningServer], encoded: EncodedPack, cl
     key, size = encoded.header.key, encoded.stored_bytes
     for replica in replicas:  # warm both caches
         with RemoteStore(replica.url) as remote:
-            PackReader(remote).get(key)
+            PackReader(remote, DECODER).get(key)
     setups: dict[str, Sequence[str]] = {"1 replica": [replicas[0].url], "2 replicas": [r.url for r in replicas]}
     walls: dict[str, list[float]] = {name: [] for name in setups}
     latencies: dict[str, list[float]] = {name: [] for name in setups}

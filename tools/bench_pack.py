@@ -64,6 +64,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, median, print_table, source_description, timed  # noqa: E402
 from benchlib import machine_description as describe_machine  # noqa: E402
 from packstore.packs.reader import PackReader
+from packstore.packs.decoder import Decoder  # noqa: E402
+
+DECODER = Decoder()  # the chunk threads every read of this run decodes on, as a program's entry point makes one
 
 log = logger("bench_pack")
 
@@ -141,13 +144,13 @@ class Case:
 
 def load_stored(lm: LoadedModel, store: LmdbStore, key: str) -> Pack:
     """The pack as answering loads it (identity check, read, verify, decode), with an empty ready-cache."""
-    return Answerer(lm, store, cache_bytes=0).pack(key)[0]
+    return Answerer(lm, store, cache_bytes=0, decoder=DECODER).pack(key)[0]
 
 
 def ask(lm: LoadedModel, store: LmdbStore, case: "Case", ready: bool) -> str:
     """The first token's text through ``Answerer.ask``: from the store (``ready`` False, an Answerer with no
     ready-cache, as on a miss) or with the case's pack already ready (a hit)."""
-    answerer = Answerer(lm, store, cache_bytes=case.kv_bytes if ready else 0)
+    answerer = Answerer(lm, store, cache_bytes=case.kv_bytes if ready else 0, decoder=DECODER)
     if ready:
         answerer.ready.put(case.key, case.pack)
     result = answerer.ask(Question(text=case.question, refs=(case.key,), sampling=FIRST_TOKEN))
@@ -221,8 +224,8 @@ def read_pieces(path: Path, sizes: Sequence[int]) -> list[bytes]:
 def bench_get(store: LmdbStore, cases: Sequence[Case], workdir: Path, repeats: int) -> None:
     scratch, pieces, layouts = {}, {}, {}
     for case in cases:
-        encoded = PackReader(store).get(case.key)  # also warms the LMDB pages
-        whole_layers = encode_pack(decode_pack(encoded), block_positions=case.tokens + 1)
+        encoded = PackReader(store, DECODER).get(case.key)  # also warms the LMDB pages
+        whole_layers = encode_pack(decode_pack(encoded, decoder=DECODER), block_positions=case.tokens + 1)
         layouts[case.target] = {"blocks": encoded, "whole layers": whole_layers}
         pieces[case.target] = [len(encoded.header.to_json())] + [len(chunk) for chunk in encoded.chunks]
         scratch[case.target] = workdir / f"scratch-{case.target}.bin"
@@ -230,10 +233,10 @@ def bench_get(store: LmdbStore, cases: Sequence[Case], workdir: Path, repeats: i
         read_pieces(scratch[case.target], pieces[case.target])  # warm the page cache
     ops: dict[str, Callable[[Case], object]] = {
         "raw": lambda c: read_pieces(scratch[c.target], pieces[c.target]),
-        "get": lambda c: PackReader(store).get(c.key),
-        "fetch": lambda c: PackReader(store).fetch(c.key),
-        "decode blocks": lambda c: decode_pack(layouts[c.target]["blocks"]),
-        "decode whole layers": lambda c: decode_pack(layouts[c.target]["whole layers"]),
+        "get": lambda c: PackReader(store, DECODER).get(c.key),
+        "fetch": lambda c: PackReader(store, DECODER).fetch(c.key),
+        "decode blocks": lambda c: decode_pack(layouts[c.target]["blocks"], decoder=DECODER),
+        "decode whole layers": lambda c: decode_pack(layouts[c.target]["whole layers"], decoder=DECODER),
     }
     times = {(c.target, name): [] for c in cases for name in ops}
     for r in range(repeats):

@@ -88,6 +88,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import elapsed, logger, median, print_table, source_description, timed  # noqa: E402
 from benchlib import machine_description as describe_machine  # noqa: E402
 from packstore.packs.reader import PackReader
+from packstore.packs.decoder import Decoder  # noqa: E402
+
+DECODER = Decoder()  # the chunk threads every read of this run decodes on, as a program's entry point makes one
 
 log = logger("bench_service")
 
@@ -309,7 +312,7 @@ def redis_put(client: redis.Redis, encoded: EncodedPack) -> None:
 def redis_fetch(client: redis.Redis, key: str) -> Pack:
     """GET the header and every chunk; each is verified and decoded as it arrives, as ``RemoteStore.fetch`` does."""
     header = PackHeader.from_json(client.get(f"{key}:header"))
-    return pack_from_chunks(header, ((index, client.get(f"{key}:chunk:{index}")) for index in range(len(header.chunks))))
+    return pack_from_chunks(header, ((index, client.get(f"{key}:chunk:{index}")) for index in range(len(header.chunks))), decoder=DECODER)
 
 
 # -- 1. GetPack throughput ----------------------------------------------------------------
@@ -330,10 +333,10 @@ def make_clients(clients: int, service_url: str, local: LmdbStore, redis_address
     caches = [redis_client(redis_address) for _ in range(clients)]
     return Clients(
         fetchers={
-            "service": [lambda r=r: PackReader(r).fetch(key) for r in remotes],
-            "tcp": [lambda r=r: PackReader(r).fetch(key) for r in tcps],
-            "stream": [lambda r=r: PackReader(r).fetch(key) for r in streams],
-            "local": [lambda: PackReader(local).fetch(key) for _ in range(clients)],
+            "service": [lambda r=r: PackReader(r, DECODER).fetch(key) for r in remotes],
+            "tcp": [lambda r=r: PackReader(r, DECODER).fetch(key) for r in tcps],
+            "stream": [lambda r=r: PackReader(r, DECODER).fetch(key) for r in streams],
+            "local": [lambda: PackReader(local, DECODER).fetch(key) for _ in range(clients)],
             "redis": [lambda c=c: redis_fetch(c, key) for c in caches],
         },
         close=[r.close for r in remotes + tcps + streams] + [c.close for c in caches],

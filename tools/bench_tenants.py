@@ -40,6 +40,9 @@ from packstore.store.namespaces import namespace_path  # noqa: E402
 from packstore.rpc.remote import RemoteStore  # noqa: E402
 from packstore.packs.tensors import encode_pack  # noqa: E402
 from packstore.packs.reader import PackReader
+from packstore.packs.decoder import Decoder  # noqa: E402
+
+DECODER = Decoder()  # the chunk threads every read of this run decodes on, as a program's entry point makes one
 
 log = logger("bench_tenants")
 TOKENS = {"a": "bench-secret-a", "b": "bench-secret-b"}
@@ -81,10 +84,10 @@ def main() -> None:
             times: dict[str, list[float]] = {"same": [], "other": [], "hot": []}
             for repeat in range(args.repeats + 1):  # the first round warms up and is not counted
                 for condition in ORDERS[repeat % 2]:
-                    PackReader(a).fetch(shared_key if condition == "same" else other_key)
+                    PackReader(a, DECODER).fetch(shared_key if condition == "same" else other_key)
                     gc.collect()
-                    seconds, _ = timed(lambda: PackReader(b).fetch(shared_key))
-                    hot_seconds, _ = timed(lambda: PackReader(b).fetch(shared_key))
+                    seconds, _ = timed(lambda: PackReader(b, DECODER).fetch(shared_key))
+                    hot_seconds, _ = timed(lambda: PackReader(b, DECODER).fetch(shared_key))
                     if repeat:
                         times[condition].append(seconds)
                         times["hot"].append(hot_seconds)
