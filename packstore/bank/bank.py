@@ -43,9 +43,8 @@ _Cached = TypeVar("_Cached")
 def default_probe(clusters: int) -> int:
     """Clusters to probe when the caller names none: 0.2 % of the bank's clusters, at least 5.
 
-    A fixed count does not scale: as clusters get finer, a paraphrased query's own fact sits
-    further down the centroid ranking (at a million facts, within the nearest 5 clusters for 55 %
-    of queries, within 100 for all; docs/benchmarks.md). Ranking cost stays ~20 facts a probe.
+    A fixed count does not scale: as clusters get finer, a paraphrased query's own fact sits further down
+    the centroid ranking (docs/benchmarks.md, "Banks"), while ranking costs only the facts of a probed cluster.
     """
     return max(MIN_PROBE, math.ceil(clusters * PROBED_SHARE))
 

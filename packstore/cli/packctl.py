@@ -1,4 +1,4 @@
-"""packctl: build, ask with, list, inspect and remove knowledge packs (DESIGN §4).
+"""packctl: build, ask with, list, inspect and remove knowledge packs (README, "Using packctl on your own facts and model").
 
 Each command group lives in its own module; this one builds the parser from them and runs a command.
 The model-side handlers are imported only when their command runs, so the store commands start

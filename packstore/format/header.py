@@ -278,7 +278,7 @@ class PackHeader:
 
         The last ``PARSED_ENTRIES`` headers parsed (of at most ``PARSED_MAX_BYTES``) are remembered by their
         bytes and returned as they are (a header is immutable): a service parses the same header for every
-        StatPack and GetPack of a pack, a client again for each, 2 ms apiece for a 2k-token pack."""
+        StatPack and GetPack of a pack, a client again for each, and a long pack's header is large (its token ids)."""
         data = bytes(data)
         return _remembered_header(data) if len(data) <= PARSED_MAX_BYTES else cls._parse(data)
 

@@ -231,7 +231,7 @@ def generate(lm: LoadedModel, token_ids: Sequence[int], sampling: Sampling, cach
 def _start_generator() -> None:
     """The process's generation thread (a forked child starts its own). Streamed generation runs on this one
     long-lived thread, not on a fresh thread per request: a fresh thread gets a fresh malloc arena whose pages
-    fault in on first touch, which cost 0.2-1.2 s a request at 8k positions (docs/benchmarks.md)."""
+    fault in on first touch, a cost per request that grows with the positions (docs/benchmarks.md)."""
     global _GENERATOR
     _GENERATOR = ThreadPoolExecutor(1, thread_name_prefix="packstore-generate")
 

@@ -41,7 +41,7 @@ class PackSummary:
         return self.names[0] if self.names else None
 
     def to_json(self) -> dict[str, Any]:
-        """The public JSON record of ``build``, ``inspect`` and each ``ls`` entry (DESIGN §4)."""
+        """The public JSON record of ``build``, ``inspect`` and each ``ls`` entry (README, "Using packctl on your own facts and model")."""
         record = asdict(self)
         record["name"] = self.name
         record["names"] = list(self.names)
