@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import numpy as np
 

@@ -15,13 +15,13 @@ copied to or from one is reported as skipped.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound
-from packstore.store.records import MigrateReport
 from packstore.packs.reader import PackReader
 from packstore.store.lmdb.banks import BankChanged, digest_of
 from packstore.store.protocol import BankTables, PackStore
+from packstore.store.records import MigrateReport
 
 Progress = Callable[[str, str], None]
 

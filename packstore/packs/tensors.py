@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import wait
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -42,7 +41,7 @@ class Pack:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
 
-    def to(self, device: torch.device | str) -> "Pack":
+    def to(self, device: torch.device | str) -> Pack:
         """The same pack with its tensors on ``device`` (no copy where they already are)."""
         return Pack(header=self.header, keys=[k.to(device) for k in self.keys], values=[v.to(device) for v in self.values])
 

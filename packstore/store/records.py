@@ -53,10 +53,10 @@ class PackSummary:
 class StoredPack:
     """A stored pack's full header, the names that point at it, its size on disk and its signatures."""
 
-    header: "PackHeader"
+    header: PackHeader
     names: tuple[str, ...]
     stored_bytes: int
-    signatures: tuple["Signature", ...] = ()
+    signatures: tuple[Signature, ...] = ()
 
     @property
     def key(self) -> str:

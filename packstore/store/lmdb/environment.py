@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 import lmdb
 

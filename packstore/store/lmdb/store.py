@@ -9,14 +9,14 @@ import shutil
 import struct
 import time
 import uuid
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, NoReturn, Sequence, TypeVar
+from typing import NoReturn, TypeVar
 
 import lmdb
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, StoreBusy
-from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack
 from packstore.format import EncodedPack, PackHeader, parse_key
 from packstore.format.body import chunks_for, verify_chunk
 from packstore.format.signature import Signature
@@ -24,6 +24,7 @@ from packstore.store.lmdb.banks import BankTables
 from packstore.store.lmdb.environment import DEFAULT_MAP_SIZE, LmdbEnvironment
 from packstore.store.lmdb.integrity import check_structure
 from packstore.store.protocol import DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, OpenedPack, check_name, pick_match
+from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
 
 STORE_LAYOUT_VERSION = b"2"  # 2 added summaries, key_names, by_name and the running counters
@@ -190,7 +191,7 @@ class LmdbStore(BankTables):
         self._env.close()
         self._lock.close()
 
-    def __enter__(self) -> "LmdbStore":
+    def __enter__(self) -> LmdbStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -486,7 +487,7 @@ class LmdbStore(BankTables):
                 raise PackNotFound(f"pack {header.key}: chunk {index} is gone (was the pack deleted during the transfer?)")
             yield data
 
-    def begin_upload(self, header: PackHeader) -> "Upload":
+    def begin_upload(self, header: PackHeader) -> Upload:
         """Start a staged upload: chunks land in ``staging`` one transaction each, then commit atomically."""
         header.validate(encoded=True)
         return Upload(self, header)

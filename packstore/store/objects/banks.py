@@ -22,9 +22,8 @@ from packstore.errors import IntegrityError, InvalidInput, PackNotFound, Unavail
 from packstore.format.bank import BankMeta, Cluster, decode_centroids, decode_cluster, decode_lexical, encode_cluster
 from packstore.format.signature import Signature
 from packstore.store.lmdb.banks import BankChanged, check_records, digest_of, encode_records, record_names
-from packstore.store.protocol import check_name
 from packstore.store.objects.registers import Version
-
+from packstore.store.protocol import check_name
 
 
 class ObjectBankTables:

@@ -13,10 +13,11 @@ create-only write (``If-None-Match: *``) whose first attempt landed but whose an
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from email.utils import parsedate_to_datetime
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 import boto3
 from botocore.config import Config

@@ -17,22 +17,23 @@ import tempfile
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import TypeVar
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, StoreBusy, Unavailable
 from packstore.format import EncodedPack, PackHeader, parse_key
 from packstore.format.body import chunks_for, verify_chunk
 from packstore.format.signature import Signature
-from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack
-from packstore.store.objects.cache import DEFAULT_CACHE_BYTES, ObjectCache
 from packstore.store.objects.banks import ObjectBankTables
 from packstore.store.objects.bucket import Bucket, Conflict
-from packstore.store.protocol import DEFAULT_NAMESPACE, DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, OpenedPack, check_name, pick_match
+from packstore.store.objects.cache import DEFAULT_CACHE_BYTES, ObjectCache
 from packstore.store.objects.registers import UNCHANGED, Registers, Version
+from packstore.store.protocol import DEFAULT_NAMESPACE, DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, OpenedPack, check_name, pick_match
+from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
 
 DEFAULT_GC_GRACE = 3600.0  # seconds an unreferenced object is kept (docs/operations.md, "Object store tier")
@@ -103,7 +104,7 @@ class ObjectStore(ObjectBankTables):
         if self._scratch is not None:
             self._scratch.cleanup()
 
-    def __enter__(self) -> "ObjectStore":
+    def __enter__(self) -> ObjectStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -409,7 +410,7 @@ class ObjectStore(ObjectBankTables):
         upload.add_all(encoded.chunks)
         return upload.commit(name=name, signatures=encoded.signatures)
 
-    def begin_upload(self, header: PackHeader) -> "ObjectUpload":
+    def begin_upload(self, header: PackHeader) -> ObjectUpload:
         """Start an upload that takes the chunks one at a time (the service's PutPack), or all at once."""
         header.validate(encoded=True)
         return ObjectUpload(self, header)
