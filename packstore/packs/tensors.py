@@ -125,8 +125,12 @@ def encode_pack(pack: Pack, *, block_positions: int = BLOCK_POSITIONS, decoder: 
     header, layers = pack.header, pack.header.body_layers
     per_chunk = LAYERS_PER_CHUNK if header.kind == "knowledge" else len(layers)
     blocked = header.kind == "knowledge" and header.positions > block_positions
-    blocks = [range(p, min(p + block_positions, header.positions)) for p in range(0, header.positions, block_positions)] if blocked else [None]
-    plan = [(first, min(first + per_chunk, layers.stop), block) for first in range(layers.start, layers.stop, per_chunk) for block in blocks]
+    blocks = (
+        [range(p, min(p + block_positions, header.positions)) for p in range(0, header.positions, block_positions)] if blocked else [None]
+    )
+    plan = [
+        (first, min(first + per_chunk, layers.stop), block) for first in range(layers.start, layers.stop, per_chunk) for block in blocks
+    ]
     with _using(decoder) as coder:
         results = coder.map(lambda chunk: _encode_chunk(pack, *chunk), plan)
     header = dataclasses.replace(header, codec=CODEC, chunks=tuple(info for _, info in results))
@@ -197,7 +201,8 @@ class BodyAssembler:
     def completed(self, index: int) -> list[int]:
         """The slots of chunk ``index``'s layers that every position wanted of has reached (each chunk added once)."""
         info, whole = self.header.chunks[index], 1 if self.positions is None else self.positions
-        slots = range(max(info.first_layer, self.layers.start) - self.layers.start, min(info.stop_layer, self.layers.stop) - self.layers.start)
+        start = self.layers.start
+        slots = range(max(info.first_layer, start) - start, min(info.stop_layer, self.layers.stop) - start)
         with self._lock:
             return [slot for slot in slots if self._covered[slot] == whole]
 
@@ -206,7 +211,9 @@ class BodyAssembler:
         whole = 1 if self.positions is None else self.positions
         for slot, covered in enumerate(self._covered):
             if covered != whole:
-                raise IntegrityError(f"pack {self.header.key}: the chunks read hold {covered} of the {whole} positions of layer {self.layers[slot]}")
+                raise IntegrityError(
+                    f"pack {self.header.key}: the chunks read hold {covered} of the {whole} positions of layer {self.layers[slot]}"
+                )
         self.buffers.synchronize(self.device)
         return self.keys, self.values
 
@@ -356,7 +363,12 @@ def start_pack(header: PackHeader, source: ChunkSource, decoder: Decoder, device
 
 
 def pack_from_chunks(
-    header: PackHeader, chunks: Iterable[tuple[int, bytes | memoryview]], device: object = None, *, decoder: Decoder | None = None, verified: bool = False
+    header: PackHeader,
+    chunks: Iterable[tuple[int, bytes | memoryview]],
+    device: object = None,
+    *,
+    decoder: Decoder | None = None,
+    verified: bool = False,
 ) -> Pack:
     """A whole pack from every chunk as (index, bytes), each verified (unless ``verified``) and decoded (in
     parallel, as they come) on ``device``: ``start_pack``'s reading and checks, run on the caller's thread."""

@@ -157,7 +157,8 @@ def backup(data: str | Path, destination: str | Path) -> BackupReport:
                 store.backup_into(into)
             with LmdbStore(into, readonly=True) as copy:
                 counts = copy.counts()
-            copied[namespace] = {"packs": counts.packs, "stored_bytes": counts.stored_bytes, "file_bytes": (into / "data.mdb").stat().st_size}
+            file_bytes = (into / "data.mdb").stat().st_size
+            copied[namespace] = {"packs": counts.packs, "stored_bytes": counts.stored_bytes, "file_bytes": file_bytes}
         os.replace(partial, target)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)

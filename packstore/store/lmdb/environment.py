@@ -185,7 +185,8 @@ class LmdbEnvironment:
                         txn.commit()
                         return result
                     except BaseException as exc:
-                        failure = IntegrityError(f"store {self.path} is damaged: {exc}; restore it from a backup") if isinstance(exc, _DAMAGE) else exc
+                        damaged = isinstance(exc, _DAMAGE)
+                        failure = IntegrityError(f"store {self.path} is damaged: {exc}; restore it from a backup") if damaged else exc
                         if not outermost:  # the lock cannot turn exclusive under this thread's own transaction
                             if txn is not None:
                                 txn.abort()

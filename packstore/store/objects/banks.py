@@ -194,7 +194,8 @@ class ObjectBankTables:
             newest = self._registers.newest(listed)  # None: the bank's first build never committed
             referenced = {entry[0] for entry in _value(newest, name)["records"].values()} if newest and newest.value is not None else set()
             records = self.bucket.list(f"{self._base}banks/{name}/records/")
-            doomed += [v.name for v in listed[:-1]] + [o.name for o in records if o.name not in referenced and o.modified.timestamp() < cutoff]
+            doomed += [v.name for v in listed[:-1]]
+            doomed += [o.name for o in records if o.name not in referenced and o.modified.timestamp() < cutoff]
         return doomed
 
 def _value(version: Version | None, name: str, *, gone: str = "") -> dict[str, Any]:

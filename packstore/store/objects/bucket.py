@@ -100,7 +100,9 @@ class Bucket:
                 raise Unavailable(f"the object store keeps failing for {self.where}: {code} ({error.get('Message', '')})") from None
             raise PackstoreError(f"the object store answered {code} for {self.where}: {error.get('Message', '')}") from None
         except NoCredentialsError:
-            raise Unauthenticated(f"no S3 credentials found for {self.where} (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile)") from None
+            raise Unauthenticated(
+                f"no S3 credentials found for {self.where} (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile)"
+            ) from None
         except BotoCoreError as exc:  # connection refused, DNS, timeouts: after the retries
             raise Unavailable(f"the object store is unreachable for {self.where}: {exc}") from None
 

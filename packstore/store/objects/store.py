@@ -392,9 +392,10 @@ class ObjectStore(ObjectBankTables):
         key = ref if as_stored and parse_key(ref) else self.resolve(ref, model_fp=model_fp)
         header = self._stored_header(key) if as_stored else self._header(key)[0]
         indices = chunks_for(header, layers, prefix)
+        signed = self._signatures(key) if signatures else ()
         if as_stored:
-            return OpenedPack(header, self._signatures(key) if signatures else (), indices, lambda: nullcontext(self._as_stored(header, indices)))
-        return OpenedPack(header, self._signatures(key) if signatures else (), indices, lambda: nullcontext(zip(indices, self.read_chunks(header, indices))))
+            return OpenedPack(header, signed, indices, lambda: nullcontext(self._as_stored(header, indices)))
+        return OpenedPack(header, signed, indices, lambda: nullcontext(zip(indices, self.read_chunks(header, indices))))
 
     def _as_stored(self, header: PackHeader, indices: Sequence[int]) -> Iterator[tuple[int, bytes]]:
         """Chunks straight from the object store, as stored (read in parallel, in order)."""
@@ -425,7 +426,9 @@ class ObjectStore(ObjectBankTables):
                 break
             relied = min(self._pool.map(recheck, range(len(header.chunks))), default=relied)
         else:
-            raise Unavailable(f"the object store is too slow: checking the chunks of {header.key} took longer than {self.writer_window:.0f} s three times")
+            raise Unavailable(
+                f"the object store is too slow: checking the chunks of {header.key} took longer than {self.writer_window:.0f} s three times"
+            )
         try:
             etag, _ = self.bucket.put(self._header_name(header.key), header_json, create_only=True)
         except Conflict:
@@ -453,7 +456,10 @@ class ObjectStore(ObjectBankTables):
             head = self.bucket.head(name)
             if head is None:
                 if data is None:
-                    raise Unavailable(f"chunk {address} was removed by a gc while its upload took longer than {self.writer_window:.0f} s; upload the pack again")
+                    raise Unavailable(
+                        f"chunk {address} was removed by a gc while its upload took longer than {self.writer_window:.0f} s; "
+                        "upload the pack again"
+                    )
                 continue  # a gc removed it between the two calls: create it again
             damaged = data is not None and head.etag != hashlib.md5(data).hexdigest() and "-" not in head.etag
             if not damaged and _stamp(head.now) - _stamp(head.modified) < self.gc_grace / 2:
@@ -527,7 +533,8 @@ class ObjectStore(ObjectBankTables):
             orphans, dangling = self._collect(start, expires)
         finally:
             self._registers.update(
-                f"{self._base}gc/lease", lambda current: None if current and current.value and current.value["holder"] == holder else UNCHANGED
+                f"{self._base}gc/lease",
+                lambda current: None if current and current.value and current.value["holder"] == holder else UNCHANGED,
             )
         after = sum(o.size for o in self.bucket.list(self._base))
         return GcReport(len(orphans), sum(o.size for o in orphans), dangling, before, after, False)
@@ -561,7 +568,9 @@ class ObjectStore(ObjectBankTables):
             except PackNotFound:
                 continue  # deleted since the listing
             except IntegrityError as exc:
-                raise IntegrityError(f"gc stopped before removing anything: {exc}; its chunks are unknown, so restore or delete it first") from None
+                raise IntegrityError(
+                    f"gc stopped before removing anything: {exc}; its chunks are unknown, so restore or delete it first"
+                ) from None
         orphans = [o for o in old_chunks if o.name.rsplit("/", 1)[1] not in referenced]
         leftovers = [
             o.name
@@ -584,7 +593,7 @@ class ObjectStore(ObjectBankTables):
         """Remove names whose pack is gone (only if their version is older than the grace and the pack is still
         absent), and every name version but the newest; returns the names removed."""
         removed, old_versions = 0, []
-        for path, versions in self._registers.versions(f"{self._base}gc/").items():
+        for versions in self._registers.versions(f"{self._base}gc/").values():
             old_versions += [v.name for v in versions[:-1]]
         for path, versions in self._registers.versions(f"{self._base}names/").items():
             newest = versions[-1]
@@ -593,7 +602,10 @@ class ObjectStore(ObjectBankTables):
             if key is None or key in live or _stamp(newest.modified) >= cutoff or self.bucket.head(self._header_name(key)) is not None:
                 continue
             seen = int(newest.name.rsplit("/", 1)[1])
-            _, after = self._registers.update(path, lambda current: None if current is not None and current.seq == seen else UNCHANGED)
+            # update() calls the function before returning; seen=seen binds this iteration's value all the same
+            _, after = self._registers.update(
+                path, lambda current, seen=seen: None if current is not None and current.seq == seen else UNCHANGED
+            )
             removed += after is not None and after.value is None and after.seq == seen + 1
         self._delete_before(expires, old_versions)
         return removed
