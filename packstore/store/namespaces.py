@@ -95,7 +95,11 @@ class NamespaceStores:
         any object in its tree of the bucket (another replica may have written it)."""
         if self.objects is None:
             return (namespace_path(self.data, namespace) / "data.mdb").exists()
-        return self.get(DEFAULT_NAMESPACE).holds_namespace(namespace)
+        from packstore.store.objects.store import ObjectStore
+
+        store = self.get(DEFAULT_NAMESPACE)
+        assert isinstance(store, ObjectStore)  # _open makes object stores when self.objects is set
+        return store.holds_namespace(namespace)
 
     def opened(self) -> dict[str, ServedStore]:
         with self._lock:

@@ -9,6 +9,7 @@ suite against every tier. Refs are a full key, a name, or a unique content-hash 
 
 from __future__ import annotations
 
+import builtins
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ def pick_match(ref: str, matches: list[str], *, by_name: bool, model_fp: str | N
         raise PackNotFound(f"no pack named {ref!r}{scope}", ref=ref)
     if len(found) > 1:
         what = f"name {ref!r} exists for {len(found)} models" if by_name else f"prefix {ref!r} matches {len(found)} packs"
-        raise AmbiguousRef(f"{what}; use the full key or state the model", ref=ref, matches=len(found))
+        raise AmbiguousRef(f"{what}; use the full key or state the model", ref=ref, matches=str(len(found)))
     return found[0]
 
 
@@ -152,7 +153,7 @@ class PackStore(Protocol):
         """Every matching pack's summary, in key order."""
         ...
 
-    def keys(self) -> list[str]:
+    def keys(self) -> builtins.list[str]:
         """Every stored key, whether or not its header still parses."""
         ...
 
@@ -238,7 +239,8 @@ class BankTables(Protocol):
     and signatures, written atomically; ``BankChanged`` when ``update_bank`` finds another writer came first.
     ``path`` says where the tables live (decoded records are cached under it)."""
 
-    path: object
+    @property
+    def path(self) -> object: ...
 
     def put_bank(self, meta: BankMeta, centroids: np.ndarray, clusters: dict[int, Cluster], lexical: bytes) -> None: ...
 
@@ -256,7 +258,7 @@ class BankTables(Protocol):
 
     def bank_lexical(self, name: str) -> tuple[np.ndarray, dict[str, bytes]] | None: ...
 
-    def bank_clusters(self, name: str, cluster_ids: list[int]) -> dict[int, Cluster]: ...
+    def bank_clusters(self, name: str, cluster_ids: list[int]) -> dict[int, Cluster | None]: ...  # None: no record (no facts yet)
 
     def bank_records(self, name: str) -> tuple[bytes, dict[str, bytes]]: ...
 

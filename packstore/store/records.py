@@ -149,7 +149,7 @@ class Route:
     facts: list[tuple[str, float]]
     seconds: dict[str, float] = field(default_factory=dict)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "query": self.query,
             "clusters": self.clusters,
