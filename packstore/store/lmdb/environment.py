@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar, overload
 
 import lmdb
 
@@ -148,13 +148,25 @@ class LmdbEnvironment:
         with self._lock.shared():  # a handle opened in a read transaction would close with it
             return self._env.open_db(name, create=False)
 
-    @contextmanager
-    def read(self, *, buffers: bool = False) -> Iterator[lmdb.Transaction]:
+    @overload
+    def read(self, *, buffers: Literal[False] = False) -> AbstractContextManager[lmdb.Transaction[bytes]]: ...
+
+    @overload
+    def read(self, *, buffers: Literal[True]) -> AbstractContextManager[lmdb.Transaction[memoryview]]: ...
+
+    @overload
+    def read(self, *, buffers: bool) -> AbstractContextManager[lmdb.Transaction]: ...
+
+    def read(self, *, buffers: bool = False) -> AbstractContextManager[lmdb.Transaction]:
         """A read transaction; with ``buffers`` values are memoryviews valid only inside it."""
+        return self._read(buffers)
+
+    @contextmanager
+    def _read(self, buffers: bool) -> Iterator[lmdb.Transaction]:
         while True:
             with self._lock.shared() as outermost:
                 try:
-                    txn = self._env.begin(buffers=buffers)
+                    txn: lmdb.Transaction = self._env.begin(buffers=True) if buffers else self._env.begin()
                 except lmdb.MapResizedError:
                     if not outermost:
                         raise StoreBusy("another process grew the store while this thread holds a transaction") from None
@@ -167,7 +179,7 @@ class LmdbEnvironment:
                     return
             self._adopt_grown_map()
 
-    def write(self, body: Callable[[lmdb.Transaction], T]) -> T:
+    def write(self, body: Callable[[lmdb.Transaction[bytes]], T]) -> T:
         """Run ``body(txn)`` in one write transaction and commit it, growing the map and rerunning it when full.
 
         ``body`` may run more than once, each time in a fresh transaction, so it must not act outside it.
