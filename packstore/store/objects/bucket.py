@@ -12,6 +12,7 @@ create-only write (``If-None-Match: *``) whose first attempt landed but whose an
 
 from __future__ import annotations
 
+import builtins
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -108,7 +109,8 @@ class Bucket:
 
     @staticmethod
     def _absent(exc: ClientError) -> bool:
-        return exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404
+        status: object = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return status == 404
 
     def check(self) -> None:
         """Raise StoreNotFound, PermissionDenied or Unavailable unless the bucket is there and ours to use."""
@@ -179,7 +181,7 @@ class Bucket:
         answer = self._call(self._client.list_objects_v2, Prefix=self.root + prefix, MaxKeys=1)
         return bool(answer.get("Contents"))
 
-    def folders(self, prefix: str) -> list[str]:
+    def folders(self, prefix: str) -> builtins.list[str]:
         """The next path segment of every object below ``prefix`` (``Delimiter="/"``), in order."""
         params: dict[str, Any] = {"Prefix": self.root + prefix, "Delimiter": "/"}
         found = []

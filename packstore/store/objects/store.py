@@ -11,6 +11,7 @@ store tier". Every byte read, from the cache or the object store, is verified be
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import itertools
 import tempfile
@@ -29,7 +30,7 @@ from packstore.format import EncodedPack, PackHeader, parse_key
 from packstore.format.body import chunks_for, verify_chunk
 from packstore.format.signature import Signature
 from packstore.store.objects.banks import ObjectBankTables
-from packstore.store.objects.bucket import Bucket, Conflict
+from packstore.store.objects.bucket import Bucket, Conflict, Listed
 from packstore.store.objects.cache import DEFAULT_CACHE_BYTES, ObjectCache
 from packstore.store.objects.registers import UNCHANGED, Registers, Version
 from packstore.store.protocol import DEFAULT_NAMESPACE, DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, OpenedPack, check_name, pick_match
@@ -82,8 +83,11 @@ class ObjectStore(ObjectBankTables):
         self.namespace = namespace
         self.gc_grace = float(gc_grace)
         self.path = f"s3://{self.bucket.bucket}/{self.bucket.root}{self._base}"  # where the store is (bank caches key on it)
-        self._scratch = tempfile.TemporaryDirectory(prefix="packstore-cache-") if cache_dir is None else None
-        self.cache = ObjectCache(cache_dir if cache_dir is not None else self._scratch.name, cache_bytes)
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None
+        if cache_dir is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="packstore-cache-")
+            cache_dir = self._scratch.name
+        self.cache = ObjectCache(cache_dir, cache_bytes)
         self._cache_scope = f"{self.bucket.bucket}/{self.bucket.root}"
         self._registers = Registers(self.bucket, self._fetch_bytes)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="packstore-s3")
@@ -356,7 +360,7 @@ class ObjectStore(ObjectBankTables):
         """Every matching pack's summary, in key order."""
         return self._summaries(list(self._committed("", model_fp, template_fp, name)))
 
-    def keys(self) -> list[str]:
+    def keys(self) -> builtins.list[str]:
         """Every committed key (a header object), whether or not its header still parses."""
         headers = f"{self._base}headers/"
         return [o.name[len(headers) :] for o in self.bucket.list(headers)]
@@ -465,7 +469,7 @@ class ObjectStore(ObjectBankTables):
             if not damaged and _stamp(head.now) - _stamp(head.modified) < self.gc_grace / 2:
                 return _stamp(head.now)
             now = self._wait_out_gc()
-            if damaged:  # the stored copy is not these bytes (ETags of single-part writes are their MD5): heal it
+            if damaged and data is not None:  # the stored copy is not these bytes (ETags of single-part writes are their MD5): heal it
                 return _stamp(self.bucket.put(name, data)[1])
             return now
 
@@ -545,7 +549,7 @@ class ObjectStore(ObjectBankTables):
         now = _stamp(self.bucket.now())
         expires = now + max(self.gc_grace, MIN_LEASE)
 
-        def take(current: Version | None) -> dict:
+        def take(current: Version | None) -> dict[str, str | float]:
             if current is not None and current.value is not None and current.value["expires"] > now:
                 raise StoreBusy(f"another gc is running on {self.bucket.where}, namespace {self.namespace!r}; try again later")
             return {"holder": holder, "expires": expires}
@@ -553,7 +557,7 @@ class ObjectStore(ObjectBankTables):
         self._registers.update(f"{self._base}gc/lease", take)
         return holder, expires, now
 
-    def _collect(self, start: float, expires: float) -> tuple[list, int]:
+    def _collect(self, start: float, expires: float) -> tuple[builtins.list[Listed], int]:
         """The gc run under the lease: returns (chunks removed, names removed)."""
         cutoff = start - self.gc_grace
         old_chunks = [o for o in self.bucket.list(f"{self._base}chunks/") if _stamp(o.modified) < cutoff]
@@ -561,7 +565,7 @@ class ObjectStore(ObjectBankTables):
             time.sleep(max(0.0, start + self.writer_window - _stamp(self.bucket.now())))
         headers = f"{self._base}headers/"
         live = {o.name[len(headers) :]: o.etag for o in self.bucket.list(headers)}
-        referenced = set()
+        referenced: set[str] = set()
         for key, etag in live.items():
             try:
                 referenced.update(c.address for c in self._header(key, etag)[0].chunks)
@@ -581,7 +585,7 @@ class ObjectStore(ObjectBankTables):
         self._delete_before(expires, [o.name for o in orphans] + leftovers + self._prune_banks(cutoff))
         return orphans, self._prune_names(cutoff, live, expires)
 
-    def _delete_before(self, expires: float, names: list[str]) -> None:
+    def _delete_before(self, expires: float, names: builtins.list[str]) -> None:
         """Delete ``names`` in batches, stopping (for the next run to finish) if the lease would run out."""
         margin = min(30.0, (expires - time.time()) / 4)
         for start in range(0, len(names), 1000):
@@ -592,7 +596,8 @@ class ObjectStore(ObjectBankTables):
     def _prune_names(self, cutoff: float, live: dict[str, str], expires: float) -> int:
         """Remove names whose pack is gone (only if their version is older than the grace and the pack is still
         absent), and every name version but the newest; returns the names removed."""
-        removed, old_versions = 0, []
+        removed = 0
+        old_versions: builtins.list[str] = []
         for versions in self._registers.versions(f"{self._base}gc/").values():
             old_versions += [v.name for v in versions[:-1]]
         for path, versions in self._registers.versions(f"{self._base}names/").items():
@@ -602,10 +607,7 @@ class ObjectStore(ObjectBankTables):
             if key is None or key in live or _stamp(newest.modified) >= cutoff or self.bucket.head(self._header_name(key)) is not None:
                 continue
             seen = int(newest.name.rsplit("/", 1)[1])
-            # update() calls the function before returning; seen=seen binds this iteration's value all the same
-            _, after = self._registers.update(
-                path, lambda current, seen=seen: None if current is not None and current.seq == seen else UNCHANGED
-            )
+            _, after = self._registers.update(path, _clear_at(seen))
             removed += after is not None and after.value is None and after.seq == seen + 1
         self._delete_before(expires, old_versions)
         return removed
@@ -660,6 +662,11 @@ class ObjectUpload:
 
     def abort(self) -> None:
         """Nothing to undo: the chunks uploaded so far are referenced by no header, and gc reclaims them."""
+
+
+def _clear_at(seq: int) -> Callable[[Version | None], object]:
+    """A register change that clears the register if its newest version is still ``seq``, else leaves it as it is."""
+    return lambda current: None if current is not None and current.seq == seq else UNCHANGED
 
 
 def _pack_of(rest: str) -> str:
