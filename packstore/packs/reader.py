@@ -61,7 +61,7 @@ class PackReader:
         opened = self.store.open_pack(ref, model_fp=model_fp, template_fp=template_fp, keep=True, signatures=True)
         opened.header.check_identities(model_fp, template_fp)
         with opened.chunks() as chunks:
-            data = [bytes(chunk) if isinstance(chunk, memoryview) else chunk for _, chunk in verified_chunks(opened.header, chunks)]
+            data = [chunk if isinstance(chunk, bytes) else bytes(chunk) for _, chunk in verified_chunks(opened.header, chunks)]
         return EncodedPack(header=opened.header, chunks=data, signatures=opened.signatures)
 
     def fetch(self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None) -> Pack:
@@ -143,6 +143,7 @@ def check_pack(header: PackHeader, signatures: tuple[Signature, ...], chunks: It
         seen.add(index)
         arrays = chunk_arrays(header, index, data)
         if adapter is not None and adapter[0] in arrays:
+            assert header.recipe is not None  # an adapter's header always has its recipe (checked on parse)
             found = adapter_digest(arrays[adapter[0]].tobytes(), arrays[adapter[1]].tobytes())
             if found != header.recipe["tensors_sha256"]:
                 raise IntegrityError(f"pack {header.key}: the adapter's tensors do not match recipe.tensors_sha256")

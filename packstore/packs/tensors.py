@@ -20,7 +20,7 @@ from safetensors.torch import save as safetensors_save
 from packstore.errors import IntegrityError, InvalidInput
 from packstore.format import codec
 from packstore.format.body import BLOCK_POSITIONS, LAYERS_PER_CHUNK, EncodedPack, chunk_digest
-from packstore.format.chunks import UNSIGNED, ChunkSource, adapter_digest, as_3d, open_chunk
+from packstore.format.chunks import UNSIGNED, Buffer, ChunkSource, adapter_digest, as_3d, open_chunk
 from packstore.format.header import CHUNK_DIGEST, CODEC, ChunkInfo, PackHeader
 from packstore.packs.buffers import BufferProvider
 from packstore.packs.decoder import Decoder
@@ -88,7 +88,10 @@ def adapter_tensors_sha256(header: torch.Tensor, trailer: torch.Tensor) -> str:
 
 def check_tensor_digest(pack: Pack) -> None:
     """An adapter's key covers its tensors through ``recipe.tensors_sha256``: IntegrityError unless they match."""
-    if pack.header.kind == "adapter" and adapter_tensors_sha256(pack.keys[0], pack.values[0]) != pack.header.recipe["tensors_sha256"]:
+    if pack.header.kind != "adapter":
+        return
+    assert pack.header.recipe is not None  # an adapter's header always has its recipe (checked on parse)
+    if adapter_tensors_sha256(pack.keys[0], pack.values[0]) != pack.header.recipe["tensors_sha256"]:
         raise IntegrityError(f"pack {pack.header.key}: the adapter's tensors do not match recipe.tensors_sha256")
 
 
@@ -147,6 +150,15 @@ def _using(decoder: Decoder | None) -> Iterator[Decoder]:
         yield own
 
 
+def _torch_device(device: object) -> torch.device:
+    """``device`` as torch names it (a ``torch.device``, a name such as ``"cuda:0"``, an index); the CPU when not given."""
+    if not device:
+        return torch.device("cpu")
+    if not isinstance(device, (torch.device, str, int)):
+        raise TypeError(f"not a device: {device!r}")
+    return torch.device(device)
+
+
 class BodyAssembler:
     """Decodes chunks straight into K and V per layer of ``layers`` for positions ``0 .. positions-1`` (all when
     None) on ``device``, in tensors from ``buffers``. On CPU each chunk's planes are interleaved into their place in
@@ -155,7 +167,7 @@ class BodyAssembler:
     one chunk each."""
 
     def __init__(self, header: PackHeader, layers: range, positions: int | None, device: object, buffers: BufferProvider) -> None:
-        self.header, self.layers, self.device, self.buffers = header, layers, torch.device(device or "cpu"), buffers
+        self.header, self.layers, self.device, self.buffers = header, layers, _torch_device(device), buffers
         self.positions = header.positions if positions is None and header.kind == "knowledge" else positions
         shape = header.tensor_shape if self.positions is None else (header.kv_heads, self.positions, header.head_dim)
         tensors = buffers.layer_tensors(shape, torch_dtype(header.dtype), 2 * len(layers), self.device)
@@ -168,7 +180,7 @@ class BodyAssembler:
         self._covered = [0] * len(layers)
         self._lock = threading.Lock()
 
-    def add(self, index: int, data: bytes | memoryview, *, verified: bool = False) -> None:
+    def add(self, index: int, data: Buffer, *, verified: bool = False) -> None:
         """Open chunk ``index`` (``format.chunks.open_chunk``: its digest unless ``verified``, its planes, its table)
         and decode the tensors wanted of it into their places (those of other layers, and positions past those
         wanted, are not decoded)."""
@@ -232,7 +244,7 @@ def decode_part(
     header: PackHeader,
     layers: tuple[int, int] | None,
     prefix: int | None,
-    chunks: Iterable[tuple[int, bytes]],
+    chunks: Iterable[tuple[int, Buffer]],
     device: object = None,
     *,
     decoder: Decoder | None = None,
@@ -327,7 +339,7 @@ class ArrivingPack:
             for callback in callbacks:
                 callback(pack)
 
-    def _add(self, index: int, data: bytes | memoryview, verified: bool) -> None:
+    def _add(self, index: int, data: Buffer, verified: bool) -> None:
         if self._error is not None:
             return
         try:
@@ -364,7 +376,7 @@ def start_pack(header: PackHeader, source: ChunkSource, decoder: Decoder, device
 
 def pack_from_chunks(
     header: PackHeader,
-    chunks: Iterable[tuple[int, bytes | memoryview]],
+    chunks: Iterable[tuple[int, Buffer]],
     device: object = None,
     *,
     decoder: Decoder | None = None,
