@@ -97,7 +97,7 @@ def describe_chunk(info: ChunkInfo) -> str:
     return held if info.stop_position is None else f"{held}, positions {info.first_position}-{info.stop_position - 1}"
 
 
-def chunk_digest(data: bytes | memoryview, algorithm: str) -> str:
+def chunk_digest(data: bytes | bytearray | memoryview, algorithm: str) -> str:
     """The hex digest of a chunk's stored bytes by ``algorithm`` ("sha256" up to version 3, "blake3" after)."""
     if algorithm == "blake3":
         return blake3.blake3(data).hexdigest()  # releases the GIL, so chunks hash in parallel threads
@@ -106,7 +106,7 @@ def chunk_digest(data: bytes | memoryview, algorithm: str) -> str:
     raise IntegrityError(f"unknown chunk digest {algorithm!r}")
 
 
-def verify_chunk(header: PackHeader, index: int, data: bytes) -> None:
+def verify_chunk(header: PackHeader, index: int, data: bytes | bytearray | memoryview) -> None:
     """Raise IntegrityError if chunk ``index`` does not match its size and digest."""
     info = header.chunks[index]
     if len(data) != info.stored_bytes or chunk_digest(data, info.algorithm) != info.digest:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import numpy as np
 
@@ -72,7 +72,8 @@ def open_chunk(header: PackHeader, index: int, data: Buffer, *, verified: bool =
     for entry in entries:
         if entry.dtype != header.dtype or entry.shape != shape:
             raise IntegrityError(
-                f"pack {header.key}: chunk {index} tensor {entry.name!r} is {entry.shape} {entry.dtype}, the header says {shape} {header.dtype}"
+                f"pack {header.key}: chunk {index} tensor {entry.name!r} is {entry.shape} {entry.dtype}, "
+                f"the header says {shape} {header.dtype}"
             )
     return OpenedChunk(index, planes, entries, held if header.kind == "knowledge" else range(0, 1), as_3d(shape))
 

@@ -366,7 +366,7 @@ def _scratch_plane(index: int, elements: int) -> np.ndarray:
     return _scratch(index, elements)
 
 
-def decode_planes(stored: bytes | memoryview, max_plain_bytes: int, version: int | None = None) -> Planes:
+def decode_planes(stored: bytes | bytearray | memoryview, max_plain_bytes: int, version: int | None = None) -> Planes:
     """Decompress a container's frames (not yet joined); raise IntegrityError on a malformed container, or one
     of another container ``version`` than the one given (the pack's codec names it).
 

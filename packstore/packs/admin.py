@@ -4,8 +4,9 @@ pack's JSON record shows, verify (with trusted keys), export to and import from 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from packstore.errors import InvalidInput
 from packstore.format.body import ERRATUM_PREFIX
@@ -43,7 +44,7 @@ def pack_details(stored: StoredPack) -> dict[str, Any]:
     }
 
 
-def verify_packs(store: PackStore, refs: Sequence[str], trusted: "TrustedKeys | None" = None) -> list[VerifyResult]:
+def verify_packs(store: PackStore, refs: Sequence[str], trusted: TrustedKeys | None = None) -> list[VerifyResult]:
     """Every checksum of ``refs`` (default: every pack), and with ``trusted`` also that a trusted key
     signed each pack; a failure of either is the result's error."""
     reader = PackReader(store)
@@ -93,7 +94,7 @@ def import_pack(store: PackStore, path: str | os.PathLike[str], *, name: str | N
     return store.stat(key), created
 
 
-def sign_pack(store: PackStore, ref: str, key: "SigningKey", *, model_fp: str | None = None) -> tuple[str, Signature]:
+def sign_pack(store: PackStore, ref: str, key: SigningKey, *, model_fp: str | None = None) -> tuple[str, Signature]:
     """Sign the pack ``ref``'s sealed digest (which covers every chunk) with ``key`` and store the
     signature with it (replacing an earlier one by the same key); returns the key and the signature."""
     stored = store.stat(ref, model_fp=model_fp)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from packstore.packs.buffers import BufferProvider, HostBuffers
 
@@ -49,7 +50,7 @@ class Decoder:
         if pool is not None and self._pid == os.getpid():
             pool.shutdown(wait=True)
 
-    def __enter__(self) -> "Decoder":
+    def __enter__(self) -> Decoder:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -15,13 +15,14 @@ copied to or from one is reported as skipped.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound
-from packstore.store.records import MigrateReport
+from packstore.format.signature import Signature
 from packstore.packs.reader import PackReader
 from packstore.store.lmdb.banks import BankChanged, digest_of
-from packstore.store.protocol import BankTables, PackStore
+from packstore.store.protocol import BankStore, BankTables, PackStore, ServesBanks
+from packstore.store.records import MigrateReport, StoredPack
 
 Progress = Callable[[str, str], None]
 
@@ -45,12 +46,13 @@ def _copy_packs(source: PackStore, target: PackStore, progress: Progress | None)
     copied = present = names = signatures = 0
     for summary in source.list():
         key = summary.key
+        held: StoredPack | None
         try:
             held = target.stat(key)
         except PackNotFound:
             held = None
         new = held is None
-        if new:
+        if held is None:
             target.put(PackReader(source).get(key))
             result = PackReader(target).verify(key)
             if not result.ok:
@@ -72,16 +74,33 @@ def _copy_packs(source: PackStore, target: PackStore, progress: Progress | None)
     return copied + present, copied, names, signatures
 
 
-def _holds_records(store: PackStore) -> bool:
-    """Whether this process holds the store's bank records (a directory or a bucket, not a service)."""
-    return isinstance(store, BankTables)
+def _served_banks(store: PackStore) -> BankStore:
+    """The banks of a store whose bank records this process does not hold (a service serves them)."""
+    if not isinstance(store, ServesBanks):
+        raise InvalidInput(f"{type(store).__name__} keeps no banks")
+    return store.banks()
 
 
 def _bank_names(store: PackStore) -> list[str]:
     """Every bank's name: from its metadata records where the store holds them (no size scan), else from the service."""
-    if _holds_records(store):
+    if isinstance(store, BankTables):
         return [meta.name for meta in store.bank_metas()]
-    return [meta.name for meta, _ in store.banks().list()]
+    return [meta.name for meta, _ in _served_banks(store).list()]
+
+
+def _bank_digest(store: PackStore, name: str) -> str:
+    return store.bank_digest(name) if isinstance(store, BankTables) else _served_banks(store).digest(name)
+
+
+def _bank_signatures(store: PackStore, name: str) -> tuple[Signature, ...]:
+    return store.bank_signatures(name) if isinstance(store, BankTables) else _served_banks(store).signatures(name)
+
+
+def _sign_bank(store: PackStore, name: str, signature: Signature) -> None:
+    if isinstance(store, BankTables):
+        store.sign_bank(name, signature)
+    else:
+        _served_banks(store).sign(name, signature)
 
 
 def _plan_banks(source: PackStore, target: PackStore) -> list[tuple[str, str, bool]]:
@@ -91,9 +110,8 @@ def _plan_banks(source: PackStore, target: PackStore) -> list[tuple[str, str, bo
     if not names:
         return []
     held = set(_bank_names(target))
-    theirs, ours = source.banks(), target.banks()
-    plans = [(name, theirs.digest(name), name in held) for name in names]
-    differing = [name for name, digest, present in plans if present and ours.digest(name) != digest]
+    plans = [(name, _bank_digest(source, name), name in held) for name in names]
+    differing = [name for name, digest, present in plans if present and _bank_digest(target, name) != digest]
     if differing:
         raise InvalidInput(
             f"the target holds {'a bank' if len(differing) == 1 else 'banks'} named like the source's with other contents: "
@@ -112,7 +130,7 @@ def _copy_banks(
     for name, digest, present in plans:
         if present:
             state = "present"
-        elif _holds_records(source) and _holds_records(target):
+        elif isinstance(source, BankTables) and isinstance(target, BankTables):
             digest = _copy_bank(source, target, name)  # the source's bank may have changed since it was planned
             state, copied = "copied", copied + 1
         else:
@@ -125,7 +143,7 @@ def _copy_banks(
     return copied, signatures, tuple(skipped)
 
 
-def _copy_bank(source: PackStore, target: PackStore, name: str) -> str:
+def _copy_bank(source: BankTables, target: BankTables, name: str) -> str:
     """Copy bank ``name``'s records byte for byte (the target checks each as it takes them), then check the
     copy in the target: the same records, the same digest. Returns the digest copied."""
     meta, records = source.bank_records(name)
@@ -134,7 +152,7 @@ def _copy_bank(source: PackStore, target: PackStore, name: str) -> str:
     except BankChanged:
         raise InvalidInput(f"bank {name!r} appeared in the target while migrating: run migrate again") from None
     digest = digest_of(name, meta, [(record, data[-32:]) for record, data in records.items()])
-    if target.bank_records(name) != (meta, records) or target.banks().digest(name) != digest:
+    if target.bank_records(name) != (meta, records) or target.bank_digest(name) != digest:
         raise IntegrityError(f"bank {name!r} did not verify after copying: the target holds other records")
     return digest
 
@@ -142,11 +160,10 @@ def _copy_bank(source: PackStore, target: PackStore, name: str) -> str:
 def _add_signatures(source: PackStore, target: PackStore, name: str, digest: str) -> int:
     """Add the source's signatures of bank ``name``'s contents ``digest`` that the target lacks (one per key);
     signatures of older contents of the bank are left behind (no store takes them). Returns how many."""
-    banks = target.banks()
-    have = {s.key_id for s in banks.signatures(name)}
+    have = {s.key_id for s in _bank_signatures(target, name)}
     added = 0
-    for signature in source.banks().signatures(name):
+    for signature in _bank_signatures(source, name):
         if signature.digest == digest and signature.key_id not in have:
-            banks.sign(name, signature)
+            _sign_bank(target, name, signature)
             added += 1
     return added

@@ -7,7 +7,8 @@ need no torch, so store-only tools import this module without the model stack.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound
 from packstore.format import parse_key
@@ -33,11 +34,11 @@ def verified_chunks(header: PackHeader, chunks: Iterable[tuple[int, Buffer]]) ->
 class PackReader:
     """Packs read from ``store``, verified and decoded on ``decoder`` (made, and owned, on first decode when None)."""
 
-    def __init__(self, store: PackStore, decoder: "Decoder | None" = None) -> None:
+    def __init__(self, store: PackStore, decoder: Decoder | None = None) -> None:
         self.store, self._decoder, self._owns_decoder = store, decoder, False
 
     @property
-    def decoder(self) -> "Decoder":
+    def decoder(self) -> Decoder:
         if self._decoder is None:
             from packstore.packs.decoder import Decoder  # the torch side, only once something is decoded
 
@@ -49,7 +50,7 @@ class PackReader:
         if self._owns_decoder and self._decoder is not None:
             self._decoder.close()
 
-    def __enter__(self) -> "PackReader":
+    def __enter__(self) -> PackReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -60,16 +61,16 @@ class PackReader:
         opened = self.store.open_pack(ref, model_fp=model_fp, template_fp=template_fp, keep=True, signatures=True)
         opened.header.check_identities(model_fp, template_fp)
         with opened.chunks() as chunks:
-            data = [bytes(chunk) if isinstance(chunk, memoryview) else chunk for _, chunk in verified_chunks(opened.header, chunks)]
+            data = [chunk if isinstance(chunk, bytes) else bytes(chunk) for _, chunk in verified_chunks(opened.header, chunks)]
         return EncodedPack(header=opened.header, chunks=data, signatures=opened.signatures)
 
-    def fetch(self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None) -> "Pack":
+    def fetch(self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None) -> Pack:
         """The whole pack decoded into tensors on ``device`` (CPU when None); PackMismatch when identities differ."""
         return self.start_fetch(ref, device=device, model_fp=model_fp, template_fp=template_fp).result()
 
     def start_fetch(
         self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None
-    ) -> "ArrivingPack":
+    ) -> ArrivingPack:
         """``fetch`` that returns once the header is read and the identities stated are checked (PackMismatch,
         PackNotFound at once); the chunks are read, verified and decoded in the background in layer order, and
         ``layer(i)`` of the result waits for layer i alone, so a model can start before the whole pack is in."""
@@ -88,7 +89,7 @@ class PackReader:
         device: object = None,
         model_fp: str | None = None,
         template_fp: str | None = None,
-    ) -> "PackPart":
+    ) -> PackPart:
         """Layers ``layers`` (first, last, inclusive; None: all) of a pack's body for its first ``prefix`` positions
         (None: all), decoded on ``device``, reading only the chunks that hold them (a prefix saves reads where the
         pack is split into token blocks), each verified; InvalidInput if the pack has no such layers or positions."""
@@ -142,6 +143,7 @@ def check_pack(header: PackHeader, signatures: tuple[Signature, ...], chunks: It
         seen.add(index)
         arrays = chunk_arrays(header, index, data)
         if adapter is not None and adapter[0] in arrays:
+            assert header.recipe is not None  # an adapter's header always has its recipe (checked on parse)
             found = adapter_digest(arrays[adapter[0]].tobytes(), arrays[adapter[1]].tobytes())
             if found != header.recipe["tensors_sha256"]:
                 raise IntegrityError(f"pack {header.key}: the adapter's tensors do not match recipe.tensors_sha256")

@@ -24,8 +24,8 @@ def open_store(spec: str | os.PathLike[str] | None = None, *, readonly: bool = F
     spec = str(spec or os.environ.get("PACKSTORE_STORE") or default_store_path())
     if spec.startswith("s3://"):
         from packstore.rpc.channel import Connection  # the tiers are imported only when named
-        from packstore.store.namespaces import DEFAULT_NAMESPACE
         from packstore.store.objects.store import ObjectStore
+        from packstore.store.protocol import DEFAULT_NAMESPACE
 
         connection = connection or Connection.from_env()
         return ObjectStore(spec, endpoint=connection.s3_endpoint, namespace=connection.namespace or DEFAULT_NAMESPACE)

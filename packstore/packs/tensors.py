@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import wait
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -21,7 +20,7 @@ from safetensors.torch import save as safetensors_save
 from packstore.errors import IntegrityError, InvalidInput
 from packstore.format import codec
 from packstore.format.body import BLOCK_POSITIONS, LAYERS_PER_CHUNK, EncodedPack, chunk_digest
-from packstore.format.chunks import UNSIGNED, ChunkSource, adapter_digest, as_3d, open_chunk
+from packstore.format.chunks import UNSIGNED, Buffer, ChunkSource, adapter_digest, as_3d, open_chunk
 from packstore.format.header import CHUNK_DIGEST, CODEC, ChunkInfo, PackHeader
 from packstore.packs.buffers import BufferProvider
 from packstore.packs.decoder import Decoder
@@ -42,7 +41,7 @@ class Pack:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
 
-    def to(self, device: torch.device | str) -> "Pack":
+    def to(self, device: torch.device | str) -> Pack:
         """The same pack with its tensors on ``device`` (no copy where they already are)."""
         return Pack(header=self.header, keys=[k.to(device) for k in self.keys], values=[v.to(device) for v in self.values])
 
@@ -89,7 +88,10 @@ def adapter_tensors_sha256(header: torch.Tensor, trailer: torch.Tensor) -> str:
 
 def check_tensor_digest(pack: Pack) -> None:
     """An adapter's key covers its tensors through ``recipe.tensors_sha256``: IntegrityError unless they match."""
-    if pack.header.kind == "adapter" and adapter_tensors_sha256(pack.keys[0], pack.values[0]) != pack.header.recipe["tensors_sha256"]:
+    if pack.header.kind != "adapter":
+        return
+    assert pack.header.recipe is not None  # an adapter's header always has its recipe (checked on parse)
+    if adapter_tensors_sha256(pack.keys[0], pack.values[0]) != pack.header.recipe["tensors_sha256"]:
         raise IntegrityError(f"pack {pack.header.key}: the adapter's tensors do not match recipe.tensors_sha256")
 
 
@@ -126,8 +128,12 @@ def encode_pack(pack: Pack, *, block_positions: int = BLOCK_POSITIONS, decoder: 
     header, layers = pack.header, pack.header.body_layers
     per_chunk = LAYERS_PER_CHUNK if header.kind == "knowledge" else len(layers)
     blocked = header.kind == "knowledge" and header.positions > block_positions
-    blocks = [range(p, min(p + block_positions, header.positions)) for p in range(0, header.positions, block_positions)] if blocked else [None]
-    plan = [(first, min(first + per_chunk, layers.stop), block) for first in range(layers.start, layers.stop, per_chunk) for block in blocks]
+    blocks = (
+        [range(p, min(p + block_positions, header.positions)) for p in range(0, header.positions, block_positions)] if blocked else [None]
+    )
+    plan = [
+        (first, min(first + per_chunk, layers.stop), block) for first in range(layers.start, layers.stop, per_chunk) for block in blocks
+    ]
     with _using(decoder) as coder:
         results = coder.map(lambda chunk: _encode_chunk(pack, *chunk), plan)
     header = dataclasses.replace(header, codec=CODEC, chunks=tuple(info for _, info in results))
@@ -144,6 +150,15 @@ def _using(decoder: Decoder | None) -> Iterator[Decoder]:
         yield own
 
 
+def _torch_device(device: object) -> torch.device:
+    """``device`` as torch names it (a ``torch.device``, a name such as ``"cuda:0"``, an index); the CPU when not given."""
+    if not device:
+        return torch.device("cpu")
+    if not isinstance(device, (torch.device, str, int)):
+        raise TypeError(f"not a device: {device!r}")
+    return torch.device(device)
+
+
 class BodyAssembler:
     """Decodes chunks straight into K and V per layer of ``layers`` for positions ``0 .. positions-1`` (all when
     None) on ``device``, in tensors from ``buffers``. On CPU each chunk's planes are interleaved into their place in
@@ -152,7 +167,7 @@ class BodyAssembler:
     one chunk each."""
 
     def __init__(self, header: PackHeader, layers: range, positions: int | None, device: object, buffers: BufferProvider) -> None:
-        self.header, self.layers, self.device, self.buffers = header, layers, torch.device(device or "cpu"), buffers
+        self.header, self.layers, self.device, self.buffers = header, layers, _torch_device(device), buffers
         self.positions = header.positions if positions is None and header.kind == "knowledge" else positions
         shape = header.tensor_shape if self.positions is None else (header.kv_heads, self.positions, header.head_dim)
         tensors = buffers.layer_tensors(shape, torch_dtype(header.dtype), 2 * len(layers), self.device)
@@ -165,7 +180,7 @@ class BodyAssembler:
         self._covered = [0] * len(layers)
         self._lock = threading.Lock()
 
-    def add(self, index: int, data: bytes | memoryview, *, verified: bool = False) -> None:
+    def add(self, index: int, data: Buffer, *, verified: bool = False) -> None:
         """Open chunk ``index`` (``format.chunks.open_chunk``: its digest unless ``verified``, its planes, its table)
         and decode the tensors wanted of it into their places (those of other layers, and positions past those
         wanted, are not decoded)."""
@@ -198,7 +213,8 @@ class BodyAssembler:
     def completed(self, index: int) -> list[int]:
         """The slots of chunk ``index``'s layers that every position wanted of has reached (each chunk added once)."""
         info, whole = self.header.chunks[index], 1 if self.positions is None else self.positions
-        slots = range(max(info.first_layer, self.layers.start) - self.layers.start, min(info.stop_layer, self.layers.stop) - self.layers.start)
+        start = self.layers.start
+        slots = range(max(info.first_layer, start) - start, min(info.stop_layer, self.layers.stop) - start)
         with self._lock:
             return [slot for slot in slots if self._covered[slot] == whole]
 
@@ -207,7 +223,9 @@ class BodyAssembler:
         whole = 1 if self.positions is None else self.positions
         for slot, covered in enumerate(self._covered):
             if covered != whole:
-                raise IntegrityError(f"pack {self.header.key}: the chunks read hold {covered} of the {whole} positions of layer {self.layers[slot]}")
+                raise IntegrityError(
+                    f"pack {self.header.key}: the chunks read hold {covered} of the {whole} positions of layer {self.layers[slot]}"
+                )
         self.buffers.synchronize(self.device)
         return self.keys, self.values
 
@@ -226,7 +244,7 @@ def decode_part(
     header: PackHeader,
     layers: tuple[int, int] | None,
     prefix: int | None,
-    chunks: Iterable[tuple[int, bytes]],
+    chunks: Iterable[tuple[int, Buffer]],
     device: object = None,
     *,
     decoder: Decoder | None = None,
@@ -321,7 +339,7 @@ class ArrivingPack:
             for callback in callbacks:
                 callback(pack)
 
-    def _add(self, index: int, data: bytes | memoryview, verified: bool) -> None:
+    def _add(self, index: int, data: Buffer, verified: bool) -> None:
         if self._error is not None:
             return
         try:
@@ -357,7 +375,12 @@ def start_pack(header: PackHeader, source: ChunkSource, decoder: Decoder, device
 
 
 def pack_from_chunks(
-    header: PackHeader, chunks: Iterable[tuple[int, bytes | memoryview]], device: object = None, *, decoder: Decoder | None = None, verified: bool = False
+    header: PackHeader,
+    chunks: Iterable[tuple[int, Buffer]],
+    device: object = None,
+    *,
+    decoder: Decoder | None = None,
+    verified: bool = False,
 ) -> Pack:
     """A whole pack from every chunk as (index, bytes), each verified (unless ``verified``) and decoded (in
     parallel, as they come) on ``device``: ``start_pack``'s reading and checks, run on the caller's thread."""

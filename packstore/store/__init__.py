@@ -4,12 +4,11 @@ client tier is ``packstore.rpc.remote``; ``packstore.packs.stores.open_store`` o
 from __future__ import annotations
 
 import os
-
-from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from packstore.store.protocol import BankStore, PackStore
+from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
 
 if TYPE_CHECKING:
     from packstore.store.lmdb.store import LmdbStore

@@ -95,7 +95,11 @@ class NamespaceStores:
         any object in its tree of the bucket (another replica may have written it)."""
         if self.objects is None:
             return (namespace_path(self.data, namespace) / "data.mdb").exists()
-        return self.get(DEFAULT_NAMESPACE).holds_namespace(namespace)
+        from packstore.store.objects.store import ObjectStore
+
+        store = self.get(DEFAULT_NAMESPACE)
+        assert isinstance(store, ObjectStore)  # _open makes object stores when self.objects is set
+        return store.holds_namespace(namespace)
 
     def opened(self) -> dict[str, ServedStore]:
         with self._lock:
@@ -157,7 +161,8 @@ def backup(data: str | Path, destination: str | Path) -> BackupReport:
                 store.backup_into(into)
             with LmdbStore(into, readonly=True) as copy:
                 counts = copy.counts()
-            copied[namespace] = {"packs": counts.packs, "stored_bytes": counts.stored_bytes, "file_bytes": (into / "data.mdb").stat().st_size}
+            file_bytes = (into / "data.mdb").stat().st_size
+            copied[namespace] = {"packs": counts.packs, "stored_bytes": counts.stored_bytes, "file_bytes": file_bytes}
         os.replace(partial, target)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)

@@ -9,9 +9,11 @@ suite against every tier. Refs are a full key, a name, or a unique content-hash 
 
 from __future__ import annotations
 
+import builtins
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from packstore.errors import AmbiguousRef, InvalidInput, PackNotFound
 from packstore.format.chunks import Buffer, ChunkSource
@@ -57,7 +59,7 @@ def pick_match(ref: str, matches: list[str], *, by_name: bool, model_fp: str | N
         raise PackNotFound(f"no pack named {ref!r}{scope}", ref=ref)
     if len(found) > 1:
         what = f"name {ref!r} exists for {len(found)} models" if by_name else f"prefix {ref!r} matches {len(found)} packs"
-        raise AmbiguousRef(f"{what}; use the full key or state the model", ref=ref, matches=len(found))
+        raise AmbiguousRef(f"{what}; use the full key or state the model", ref=ref, matches=str(len(found)))
     return found[0]
 
 
@@ -67,10 +69,10 @@ class BankStore(Protocol):
 
     def build(
         self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, vectors: str = "fp16", progress: bool = False
-    ) -> "BankMeta":
+    ) -> BankMeta:
         """Embed, cluster and index ``facts`` into bank ``name`` (replacing one); embeddings stored as ``vectors``."""
 
-    def add(self, name: str, facts: Sequence[str], embedder: str | None = None, *, progress: bool = False) -> "BankMeta":
+    def add(self, name: str, facts: Sequence[str], embedder: str | None = None, *, progress: bool = False) -> BankMeta:
         """Add facts to an existing bank without re-clustering; ``embedder`` None means the bank's own."""
 
     def route(
@@ -85,7 +87,7 @@ class BankStore(Protocol):
     ) -> list[Route]:
         """Per query, the clusters searched and the ``top_k`` best facts, best first (modes: ROUTE_MODES)."""
 
-    def list(self) -> list[tuple["BankMeta", int]]:
+    def list(self) -> list[tuple[BankMeta, int]]:
         """Every bank with its stored bytes."""
 
     def stored_bytes(self, name: str) -> int:
@@ -97,10 +99,10 @@ class BankStore(Protocol):
     def digest(self, name: str) -> str:
         """The digest a signature of the bank covers (docs/format.md §8); it changes with every change to the bank."""
 
-    def signatures(self, name: str) -> tuple["Signature", ...]:
+    def signatures(self, name: str) -> tuple[Signature, ...]:
         """The signatures stored with the bank (each may or may not cover its current digest)."""
 
-    def sign(self, name: str, signature: "Signature") -> None:
+    def sign(self, name: str, signature: Signature) -> None:
         """Store a signature with the bank, after checking that it signs the bank's current digest."""
 
 
@@ -109,8 +111,8 @@ class OpenedPack:
     """A pack opened for reading: its header, the signatures when asked for (else empty), the indices of the chunks
     asked for in order, and ``chunks``: a context yielding (index, stored bytes) for each, not yet verified."""
 
-    header: "PackHeader"
-    signatures: tuple["Signature", ...]
+    header: PackHeader
+    signatures: tuple[Signature, ...]
     indices: tuple[int, ...]
     chunks: ChunkSource
 
@@ -121,7 +123,7 @@ class PackStore(Protocol):
 
     def close(self) -> None: ...
 
-    def __enter__(self) -> "PackStore": ...
+    def __enter__(self) -> PackStore: ...
 
     def __exit__(self, *exc: object) -> None: ...
 
@@ -151,7 +153,7 @@ class PackStore(Protocol):
         """Every matching pack's summary, in key order."""
         ...
 
-    def keys(self) -> list[str]:
+    def keys(self) -> builtins.list[str]:
         """Every stored key, whether or not its header still parses."""
         ...
 
@@ -180,11 +182,11 @@ class PackStore(Protocol):
 
     # -- writes ------------------------------------------------------------------------------
 
-    def put(self, encoded: "EncodedPack", *, name: str | None = None) -> tuple[str, bool]:
+    def put(self, encoded: EncodedPack, *, name: str | None = None) -> tuple[str, bool]:
         """Store a pack (and optionally name it); returns ``(key, created)``."""
         ...
 
-    def add_signature(self, ref: str, signature: "Signature", *, model_fp: str | None = None) -> str:
+    def add_signature(self, ref: str, signature: Signature, *, model_fp: str | None = None) -> str:
         """Store a signature with a pack (checked against its digest first); returns the key."""
         ...
 
@@ -226,7 +228,7 @@ class Upload(Protocol):
 
     def add_chunk(self, index: int, data: bytes) -> None: ...
 
-    def commit(self, *, name: str | None = None, signatures: tuple["Signature", ...] = ()) -> tuple[str, bool]: ...
+    def commit(self, *, name: str | None = None, signatures: tuple[Signature, ...] = ()) -> tuple[str, bool]: ...
 
     def abort(self) -> None: ...
 
@@ -237,37 +239,38 @@ class BankTables(Protocol):
     and signatures, written atomically; ``BankChanged`` when ``update_bank`` finds another writer came first.
     ``path`` says where the tables live (decoded records are cached under it)."""
 
-    path: object
+    @property
+    def path(self) -> object: ...
 
-    def put_bank(self, meta: "BankMeta", centroids: "np.ndarray", clusters: "dict[int, Cluster]", lexical: bytes) -> None: ...
+    def put_bank(self, meta: BankMeta, centroids: np.ndarray, clusters: dict[int, Cluster], lexical: bytes) -> None: ...
 
     def put_bank_records(self, name: str, meta: bytes, records: dict[str, bytes]) -> None: ...
 
-    def update_bank(self, meta: "BankMeta", clusters: "dict[int, Cluster]", lexical: bytes, *, expected: "BankMeta") -> None: ...
+    def update_bank(self, meta: BankMeta, clusters: dict[int, Cluster], lexical: bytes, *, expected: BankMeta) -> None: ...
 
-    def bank(self, name: str) -> "BankMeta": ...
+    def bank(self, name: str) -> BankMeta: ...
 
-    def bank_centroids(self, name: str) -> "np.ndarray": ...
+    def bank_centroids(self, name: str) -> np.ndarray: ...
 
     def bank_centroids_seal(self, name: str) -> bytes: ...
 
     def bank_lexical_seal(self, name: str) -> bytes | None: ...
 
-    def bank_lexical(self, name: str) -> "tuple[np.ndarray, dict[str, bytes]] | None": ...
+    def bank_lexical(self, name: str) -> tuple[np.ndarray, dict[str, bytes]] | None: ...
 
-    def bank_clusters(self, name: str, cluster_ids: list[int]) -> "dict[int, Cluster]": ...
+    def bank_clusters(self, name: str, cluster_ids: list[int]) -> dict[int, Cluster | None]: ...  # None: no record (no facts yet)
 
     def bank_records(self, name: str) -> tuple[bytes, dict[str, bytes]]: ...
 
     def bank_stored_bytes(self, name: str) -> int: ...
 
-    def bank_metas(self) -> "list[BankMeta]": ...
+    def bank_metas(self) -> list[BankMeta]: ...
 
     def bank_digest(self, name: str) -> str: ...
 
-    def sign_bank(self, name: str, signature: "Signature") -> None: ...
+    def sign_bank(self, name: str, signature: Signature) -> None: ...
 
-    def bank_signatures(self, name: str) -> tuple["Signature", ...]: ...
+    def bank_signatures(self, name: str) -> tuple[Signature, ...]: ...
 
     def delete_bank(self, name: str) -> None: ...
 
@@ -277,8 +280,8 @@ class ServedStore(PackStore, BankTables, Protocol):
     """What the service needs of the store behind it: packs, bank tables, chunk-by-chunk reads for a stream (each
     read when taken, so a slow client holds one chunk) and staged uploads."""
 
-    def read_chunks(self, header: "PackHeader", indices: Sequence[int]) -> Iterator[Buffer]:
+    def read_chunks(self, header: PackHeader, indices: Sequence[int]) -> Iterator[Buffer]:
         """Chunks ``indices`` of a pack in order, as stored (the reader verifies them)."""
         ...
 
-    def begin_upload(self, header: "PackHeader") -> Upload: ...
+    def begin_upload(self, header: PackHeader) -> Upload: ...

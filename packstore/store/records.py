@@ -53,10 +53,10 @@ class PackSummary:
 class StoredPack:
     """A stored pack's full header, the names that point at it, its size on disk and its signatures."""
 
-    header: "PackHeader"
+    header: PackHeader
     names: tuple[str, ...]
     stored_bytes: int
-    signatures: tuple["Signature", ...] = ()
+    signatures: tuple[Signature, ...] = ()
 
     @property
     def key(self) -> str:
@@ -149,7 +149,7 @@ class Route:
     facts: list[tuple[str, float]]
     seconds: dict[str, float] = field(default_factory=dict)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "query": self.query,
             "clusters": self.clusters,

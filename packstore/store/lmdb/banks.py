@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
+from collections.abc import Callable
+from typing import TypeVar
 
 import lmdb
 import numpy as np
@@ -26,6 +28,9 @@ from packstore.format.bank import (
 from packstore.format.header import canonical_json
 from packstore.format.signature import Signature
 from packstore.store.lmdb.environment import LmdbEnvironment
+
+T = TypeVar("T")
+V = TypeVar("V", bound=bytes | memoryview)  # what a transaction hands out: bytes, or memoryviews with buffers
 
 
 def _meta_key(name: str) -> bytes:
@@ -74,6 +79,7 @@ def check_records(name: str, meta: bytes, records: dict[str, bytes]) -> None:
     if centroids not in records:
         raise InvalidInput(f"bank {name!r}: the records hold no centroids")
     cluster = re.compile(re.escape(_cluster_prefix(name).decode()) + "[0-9a-f]{8}")
+    decode: Callable[[bytes], object]
     for record, data in records.items():
         if record == centroids:
             decode = decode_centroids
@@ -111,14 +117,18 @@ class BankTables:
     """Mixed into LmdbStore: every bank write is one LMDB transaction, like every pack write."""
 
     _env: LmdbEnvironment
-    _banks: object
+    _banks: lmdb._Database | None
 
-    def _bank_db(self, name: str):
+    def _write(self, body: Callable[[lmdb.Transaction[bytes]], T]) -> T:
+        """Run ``body`` in one write transaction (LmdbStore's)."""
+        raise NotImplementedError
+
+    def _bank_db(self, name: str) -> lmdb._Database:
         if self._banks is None:  # a read-only store made before banks existed
             raise PackNotFound(f"no bank named {name!r}")
         return self._banks
 
-    def _delete_bank_in(self, txn: lmdb.Transaction, name: str) -> bool:
+    def _delete_bank_in(self, txn: lmdb.Transaction[bytes], name: str) -> bool:
         existed = txn.delete(_meta_key(name), db=self._banks)
         txn.delete(_centroids_key(name), db=self._banks)
         txn.delete(_lexical_key(name), db=self._banks)
@@ -143,7 +153,7 @@ class BankTables:
     def _write_records(self, name: str, meta: bytes, records: dict[str, bytes], *, replace: bool) -> None:
         """Write a whole bank's records in one transaction, replacing any bank of that name only if ``replace``."""
 
-        def body(txn: lmdb.Transaction) -> None:
+        def body(txn: lmdb.Transaction[bytes]) -> None:
             if not replace and txn.get(_meta_key(name), db=self._banks) is not None:
                 raise BankChanged(name)
             self._delete_bank_in(txn, name)
@@ -158,7 +168,7 @@ class BankTables:
         only if the bank is still ``expected`` (the metadata the change was computed from):
         BankChanged otherwise, so a concurrent add or rebuild is never overwritten."""
 
-        def body(txn: lmdb.Transaction) -> None:
+        def body(txn: lmdb.Transaction[bytes]) -> None:
             current = txn.get(_meta_key(meta.name), db=self._banks)
             if current is None:
                 raise PackNotFound(f"no bank named {meta.name!r}: it was removed while facts were being added")
@@ -211,10 +221,10 @@ class BankTables:
             data = txn.get(_lexical_key(name), db=self._banks)
         return None if data is None else decode_lexical(data)
 
-    def bank_clusters(self, name: str, cluster_ids: list[int]) -> dict[int, Cluster]:
-        """The given clusters (a cluster with no facts yet is empty)."""
+    def bank_clusters(self, name: str, cluster_ids: list[int]) -> dict[int, Cluster | None]:
+        """The given clusters (None for a cluster with no record: no facts yet)."""
         self._bank_db(name)
-        found = {}
+        found: dict[int, Cluster | None] = {}
         with self._env.read() as txn:
             for cluster_id in cluster_ids:
                 data = txn.get(_cluster_key(name, cluster_id), db=self._banks)
@@ -249,13 +259,13 @@ class BankTables:
                     metas.append(BankMeta.from_json(value))
         return metas
 
-    def _records_in(self, txn: lmdb.Transaction, name: str) -> tuple[bytes, list[tuple[str, bytes]]]:
+    def _records_in(self, txn: lmdb.Transaction[V], name: str) -> tuple[V, list[tuple[str, V]]]:
         """A bank's metadata record and every other record with its digest name, in digest order (buffers
         when ``txn`` was opened with them); PackNotFound if there is no such bank."""
         meta = txn.get(_meta_key(name), db=self._banks)
         if meta is None:
             raise PackNotFound(f"no bank named {name!r}")
-        records = []
+        records: list[tuple[str, V]] = []
         for key in (_centroids_key(name), _lexical_key(name)):
             data = txn.get(key, db=self._banks)
             if data is not None:
@@ -263,8 +273,8 @@ class BankTables:
         prefix = _cluster_prefix(name)
         cursor = txn.cursor(db=self._banks)
         if cursor.set_range(prefix):
-            for key, value in cursor:
-                key = bytes(key)  # a buffer in a read transaction opened with buffers
+            for found, value in cursor:
+                key = bytes(found)  # a buffer in a read transaction opened with buffers
                 if not key.startswith(prefix):
                     break
                 records.append((prefix.decode() + key[len(prefix) :].hex(), value))
@@ -292,7 +302,7 @@ class BankTables:
     def sign_bank(self, name: str, signature: Signature) -> None:
         """Store a signature with bank ``name`` after checking it signs the bank's current digest."""
 
-        def body(txn: lmdb.Transaction) -> None:
+        def body(txn: lmdb.Transaction[bytes]) -> None:
             signature.check("bank", self._bank_digest_in(txn, name))
             txn.put(_signature_prefix(name) + signature.key_id.encode(), signature.to_json(), db=self._banks)
 
@@ -315,7 +325,7 @@ class BankTables:
         return tuple(found)
 
     def delete_bank(self, name: str) -> None:
-        def body(txn: lmdb.Transaction) -> None:
+        def body(txn: lmdb.Transaction[bytes]) -> None:
             if not self._delete_bank_in(txn, name):
                 raise PackNotFound(f"no bank named {name!r}")
 

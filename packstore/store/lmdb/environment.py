@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import os
 import threading
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Literal, TypeVar, overload
 
 import lmdb
 
@@ -147,13 +148,25 @@ class LmdbEnvironment:
         with self._lock.shared():  # a handle opened in a read transaction would close with it
             return self._env.open_db(name, create=False)
 
-    @contextmanager
-    def read(self, *, buffers: bool = False) -> Iterator[lmdb.Transaction]:
+    @overload
+    def read(self, *, buffers: Literal[False] = False) -> AbstractContextManager[lmdb.Transaction[bytes]]: ...
+
+    @overload
+    def read(self, *, buffers: Literal[True]) -> AbstractContextManager[lmdb.Transaction[memoryview]]: ...
+
+    @overload
+    def read(self, *, buffers: bool) -> AbstractContextManager[lmdb.Transaction]: ...
+
+    def read(self, *, buffers: bool = False) -> AbstractContextManager[lmdb.Transaction]:
         """A read transaction; with ``buffers`` values are memoryviews valid only inside it."""
+        return self._read(buffers)
+
+    @contextmanager
+    def _read(self, buffers: bool) -> Iterator[lmdb.Transaction]:
         while True:
             with self._lock.shared() as outermost:
                 try:
-                    txn = self._env.begin(buffers=buffers)
+                    txn: lmdb.Transaction = self._env.begin(buffers=True) if buffers else self._env.begin()
                 except lmdb.MapResizedError:
                     if not outermost:
                         raise StoreBusy("another process grew the store while this thread holds a transaction") from None
@@ -166,7 +179,7 @@ class LmdbEnvironment:
                     return
             self._adopt_grown_map()
 
-    def write(self, body: Callable[[lmdb.Transaction], T]) -> T:
+    def write(self, body: Callable[[lmdb.Transaction[bytes]], T]) -> T:
         """Run ``body(txn)`` in one write transaction and commit it, growing the map and rerunning it when full.
 
         ``body`` may run more than once, each time in a fresh transaction, so it must not act outside it.
@@ -184,7 +197,8 @@ class LmdbEnvironment:
                         txn.commit()
                         return result
                     except BaseException as exc:
-                        failure = IntegrityError(f"store {self.path} is damaged: {exc}; restore it from a backup") if isinstance(exc, _DAMAGE) else exc
+                        damaged = isinstance(exc, _DAMAGE)
+                        failure = IntegrityError(f"store {self.path} is damaged: {exc}; restore it from a backup") if damaged else exc
                         if not outermost:  # the lock cannot turn exclusive under this thread's own transaction
                             if txn is not None:
                                 txn.abort()

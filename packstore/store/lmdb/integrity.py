@@ -82,7 +82,8 @@ def check_file(path: Path) -> tuple[int, int, int]:
     needed = (last_page + 1) * page_size
     if stat.st_size < needed:
         raise IntegrityError(
-            f"store {path}: the data file is truncated ({stat.st_size} bytes, its newest meta page needs {needed}); restore it from a backup"
+            f"store {path}: the data file is truncated ({stat.st_size} bytes, its newest meta page needs {needed}); "
+            "restore it from a backup"
         )
     return stat.st_size, stat.st_mtime_ns, txnid
 

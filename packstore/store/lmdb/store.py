@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import fcntl
 import itertools
 import os
@@ -9,14 +10,14 @@ import shutil
 import struct
 import time
 import uuid
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, NoReturn, Sequence, TypeVar
+from typing import NoReturn, TypeVar
 
 import lmdb
 
-from packstore.errors import IntegrityError, InvalidInput, PackNotFound, StoreBusy
-from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack
+from packstore.errors import IntegrityError, InvalidInput, PackNotFound, StoreBusy, Unavailable
 from packstore.format import EncodedPack, PackHeader, parse_key
 from packstore.format.body import chunks_for, verify_chunk
 from packstore.format.signature import Signature
@@ -24,12 +25,14 @@ from packstore.store.lmdb.banks import BankTables
 from packstore.store.lmdb.environment import DEFAULT_MAP_SIZE, LmdbEnvironment
 from packstore.store.lmdb.integrity import check_structure
 from packstore.store.protocol import DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, OpenedPack, check_name, pick_match
+from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
 
 STORE_LAYOUT_VERSION = b"2"  # 2 added summaries, key_names, by_name and the running counters
 LOCK_FILE = "packstore.lock"
 STALE_UPLOAD_SECONDS = 3600
 T = TypeVar("T")
+V = TypeVar("V", bound=bytes | memoryview)  # what a transaction hands out: bytes, or memoryviews with buffers
 
 
 def _chunk_key(key: str, index: int) -> bytes:
@@ -55,20 +58,20 @@ def _by_name_key(name: str, model_fp: str) -> bytes:
     return f"{name}/{model_fp}".encode()
 
 
-def _prefix_scan(txn: lmdb.Transaction, db: object, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+def _prefix_scan(txn: lmdb.Transaction[V], db: lmdb._Database | None, prefix: bytes) -> Iterator[tuple[bytes, V]]:
     """Every (key, value) of ``db`` whose key starts with ``prefix``, in key order (keys as bytes, also in a
     ``buffers`` transaction, whose values stay memoryviews)."""
     cursor = txn.cursor(db=db)
     if not cursor.set_range(prefix):
         return
-    for key, value in cursor:
-        key = bytes(key)
+    for found, value in cursor:
+        key = bytes(found)
         if not key.startswith(prefix):
             return
         yield key, value
 
 
-def _names_at(cursor: lmdb.Cursor, key: str) -> tuple[str, ...]:
+def _names_at(cursor: lmdb.Cursor[bytes], key: str) -> tuple[str, ...]:
     """The names of ``key`` in ``key_names``, sorted; ``cursor`` may be reused for keys in increasing order."""
     prefix = f"{key}/".encode()
     names = []
@@ -147,7 +150,7 @@ class LmdbStore(BankTables):
 
             )
 
-    def _upgrade_in(self, txn: lmdb.Transaction) -> None:
+    def _upgrade_in(self, txn: lmdb.Transaction[bytes]) -> None:
         """Stamp a new store with the layout; bring a layout-1 store's indexes and counters up to date."""
         layout = txn.get(b"layout", db=self._meta)
         if layout == STORE_LAYOUT_VERSION:
@@ -170,15 +173,15 @@ class LmdbStore(BankTables):
         self._set_counts_in(txn, StoreCounts(packs=packs, stored_bytes=stored_bytes))
         txn.put(b"layout", STORE_LAYOUT_VERSION, db=self._meta)
 
-    def _counts_in(self, txn: lmdb.Transaction) -> StoreCounts:
+    def _counts_in(self, txn: lmdb.Transaction[bytes]) -> StoreCounts:
         data = txn.get(b"counts", db=self._meta)
         packs, stored_bytes = struct.unpack("<QQ", data) if data is not None else (0, 0)
         return StoreCounts(packs=packs, stored_bytes=stored_bytes)
 
-    def _set_counts_in(self, txn: lmdb.Transaction, counts: StoreCounts) -> None:
+    def _set_counts_in(self, txn: lmdb.Transaction[bytes], counts: StoreCounts) -> None:
         txn.put(b"counts", struct.pack("<QQ", counts.packs, counts.stored_bytes), db=self._meta)
 
-    def _add_counts_in(self, txn: lmdb.Transaction, packs: int, stored_bytes: int) -> None:
+    def _add_counts_in(self, txn: lmdb.Transaction[bytes], packs: int, stored_bytes: int) -> None:
         now = self._counts_in(txn)
         self._set_counts_in(txn, StoreCounts(packs=now.packs + packs, stored_bytes=now.stored_bytes + stored_bytes))
 
@@ -190,13 +193,13 @@ class LmdbStore(BankTables):
         self._env.close()
         self._lock.close()
 
-    def __enter__(self) -> "LmdbStore":
+    def __enter__(self) -> LmdbStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _write(self, body: Callable[[lmdb.Transaction], T]) -> T:
+    def _write(self, body: Callable[[lmdb.Transaction[bytes]], T]) -> T:
         """Run ``body`` in one write transaction (rerun in a fresh one if the map had to grow)."""
         return self._env.write(body)
 
@@ -216,7 +219,12 @@ class LmdbStore(BankTables):
         return header.key, self._write(lambda txn: self._commit_in(txn, header, encoded.chunks.__getitem__, name, encoded.signatures))
 
     def _commit_in(
-        self, txn: lmdb.Transaction, header: PackHeader, chunk: Callable[[int], bytes], name: str | None, signatures=()
+        self,
+        txn: lmdb.Transaction[bytes],
+        header: PackHeader,
+        chunk: Callable[[int], bytes],
+        name: str | None,
+        signatures: tuple[Signature, ...] = (),
     ) -> bool:
         """Write chunks (``chunk(i)`` gives chunk i), header and name unless the key is stored, and any
         (checked) signatures; True if new."""
@@ -241,14 +249,14 @@ class LmdbStore(BankTables):
         after checking that it signs this pack's digest and verifies; returns the key."""
         key = self.resolve(ref, model_fp=model_fp)
 
-        def body(txn: lmdb.Transaction) -> None:
+        def body(txn: lmdb.Transaction[bytes]) -> None:
             signature.check("pack", self._header_in(txn, key).pack_sha256)
             txn.put(_signature_key(key, signature.key_id), signature.to_json(), db=self._signatures)
 
         self._write(body)
         return key
 
-    def _signatures_in(self, txn: lmdb.Transaction, key: str) -> tuple[Signature, ...]:
+    def _signatures_in(self, txn: lmdb.Transaction[bytes], key: str) -> tuple[Signature, ...]:
         if self._signatures is None:
             return ()
         found = []
@@ -259,7 +267,7 @@ class LmdbStore(BankTables):
                 raise IntegrityError(f"pack {key}: a stored signature is damaged: {exc}") from None
         return tuple(found)
 
-    def _name_in(self, txn: lmdb.Transaction, model_fp: str, name: str, key: str) -> None:
+    def _name_in(self, txn: lmdb.Transaction[bytes], model_fp: str, name: str, key: str) -> None:
         """Point ``name`` (of ``model_fp``) at ``key`` and keep both name indexes in step."""
         previous = txn.get(_name_key(model_fp, name), db=self._names)
         if previous is not None:
@@ -268,7 +276,7 @@ class LmdbStore(BankTables):
         txn.put(_key_name_key(key, name), b"", db=self._key_names)
         txn.put(_by_name_key(name, model_fp), key.encode(), db=self._by_name)
 
-    def _unname_in(self, txn: lmdb.Transaction, model_fp: str, name: str) -> str | None:
+    def _unname_in(self, txn: lmdb.Transaction[bytes], model_fp: str, name: str) -> str | None:
         """Remove one name and its index entries; returns the key it pointed at."""
         found = txn.pop(_name_key(model_fp, name), db=self._names)
         if found is None:
@@ -288,7 +296,7 @@ class LmdbStore(BankTables):
     def delete_name(self, name: str, *, model_fp: str) -> str:
         """Remove one name of one model (the pack stays); returns the key it pointed at."""
 
-        def body(txn: lmdb.Transaction) -> str:
+        def body(txn: lmdb.Transaction[bytes]) -> str:
             found = self._unname_in(txn, model_fp, name)
             if found is None:
                 raise PackNotFound(f"no pack named {name!r} for model {model_fp[:12]}", ref=name)
@@ -300,9 +308,9 @@ class LmdbStore(BankTables):
         """Remove a pack, its chunks and every name pointing at it, in one transaction; returns the key."""
         key = self.resolve(ref, model_fp=model_fp)
 
-        def body(txn: lmdb.Transaction) -> None:
+        def body(txn: lmdb.Transaction[bytes]) -> None:
             header = self._header_in(txn, key)
-            size = pack_stored_bytes(header, txn.get(key.encode(), db=self._packs))
+            size = pack_stored_bytes(header, self._header_json_in(txn, key))
             for index in range(len(header.chunks)):
                 txn.delete(_chunk_key(key, index), db=self._chunks)
             txn.delete(key.encode(), db=self._packs)
@@ -343,10 +351,15 @@ class LmdbStore(BankTables):
                 ]
         return pick_match(ref, matches, by_name=by_name, model_fp=model_fp)
 
-    def _header_in(self, txn: lmdb.Transaction, key: str) -> PackHeader:
+    def _header_json_in(self, txn: lmdb.Transaction[V], key: str) -> V:
+        """The stored header of ``key`` as ``txn`` holds it; PackNotFound (or IntegrityError) when it is missing."""
         data = txn.get(key.encode(), db=self._packs)
         if data is None:
             self._missing(txn, key)
+        return data
+
+    def _header_in(self, txn: lmdb.Transaction, key: str) -> PackHeader:
+        data = self._header_json_in(txn, key)
         try:
             header = PackHeader.from_json(bytes(data))  # a memoryview in a buffers transaction
         except (IntegrityError, InvalidInput) as exc:
@@ -362,19 +375,19 @@ class LmdbStore(BankTables):
             raise IntegrityError(f"pack {key}: its header is missing from the store (the file is damaged); restore it from a backup")
         raise PackNotFound(f"no pack with key {key}")
 
-    def _names_in(self, txn: lmdb.Transaction, key: str) -> tuple[str, ...]:
+    def _names_in(self, txn: lmdb.Transaction[bytes], key: str) -> tuple[str, ...]:
         """The names pointing at ``key``, sorted (one prefix scan of the key -> names index)."""
         return _names_at(txn.cursor(db=self._key_names), key)
 
-    def _summaries_in(self, txn: lmdb.Transaction, found: Iterator[tuple[str, bytes]]) -> Iterator[PackSummary]:
+    def _summaries_in(self, txn: lmdb.Transaction[bytes], found: Iterator[tuple[str, bytes]]) -> Iterator[PackSummary]:
         """A summary with its names for each (key, summary record); one cursor reads every key's names."""
         names = txn.cursor(db=self._key_names)
         for key, data in found:
             yield parse_summary(key, _names_at(names, key), data)
 
-    def _stored(self, txn: lmdb.Transaction, key: str) -> StoredPack:
+    def _stored(self, txn: lmdb.Transaction[bytes], key: str) -> StoredPack:
         header = self._header_in(txn, key)
-        size = pack_stored_bytes(header, txn.get(key.encode(), db=self._packs))
+        size = pack_stored_bytes(header, self._header_json_in(txn, key))
         return StoredPack(header=header, names=self._names_in(txn, key), stored_bytes=size, signatures=self._signatures_in(txn, key))
 
     def stat(self, ref: str, *, model_fp: str | None = None) -> StoredPack:
@@ -406,9 +419,10 @@ class LmdbStore(BankTables):
         return PackPage(packs=packs)
 
     def _matching_in(
-        self, txn: lmdb.Transaction, after: str, model_fp: str | None, template_fp: str | None, name: str | None
+        self, txn: lmdb.Transaction[bytes], after: str, model_fp: str | None, template_fp: str | None, name: str | None
     ) -> Iterator[tuple[str, bytes]]:
         """(key, summary record) of each matching pack whose key sorts after ``after``, in key order."""
+        found: Iterator[tuple[str, bytes]]
         if name is not None:
             scope = f"{name}/{model_fp}".encode() if model_fp else f"{name}/".encode()
             keys = sorted({v.decode() for _, v in _prefix_scan(txn, self._by_name, scope)})
@@ -430,7 +444,7 @@ class LmdbStore(BankTables):
 
     def list(
         self, *, model_fp: str | None = None, template_fp: str | None = None, name: str | None = None
-    ) -> list[PackSummary]:
+    ) -> builtins.list[PackSummary]:
         """Every matching pack's summary, in key order (one read transaction)."""
         with self._env.read() as txn:
             return list(self._summaries_in(txn, self._matching_in(txn, "", model_fp, template_fp, name)))
@@ -439,7 +453,7 @@ class LmdbStore(BankTables):
         with self._env.read() as txn:
             return self._counts_in(txn)
 
-    def _chunk_in(self, txn: lmdb.Transaction, key: str, index: int) -> bytes | memoryview:
+    def _chunk_in(self, txn: lmdb.Transaction[V], key: str, index: int) -> V:
         """Chunk ``index`` of pack ``key`` as ``txn`` holds it; IntegrityError when it is missing."""
         data = txn.get(_chunk_key(key, index), db=self._chunks)
         if data is None:
@@ -486,12 +500,12 @@ class LmdbStore(BankTables):
                 raise PackNotFound(f"pack {header.key}: chunk {index} is gone (was the pack deleted during the transfer?)")
             yield data
 
-    def begin_upload(self, header: PackHeader) -> "Upload":
+    def begin_upload(self, header: PackHeader) -> Upload:
         """Start a staged upload: chunks land in ``staging`` one transaction each, then commit atomically."""
         header.validate(encoded=True)
         return Upload(self, header)
 
-    def keys(self) -> list[str]:
+    def keys(self) -> builtins.list[str]:
         """Every stored key, whether or not its header still parses, and any key the listing index
         holds without a header (only damage causes one), so that verify reports it."""
         with self._env.read() as txn:
@@ -511,7 +525,7 @@ class LmdbStore(BankTables):
         """
         before = self._data_file_bytes()
 
-        def body(txn: lmdb.Transaction) -> tuple[int, int, int]:
+        def body(txn: lmdb.Transaction[bytes]) -> tuple[int, int, int]:
             cutoff = time.time() - STALE_UPLOAD_SECONDS
             stale = [k for k, _ in txn.cursor(db=self._staging) if int(k.split(b"-", 1)[0]) < cutoff]
             for k in stale:
@@ -585,8 +599,14 @@ class Upload:
         EncodedPack(self.header, [], tuple(signatures)).check_signatures()
         store = self.store
 
-        def body(txn: lmdb.Transaction) -> bool:
-            created = store._commit_in(txn, self.header, lambda i: txn.get(self._staging_key(i), db=store._staging), name, signatures)
+        def body(txn: lmdb.Transaction[bytes]) -> bool:
+            def staged(index: int) -> bytes:
+                data = txn.get(self._staging_key(index), db=store._staging)
+                if data is None:  # a gc removed the staged chunks of an upload older than STALE_UPLOAD_SECONDS
+                    raise Unavailable(f"pack {self.header.key}: staged chunk {index} was removed by a gc; upload the pack again")
+                return data
+
+            created = store._commit_in(txn, self.header, staged, name, signatures)
             for index in range(self._received):
                 txn.delete(self._staging_key(index), db=store._staging)
             return created

@@ -12,11 +12,13 @@ create-only write (``If-None-Match: *``) whose first attempt landed but whose an
 
 from __future__ import annotations
 
+import builtins
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from email.utils import parsedate_to_datetime
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 import boto3
 from botocore.config import Config
@@ -99,13 +101,16 @@ class Bucket:
                 raise Unavailable(f"the object store keeps failing for {self.where}: {code} ({error.get('Message', '')})") from None
             raise PackstoreError(f"the object store answered {code} for {self.where}: {error.get('Message', '')}") from None
         except NoCredentialsError:
-            raise Unauthenticated(f"no S3 credentials found for {self.where} (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile)") from None
+            raise Unauthenticated(
+                f"no S3 credentials found for {self.where} (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile)"
+            ) from None
         except BotoCoreError as exc:  # connection refused, DNS, timeouts: after the retries
             raise Unavailable(f"the object store is unreachable for {self.where}: {exc}") from None
 
     @staticmethod
     def _absent(exc: ClientError) -> bool:
-        return exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404
+        status: object = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return status == 404
 
     def check(self) -> None:
         """Raise StoreNotFound, PermissionDenied or Unavailable unless the bucket is there and ours to use."""
@@ -176,7 +181,7 @@ class Bucket:
         answer = self._call(self._client.list_objects_v2, Prefix=self.root + prefix, MaxKeys=1)
         return bool(answer.get("Contents"))
 
-    def folders(self, prefix: str) -> list[str]:
+    def folders(self, prefix: str) -> builtins.list[str]:
         """The next path segment of every object below ``prefix`` (``Delimiter="/"``), in order."""
         params: dict[str, Any] = {"Prefix": self.root + prefix, "Delimiter": "/"}
         found = []

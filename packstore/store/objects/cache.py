@@ -48,11 +48,11 @@ class ObjectCache:
     def close(self) -> None:
         self._env.close()
 
-    def _counter(self, txn: lmdb.Transaction, name: bytes) -> int:
+    def _counter(self, txn: lmdb.Transaction[bytes], name: bytes) -> int:
         data = txn.get(name, db=self._meta)
         return _U64.unpack(data)[0] if data is not None else 0
 
-    def _touch(self, txn: lmdb.Transaction, name: bytes) -> None:
+    def _touch(self, txn: lmdb.Transaction[bytes], name: bytes) -> None:
         """Make ``name`` the most recently used item."""
         old = txn.get(name, db=self._used)
         if old is not None:
@@ -62,14 +62,16 @@ class ObjectCache:
         txn.put(name, tick, db=self._used)
         txn.put(tick, name, db=self._order)
 
-    def _remove(self, txn: lmdb.Transaction, name: bytes) -> None:
+    def _remove(self, txn: lmdb.Transaction[bytes], name: bytes) -> None:
         data = txn.pop(name, db=self._items)
         if data is None:
             return
-        txn.delete(txn.pop(name, db=self._used), db=self._order)
+        tick = txn.pop(name, db=self._used)
+        if tick is not None:  # every item has its tick; a damaged cache may lack it
+            txn.delete(tick, db=self._order)
         txn.put(b"bytes", _U64.pack(self._counter(txn, b"bytes") - len(data)), db=self._meta)
 
-    def _evict_to(self, txn: lmdb.Transaction, limit: int) -> None:
+    def _evict_to(self, txn: lmdb.Transaction[bytes], limit: int) -> None:
         """Drop least recently used items until at most ``limit`` bytes are held."""
         cursor = txn.cursor(db=self._order)
         while self._counter(txn, b"bytes") > limit and cursor.first():
@@ -93,7 +95,7 @@ class ObjectCache:
             return
         key = name.encode()
 
-        def body(txn: lmdb.Transaction, limit: int) -> None:
+        def body(txn: lmdb.Transaction[bytes], limit: int) -> None:
             self._remove(txn, key)
             self._evict_to(txn, limit - len(data))
             txn.put(key, data, db=self._items)

@@ -19,8 +19,9 @@ import json
 import random
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from packstore.errors import IntegrityError, StoreBusy
 from packstore.format.header import canonical_json

@@ -11,28 +11,30 @@ store tier". Every byte read, from the cache or the object store, is verified be
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import itertools
 import tempfile
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import TypeVar
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, StoreBusy, Unavailable
 from packstore.format import EncodedPack, PackHeader, parse_key
 from packstore.format.body import chunks_for, verify_chunk
 from packstore.format.signature import Signature
-from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack
-from packstore.store.objects.cache import DEFAULT_CACHE_BYTES, ObjectCache
 from packstore.store.objects.banks import ObjectBankTables
-from packstore.store.objects.bucket import Bucket, Conflict
-from packstore.store.protocol import DEFAULT_NAMESPACE, DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, OpenedPack, check_name, pick_match
+from packstore.store.objects.bucket import Bucket, Conflict, Listed
+from packstore.store.objects.cache import DEFAULT_CACHE_BYTES, ObjectCache
 from packstore.store.objects.registers import UNCHANGED, Registers, Version
+from packstore.store.protocol import DEFAULT_NAMESPACE, DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, OpenedPack, check_name, pick_match
+from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
 
 DEFAULT_GC_GRACE = 3600.0  # seconds an unreferenced object is kept (docs/operations.md, "Object store tier")
@@ -81,8 +83,11 @@ class ObjectStore(ObjectBankTables):
         self.namespace = namespace
         self.gc_grace = float(gc_grace)
         self.path = f"s3://{self.bucket.bucket}/{self.bucket.root}{self._base}"  # where the store is (bank caches key on it)
-        self._scratch = tempfile.TemporaryDirectory(prefix="packstore-cache-") if cache_dir is None else None
-        self.cache = ObjectCache(cache_dir if cache_dir is not None else self._scratch.name, cache_bytes)
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None
+        if cache_dir is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="packstore-cache-")
+            cache_dir = self._scratch.name
+        self.cache = ObjectCache(cache_dir, cache_bytes)
         self._cache_scope = f"{self.bucket.bucket}/{self.bucket.root}"
         self._registers = Registers(self.bucket, self._fetch_bytes)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="packstore-s3")
@@ -103,7 +108,7 @@ class ObjectStore(ObjectBankTables):
         if self._scratch is not None:
             self._scratch.cleanup()
 
-    def __enter__(self) -> "ObjectStore":
+    def __enter__(self) -> ObjectStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -355,7 +360,7 @@ class ObjectStore(ObjectBankTables):
         """Every matching pack's summary, in key order."""
         return self._summaries(list(self._committed("", model_fp, template_fp, name)))
 
-    def keys(self) -> list[str]:
+    def keys(self) -> builtins.list[str]:
         """Every committed key (a header object), whether or not its header still parses."""
         headers = f"{self._base}headers/"
         return [o.name[len(headers) :] for o in self.bucket.list(headers)]
@@ -391,9 +396,10 @@ class ObjectStore(ObjectBankTables):
         key = ref if as_stored and parse_key(ref) else self.resolve(ref, model_fp=model_fp)
         header = self._stored_header(key) if as_stored else self._header(key)[0]
         indices = chunks_for(header, layers, prefix)
+        signed = self._signatures(key) if signatures else ()
         if as_stored:
-            return OpenedPack(header, self._signatures(key) if signatures else (), indices, lambda: nullcontext(self._as_stored(header, indices)))
-        return OpenedPack(header, self._signatures(key) if signatures else (), indices, lambda: nullcontext(zip(indices, self.read_chunks(header, indices))))
+            return OpenedPack(header, signed, indices, lambda: nullcontext(self._as_stored(header, indices)))
+        return OpenedPack(header, signed, indices, lambda: nullcontext(zip(indices, self.read_chunks(header, indices))))
 
     def _as_stored(self, header: PackHeader, indices: Sequence[int]) -> Iterator[tuple[int, bytes]]:
         """Chunks straight from the object store, as stored (read in parallel, in order)."""
@@ -409,7 +415,7 @@ class ObjectStore(ObjectBankTables):
         upload.add_all(encoded.chunks)
         return upload.commit(name=name, signatures=encoded.signatures)
 
-    def begin_upload(self, header: PackHeader) -> "ObjectUpload":
+    def begin_upload(self, header: PackHeader) -> ObjectUpload:
         """Start an upload that takes the chunks one at a time (the service's PutPack), or all at once."""
         header.validate(encoded=True)
         return ObjectUpload(self, header)
@@ -424,7 +430,9 @@ class ObjectStore(ObjectBankTables):
                 break
             relied = min(self._pool.map(recheck, range(len(header.chunks))), default=relied)
         else:
-            raise Unavailable(f"the object store is too slow: checking the chunks of {header.key} took longer than {self.writer_window:.0f} s three times")
+            raise Unavailable(
+                f"the object store is too slow: checking the chunks of {header.key} took longer than {self.writer_window:.0f} s three times"
+            )
         try:
             etag, _ = self.bucket.put(self._header_name(header.key), header_json, create_only=True)
         except Conflict:
@@ -452,13 +460,16 @@ class ObjectStore(ObjectBankTables):
             head = self.bucket.head(name)
             if head is None:
                 if data is None:
-                    raise Unavailable(f"chunk {address} was removed by a gc while its upload took longer than {self.writer_window:.0f} s; upload the pack again")
+                    raise Unavailable(
+                        f"chunk {address} was removed by a gc while its upload took longer than {self.writer_window:.0f} s; "
+                        "upload the pack again"
+                    )
                 continue  # a gc removed it between the two calls: create it again
             damaged = data is not None and head.etag != hashlib.md5(data).hexdigest() and "-" not in head.etag
             if not damaged and _stamp(head.now) - _stamp(head.modified) < self.gc_grace / 2:
                 return _stamp(head.now)
             now = self._wait_out_gc()
-            if damaged:  # the stored copy is not these bytes (ETags of single-part writes are their MD5): heal it
+            if damaged and data is not None:  # the stored copy is not these bytes (ETags of single-part writes are their MD5): heal it
                 return _stamp(self.bucket.put(name, data)[1])
             return now
 
@@ -526,7 +537,8 @@ class ObjectStore(ObjectBankTables):
             orphans, dangling = self._collect(start, expires)
         finally:
             self._registers.update(
-                f"{self._base}gc/lease", lambda current: None if current and current.value and current.value["holder"] == holder else UNCHANGED
+                f"{self._base}gc/lease",
+                lambda current: None if current and current.value and current.value["holder"] == holder else UNCHANGED,
             )
         after = sum(o.size for o in self.bucket.list(self._base))
         return GcReport(len(orphans), sum(o.size for o in orphans), dangling, before, after, False)
@@ -537,7 +549,7 @@ class ObjectStore(ObjectBankTables):
         now = _stamp(self.bucket.now())
         expires = now + max(self.gc_grace, MIN_LEASE)
 
-        def take(current: Version | None) -> dict:
+        def take(current: Version | None) -> dict[str, str | float]:
             if current is not None and current.value is not None and current.value["expires"] > now:
                 raise StoreBusy(f"another gc is running on {self.bucket.where}, namespace {self.namespace!r}; try again later")
             return {"holder": holder, "expires": expires}
@@ -545,7 +557,7 @@ class ObjectStore(ObjectBankTables):
         self._registers.update(f"{self._base}gc/lease", take)
         return holder, expires, now
 
-    def _collect(self, start: float, expires: float) -> tuple[list, int]:
+    def _collect(self, start: float, expires: float) -> tuple[builtins.list[Listed], int]:
         """The gc run under the lease: returns (chunks removed, names removed)."""
         cutoff = start - self.gc_grace
         old_chunks = [o for o in self.bucket.list(f"{self._base}chunks/") if _stamp(o.modified) < cutoff]
@@ -553,14 +565,16 @@ class ObjectStore(ObjectBankTables):
             time.sleep(max(0.0, start + self.writer_window - _stamp(self.bucket.now())))
         headers = f"{self._base}headers/"
         live = {o.name[len(headers) :]: o.etag for o in self.bucket.list(headers)}
-        referenced = set()
+        referenced: set[str] = set()
         for key, etag in live.items():
             try:
                 referenced.update(c.address for c in self._header(key, etag)[0].chunks)
             except PackNotFound:
                 continue  # deleted since the listing
             except IntegrityError as exc:
-                raise IntegrityError(f"gc stopped before removing anything: {exc}; its chunks are unknown, so restore or delete it first") from None
+                raise IntegrityError(
+                    f"gc stopped before removing anything: {exc}; its chunks are unknown, so restore or delete it first"
+                ) from None
         orphans = [o for o in old_chunks if o.name.rsplit("/", 1)[1] not in referenced]
         leftovers = [
             o.name
@@ -571,7 +585,7 @@ class ObjectStore(ObjectBankTables):
         self._delete_before(expires, [o.name for o in orphans] + leftovers + self._prune_banks(cutoff))
         return orphans, self._prune_names(cutoff, live, expires)
 
-    def _delete_before(self, expires: float, names: list[str]) -> None:
+    def _delete_before(self, expires: float, names: builtins.list[str]) -> None:
         """Delete ``names`` in batches, stopping (for the next run to finish) if the lease would run out."""
         margin = min(30.0, (expires - time.time()) / 4)
         for start in range(0, len(names), 1000):
@@ -582,8 +596,9 @@ class ObjectStore(ObjectBankTables):
     def _prune_names(self, cutoff: float, live: dict[str, str], expires: float) -> int:
         """Remove names whose pack is gone (only if their version is older than the grace and the pack is still
         absent), and every name version but the newest; returns the names removed."""
-        removed, old_versions = 0, []
-        for path, versions in self._registers.versions(f"{self._base}gc/").items():
+        removed = 0
+        old_versions: builtins.list[str] = []
+        for versions in self._registers.versions(f"{self._base}gc/").values():
             old_versions += [v.name for v in versions[:-1]]
         for path, versions in self._registers.versions(f"{self._base}names/").items():
             newest = versions[-1]
@@ -592,7 +607,7 @@ class ObjectStore(ObjectBankTables):
             if key is None or key in live or _stamp(newest.modified) >= cutoff or self.bucket.head(self._header_name(key)) is not None:
                 continue
             seen = int(newest.name.rsplit("/", 1)[1])
-            _, after = self._registers.update(path, lambda current: None if current is not None and current.seq == seen else UNCHANGED)
+            _, after = self._registers.update(path, _clear_at(seen))
             removed += after is not None and after.value is None and after.seq == seen + 1
         self._delete_before(expires, old_versions)
         return removed
@@ -647,6 +662,11 @@ class ObjectUpload:
 
     def abort(self) -> None:
         """Nothing to undo: the chunks uploaded so far are referenced by no header, and gc reclaims them."""
+
+
+def _clear_at(seq: int) -> Callable[[Version | None], object]:
+    """A register change that clears the register if its newest version is still ``seq``, else leaves it as it is."""
+    return lambda current: None if current is not None and current.seq == seq else UNCHANGED
 
 
 def _pack_of(rest: str) -> str:
