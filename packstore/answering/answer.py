@@ -12,30 +12,31 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Generator, Sequence
+from typing import TYPE_CHECKING
 
+from packstore.answering.composing import check_composition, compose, composition_key
+from packstore.answering.records import AnswerResult
+from packstore.bank.bank import BankCache, open_banks
 from packstore.errors import InvalidInput, PackNotFound, Untrusted
 from packstore.format import PackHeader, pack_key, parse_key
-from packstore.bank.bank import BankCache, open_banks
-from packstore.packs.reader import PackReader
-from packstore.packs.tensors import ArrivingPack, Pack, encode_pack
 from packstore.kv.build import build_pack, clean_facts
 from packstore.kv.compose import check_parts, extend
 from packstore.kv.inject import Sampling, answer_with_text, cache_aligned_ids, cache_from_pack, check_identity, generate_stream, prepare
 from packstore.kv.models import LoadedModel
+from packstore.kv.options import STEER_TARGETS, check_alpha
 from packstore.kv.packet import check_adapter
 from packstore.kv.render import pack_prefix_ids, render
 from packstore.kv.steer import Direction, LayerDeltas, SteeredCache, applied_layers, check_steering, steering_deltas
-from packstore.kv.options import STEER_TARGETS, check_alpha
-from packstore.answering.composing import check_composition, compose, composition_key
-from packstore.answering.records import AnswerResult
-from packstore.store.records import StoredPack
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import ArrivingPack, Pack, encode_pack
 from packstore.store.protocol import DEFAULT_TOP_K, PackStore
+from packstore.store.records import StoredPack
 
 if TYPE_CHECKING:
-    from packstore.security.trust import TrustedKeys
     from packstore.packs.decoder import Decoder
+    from packstore.security.trust import TrustedKeys
 
 DEFAULT_CACHE_BYTES = 2 << 30
 REF_TTL_SECONDS = 5.0  # how long what the store said of a ref is used without asking again (docs/operations.md)
@@ -137,7 +138,7 @@ class ReadyCache:
         with self._lock:
             return self._usage.get(partition, (0, 0))
 
-    def partition(self, name: str) -> "ReadyPartition":
+    def partition(self, name: str) -> ReadyPartition:
         """A view of this cache whose keys never meet another partition's (one per namespace)."""
         return ReadyPartition(self, name)
 
@@ -229,11 +230,11 @@ class Answerer:
         store: PackStore,
         *,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
-        trusted: "TrustedKeys | None" = None,
+        trusted: TrustedKeys | None = None,
         ready: ReadyCache | ReadyPartition | None = None,
         device_lock: threading.Lock | None = None,
         ref_ttl: float = REF_TTL_SECONDS,
-        decoder: "Decoder | None" = None,
+        decoder: Decoder | None = None,
         bank_cache: BankCache | None = None,
     ) -> None:
         """``trusted``: take from the store only packs a trusted key signed (docs/operations.md, "Signed

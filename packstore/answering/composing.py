@@ -4,7 +4,7 @@ each mode runs."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from packstore.errors import InvalidInput
 from packstore.format import PackHeader, pack_key

@@ -6,8 +6,9 @@ import math
 import re
 import threading
 import time
-from datetime import datetime, timezone
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -17,7 +18,6 @@ from packstore.bank.lexical import LEXICAL_KIND, LexicalIndex
 from packstore.errors import InvalidInput, PackMismatch, StoreBusy
 from packstore.format.bank import VECTOR_KINDS, BankMeta, Cluster, quantize
 from packstore.format.signature import Signature
-from packstore.store.records import Route
 from packstore.store.lmdb.banks import BankChanged
 from packstore.store.protocol import (
     DEFAULT_EMBEDDER,
@@ -30,7 +30,7 @@ from packstore.store.protocol import (
     ServesBanks,
     check_name,
 )
-
+from packstore.store.records import Route
 
 FACTS_PER_CLUSTER = 20
 MAX_QUERY_CHARS = 100_000
@@ -51,7 +51,7 @@ def default_probe(clusters: int) -> int:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def unique_facts(facts: Sequence[str]) -> list[str]:

@@ -7,7 +7,8 @@ import importlib
 import json
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from packstore import __version__
 from packstore.errors import PackstoreError

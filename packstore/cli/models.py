@@ -19,13 +19,13 @@ from packstore.answering.api import (
     train_adapter_and_store,
 )
 from packstore.answering.facts import read_examples, read_facts, read_pairs, read_questions
-from packstore.packs.admin import pack_summary
 from packstore.cli.common import EXIT_ERROR, connection_of, emit_json
 from packstore.cli.shared import human_bytes, progress, store_of
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.kv.inject import Sampling
 from packstore.kv.models import LoadedModel, load_model
 from packstore.kv.options import parse_layers, parse_steer
+from packstore.packs.admin import pack_summary
 from packstore.worker.client import WorkerClient
 
 

@@ -9,14 +9,13 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from packstore.packs.admin import export_pack, import_pack, pack_details, pack_summary
 from packstore.cli.common import EXIT_ERROR, CommandLine, emit_json
 from packstore.cli.shared import human_bytes, store_of
 from packstore.errors import InvalidInput
-from packstore.packs.admin import sign_pack, verify_packs
+from packstore.packs.admin import export_pack, import_pack, pack_details, pack_summary, sign_pack, verify_packs
+from packstore.packs.stores import is_remote
 from packstore.security.trust import SigningKey, TrustedKeys
 from packstore.store import default_store_path
-from packstore.packs.stores import is_remote
 from packstore.store.namespaces import backup
 
 

@@ -19,8 +19,8 @@ import socket
 import ssl
 import struct
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import grpc
 
@@ -46,7 +47,7 @@ class Connection:
     s3_endpoint: str | None = None
 
     @classmethod
-    def from_env(cls, *, token_file: str | None = None, **given: str | None) -> "Connection":
+    def from_env(cls, *, token_file: str | None = None, **given: str | None) -> Connection:
         values = {name: given.get(name) or os.environ.get(f"PACKSTORE_{name.upper()}") or None for name in cls.__dataclass_fields__}
         if token_file:
             token = _read(token_file, "token file").decode("utf-8", errors="replace").strip()
@@ -55,7 +56,7 @@ class Connection:
             values["token"] = token
         return cls(**values)
 
-    def with_token(self, token: str | None) -> "Connection":
+    def with_token(self, token: str | None) -> Connection:
         return replace(self, token=token)
 
     def metadata(self) -> list[tuple[str, str]]:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from packstore.errors import InvalidInput
 from packstore.format import PackHeader
 from packstore.format.signature import Signature
-from packstore.store.records import PackSummary, StoredPack
 from packstore.rpc.wire import ChunkPiece, piece_views
+from packstore.store.records import PackSummary, StoredPack
 from packstore.v1 import store_pb2
+
 
 def summary_info(summary: PackSummary) -> store_pb2.PackInfo:
     """A pack's summary as a PackInfo without the header (what ListPacks pages carry)."""

@@ -14,7 +14,8 @@ import logging
 import socket
 import ssl
 import threading
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -59,7 +60,7 @@ class NamespaceView:
                 kept.samples = samples
                 yield kept
 
-    def restricted_registry(self, names: Iterable[str]) -> "NamespaceView":
+    def restricted_registry(self, names: Iterable[str]) -> NamespaceView:
         """The same view of only the series ``names`` (prometheus_client's ``name[]`` query)."""
         return NamespaceView(self.source.restricted_registry(names), self.namespaces)
 

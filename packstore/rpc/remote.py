@@ -9,21 +9,22 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from itertools import chain
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 
 from packstore.errors import LimitExceeded, PackNotFound, PackstoreError, Unauthenticated
 from packstore.format import EncodedPack, PackHeader
 from packstore.format.body import chunks_for
-from packstore.store.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
 from packstore.rpc.bulk import ReceiveBuffers, bulk_chunks, connect, connect_local, first_frame
 from packstore.rpc.channel import Connection, GrpcClient
 from packstore.rpc.messages import ChunkAssembler, bank_meta, chunk_pieces, pack_summary, signatures_of, stored_pack
 from packstore.rpc.wire import ChunkPiece, get_pack_method
 from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, MAX_PAGE, OpenedPack, check_name
+from packstore.store.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
 from packstore.v1 import store_pb2, store_pb2_grpc
 
 if TYPE_CHECKING:
@@ -242,7 +243,7 @@ class RemoteStore(GrpcClient):
         response = self._call(lambda: self._stub.PutPack(requests(), timeout=self.timeout))
         return response.pack.key, response.created
 
-    def add_signature(self, ref: str, signature: "Signature", *, model_fp: str | None = None) -> str:
+    def add_signature(self, ref: str, signature: Signature, *, model_fp: str | None = None) -> str:
         request = store_pb2.SignPackRequest(ref=ref, model_fp=model_fp or "", signature=signature.to_json().decode())
         return self._call(lambda: self._stub.SignPack(request, timeout=self.timeout)).key
 
@@ -263,7 +264,7 @@ class RemoteStore(GrpcClient):
         reply = self._call(lambda: self._stub.CollectGarbage(request, timeout=self.timeout))
         return GcReport(**{name: getattr(reply, name) for name in GcReport.__dataclass_fields__})
 
-    def banks(self) -> "RemoteBanks":
+    def banks(self) -> RemoteBanks:
         return RemoteBanks(self)
 
     def verify(self, ref: str) -> VerifyResult:
@@ -287,7 +288,7 @@ class RemoteBanks:
     def __init__(self, store: RemoteStore) -> None:
         self.store = store
 
-    def _upload(self, rpc: Callable, name: str, facts: list[str], embedder: str, vectors: str) -> "BankMeta":
+    def _upload(self, rpc: Callable, name: str, facts: list[str], embedder: str, vectors: str) -> BankMeta:
         def batches() -> Iterator[store_pb2.BankFacts]:
             for start in range(0, max(len(facts), 1), FACT_BATCH):
                 yield store_pb2.BankFacts(name=name, embedder=embedder, vectors=vectors, facts=facts[start : start + FACT_BATCH])
@@ -316,7 +317,7 @@ class RemoteBanks:
         reply = self.store._call(lambda: self.store._stub.RouteQuery(request, timeout=self.store.timeout))
         return [Route(query=r.query, clusters=list(r.clusters), facts=[(f.text, f.score) for f in r.facts]) for r in reply.routes]
 
-    def list(self) -> list[tuple["BankMeta", int]]:
+    def list(self) -> list[tuple[BankMeta, int]]:
         reply = self.store._call(lambda: self.store._stub.ListBanks(store_pb2.ListBanksRequest(), timeout=self.store.timeout))
         return [bank_meta(info) for info in reply.banks]
 
@@ -337,9 +338,9 @@ class RemoteBanks:
     def digest(self, name: str) -> str:
         return self._status(name).digest
 
-    def signatures(self, name: str) -> tuple["Signature", ...]:
+    def signatures(self, name: str) -> tuple[Signature, ...]:
         return signatures_of(self._status(name).signatures)
 
-    def sign(self, name: str, signature: "Signature") -> None:
+    def sign(self, name: str, signature: Signature) -> None:
         request = store_pb2.SignBankRequest(name=name, signature=signature.to_json().decode())
         self.store._call(lambda: self.store._stub.SignBank(request, timeout=self.store.timeout))

@@ -9,8 +9,8 @@ them against protobuf both ways), so any gRPC client of ``packstore.v1`` reads t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import grpc
 

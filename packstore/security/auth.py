@@ -13,9 +13,9 @@ from __future__ import annotations
 import hashlib
 import threading
 import tomllib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
 
 from packstore.errors import InvalidInput, PermissionDenied, Unauthenticated
 from packstore.store.namespaces import DEFAULT_NAMESPACE

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Iterable
 
 from packstore.errors import InvalidInput, Untrusted
 from packstore.format.signature import Signature, key_id
@@ -57,7 +57,7 @@ class SigningKey:
     key: object  # Ed25519PrivateKey
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "SigningKey":
+    def load(cls, path: str | os.PathLike[str]) -> SigningKey:
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
         from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
@@ -84,7 +84,7 @@ class SigningKey:
             digest=digest,
             public_key=_raw_public(self.key.public_key()),
             signature=self.key.sign(signed_message(subject, digest)),
-            created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         )
 
 
@@ -96,7 +96,7 @@ class TrustedKeys:
     source: str = ""
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "TrustedKeys":
+    def load(cls, path: str | os.PathLike[str]) -> TrustedKeys:
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
         from cryptography.hazmat.primitives.serialization import load_pem_public_key
 

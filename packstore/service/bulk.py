@@ -27,9 +27,9 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from packstore.errors import InvalidInput, LimitExceeded, PackstoreError, Unauthenticated
 from packstore.format import PackHeader
@@ -112,12 +112,12 @@ class Peer:
     name: str
 
     @staticmethod
-    def of_tcp(address: tuple) -> "Peer":
+    def of_tcp(address: tuple) -> Peer:
         host, port = address[0], address[1]
         return Peer(host, f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}")
 
     @staticmethod
-    def of_local(conn: socket.socket) -> "Peer":
+    def of_local(conn: socket.socket) -> Peer:
         """The connecting process, from the kernel's credentials of the socket (SO_PEERCRED)."""
         pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         name = f"unix:uid={uid},pid={pid}"
@@ -413,9 +413,9 @@ def _send(conn: socket.socket, data: bytes | memoryview, deadline: float) -> Non
     remaining = deadline - time.monotonic()
     try:
         if remaining <= 0:
-            raise socket.timeout
+            raise TimeoutError
         conn.settimeout(remaining)
         conn.sendall(data)
-    except socket.timeout:
+    except TimeoutError:
         limit = f"a transfer may take {TRANSFER_SECONDS:g} s plus 1 s per {TRANSFER_RATE >> 20} MiB"
         raise LimitExceeded(f"the bulk transfer was read too slowly ({limit})") from None

@@ -16,8 +16,8 @@ from __future__ import annotations
 import mmap
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from packstore.errors import IntegrityError
 from packstore.format import PackHeader
@@ -64,7 +64,7 @@ class Segment:
 class SegmentWriter:
     """A pack's hot copy being written, each chunk once in any order, within bytes its ``HotPacks`` reserved for it."""
 
-    def __init__(self, owner: "HotPacks", namespace: str, header: PackHeader) -> None:
+    def __init__(self, owner: HotPacks, namespace: str, header: PackHeader) -> None:
         self.owner, self.namespace, self.header = owner, namespace, header
         self.offsets = chunk_offsets(header)
         self.size = stored_size(header)

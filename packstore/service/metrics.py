@@ -9,7 +9,7 @@ refused before they had a namespace (no token, say) count under ``namespace=""``
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily

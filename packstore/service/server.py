@@ -5,31 +5,31 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import grpc
 
+from packstore.bank.bank import BankCache, LocalBanks
 from packstore.errors import InvalidInput, LimitExceeded, PackstoreError
 from packstore.format import PackHeader
 from packstore.format.body import chunks_for
 from packstore.format.signature import Signature
+from packstore.packs.reader import PackReader, verified_chunks
 from packstore.rpc.listen import server_ssl_context
-from packstore.rpc.metrics_http import serve_metrics
 from packstore.rpc.messages import ChunkAssembler, bank_info, pack_info, signatures_of, summary_info
-from packstore.rpc.wire import chunk_responses, serialize_get_pack_response
+from packstore.rpc.metrics_http import serve_metrics
 from packstore.rpc.serving import Server, log_as_json
 from packstore.rpc.status import abort_with_error, status_for
+from packstore.rpc.wire import chunk_responses, serialize_get_pack_response
 from packstore.security.auth import Auth, Principal
 from packstore.service.bulk import BulkServer, Tickets, bulk_address
-from packstore.service.hot import HotPacks
 from packstore.service.config import ServiceConfig
-from packstore.store.namespaces import NamespaceStores
+from packstore.service.hot import HotPacks
 from packstore.service.metrics import ServiceMetrics
-from packstore.store.records import PackPage
-from packstore.bank.bank import BankCache, LocalBanks
-from packstore.packs.reader import PackReader, verified_chunks
+from packstore.store.namespaces import NamespaceStores
 from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, BankStore, ServedStore, check_name
+from packstore.store.records import PackPage
 from packstore.v1 import store_pb2, store_pb2_grpc
 
 SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["PackStore"].full_name

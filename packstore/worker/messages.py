@@ -10,7 +10,8 @@ on the worker, so a client never loads the model's libraries.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import Message
 
@@ -45,7 +46,7 @@ def _from_message(message: Message, names: Iterable[str], record_type: type | No
     return found
 
 
-def generate_request(question: "Question") -> worker_pb2.GenerateRequest:
+def generate_request(question: Question) -> worker_pb2.GenerateRequest:
     """The GenerateRequest that asks ``question``."""
     request = worker_pb2.GenerateRequest(
         question=question.text,
@@ -59,7 +60,7 @@ def generate_request(question: "Question") -> worker_pb2.GenerateRequest:
     return request
 
 
-def question_of(request: worker_pb2.GenerateRequest) -> "Question":
+def question_of(request: worker_pb2.GenerateRequest) -> Question:
     """The Question a GenerateRequest asks (checked as any Question is: InvalidInput when it does not hold)."""
     from packstore.answering.answer import Question
     from packstore.kv.inject import Sampling
@@ -91,7 +92,7 @@ def generate_done(result: AnswerResult, generated_tokens: int) -> worker_pb2.Gen
     )
 
 
-def answer_result(done: worker_pb2.GenerateDone, question: "Question") -> AnswerResult:
+def answer_result(done: worker_pb2.GenerateDone, question: Question) -> AnswerResult:
     """The AnswerResult a GenerateDone reports for ``question``; without ``pack_reused``, which the worker does not send."""
     return AnswerResult(
         question=question.text,
