@@ -67,7 +67,9 @@ def _report_composed(args: argparse.Namespace, stored: Any, created: bool, compo
     print(stored.key)
     state = f"{what} and stored" if created else "already stored"
     work = (
-        f"{composition.prefilled_tokens} tokens prefilled, {composition.reused_tokens} reused" if composition is not None else "nothing computed"
+        f"{composition.prefilled_tokens} tokens prefilled, {composition.reused_tokens} reused"
+        if composition is not None
+        else "nothing computed"
     )
     print(
         f"{state}: {record['tokens']} tokens ({record['composition']}), {work}{', name ' + args.name if args.name else ''}",

@@ -30,7 +30,8 @@ def _print_summary(record: dict[str, Any]) -> None:
     print(f"tokens:       {record['tokens']}  ({record['dtype']})")
     print(f"size:         {human_bytes(record['raw_bytes'])} KV, {human_bytes(record['stored_bytes'])} stored")
     if record["parents"]:
-        print(f"composition:  {record['composition']}{'' if record['composition'] == 'exact' else ' (approximate: answers may differ from the facts as prompt text)'}")
+        approximate = "" if record["composition"] == "exact" else " (approximate: answers may differ from the facts as prompt text)"
+        print(f"composition:  {record['composition']}{approximate}")
         print("parents:      " + "\n              ".join(record["parents"]))
 
 
@@ -75,7 +76,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     _print_summary(record)
     print(f"shape:        {record['layers']} layers x {record['kv_heads']} KV heads x {record['head_dim']} head dim")
     blocks = [c["stop_position"] - c["first_position"] for c in record["chunks"] if "first_position" in c]
-    print(f"codec:        {record['codec']}, {len(record['chunks'])} chunks{f', in token blocks of {max(blocks)} positions' if blocks else ''}")
+    in_blocks = f", in token blocks of {max(blocks)} positions" if blocks else ""
+    print(f"codec:        {record['codec']}, {len(record['chunks'])} chunks{in_blocks}")
     print(f"created:      {record['created']}")
     for signature in record["signatures"]:
         print(f"signed by:    {signature['key_id']} ({signature['created']}){'' if signature['valid'] else ' INVALID'}")
@@ -185,7 +187,10 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         )
         if report.banks:
             there = report.banks - report.banks_copied - len(report.banks_skipped)
-            print(f"{report.banks} banks: {report.banks_copied} copied, {there} already there; {report.bank_signatures_added} signatures added")
+            print(
+                f"{report.banks} banks: {report.banks_copied} copied, {there} already there;"
+                f" {report.bank_signatures_added} signatures added"
+            )
         if report.banks_skipped:
             print(
                 f"not copied: banks {', '.join(report.banks_skipped)} (a grpc:// service takes and gives no bank records; "
@@ -223,7 +228,11 @@ def add_commands(cli: CommandLine) -> None:
 
     p = cli.command("verify", cmd_verify, "check every checksum of the given packs (default: all); exit 1 on damage")
     p.add_argument("refs", metavar="REF", nargs="*")
-    p.add_argument("--trusted-keys", metavar="FILE", help="also require a valid signature by one of these public keys (PEM blocks); exit 1 naming each unsigned or untrusted pack")
+    p.add_argument(
+        "--trusted-keys",
+        metavar="FILE",
+        help="also require a valid signature by one of these public keys (PEM blocks); exit 1 naming each unsigned or untrusted pack",
+    )
 
     p = cli.command("backup", cmd_backup, "consistent hot copy of a store directory (every namespace) into DEST; safe while it is in use")
     p.add_argument("destination", metavar="DEST", help="a new directory: the copy is a store itself")

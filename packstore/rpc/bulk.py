@@ -194,6 +194,8 @@ def bulk_chunks(
         if kind != END:
             raise InvalidInput(f"pack {header.key}: the bulk transfer went on after the {len(indices)} chunks asked for")
     except (OSError, EOFError) as exc:
-        raise Unavailable(f"{peer}: the bulk transfer of pack {header.key} broke off after {received} of {len(indices)} chunks: {exc}") from None
+        raise Unavailable(
+            f"{peer}: the bulk transfer of pack {header.key} broke off after {received} of {len(indices)} chunks: {exc}"
+        ) from None
     finally:
         sock.close()

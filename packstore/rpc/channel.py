@@ -93,7 +93,12 @@ class Connection:
         return context
 
 
-class _Metadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _Metadata(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """Adds fixed metadata (token, namespace) to every call of a channel."""
 
     def __init__(self, metadata: list[tuple[str, str]]) -> None:

@@ -73,7 +73,9 @@ class ChunkAssembler:
         """Add one piece; returns (chunk index, whole chunk) when this piece completes it (a chunk that came in
         one piece is that piece's data, not copied)."""
         if self.received >= len(self.indices):
-            raise InvalidInput(f"chunk {piece.index} arrived after the last chunk expected ({self.indices[-1] if self.indices else 'none'})")
+            raise InvalidInput(
+                f"chunk {piece.index} arrived after the last chunk expected ({self.indices[-1] if self.indices else 'none'})"
+            )
         index = self.indices[self.received]
         if piece.index != index:
             raise InvalidInput(f"chunk {piece.index} arrived where chunk {index} was expected")

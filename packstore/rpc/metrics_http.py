@@ -76,8 +76,13 @@ def metrics_app(registry: CollectorRegistry, auth: Auth) -> WsgiApp:
         secret = bearer_secret(environ.get("HTTP_AUTHORIZATION", ""))
         token = auth.token_of(secret) if secret else None
         if token is None:
-            log.debug("metrics scrape refused", extra={"fields": {"peer": environ.get("REMOTE_ADDR"), "token": "none" if secret is None else "unknown"}})
-            start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"), ("WWW-Authenticate", 'Bearer realm="packstore"')])
+            log.debug(
+                "metrics scrape refused",
+                extra={"fields": {"peer": environ.get("REMOTE_ADDR"), "token": "none" if secret is None else "unknown"}},
+            )
+            start_response(
+                "401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"), ("WWW-Authenticate", 'Bearer realm="packstore"')]
+            )
             return [UNAUTHORIZED]
         if ANY_NAMESPACE in token.namespaces:
             return everything(environ, start_response)

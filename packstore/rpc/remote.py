@@ -152,7 +152,9 @@ class RemoteStore(GrpcClient):
             except grpc.RpcError as exc:
                 raise self._error(exc) from None
             if not assembler.complete:
-                raise PackstoreError(f"pack {header.key}: the stream ended after {assembler.received} of {len(assembler.indices)} chunks asked for")
+                raise PackstoreError(
+                    f"pack {header.key}: the stream ended after {assembler.received} of {len(assembler.indices)} chunks asked for"
+                )
 
         return OpenedPack(header, stored.signatures, indices, lambda: nullcontext(chunks()))
 
@@ -166,14 +168,18 @@ class RemoteStore(GrpcClient):
             if sock is None:
                 sock = connect(self.address.rsplit(":", 1)[0], ticket.port, ticket.ticket, timeout=self.timeout, tls=self._bulk_tls(ticket))
         except OSError as exc:
-            self._fall_back("unreachable", f"the bulk port {ticket.port} of {self.target} cannot be reached ({exc}): GetPack streams from now on")
+            self._fall_back(
+                "unreachable", f"the bulk port {ticket.port} of {self.target} cannot be reached ({exc}): GetPack streams from now on"
+            )
             self.bulk = False
             return None
         try:
             return sock, first_frame(sock, self.timeout)
         except (LimitExceeded, Unauthenticated, OSError, EOFError) as exc:
             sock.close()
-            self._fall_back(type(exc).__name__, f"the bulk port of {self.target} did not start a transfer ({exc}): that fetch streamed instead")
+            self._fall_back(
+                type(exc).__name__, f"the bulk port of {self.target} did not start a transfer ({exc}): that fetch streamed instead"
+            )
             return None
         except BaseException:
             sock.close()

@@ -59,7 +59,9 @@ class Server:
         tls_client_ca: str = "",
     ) -> None:
         self.service_name, self.log = service_name, log
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options, maximum_concurrent_rpcs=max_concurrent_rpcs)
+        self.grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers), options=options, maximum_concurrent_rpcs=max_concurrent_rpcs
+        )
         add_service(self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

@@ -128,4 +128,6 @@ def parse_get_pack_response(message: bytes) -> store_pb2.GetPackResponse | Chunk
 
 def get_pack_method(channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable:
     """GetPack on ``channel`` with the hand-written reader for its chunk messages."""
-    return channel.unary_stream(GET_PACK, request_serializer=store_pb2.GetPackRequest.SerializeToString, response_deserializer=parse_get_pack_response)
+    return channel.unary_stream(
+        GET_PACK, request_serializer=store_pb2.GetPackRequest.SerializeToString, response_deserializer=parse_get_pack_response
+    )

@@ -182,7 +182,11 @@ class BulkServer:
     def ticket_message(self, ticket: bytes) -> store_pb2.BulkTicket:
         """What GetPack sends for ``ticket``: this port, whether it speaks TLS, and the local socket's name."""
         return store_pb2.BulkTicket(
-            port=self.port, ticket=ticket, expires_ms=int(self.tickets.lifetime * 1000), tls=self.tls is not None, local_socket=self.local_name
+            port=self.port,
+            ticket=ticket,
+            expires_ms=int(self.tickets.lifetime * 1000),
+            tls=self.tls is not None,
+            local_socket=self.local_name,
         )
 
     def start(self) -> None:
@@ -322,7 +326,9 @@ class BulkServer:
             fields |= transfer.fields
             with self._lock:
                 if sum(self._active_by_peer.values()) >= self.max_connections or self._active_by_peer[peer.key] >= self.per_peer:
-                    full = "too many bulk transfers at once" + (" from this peer" if self._active_by_peer[peer.key] >= self.per_peer else "")
+                    full = "too many bulk transfers at once" + (
+                        " from this peer" if self._active_by_peer[peer.key] >= self.per_peer else ""
+                    )
                     raise LimitExceeded(f"{full}; try again, or read the pack on the gRPC stream")
                 self._active_by_peer[peer.key] += 1
         except PackstoreError as exc:

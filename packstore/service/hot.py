@@ -77,7 +77,9 @@ class SegmentWriter:
             raise ValueError(f"pack {self.header.key}: its hot copy was already finished or discarded")
         view, at = memoryview(data), self.offsets[index]
         if len(view) != self.header.chunks[index].stored_bytes:
-            raise IntegrityError(f"pack {self.header.key}: chunk {index} has {len(view)} bytes, its header says {self.header.chunks[index].stored_bytes}")
+            raise IntegrityError(
+                f"pack {self.header.key}: chunk {index} has {len(view)} bytes, its header says {self.header.chunks[index].stored_bytes}"
+            )
         self._map[at : at + len(view)] = view
         self._written.add(index)
 

@@ -214,7 +214,9 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
 
     def SignPack(self, request, context):
         with self._call("SignPack", context, ref=request.ref) as call:
-            call["key"] = key = call.store.add_signature(request.ref, Signature.from_json(request.signature), model_fp=request.model_fp or None)
+            call["key"] = key = call.store.add_signature(
+                request.ref, Signature.from_json(request.signature), model_fp=request.model_fp or None
+            )
             return store_pb2.SignPackResponse(key=key)
 
     def ListPacks(self, request, context):
@@ -451,7 +453,13 @@ def serve(config: ServiceConfig) -> None:
             metrics_at = f"{host}:{port}"
         if service.bulk is not None:
             service.bulk.start()
-        fields = {"listen": config.listen, "bulk_port": service.bulk.port if service.bulk else None, "data": config.data, "objects": config.objects or None, "metrics": metrics_at}
+        fields = {
+            "listen": config.listen,
+            "bulk_port": service.bulk.port if service.bulk else None,
+            "data": config.data,
+            "objects": config.objects or None,
+            "metrics": metrics_at,
+        }
         fields |= {"tls": server.tls, "mutual_tls": bool(config.tls_client_ca)}
         if auth.enabled:
             fields |= {"auth": f"tokens from {config.auth} ({auth.reload()} tokens; SIGHUP reloads)"}

@@ -3,8 +3,9 @@ worker and its client alike.
 
 A field the records and messages share by name is listed once below and converted both ways by one rule: a
 message leaves a record's ``None`` unset, and an unset message field (zero, empty, or absent where the field has
-presence) reads back as the record's default, except the ``*_VALUES``, read as sent (a False is no None). ``Question`` and ``Sampling`` are imported only to read a request,
-on the worker, so a client never loads the model's libraries.
+presence) reads back as the record's default, except the ``*_VALUES``, read as sent (a False is no None).
+``Question`` and ``Sampling`` are imported only to read a request, on the worker, so a client never loads the
+model's libraries.
 """
 
 from __future__ import annotations
@@ -84,7 +85,11 @@ def generate_done(result: AnswerResult, generated_tokens: int) -> worker_pb2.Gen
         facts=result.facts or [],
         composed_tokens=result.composed_tokens or 0,
         steering=[
-            worker_pb2.SteerApplied(pack=applied["pack"], alpha=applied["alpha"], layers=store_pb2.LayerRange(first=applied["layers"][0], last=applied["layers"][1]))
+            worker_pb2.SteerApplied(
+                pack=applied["pack"],
+                alpha=applied["alpha"],
+                layers=store_pb2.LayerRange(first=applied["layers"][0], last=applied["layers"][1]),
+            )
             for applied in result.steering or ()
         ],
         compared=compared,
