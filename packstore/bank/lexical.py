@@ -33,7 +33,8 @@ def _stemmer() -> Stemmer.Stemmer:
     return _STEMMERS.english
 
 
-def _tokens(texts: list[str], *, return_ids: bool):
+def _tokens(texts: list[str], *, return_ids: bool) -> bm25s.tokenization.Tokenized | list[list[str]]:
+    """bm25s's tokens of ``texts``: with ``return_ids`` as its ``Tokenized`` (ids and vocabulary), else as words."""
     return bm25s.tokenize(
         texts, token_pattern=TOKEN_PATTERN, stopwords="en", stemmer=_stemmer(), return_ids=return_ids, show_progress=False
     )

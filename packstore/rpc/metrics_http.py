@@ -104,6 +104,12 @@ class MetricsServer(ThreadingWSGIServer):
 
     tls: ssl.SSLContext | None = None
 
+    @property
+    def listening(self) -> str:
+        """HOST:PORT where it listens (``server_address`` without an IPv6 address's flow and scope)."""
+        host, port = self.socket.getsockname()[:2]
+        return f"{host}:{port}"
+
     def finish_request(self, request: socket.socket, client_address: Any) -> None:
         request.settimeout(REQUEST_SECONDS)
         if self.tls is None:

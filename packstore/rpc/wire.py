@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
 from packstore.v1 import store_pb2
+
+if TYPE_CHECKING:
+    from packstore.format.chunks import Buffer
 
 PIECE_BYTES = 1 << 20  # chunks travel in pieces of at most 1 MiB, whatever the message-size limits
 GET_PACK = "/packstore.v1.PackStore/GetPack"
@@ -23,7 +27,7 @@ _VARINT, _LEN = 0, 2
 _FIXED = {1: 8, 5: 4}  # wire types of fixed width, skipped as unknown fields
 
 
-def piece_views(data: bytes | memoryview) -> Iterator[memoryview]:
+def piece_views(data: Buffer) -> Iterator[memoryview]:
     """``data`` in consecutive views of at most PIECE_BYTES (one, even when empty)."""
     view = memoryview(data)
     for start in range(0, max(len(view), 1), PIECE_BYTES):
@@ -39,7 +43,7 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def chunk_responses(index: int, data: bytes | memoryview, digest: str) -> Iterator[bytes]:
+def chunk_responses(index: int, data: Buffer, digest: str) -> Iterator[bytes]:
     """A chunk as serialized GetPackResponse messages (``chunk`` set), one per piece, each made as it is sent;
     byte for byte what protobuf writes for the same messages."""
     index_field = b"\x08" + _varint(index) if index else b""  # proto3 leaves out fields at their default

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 
 from packstore.errors import IntegrityError
 from packstore.format import PackHeader
+from packstore.format.chunks import Buffer
 
 
 def chunk_offsets(header: PackHeader) -> tuple[int, ...]:
@@ -71,7 +72,7 @@ class SegmentWriter:
         self._map: mmap.mmap | None = mmap.mmap(-1, self.size)
         self._written: set[int] = set()
 
-    def add(self, index: int, data: bytes | memoryview) -> None:
+    def add(self, index: int, data: Buffer) -> None:
         """Chunk ``index``'s stored bytes, already checked against its digest by the caller."""
         if self._map is None:
             raise ValueError(f"pack {self.header.key}: its hot copy was already finished or discarded")

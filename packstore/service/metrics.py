@@ -77,7 +77,7 @@ class ServiceMetrics:
             "packstore_bulk_refused", "Bulk connections turned away before a valid ticket, by reason", ["reason"], registry=registry
         )
 
-    def record(self, method: str, code: str, seconds: float, fields: dict) -> None:
+    def record(self, method: str, code: str, seconds: float, fields: dict[str, object]) -> None:
         """Count, time and log one finished call (an RPC or a bulk transfer) under the namespace in ``fields``: logged at
         INFO when ``code`` is OK, else WARNING, with ``fields`` (never a token, only its name)."""
         namespace = fields.get("namespace", "")
