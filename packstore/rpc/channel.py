@@ -49,8 +49,9 @@ class Connection:
     @classmethod
     def from_env(cls, *, token_file: str | None = None, **given: str | None) -> Connection:
         values = {name: given.get(name) or os.environ.get(f"PACKSTORE_{name.upper()}") or None for name in cls.__dataclass_fields__}
-        if token_file:
-            token = _read(token_file, "token file").decode("utf-8", errors="replace").strip()
+        contents = _read(token_file, "token file")  # None when no file is named
+        if contents is not None:
+            token = contents.decode("utf-8", errors="replace").strip()
             if not token:
                 raise InvalidInput(f"token file {token_file} is empty")
             values["token"] = token

@@ -21,7 +21,6 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import Metric
-from prometheus_client.registry import RestrictedRegistry
 
 from packstore.errors import InvalidInput
 from packstore.security.auth import ANY_NAMESPACE, Auth, bearer_secret
@@ -49,11 +48,12 @@ class NamespaceView:
     """What a tenant's token reads of a registry: the samples whose ``namespace`` label is one of ``namespaces``;
     series of the whole server (without that label) are left out."""
 
-    def __init__(self, source: CollectorRegistry | RestrictedRegistry, namespaces: frozenset[str]) -> None:
-        self.source, self.namespaces = source, namespaces
+    def __init__(self, source: CollectorRegistry, namespaces: frozenset[str], names: frozenset[str] | None = None) -> None:
+        self.source, self.namespaces, self.names = source, namespaces, names  # names: only these series (None: all)
 
     def collect(self) -> Iterator[Metric]:
-        for family in self.source.collect():
+        source = self.source if self.names is None else self.source.restricted_registry(self.names)
+        for family in source.collect():
             samples = [sample for sample in family.samples if sample.labels.get(NAMESPACE_LABEL) in self.namespaces]
             if samples:
                 kept = copy.copy(family)
@@ -62,7 +62,7 @@ class NamespaceView:
 
     def restricted_registry(self, names: Iterable[str]) -> NamespaceView:
         """The same view of only the series ``names`` (prometheus_client's ``name[]`` query)."""
-        return NamespaceView(self.source.restricted_registry(names), self.namespaces)
+        return NamespaceView(self.source, self.namespaces, frozenset(names))
 
 
 def metrics_app(registry: CollectorRegistry, auth: Auth) -> WsgiApp:
@@ -110,7 +110,8 @@ class MetricsServer(ThreadingWSGIServer):
         host, port = self.socket.getsockname()[:2]
         return f"{host}:{port}"
 
-    def finish_request(self, request: socket.socket, client_address: Any) -> None:
+    # (typeshed types BaseServer's request for UDP servers too; a TCP server's is its connection's socket)
+    def finish_request(self, request: socket.socket, client_address: Any) -> None:  # type: ignore[override]
         request.settimeout(REQUEST_SECONDS)
         if self.tls is None:
             super().finish_request(request, client_address)

@@ -6,6 +6,7 @@ it, so a pack reader decodes each one while the next is on the wire. Verify and 
 
 from __future__ import annotations
 
+import builtins
 import logging
 import socket
 import ssl
@@ -29,6 +30,7 @@ from packstore.v1 import store_pb2, store_pb2_grpc
 
 if TYPE_CHECKING:
     from packstore.format.bank import BankMeta
+    from packstore.format.chunks import Buffer
     from packstore.format.signature import Signature
 
 log = logging.getLogger("packstore.remote")
@@ -99,7 +101,7 @@ class RemoteStore(GrpcClient):
             if not token:
                 return packs
 
-    def keys(self) -> list[str]:
+    def keys(self) -> builtins.list[str]:  # (list: the method above)
         return [p.key for p in self.list()]
 
     def counts(self) -> StoreCounts:
@@ -140,7 +142,7 @@ class RemoteStore(GrpcClient):
             request.ref, request.bulk = header.key, False  # the key, not a name that may have moved meanwhile
             stored, second, responses = self._start_get_pack(request)
 
-        def chunks() -> Iterator[tuple[int, bytes]]:
+        def chunks() -> Iterator[tuple[int, Buffer]]:
             assembler = ChunkAssembler(header, indices)
             try:
                 for response in chain([second] if second is not None else [], responses):
@@ -213,7 +215,9 @@ class RemoteStore(GrpcClient):
         with self._buffers.lease(size) if reuse else nullcontext() as buffer:
             yield bulk_chunks(sock, header, indices, f"{self.what} at {self.target}", buffer, first)
 
-    def _start_get_pack(self, request: store_pb2.GetPackRequest) -> tuple[StoredPack, object, Iterator[object]]:
+    def _start_get_pack(
+        self, request: store_pb2.GetPackRequest
+    ) -> tuple[StoredPack, store_pb2.GetPackResponse | ChunkPiece | None, Iterator[store_pb2.GetPackResponse | ChunkPiece]]:
         """Call GetPack and read its first two responses: the stored pack, then a bulk ticket, the first chunk
         piece, or None (no chunks); the rest of the responses follow."""
         responses = self._get_pack(request, timeout=self.timeout)
@@ -276,10 +280,10 @@ class RemoteStore(GrpcClient):
     def verify(self, ref: str) -> VerifyResult:
         return self._verify([ref])[0]
 
-    def verify_all(self) -> list[VerifyResult]:
+    def verify_all(self) -> builtins.list[VerifyResult]:  # (list: the method above)
         return self._verify([])
 
-    def _verify(self, refs: list[str]) -> list[VerifyResult]:
+    def _verify(self, refs: builtins.list[str]) -> builtins.list[VerifyResult]:
         request = store_pb2.VerifyPacksRequest(refs=refs)
         results = self._call(lambda: list(self._stub.VerifyPacks(request, timeout=self.timeout)))
         return [VerifyResult(key=r.key, error=r.error or None) for r in results]

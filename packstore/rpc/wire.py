@@ -114,18 +114,19 @@ def parse_get_pack_response(message: bytes) -> store_pb2.GetPackResponse | Chunk
 
     Raises ValueError for a malformed message, which gRPC reports to the caller as an INTERNAL error."""
     item = None
-    for number, wire_type, value in _Reader(memoryview(message)).fields():
-        if number in (1, 2, 3) and wire_type == _LEN:
+    # (a length-delimited field's value is a view, a varint's an int: fields() reads them by their wire type)
+    for number, _, value in _Reader(memoryview(message)).fields():
+        if number in (1, 2, 3) and isinstance(value, memoryview):
             item = (number, value)  # the oneof: the last one on the wire wins
     if item is None or item[0] != 2:
         return store_pb2.GetPackResponse.FromString(message)
     index, data, digest = 0, memoryview(b""), ""
-    for number, wire_type, value in _Reader(item[1]).fields():
-        if number == 1 and wire_type == _VARINT:
+    for number, _, value in _Reader(item[1]).fields():
+        if number == 1 and isinstance(value, int):
             index = value & 0xFFFFFFFF  # uint32, as protobuf truncates it
-        elif number == 2 and wire_type == _LEN:
+        elif number == 2 and isinstance(value, memoryview):
             data = value
-        elif number == 3 and wire_type == _LEN:
+        elif number == 3 and isinstance(value, memoryview):
             digest = str(value, "utf-8")
     return ChunkPiece(index=index, data=data, digest=digest)
 

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from packstore.errors import InvalidInput, PermissionDenied, Unauthenticated
-from packstore.store.namespaces import DEFAULT_NAMESPACE
-from packstore.store.protocol import check_name
+from packstore.store.protocol import DEFAULT_NAMESPACE, check_name
 
 NAMESPACE_HEADER = "x-packstore-namespace"  # the metadata a caller names its namespace in
 

@@ -13,14 +13,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from packstore.errors import InvalidInput, Untrusted
 from packstore.format.signature import Signature, key_id
 
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
 _PEM_BLOCK = re.compile(rb"-----BEGIN PUBLIC KEY-----.*?-----END PUBLIC KEY-----", re.S)
 
 
-def _raw_public(public_key) -> bytes:
+def _raw_public(public_key: Ed25519PublicKey) -> bytes:
     from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
     return public_key.public_bytes(Encoding.Raw, PublicFormat.Raw)
@@ -54,7 +58,7 @@ def generate_key(out: str | os.PathLike[str]) -> tuple[Path, Path, str]:
 class SigningKey:
     """A private key read from a KEY file."""
 
-    key: object  # Ed25519PrivateKey
+    key: Ed25519PrivateKey
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SigningKey:
