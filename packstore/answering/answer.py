@@ -504,10 +504,10 @@ class Answerer:
         def cache(filled: bool):
             """A cache steering every position from the question on (None when nothing steers);
             ``filled``: holding the pack's K/V, which stays as stored."""
-            filled = filled and pack is not None
-            question_start = pack.header.positions if filled else rendering.prefix_tokens  # soft tokens take positions
+            held = pack if filled else None
+            question_start = held.header.positions if held is not None else rendering.prefix_tokens  # soft tokens take positions
             empty = SteeredCache(deltas, question_start) if deltas else None
-            return cache_from_pack(pack, self.lm.device, cache=empty) if filled else empty
+            return cache_from_pack(held, self.lm.device, cache=empty) if held is not None else empty
 
         ids = cache_aligned_ids(pack.header, rendering.token_ids, self.lm.stop_token_ids[0]) if pack is not None else rendering.token_ids
         with self._device_lock:
@@ -518,7 +518,7 @@ class Answerer:
                 answer_with_text(
                     self.lm, pack.header.facts, question.text, raw=pack.header.raw, sampling=question.sampling, cache=cache(filled=False)
                 )
-                if question.compare_rag
+                if question.compare_rag and pack is not None  # (compare_rag comes with refs or a bank: Question checks)
                 else None
             )
         return AnswerResult(

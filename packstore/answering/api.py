@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from packstore.answering.answer import Answerer
 from packstore.answering.composing import check_composition, compose, composition_key
 from packstore.bank.bank import open_banks
-from packstore.errors import PackNotFound
+from packstore.errors import InvalidInput, PackNotFound
 from packstore.format import pack_key
 from packstore.format.body import ERRATUM_PREFIX
 from packstore.format.signature import Signature
@@ -41,14 +41,17 @@ def steering_details(store: PackStore, stored: StoredPack) -> dict[str, Any]:
     """What ``inspect`` adds for a steering pack: pair count, pooling, the layers held and applied by
     default, and per-layer delta norms (read from its tensors: a steering pack is a few KB)."""
     h = stored.header
-    first, last = h.recipe["layers"]
+    recipe = h.recipe
+    if recipe is None:
+        raise InvalidInput(f"pack {h.key} has no recipe: it is not a steering pack")
+    first, last = recipe["layers"]
     return {
-        "pairs": len(h.recipe["pairs"]),
-        "pooling": h.recipe["pooling"],
+        "pairs": len(recipe["pairs"]),
+        "pooling": recipe["pooling"],
         "steer_layers": [first, last],
         "default_layers": list(applied_layers(h, None)),
         "norms": delta_norms(PackReader(store).fetch(h.key)),
-        "recipe": h.recipe,
+        "recipe": recipe,
     }
 
 

@@ -69,9 +69,9 @@ def cmd_bank(args: argparse.Namespace) -> int:
             records = [_bank_record(meta, size) for meta, size in banks.list()]
             if args.json:
                 emit_json(records)
-            for r in [] if args.json else records:
+            for b in [] if args.json else records:
                 print(
-                    f"{r['name']:<24} {r['facts']:>9} facts {r['clusters']:>7} clusters {r['bytes_per_fact']:>7.0f} B/fact  {r['embedder']}"
+                    f"{b['name']:<24} {b['facts']:>9} facts {b['clusters']:>7} clusters {b['bytes_per_fact']:>7.0f} B/fact  {b['embedder']}"
                 )
         else:
             banks.delete(args.name)

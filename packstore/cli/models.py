@@ -180,7 +180,9 @@ def cmd_steer(args: argparse.Namespace) -> int:
         emit_json(record)
     else:
         print(stored.key)
-        first, last = stored.header.recipe["layers"]
+        recipe = stored.header.recipe
+        assert recipe is not None, "a steering pack records its recipe"
+        first, last = recipe["layers"]
         state = "stored" if created else "already stored"
         print(f"{state}: steering pack from {len(pairs)} pairs, layers {first}-{last}, name {args.name}", file=sys.stderr)
     return 0
@@ -196,6 +198,7 @@ def cmd_adapter(args: argparse.Namespace) -> int:
             store, lm, name=args.name, examples=examples, source=f"file {Path(args.data).name}" if args.data else "",
             tokens=args.tokens, steps=args.steps, learning_rate=args.learning_rate, seed=args.seed, progress=report,
         )
+    assert stored.header.metrics is not None, "an adapter pack records how it was trained"
     metrics = dict(stored.header.metrics)
     record = pack_summary(stored) | {"created_new": created, "recipe": stored.header.recipe, "metrics": metrics}
     if args.json:

@@ -115,7 +115,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         emit_json([{"key": r.key, "ok": r.ok, "error": r.error} for r in results])
     else:
         for r in results:
-            state = "ok" if r.ok else "UNTRUSTED" if r.error.startswith("not trusted") else "DAMAGED"
+            state = "ok" if r.error is None else "UNTRUSTED" if r.error.startswith("not trusted") else "DAMAGED"
             print(f"{state:<10} {r.key}" + (f": {r.error}" if r.error else ""))
         what = "damaged or untrusted" if trusted else "damaged"
         print(f"{len(results)} packs verified{' with signatures' if trusted else ''}, {len(failed)} {what}", file=sys.stderr)

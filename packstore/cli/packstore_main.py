@@ -33,9 +33,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 0
     for key in ("version", "store", "model_cache", "device", "torch", "transformers"):
         print(f"{key + ':':<14}{record[key]}")
-    for alias, entry in record["models"].items():
-        state = "installed" if entry["installed"] else "NOT installed"
-        print(f"{'model:':<14}{alias} ({state}) - {entry['description']}")
+    for alias, wheel in WHEEL_MODELS.items():
+        state = "installed" if wheel.installed else "NOT installed"
+        print(f"{'model:':<14}{alias} ({state}) - {wheel.description}")
     return 0
 
 
@@ -105,10 +105,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from packstore.worker.stores import NamespaceReaders
 
     auth = Auth(args.auth) if args.auth else None
-    listener = {"tls_cert": args.tls_cert or "", "tls_key": args.tls_key or "", "tls_client_ca": args.tls_client_ca or ""}
     with NamespaceReaders(args.store, connection_of(args, prefix="store_"), per_caller=auth is not None) as stores:
         serve_worker(
-            lm, stores.get, args.listen, args.cache_bytes, trusted=trusted, auth=auth, ref_ttl=ref_ttl, decoder=decoder, **listener
+            lm,
+            stores.get,
+            args.listen,
+            args.cache_bytes,
+            trusted=trusted,
+            auth=auth,
+            ref_ttl=ref_ttl,
+            decoder=decoder,
+            tls_cert=args.tls_cert or "",
+            tls_key=args.tls_key or "",
+            tls_client_ca=args.tls_client_ca or "",
         )
     return 0
 

@@ -10,7 +10,8 @@ import threading
 from packstore.packs.stores import is_remote, open_store
 from packstore.rpc.channel import Connection
 from packstore.store import PackStore, default_store_path
-from packstore.store.namespaces import DEFAULT_NAMESPACE, namespace_path
+from packstore.store.namespaces import namespace_path
+from packstore.store.protocol import DEFAULT_NAMESPACE
 
 
 class NamespaceReaders:
