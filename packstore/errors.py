@@ -23,7 +23,7 @@ class PackstoreError(Exception):
         self.fields = {name: str(value) for name, value in fields.items()}
 
     @classmethod
-    def from_fields(cls, message: str, fields: dict[str, str]) -> "PackstoreError":
+    def from_fields(cls, message: str, fields: dict[str, str]) -> PackstoreError:
         """Rebuild the error from its message and fields (how a client re-raises a server's error)."""
         return cls(message, **fields)
 
@@ -56,7 +56,7 @@ class PackMismatch(PackstoreError):
         self.what = what
 
     @classmethod
-    def from_fields(cls, message: str, fields: dict[str, str]) -> "PackMismatch":
+    def from_fields(cls, message: str, fields: dict[str, str]) -> PackMismatch:
         rest = {name: value for name, value in fields.items() if name != "what"}
         return cls(fields.get("what", ""), message, **rest)
 

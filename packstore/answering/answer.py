@@ -12,30 +12,31 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Generator, Sequence
+from typing import TYPE_CHECKING
 
+from packstore.answering.composing import check_composition, compose, composition_key
+from packstore.answering.records import AnswerResult
+from packstore.bank.bank import BankCache, open_banks
 from packstore.errors import InvalidInput, PackNotFound, Untrusted
 from packstore.format import PackHeader, pack_key, parse_key
-from packstore.bank.bank import BankCache, open_banks
-from packstore.packs.reader import PackReader
-from packstore.packs.tensors import ArrivingPack, Pack, encode_pack
 from packstore.kv.build import build_pack, clean_facts
 from packstore.kv.compose import check_parts, extend
 from packstore.kv.inject import Sampling, answer_with_text, cache_aligned_ids, cache_from_pack, check_identity, generate_stream, prepare
 from packstore.kv.models import LoadedModel
+from packstore.kv.options import STEER_TARGETS, check_alpha
 from packstore.kv.packet import check_adapter
 from packstore.kv.render import pack_prefix_ids, render
 from packstore.kv.steer import Direction, LayerDeltas, SteeredCache, applied_layers, check_steering, steering_deltas
-from packstore.kv.options import STEER_TARGETS, check_alpha
-from packstore.answering.composing import check_composition, compose, composition_key
-from packstore.answering.records import AnswerResult
-from packstore.store.records import StoredPack
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import ArrivingPack, Pack, encode_pack
 from packstore.store.protocol import DEFAULT_TOP_K, PackStore
+from packstore.store.records import StoredPack
 
 if TYPE_CHECKING:
-    from packstore.security.trust import TrustedKeys
     from packstore.packs.decoder import Decoder
+    from packstore.security.trust import TrustedKeys
 
 DEFAULT_CACHE_BYTES = 2 << 30
 REF_TTL_SECONDS = 5.0  # how long what the store said of a ref is used without asking again (docs/operations.md)
@@ -137,7 +138,7 @@ class ReadyCache:
         with self._lock:
             return self._usage.get(partition, (0, 0))
 
-    def partition(self, name: str) -> "ReadyPartition":
+    def partition(self, name: str) -> ReadyPartition:
         """A view of this cache whose keys never meet another partition's (one per namespace)."""
         return ReadyPartition(self, name)
 
@@ -229,11 +230,11 @@ class Answerer:
         store: PackStore,
         *,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
-        trusted: "TrustedKeys | None" = None,
+        trusted: TrustedKeys | None = None,
         ready: ReadyCache | ReadyPartition | None = None,
         device_lock: threading.Lock | None = None,
         ref_ttl: float = REF_TTL_SECONDS,
-        decoder: "Decoder | None" = None,
+        decoder: Decoder | None = None,
         bank_cache: BankCache | None = None,
     ) -> None:
         """``trusted``: take from the store only packs a trusted key signed (docs/operations.md, "Signed
@@ -503,10 +504,10 @@ class Answerer:
         def cache(filled: bool):
             """A cache steering every position from the question on (None when nothing steers);
             ``filled``: holding the pack's K/V, which stays as stored."""
-            filled = filled and pack is not None
-            question_start = pack.header.positions if filled else rendering.prefix_tokens  # soft tokens take positions
+            held = pack if filled else None
+            question_start = held.header.positions if held is not None else rendering.prefix_tokens  # soft tokens take positions
             empty = SteeredCache(deltas, question_start) if deltas else None
-            return cache_from_pack(pack, self.lm.device, cache=empty) if filled else empty
+            return cache_from_pack(held, self.lm.device, cache=empty) if held is not None else empty
 
         ids = cache_aligned_ids(pack.header, rendering.token_ids, self.lm.stop_token_ids[0]) if pack is not None else rendering.token_ids
         with self._device_lock:
@@ -517,7 +518,7 @@ class Answerer:
                 answer_with_text(
                     self.lm, pack.header.facts, question.text, raw=pack.header.raw, sampling=question.sampling, cache=cache(filled=False)
                 )
-                if question.compare_rag
+                if question.compare_rag and pack is not None  # (compare_rag comes with refs or a bank: Question checks)
                 else None
             )
         return AnswerResult(

@@ -6,27 +6,28 @@ Answering with packs is ``packstore.answering.answer.Answerer``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from packstore.answering.answer import Answerer
 from packstore.answering.composing import check_composition, compose, composition_key
-from packstore.errors import PackNotFound
+from packstore.bank.bank import open_banks
+from packstore.errors import InvalidInput, PackNotFound
 from packstore.format import pack_key
 from packstore.format.body import ERRATUM_PREFIX
-from packstore.bank.bank import open_banks
-from packstore.packs.reader import PackReader
-from packstore.packs.tensors import Pack, encode_pack
+from packstore.format.signature import Signature
 from packstore.kv.build import build_pack
 from packstore.kv.compose import Composition, amend, check_erratum
 from packstore.kv.models import LoadedModel
-from packstore.kv.render import pack_prefix_ids
 from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_TOKENS
 from packstore.kv.packet import generated_examples, train_adapter
-from packstore.kv.steer import applied_layers, build_span, build_steering, check_pairs, delta_norms, steering_key
-from packstore.format.signature import Signature
 from packstore.kv.records import Example, Pair
-from packstore.store.records import VerifyResult
+from packstore.kv.render import pack_prefix_ids
+from packstore.kv.steer import applied_layers, build_span, build_steering, check_pairs, delta_norms, steering_key
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import Pack, encode_pack
 from packstore.store import PackStore, StoredPack
+from packstore.store.records import VerifyResult
 
 if TYPE_CHECKING:
     from packstore.security.trust import SigningKey, TrustedKeys
@@ -40,14 +41,17 @@ def steering_details(store: PackStore, stored: StoredPack) -> dict[str, Any]:
     """What ``inspect`` adds for a steering pack: pair count, pooling, the layers held and applied by
     default, and per-layer delta norms (read from its tensors: a steering pack is a few KB)."""
     h = stored.header
-    first, last = h.recipe["layers"]
+    recipe = h.recipe
+    if recipe is None:
+        raise InvalidInput(f"pack {h.key} has no recipe: it is not a steering pack")
+    first, last = recipe["layers"]
     return {
-        "pairs": len(h.recipe["pairs"]),
-        "pooling": h.recipe["pooling"],
+        "pairs": len(recipe["pairs"]),
+        "pooling": recipe["pooling"],
         "steer_layers": [first, last],
         "default_layers": list(applied_layers(h, None)),
         "norms": delta_norms(PackReader(store).fetch(h.key)),
-        "recipe": h.recipe,
+        "recipe": recipe,
     }
 
 
@@ -174,7 +178,7 @@ def train_adapter_and_store(
     return store_pack(store, adapter, name=name)
 
 
-def sign_bank(store: PackStore, name: str, key: "SigningKey") -> Signature:
+def sign_bank(store: PackStore, name: str, key: SigningKey) -> Signature:
     """Sign bank ``name``'s current digest (every record of it) with ``key`` and store the signature."""
     banks = open_banks(store)
     signature = key.sign("bank", banks.digest(name))
@@ -182,7 +186,7 @@ def sign_bank(store: PackStore, name: str, key: "SigningKey") -> Signature:
     return signature
 
 
-def verify_banks(store: PackStore, names: Sequence[str], trusted: "TrustedKeys") -> list[VerifyResult]:
+def verify_banks(store: PackStore, names: Sequence[str], trusted: TrustedKeys) -> list[VerifyResult]:
     """Per bank (default: every bank), None or why no trusted key signed its current contents."""
     banks = open_banks(store)
     names = list(names) or [meta.name for meta, _ in banks.list()]

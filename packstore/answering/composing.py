@@ -4,7 +4,7 @@ each mode runs."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from packstore.errors import InvalidInput
 from packstore.format import PackHeader, pack_key
@@ -38,7 +38,16 @@ def compose(lm: LoadedModel, mode: str, parts: Sequence[Pack | PackHeader], adap
     ``rope``/``naive`` splice the parts' K/V; ``packet`` splices it in ``adapter``'s soft tokens."""
     check_composition(mode, adapter.header.key if adapter is not None else None, len(parts))
     if mode == "exact":
-        return compose_exact(lm, parts[0], [part if isinstance(part, PackHeader) else part.header for part in parts[1:]])
+        later = [part if isinstance(part, PackHeader) else part.header for part in parts[1:]]
+        return compose_exact(lm, _with_tensors(parts[:1], mode)[0], later)
     if adapter is not None:
-        return packet_compose(lm, parts, adapter)
-    return splice(lm, parts, mode)
+        return packet_compose(lm, _with_tensors(parts, mode), adapter)
+    return splice(lm, _with_tensors(parts, mode), mode)
+
+
+def _with_tensors(parts: Sequence[Pack | PackHeader], mode: str) -> list[Pack]:
+    """``parts``, each of which the ``mode`` composition needs the tensors of: a header alone is the caller's mistake."""
+    packs = [part for part in parts if isinstance(part, Pack)]
+    if len(packs) < len(parts):
+        raise TypeError(f"the {mode} composition needs the tensors of these parts, not only their headers")
+    return packs

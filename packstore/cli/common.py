@@ -7,7 +7,8 @@ import importlib
 import json
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from packstore import __version__
 from packstore.errors import PackstoreError
@@ -23,11 +24,16 @@ def global_options(add_defaults: bool, *, client: bool = False) -> argparse.Argu
         "--store",
         default=default,
         metavar="PATH",
-        help="pack store directory, grpc://HOST:PORT / grpcs://HOST:PORT (TLS), or s3://BUCKET/PREFIX (default: $PACKSTORE_STORE, else a per-user data dir)",
+        help=(
+            "pack store directory, grpc://HOST:PORT / grpcs://HOST:PORT (TLS), or s3://BUCKET/PREFIX"
+            " (default: $PACKSTORE_STORE, else a per-user data dir)"
+        ),
     )
     if client:
         connection_options(parser, default=default)
-    parser.add_argument("--json", action="store_true", default=False if add_defaults else argparse.SUPPRESS, help="machine-readable output on stdout")
+    parser.add_argument(
+        "--json", action="store_true", default=False if add_defaults else argparse.SUPPRESS, help="machine-readable output on stdout"
+    )
     parser.add_argument("--quiet", "-q", action="store_true", default=False if add_defaults else argparse.SUPPRESS, help="no progress bars")
     return parser
 
@@ -35,14 +41,26 @@ def global_options(add_defaults: bool, *, client: bool = False) -> argparse.Argu
 def connection_options(parser: argparse.ArgumentParser, *, default: Any = None, prefix: str = "") -> None:
     """How a client reaches a service: TLS files, token file, namespace (each also from the environment)."""
     what = "the store's" if prefix else "a grpcs:// server's"
-    parser.add_argument(f"--{prefix}tls-ca", default=default, metavar="FILE", help=f"CA certificate to trust for {what} TLS ($PACKSTORE_TLS_CA)")
-    parser.add_argument(f"--{prefix}tls-client-cert", default=default, metavar="FILE", help="client certificate for mutual TLS ($PACKSTORE_TLS_CLIENT_CERT)")
+    parser.add_argument(
+        f"--{prefix}tls-ca", default=default, metavar="FILE", help=f"CA certificate to trust for {what} TLS ($PACKSTORE_TLS_CA)"
+    )
+    parser.add_argument(
+        f"--{prefix}tls-client-cert", default=default, metavar="FILE", help="client certificate for mutual TLS ($PACKSTORE_TLS_CLIENT_CERT)"
+    )
     parser.add_argument(f"--{prefix}tls-client-key", default=default, metavar="FILE", help="its private key ($PACKSTORE_TLS_CLIENT_KEY)")
     if not prefix:
         parser.add_argument("--token-file", default=default, metavar="FILE", help="bearer token to send (default: $PACKSTORE_TOKEN)")
-        parser.add_argument("--namespace", default=default, metavar="NS", help="namespace, when the token has several, or of an s3:// store ($PACKSTORE_NAMESPACE)")
         parser.add_argument(
-            "--s3-endpoint", default=default, metavar="URL", help="endpoint of an s3:// store ($PACKSTORE_S3_ENDPOINT, else $AWS_ENDPOINT_URL_S3, else AWS S3)"
+            "--namespace",
+            default=default,
+            metavar="NS",
+            help="namespace, when the token has several, or of an s3:// store ($PACKSTORE_NAMESPACE)",
+        )
+        parser.add_argument(
+            "--s3-endpoint",
+            default=default,
+            metavar="URL",
+            help="endpoint of an s3:// store ($PACKSTORE_S3_ENDPOINT, else $AWS_ENDPOINT_URL_S3, else AWS S3)",
         )
 
 
@@ -101,7 +119,9 @@ class CommandLine:
     def __init__(self, prog: str, description: str, *, client: bool = False) -> None:
         self.prog = prog
         self.client = client
-        self.parser = argparse.ArgumentParser(prog=prog, description=description, parents=[global_options(add_defaults=True, client=client)])
+        self.parser = argparse.ArgumentParser(
+            prog=prog, description=description, parents=[global_options(add_defaults=True, client=client)]
+        )
         self.parser.add_argument("--version", action="version", version=f"{prog} {__version__}")
         self._commands = self.parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
         self._common = global_options(add_defaults=False, client=client)

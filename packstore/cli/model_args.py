@@ -15,9 +15,13 @@ HANDLERS = "packstore.cli.models"
 
 
 def _model_options(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
-    parser.add_argument("--model", required=required, metavar="M", help="smollm2-135m, gemma3-270m, or a local Hugging Face model directory")
+    parser.add_argument(
+        "--model", required=required, metavar="M", help="smollm2-135m, gemma3-270m, or a local Hugging Face model directory"
+    )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="compute dtype (part of the model identity)")
+    parser.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="compute dtype (part of the model identity)"
+    )
     parser.add_argument("--chat-template", metavar="FILE", help="use this Jinja chat template instead of the tokenizer's own")
 
 
@@ -61,12 +65,17 @@ def add_commands(cli: CommandLine) -> None:
     p = cli.command("ask", deferred(HANDLERS, "cmd_ask"), "answer with a pack injected as past_key_values")
     p.add_argument(
         "ref", metavar="REF", nargs="?",
-        help="pack key, name, or content-hash prefix; A,B,C answers with their exact composition (with --bank: the routed facts follow them)",
+        help=(
+            "pack key, name, or content-hash prefix; A,B,C answers with their exact composition"
+            " (with --bank: the routed facts follow them)"
+        ),
     )
     p.add_argument("question", metavar="QUESTION", nargs="?")
     p.add_argument("--questions", metavar="FILE", help='JSONL lines {"question": ...}; prints one JSON object per line')
     _model_options(p, required=False)
-    p.add_argument("--worker", metavar="HOST:PORT", help="answer on a packstore worker instead of loading the model here (grpcs://HOST:PORT: TLS)")
+    p.add_argument(
+        "--worker", metavar="HOST:PORT", help="answer on a packstore worker instead of loading the model here (grpcs://HOST:PORT: TLS)"
+    )
     p.add_argument("--bank", metavar="N", help="route the question in bank N and answer with its top facts' pack (computed lazily)")
     bank_options(p)
     p.add_argument("--compare-rag", action="store_true", help="also answer with the facts in the prompt and compare")
@@ -89,7 +98,9 @@ def add_commands(cli: CommandLine) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
 
-    adapter = cli.command("adapter", deferred(HANDLERS, "cmd_adapter"), "KV Packet adapters: soft tokens trained to splice independently built packs")
+    adapter = cli.command(
+        "adapter", deferred(HANDLERS, "cmd_adapter"), "KV Packet adapters: soft tokens trained to splice independently built packs"
+    )
     sub = adapter.add_subparsers(dest="adapter_command", required=True, metavar="ADAPTER_COMMAND")
     p = sub.add_parser(
         "train", parents=[global_options(add_defaults=False, client=True)],
@@ -108,7 +119,9 @@ def add_commands(cli: CommandLine) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", "-v", action="store_true", help="print the training loss as it goes")
 
-    steer = cli.command("steer", deferred(HANDLERS, "cmd_steer"), "steering packs: contrastive value deltas that change how a model answers")
+    steer = cli.command(
+        "steer", deferred(HANDLERS, "cmd_steer"), "steering packs: contrastive value deltas that change how a model answers"
+    )
     sub = steer.add_subparsers(dest="steer_command", required=True, metavar="STEER_COMMAND")
     p = sub.add_parser(
         "build", parents=[global_options(add_defaults=False, client=True)],

@@ -19,13 +19,13 @@ from packstore.answering.api import (
     train_adapter_and_store,
 )
 from packstore.answering.facts import read_examples, read_facts, read_pairs, read_questions
-from packstore.packs.admin import pack_summary
 from packstore.cli.common import EXIT_ERROR, connection_of, emit_json
 from packstore.cli.shared import human_bytes, progress, store_of
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.kv.inject import Sampling
 from packstore.kv.models import LoadedModel, load_model
 from packstore.kv.options import parse_layers, parse_steer
+from packstore.packs.admin import pack_summary
 from packstore.worker.client import WorkerClient
 
 
@@ -67,7 +67,9 @@ def _report_composed(args: argparse.Namespace, stored: Any, created: bool, compo
     print(stored.key)
     state = f"{what} and stored" if created else "already stored"
     work = (
-        f"{composition.prefilled_tokens} tokens prefilled, {composition.reused_tokens} reused" if composition is not None else "nothing computed"
+        f"{composition.prefilled_tokens} tokens prefilled, {composition.reused_tokens} reused"
+        if composition is not None
+        else "nothing computed"
     )
     print(
         f"{state}: {record['tokens']} tokens ({record['composition']}), {work}{', name ' + args.name if args.name else ''}",
@@ -178,7 +180,9 @@ def cmd_steer(args: argparse.Namespace) -> int:
         emit_json(record)
     else:
         print(stored.key)
-        first, last = stored.header.recipe["layers"]
+        recipe = stored.header.recipe
+        assert recipe is not None, "a steering pack records its recipe"
+        first, last = recipe["layers"]
         state = "stored" if created else "already stored"
         print(f"{state}: steering pack from {len(pairs)} pairs, layers {first}-{last}, name {args.name}", file=sys.stderr)
     return 0
@@ -194,6 +198,7 @@ def cmd_adapter(args: argparse.Namespace) -> int:
             store, lm, name=args.name, examples=examples, source=f"file {Path(args.data).name}" if args.data else "",
             tokens=args.tokens, steps=args.steps, learning_rate=args.learning_rate, seed=args.seed, progress=report,
         )
+    assert stored.header.metrics is not None, "an adapter pack records how it was trained"
     metrics = dict(stored.header.metrics)
     record = pack_summary(stored) | {"created_new": created, "recipe": stored.header.recipe, "metrics": metrics}
     if args.json:

@@ -9,14 +9,13 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from packstore.packs.admin import export_pack, import_pack, pack_details, pack_summary
 from packstore.cli.common import EXIT_ERROR, CommandLine, emit_json
 from packstore.cli.shared import human_bytes, store_of
 from packstore.errors import InvalidInput
-from packstore.packs.admin import sign_pack, verify_packs
+from packstore.packs.admin import export_pack, import_pack, pack_details, pack_summary, sign_pack, verify_packs
+from packstore.packs.stores import is_remote
 from packstore.security.trust import SigningKey, TrustedKeys
 from packstore.store import default_store_path
-from packstore.packs.stores import is_remote
 from packstore.store.namespaces import backup
 
 
@@ -31,7 +30,8 @@ def _print_summary(record: dict[str, Any]) -> None:
     print(f"tokens:       {record['tokens']}  ({record['dtype']})")
     print(f"size:         {human_bytes(record['raw_bytes'])} KV, {human_bytes(record['stored_bytes'])} stored")
     if record["parents"]:
-        print(f"composition:  {record['composition']}{'' if record['composition'] == 'exact' else ' (approximate: answers may differ from the facts as prompt text)'}")
+        approximate = "" if record["composition"] == "exact" else " (approximate: answers may differ from the facts as prompt text)"
+        print(f"composition:  {record['composition']}{approximate}")
         print("parents:      " + "\n              ".join(record["parents"]))
 
 
@@ -76,7 +76,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     _print_summary(record)
     print(f"shape:        {record['layers']} layers x {record['kv_heads']} KV heads x {record['head_dim']} head dim")
     blocks = [c["stop_position"] - c["first_position"] for c in record["chunks"] if "first_position" in c]
-    print(f"codec:        {record['codec']}, {len(record['chunks'])} chunks{f', in token blocks of {max(blocks)} positions' if blocks else ''}")
+    in_blocks = f", in token blocks of {max(blocks)} positions" if blocks else ""
+    print(f"codec:        {record['codec']}, {len(record['chunks'])} chunks{in_blocks}")
     print(f"created:      {record['created']}")
     for signature in record["signatures"]:
         print(f"signed by:    {signature['key_id']} ({signature['created']}){'' if signature['valid'] else ' INVALID'}")
@@ -114,7 +115,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         emit_json([{"key": r.key, "ok": r.ok, "error": r.error} for r in results])
     else:
         for r in results:
-            state = "ok" if r.ok else "UNTRUSTED" if r.error.startswith("not trusted") else "DAMAGED"
+            state = "ok" if r.error is None else "UNTRUSTED" if r.error.startswith("not trusted") else "DAMAGED"
             print(f"{state:<10} {r.key}" + (f": {r.error}" if r.error else ""))
         what = "damaged or untrusted" if trusted else "damaged"
         print(f"{len(results)} packs verified{' with signatures' if trusted else ''}, {len(failed)} {what}", file=sys.stderr)
@@ -186,7 +187,10 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         )
         if report.banks:
             there = report.banks - report.banks_copied - len(report.banks_skipped)
-            print(f"{report.banks} banks: {report.banks_copied} copied, {there} already there; {report.bank_signatures_added} signatures added")
+            print(
+                f"{report.banks} banks: {report.banks_copied} copied, {there} already there;"
+                f" {report.bank_signatures_added} signatures added"
+            )
         if report.banks_skipped:
             print(
                 f"not copied: banks {', '.join(report.banks_skipped)} (a grpc:// service takes and gives no bank records; "
@@ -224,7 +228,11 @@ def add_commands(cli: CommandLine) -> None:
 
     p = cli.command("verify", cmd_verify, "check every checksum of the given packs (default: all); exit 1 on damage")
     p.add_argument("refs", metavar="REF", nargs="*")
-    p.add_argument("--trusted-keys", metavar="FILE", help="also require a valid signature by one of these public keys (PEM blocks); exit 1 naming each unsigned or untrusted pack")
+    p.add_argument(
+        "--trusted-keys",
+        metavar="FILE",
+        help="also require a valid signature by one of these public keys (PEM blocks); exit 1 naming each unsigned or untrusted pack",
+    )
 
     p = cli.command("backup", cmd_backup, "consistent hot copy of a store directory (every namespace) into DEST; safe while it is in use")
     p.add_argument("destination", metavar="DEST", help="a new directory: the copy is a store itself")

@@ -33,9 +33,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 0
     for key in ("version", "store", "model_cache", "device", "torch", "transformers"):
         print(f"{key + ':':<14}{record[key]}")
-    for alias, entry in record["models"].items():
-        state = "installed" if entry["installed"] else "NOT installed"
-        print(f"{'model:':<14}{alias} ({state}) - {entry['description']}")
+    for alias, wheel in WHEEL_MODELS.items():
+        state = "installed" if wheel.installed else "NOT installed"
+        print(f"{'model:':<14}{alias} ({state}) - {wheel.description}")
     return 0
 
 
@@ -43,8 +43,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from packstore.service.config import load_config
     from packstore.service.server import serve
 
-    names = ("data", "listen", "bulk_listen", "bulk_local", "bulk_per_peer", "hot_bytes", "upload_seconds", "metrics", "workers", "max_message_bytes", "max_pack_bytes", "max_chunk_bytes", "max_facts_bytes", "max_store_bytes")
-    overrides = {name: getattr(args, name) for name in names + ("auth", "tls_cert", "tls_key", "tls_client_ca", "objects", "s3_endpoint", "cache_bytes")}
+    names = (
+        "data",
+        "listen",
+        "bulk_listen",
+        "bulk_local",
+        "bulk_per_peer",
+        "hot_bytes",
+        "upload_seconds",
+        "metrics",
+        "workers",
+        "max_message_bytes",
+        "max_pack_bytes",
+        "max_chunk_bytes",
+        "max_facts_bytes",
+        "max_store_bytes",
+        "auth",
+        "tls_cert",
+        "tls_key",
+        "tls_client_ca",
+        "objects",
+        "s3_endpoint",
+        "cache_bytes",
+    )
+    overrides = {name: getattr(args, name) for name in names}
     serve(load_config(args.config, overrides))
     return 0
 
@@ -70,7 +92,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if not 0 <= ref_ttl <= 86400:  # also refuses NaN
         raise InvalidInput(f"--ref-ttl must be from 0 to 86400 seconds, got {args.ref_ttl}")
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
-    lm = load_model(args.model, device=args.device, dtype=args.dtype, chat_template=template, progress=not args.quiet and sys.stderr.isatty())
+    lm = load_model(
+        args.model, device=args.device, dtype=args.dtype, chat_template=template, progress=not args.quiet and sys.stderr.isatty()
+    )
     from packstore.packs.buffers import HostBuffers
     from packstore.packs.decoder import Decoder
     from packstore.packs.memory import PackMemory
@@ -81,9 +105,20 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from packstore.worker.stores import NamespaceReaders
 
     auth = Auth(args.auth) if args.auth else None
-    listener = {"tls_cert": args.tls_cert or "", "tls_key": args.tls_key or "", "tls_client_ca": args.tls_client_ca or ""}
     with NamespaceReaders(args.store, connection_of(args, prefix="store_"), per_caller=auth is not None) as stores:
-        serve_worker(lm, stores.get, args.listen, args.cache_bytes, trusted=trusted, auth=auth, ref_ttl=ref_ttl, decoder=decoder, **listener)
+        serve_worker(
+            lm,
+            stores.get,
+            args.listen,
+            args.cache_bytes,
+            trusted=trusted,
+            auth=auth,
+            ref_ttl=ref_ttl,
+            decoder=decoder,
+            tls_cert=args.tls_cert or "",
+            tls_key=args.tls_key or "",
+            tls_client_ca=args.tls_client_ca or "",
+        )
     return 0
 
 
@@ -99,7 +134,9 @@ def build_cli() -> CommandLine:
 
     p = cli.command("serve", cmd_serve, "serve a store over gRPC (with health, reflection and Prometheus metrics)")
     p.add_argument("--data", metavar="DIR", help="store directory; with --objects, where the caches live ($PACKSTORE_DATA)")
-    p.add_argument("--objects", metavar="s3://BUCKET/PREFIX", help="serve the packs in this bucket, replicas sharing it ($PACKSTORE_OBJECTS)")
+    p.add_argument(
+        "--objects", metavar="s3://BUCKET/PREFIX", help="serve the packs in this bucket, replicas sharing it ($PACKSTORE_OBJECTS)"
+    )
     p.add_argument("--s3-endpoint", metavar="URL", help="the object store's endpoint (default: $AWS_ENDPOINT_URL_S3, else AWS S3)")
     p.add_argument("--cache-bytes", type=int, metavar="N", help="with --objects: local cache per namespace, in bytes (default 1 GiB)")
     p.add_argument("--listen", metavar="HOST:PORT", help="gRPC address (default 127.0.0.1:50551; $PACKSTORE_LISTEN)")
@@ -111,8 +148,18 @@ def build_cli() -> CommandLine:
         "--bulk-local", choices=("on", "off"),
         help="a local bulk socket too, where clients on this host map hot packs instead of reading them (default on)",
     )
-    p.add_argument("--bulk-per-peer", type=int, metavar="N", help="bulk transfers one peer (address, or local process) may run at once (default: half of 4 x workers)")
-    p.add_argument("--hot-bytes", type=int, metavar="N", help="memory for packs kept hot for bulk reads, per service, all namespaces (default 1 GiB; 0: none)")
+    p.add_argument(
+        "--bulk-per-peer",
+        type=int,
+        metavar="N",
+        help="bulk transfers one peer (address, or local process) may run at once (default: half of 4 x workers)",
+    )
+    p.add_argument(
+        "--hot-bytes",
+        type=int,
+        metavar="N",
+        help="memory for packs kept hot for bulk reads, per service, all namespaces (default 1 GiB; 0: none)",
+    )
     p.add_argument("--upload-seconds", type=float, metavar="S", help="cancel a PutPack still running after this (default 600)")
     p.add_argument(
         "--metrics", metavar="HOST:PORT",
@@ -122,10 +169,18 @@ def build_cli() -> CommandLine:
     p.add_argument("--workers", type=int, help="concurrent RPCs (default 16)")
     p.add_argument("--max-message-bytes", type=int, help="gRPC message size limit (default 4 MiB)")
     p.add_argument("--max-pack-bytes", type=int, help="largest pack accepted by PutPack, in stored bytes (default 4 GiB)")
-    p.add_argument("--max-chunk-bytes", type=int, help="largest chunk accepted by PutPack, in stored bytes: bounds an upload's memory (default 64 MiB)")
+    p.add_argument(
+        "--max-chunk-bytes", type=int, help="largest chunk accepted by PutPack, in stored bytes: bounds an upload's memory (default 64 MiB)"
+    )
     p.add_argument("--max-facts-bytes", type=int, help="largest facts text accepted by one BuildBank/AddFacts call (default 256 MiB)")
-    p.add_argument("--max-store-bytes", type=int, help="most each namespace's data file may hold; full: writes RESOURCE_EXHAUSTED, reads go on (default: no limit)")
-    p.add_argument("--auth", metavar="FILE", help="TOML file of tokens (name, sha256, namespaces, role); without it: no tokens, one namespace")
+    p.add_argument(
+        "--max-store-bytes",
+        type=int,
+        help="most each namespace's data file may hold; full: writes RESOURCE_EXHAUSTED, reads go on (default: no limit)",
+    )
+    p.add_argument(
+        "--auth", metavar="FILE", help="TOML file of tokens (name, sha256, namespaces, role); without it: no tokens, one namespace"
+    )
     _listener_options(p)
 
     p = cli.command("worker", cmd_worker, "load a model next to the accelerator and answer with packs from --store")
@@ -147,7 +202,9 @@ def build_cli() -> CommandLine:
     p.add_argument("--threads", type=int, metavar="N", help="CPU threads for the model (default: torch's, one per core)")
     _listener_options(p)
     p.add_argument("--token-file", metavar="FILE", help="the worker's own token for the store (default: $PACKSTORE_TOKEN)")
-    p.add_argument("--auth", metavar="FILE", help="require callers' tokens from this TOML file (as serve --auth); each caller reads its own namespace")
+    p.add_argument(
+        "--auth", metavar="FILE", help="require callers' tokens from this TOML file (as serve --auth); each caller reads its own namespace"
+    )
     p.add_argument("--namespace", metavar="NS", help="the store namespace to read, when the token has several ($PACKSTORE_NAMESPACE)")
     connection_options(p, prefix="store-")
     p.add_argument(

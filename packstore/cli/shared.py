@@ -7,8 +7,8 @@ import os
 import sys
 
 from packstore.cli.common import connection_of
-from packstore.store import PackStore
 from packstore.packs.stores import is_remote, open_store
+from packstore.store import PackStore
 
 
 def progress(args: argparse.Namespace) -> bool:

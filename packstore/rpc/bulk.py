@@ -19,8 +19,8 @@ import socket
 import ssl
 import struct
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -52,7 +52,7 @@ def error_frame(error: PackstoreError) -> bytes:
     return FRAME.pack(ERROR, 0, len(body)) + body
 
 
-def error_from_frame(body: bytes) -> PackstoreError:
+def error_from_frame(body: bytes | memoryview) -> PackstoreError:
     """The packstore error an ERROR frame carries (the same class and fields as raised on the server)."""
     try:
         found = json.loads(bytes(body))
@@ -64,7 +64,7 @@ def error_from_frame(body: bytes) -> PackstoreError:
 def recv_exact(sock: socket.socket, size: int, into: memoryview | None = None) -> memoryview:
     """Exactly ``size`` bytes from ``sock``, into ``into`` (a view of that size) or a fresh buffer (not zero-filled
     first); EOFError when the peer closes before they have all come."""
-    view = memoryview(np.empty(size, np.uint8)).cast("B") if into is None else into
+    view = np.empty(size, np.uint8).data.cast("B") if into is None else into
     got = 0
     while got < size:
         count = sock.recv_into(view[got:], size - got)
@@ -91,7 +91,7 @@ class ReceiveBuffers:
             fits = next((i for i, b in enumerate(self._idle) if b.nbytes >= size), None)
             buffer = self._idle.pop(fits) if fits is not None else np.empty(size, np.uint8)
         try:
-            yield memoryview(buffer)[:size]
+            yield buffer.data[:size]
         finally:
             with self._lock:
                 self._idle.append(buffer)
@@ -194,6 +194,8 @@ def bulk_chunks(
         if kind != END:
             raise InvalidInput(f"pack {header.key}: the bulk transfer went on after the {len(indices)} chunks asked for")
     except (OSError, EOFError) as exc:
-        raise Unavailable(f"{peer}: the bulk transfer of pack {header.key} broke off after {received} of {len(indices)} chunks: {exc}") from None
+        raise Unavailable(
+            f"{peer}: the bulk transfer of pack {header.key} broke off after {received} of {len(indices)} chunks: {exc}"
+        ) from None
     finally:
         sock.close()

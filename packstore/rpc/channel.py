@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import grpc
 
@@ -46,16 +47,17 @@ class Connection:
     s3_endpoint: str | None = None
 
     @classmethod
-    def from_env(cls, *, token_file: str | None = None, **given: str | None) -> "Connection":
+    def from_env(cls, *, token_file: str | None = None, **given: str | None) -> Connection:
         values = {name: given.get(name) or os.environ.get(f"PACKSTORE_{name.upper()}") or None for name in cls.__dataclass_fields__}
-        if token_file:
-            token = _read(token_file, "token file").decode("utf-8", errors="replace").strip()
+        contents = _read(token_file, "token file")  # None when no file is named
+        if contents is not None:
+            token = contents.decode("utf-8", errors="replace").strip()
             if not token:
                 raise InvalidInput(f"token file {token_file} is empty")
             values["token"] = token
         return cls(**values)
 
-    def with_token(self, token: str | None) -> "Connection":
+    def with_token(self, token: str | None) -> Connection:
         return replace(self, token=token)
 
     def metadata(self) -> list[tuple[str, str]]:
@@ -92,7 +94,12 @@ class Connection:
         return context
 
 
-class _Metadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _Metadata(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """Adds fixed metadata (token, namespace) to every call of a channel."""
 
     def __init__(self, metadata: list[tuple[str, str]]) -> None:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from packstore.errors import InvalidInput
 from packstore.format import PackHeader
 from packstore.format.signature import Signature
-from packstore.store.records import PackSummary, StoredPack
 from packstore.rpc.wire import ChunkPiece, piece_views
+from packstore.store.records import PackSummary, StoredPack
 from packstore.v1 import store_pb2
+
 
 def summary_info(summary: PackSummary) -> store_pb2.PackInfo:
     """A pack's summary as a PackInfo without the header (what ListPacks pages carry)."""
@@ -72,7 +73,9 @@ class ChunkAssembler:
         """Add one piece; returns (chunk index, whole chunk) when this piece completes it (a chunk that came in
         one piece is that piece's data, not copied)."""
         if self.received >= len(self.indices):
-            raise InvalidInput(f"chunk {piece.index} arrived after the last chunk expected ({self.indices[-1] if self.indices else 'none'})")
+            raise InvalidInput(
+                f"chunk {piece.index} arrived after the last chunk expected ({self.indices[-1] if self.indices else 'none'})"
+            )
         index = self.indices[self.received]
         if piece.index != index:
             raise InvalidInput(f"chunk {piece.index} arrived where chunk {index} was expected")

@@ -14,13 +14,13 @@ import logging
 import socket
 import ssl
 import threading
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import Metric
-from prometheus_client.registry import RestrictedRegistry
 
 from packstore.errors import InvalidInput
 from packstore.security.auth import ANY_NAMESPACE, Auth, bearer_secret
@@ -48,20 +48,21 @@ class NamespaceView:
     """What a tenant's token reads of a registry: the samples whose ``namespace`` label is one of ``namespaces``;
     series of the whole server (without that label) are left out."""
 
-    def __init__(self, source: CollectorRegistry | RestrictedRegistry, namespaces: frozenset[str]) -> None:
-        self.source, self.namespaces = source, namespaces
+    def __init__(self, source: CollectorRegistry, namespaces: frozenset[str], names: frozenset[str] | None = None) -> None:
+        self.source, self.namespaces, self.names = source, namespaces, names  # names: only these series (None: all)
 
     def collect(self) -> Iterator[Metric]:
-        for family in self.source.collect():
+        source = self.source if self.names is None else self.source.restricted_registry(self.names)
+        for family in source.collect():
             samples = [sample for sample in family.samples if sample.labels.get(NAMESPACE_LABEL) in self.namespaces]
             if samples:
                 kept = copy.copy(family)
                 kept.samples = samples
                 yield kept
 
-    def restricted_registry(self, names: Iterable[str]) -> "NamespaceView":
+    def restricted_registry(self, names: Iterable[str]) -> NamespaceView:
         """The same view of only the series ``names`` (prometheus_client's ``name[]`` query)."""
-        return NamespaceView(self.source.restricted_registry(names), self.namespaces)
+        return NamespaceView(self.source, self.namespaces, frozenset(names))
 
 
 def metrics_app(registry: CollectorRegistry, auth: Auth) -> WsgiApp:
@@ -75,8 +76,13 @@ def metrics_app(registry: CollectorRegistry, auth: Auth) -> WsgiApp:
         secret = bearer_secret(environ.get("HTTP_AUTHORIZATION", ""))
         token = auth.token_of(secret) if secret else None
         if token is None:
-            log.debug("metrics scrape refused", extra={"fields": {"peer": environ.get("REMOTE_ADDR"), "token": "none" if secret is None else "unknown"}})
-            start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"), ("WWW-Authenticate", 'Bearer realm="packstore"')])
+            log.debug(
+                "metrics scrape refused",
+                extra={"fields": {"peer": environ.get("REMOTE_ADDR"), "token": "none" if secret is None else "unknown"}},
+            )
+            start_response(
+                "401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"), ("WWW-Authenticate", 'Bearer realm="packstore"')]
+            )
             return [UNAUTHORIZED]
         if ANY_NAMESPACE in token.namespaces:
             return everything(environ, start_response)
@@ -98,7 +104,14 @@ class MetricsServer(ThreadingWSGIServer):
 
     tls: ssl.SSLContext | None = None
 
-    def finish_request(self, request: socket.socket, client_address: Any) -> None:
+    @property
+    def listening(self) -> str:
+        """HOST:PORT where it listens (``server_address`` without an IPv6 address's flow and scope)."""
+        host, port = self.socket.getsockname()[:2]
+        return f"{host}:{port}"
+
+    # (typeshed types BaseServer's request for UDP servers too; a TCP server's is its connection's socket)
+    def finish_request(self, request: socket.socket, client_address: Any) -> None:  # type: ignore[override]
         request.settimeout(REQUEST_SECONDS)
         if self.tls is None:
             super().finish_request(request, client_address)

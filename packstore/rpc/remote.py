@@ -6,28 +6,31 @@ it, so a pack reader decodes each one while the next is on the wire. Verify and 
 
 from __future__ import annotations
 
+import builtins
 import logging
 import socket
 import ssl
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from itertools import chain
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 
 from packstore.errors import LimitExceeded, PackNotFound, PackstoreError, Unauthenticated
 from packstore.format import EncodedPack, PackHeader
 from packstore.format.body import chunks_for
-from packstore.store.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
 from packstore.rpc.bulk import ReceiveBuffers, bulk_chunks, connect, connect_local, first_frame
 from packstore.rpc.channel import Connection, GrpcClient
 from packstore.rpc.messages import ChunkAssembler, bank_meta, chunk_pieces, pack_summary, signatures_of, stored_pack
 from packstore.rpc.wire import ChunkPiece, get_pack_method
 from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, MAX_PAGE, OpenedPack, check_name
+from packstore.store.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
 from packstore.v1 import store_pb2, store_pb2_grpc
 
 if TYPE_CHECKING:
     from packstore.format.bank import BankMeta
+    from packstore.format.chunks import Buffer
     from packstore.format.signature import Signature
 
 log = logging.getLogger("packstore.remote")
@@ -98,7 +101,7 @@ class RemoteStore(GrpcClient):
             if not token:
                 return packs
 
-    def keys(self) -> list[str]:
+    def keys(self) -> builtins.list[str]:  # (list: the method above)
         return [p.key for p in self.list()]
 
     def counts(self) -> StoreCounts:
@@ -139,7 +142,7 @@ class RemoteStore(GrpcClient):
             request.ref, request.bulk = header.key, False  # the key, not a name that may have moved meanwhile
             stored, second, responses = self._start_get_pack(request)
 
-        def chunks() -> Iterator[tuple[int, bytes]]:
+        def chunks() -> Iterator[tuple[int, Buffer]]:
             assembler = ChunkAssembler(header, indices)
             try:
                 for response in chain([second] if second is not None else [], responses):
@@ -151,7 +154,9 @@ class RemoteStore(GrpcClient):
             except grpc.RpcError as exc:
                 raise self._error(exc) from None
             if not assembler.complete:
-                raise PackstoreError(f"pack {header.key}: the stream ended after {assembler.received} of {len(assembler.indices)} chunks asked for")
+                raise PackstoreError(
+                    f"pack {header.key}: the stream ended after {assembler.received} of {len(assembler.indices)} chunks asked for"
+                )
 
         return OpenedPack(header, stored.signatures, indices, lambda: nullcontext(chunks()))
 
@@ -165,14 +170,18 @@ class RemoteStore(GrpcClient):
             if sock is None:
                 sock = connect(self.address.rsplit(":", 1)[0], ticket.port, ticket.ticket, timeout=self.timeout, tls=self._bulk_tls(ticket))
         except OSError as exc:
-            self._fall_back("unreachable", f"the bulk port {ticket.port} of {self.target} cannot be reached ({exc}): GetPack streams from now on")
+            self._fall_back(
+                "unreachable", f"the bulk port {ticket.port} of {self.target} cannot be reached ({exc}): GetPack streams from now on"
+            )
             self.bulk = False
             return None
         try:
             return sock, first_frame(sock, self.timeout)
         except (LimitExceeded, Unauthenticated, OSError, EOFError) as exc:
             sock.close()
-            self._fall_back(type(exc).__name__, f"the bulk port of {self.target} did not start a transfer ({exc}): that fetch streamed instead")
+            self._fall_back(
+                type(exc).__name__, f"the bulk port of {self.target} did not start a transfer ({exc}): that fetch streamed instead"
+            )
             return None
         except BaseException:
             sock.close()
@@ -206,7 +215,9 @@ class RemoteStore(GrpcClient):
         with self._buffers.lease(size) if reuse else nullcontext() as buffer:
             yield bulk_chunks(sock, header, indices, f"{self.what} at {self.target}", buffer, first)
 
-    def _start_get_pack(self, request: store_pb2.GetPackRequest) -> tuple[StoredPack, object, Iterator[object]]:
+    def _start_get_pack(
+        self, request: store_pb2.GetPackRequest
+    ) -> tuple[StoredPack, store_pb2.GetPackResponse | ChunkPiece | None, Iterator[store_pb2.GetPackResponse | ChunkPiece]]:
         """Call GetPack and read its first two responses: the stored pack, then a bulk ticket, the first chunk
         piece, or None (no chunks); the rest of the responses follow."""
         responses = self._get_pack(request, timeout=self.timeout)
@@ -242,7 +253,7 @@ class RemoteStore(GrpcClient):
         response = self._call(lambda: self._stub.PutPack(requests(), timeout=self.timeout))
         return response.pack.key, response.created
 
-    def add_signature(self, ref: str, signature: "Signature", *, model_fp: str | None = None) -> str:
+    def add_signature(self, ref: str, signature: Signature, *, model_fp: str | None = None) -> str:
         request = store_pb2.SignPackRequest(ref=ref, model_fp=model_fp or "", signature=signature.to_json().decode())
         return self._call(lambda: self._stub.SignPack(request, timeout=self.timeout)).key
 
@@ -263,16 +274,16 @@ class RemoteStore(GrpcClient):
         reply = self._call(lambda: self._stub.CollectGarbage(request, timeout=self.timeout))
         return GcReport(**{name: getattr(reply, name) for name in GcReport.__dataclass_fields__})
 
-    def banks(self) -> "RemoteBanks":
+    def banks(self) -> RemoteBanks:
         return RemoteBanks(self)
 
     def verify(self, ref: str) -> VerifyResult:
         return self._verify([ref])[0]
 
-    def verify_all(self) -> list[VerifyResult]:
+    def verify_all(self) -> builtins.list[VerifyResult]:  # (list: the method above)
         return self._verify([])
 
-    def _verify(self, refs: list[str]) -> list[VerifyResult]:
+    def _verify(self, refs: builtins.list[str]) -> builtins.list[VerifyResult]:
         request = store_pb2.VerifyPacksRequest(refs=refs)
         results = self._call(lambda: list(self._stub.VerifyPacks(request, timeout=self.timeout)))
         return [VerifyResult(key=r.key, error=r.error or None) for r in results]
@@ -287,7 +298,7 @@ class RemoteBanks:
     def __init__(self, store: RemoteStore) -> None:
         self.store = store
 
-    def _upload(self, rpc: Callable, name: str, facts: list[str], embedder: str, vectors: str) -> "BankMeta":
+    def _upload(self, rpc: Callable, name: str, facts: list[str], embedder: str, vectors: str) -> BankMeta:
         def batches() -> Iterator[store_pb2.BankFacts]:
             for start in range(0, max(len(facts), 1), FACT_BATCH):
                 yield store_pb2.BankFacts(name=name, embedder=embedder, vectors=vectors, facts=facts[start : start + FACT_BATCH])
@@ -316,7 +327,7 @@ class RemoteBanks:
         reply = self.store._call(lambda: self.store._stub.RouteQuery(request, timeout=self.store.timeout))
         return [Route(query=r.query, clusters=list(r.clusters), facts=[(f.text, f.score) for f in r.facts]) for r in reply.routes]
 
-    def list(self) -> list[tuple["BankMeta", int]]:
+    def list(self) -> list[tuple[BankMeta, int]]:
         reply = self.store._call(lambda: self.store._stub.ListBanks(store_pb2.ListBanksRequest(), timeout=self.store.timeout))
         return [bank_meta(info) for info in reply.banks]
 
@@ -337,9 +348,9 @@ class RemoteBanks:
     def digest(self, name: str) -> str:
         return self._status(name).digest
 
-    def signatures(self, name: str) -> tuple["Signature", ...]:
+    def signatures(self, name: str) -> tuple[Signature, ...]:
         return signatures_of(self._status(name).signatures)
 
-    def sign(self, name: str, signature: "Signature") -> None:
+    def sign(self, name: str, signature: Signature) -> None:
         request = store_pb2.SignBankRequest(name=name, signature=signature.to_json().decode())
         self.store._call(lambda: self.store._stub.SignBank(request, timeout=self.store.timeout))

@@ -9,8 +9,9 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable, Sequence
 from concurrent import futures
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -58,7 +59,9 @@ class Server:
         tls_client_ca: str = "",
     ) -> None:
         self.service_name, self.log = service_name, log
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options, maximum_concurrent_rpcs=max_concurrent_rpcs)
+        self.grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers), options=options, maximum_concurrent_rpcs=max_concurrent_rpcs
+        )
         add_service(self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

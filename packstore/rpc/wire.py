@@ -9,12 +9,16 @@ them against protobuf both ways), so any gRPC client of ``packstore.v1`` reads t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 
 from packstore.v1 import store_pb2
+
+if TYPE_CHECKING:
+    from packstore.format.chunks import Buffer
 
 PIECE_BYTES = 1 << 20  # chunks travel in pieces of at most 1 MiB, whatever the message-size limits
 GET_PACK = "/packstore.v1.PackStore/GetPack"
@@ -23,7 +27,7 @@ _VARINT, _LEN = 0, 2
 _FIXED = {1: 8, 5: 4}  # wire types of fixed width, skipped as unknown fields
 
 
-def piece_views(data: bytes | memoryview) -> Iterator[memoryview]:
+def piece_views(data: Buffer) -> Iterator[memoryview]:
     """``data`` in consecutive views of at most PIECE_BYTES (one, even when empty)."""
     view = memoryview(data)
     for start in range(0, max(len(view), 1), PIECE_BYTES):
@@ -39,7 +43,7 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def chunk_responses(index: int, data: bytes | memoryview, digest: str) -> Iterator[bytes]:
+def chunk_responses(index: int, data: Buffer, digest: str) -> Iterator[bytes]:
     """A chunk as serialized GetPackResponse messages (``chunk`` set), one per piece, each made as it is sent;
     byte for byte what protobuf writes for the same messages."""
     index_field = b"\x08" + _varint(index) if index else b""  # proto3 leaves out fields at their default
@@ -110,22 +114,25 @@ def parse_get_pack_response(message: bytes) -> store_pb2.GetPackResponse | Chunk
 
     Raises ValueError for a malformed message, which gRPC reports to the caller as an INTERNAL error."""
     item = None
-    for number, wire_type, value in _Reader(memoryview(message)).fields():
-        if number in (1, 2, 3) and wire_type == _LEN:
+    # (a length-delimited field's value is a view, a varint's an int: fields() reads them by their wire type)
+    for number, _, value in _Reader(memoryview(message)).fields():
+        if number in (1, 2, 3) and isinstance(value, memoryview):
             item = (number, value)  # the oneof: the last one on the wire wins
     if item is None or item[0] != 2:
         return store_pb2.GetPackResponse.FromString(message)
     index, data, digest = 0, memoryview(b""), ""
-    for number, wire_type, value in _Reader(item[1]).fields():
-        if number == 1 and wire_type == _VARINT:
+    for number, _, value in _Reader(item[1]).fields():
+        if number == 1 and isinstance(value, int):
             index = value & 0xFFFFFFFF  # uint32, as protobuf truncates it
-        elif number == 2 and wire_type == _LEN:
+        elif number == 2 and isinstance(value, memoryview):
             data = value
-        elif number == 3 and wire_type == _LEN:
+        elif number == 3 and isinstance(value, memoryview):
             digest = str(value, "utf-8")
     return ChunkPiece(index=index, data=data, digest=digest)
 
 
 def get_pack_method(channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable:
     """GetPack on ``channel`` with the hand-written reader for its chunk messages."""
-    return channel.unary_stream(GET_PACK, request_serializer=store_pb2.GetPackRequest.SerializeToString, response_deserializer=parse_get_pack_response)
+    return channel.unary_stream(
+        GET_PACK, request_serializer=store_pb2.GetPackRequest.SerializeToString, response_deserializer=parse_get_pack_response
+    )

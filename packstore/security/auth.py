@@ -13,13 +13,12 @@ from __future__ import annotations
 import hashlib
 import threading
 import tomllib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
 
 from packstore.errors import InvalidInput, PermissionDenied, Unauthenticated
-from packstore.store.namespaces import DEFAULT_NAMESPACE
-from packstore.store.protocol import check_name
+from packstore.store.protocol import DEFAULT_NAMESPACE, check_name
 
 NAMESPACE_HEADER = "x-packstore-namespace"  # the metadata a caller names its namespace in
 

@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING
 
 from packstore.errors import InvalidInput, Untrusted
 from packstore.format.signature import Signature, key_id
 
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
 _PEM_BLOCK = re.compile(rb"-----BEGIN PUBLIC KEY-----.*?-----END PUBLIC KEY-----", re.S)
 
 
-def _raw_public(public_key) -> bytes:
+def _raw_public(public_key: Ed25519PublicKey) -> bytes:
     from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
     return public_key.public_bytes(Encoding.Raw, PublicFormat.Raw)
@@ -54,10 +58,10 @@ def generate_key(out: str | os.PathLike[str]) -> tuple[Path, Path, str]:
 class SigningKey:
     """A private key read from a KEY file."""
 
-    key: object  # Ed25519PrivateKey
+    key: Ed25519PrivateKey
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "SigningKey":
+    def load(cls, path: str | os.PathLike[str]) -> SigningKey:
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
         from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
@@ -84,7 +88,7 @@ class SigningKey:
             digest=digest,
             public_key=_raw_public(self.key.public_key()),
             signature=self.key.sign(signed_message(subject, digest)),
-            created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         )
 
 
@@ -96,7 +100,7 @@ class TrustedKeys:
     source: str = ""
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "TrustedKeys":
+    def load(cls, path: str | os.PathLike[str]) -> TrustedKeys:
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
         from cryptography.hazmat.primitives.serialization import load_pem_public_key
 

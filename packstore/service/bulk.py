@@ -27,12 +27,14 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import cast
 
 from packstore.errors import InvalidInput, LimitExceeded, PackstoreError, Unauthenticated
 from packstore.format import PackHeader
+from packstore.format.chunks import Buffer
 from packstore.packs.reader import verified_chunks
 from packstore.rpc.bulk import HELLO, HELLO_SECONDS, MAGIC, TICKET_BYTES, chunk_frame, end_frame, error_frame
 from packstore.service.hot import HotPacks
@@ -60,7 +62,7 @@ class Transfer:
     namespace: str
     header: PackHeader
     indices: tuple[int, ...]
-    fields: dict  # the GetPack call's log fields (token, namespace, key), repeated in the transfer's log line
+    fields: dict[str, object]  # the GetPack call's log fields (token, namespace, key), repeated in the transfer's log line
     expires: float  # time.monotonic()
 
 
@@ -72,7 +74,9 @@ class Tickets:
         self._transfers: dict[bytes, Transfer] = {}
         self._lock = threading.Lock()
 
-    def issue(self, store: ServedStore, namespace: str, header: PackHeader, indices: Sequence[int], fields: dict) -> bytes | None:
+    def issue(
+        self, store: ServedStore, namespace: str, header: PackHeader, indices: Sequence[int], fields: dict[str, object]
+    ) -> bytes | None:
         """A new ticket for the transfer, or None when MAX_TICKETS are outstanding (the caller streams instead)."""
         now = time.monotonic()
         with self._lock:
@@ -112,12 +116,12 @@ class Peer:
     name: str
 
     @staticmethod
-    def of_tcp(address: tuple) -> "Peer":
+    def of_tcp(address: tuple[str, int] | tuple[str, int, int, int]) -> Peer:
         host, port = address[0], address[1]
         return Peer(host, f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}")
 
     @staticmethod
-    def of_local(conn: socket.socket) -> "Peer":
+    def of_local(conn: socket.socket) -> Peer:
         """The connecting process, from the kernel's credentials of the socket (SO_PEERCRED)."""
         pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         name = f"unix:uid={uid},pid={pid}"
@@ -182,7 +186,11 @@ class BulkServer:
     def ticket_message(self, ticket: bytes) -> store_pb2.BulkTicket:
         """What GetPack sends for ``ticket``: this port, whether it speaks TLS, and the local socket's name."""
         return store_pb2.BulkTicket(
-            port=self.port, ticket=ticket, expires_ms=int(self.tickets.lifetime * 1000), tls=self.tls is not None, local_socket=self.local_name
+            port=self.port,
+            ticket=ticket,
+            expires_ms=int(self.tickets.lifetime * 1000),
+            tls=self.tls is not None,
+            local_socket=self.local_name,
         )
 
     def start(self) -> None:
@@ -212,8 +220,8 @@ class BulkServer:
                 for key, _ in self._selector.select(wait):
                     if key.data == "wake":
                         continue
-                    if isinstance(key.data, bool):
-                        self._accept(key.fileobj, key.data)
+                    if isinstance(key.data, bool):  # a listener, registered by start()
+                        self._accept(cast(socket.socket, key.fileobj), key.data)
                     else:
                         self._advance(key.data)
                 self._expire()
@@ -248,10 +256,10 @@ class BulkServer:
             conn.setblocking(False)
             if not local:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            tls = self.tls is not None and not local
-            if tls:
-                conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
-            pending = Pending(conn, peer, local, time.monotonic() + HELLO_SECONDS, tls)
+            tls = self.tls if not local else None
+            if tls is not None:
+                conn = tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+            pending = Pending(conn, peer, local, time.monotonic() + HELLO_SECONDS, tls is not None)
             self._pending.add(pending)
             self._pending_by_peer[peer.key] += 1
             self._selector.register(conn, selectors.EVENT_READ, pending)
@@ -261,7 +269,7 @@ class BulkServer:
         """Go on with the TLS handshake and the hello as far as the bytes that came allow."""
         conn = pending.conn
         try:
-            if pending.handshaking:
+            if pending.handshaking and isinstance(conn, ssl.SSLSocket):  # (handshaking: a TLS connection)
                 conn.do_handshake()
                 pending.handshaking = False
             while len(pending.hello) < HELLO:
@@ -309,7 +317,8 @@ class BulkServer:
     def _admit(self, pending: Pending) -> None:
         """A whole hello: its ticket taken, then a slot for its peer; the transfer runs on a thread of its own. A bad
         hello or a full port gets an ERROR frame (the client streams instead on LIMIT_EXCEEDED)."""
-        conn, peer, hello, fields = pending.conn, pending.peer, bytes(pending.hello), {"peer": pending.peer.name}
+        conn, peer, hello = pending.conn, pending.peer, bytes(pending.hello)
+        fields: dict[str, object] = {"peer": pending.peer.name}
         try:
             if hello[: len(MAGIC)] != MAGIC:
                 self._refused(peer, "magic")
@@ -322,7 +331,9 @@ class BulkServer:
             fields |= transfer.fields
             with self._lock:
                 if sum(self._active_by_peer.values()) >= self.max_connections or self._active_by_peer[peer.key] >= self.per_peer:
-                    full = "too many bulk transfers at once" + (" from this peer" if self._active_by_peer[peer.key] >= self.per_peer else "")
+                    full = "too many bulk transfers at once" + (
+                        " from this peer" if self._active_by_peer[peer.key] >= self.per_peer else ""
+                    )
                     raise LimitExceeded(f"{full}; try again, or read the pack on the gRPC stream")
                 self._active_by_peer[peer.key] += 1
         except PackstoreError as exc:
@@ -339,7 +350,7 @@ class BulkServer:
 
     # -- transfers ----------------------------------------------------------------------------
 
-    def _serve(self, conn: socket.socket, pending: Pending, transfer: Transfer, fields: dict) -> None:
+    def _serve(self, conn: socket.socket, pending: Pending, transfer: Transfer, fields: dict[str, object]) -> None:
         """One admitted transfer, then the connection closes (one ticket per connection)."""
         start, sent, code = time.perf_counter(), 0, "OK"
         size = sum(transfer.header.chunks[index].stored_bytes for index in transfer.indices)
@@ -372,7 +383,7 @@ class BulkServer:
                     del self._active_by_peer[pending.peer.key]
             self.metrics.record(METHOD, code, time.perf_counter() - start, {"bytes": sent, **fields})
 
-    def _send_chunk(self, conn: socket.socket, transfer: Transfer, index: int, data: bytes | memoryview, deadline: float) -> int:
+    def _send_chunk(self, conn: socket.socket, transfer: Transfer, index: int, data: Buffer, deadline: float) -> int:
         """One CHUNK frame and its bytes; their count."""
         _send(conn, chunk_frame(index, len(data)), deadline)
         _send(conn, data, deadline)
@@ -383,16 +394,16 @@ class BulkServer:
         """The ticket's chunks read (and verified) from the store; when they are the whole pack, also written into a
         new hot copy, kept once every chunk is sent."""
         header, indices = transfer.header, transfer.indices
-        whole = self.hot is not None and len(indices) == len(header.chunks)
-        writer = self.hot.writer(transfer.namespace, header) if whole else None
+        hot = self.hot if len(indices) == len(header.chunks) else None
+        writer = hot.writer(transfer.namespace, header) if hot is not None else None
         sent = 0
         try:
             for index, data in verified_chunks(header, zip(indices, transfer.store.read_chunks(header, indices))):
                 sent += self._send_chunk(conn, transfer, index, data, deadline)
                 if writer is not None:
                     writer.add(index, data)
-            if writer is not None:
-                self.hot.add(writer)
+            if hot is not None and writer is not None:
+                hot.add(writer)
                 writer = None
             return sent
         finally:
@@ -408,14 +419,14 @@ class BulkServer:
             pass
 
 
-def _send(conn: socket.socket, data: bytes | memoryview, deadline: float) -> None:
+def _send(conn: socket.socket, data: Buffer, deadline: float) -> None:
     """Send all of ``data`` by ``deadline``, or raise LimitExceeded (a reader too slow holds a slot no longer)."""
     remaining = deadline - time.monotonic()
     try:
         if remaining <= 0:
-            raise socket.timeout
+            raise TimeoutError
         conn.settimeout(remaining)
         conn.sendall(data)
-    except socket.timeout:
+    except TimeoutError:
         limit = f"a transfer may take {TRANSFER_SECONDS:g} s plus 1 s per {TRANSFER_RATE >> 20} MiB"
         raise LimitExceeded(f"the bulk transfer was read too slowly ({limit})") from None

@@ -43,9 +43,10 @@ class ServiceConfig:
     cache_bytes: int = DEFAULT_CACHE_BYTES  # with objects: the local cache of each namespace
 
 
-def _coerce(field: dataclasses.Field, value: Any, source: str) -> Any:
+def _coerce(field: dataclasses.Field[Any], value: Any, source: str) -> Any:
+    kind: type[Any] = type(field.default)  # every setting has a default, of the setting's type
     try:
-        return type(field.default)(value)
+        return kind(value)
     except (TypeError, ValueError):
         raise InvalidInput(f"{source}: {field.name} must be a {type(field.default).__name__}, got {value!r}") from None
 

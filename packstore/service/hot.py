@@ -16,11 +16,12 @@ from __future__ import annotations
 import mmap
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from packstore.errors import IntegrityError
 from packstore.format import PackHeader
+from packstore.format.chunks import Buffer
 
 
 def chunk_offsets(header: PackHeader) -> tuple[int, ...]:
@@ -64,20 +65,22 @@ class Segment:
 class SegmentWriter:
     """A pack's hot copy being written, each chunk once in any order, within bytes its ``HotPacks`` reserved for it."""
 
-    def __init__(self, owner: "HotPacks", namespace: str, header: PackHeader) -> None:
+    def __init__(self, owner: HotPacks, namespace: str, header: PackHeader) -> None:
         self.owner, self.namespace, self.header = owner, namespace, header
         self.offsets = chunk_offsets(header)
         self.size = stored_size(header)
         self._map: mmap.mmap | None = mmap.mmap(-1, self.size)
         self._written: set[int] = set()
 
-    def add(self, index: int, data: bytes | memoryview) -> None:
+    def add(self, index: int, data: Buffer) -> None:
         """Chunk ``index``'s stored bytes, already checked against its digest by the caller."""
         if self._map is None:
             raise ValueError(f"pack {self.header.key}: its hot copy was already finished or discarded")
         view, at = memoryview(data), self.offsets[index]
         if len(view) != self.header.chunks[index].stored_bytes:
-            raise IntegrityError(f"pack {self.header.key}: chunk {index} has {len(view)} bytes, its header says {self.header.chunks[index].stored_bytes}")
+            raise IntegrityError(
+                f"pack {self.header.key}: chunk {index} has {len(view)} bytes, its header says {self.header.chunks[index].stored_bytes}"
+            )
         self._map[at : at + len(view)] = view
         self._written.add(index)
 

@@ -9,7 +9,7 @@ refused before they had a namespace (no token, say) count under ``namespace=""``
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -45,24 +45,41 @@ class ServiceMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
-        self.requests = Counter("packstore_requests", "RPCs finished, by namespace, method and status code", ["namespace", "method", "code"], registry=registry)
-        self.latency = Histogram("packstore_request_seconds", "RPC latency, by namespace and method", ["namespace", "method"], registry=registry)
+        self.requests = Counter(
+            "packstore_requests", "RPCs finished, by namespace, method and status code", ["namespace", "method", "code"], registry=registry
+        )
+        self.latency = Histogram(
+            "packstore_request_seconds", "RPC latency, by namespace and method", ["namespace", "method"], registry=registry
+        )
         self.bytes_sent = Counter("packstore_sent_bytes", "Pack bytes sent to clients, by namespace", ["namespace"], registry=registry)
-        self.bytes_received = Counter("packstore_received_bytes", "Pack bytes received from clients, by namespace", ["namespace"], registry=registry)
+        self.bytes_received = Counter(
+            "packstore_received_bytes", "Pack bytes received from clients, by namespace", ["namespace"], registry=registry
+        )
         self.store_packs = NamespaceGauge("packstore_store_packs", "Packs in each open namespace's store", registry)
-        self.store_pack_bytes = NamespaceGauge("packstore_store_pack_bytes", "Stored bytes of every pack (headers and chunks), by namespace", registry)
+        self.store_pack_bytes = NamespaceGauge(
+            "packstore_store_pack_bytes", "Stored bytes of every pack (headers and chunks), by namespace", registry
+        )
         self.store_bytes = Gauge("packstore_store_file_bytes", "Size of the local data files of the open namespaces", registry=registry)
         self.hot_packs = NamespaceGauge("packstore_hot_packs", "Packs held hot in memory for the bulk port, by namespace", registry)
         self.hot_bytes = NamespaceGauge("packstore_hot_bytes", "Stored bytes of the packs held hot, by namespace", registry)
-        self.hot_memory = Gauge("packstore_hot_memory_bytes", "Memory of the hot packs, writes and transfers in flight included (bounded by --hot-bytes)", registry=registry)
-        self.hot_reads = Counter("packstore_hot_reads", "Bulk transfers, by namespace and whether their pack was hot there", ["namespace", "result"], registry=registry)
+        self.hot_memory = Gauge(
+            "packstore_hot_memory_bytes",
+            "Memory of the hot packs, writes and transfers in flight included (bounded by --hot-bytes)",
+            registry=registry,
+        )
+        self.hot_reads = Counter(
+            "packstore_hot_reads",
+            "Bulk transfers, by namespace and whether their pack was hot there",
+            ["namespace", "result"],
+            registry=registry,
+        )
         self.bulk_refused = Counter(
             "packstore_bulk_refused", "Bulk connections turned away before a valid ticket, by reason", ["reason"], registry=registry
         )
 
-    def record(self, method: str, code: str, seconds: float, fields: dict) -> None:
-        """Count, time and log one finished call (an RPC or a bulk transfer) under the namespace in ``fields``: logged at INFO when ``code`` is OK, else WARNING, with ``fields`` (never a
-        token, only its name)."""
+    def record(self, method: str, code: str, seconds: float, fields: dict[str, object]) -> None:
+        """Count, time and log one finished call (an RPC or a bulk transfer) under the namespace in ``fields``: logged at
+        INFO when ``code`` is OK, else WARNING, with ``fields`` (never a token, only its name)."""
         namespace = fields.get("namespace", "")
         self.requests.labels(namespace, method, code).inc()
         self.latency.labels(namespace, method).observe(seconds)

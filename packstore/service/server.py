@@ -5,31 +5,31 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import grpc
 
+from packstore.bank.bank import BankCache, LocalBanks
 from packstore.errors import InvalidInput, LimitExceeded, PackstoreError
 from packstore.format import PackHeader
 from packstore.format.body import chunks_for
 from packstore.format.signature import Signature
+from packstore.packs.reader import PackReader, verified_chunks
 from packstore.rpc.listen import server_ssl_context
-from packstore.rpc.metrics_http import serve_metrics
 from packstore.rpc.messages import ChunkAssembler, bank_info, pack_info, signatures_of, summary_info
-from packstore.rpc.wire import chunk_responses, serialize_get_pack_response
+from packstore.rpc.metrics_http import serve_metrics
 from packstore.rpc.serving import Server, log_as_json
 from packstore.rpc.status import abort_with_error, status_for
+from packstore.rpc.wire import chunk_responses, serialize_get_pack_response
 from packstore.security.auth import Auth, Principal
 from packstore.service.bulk import BulkServer, Tickets, bulk_address
-from packstore.service.hot import HotPacks
 from packstore.service.config import ServiceConfig
-from packstore.store.namespaces import NamespaceStores
+from packstore.service.hot import HotPacks
 from packstore.service.metrics import ServiceMetrics
-from packstore.store.records import PackPage
-from packstore.bank.bank import BankCache, LocalBanks
-from packstore.packs.reader import PackReader, verified_chunks
+from packstore.store.namespaces import NamespaceStores
 from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, BankStore, ServedStore, check_name
+from packstore.store.records import PackPage
 from packstore.v1 import store_pb2, store_pb2_grpc
 
 SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["PackStore"].full_name
@@ -46,7 +46,7 @@ ROLE_OF = {
 }
 
 
-class Call(dict):
+class Call(dict[str, object]):
     """One RPC's log fields (the dict), the store of its namespace, and who made it."""
 
     store: ServedStore
@@ -110,7 +110,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
         reports NaN rather than fail the scrape."""
 
         def counts(field: str) -> dict[str, float]:
-            found = {}
+            found: dict[str, float] = {}
             for namespace, store in self.stores.opened().items():
                 try:
                     found[namespace] = float(getattr(store.counts(), field))
@@ -118,21 +118,23 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
                     found[namespace] = float("nan")
             return found
 
-        def hot(index: int) -> dict[str, float]:
-            held = self.hot.stats_by_namespace()
-            return {namespace: float(held.get(namespace, (0, 0))[index]) for namespace in self.stores.opened().keys() | held.keys()}
-
         self.metrics.store_packs.set_function(lambda: counts("packs"))
         self.metrics.store_pack_bytes.set_function(lambda: counts("stored_bytes"))
         self.metrics.store_bytes.set_function(self.stores.local_file_bytes)
-        if self.hot is not None:
+        hot_packs = self.hot
+        if hot_packs is not None:
+
+            def hot(index: int) -> dict[str, float]:
+                held = hot_packs.stats_by_namespace()
+                return {namespace: float(held.get(namespace, (0, 0))[index]) for namespace in self.stores.opened().keys() | held.keys()}
+
             self.metrics.hot_packs.set_function(lambda: hot(0))
             self.metrics.hot_bytes.set_function(lambda: hot(1))
-            self.metrics.hot_memory.set_function(lambda: self.hot.bytes)
+            self.metrics.hot_memory.set_function(lambda: hot_packs.bytes)
 
     # -- RPCs ------------------------------------------------------------------------------------
 
-    def PutPack(self, request_iterator, context):
+    def PutPack(self, request_iterator: Iterator[store_pb2.PutPackRequest], context: grpc.ServicerContext) -> store_pb2.PutPackResponse:
         with self._call("PutPack", context) as call, upload_deadline(context, self.config.upload_seconds):
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("item") != "begin":
@@ -147,7 +149,8 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             upload = call.store.begin_upload(header)
             assembler = ChunkAssembler(header)
             namespace = call.principal.namespace
-            hot = self.hot.writer(namespace, header) if self.hot is not None else None  # a pack just uploaded is likely read soon
+            hot_packs = self.hot
+            hot = hot_packs.writer(namespace, header) if hot_packs is not None else None  # a pack just uploaded is likely read soon
             try:
                 for message in request_iterator:
                     if message.WhichOneof("item") != "chunk":
@@ -155,14 +158,16 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
                     self.metrics.bytes_received.labels(namespace).inc(len(message.chunk.data))
                     whole = assembler.add(message.chunk)
                     if whole is not None:
-                        upload.add_chunk(*whole)  # verified against its digest, then staged
+                        index, data = whole
+                        upload.add_chunk(index, bytes(data))  # verified against its digest, then staged (protobuf's bytes: no copy)
                         if hot is not None:
-                            hot.add(*whole)
+                            hot.add(index, data)
                 if not assembler.complete:
                     raise InvalidInput(f"upload ended after {assembler.received} of {len(header.chunks)} chunks")
                 key, created = upload.commit(name=name, signatures=signatures)
-                if hot is not None and created:  # (a pack already stored keeps its own header, and so its own digest)
-                    self.hot.add(hot)
+                # (a pack already stored keeps its own header, and so its own digest)
+                if hot_packs is not None and hot is not None and created:
+                    hot_packs.add(hot)
                     hot = None
             except BaseException:
                 upload.abort()
@@ -185,7 +190,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
         if total > self.config.max_pack_bytes:
             raise LimitExceeded(f"pack of {total} stored bytes exceeds the limit of {self.config.max_pack_bytes}")
 
-    def GetPack(self, request, context):
+    def GetPack(self, request: store_pb2.GetPackRequest, context: grpc.ServicerContext) -> Iterator[store_pb2.GetPackResponse | bytes]:
         with self._call("GetPack", context, ref=request.ref) as call:
             stored = call.store.stat(request.ref, model_fp=request.model_fp or None)
             header = stored.header
@@ -208,16 +213,18 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
                 yield from chunk_responses(index, data, header.chunks[index].digest)
                 self.metrics.bytes_sent.labels(call.principal.namespace).inc(len(data))
 
-    def StatPack(self, request, context):
+    def StatPack(self, request: store_pb2.StatPackRequest, context: grpc.ServicerContext) -> store_pb2.PackInfo:
         with self._call("StatPack", context, ref=request.ref) as call:
             return pack_info(call.store.stat(request.ref, model_fp=request.model_fp or None))
 
-    def SignPack(self, request, context):
+    def SignPack(self, request: store_pb2.SignPackRequest, context: grpc.ServicerContext) -> store_pb2.SignPackResponse:
         with self._call("SignPack", context, ref=request.ref) as call:
-            call["key"] = key = call.store.add_signature(request.ref, Signature.from_json(request.signature), model_fp=request.model_fp or None)
+            call["key"] = key = call.store.add_signature(
+                request.ref, Signature.from_json(request.signature), model_fp=request.model_fp or None
+            )
             return store_pb2.SignPackResponse(key=key)
 
-    def ListPacks(self, request, context):
+    def ListPacks(self, request: store_pb2.ListPacksRequest, context: grpc.ServicerContext) -> store_pb2.ListPacksResponse:
         with self._call("ListPacks", context) as call:
             page = call.store.list_page(
                 page_size=request.page_size or DEFAULT_PAGE,
@@ -243,24 +250,24 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
         response.next_page_token = page.next_token
         return response
 
-    def DeletePack(self, request, context):
+    def DeletePack(self, request: store_pb2.DeletePackRequest, context: grpc.ServicerContext) -> store_pb2.DeletePackResponse:
         with self._call("DeletePack", context, ref=request.ref) as call:
             call["key"] = key = call.store.delete(request.ref, model_fp=request.model_fp or None)
             if self.hot is not None:
                 self.hot.evict(call.principal.namespace, key)
             return store_pb2.DeletePackResponse(key=key)
 
-    def SetName(self, request, context):
+    def SetName(self, request: store_pb2.SetNameRequest, context: grpc.ServicerContext) -> store_pb2.SetNameResponse:
         with self._call("SetName", context, ref=request.ref, name=request.name) as call:
             return store_pb2.SetNameResponse(key=call.store.set_name(request.ref, request.name, model_fp=request.model_fp or None))
 
-    def DeleteName(self, request, context):
+    def DeleteName(self, request: store_pb2.DeleteNameRequest, context: grpc.ServicerContext) -> store_pb2.DeleteNameResponse:
         with self._call("DeleteName", context, name=request.name) as call:
             if not request.model_fp:
                 raise InvalidInput("DeleteName needs model_fp: names are scoped per model")
             return store_pb2.DeleteNameResponse(key=call.store.delete_name(request.name, model_fp=request.model_fp))
 
-    def VerifyPacks(self, request, context):
+    def VerifyPacks(self, request: store_pb2.VerifyPacksRequest, context: grpc.ServicerContext) -> Iterator[store_pb2.VerifyResult]:
         with self._call("VerifyPacks", context) as call:
             keys = [call.store.resolve(ref) for ref in request.refs] if request.refs else call.store.keys()
             reader = PackReader(call.store)  # verifying decodes without torch: no decoder needed
@@ -269,12 +276,12 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
                 yield store_pb2.VerifyResult(key=result.key, ok=result.ok, error=result.error or "")
 
 
-    def StoreStats(self, request, context):
+    def StoreStats(self, request: store_pb2.StoreStatsRequest, context: grpc.ServicerContext) -> store_pb2.StoreStatsResponse:
         with self._call("StoreStats", context) as call:
             counts = call.store.counts()
             return store_pb2.StoreStatsResponse(packs=counts.packs, stored_bytes=counts.stored_bytes)
 
-    def CollectGarbage(self, request, context):
+    def CollectGarbage(self, request: store_pb2.CollectGarbageRequest, context: grpc.ServicerContext) -> store_pb2.CollectGarbageResponse:
         with self._call("CollectGarbage", context, compact=request.compact) as call:
             report = call.store.gc(compact=request.compact)
             return store_pb2.CollectGarbageResponse(**report.__dict__)
@@ -292,8 +299,11 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             raise InvalidInput(f"embedder {spec!r}: over the service, use one of {', '.join(WHEEL_EMBEDDERS)}")
         return spec
 
-    def _bank_stream(self, request_iterator) -> tuple[str, str | None, str, list[str]]:
-        name, embedder, vectors, facts, size = None, None, "", [], 0
+    def _bank_stream(self, request_iterator: Iterator[store_pb2.BankFacts]) -> tuple[str, str | None, str, list[str]]:
+        name: str | None = None
+        embedder: str | None = None
+        facts: list[str] = []
+        vectors, size = "", 0
         for message in request_iterator:
             if name is None:
                 name, embedder, vectors = check_name(message.name), self._embedder(message.embedder), message.vectors
@@ -306,21 +316,21 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
         return name, embedder, vectors, facts
 
 
-    def BuildBank(self, request_iterator, context):
+    def BuildBank(self, request_iterator: Iterator[store_pb2.BankFacts], context: grpc.ServicerContext) -> store_pb2.BankInfo:
         with self._call("BuildBank", context) as call:
             name, embedder, vectors, facts = self._bank_stream(request_iterator)
             call["bank"] = name
             meta = self._banks(call.store).build(name, facts, embedder or DEFAULT_EMBEDDER, vectors=vectors or "fp16")
             return bank_info(meta, call.store.bank_stored_bytes(name))
 
-    def AddFacts(self, request_iterator, context):
+    def AddFacts(self, request_iterator: Iterator[store_pb2.BankFacts], context: grpc.ServicerContext) -> store_pb2.BankInfo:
         with self._call("AddFacts", context) as call:
             name, embedder, _, facts = self._bank_stream(request_iterator)
             call["bank"] = name
             meta = self._banks(call.store).add(name, facts, embedder)
             return bank_info(meta, call.store.bank_stored_bytes(name))
 
-    def RouteQuery(self, request, context):
+    def RouteQuery(self, request: store_pb2.RouteQueryRequest, context: grpc.ServicerContext) -> store_pb2.RouteQueryResponse:
         with self._call("RouteQuery", context, bank=request.name) as call:
             routes = self._banks(call.store).route(
                 request.name,
@@ -337,11 +347,11 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
                 ]
             )
 
-    def ListBanks(self, request, context):
+    def ListBanks(self, request: store_pb2.ListBanksRequest, context: grpc.ServicerContext) -> store_pb2.ListBanksResponse:
         with self._call("ListBanks", context) as call:
             return store_pb2.ListBanksResponse(banks=[bank_info(meta, size) for meta, size in self._banks(call.store).list()])
 
-    def DeleteBank(self, request, context):
+    def DeleteBank(self, request: store_pb2.DeleteBankRequest, context: grpc.ServicerContext) -> store_pb2.DeleteBankResponse:
         with self._call("DeleteBank", context, bank=request.name) as call:
             self._banks(call.store).delete(request.name)
             return store_pb2.DeleteBankResponse()
@@ -358,11 +368,11 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             signatures=[signature.to_json().decode() for signature in banks.signatures(name)],
         )
 
-    def StatBank(self, request, context):
+    def StatBank(self, request: store_pb2.StatBankRequest, context: grpc.ServicerContext) -> store_pb2.BankStatus:
         with self._call("StatBank", context, bank=request.name) as call:
             return self._bank_status(call.store, request.name)
 
-    def SignBank(self, request, context):
+    def SignBank(self, request: store_pb2.SignBankRequest, context: grpc.ServicerContext) -> store_pb2.BankStatus:
         with self._call("SignBank", context, bank=request.name) as call:
             self._banks(call.store).sign(request.name, Signature.from_json(request.signature))
             return self._bank_status(call.store, request.name)
@@ -391,7 +401,7 @@ class _Handlers:
     def add_generic_rpc_handlers(self, handlers: object) -> None:
         pass
 
-    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
         self.service, self.handlers = service, dict(handlers)
 
 
@@ -399,7 +409,7 @@ def add_pack_store(service: PackStoreService, server: grpc.Server) -> None:
     """Register the PackStore methods as generated, except GetPack's serializer, which passes the chunk
     messages ``chunk_responses`` wrote through as they are."""
     caught = _Handlers()
-    store_pb2_grpc.add_PackStoreServicer_to_server(service, caught)
+    store_pb2_grpc.add_PackStoreServicer_to_server(service, caught)  # type: ignore[no-untyped-call]  # grpcio-tools writes no annotations
     caught.handlers["GetPack"] = grpc.unary_stream_rpc_method_handler(
         service.GetPack, request_deserializer=store_pb2.GetPackRequest.FromString, response_serializer=serialize_get_pack_response
     )
@@ -447,11 +457,16 @@ def serve(config: ServiceConfig) -> None:
         metrics_at = None  # where the metrics port listens (loopback unless --metrics names a host)
         if config.metrics:
             tls = server_ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca)
-            host, port = serve_metrics(config.metrics, metrics.registry, auth, tls=tls).server_address[:2]
-            metrics_at = f"{host}:{port}"
+            metrics_at = serve_metrics(config.metrics, metrics.registry, auth, tls=tls).listening
         if service.bulk is not None:
             service.bulk.start()
-        fields = {"listen": config.listen, "bulk_port": service.bulk.port if service.bulk else None, "data": config.data, "objects": config.objects or None, "metrics": metrics_at}
+        fields = {
+            "listen": config.listen,
+            "bulk_port": service.bulk.port if service.bulk else None,
+            "data": config.data,
+            "objects": config.objects or None,
+            "metrics": metrics_at,
+        }
         fields |= {"tls": server.tls, "mutual_tls": bool(config.tls_client_ca)}
         if auth.enabled:
             fields |= {"auth": f"tokens from {config.auth} ({auth.reload()} tokens; SIGHUP reloads)"}

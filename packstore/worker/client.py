@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
-from packstore.errors import PackstoreError
 from packstore.answering.records import AnswerResult
+from packstore.errors import PackstoreError
 from packstore.rpc.channel import Connection, GrpcClient
-from packstore.worker.messages import answer_result, generate_request
 from packstore.v1 import worker_pb2, worker_pb2_grpc
+from packstore.worker.messages import answer_result, generate_request
 
 if TYPE_CHECKING:
     from packstore.answering.answer import Question
@@ -25,7 +26,7 @@ class WorkerClient(GrpcClient):
         super().__init__(address, timeout=timeout, connection=connection)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 
-    def ask(self, question: "Question", *, on_token: Callable[[str], None] | None = None) -> AnswerResult:
+    def ask(self, question: Question, *, on_token: Callable[[str], None] | None = None) -> AnswerResult:
         """Answer ``question`` on the worker; ``on_token`` receives the text of each token as it comes.
 
         The result has the fields of a local ``Answerer.ask`` except ``pack_reused``, which the worker does not report.

@@ -3,14 +3,16 @@ worker and its client alike.
 
 A field the records and messages share by name is listed once below and converted both ways by one rule: a
 message leaves a record's ``None`` unset, and an unset message field (zero, empty, or absent where the field has
-presence) reads back as the record's default, except the ``*_VALUES``, read as sent (a False is no None). ``Question`` and ``Sampling`` are imported only to read a request,
-on the worker, so a client never loads the model's libraries.
+presence) reads back as the record's default, except the ``*_VALUES``, read as sent (a False is no None).
+``Question`` and ``Sampling`` are imported only to read a request, on the worker, so a client never loads the
+model's libraries.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import Message
 
@@ -45,7 +47,7 @@ def _from_message(message: Message, names: Iterable[str], record_type: type | No
     return found
 
 
-def generate_request(question: "Question") -> worker_pb2.GenerateRequest:
+def generate_request(question: Question) -> worker_pb2.GenerateRequest:
     """The GenerateRequest that asks ``question``."""
     request = worker_pb2.GenerateRequest(
         question=question.text,
@@ -59,7 +61,7 @@ def generate_request(question: "Question") -> worker_pb2.GenerateRequest:
     return request
 
 
-def question_of(request: worker_pb2.GenerateRequest) -> "Question":
+def question_of(request: worker_pb2.GenerateRequest) -> Question:
     """The Question a GenerateRequest asks (checked as any Question is: InvalidInput when it does not hold)."""
     from packstore.answering.answer import Question
     from packstore.kv.inject import Sampling
@@ -83,7 +85,11 @@ def generate_done(result: AnswerResult, generated_tokens: int) -> worker_pb2.Gen
         facts=result.facts or [],
         composed_tokens=result.composed_tokens or 0,
         steering=[
-            worker_pb2.SteerApplied(pack=applied["pack"], alpha=applied["alpha"], layers=store_pb2.LayerRange(first=applied["layers"][0], last=applied["layers"][1]))
+            worker_pb2.SteerApplied(
+                pack=applied["pack"],
+                alpha=applied["alpha"],
+                layers=store_pb2.LayerRange(first=applied["layers"][0], last=applied["layers"][1]),
+            )
             for applied in result.steering or ()
         ],
         compared=compared,
@@ -91,7 +97,7 @@ def generate_done(result: AnswerResult, generated_tokens: int) -> worker_pb2.Gen
     )
 
 
-def answer_result(done: worker_pb2.GenerateDone, question: "Question") -> AnswerResult:
+def answer_result(done: worker_pb2.GenerateDone, question: Question) -> AnswerResult:
     """The AnswerResult a GenerateDone reports for ``question``; without ``pack_reused``, which the worker does not send."""
     return AnswerResult(
         question=question.text,

@@ -5,23 +5,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
 from packstore.answering.answer import REF_TTL_SECONDS, Answerer, ReadyCache
 from packstore.bank.bank import BankCache
-from packstore.packs.decoder import Decoder
 from packstore.errors import PackstoreError
 from packstore.kv.inject import TextDeltas
 from packstore.kv.models import LoadedModel
+from packstore.packs.decoder import Decoder
 from packstore.rpc.serving import Server, log_as_json
 from packstore.rpc.status import abort_with_error
-from packstore.worker.messages import generate_done, question_of
 from packstore.security.auth import Auth
 from packstore.store.protocol import PackStore
 from packstore.v1 import worker_pb2, worker_pb2_grpc
+from packstore.worker.messages import generate_done, question_of
 
 if TYPE_CHECKING:
     from packstore.security.trust import TrustedKeys
@@ -43,7 +44,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         store_for: Callable[[str], PackStore],
         *,
         cache_bytes: int,
-        trusted: "TrustedKeys | None" = None,
+        trusted: TrustedKeys | None = None,
         auth: Auth | None = None,
         ref_ttl: float = REF_TTL_SECONDS,
         decoder: Decoder | None = None,
@@ -131,7 +132,7 @@ def serve_worker(
     cache_bytes: int,
     grace_seconds: float = 30.0,
     *,
-    trusted: "TrustedKeys | None" = None,
+    trusted: TrustedKeys | None = None,
     auth: Auth | None = None,
     tls_cert: str = "",
     tls_key: str = "",
@@ -149,7 +150,7 @@ def serve_worker(
         SERVICE_NAME, lambda grpc_server: worker_pb2_grpc.add_WorkerServicer_to_server(service, grpc_server), listen, log=log,
         workers=8, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
     )
-    fields = {"listen": listen, "model": lm.name, "model_fp": lm.model_fp, "device": str(lm.device)}
+    fields: dict[str, object] = {"listen": listen, "model": lm.name, "model_fp": lm.model_fp, "device": str(lm.device)}
     fields |= {"auth": f"callers need a token from {auth.path}" if auth and auth.enabled else "none: callers need no token"}
     fields |= {"tls": server.tls, "mutual_tls": bool(tls_client_ca), "trusted_keys": trusted.source if trusted else None}
     server.run(service.auth, grace_seconds, fields)

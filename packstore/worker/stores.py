@@ -7,10 +7,11 @@ import dataclasses
 import os
 import threading
 
-from packstore.rpc.channel import Connection
-from packstore.store.namespaces import DEFAULT_NAMESPACE, namespace_path
-from packstore.store import PackStore, default_store_path
 from packstore.packs.stores import is_remote, open_store
+from packstore.rpc.channel import Connection
+from packstore.store import PackStore, default_store_path
+from packstore.store.namespaces import namespace_path
+from packstore.store.protocol import DEFAULT_NAMESPACE
 
 
 class NamespaceReaders:
@@ -49,7 +50,7 @@ class NamespaceReaders:
                 store.close()
             self._stores.clear()
 
-    def __enter__(self) -> "NamespaceReaders":
+    def __enter__(self) -> NamespaceReaders:
         return self
 
     def __exit__(self, *exc: object) -> None:
