@@ -36,9 +36,9 @@ import subprocess
 import threading
 import time
 import warnings
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
 
 RESIDENT_KEYS = {1: ("total_rss", "total_shmem"), 2: ("anon", "shmem")}
 CHARGED_PEAK = {1: "memory.max_usage_in_bytes", 2: "memory.peak"}

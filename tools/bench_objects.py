@@ -29,19 +29,19 @@ import os
 import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Sequence
 
 import boto3
 import grpc
 import torch
 
 from packstore.format import EncodedPack, PackHeader
+from packstore.packs.tensors import Pack, encode_pack
 from packstore.rpc.remote import RemoteStore
 from packstore.store.objects.store import ObjectStore
-from packstore.packs.tensors import Pack, encode_pack
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from seaweed_helpers import Seaweed, running_seaweed  # noqa: E402

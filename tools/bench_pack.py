@@ -40,9 +40,10 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -53,11 +54,11 @@ import zstandard  # noqa: E402
 from packstore.answering.answer import Answerer, Question  # noqa: E402
 from packstore.format import codec  # noqa: E402
 from packstore.format.body import max_plain_bytes  # noqa: E402
-from packstore.packs.tensors import Pack, decode_pack, encode_pack  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.inject import Sampling, answer_with_text  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
 from packstore.kv.render import render  # noqa: E402
+from packstore.packs.tensors import Pack, decode_pack, encode_pack  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -144,7 +145,7 @@ def load_stored(lm: LoadedModel, store: LmdbStore, key: str) -> Pack:
     return Answerer(lm, store, cache_bytes=0).pack(key)[0]
 
 
-def ask(lm: LoadedModel, store: LmdbStore, case: "Case", ready: bool) -> str:
+def ask(lm: LoadedModel, store: LmdbStore, case: Case, ready: bool) -> str:
     """The first token's text through ``Answerer.ask``: from the store (``ready`` False, an Answerer with no
     ready-cache, as on a miss) or with the case's pack already ready (a hit)."""
     answerer = Answerer(lm, store, cache_bytes=case.kv_bytes if ready else 0)

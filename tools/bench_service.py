@@ -60,10 +60,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import TypeVar
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -72,12 +73,12 @@ import redis  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from packstore.rpc.remote import RemoteStore  # noqa: E402
 from packstore.format import EncodedPack, PackHeader  # noqa: E402
-from packstore.packs.tensors import Pack, encode_pack, pack_from_chunks  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.inject import Sampling, answer_with_text  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
+from packstore.packs.tensors import Pack, encode_pack, pack_from_chunks  # noqa: E402
+from packstore.rpc.remote import RemoteStore  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 from packstore.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 

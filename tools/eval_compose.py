@@ -46,8 +46,8 @@ import random
 import re
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

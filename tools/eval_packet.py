@@ -36,8 +36,8 @@ import os
 import random
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -52,8 +52,8 @@ from packstore.kv.inject import cache_aligned_ids, cache_from_pack, greedy_with_
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
 from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_TOKENS  # noqa: E402
 from packstore.kv.packet import generated_examples, packet_compose, train_adapter  # noqa: E402
-from packstore.kv.render import render  # noqa: E402
 from packstore.kv.records import Example  # noqa: E402
+from packstore.kv.render import render  # noqa: E402
 from packstore.packs.tensors import Pack, decode_pack, encode_pack  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -4,8 +4,8 @@ bucket per test, and two replicas on it."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

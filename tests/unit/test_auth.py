@@ -8,30 +8,30 @@ import signal
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+from test_format import make_pack
 
+from bank_helpers import TEST_BANK_CACHE
 from packstore.answering.answer import Question
+from packstore.bank.bank import open_banks
 from packstore.errors import InvalidInput, PackNotFound, PermissionDenied, Unauthenticated
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import encode_pack
 from packstore.rpc.channel import Connection
+from packstore.rpc.remote import RemoteStore
 from packstore.security.auth import Auth, load_tokens
 from packstore.store.namespaces import namespace_path
-from packstore.rpc.remote import RemoteStore
-from packstore.packs.tensors import encode_pack
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
-from test_format import make_pack
-from packstore.packs.reader import PackReader
-from packstore.bank.bank import open_banks
-from bank_helpers import TEST_BANK_CACHE
 
 TOKENS = {
     "a-writer": ("secret-a-writer", ["a"], "write"),

@@ -14,17 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
-
-from packstore.packs.admin import export_pack
-from packstore.errors import PackstoreError
-from packstore.store import LmdbStore
-from packstore.rpc.remote import RemoteStore
-from packstore.packs.tensors import Pack, encode_pack
-from service_helpers import free_port, wait_serving
 from test_format import make_pack
-from packstore.packs.reader import PackReader
-from packstore.bank.bank import open_banks
+
 from bank_helpers import TEST_BANK_CACHE
+from packstore.bank.bank import open_banks
+from packstore.errors import PackstoreError
+from packstore.packs.admin import export_pack
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import Pack, encode_pack
+from packstore.rpc.remote import RemoteStore
+from packstore.store import LmdbStore
+from service_helpers import free_port, wait_serving
 
 UPLOADERS = 16
 PACKS_PER_UPLOADER = 3

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from test_identity import ALT_TEMPLATE
 
 from packstore.errors import PackMismatch
-from packstore.packs.tensors import decode_pack, encode_pack
 from packstore.kv import inject
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling, TextDeltas, answer_with_pack, answer_with_text, prefill_divergence
 from packstore.kv.models import load_model
-from test_identity import ALT_TEMPLATE
+from packstore.packs.tensors import decode_pack, encode_pack
 
 FACTS = [
     "The river Tamsin flows through the town of Wexley.",

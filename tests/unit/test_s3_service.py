@@ -13,34 +13,34 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 import pytest
 import torch
-
-from packstore.answering.api import sign_bank
-from packstore.errors import IntegrityError, InvalidInput, PackNotFound, Unavailable
-from packstore.rpc.channel import Connection
-from packstore.rpc.messages import chunk_pieces
-from packstore.store import LmdbStore
-from packstore.packs.migrate import migrate
-from packstore.store.objects.cache import DEFAULT_CACHE_BYTES, ObjectCache
-from packstore.rpc.remote import RemoteStore
-from packstore.packs.tensors import encode_pack
-from packstore.security.trust import SigningKey, generate_key
-from packstore.v1 import store_pb2, store_pb2_grpc
-from seaweed_helpers import Seaweed, running_seaweed
-from service_helpers import RunningServer, free_port, running_server
 from test_auth import TOKENS, refusal, tokens_file
 from test_format import FP_B
 from test_s3_banks import FACTS
 from test_s3_store import objects, random_pack, same_tensors
-from packstore.packs.reader import PackReader
-from packstore.bank.bank import open_banks
+
 from bank_helpers import TEST_BANK_CACHE
+from packstore.answering.api import sign_bank
+from packstore.bank.bank import open_banks
+from packstore.errors import IntegrityError, InvalidInput, PackNotFound, Unavailable
+from packstore.packs.migrate import migrate
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import encode_pack
+from packstore.rpc.channel import Connection
+from packstore.rpc.messages import chunk_pieces
+from packstore.rpc.remote import RemoteStore
+from packstore.security.trust import SigningKey, generate_key
+from packstore.store import LmdbStore
+from packstore.store.objects.cache import DEFAULT_CACHE_BYTES, ObjectCache
+from packstore.v1 import store_pb2, store_pb2_grpc
+from seaweed_helpers import Seaweed, running_seaweed
+from service_helpers import RunningServer, free_port, running_server
 
 
 @contextmanager

@@ -17,19 +17,19 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
-
-from packstore.rpc.remote import RemoteStore
-from packstore.errors import IntegrityError, InvalidInput, PackMismatch, PackNotFound, PackstoreError
-from packstore.rpc.metrics_http import metrics_address, serve_metrics
-from packstore.security.auth import Auth
-from packstore.packs.tensors import decode_pack, encode_pack
-from packstore.v1 import store_pb2, store_pb2_grpc
-from service_helpers import running_server
 from test_format import make_pack
 from test_lifecycle import flip_in_file
-from packstore.packs.reader import PackReader
-from packstore.bank.bank import open_banks
+
 from bank_helpers import TEST_BANK_CACHE
+from packstore.bank.bank import open_banks
+from packstore.errors import IntegrityError, InvalidInput, PackMismatch, PackNotFound, PackstoreError
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import decode_pack, encode_pack
+from packstore.rpc.metrics_http import metrics_address, serve_metrics
+from packstore.rpc.remote import RemoteStore
+from packstore.security.auth import Auth
+from packstore.v1 import store_pb2, store_pb2_grpc
+from service_helpers import running_server
 
 
 @pytest.fixture(scope="module")
@@ -197,8 +197,9 @@ print(json.dumps({"created": put.created, "key": put.pack.key, "listed": listed,
 
 
 def test_a_client_that_knows_only_the_protos(tmp_path: Path, server, remote) -> None:
-    from grpc_tools import protoc
     from importlib import resources
+
+    from grpc_tools import protoc
 
     proto_dir = Path(__file__).resolve().parents[2] / "protos" / "packstore" / "v1"
     out = tmp_path / "stubs"
