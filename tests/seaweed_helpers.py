@@ -135,7 +135,7 @@ def _wait_ready(server: Seaweed, timeout: float = 60.0) -> None:
         try:
             client.list_buckets()
             return
-        except (BotoCoreError, ClientError):
+        except (BotoCoreError, ClientError) as exc:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"weed mini did not serve S3 within {timeout} s; see {server.log}")
+                raise TimeoutError(f"weed mini did not serve S3 within {timeout} s; see {server.log}") from exc
             time.sleep(0.2)

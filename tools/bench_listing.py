@@ -65,7 +65,7 @@ def bulk_load(store: LmdbStore, count: int) -> None:
     for start in range(0, count, BATCH):
         headers = [synthetic_header(i, rng) for i in range(start, min(start + BATCH, count))]
 
-        def body(txn) -> None:
+        def body(txn, headers: list = headers, start: int = start) -> None:
             for offset, header in enumerate(headers):
                 name = f"pack-{start + offset}" if (start + offset) % 10 == 0 else None
                 store._commit_in(txn, header, lambda _: b"", name)

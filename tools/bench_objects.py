@@ -87,7 +87,11 @@ def single_client(seaweed: Seaweed, replica: RunningServer, packs: Sequence[Enco
     with RemoteStore(replica.url) as remote:
         for index, encoded in enumerate(packs):
             key, size = encoded.header.key, encoded.stored_bytes
-            for mode, read in (("cold", lambda: PackReader(remote).get(key)), ("warm", lambda: PackReader(remote).get(key)), ("boto3", lambda: boto3_read(client, seaweed.bucket, encoded.header))):
+            for mode, read in (
+                ("cold", lambda key=key: PackReader(remote).get(key)),
+                ("warm", lambda key=key: PackReader(remote).get(key)),
+                ("boto3", lambda encoded=encoded: boto3_read(client, seaweed.bucket, encoded.header)),
+            ):
                 seconds, got = timed(read)
                 assert (got if isinstance(got, int) else got.stored_bytes) == size
                 rows[mode].append(seconds)

@@ -241,7 +241,7 @@ def bench_get(store: LmdbStore, cases: Sequence[Case], workdir: Path, repeats: i
         for case in cases:
             for name, op in ops.items():
                 gc.collect()
-                times[case.target, name].append(timed(lambda: op(case))[0])
+                times[case.target, name].append(timed(lambda op=op, case=case: op(case))[0])
         log(f"get throughput: repeat {r + 1}/{repeats} done")
     rows = []
     for case in cases:
@@ -328,11 +328,11 @@ def time_codec(c: Codec, blobs: Sequence[bytes]) -> tuple[float, float, int]:
     packed_chunks = []
     for blob in blobs:
         source = bytearray(blob) if c.mutates_input else blob
-        seconds, packed = timed(lambda: c.compress(source))
+        seconds, packed = timed(lambda source=source: c.compress(source))
         compress_s += seconds
         packed_chunks.append(packed)
     for blob, packed in zip(blobs, packed_chunks):
-        seconds, plain = timed(lambda: c.decompress(packed))
+        seconds, plain = timed(lambda packed=packed: c.decompress(packed))
         decompress_s += seconds
         assert plain == blob, f"{c.name}: decode is not bit-exact"
     return compress_s, decompress_s, sum(len(p) for p in packed_chunks)

@@ -488,7 +488,7 @@ def bench_ttft(lm: LoadedModel, worker_address: str, cases: dict[int, list[tuple
     with grpc.insecure_channel(worker_address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         log("time to first token: warm-up")
-        for size, packs in cases.items():
+        for packs in cases.values():
             for mode in TTFT_MODES:
                 measure(lm, stub, packs[0], mode)
         for r in range(repeats):

@@ -391,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     adapter = train_adapter(
                         lm, examples, source="packstore.kv.synthetic + tools/second_facts.py", tokens=args.tokens, steps=args.steps,
                         learning_rate=args.learning_rate, seed=seed,
-                        progress=lambda step, loss: log(f"{name} seed {seed} step {step}: KL {loss:.4f}") if step % 25 == 0 else None,
+                        progress=lambda step, loss, name=name, seed=seed: log(f"{name} seed {seed} step {step}: KL {loss:.4f}") if step % 25 == 0 else None,
                     )
                     save_adapter(adapter, path)
                     jsonl_appender(args.out / "training.jsonl")({"model": lm.name, "seed": seed, "steps": args.steps, "examples": args.examples, **adapter.header.metrics})

@@ -80,7 +80,7 @@ def test_tokens_files_are_checked_entry_by_entry(tmp_path) -> None:
 
 
 def test_no_token_or_an_unknown_one_is_unauthenticated_but_health_answers(server) -> None:
-    for name, token in ((None, None), ("stranger", "not-a-token")):
+    for _name, token in ((None, None), ("stranger", "not-a-token")):
         with RemoteStore(server.url, connection=Connection(token=token), timeout=10) as store, pytest.raises(Unauthenticated):
             store.list()
     with grpc.insecure_channel(server.address) as channel:
@@ -180,7 +180,7 @@ def test_a_read_creates_no_namespace_and_answers_as_an_empty_one(server) -> None
             lambda store: store.stat("nothing"), lambda store: PackReader(store).fetch("nothing"), lambda store: PackReader(store).verify("nothing"),
             lambda store: open_banks(store, TEST_BANK_CACHE).route("kb-nothing", ["who?"]), lambda store: open_banks(store, TEST_BANK_CACHE).digest("kb-nothing"),
         ):
-            absent, missing = refusal(lambda: read(reader)), refusal(lambda: read(a))  # a: a namespace that exists
+            absent, missing = refusal(lambda read=read: read(reader)), refusal(lambda read=read: read(a))  # a: a namespace that exists
             assert absent == missing and "nothing" in absent
     assert not ghost.exists()
     operator_view = samples(scrape(server, TOKENS["operator"][0]))

@@ -61,7 +61,7 @@ def ticket_for(server, ref: str, **fields) -> tuple[store_pb2.PackInfo, store_pb
 def requests_counted(server, method: str, code: str) -> float:
     text = urllib.request.urlopen(f"http://{server.metrics}/metrics").read().decode()
     line = f'packstore_requests_total{{code="{code}",method="{method}",'  # any namespace
-    return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(line))
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(line))
 
 
 def same(a, b) -> bool:

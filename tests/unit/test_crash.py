@@ -137,7 +137,7 @@ def test_killing_a_packctl_writer_leaves_each_pack_whole_or_absent(tmp_path, rob
         writer.wait()
         if (data / "data.mdb").exists():
             check_store(data, set())
-    for key, path in files:  # retries: every pack stored once
+    for _key, path in files:  # retries: every pack stored once
         assert subprocess.run([str(PACKCTL), "--store", str(data), "import", str(path)], capture_output=True).returncode == 0
     assert check_store(data, {key for key, _ in files}) == len(files)
     robustness_report.append(f"crash (packctl import): {trials} trials, {killed} writers killed while running, 0 partial packs, retries stored each pack once")

@@ -263,7 +263,7 @@ class Lingering:
                         sock.close()
                         self.waiting.remove(entry)
                         break
-            for sock, _, deadline, _, data in self.waiting:
+            for _sock, _, deadline, _, data in self.waiting:
                 assert time.monotonic() < deadline, f"a connection silent mid-hello was still open after {HANG_SECONDS} s ({len(data)} bytes came)"
             if not over:
                 return

@@ -15,7 +15,6 @@ from typing import Any
 import grpc
 import pytest
 from test_format import make_pack
-from test_service import remote, server  # noqa: F401  (fixtures: a server on loopback, a client that empties it after each test)
 
 from bank_helpers import TEST_BANK_CACHE
 from packstore.bank.bank import open_banks
@@ -133,7 +132,7 @@ def test_a_declared_huge_chunk_is_refused_before_buffering(server, remote) -> No
         record["chunks"][0]["stored_bytes"] = 1 << 30
 
     header_json, _ = forged(huge)
-    rss = lambda: int(next(l for l in open(f"/proc/{server.process.pid}/status") if l.startswith("VmRSS")).split()[1]) << 10  # noqa: E731
+    rss = lambda: int(next(ln for ln in open(f"/proc/{server.process.pid}/status") if ln.startswith("VmRSS")).split()[1]) << 10  # noqa: E731
     before = rss()
     with pytest.raises(grpc.RpcError) as info:
         put_raw(server, header_json, [b"\0" * (64 * MIB)])

@@ -186,7 +186,7 @@ def test_a_read_creates_no_namespace_in_the_bucket_or_the_cache(seaweed, url, tm
         with RemoteStore(a.url, connection=as_operator("ghost")) as ghost, RemoteStore(a.url, connection=as_operator("default")) as default:
             assert (ghost.list(), ghost.counts().packs, PackReader(ghost).verify_all(), open_banks(ghost, TEST_BANK_CACHE).list()) == ([], 0, [], [])
             for read in (lambda store: store.stat("nothing"), lambda store: PackReader(store).fetch("nothing"), lambda store: open_banks(store, TEST_BANK_CACHE).route("nothing", ["?"])):
-                assert refusal(lambda: read(ghost)) == refusal(lambda: read(default))  # as a namespace that exists answers
+                assert refusal(lambda read=read: read(ghost)) == refusal(lambda read=read: read(default))  # as a namespace that exists answers
         assert not (tmp_path / "a" / "object-cache" / "ghost").exists() and seaweed.client().list_objects_v2(**ghost_objects)["KeyCount"] == 0
         with RemoteStore(b.url, connection=as_operator("ghost")) as writer:
             key, _ = writer.put(encode_pack(random_pack(model_fp, 6)))

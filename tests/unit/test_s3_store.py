@@ -103,7 +103,7 @@ def test_concurrent_name_writes_from_two_replicas_lose_no_update(replicas, seawe
         outcomes: list[object] = []
         removing = threading.Barrier(2)
 
-        def remove(store: ObjectStore) -> None:
+        def remove(store: ObjectStore, removing: threading.Barrier = removing, outcomes: list[object] = outcomes) -> None:
             removing.wait()
             try:
                 outcomes.append(store.delete_name("once", model_fp=model_fp))

@@ -32,20 +32,6 @@ from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("svc") / "data") as running:
-        yield running
-
-
-@pytest.fixture
-def remote(server):
-    with RemoteStore(server.url) as store:
-        yield store
-        for key in store.keys():
-            store.delete(key)
-
-
 def stub_for(server) -> store_pb2_grpc.PackStoreStub:
     return store_pb2_grpc.PackStoreStub(grpc.insecure_channel(server.address))
 
@@ -282,7 +268,7 @@ def test_many_concurrent_large_reads_keep_server_memory_bounded(tmp_path: Path) 
         with RemoteStore(server.url) as remote:
             key, _ = remote.put(encode_pack(pack))
             stored = remote.stat(key).stored_bytes
-        rss = lambda: int(next(l for l in open(f"/proc/{server.process.pid}/status") if l.startswith("VmRSS")).split()[1]) * 1024  # noqa: E731
+        rss = lambda: int(next(ln for ln in open(f"/proc/{server.process.pid}/status") if ln.startswith("VmRSS")).split()[1]) * 1024  # noqa: E731
         before, peak = rss(), [0]
         streams = [stub_for(server).GetPack(store_pb2.GetPackRequest(ref=key)) for _ in range(16)]
         headers = [next(s) for s in streams]  # every stream started; each now reads slowly

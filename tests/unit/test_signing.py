@@ -16,7 +16,7 @@ from packstore.answering.answer import Answerer, Question
 from packstore.answering.api import sign_bank, store_pack, verify_banks
 from packstore.bank.bank import open_banks
 from packstore.cli.packctl import main as packctl
-from packstore.errors import IntegrityError, InvalidInput, Untrusted
+from packstore.errors import IntegrityError, InvalidInput, PackNotFound, Untrusted
 from packstore.format.packfile import pack_file_parts, parse_pack_file
 from packstore.format.signature import Signature, signed_message
 from packstore.kv.build import build_pack
@@ -119,7 +119,7 @@ def test_a_signed_upload_carries_its_signatures_and_a_bad_one_stores_nothing(any
     bad = dataclasses.replace(fresh, signatures=(keys["alice"].sign("pack", "c" * 64),))
     with pytest.raises(IntegrityError):
         any_store.put(bad)
-    with pytest.raises(Exception):
+    with pytest.raises(PackNotFound):
         any_store.stat(fresh.header.key)
 
 
