@@ -36,9 +36,9 @@ import subprocess
 import threading
 import time
 import warnings
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
 
 RESIDENT_KEYS = {1: ("total_rss", "total_shmem"), 2: ("anon", "shmem")}
 CHARGED_PEAK = {1: "memory.max_usage_in_bytes", 2: "memory.peak"}
@@ -214,7 +214,7 @@ def _make_child(version: int, parent: Path, name: str, limit_bytes: int | None) 
         try:
             (child / LIMIT_FILE[version]).write_text(str(limit_bytes))
         except OSError:
-            warnings.warn(f"could not limit the test cgroup {child} to {limit_bytes} bytes")
+            warnings.warn(f"could not limit the test cgroup {child} to {limit_bytes} bytes", stacklevel=2)
     return child
 
 
@@ -235,7 +235,7 @@ def _remove(child: Path, parent: Path) -> None:
             if exc.errno != errno.EBUSY:
                 break
         time.sleep(0.1)
-    warnings.warn(f"could not remove the test cgroup {child}")
+    warnings.warn(f"could not remove the test cgroup {child}", stacklevel=2)
 
 
 @contextmanager

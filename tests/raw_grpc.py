@@ -80,7 +80,7 @@ def raw_unary(address: str, path: str, request: bytes, headers: list[tuple[bytes
             sock.settimeout(remaining)
             try:
                 data = sock.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 data = b""

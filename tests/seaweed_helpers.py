@@ -14,10 +14,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import boto3
 from botocore.config import Config
@@ -135,7 +135,7 @@ def _wait_ready(server: Seaweed, timeout: float = 60.0) -> None:
         try:
             client.list_buckets()
             return
-        except (BotoCoreError, ClientError):
+        except (BotoCoreError, ClientError) as exc:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"weed mini did not serve S3 within {timeout} s; see {server.log}")
+                raise TimeoutError(f"weed mini did not serve S3 within {timeout} s; see {server.log}") from exc
             time.sleep(0.2)

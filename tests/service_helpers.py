@@ -9,9 +9,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -71,7 +72,7 @@ class RunningServer:
 
 @contextmanager
 def running_server(
-    data: Path, *extra: str, tls: dict | None = None, env: dict | None = None, cgroup: "MemoryCgroup | None" = None
+    data: Path, *extra: str, tls: dict | None = None, env: dict | None = None, cgroup: MemoryCgroup | None = None
 ) -> Iterator[RunningServer]:
     """``packstore serve`` on ``data``; yields once its health reports SERVING. ``cgroup``: start it inside that memory
     cgroup (``cgroup_helpers.memory_cgroup``), so what it holds can be read there."""
@@ -95,7 +96,7 @@ def running_server(
 
 @contextmanager
 def running_worker(
-    store_url: str, model: str, log_dir: Path, *extra: str, tls: dict | None = None, env: dict | None = None, cgroup: "MemoryCgroup | None" = None
+    store_url: str, model: str, log_dir: Path, *extra: str, tls: dict | None = None, env: dict | None = None, cgroup: MemoryCgroup | None = None
 ) -> Iterator[RunningServer]:
     """``packstore worker`` against ``store_url``; yields once its health reports SERVING. ``cgroup``: as for ``running_server``."""
     address = f"127.0.0.1:{free_port()}"

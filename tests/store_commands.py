@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
+from test_format import make_pack
 
 from packstore.packs.admin import export_pack
 from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
-from test_format import make_pack
 
 NAME = "light"
 

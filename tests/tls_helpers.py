@@ -21,7 +21,7 @@ def _write_key(path: Path, key) -> None:
 
 
 def _certificate(subject: str, key, issuer_name, issuer_key, *, ca: bool, usage=None, names=()):
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))

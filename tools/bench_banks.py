@@ -33,13 +33,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import logger, machine_description, print_table, source_description  # noqa: E402
-
 from packstore.bank.bank import build_bank, default_probe, route  # noqa: E402
 from packstore.bank.embedder import Embedder, load_embedder  # noqa: E402
-from packstore.kv.synthetic import synthetic_fact, synthetic_facts  # noqa: E402
 from packstore.errors import PackNotFound  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.models import load_model  # noqa: E402
+from packstore.kv.synthetic import synthetic_fact, synthetic_facts  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 
 TOP_K = 5

@@ -18,8 +18,8 @@ import argparse
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -28,11 +28,10 @@ from service_helpers import running_server  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, median, print_table, source_description, timed  # noqa: E402
-
 from packstore.format import ChunkInfo, PackHeader  # noqa: E402
 from packstore.format.header import CODEC  # noqa: E402
-from packstore.store import LmdbStore, PackStore  # noqa: E402
 from packstore.rpc.remote import RemoteStore  # noqa: E402
+from packstore.store import LmdbStore, PackStore  # noqa: E402
 
 TOKENS, FACTS, LAYERS, BATCH = 2048, 20, 30, 1000
 MODEL_FP, TEMPLATE_FP = "5" * 64, "6" * 64
@@ -66,7 +65,7 @@ def bulk_load(store: LmdbStore, count: int) -> None:
     for start in range(0, count, BATCH):
         headers = [synthetic_header(i, rng) for i in range(start, min(start + BATCH, count))]
 
-        def body(txn) -> None:
+        def body(txn, headers: list = headers, start: int = start) -> None:
             for offset, header in enumerate(headers):
                 name = f"pack-{start + offset}" if (start + offset) % 10 == 0 else None
                 store._commit_in(txn, header, lambda _: b"", name)

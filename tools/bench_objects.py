@@ -29,19 +29,19 @@ import os
 import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Sequence
 
 import boto3
 import grpc
 import torch
 
 from packstore.format import EncodedPack, PackHeader
+from packstore.packs.tensors import Pack, encode_pack
 from packstore.rpc.remote import RemoteStore
 from packstore.store.objects.store import ObjectStore
-from packstore.packs.tensors import Pack, encode_pack
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from seaweed_helpers import Seaweed, running_seaweed  # noqa: E402
@@ -49,8 +49,8 @@ from service_helpers import RunningServer, running_server  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, median, print_table, source_description, timed  # noqa: E402
-from packstore.packs.reader import PackReader
 from packstore.packs.decoder import Decoder  # noqa: E402
+from packstore.packs.reader import PackReader
 
 DECODER = Decoder()  # the chunk threads every read of this run decodes on, as a program's entry point makes one
 
@@ -90,7 +90,11 @@ def single_client(seaweed: Seaweed, replica: RunningServer, packs: Sequence[Enco
     with RemoteStore(replica.url) as remote:
         for index, encoded in enumerate(packs):
             key, size = encoded.header.key, encoded.stored_bytes
-            for mode, read in (("cold", lambda: PackReader(remote, DECODER).get(key)), ("warm", lambda: PackReader(remote, DECODER).get(key)), ("boto3", lambda: boto3_read(client, seaweed.bucket, encoded.header))):
+            for mode, read in (
+                ("cold", lambda key=key: PackReader(remote, DECODER).get(key)),
+                ("warm", lambda key=key: PackReader(remote, DECODER).get(key)),
+                ("boto3", lambda encoded=encoded: boto3_read(client, seaweed.bucket, encoded.header)),
+            ):
                 seconds, got = timed(read)
                 assert (got if isinstance(got, int) else got.stored_bytes) == size
                 rows[mode].append(seconds)

@@ -40,9 +40,10 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -53,18 +54,18 @@ import zstandard  # noqa: E402
 from packstore.answering.answer import Answerer, Question  # noqa: E402
 from packstore.format import codec  # noqa: E402
 from packstore.format.body import max_plain_bytes  # noqa: E402
-from packstore.packs.tensors import Pack, decode_pack, encode_pack  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.inject import Sampling, answer_with_text  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
 from packstore.kv.render import render  # noqa: E402
+from packstore.packs.tensors import Pack, decode_pack, encode_pack  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, median, print_table, source_description, timed  # noqa: E402
 from benchlib import machine_description as describe_machine  # noqa: E402
-from packstore.packs.reader import PackReader
 from packstore.packs.decoder import Decoder  # noqa: E402
+from packstore.packs.reader import PackReader
 
 DECODER = Decoder()  # the chunk threads every read of this run decodes on, as a program's entry point makes one
 
@@ -147,7 +148,7 @@ def load_stored(lm: LoadedModel, store: LmdbStore, key: str) -> Pack:
     return Answerer(lm, store, cache_bytes=0, decoder=DECODER).pack(key)[0]
 
 
-def ask(lm: LoadedModel, store: LmdbStore, case: "Case", ready: bool) -> str:
+def ask(lm: LoadedModel, store: LmdbStore, case: Case, ready: bool) -> str:
     """The first token's text through ``Answerer.ask``: from the store (``ready`` False, an Answerer with no
     ready-cache, as on a miss) or with the case's pack already ready (a hit)."""
     answerer = Answerer(lm, store, cache_bytes=case.kv_bytes if ready else 0, decoder=DECODER)
@@ -243,7 +244,7 @@ def bench_get(store: LmdbStore, cases: Sequence[Case], workdir: Path, repeats: i
         for case in cases:
             for name, op in ops.items():
                 gc.collect()
-                times[case.target, name].append(timed(lambda: op(case))[0])
+                times[case.target, name].append(timed(lambda op=op, case=case: op(case))[0])
         log(f"get throughput: repeat {r + 1}/{repeats} done")
     rows = []
     for case in cases:
@@ -330,11 +331,11 @@ def time_codec(c: Codec, blobs: Sequence[bytes]) -> tuple[float, float, int]:
     packed_chunks = []
     for blob in blobs:
         source = bytearray(blob) if c.mutates_input else blob
-        seconds, packed = timed(lambda: c.compress(source))
+        seconds, packed = timed(lambda source=source: c.compress(source))
         compress_s += seconds
         packed_chunks.append(packed)
     for blob, packed in zip(blobs, packed_chunks):
-        seconds, plain = timed(lambda: c.decompress(packed))
+        seconds, plain = timed(lambda packed=packed: c.decompress(packed))
         decompress_s += seconds
         assert plain == blob, f"{c.name}: decode is not bit-exact"
     return compress_s, decompress_s, sum(len(p) for p in packed_chunks)

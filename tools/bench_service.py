@@ -60,10 +60,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import TypeVar
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -72,12 +73,12 @@ import redis  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from packstore.rpc.remote import RemoteStore  # noqa: E402
 from packstore.format import EncodedPack, PackHeader  # noqa: E402
-from packstore.packs.tensors import Pack, encode_pack, pack_from_chunks  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.inject import Sampling, answer_with_text  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
+from packstore.packs.tensors import Pack, encode_pack, pack_from_chunks  # noqa: E402
+from packstore.rpc.remote import RemoteStore  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 from packstore.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 
@@ -87,8 +88,8 @@ from service_helpers import free_port, running_server, running_worker  # noqa: E
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import elapsed, logger, median, print_table, source_description, timed  # noqa: E402
 from benchlib import machine_description as describe_machine  # noqa: E402
-from packstore.packs.reader import PackReader
 from packstore.packs.decoder import Decoder  # noqa: E402
+from packstore.packs.reader import PackReader
 
 DECODER = Decoder()  # the chunk threads every read of this run decodes on, as a program's entry point makes one
 
@@ -490,7 +491,7 @@ def bench_ttft(lm: LoadedModel, worker_address: str, cases: dict[int, list[tuple
     with grpc.insecure_channel(worker_address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         log("time to first token: warm-up")
-        for size, packs in cases.items():
+        for packs in cases.values():
             for mode in TTFT_MODES:
                 measure(lm, stub, packs[0], mode)
         for r in range(repeats):

@@ -30,19 +30,19 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "unit"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import elapsed, logger, machine_description, median, print_table, source_description, timed  # noqa: E402
-from service_helpers import running_server  # noqa: E402
 from test_format import make_pack  # noqa: E402
 
+from benchlib import elapsed, logger, machine_description, median, print_table, source_description, timed  # noqa: E402
+from packstore.packs.decoder import Decoder  # noqa: E402
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import encode_pack  # noqa: E402
 from packstore.rpc.channel import Connection  # noqa: E402
+from packstore.rpc.remote import RemoteStore  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 from packstore.store.namespaces import namespace_path  # noqa: E402
-from packstore.rpc.remote import RemoteStore  # noqa: E402
-from packstore.packs.tensors import encode_pack  # noqa: E402
-from packstore.packs.reader import PackReader
-from packstore.packs.decoder import Decoder  # noqa: E402
 
 DECODER = Decoder()  # the chunk threads every read of this run decodes on, as a program's entry point makes one
+from service_helpers import running_server  # noqa: E402
 
 log = logger("bench_tenants")
 TOKENS = {"a": "bench-secret-a", "b": "bench-secret-b"}

@@ -25,8 +25,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

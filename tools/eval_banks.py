@@ -29,9 +29,9 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -40,8 +40,8 @@ import torch  # noqa: E402
 
 import packstore.bank.bank as bank_module  # noqa: E402
 from packstore.bank.bank import BankCache, build_bank, route  # noqa: E402
-from packstore.kv.synthetic import synthetic_facts  # noqa: E402
 from packstore.format.bank import VECTOR_KINDS  # noqa: E402
+from packstore.kv.synthetic import synthetic_facts  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

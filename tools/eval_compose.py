@@ -46,8 +46,8 @@ import random
 import re
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -340,16 +340,16 @@ def run_timing(
     lengths = [len(lm.tokenizer(text, add_special_tokens=False).input_ids) + 1 for text in texts]  # + the "\n"
     for target in targets:
         groups = fill_parts(texts, lengths, parts, target // parts)
-        build_seconds, packs = timed(lambda: [build_pack(lm, group) for group in groups])
+        build_seconds, packs = timed(lambda groups=groups: [build_pack(lm, group) for group in groups])
         log(f"{lm.name} timing {target}: {parts} parts built ({sum(p.header.tokens for p in packs)} tokens) in {build_seconds:.1f} s")
         seconds: dict[str, list[float]] = {"exact": [], "rope": []}
         results: dict[str, Composition] = {}
         for _ in range(repeats):
             gc.collect()
-            elapsed, results["exact"] = timed(lambda: composed(lm, packs))
+            elapsed, results["exact"] = timed(lambda packs=packs: composed(lm, packs))
             seconds["exact"].append(elapsed)
             gc.collect()
-            elapsed, results["rope"] = timed(lambda: splice(lm, packs, "rope"))
+            elapsed, results["rope"] = timed(lambda packs=packs: splice(lm, packs, "rope"))
             seconds["rope"].append(elapsed)
             if seconds["exact"][0] > budget:
                 break

@@ -36,8 +36,8 @@ import os
 import random
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -52,8 +52,8 @@ from packstore.kv.inject import cache_aligned_ids, cache_from_pack, greedy_with_
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
 from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_TOKENS  # noqa: E402
 from packstore.kv.packet import generated_examples, packet_compose, train_adapter  # noqa: E402
-from packstore.kv.render import render  # noqa: E402
 from packstore.kv.records import Example  # noqa: E402
+from packstore.kv.render import render  # noqa: E402
 from packstore.packs.tensors import Pack, decode_pack, encode_pack  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -391,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     adapter = train_adapter(
                         lm, examples, source="packstore.kv.synthetic + tools/second_facts.py", tokens=args.tokens, steps=args.steps,
                         learning_rate=args.learning_rate, seed=seed,
-                        progress=lambda step, loss: log(f"{name} seed {seed} step {step}: KL {loss:.4f}") if step % 25 == 0 else None,
+                        progress=lambda step, loss, name=name, seed=seed: log(f"{name} seed {seed} step {step}: KL {loss:.4f}") if step % 25 == 0 else None,
                     )
                     save_adapter(adapter, path)
                     jsonl_appender(args.out / "training.jsonl")({"model": lm.name, "seed": seed, "steps": args.steps, "examples": args.examples, **adapter.header.metrics})

@@ -34,8 +34,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -45,9 +45,9 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -60,12 +60,12 @@ from packstore.answering.facts import read_items, read_pairs  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.inject import Sampling  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
-from packstore.kv.render import render  # noqa: E402
-from packstore.kv.steer import Direction, SteeredCache, build_steering, model_layers, steering_deltas  # noqa: E402
 from packstore.kv.options import middle_third  # noqa: E402
 from packstore.kv.records import Pair  # noqa: E402
-from packstore.store import LmdbStore  # noqa: E402
+from packstore.kv.render import render  # noqa: E402
+from packstore.kv.steer import Direction, SteeredCache, build_steering, model_layers, steering_deltas  # noqa: E402
 from packstore.packs.tensors import Pack, encode_pack  # noqa: E402
+from packstore.store import LmdbStore  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, source_description  # noqa: E402

@@ -14,9 +14,9 @@ import os
 import re
 import string
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -121,7 +121,7 @@ class Interval:
         """``mean [low, high]`` in percent, one decimal."""
         return f"{100 * self.mean:.1f} [{100 * self.low:.1f}, {100 * self.high:.1f}]"
 
-    def scaled(self, factor: float) -> "Interval":
+    def scaled(self, factor: float) -> Interval:
         """The same interval in other units (``100``: percent), for plotting."""
         return Interval(factor * self.mean, factor * self.low, factor * self.high)
 

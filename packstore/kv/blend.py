@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from packstore.errors import InvalidInput
-from packstore.kv.build import prefill
+from packstore.kv.build import layer_kv, prefill
 from packstore.kv.models import LoadedModel
 from packstore.packs.tensors import Pack
 
@@ -49,10 +49,10 @@ class _ScatterCache(DynamicCache):
         self.positions = positions
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        layer = self.layers[layer_idx]
-        layer.keys[:, :, self.positions] = key_states
-        layer.values[:, :, self.positions] = value_states
-        return layer.keys, layer.values
+        keys, values = layer_kv(self.layers[layer_idx])
+        keys[:, :, self.positions] = key_states
+        values[:, :, self.positions] = value_states
+        return keys, values
 
 
 def _probe_values(lm: LoadedModel, token_ids: Sequence[int], layers: int) -> torch.Tensor:
@@ -64,7 +64,7 @@ def _probe_values(lm: LoadedModel, token_ids: Sequence[int], layers: int) -> tor
         cache = prefill(lm, token_ids)
     finally:
         config.num_hidden_layers = total
-    return cache.layers[layers - 1].values[0]
+    return layer_kv(cache.layers[layers - 1])[1][0]
 
 
 def _attention_masks(lm: LoadedModel, positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor | dict:
@@ -120,5 +120,5 @@ def selective_recompute(
             )
     plain = DynamicCache()  # a plain cache from here on: generation appends to it
     for layer in range(layers):
-        plain.update(cache.layers[layer].keys, cache.layers[layer].values, layer)
+        plain.update(*layer_kv(cache.layers[layer]), layer)
     return Blend(plain, positions.tolist(), len(ids), probe_layers)

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
+from transformers.cache_utils import CacheLayerMixin
 
 from packstore.errors import InvalidInput
 from packstore.format import PackHeader
@@ -40,10 +41,20 @@ def prefill(
     return cache
 
 
+def layer_kv(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V (``[batch, kv_heads, positions, head_dim]``) one layer of a filled cache holds: the caches here
+    are DynamicCaches of attention layers (a CacheLayerMixin, whose tensors are set once it has seen tokens)."""
+    keys, values = (layer.keys, layer.values) if isinstance(layer, CacheLayerMixin) else (None, None)
+    if keys is None or values is None:
+        raise TypeError(f"a {type(layer).__name__} cache layer holding no K/V")
+    return keys, values
+
+
 def cache_tensors(cache: DynamicCache, tokens: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-layer K and V as ``[kv_heads, tokens, head_dim]`` CPU tensors (the first ``tokens`` positions)."""
-    keys = [layer.keys[0, :, :tokens].detach().to("cpu").contiguous() for layer in cache.layers]
-    values = [layer.values[0, :, :tokens].detach().to("cpu").contiguous() for layer in cache.layers]
+    layers = [layer_kv(layer) for layer in cache.layers]
+    keys = [k[0, :, :tokens].detach().to("cpu").contiguous() for k, _ in layers]
+    values = [v[0, :, :tokens].detach().to("cpu").contiguous() for _, v in layers]
     return keys, values
 
 
@@ -84,7 +95,7 @@ def knowledge_pack(
         created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         parents=tuple(parents),
         composition=composition,
-        soft_tokens=tuple(tuple(pair) for pair in soft_tokens),
+        soft_tokens=tuple((index, count) for index, count in soft_tokens),
     )
     return Pack(header=header, keys=keys, values=values)
 

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from packstore.format.body import ERRATUM_PREFIX
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.format import PackHeader
+from packstore.format.body import ERRATUM_PREFIX
 from packstore.format.header import COMPOSITIONS
 from packstore.kv.build import PREFILL_CHUNK_TOKENS, clean_facts, knowledge_pack, prefill
 from packstore.kv.inject import cache_from_pack, check_identity
-from packstore.kv.models import LoadedModel
+from packstore.kv.models import LoadedModel, embedding_weight
 from packstore.kv.render import group_spans, pack_prefix_ids
 from packstore.kv.rope import layer_frequencies, rotate_keys
 from packstore.packs.tensors import Pack
@@ -155,7 +155,7 @@ class _Prefill:
             embed = self.lm.model.get_input_embeddings()
             device = self.lm.device
             with torch.set_grad_enabled(self.grad):
-                dtype = embed.weight.dtype
+                dtype = embedding_weight(embed).dtype
                 pieces = [
                     embed(torch.tensor(item, device=device)) if isinstance(item, list) else item.to(device, dtype) for item in self.pending
                 ]

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from packstore.format.header import canonical_json, sha256_hex
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -30,7 +33,7 @@ def weights_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def model_identity(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, Any]:
+def model_identity(model: PreTrainedModel, dtype: torch.dtype) -> dict[str, Any]:
     """The fields that decide what KV cache a model computes for given tokens."""
     config = model.config.get_text_config(decoder=True)
     names = [name for name, _ in model.named_modules()]
@@ -57,7 +60,7 @@ def model_identity(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, Any]
     }
 
 
-def model_fingerprint(model: torch.nn.Module, dtype: torch.dtype) -> str:
+def model_fingerprint(model: PreTrainedModel, dtype: torch.dtype) -> str:
     """``model_fp``: two checkpoints of the same shape but different weights get different values."""
     return sha256_hex(canonical_json(model_identity(model, dtype)))
 

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from queue import Queue
 
 import torch
@@ -109,14 +110,16 @@ class PackLayer(DynamicLayer):
 
     def __init__(self, take: Callable[[], tuple[torch.Tensor, torch.Tensor]], positions: int) -> None:
         super().__init__()
-        self._take, self._positions = take, positions
+        self._take: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = take
+        self._positions = positions
 
     keys = _arriving_tensor("_keys")
     values = _arriving_tensor("_values")
 
     def _arrive(self) -> None:
-        if getattr(self, "_take", None) is not None:
-            take, self._take = self._take, None
+        take: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = getattr(self, "_take", None)  # unset in __init__
+        if take is not None:
+            self._take = None
             self._keys, self._values = take()
             self.dtype, self.device, self.is_initialized = self._keys.dtype, self._keys.device, True
 
@@ -142,7 +145,7 @@ def cache_from_pack(
         k, v = pack.layer(slot)
         return k[:, :positions].unsqueeze(0).to(device), v[:, :positions].unsqueeze(0).to(device)
 
-    cache.layers = [PackLayer(lambda slot=slot: take(slot), positions) for slot in range(len(pack.header.body_layers))]
+    cache.layers = [PackLayer(partial(take, slot), positions) for slot in range(len(pack.header.body_layers))]
     return cache
 
 
@@ -153,7 +156,7 @@ def greedy_with_logits(
     chosen from ([answer tokens, vocabulary]; the first row even for an empty answer)."""
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=lm.device)
     with torch.inference_mode():
-        out = lm.model.generate(
+        out = lm.model.generate(  # type: ignore[operator]  # GenerationMixin's, undeclared on PreTrainedModel: typed Tensor | Module
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             past_key_values=cache,
@@ -195,7 +198,7 @@ def _run_generate(
     if sampling.seed is not None:
         torch.manual_seed(sampling.seed)
     with torch.inference_mode():
-        return lm.model.generate(
+        return lm.model.generate(  # type: ignore[operator]  # GenerationMixin's, undeclared on PreTrainedModel: typed Tensor | Module
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             past_key_values=cache,
@@ -208,7 +211,9 @@ def _run_generate(
 def _answer(lm: LoadedModel, new: list[int], prompt_tokens: int) -> Answer:
     while new and new[-1] in lm.stop_token_ids:
         new.pop()
-    return Answer(text=lm.tokenizer.decode(new, skip_special_tokens=True).strip(), token_ids=new, prompt_tokens=prompt_tokens)
+    text = lm.tokenizer.decode(new, skip_special_tokens=True)
+    assert isinstance(text, str)  # one list of ids decodes to one string (decode is typed for batches too)
+    return Answer(text=text.strip(), token_ids=new, prompt_tokens=prompt_tokens)
 
 
 def check_context(lm: LoadedModel, tokens: int) -> None:
@@ -228,16 +233,20 @@ def generate(lm: LoadedModel, token_ids: Sequence[int], sampling: Sampling, cach
     return _answer(lm, out[0, ids.shape[1] :].tolist(), ids.shape[1] - cached)
 
 
-def _start_generator() -> None:
-    """The process's generation thread (a forked child starts its own). Streamed generation runs on this one
+_generator_lock = threading.Lock()
+_generator: tuple[int, ThreadPoolExecutor] | None = None  # (the process id it was made in, the executor)
+
+
+def _generation_executor() -> ThreadPoolExecutor:
+    """The process's generation thread, made on first use (importing this module starts nothing) and made anew in a
+    forked child, which inherits the parent's executor but not its thread. Streamed generation runs on this one
     long-lived thread, not on a fresh thread per request: a fresh thread gets a fresh malloc arena whose pages
     fault in on first touch, a cost per request that grows with the positions (docs/benchmarks.md)."""
-    global _GENERATOR
-    _GENERATOR = ThreadPoolExecutor(1, thread_name_prefix="packstore-generate")
-
-
-_start_generator()
-os.register_at_fork(after_in_child=_start_generator)
+    global _generator
+    with _generator_lock:
+        if _generator is None or _generator[0] != os.getpid():
+            _generator = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="packstore-generate"))
+        return _generator[1]
 
 
 class _TokenQueue(BaseStreamer):
@@ -281,7 +290,7 @@ def generate_stream(
             failure.append(exc)
             streamer.end()
 
-    done = _GENERATOR.submit(run)
+    done = _generation_executor().submit(run)
     new: list[int] = []
     try:
         while (token := streamer.queue.get()) is not None:

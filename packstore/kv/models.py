@@ -122,6 +122,14 @@ def model_cache_dir() -> Path:
     return Path(base) / "packstore" / "models"
 
 
+def embedding_weight(embed: torch.nn.Module) -> torch.Tensor:
+    """The weight of an input embedding (``get_input_embeddings()``): nn.Module types its attributes Tensor | Module."""
+    weight = embed.weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(embed).__name__} has no weight tensor")
+    return weight
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -169,8 +177,9 @@ def _wheel_model_dir(wheel: WheelModel, bar: tqdm) -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The dequantized weights are plain tensors; drop the GGUF marker so they save as safetensors.
         del model.config.quantization_config
-        model.hf_quantizer = None
-        model.is_quantized = False
+        # nn.Module.__setattr__ is typed for Tensor | Module values; these are plain attributes transformers reads.
+        model.hf_quantizer = None  # type: ignore[assignment]
+        model.is_quantized = False  # type: ignore[assignment]
         if wheel.chat_template is not None:
             tokenizer.chat_template = wheel.chat_template
         out = work / "converted"
@@ -234,7 +243,7 @@ def load_model(
         bar.set_postfix_str("weights")
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
-        model.to(target).eval()
+        model.to(target).eval()  # type: ignore[arg-type]  # PreTrainedModel.to's wrapper is typed as taking the model
         if chat_template is not None:
             tokenizer.chat_template = chat_template
         bar.update(1)

@@ -28,7 +28,7 @@ from packstore.format.header import canonical_json, sha256_hex
 from packstore.kv.build import build_pack, clean_facts, prefill
 from packstore.kv.compose import Composition, SoftTokens, _spliced_pack, assemble
 from packstore.kv.inject import check_identity, greedy_with_logits
-from packstore.kv.models import LoadedModel
+from packstore.kv.models import LoadedModel, embedding_weight
 from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_TOKENS
 from packstore.kv.records import Example
 from packstore.kv.render import render
@@ -64,7 +64,7 @@ def generated_examples(count: int, *, seed: int = 0) -> list[Example]:
 
 
 def hidden_size(lm: LoadedModel) -> int:
-    return lm.model.get_input_embeddings().weight.shape[1]
+    return embedding_weight(lm.model.get_input_embeddings()).shape[1]
 
 
 def adapter_pack(lm: LoadedModel, soft: SoftTokens, *, recipe: dict, metrics: dict) -> Pack:
@@ -160,12 +160,13 @@ def distillation_loss(lm: LoadedModel, target: _Target, soft: SoftTokens | None,
 def initial_soft_tokens(lm: LoadedModel, tokens: int, generator: torch.Generator) -> SoftTokens:
     """Header and trailer started from the embeddings of randomly drawn vocabulary tokens (right scale)."""
     embed = lm.model.get_input_embeddings()
-    vocabulary = embed.weight.shape[0]
+    weight = embedding_weight(embed)
+    vocabulary = weight.shape[0]
     scale = float(getattr(embed, "embed_scale", 1.0))  # Gemma scales its token embeddings
     with torch.no_grad():
         picks = torch.randint(0, vocabulary, (2, tokens), generator=generator)
-        header = (embed.weight[picks[0]] * scale).float().clone()
-        trailer = (embed.weight[picks[1]] * scale).float().clone()
+        header = (weight[picks[0]] * scale).float().clone()
+        trailer = (weight[picks[1]] * scale).float().clone()
     return SoftTokens(header.requires_grad_(True), trailer.requires_grad_(True))
 
 
@@ -222,11 +223,11 @@ def train_adapter(
         if not order:
             order = list(range(len(train)))
             rng.shuffle(order)
-        example = target(order.pop(), train)
-        if example is None:
+        drawn = target(order.pop(), train)
+        if drawn is None:
             continue
         optimizer.zero_grad()
-        loss = distillation_loss(lm, example, soft, grad=True)
+        loss = distillation_loss(lm, drawn, soft, grad=True)
         loss.backward()
         optimizer.step()
         recent = (recent + [float(loss.detach())])[-50:]

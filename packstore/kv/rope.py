@@ -34,13 +34,12 @@ def layer_frequencies(lm: LoadedModel) -> list[torch.Tensor]:
         )
     rotary = lm.model.get_decoder().rotary_emb
     layers = text_config.num_hidden_layers
-    layer_types = getattr(text_config, "layer_types", None)
     if model_type == "llama":
         parameters = {"": text_config.rope_parameters}
         per_layer = [""] * layers
     else:
         parameters = dict(text_config.rope_parameters)
-        per_layer = list(layer_types)
+        per_layer = list(text_config.layer_types)
     frequencies: dict[str, torch.Tensor] = {}
     for layer_type, params in parameters.items():
         rope_type = _rope_type(params)

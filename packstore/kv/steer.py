@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from packstore.errors import InvalidInput
 from packstore.format import PackHeader
 from packstore.format.header import POOLINGS, inputs_hash
-from packstore.kv.build import prefill
+from packstore.kv.build import layer_kv, prefill
 from packstore.kv.inject import check_identity
 from packstore.kv.models import LoadedModel
 from packstore.kv.options import STEER_TARGETS, middle_third
@@ -59,8 +59,9 @@ def _pooled(lm: LoadedModel, text: str, pooling: str) -> tuple[list[torch.Tensor
     ids = lm.tokenizer(text).input_ids  # the tokenizer's own special tokens (a BOS where it adds one)
     cache = prefill(lm, ids)
     pool = (lambda t: t[0, :, -1]) if pooling == "last" else (lambda t: t[0].mean(dim=1))
-    keys = [pool(layer.keys.float()).cpu() for layer in cache.layers]
-    values = [pool(layer.values.float()).cpu() for layer in cache.layers]
+    layers = [layer_kv(layer) for layer in cache.layers]
+    keys = [pool(k.float()).cpu() for k, _ in layers]
+    values = [pool(v.float()).cpu() for _, v in layers]
     return keys, values
 
 
@@ -101,6 +102,7 @@ def build_steering(
         diff_v = [g - b for g, b in zip(good_v, bad_v)]
         sums_k = diff_k if sums_k is None else [s + d for s, d in zip(sums_k, diff_k)]
         sums_v = diff_v if sums_v is None else [s + d for s, d in zip(sums_v, diff_v)]
+    assert sums_k is not None and sums_v is not None  # check_pairs refuses an empty list
     keys = [(s / len(pairs)).to(lm.dtype).contiguous() for s in sums_k[first : last + 1]]
     values = [(s / len(pairs)).to(lm.dtype).contiguous() for s in sums_v[first : last + 1]]
     header = PackHeader(

@@ -7,9 +7,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SYLLABLES = ["ka", "zo", "mir", "tel", "van", "ru", "dex", "lo", "pha", "quin", "sor", "bel", "tir", "nox", "ul", "gra", "vey", "dun", "ix", "mael"]
-KINDS = ["lighthouse", "bakery", "observatory", "library", "shipyard", "vineyard", "monastery", "foundry", "theatre", "orchard", "brewery", "archive"]
-PLACES = ["the Kessel valley", "Port Amaranth", "the Orn highlands", "Lake Vesper", "the Tarn coast", "Old Brimley", "the Saffron isles", "Mount Caldera"]
+SYLLABLES = [
+    "ka", "zo", "mir", "tel", "van", "ru", "dex", "lo", "pha", "quin", "sor", "bel", "tir", "nox", "ul", "gra", "vey", "dun", "ix", "mael",
+]
+KINDS = [
+    "lighthouse", "bakery", "observatory", "library", "shipyard", "vineyard", "monastery", "foundry", "theatre", "orchard", "brewery",
+    "archive",
+]
+PLACES = [
+    "the Kessel valley", "Port Amaranth", "the Orn highlands", "Lake Vesper", "the Tarn coast", "Old Brimley", "the Saffron isles",
+    "Mount Caldera",
+]
 _SPAN = len(SYLLABLES) ** 5  # 3.2 million distinct five-syllable names
 
 

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from bank_helpers import TEST_BANK_CACHE
 from packstore.answering.answer import Answerer, Question
-from packstore.kv.synthetic import synthetic_facts
+from packstore.bank.bank import open_banks
 from packstore.kv.inject import Sampling
 from packstore.kv.models import load_model
+from packstore.kv.synthetic import synthetic_facts
 from packstore.store import LmdbStore
-from packstore.bank.bank import open_banks
-from bank_helpers import TEST_BANK_CACHE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 pytestmark = pytest.mark.integration

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from test_real_models import MODELS, eval_rows
 
 from packstore.answering.answer import Question
 from packstore.answering.api import amend_and_store, compose_and_store
-from packstore.packs.admin import export_pack, import_pack
 from packstore.cli.packctl import main as packctl
 from packstore.errors import PackNotFound
 from packstore.kv.build import build_pack
@@ -17,13 +17,13 @@ from packstore.kv.compose import compose_exact, splice
 from packstore.kv.inject import Sampling, answer_with_text
 from packstore.kv.models import load_model
 from packstore.kv.rope import layer_frequencies
-from packstore.store import LmdbStore
-from packstore.rpc.remote import RemoteStore
+from packstore.packs.admin import export_pack, import_pack
+from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
+from packstore.rpc.remote import RemoteStore
+from packstore.store import LmdbStore
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
-from test_real_models import MODELS, eval_rows
-from packstore.packs.reader import PackReader
 
 pytestmark = pytest.mark.integration
 GREEDY = Sampling(max_new_tokens=16)

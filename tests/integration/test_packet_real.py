@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_real_models import MODELS, eval_rows
 
 from packstore.answering.answer import Answerer, Question
 from packstore.cli.packctl import main as packctl
@@ -16,11 +17,10 @@ from packstore.kv.compose import compose_exact, splice
 from packstore.kv.inject import Sampling
 from packstore.kv.models import load_model
 from packstore.kv.packet import generated_examples
-from packstore.rpc.remote import RemoteStore
 from packstore.packs.tensors import encode_pack
+from packstore.rpc.remote import RemoteStore
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
-from test_real_models import MODELS, eval_rows
 
 pytestmark = pytest.mark.integration
 GREEDY = Sampling(max_new_tokens=12)

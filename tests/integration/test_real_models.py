@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from packstore.errors import PackMismatch
-from packstore.packs.tensors import decode_pack, encode_pack
 from packstore.format.body import BLOCK_POSITIONS
 from packstore.kv.build import build_pack, prefill
-from packstore.store import LmdbStore
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text, prefill_divergence
 from packstore.kv.models import load_model
 from packstore.packs.reader import PackReader
+from packstore.packs.tensors import decode_pack, encode_pack
+from packstore.store import LmdbStore
 
 pytestmark = pytest.mark.integration
 

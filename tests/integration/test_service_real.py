@@ -9,17 +9,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_real_models import eval_rows, fact_sets
 
 from packstore.answering.answer import Question
 from packstore.errors import PackMismatch
-from packstore.packs.tensors import encode_pack
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling
 from packstore.kv.models import load_model
+from packstore.packs.tensors import encode_pack
 from packstore.rpc.remote import RemoteStore
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
-from test_real_models import eval_rows, fact_sets
 
 pytestmark = pytest.mark.integration
 GREEDY = Sampling(max_new_tokens=24)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_real_models import MODELS, eval_rows
 
 from packstore.answering.answer import Answerer, Question
 from packstore.cli.packctl import main as packctl
@@ -15,7 +16,6 @@ from packstore.kv.options import middle_third
 from packstore.store import LmdbStore
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
-from test_real_models import MODELS, eval_rows
 
 pytestmark = pytest.mark.integration
 PAIRS = Path(__file__).resolve().parents[2] / "tools" / "steering_data" / "sentiment_pairs.jsonl"
@@ -75,8 +75,8 @@ def test_steer_build_ask_alone_and_with_a_pack_via_cli_and_worker(real_lm, tmp_p
 def test_a_steering_pack_answers_only_its_own_model(tmp_path: Path) -> None:
     """A steering pack built on one real model is refused by the other (model identity)."""
     from packstore.answering.api import build_steering_and_store
-    from packstore.errors import PackMismatch
     from packstore.answering.facts import read_pairs
+    from packstore.errors import PackMismatch
 
     first, second = (load_model(name, progress=False) for name in MODELS)
     with LmdbStore(tmp_path / "store") as store:

@@ -1,16 +1,21 @@
-"""Fixtures of the object-tier tests: one real S3 server (SeaweedFS ``weed mini``) per module, a prefix of its
-bucket per test, and two replicas on it."""
+"""Fixtures shared by the unit tests.
+
+The object-tier tests': one real S3 server (SeaweedFS ``weed mini``) per module, a prefix of its bucket per test,
+and two replicas on it. The service tests' (test_service, test_hostile): a ``packstore serve`` on loopback per
+module, and a client that empties it after each test; a module may define its own ``server`` instead."""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
+from packstore.rpc.remote import RemoteStore
 from packstore.store.objects.store import ObjectStore
 from seaweed_helpers import Seaweed, running_seaweed
+from service_helpers import running_server
 
 
 @pytest.fixture(scope="module")
@@ -37,3 +42,17 @@ def replicas(url: str, tmp_path: Path) -> Iterator[tuple[ObjectStore, ObjectStor
 @pytest.fixture
 def model_fp(request) -> str:
     return hashlib.sha256(request.node.name.encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("svc") / "data") as running:
+        yield running
+
+
+@pytest.fixture
+def remote(server):
+    with RemoteStore(server.url) as store:
+        yield store
+        for key in store.keys():
+            store.delete(key)

@@ -6,22 +6,22 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from test_identity import ALT_TEMPLATE
 
+from bank_helpers import TEST_BANK_CACHE
 from packstore.answering.answer import Answerer, Question, ReadyCache
-from packstore.kv.synthetic import synthetic_facts
+from packstore.answering.records import AnswerResult
+from packstore.bank.bank import open_banks
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch
 from packstore.format import PackHeader
-from packstore.packs.tensors import Pack, encode_pack
 from packstore.format.header import ChunkInfo
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling, answer_with_text
 from packstore.kv.models import load_model
-from packstore.answering.records import AnswerResult
+from packstore.kv.synthetic import synthetic_facts
+from packstore.packs.tensors import Pack, encode_pack
 from packstore.store import LmdbStore
 from packstore.store.lmdb.store import _chunk_key
-from test_identity import ALT_TEMPLATE
-from packstore.bank.bank import open_banks
-from bank_helpers import TEST_BANK_CACHE
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
 QUESTION = "What is Wexley famous for?"

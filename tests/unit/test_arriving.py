@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import pytest
 import torch
+from test_format import make_pack
 
 from packstore.errors import IntegrityError
+from packstore.format import codec
 from packstore.format.body import EncodedPack
 from packstore.kv.inject import PackLayer, cache_from_pack
-from packstore.format import codec
 from packstore.packs.decoder import Decoder
 from packstore.packs.tensors import ArrivingPack, BodyAssembler, encode_pack, start_pack
-from test_format import make_pack
 
 DECODER = Decoder()  # the chunk threads these tests decode on, as a program makes one
 

@@ -8,30 +8,30 @@ import signal
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+from test_format import make_pack
 
+from bank_helpers import TEST_BANK_CACHE
 from packstore.answering.answer import Question
+from packstore.bank.bank import open_banks
 from packstore.errors import InvalidInput, PackNotFound, PermissionDenied, Unauthenticated
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import encode_pack
 from packstore.rpc.channel import Connection
+from packstore.rpc.remote import RemoteStore
 from packstore.security.auth import Auth, load_tokens
 from packstore.store.namespaces import namespace_path
-from packstore.rpc.remote import RemoteStore
-from packstore.packs.tensors import encode_pack
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
-from test_format import make_pack
-from packstore.packs.reader import PackReader
-from packstore.bank.bank import open_banks
-from bank_helpers import TEST_BANK_CACHE
 
 TOKENS = {
     "a-writer": ("secret-a-writer", ["a"], "write"),
@@ -80,7 +80,7 @@ def test_tokens_files_are_checked_entry_by_entry(tmp_path) -> None:
 
 
 def test_no_token_or_an_unknown_one_is_unauthenticated_but_health_answers(server) -> None:
-    for name, token in ((None, None), ("stranger", "not-a-token")):
+    for _name, token in ((None, None), ("stranger", "not-a-token")):
         with RemoteStore(server.url, connection=Connection(token=token), timeout=10) as store, pytest.raises(Unauthenticated):
             store.list()
     with grpc.insecure_channel(server.address) as channel:
@@ -180,7 +180,7 @@ def test_a_read_creates_no_namespace_and_answers_as_an_empty_one(server) -> None
             lambda store: store.stat("nothing"), lambda store: PackReader(store).fetch("nothing"), lambda store: PackReader(store).verify("nothing"),
             lambda store: open_banks(store, TEST_BANK_CACHE).route("kb-nothing", ["who?"]), lambda store: open_banks(store, TEST_BANK_CACHE).digest("kb-nothing"),
         ):
-            absent, missing = refusal(lambda: read(reader)), refusal(lambda: read(a))  # a: a namespace that exists
+            absent, missing = refusal(lambda read=read: read(reader)), refusal(lambda read=read: read(a))  # a: a namespace that exists
             assert absent == missing and "nothing" in absent
     assert not ghost.exists()
     operator_view = samples(scrape(server, TOKENS["operator"][0]))

@@ -9,16 +9,16 @@ import time
 from pathlib import Path
 
 import pytest
+from test_format import make_pack
 
 from packstore.cli.packctl import main as packctl
 from packstore.errors import InvalidInput
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import encode_pack
+from packstore.rpc.remote import RemoteStore
 from packstore.store import LmdbStore
 from packstore.store.namespaces import backup, namespace_path
-from packstore.rpc.remote import RemoteStore
-from packstore.packs.tensors import encode_pack
 from service_helpers import running_server
-from test_format import make_pack
-from packstore.packs.reader import PackReader
 
 WRITER = r"""
 import sys

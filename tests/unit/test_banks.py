@@ -10,15 +10,14 @@ import lmdb
 import numpy as np
 import pytest
 
-from packstore.bank.bank import MIN_PROBE, add_facts, build_bank, default_probe, route
+from bank_helpers import TEST_BANK_CACHE
+from packstore.bank.bank import MIN_PROBE, add_facts, build_bank, default_probe, open_banks, route
 from packstore.bank.embedder import load_embedder, resolve_embedder_dir
-from packstore.kv.synthetic import synthetic_facts
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch, PackNotFound
 from packstore.format.bank import encode_centroids, encode_cluster, encode_lexical
+from packstore.kv.synthetic import synthetic_facts
 from packstore.store import LmdbStore
-from packstore.bank.bank import open_banks
-from bank_helpers import TEST_BANK_CACHE
 
 N = 400
 

@@ -16,8 +16,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
+from test_format import make_pack
 
 from packstore.errors import IntegrityError, InvalidInput, LimitExceeded, PackNotFound, Unauthenticated, Unavailable
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import encode_pack
 from packstore.rpc.bulk import (
     CHUNK,
     END,
@@ -32,16 +36,12 @@ from packstore.rpc.bulk import (
     recv_exact,
 )
 from packstore.rpc.messages import stored_pack
+from packstore.rpc.remote import RemoteStore
 from packstore.service.bulk import Tickets, bulk_address
 from packstore.service.hot import HotPacks
 from packstore.store import LmdbStore
-from packstore.rpc.remote import RemoteStore
-from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 from service_helpers import free_port, running_server
-from test_format import make_pack
-from packstore.packs.reader import PackReader
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def ticket_for(server, ref: str, **fields) -> tuple[store_pb2.PackInfo, store_pb
 def requests_counted(server, method: str, code: str) -> float:
     text = urllib.request.urlopen(f"http://{server.metrics}/metrics").read().decode()
     line = f'packstore_requests_total{{code="{code}",method="{method}",'  # any namespace
-    return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(line))
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(line))
 
 
 def same(a, b) -> bool:

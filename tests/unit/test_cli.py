@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_identity import ALT_TEMPLATE
 
 from packstore.cli.packctl import main
-from test_identity import ALT_TEMPLATE
 
 FACTS = "The river Tamsin flows through the town of Wexley.\nWexley is famous for its bells.\n"
 PACK_FIELDS = {"key", "name", "kind", "model_fp", "template_fp", "tokens", "dtype", "raw", "raw_bytes", "stored_bytes"}
@@ -58,8 +58,8 @@ def test_build_ask_ls_inspect_rm(cli, facts_file: Path, tmp_path: Path) -> None:
     questions.write_text('{"question": "Which river?"}\n{"question": "Which town?"}\n')
     code, out, _ = cli("ask", built["key"], "--questions", str(questions), "--model", "{model}", "--compare-rag", "--max-new-tokens", "8")
     lines = [json.loads(line) for line in out.splitlines()]
-    assert code == 0 and [l["question"] for l in lines] == ["Which river?", "Which town?"]
-    assert all(l["identical"] for l in lines)
+    assert code == 0 and [row["question"] for row in lines] == ["Which river?", "Which town?"]
+    assert all(row["identical"] for row in lines)
 
     code, out, _ = cli("ls", "--json")
     listed = json.loads(out)

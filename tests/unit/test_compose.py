@@ -7,8 +7,8 @@ import torch
 
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.format import PackHeader
-from packstore.kv.build import build_pack
 from packstore.format.body import ERRATUM_PREFIX
+from packstore.kv.build import build_pack
 from packstore.kv.compose import amend, compose_exact, splice
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text
 from packstore.kv.models import load_model

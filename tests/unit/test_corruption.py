@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_format import make_pack
 
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError
-from packstore.store import LmdbStore
-from packstore.rpc.remote import RemoteStore
-from packstore.packs.tensors import encode_pack
-from service_helpers import running_server
-from test_format import make_pack
 from packstore.packs.reader import PackReader
+from packstore.packs.tensors import encode_pack
+from packstore.rpc.remote import RemoteStore
+from packstore.store import LmdbStore
+from service_helpers import running_server
 
 DAMAGES = ("flip", "truncate", "zero-page")
 

@@ -14,17 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
-
-from packstore.packs.admin import export_pack
-from packstore.errors import PackstoreError
-from packstore.store import LmdbStore
-from packstore.rpc.remote import RemoteStore
-from packstore.packs.tensors import Pack, encode_pack
-from service_helpers import free_port, wait_serving
 from test_format import make_pack
-from packstore.packs.reader import PackReader
-from packstore.bank.bank import open_banks
+
 from bank_helpers import TEST_BANK_CACHE
+from packstore.bank.bank import open_banks
+from packstore.errors import PackstoreError
+from packstore.packs.admin import export_pack
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import Pack, encode_pack
+from packstore.rpc.remote import RemoteStore
+from packstore.store import LmdbStore
+from service_helpers import free_port, wait_serving
 
 UPLOADERS = 16
 PACKS_PER_UPLOADER = 3
@@ -137,7 +137,7 @@ def test_killing_a_packctl_writer_leaves_each_pack_whole_or_absent(tmp_path, rob
         writer.wait()
         if (data / "data.mdb").exists():
             check_store(data, set())
-    for key, path in files:  # retries: every pack stored once
+    for _key, path in files:  # retries: every pack stored once
         assert subprocess.run([str(PACKCTL), "--store", str(data), "import", str(path)], capture_output=True).returncode == 0
     assert check_store(data, {key for key, _ in files}) == len(files)
     robustness_report.append(f"crash (packctl import): {trials} trials, {killed} writers killed while running, 0 partial packs, retries stored each pack once")

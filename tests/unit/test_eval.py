@@ -11,11 +11,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import eval_packs  # noqa: E402
+from bank_helpers import TEST_BANK_CACHE
 from evallib import Row, exact_match, frozen_split, load_rows, mean_interval, normalize, split_rows, token_f1  # noqa: E402
+from packstore.bank.bank import open_banks
 from packstore.kv.inject import Sampling  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
-from packstore.bank.bank import open_banks
-from bank_helpers import TEST_BANK_CACHE
 
 
 @pytest.mark.parametrize(

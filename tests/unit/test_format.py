@@ -15,9 +15,9 @@ import torch
 
 from packstore.errors import IntegrityError, InvalidInput
 from packstore.format import EncodedPack, PackHeader, content_hash, pack_key, parse_key
-from packstore.packs.tensors import Pack, decode_pack, encode_pack, torch_dtype
 from packstore.format import header as header_format
 from packstore.format.header import canonical_json, sha256_hex
+from packstore.packs.tensors import Pack, decode_pack, encode_pack, torch_dtype
 
 FP_A = "a" * 64
 FP_B = "b" * 64

@@ -13,10 +13,10 @@ import pytest
 import torch
 import zstandard
 from safetensors.torch import load as safetensors_load
+from test_format import make_pack
 
 from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
-from test_format import make_pack
 
 
 def canonical(value) -> bytes:

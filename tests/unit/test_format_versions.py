@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from packstore.packs.admin import export_pack, import_pack
 from packstore.cli.packctl import main as packctl
-from packstore.store import LmdbStore
-from packstore.packs.tensors import decode_pack, encode_pack
+from packstore.packs.admin import export_pack, import_pack
 from packstore.packs.reader import PackReader
+from packstore.packs.tensors import decode_pack, encode_pack
+from packstore.store import LmdbStore
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "version3"
 CODEC2 = Path(__file__).resolve().parents[1] / "data" / "codec2"

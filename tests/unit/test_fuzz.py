@@ -18,20 +18,20 @@ import zstandard
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_format import make_pack
 
+from bank_helpers import TEST_BANK_CACHE
+from cgroup_helpers import memory_cgroup
+from packstore.bank.bank import open_banks
 from packstore.cli.packctl import main as packctl
 from packstore.format.body import chunk_digest
 from packstore.format.header import canonical_json, sha256_hex
 from packstore.format.packfile import pack_file_parts
-from packstore.store import LmdbStore
-from packstore.rpc.remote import RemoteStore
 from packstore.packs.tensors import encode_pack
+from packstore.rpc.remote import RemoteStore
+from packstore.store import LmdbStore
 from packstore.v1 import store_pb2, store_pb2_grpc
-from cgroup_helpers import memory_cgroup
 from service_helpers import running_server
-from test_format import make_pack
-from packstore.bank.bank import open_banks
-from bank_helpers import TEST_BANK_CACHE
 
 CLEAR = {
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS,

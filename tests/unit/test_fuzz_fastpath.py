@@ -34,28 +34,28 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
+from test_auth import TOKENS, tokens_file
+from test_format import make_pack
+from test_fuzz import CLEAR, any_char, fuzz, texts
+from test_steer import PAIRS
 
+from bank_helpers import TEST_BANK_CACHE
+from cgroup_helpers import memory_cgroup
+from packstore.bank.bank import open_banks
 from packstore.errors import ERROR_CLASSES, InvalidInput, PackstoreError
 from packstore.format.body import chunks_for, verify_chunk
 from packstore.kv.build import build_pack
 from packstore.kv.packet import generated_examples, train_adapter
 from packstore.kv.steer import build_steering
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import encode_pack
 from packstore.rpc.bulk import CHUNK, END, ERROR, FRAME, HELLO, MAGIC, MAX_ERROR_BYTES, TICKET_BYTES, ReceiveBuffers, bulk_chunks
 from packstore.rpc.channel import NAMESPACE_HEADER, Connection
 from packstore.rpc.messages import stored_pack
 from packstore.rpc.remote import RemoteStore
-from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc, worker_pb2, worker_pb2_grpc
-from cgroup_helpers import memory_cgroup
 from raw_grpc import raw_unary
 from service_helpers import running_server, running_worker
-from test_auth import TOKENS, tokens_file
-from test_format import make_pack
-from test_fuzz import CLEAR, any_char, fuzz, texts
-from test_steer import PAIRS
-from packstore.packs.reader import PackReader
-from packstore.bank.bank import open_banks
-from bank_helpers import TEST_BANK_CACHE
 
 SCALE = {"short": 1, "long": 20}
 EXAMPLES = {"bulk_port": 150, "bulk_reader": 250, "get_pack": 120, "auth": 140, "worker": 50}  # per scale unit
@@ -184,7 +184,7 @@ def read_all(sock: socket.socket, deadline: float) -> tuple[bytes, str]:
         sock.settimeout(remaining)
         try:
             got = sock.recv(1 << 20)
-        except socket.timeout:
+        except TimeoutError:
             continue
         except ConnectionResetError:
             return bytes(data), "reset"
@@ -263,7 +263,7 @@ class Lingering:
                         sock.close()
                         self.waiting.remove(entry)
                         break
-            for sock, _, deadline, _, data in self.waiting:
+            for _sock, _, deadline, _, data in self.waiting:
                 assert time.monotonic() < deadline, f"a connection silent mid-hello was still open after {HANG_SECONDS} s ({len(data)} bytes came)"
             if not over:
                 return

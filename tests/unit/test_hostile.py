@@ -8,27 +8,27 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 import pytest
+from test_format import make_pack
 
-from packstore.packs.admin import export_pack, import_pack
+from bank_helpers import TEST_BANK_CACHE
+from packstore.bank.bank import open_banks
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, InvalidInput, LimitExceeded, PackstoreError
 from packstore.format.body import chunk_digest
 from packstore.format.header import canonical_json, sha256_hex
 from packstore.format.packfile import FILE_MAGIC
-from packstore.store import LmdbStore
-from packstore.rpc.remote import RemoteStore
+from packstore.packs.admin import export_pack, import_pack
 from packstore.packs.tensors import encode_pack
+from packstore.rpc.remote import RemoteStore
+from packstore.store import LmdbStore
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
-from test_format import make_pack
-from test_service import remote, server  # noqa: F401  (fixtures: a server on loopback, a client that empties it after each test)
-from packstore.bank.bank import open_banks
-from bank_helpers import TEST_BANK_CACHE
 
 MIB = 1 << 20
 
@@ -132,7 +132,7 @@ def test_a_declared_huge_chunk_is_refused_before_buffering(server, remote) -> No
         record["chunks"][0]["stored_bytes"] = 1 << 30
 
     header_json, _ = forged(huge)
-    rss = lambda: int(next(l for l in open(f"/proc/{server.process.pid}/status") if l.startswith("VmRSS")).split()[1]) << 10  # noqa: E731
+    rss = lambda: int(next(ln for ln in open(f"/proc/{server.process.pid}/status") if ln.startswith("VmRSS")).split()[1]) << 10  # noqa: E731
     before = rss()
     with pytest.raises(grpc.RpcError) as info:
         put_raw(server, header_json, [b"\0" * (64 * MIB)])

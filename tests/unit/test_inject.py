@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from test_identity import ALT_TEMPLATE
 
 from packstore.errors import PackMismatch
-from packstore.packs.tensors import decode_pack, encode_pack
 from packstore.kv import inject
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling, TextDeltas, answer_with_pack, answer_with_text, prefill_divergence
 from packstore.kv.models import load_model
-from test_identity import ALT_TEMPLATE
+from packstore.packs.tensors import decode_pack, encode_pack
 
 FACTS = [
     "The river Tamsin flows through the town of Wexley.",
@@ -102,7 +102,7 @@ def test_closing_a_token_stream_stops_generation_before_returning(tiny_lm, pack)
     tokens = generate_stream(tiny_lm, rendering.token_ids, Sampling(max_new_tokens=5000), cache_from_pack(pack, tiny_lm.device))
     next(tokens)
     tokens.close()
-    inject._GENERATOR.submit(lambda: None).result(timeout=1)  # the generation thread is free: 5000 tokens take far longer
+    inject._generation_executor().submit(lambda: None).result(timeout=1)  # the generation thread is free: 5000 tokens take far longer
 
 
 def test_every_stream_generates_on_the_same_long_lived_thread(tiny_lm, pack, monkeypatch) -> None:

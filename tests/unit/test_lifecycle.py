@@ -14,15 +14,15 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
+from test_format import make_pack
 
-from packstore.packs.admin import export_pack, import_pack
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, StoreBusy
-from packstore.packs.tensors import decode_pack, encode_pack
 from packstore.format.packfile import parse_pack_file
-from packstore.store import LmdbStore
-from test_format import make_pack
+from packstore.packs.admin import export_pack, import_pack
 from packstore.packs.reader import PackReader
+from packstore.packs.tensors import decode_pack, encode_pack
+from packstore.store import LmdbStore
 
 
 def stored_pack(store_path: Path, **shape):

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import grpc
 import pytest
+from test_format import make_pack
 
+from bank_helpers import TEST_BANK_CACHE
+from packstore.bank.bank import open_banks
 from packstore.errors import LimitExceeded, PackstoreError
-from packstore.rpc.remote import RemoteStore
+from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
+from packstore.rpc.remote import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
-from test_format import make_pack
-from packstore.packs.reader import PackReader
-from packstore.bank.bank import open_banks
-from bank_helpers import TEST_BANK_CACHE
 
 CLIENTS = 64
 MAX_RSS_MB = 1500

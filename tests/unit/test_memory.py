@@ -6,6 +6,7 @@ import gc
 
 import pytest
 import torch
+from test_format import make_pack
 
 from packstore.packs.buffers import HostBuffers
 from packstore.packs.decoder import Decoder
@@ -13,7 +14,6 @@ from packstore.packs.memory import ALIGN, PackMemory
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
-from test_format import make_pack
 
 CPU = torch.device("cpu")
 

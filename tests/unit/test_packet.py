@@ -10,8 +10,8 @@ import torch
 
 from packstore.answering.answer import Answerer, Question
 from packstore.answering.api import compose_and_store, store_pack, train_adapter_and_store
-from packstore.errors import IntegrityError, InvalidInput, PackMismatch
 from packstore.answering.facts import read_examples
+from packstore.errors import IntegrityError, InvalidInput, PackMismatch
 from packstore.format import PackHeader
 from packstore.format.header import canonical_json, sha256_hex
 from packstore.kv.blend import selective_recompute
@@ -20,11 +20,11 @@ from packstore.kv.compose import compose_exact, splice
 from packstore.kv.inject import Sampling, cache_aligned_ids
 from packstore.kv.models import load_model
 from packstore.kv.packet import data_digest, generated_examples, packet_compose, train_adapter
-from packstore.kv.steer import build_steering
 from packstore.kv.records import Pair
-from packstore.store import LmdbStore
-from packstore.packs.tensors import decode_pack, encode_pack
+from packstore.kv.steer import build_steering
 from packstore.packs.reader import PackReader
+from packstore.packs.tensors import decode_pack, encode_pack
+from packstore.store import LmdbStore
 
 PART_A = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
 PART_B = ["Alice lives in Paris and works as a baker."]

@@ -6,12 +6,12 @@ import threading
 import time
 
 import pytest
+from test_s3_store import objects
 
+from bank_helpers import TEST_BANK_CACHE
+from packstore.bank.bank import open_banks
 from packstore.errors import IntegrityError, PackNotFound, Unavailable
 from packstore.store.objects.store import ObjectStore
-from test_s3_store import objects
-from packstore.bank.bank import open_banks
-from bank_helpers import TEST_BANK_CACHE
 
 FACTS = [f"Locker {i} holds the {('red', 'green', 'blue', 'amber')[i % 4]} umbrella of guest {200 + i}." for i in range(40)]
 

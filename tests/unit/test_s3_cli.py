@@ -8,19 +8,19 @@ from pathlib import Path
 
 import lmdb
 import pytest
-
-from packstore.answering.api import sign_bank
-from packstore.cli.packctl import main
-from packstore.format.body import EncodedPack
-from packstore.store import LmdbStore
-from packstore.store.objects.store import ObjectStore
-from packstore.packs.tensors import encode_pack
-from packstore.security.trust import SigningKey, generate_key
 from test_s3_banks import FACTS
 from test_s3_store import random_pack
-from packstore.packs.reader import PackReader
-from packstore.bank.bank import open_banks
+
 from bank_helpers import TEST_BANK_CACHE
+from packstore.answering.api import sign_bank
+from packstore.bank.bank import open_banks
+from packstore.cli.packctl import main
+from packstore.format.body import EncodedPack
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import encode_pack
+from packstore.security.trust import SigningKey, generate_key
+from packstore.store import LmdbStore
+from packstore.store.objects.store import ObjectStore
 
 NO_BANKS = {"banks": 0, "banks_copied": 0, "bank_signatures_added": 0, "banks_skipped": []}
 

@@ -13,34 +13,34 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 import pytest
 import torch
-
-from packstore.answering.api import sign_bank
-from packstore.errors import IntegrityError, InvalidInput, PackNotFound, Unavailable
-from packstore.rpc.channel import Connection
-from packstore.rpc.messages import chunk_pieces
-from packstore.store import LmdbStore
-from packstore.packs.migrate import migrate
-from packstore.store.objects.cache import DEFAULT_CACHE_BYTES, ObjectCache
-from packstore.rpc.remote import RemoteStore
-from packstore.packs.tensors import encode_pack
-from packstore.security.trust import SigningKey, generate_key
-from packstore.v1 import store_pb2, store_pb2_grpc
-from seaweed_helpers import Seaweed, running_seaweed
-from service_helpers import RunningServer, free_port, running_server
 from test_auth import TOKENS, refusal, tokens_file
 from test_format import FP_B
 from test_s3_banks import FACTS
 from test_s3_store import objects, random_pack, same_tensors
-from packstore.packs.reader import PackReader
-from packstore.bank.bank import open_banks
+
 from bank_helpers import TEST_BANK_CACHE
+from packstore.answering.api import sign_bank
+from packstore.bank.bank import open_banks
+from packstore.errors import IntegrityError, InvalidInput, PackNotFound, Unavailable
+from packstore.packs.migrate import migrate
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import encode_pack
+from packstore.rpc.channel import Connection
+from packstore.rpc.messages import chunk_pieces
+from packstore.rpc.remote import RemoteStore
+from packstore.security.trust import SigningKey, generate_key
+from packstore.store import LmdbStore
+from packstore.store.objects.cache import DEFAULT_CACHE_BYTES, ObjectCache
+from packstore.v1 import store_pb2, store_pb2_grpc
+from seaweed_helpers import Seaweed, running_seaweed
+from service_helpers import RunningServer, free_port, running_server
 
 
 @contextmanager
@@ -186,7 +186,7 @@ def test_a_read_creates_no_namespace_in_the_bucket_or_the_cache(seaweed, url, tm
         with RemoteStore(a.url, connection=as_operator("ghost")) as ghost, RemoteStore(a.url, connection=as_operator("default")) as default:
             assert (ghost.list(), ghost.counts().packs, PackReader(ghost).verify_all(), open_banks(ghost, TEST_BANK_CACHE).list()) == ([], 0, [], [])
             for read in (lambda store: store.stat("nothing"), lambda store: PackReader(store).fetch("nothing"), lambda store: open_banks(store, TEST_BANK_CACHE).route("nothing", ["?"])):
-                assert refusal(lambda: read(ghost)) == refusal(lambda: read(default))  # as a namespace that exists answers
+                assert refusal(lambda read=read: read(ghost)) == refusal(lambda read=read: read(default))  # as a namespace that exists answers
         assert not (tmp_path / "a" / "object-cache" / "ghost").exists() and seaweed.client().list_objects_v2(**ghost_objects)["KeyCount"] == 0
         with RemoteStore(b.url, connection=as_operator("ghost")) as writer:
             key, _ = writer.put(encode_pack(random_pack(model_fp, 6)))

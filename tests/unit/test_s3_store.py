@@ -18,17 +18,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_format import FP_B, make_pack
+from test_store_suite import pack_of
 
 from packstore.errors import IntegrityError, PackNotFound, PermissionDenied, StoreBusy, StoreNotFound, Unavailable
 from packstore.format.body import EncodedPack
-from packstore.store.objects.store import ObjectStore
+from packstore.packs.reader import PackReader
 from packstore.packs.tensors import Pack, encode_pack
 from packstore.security.trust import SigningKey, generate_key
+from packstore.store.objects.store import ObjectStore
 from seaweed_helpers import Seaweed
 from service_helpers import free_port
-from test_format import FP_B, make_pack
-from test_store_suite import pack_of
-from packstore.packs.reader import PackReader
 
 
 def random_pack(model_fp: str, seed: int, *, layers: int = 3, tokens: int = 8) -> Pack:
@@ -103,7 +103,7 @@ def test_concurrent_name_writes_from_two_replicas_lose_no_update(replicas, seawe
         outcomes: list[object] = []
         removing = threading.Barrier(2)
 
-        def remove(store: ObjectStore) -> None:
+        def remove(store: ObjectStore, removing: threading.Barrier = removing, outcomes: list[object] = outcomes) -> None:
             removing.wait()
             try:
                 outcomes.append(store.delete_name("once", model_fp=model_fp))

@@ -17,33 +17,19 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
-
-from packstore.rpc.remote import RemoteStore
-from packstore.errors import IntegrityError, InvalidInput, PackMismatch, PackNotFound, PackstoreError
-from packstore.rpc.metrics_http import metrics_address, serve_metrics
-from packstore.security.auth import Auth
-from packstore.packs.tensors import decode_pack, encode_pack
-from packstore.v1 import store_pb2, store_pb2_grpc
-from service_helpers import running_server
 from test_format import make_pack
 from test_lifecycle import flip_in_file
-from packstore.packs.reader import PackReader
-from packstore.bank.bank import open_banks
+
 from bank_helpers import TEST_BANK_CACHE
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("svc") / "data") as running:
-        yield running
-
-
-@pytest.fixture
-def remote(server):
-    with RemoteStore(server.url) as store:
-        yield store
-        for key in store.keys():
-            store.delete(key)
+from packstore.bank.bank import open_banks
+from packstore.errors import IntegrityError, InvalidInput, PackMismatch, PackNotFound, PackstoreError
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import decode_pack, encode_pack
+from packstore.rpc.metrics_http import metrics_address, serve_metrics
+from packstore.rpc.remote import RemoteStore
+from packstore.security.auth import Auth
+from packstore.v1 import store_pb2, store_pb2_grpc
+from service_helpers import running_server
 
 
 def stub_for(server) -> store_pb2_grpc.PackStoreStub:
@@ -197,8 +183,9 @@ print(json.dumps({"created": put.created, "key": put.pack.key, "listed": listed,
 
 
 def test_a_client_that_knows_only_the_protos(tmp_path: Path, server, remote) -> None:
-    from grpc_tools import protoc
     from importlib import resources
+
+    from grpc_tools import protoc
 
     proto_dir = Path(__file__).resolve().parents[2] / "protos" / "packstore" / "v1"
     out = tmp_path / "stubs"
@@ -281,7 +268,7 @@ def test_many_concurrent_large_reads_keep_server_memory_bounded(tmp_path: Path) 
         with RemoteStore(server.url) as remote:
             key, _ = remote.put(encode_pack(pack))
             stored = remote.stat(key).stored_bytes
-        rss = lambda: int(next(l for l in open(f"/proc/{server.process.pid}/status") if l.startswith("VmRSS")).split()[1]) * 1024  # noqa: E731
+        rss = lambda: int(next(ln for ln in open(f"/proc/{server.process.pid}/status") if ln.startswith("VmRSS")).split()[1]) * 1024  # noqa: E731
         before, peak = rss(), [0]
         streams = [stub_for(server).GetPack(store_pb2.GetPackRequest(ref=key)) for _ in range(16)]
         headers = [next(s) for s in streams]  # every stream started; each now reads slowly

@@ -9,27 +9,27 @@ import stat
 import struct
 
 import pytest
+from test_format import make_pack
 
+from bank_helpers import TEST_BANK_CACHE
 from packstore.answering.answer import Answerer, Question
 from packstore.answering.api import sign_bank, store_pack, verify_banks
-from packstore.packs.reader import PackReader
-from packstore.packs.admin import export_pack, import_pack, sign_pack, verify_packs
+from packstore.bank.bank import open_banks
 from packstore.cli.packctl import main as packctl
-from packstore.errors import IntegrityError, InvalidInput, Untrusted
-from packstore.format.packfile import parse_pack_file, pack_file_parts
+from packstore.errors import IntegrityError, InvalidInput, PackNotFound, Untrusted
+from packstore.format.packfile import pack_file_parts, parse_pack_file
 from packstore.format.signature import Signature, signed_message
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling
-from packstore.kv.steer import build_steering
 from packstore.kv.records import Pair
-from packstore.store import LmdbStore
-from packstore.rpc.remote import RemoteStore
+from packstore.kv.steer import build_steering
+from packstore.packs.admin import export_pack, import_pack, sign_pack, verify_packs
+from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
+from packstore.rpc.remote import RemoteStore
 from packstore.security.trust import SigningKey, TrustedKeys, generate_key
+from packstore.store import LmdbStore
 from service_helpers import running_server
-from test_format import make_pack
-from packstore.bank.bank import open_banks
-from bank_helpers import TEST_BANK_CACHE
 
 GREEDY = Sampling(max_new_tokens=6)
 
@@ -120,7 +120,7 @@ def test_a_signed_upload_carries_its_signatures_and_a_bad_one_stores_nothing(any
     bad = dataclasses.replace(fresh, signatures=(keys["alice"].sign("pack", "c" * 64),))
     with pytest.raises(IntegrityError):
         any_store.put(bad)
-    with pytest.raises(Exception):
+    with pytest.raises(PackNotFound):
         any_store.stat(fresh.header.key)
 
 
@@ -205,8 +205,8 @@ def test_cli_keygen_sign_and_verify(tmp_path, capsys) -> None:
 def test_a_worker_with_trusted_keys_refuses_unsigned_packs_over_grpc(tiny_lm, tiny_model_dir, keys, tmp_path) -> None:
     import grpc
 
-    from service_helpers import running_worker
     from packstore.v1 import worker_pb2, worker_pb2_grpc
+    from service_helpers import running_worker
 
     with running_server(tmp_path / "data") as server, RemoteStore(server.url) as remote:
         remote.put(encode_pack(build_pack(tiny_lm, ["Alice lives in Paris."])), name="a")

@@ -10,21 +10,21 @@ import torch
 
 from packstore.answering.answer import Answerer, Question
 from packstore.answering.api import build_steering_and_store, steering_details, store_pack
-from packstore.packs.admin import export_pack, import_pack
-from packstore.errors import IntegrityError, InvalidInput, PackMismatch
 from packstore.answering.facts import read_pairs
+from packstore.errors import IntegrityError, InvalidInput, PackMismatch
 from packstore.format import PackHeader
 from packstore.format.header import canonical_json, sha256_hex
 from packstore.kv.build import build_pack, prefill
 from packstore.kv.inject import Sampling
 from packstore.kv.models import load_model
-from packstore.kv.render import render
-from packstore.kv.steer import Direction, SteeredCache, build_steering, steering_deltas
 from packstore.kv.options import MAX_ALPHA, middle_third, parse_layers, parse_steer
 from packstore.kv.records import Pair
-from packstore.store import LmdbStore
-from packstore.packs.tensors import decode_pack, encode_pack
+from packstore.kv.render import render
+from packstore.kv.steer import Direction, SteeredCache, build_steering, steering_deltas
+from packstore.packs.admin import export_pack, import_pack
 from packstore.packs.reader import PackReader
+from packstore.packs.tensors import decode_pack, encode_pack
+from packstore.store import LmdbStore
 
 PAIRS = [
     Pair("Alice lives in Paris and works as a baker.", "Bob lives in Oslo."),

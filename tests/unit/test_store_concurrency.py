@@ -18,8 +18,8 @@ import pytest
 
 from packstore.errors import PackNotFound
 from packstore.format import EncodedPack
-from packstore.store import LmdbStore
 from packstore.packs.reader import PackReader
+from packstore.store import LmdbStore
 
 TINY_MAP = 64 * 1024
 
@@ -27,8 +27,9 @@ TINY_MAP = 64 * 1024
 def encoded_packs(count: int, first_tokens: int, dim: int = 32) -> list[EncodedPack]:
     """``count`` packs with distinct keys (token counts ``first_tokens``, ``first_tokens + 1``, ...)."""
     # Imported here: the processes spawned below import this module and need no torch.
-    from packstore.packs.tensors import encode_pack
     from test_format import make_pack
+
+    from packstore.packs.tensors import encode_pack
 
     return [encode_pack(make_pack(layers=2, tokens=first_tokens + i, dim=dim)) for i in range(count)]
 

@@ -8,26 +8,26 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
+from test_format import FP_B, make_pack
 
+from bank_helpers import TEST_BANK_CACHE
+from packstore.bank.bank import open_banks
 from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackMismatch, PackNotFound
 from packstore.format.body import chunks_for
-from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts
-from packstore.store import BankStore, LmdbStore, PackStore
-from packstore.rpc.remote import RemoteStore
-from packstore.store.objects.store import ObjectStore
-from seaweed_helpers import running_seaweed
-from packstore.packs.tensors import Pack, encode_pack
-from packstore.security.trust import SigningKey, generate_key
-from service_helpers import running_server
-from test_format import FP_B, make_pack
 from packstore.packs.reader import PackReader
-from packstore.bank.bank import open_banks
-from bank_helpers import TEST_BANK_CACHE
+from packstore.packs.tensors import Pack, encode_pack
+from packstore.rpc.remote import RemoteStore
+from packstore.security.trust import SigningKey, generate_key
+from packstore.store import BankStore, LmdbStore, PackStore
+from packstore.store.objects.store import ObjectStore
+from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts
+from seaweed_helpers import running_seaweed
+from service_helpers import running_server
 
 
 @pytest.fixture(scope="module", params=["lmdb", "grpc", "s3"])

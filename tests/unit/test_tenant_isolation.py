@@ -11,19 +11,19 @@ from pathlib import Path
 import grpc
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from test_auth import TOKENS, tokens_file
+from test_format import make_pack
 
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import encode_pack
 from packstore.rpc.bulk import FRAME, MAGIC, recv_exact
 from packstore.rpc.channel import Connection
 from packstore.rpc.messages import stored_pack
+from packstore.rpc.remote import RemoteStore
 from packstore.store import LmdbStore
 from packstore.store.namespaces import namespace_path
-from packstore.rpc.remote import RemoteStore
-from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
-from test_auth import TOKENS, tokens_file
-from test_format import make_pack
-from packstore.packs.reader import PackReader
 
 VOLATILE_LOG_FIELDS = {"ts", "ms", "peer"}  # times, and the client's port
 

@@ -10,19 +10,19 @@ import urllib.request
 
 import pytest
 import torch
+from test_format import make_pack
 
 from packstore.cli.packctl import main as packctl
 from packstore.errors import Unavailable
 from packstore.kv.build import build_pack
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import encode_pack
 from packstore.rpc.bulk import MAGIC, connect, read_frame
 from packstore.rpc.channel import Connection
 from packstore.rpc.remote import RemoteStore
-from packstore.packs.tensors import encode_pack
 from packstore.v1 import store_pb2
 from service_helpers import running_server, running_worker
-from test_format import make_pack
 from tls_helpers import make_certificates
-from packstore.packs.reader import PackReader
 
 
 @pytest.fixture(scope="module")

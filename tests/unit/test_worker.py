@@ -11,20 +11,20 @@ from pathlib import Path
 import grpc
 import pytest
 
+from bank_helpers import TEST_BANK_CACHE
 from packstore.answering.answer import Question
+from packstore.bank.bank import open_banks
 from packstore.cli.packctl import main as packctl
 from packstore.errors import InvalidInput, PackMismatch, PackNotFound
-from packstore.packs.tensors import encode_pack
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text
 from packstore.kv.models import load_model
+from packstore.packs.tensors import encode_pack
 from packstore.rpc.remote import RemoteStore
 from packstore.v1 import store_pb2, worker_pb2, worker_pb2_grpc
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
 from tiny_model import make_model_dir
-from packstore.bank.bank import open_banks
-from bank_helpers import TEST_BANK_CACHE
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
 GREEDY = Sampling(max_new_tokens=12)
@@ -203,8 +203,8 @@ def test_worker_composes_several_packs_and_reuses_the_composition(stack, tiny_lm
 
 def test_worker_steers_alone_and_with_a_pack_as_the_local_path_does(stack, tiny_lm, tmp_path: Path) -> None:
     from packstore.answering.answer import Answerer
-    from packstore.kv.steer import build_steering
     from packstore.kv.records import Pair
+    from packstore.kv.steer import build_steering
     from packstore.store import LmdbStore
 
     server, worker = stack

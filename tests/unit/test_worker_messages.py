@@ -7,8 +7,8 @@ import pytest
 from packstore.answering.answer import Question
 from packstore.answering.records import AnswerResult
 from packstore.kv.inject import Sampling
-from packstore.worker.messages import answer_result, generate_done, generate_request, question_of
 from packstore.v1 import worker_pb2
+from packstore.worker.messages import answer_result, generate_done, generate_request, question_of
 
 QUESTIONS = [  # floats exact in float32, as the wire carries them
     Question("Which river?", refs=("wexley",)),

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from packstore.format.header import PackHeader
-from packstore.store import LmdbStore
 from packstore.packs.tensors import Pack, encode_pack
+from packstore.store import LmdbStore
 
 FP_A, FP_B = "a" * 64, "b" * 64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from packstore.packs.admin import export_pack
 from packstore.format.header import PackHeader
-from packstore.store import LmdbStore
+from packstore.packs.admin import export_pack
 from packstore.packs.tensors import Pack, encode_pack
 from packstore.security.trust import SigningKey
+from packstore.store import LmdbStore
 
 FP_A, FP_B = "a" * 64, "b" * 64
 SIGNING_SEED = bytes(range(32))  # a fixed Ed25519 key, so the signature is reproducible
