@@ -260,7 +260,7 @@ def _additions(
             continue
         known = set(old.texts)
         merged[cluster_id] = Cluster.joined([old, added.take([i for i, text in enumerate(added.texts) if text not in known])])
-    added_count = sum(len(c.texts) for c in merged.values()) - sum(len(current[c].texts) for c in merged if current[c] is not None)
+    added_count = sum(len(c.texts) for c in merged.values()) - sum(len(was.texts) for c in merged if (was := current[c]) is not None)
     changes = {"facts": meta.facts + added_count, "next_fact_id": int(ids[-1]) + 1, "updated": _now(), "lexical": LEXICAL_KIND}
     updated = BankMeta(**{**meta.__dict__, **changes})
     return updated, merged, LexicalIndex.build({**current, **merged}, meta.clusters).to_bytes()
