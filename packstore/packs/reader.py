@@ -60,9 +60,15 @@ class PackReader:
         """Header, every stored chunk (each verified) and the signatures; identities stated must match (PackMismatch)."""
         opened = self.store.open_pack(ref, model_fp=model_fp, template_fp=template_fp, keep=True, signatures=True)
         opened.header.check_identities(model_fp, template_fp)
+        header, data = opened.header, list[bytes]()
         with opened.chunks() as chunks:
-            data = [chunk if isinstance(chunk, bytes) else bytes(chunk) for _, chunk in verified_chunks(opened.header, chunks)]
-        return EncodedPack(header=opened.header, chunks=data, signatures=opened.signatures)
+            for index, chunk in verified_chunks(header, chunks):
+                if index != len(data):
+                    raise IntegrityError(f"pack {header.key}: chunk {index} came where chunk {len(data)} belongs")
+                data.append(chunk if isinstance(chunk, bytes) else bytes(chunk))
+        if len(data) != len(header.chunks):
+            raise IntegrityError(f"pack {header.key}: {len(header.chunks) - len(data)} of its {len(header.chunks)} chunks are missing")
+        return EncodedPack(header=header, chunks=data, signatures=opened.signatures)
 
     def fetch(self, ref: str, *, device: object = None, model_fp: str | None = None, template_fp: str | None = None) -> Pack:
         """The whole pack decoded into tensors on ``device`` (CPU when None); PackMismatch when identities differ."""
