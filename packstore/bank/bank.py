@@ -17,7 +17,7 @@ from packstore.bank.embedder import Embedder, load_embedder
 from packstore.bank.lexical import LEXICAL_KIND, LexicalIndex
 from packstore.errors import InvalidInput, PackMismatch, StoreBusy
 from packstore.format.bank import VECTOR_KINDS, BankMeta, Cluster, quantize
-from packstore.format.signature import Signature
+from packstore.store.bank_records import StoredBanks
 from packstore.store.lmdb.banks import BankChanged
 from packstore.store.protocol import (
     DEFAULT_EMBEDDER,
@@ -370,12 +370,14 @@ def _rank(
     )
 
 
-class LocalBanks:
-    """Bank operations on a store this process holds (LMDB or object tier), with embedders named by specifier (as
-    over the service), loaded and kept in ``cache`` (a fresh one, for this object alone, when None)."""
+class LocalBanks(StoredBanks):
+    """Bank operations on a store this process holds (LMDB or object tier): ``StoredBanks``' record operations, and
+    building, adding and routing with embedders named by specifier (as over the service), loaded and kept in
+    ``cache`` (a fresh one, for this object alone, when None)."""
 
     def __init__(self, store: BankTables, cache: BankCache | None = None) -> None:
-        self.store, self.cache = store, cache if cache is not None else BankCache()
+        super().__init__(store)
+        self.cache = cache if cache is not None else BankCache()
 
     def build(
         self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, vectors: str = "fp16", progress: bool = False
@@ -400,26 +402,6 @@ class LocalBanks:
     def _embedder(self, name: str, spec: str | None) -> Embedder:
         """The named embedder, or the one the bank records when ``spec`` is None."""
         return self.cache.embedder(spec if spec is not None else self.store.bank(name).embedder)
-
-    def list(self) -> list[tuple[BankMeta, int]]:
-        """Every bank with its stored bytes."""
-        return [(meta, self.store.bank_stored_bytes(meta.name)) for meta in self.store.bank_metas()]
-
-    def stored_bytes(self, name: str) -> int:
-        self.store.bank(name)
-        return self.store.bank_stored_bytes(name)
-
-    def delete(self, name: str) -> None:
-        self.store.delete_bank(name)
-
-    def digest(self, name: str) -> str:
-        return self.store.bank_digest(name)
-
-    def signatures(self, name: str) -> tuple[Signature, ...]:
-        return self.store.bank_signatures(name)
-
-    def sign(self, name: str, signature: Signature) -> None:
-        self.store.sign_bank(name, signature)
 
 
 def open_banks(store: object, cache: BankCache | None = None) -> BankStore:

@@ -45,10 +45,10 @@ class HostBuffers:
         self.memory = memory
 
     def layer_tensors(self, shape: tuple[int, ...], dtype: torch.dtype, count: int, device: torch.device) -> list[torch.Tensor]:
-        if device.type != "cpu":
+        if device.type != "cpu" or self.memory is None or not count:
             return [torch.empty(shape, dtype=dtype, device=device) for _ in range(count)]
         each = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-        block = self.memory.take(each * count) if self.memory is not None and count else None
+        block = self.memory.take(each * count)
         if block is None:
             return [torch.empty(shape, dtype=dtype) for _ in range(count)]
         return [block[i * each : (i + 1) * each].view(dtype).view(shape) for i in range(count)]

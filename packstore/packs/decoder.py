@@ -31,6 +31,9 @@ class Decoder:
         self._lock = threading.Lock()
 
     def _executor(self) -> ThreadPoolExecutor:
+        pool = self._pool
+        if pool is not None and self._pid == os.getpid():
+            return pool  # the common case, on every chunk: no lock
         with self._lock:
             if self._pool is None or self._pid != os.getpid():
                 self._pool, self._pid = ThreadPoolExecutor(self.workers, thread_name_prefix="packstore-chunks"), os.getpid()

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound
-from packstore.format.signature import Signature
 from packstore.packs.reader import PackReader
+from packstore.store.bank_records import StoredBanks
 from packstore.store.lmdb.banks import BankChanged, digest_of
-from packstore.store.protocol import BankStore, BankTables, PackStore, ServesBanks
+from packstore.store.protocol import BankRecordStore, BankTables, PackStore, ServesBanks
 from packstore.store.records import MigrateReport, StoredPack
 
 Progress = Callable[[str, str], None]
@@ -74,33 +74,20 @@ def _copy_packs(source: PackStore, target: PackStore, progress: Progress | None)
     return copied + present, copied, names, signatures
 
 
-def _served_banks(store: PackStore) -> BankStore:
-    """The banks of a store whose bank records this process does not hold (a service serves them)."""
-    if not isinstance(store, ServesBanks):
-        raise InvalidInput(f"{type(store).__name__} keeps no banks")
-    return store.banks()
+def _banks(store: PackStore) -> BankRecordStore:
+    """The record side of a store's banks: its own tables where this process holds them, else the service's."""
+    if isinstance(store, BankTables):
+        return StoredBanks(store)
+    if isinstance(store, ServesBanks):
+        return store.banks()
+    raise InvalidInput(f"{type(store).__name__} keeps no banks")
 
 
 def _bank_names(store: PackStore) -> list[str]:
     """Every bank's name: from its metadata records where the store holds them (no size scan), else from the service."""
     if isinstance(store, BankTables):
         return [meta.name for meta in store.bank_metas()]
-    return [meta.name for meta, _ in _served_banks(store).list()]
-
-
-def _bank_digest(store: PackStore, name: str) -> str:
-    return store.bank_digest(name) if isinstance(store, BankTables) else _served_banks(store).digest(name)
-
-
-def _bank_signatures(store: PackStore, name: str) -> tuple[Signature, ...]:
-    return store.bank_signatures(name) if isinstance(store, BankTables) else _served_banks(store).signatures(name)
-
-
-def _sign_bank(store: PackStore, name: str, signature: Signature) -> None:
-    if isinstance(store, BankTables):
-        store.sign_bank(name, signature)
-    else:
-        _served_banks(store).sign(name, signature)
+    return [meta.name for meta, _ in _banks(store).list()]
 
 
 def _plan_banks(source: PackStore, target: PackStore) -> list[tuple[str, str, bool]]:
@@ -110,8 +97,8 @@ def _plan_banks(source: PackStore, target: PackStore) -> list[tuple[str, str, bo
     if not names:
         return []
     held = set(_bank_names(target))
-    plans = [(name, _bank_digest(source, name), name in held) for name in names]
-    differing = [name for name, digest, present in plans if present and _bank_digest(target, name) != digest]
+    plans = [(name, _banks(source).digest(name), name in held) for name in names]
+    differing = [name for name, digest, present in plans if present and _banks(target).digest(name) != digest]
     if differing:
         raise InvalidInput(
             f"the target holds {'a bank' if len(differing) == 1 else 'banks'} named like the source's with other contents: "
@@ -160,10 +147,11 @@ def _copy_bank(source: BankTables, target: BankTables, name: str) -> str:
 def _add_signatures(source: PackStore, target: PackStore, name: str, digest: str) -> int:
     """Add the source's signatures of bank ``name``'s contents ``digest`` that the target lacks (one per key);
     signatures of older contents of the bank are left behind (no store takes them). Returns how many."""
-    have = {s.key_id for s in _bank_signatures(target, name)}
+    into = _banks(target)
+    have = {s.key_id for s in into.signatures(name)}
     added = 0
-    for signature in _bank_signatures(source, name):
+    for signature in _banks(source).signatures(name):
         if signature.digest == digest and signature.key_id not in have:
-            _sign_bank(target, name, signature)
+            into.sign(name, signature)
             added += 1
     return added

@@ -64,8 +64,31 @@ def pick_match(ref: str, matches: list[str], *, by_name: bool, model_fp: str | N
 
 
 @runtime_checkable
-class BankStore(Protocol):
-    """Fact banks: build, extend, route, list, delete. Embedders are named by specifier."""
+class BankRecordStore(Protocol):
+    """Banks as records: list, size, delete, digest, signatures and signing (what needs no embedder)."""
+
+    def list(self) -> list[tuple[BankMeta, int]]:
+        """Every bank with its stored bytes."""
+
+    def stored_bytes(self, name: str) -> int:
+        """Bytes the bank occupies; PackNotFound if there is no such bank."""
+
+    def delete(self, name: str) -> None:
+        """Remove a bank (and its signatures); PackNotFound if there is no such bank."""
+
+    def digest(self, name: str) -> str:
+        """The digest a signature of the bank covers (docs/format.md §8); it changes with every change to the bank."""
+
+    def signatures(self, name: str) -> tuple[Signature, ...]:
+        """The signatures stored with the bank (each may or may not cover its current digest)."""
+
+    def sign(self, name: str, signature: Signature) -> None:
+        """Store a signature with the bank, after checking that it signs the bank's current digest."""
+
+
+@runtime_checkable
+class BankStore(BankRecordStore, Protocol):
+    """Fact banks: build, extend and route besides the records. Embedders are named by specifier."""
 
     def build(
         self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, vectors: str = "fp16", progress: bool = False
@@ -86,24 +109,6 @@ class BankStore(Protocol):
         mode: str = "hybrid",
     ) -> list[Route]:
         """Per query, the clusters searched and the ``top_k`` best facts, best first (modes: ROUTE_MODES)."""
-
-    def list(self) -> list[tuple[BankMeta, int]]:
-        """Every bank with its stored bytes."""
-
-    def stored_bytes(self, name: str) -> int:
-        """Bytes the bank occupies; PackNotFound if there is no such bank."""
-
-    def delete(self, name: str) -> None:
-        """Remove a bank (and its signatures); PackNotFound if there is no such bank."""
-
-    def digest(self, name: str) -> str:
-        """The digest a signature of the bank covers (docs/format.md §8); it changes with every change to the bank."""
-
-    def signatures(self, name: str) -> tuple[Signature, ...]:
-        """The signatures stored with the bank (each may or may not cover its current digest)."""
-
-    def sign(self, name: str, signature: Signature) -> None:
-        """Store a signature with the bank, after checking that it signs the bank's current digest."""
 
 
 @dataclass(frozen=True)

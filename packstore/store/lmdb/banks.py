@@ -10,7 +10,7 @@ import hashlib
 import re
 import struct
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import lmdb
 import numpy as np
@@ -113,15 +113,19 @@ class BankChanged(Exception):
     """The bank changed between reading it and writing an update computed from it: compute again."""
 
 
-class BankTables:
-    """Mixed into LmdbStore: every bank write is one LMDB transaction, like every pack write."""
+class _LmdbStoreParts(Protocol):
+    """What the bank tables use of the LmdbStore they are mixed into."""
 
     _env: LmdbEnvironment
     _banks: lmdb._Database | None
 
     def _write(self, body: Callable[[lmdb.Transaction[bytes]], T]) -> T:
-        """Run ``body`` in one write transaction (LmdbStore's)."""
-        raise NotImplementedError
+        """Run ``body`` in one write transaction."""
+        ...
+
+
+class BankTables(_LmdbStoreParts):
+    """Mixed into LmdbStore: every bank write is one LMDB transaction, like every pack write."""
 
     def _bank_db(self, name: str) -> lmdb._Database:
         if self._banks is None:  # a read-only store made before banks existed
