@@ -1,19 +1,31 @@
 """Where decoded tensors live: the buffer provider a ``Decoder`` hands every pack it decodes.
 
-The provider is the seam between decoding and the device: ``HostBuffers`` gives CPU tensors (in a touched-once
-``PackMemory`` when the program made one) and, for an accelerator, decodes each chunk into a pinned host tensor and
-copies it from there. A provider for another device strategy (pinned pools and a copy stream of its own) implements
-the same four methods.
+The provider is the seam between decoding and the device. ``HostBuffers`` gives CPU tensors (in a touched-once
+``PackMemory`` when the program made one). For a CUDA device, chunks decode into a layer's staging in one bounded pool
+of pinned host memory, reused for the life of the program (no pinned allocation per chunk or per pack); the layer's
+copy to the GPU is issued on a copy stream of its own as soon as its last chunk is in, so copies run at link speed
+while later layers still decode. A layer is handed to the model behind a fence: the model's stream waits for the
+copies issued until then, never for the whole device.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import deque
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from packstore.packs.memory import PackMemory
+
+STAGING_BYTES = 512 << 20  # the pinned pool: four layers of an 8B-shape model's 32k-token pack in flight
+Fence = Callable[[], None]
+
+
+def _no_wait() -> None:
+    """The fence of copies that are already complete (or made on the consumer's own stream)."""
 
 
 @runtime_checkable
@@ -25,26 +37,45 @@ class BufferProvider(Protocol):
         ...
 
     def staging(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A host tensor one chunk's part of a layer is decoded into before it is copied to ``device`` (not the CPU)."""
+        """A host tensor a layer's K or V is decoded into before it is copied to ``device`` (not the CPU)."""
         ...
 
     def copy(self, staged: torch.Tensor, place: torch.Tensor) -> None:
-        """Start copying ``staged`` into ``place`` on its device; ``staged`` must stay valid until ``synchronize``."""
+        """Start copying ``staged`` into ``place`` on its device; the provider keeps ``staged`` until the copy is done."""
+        ...
+
+    def fence(self, device: torch.device) -> Fence:
+        """A wait for every copy to ``device`` started so far: calling it (on the thread that will use the tensors)
+        orders that thread's work after those copies, without blocking the host where the device allows."""
         ...
 
     def synchronize(self, device: torch.device) -> None:
-        """Wait until every copy started to ``device`` is done (a pack is handed out only after)."""
+        """Block until every copy started to ``device`` is done (a whole pack is handed out only after)."""
         ...
 
 
 class HostBuffers:
-    """CPU tensors from ``memory`` when it has room (else allocated as usual); accelerator tensors allocated on the
-    device, filled from pinned staging tensors on the device's current stream."""
+    """CPU tensors from ``memory`` when it has room (else allocated as usual); CUDA tensors filled from a pinned
+    staging pool of ``staging_bytes`` (made on first use) on one copy stream per device, with an event per copy so
+    that a staging block is reused as soon as its own copy is done. Other accelerators copy from pageable memory on
+    their current stream."""
 
-    def __init__(self, memory: PackMemory | None = None) -> None:
+    def __init__(self, memory: PackMemory | None = None, *, staging_bytes: int = STAGING_BYTES) -> None:
         self.memory = memory
+        self.staging_bytes = staging_bytes
+        self._pool: PackMemory | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._in_flight: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()  # (copy done, its staging block)
+        self._lock = threading.Lock()
 
     def layer_tensors(self, shape: tuple[int, ...], dtype: torch.dtype, count: int, device: torch.device) -> list[torch.Tensor]:
+        if device.type == "cuda":
+            tensors = [torch.empty(shape, dtype=dtype, device=device) for _ in range(count)]
+            stream = self._stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))  # the memory may have been in use there until now
+            for tensor in tensors:
+                tensor.record_stream(stream)  # freed early (a failed pack), it is reused only after the copies into it
+            return tensors
         if device.type != "cpu" or self.memory is None or not count:
             return [torch.empty(shape, dtype=dtype, device=device) for _ in range(count)]
         each = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
@@ -54,11 +85,63 @@ class HostBuffers:
         return [block[i * each : (i + 1) * each].view(dtype).view(shape) for i in range(count)]
 
     def staging(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+        if device.type != "cuda":
+            return torch.empty(shape, dtype=dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        while (block := self._staging_pool().take(nbytes)) is None:
+            if not self._wait_for_oldest_copy():  # nothing in flight to wait for: larger than the whole pool
+                return torch.empty(shape, dtype=dtype, pin_memory=True)
+        return block.view(dtype).view(shape)
 
     def copy(self, staged: torch.Tensor, place: torch.Tensor) -> None:
-        place.copy_(staged, non_blocking=True)  # torch keeps ``staged`` alive until the copy is done
+        if place.device.type != "cuda":
+            place.copy_(staged, non_blocking=True)  # torch keeps ``staged`` alive until the copy is done
+            return
+        stream = self._stream(place.device)
+        with torch.cuda.stream(stream):
+            place.copy_(staged, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+        with self._lock:
+            self._in_flight.append((done, staged))
+            while self._in_flight and self._in_flight[0][0].query():  # give back what has landed, oldest first
+                self._in_flight.popleft()
+
+    def fence(self, device: torch.device) -> Fence:
+        if device.type != "cuda":
+            return _no_wait
+        done = torch.cuda.Event()
+        done.record(self._stream(device))
+        return lambda: torch.cuda.current_stream(device).wait_event(done)
 
     def synchronize(self, device: torch.device) -> None:
         if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+            done = torch.cuda.Event()
+            done.record(self._stream(device))
+            done.synchronize()  # this stream's copies only: the model's kernels run on
+        elif device.type != "cpu":
+            torch.accelerator.current_stream(device).synchronize()
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The copy stream of ``device`` (one per device, made on first use)."""
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        with self._lock:
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device)
+            return self._streams[device]
+
+    def _staging_pool(self) -> PackMemory:
+        with self._lock:
+            if self._pool is None:
+                self._pool = PackMemory(self.staging_bytes, pinned=True)
+            return self._pool
+
+    def _wait_for_oldest_copy(self) -> bool:
+        """Wait for the oldest copy in flight and give its staging block back; False when none is in flight."""
+        with self._lock:
+            if not self._in_flight:
+                return False
+            done, staged = self._in_flight.popleft()
+        done.synchronize()
+        del staged  # the block returns to the pool with its last view
+        return True

@@ -22,7 +22,7 @@ from packstore.format import codec
 from packstore.format.body import BLOCK_POSITIONS, LAYERS_PER_CHUNK, EncodedPack, chunk_digest
 from packstore.format.chunks import UNSIGNED, Buffer, ChunkSource, adapter_digest, as_3d, open_chunk
 from packstore.format.header import CHUNK_DIGEST, CODEC, ChunkInfo, PackHeader
-from packstore.packs.buffers import BufferProvider
+from packstore.packs.buffers import BufferProvider, Fence
 from packstore.packs.decoder import Decoder
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -152,7 +152,7 @@ def _using(decoder: Decoder | None) -> Iterator[Decoder]:
 
 def _torch_device(device: object) -> torch.device:
     """``device`` as torch names it (a ``torch.device``, a name such as ``"cuda:0"``, an index); the CPU when not given."""
-    if not device:
+    if device is None or device == "":
         return torch.device("cpu")
     if not isinstance(device, (torch.device, str, int)):
         raise TypeError(f"not a device: {device!r}")
@@ -161,10 +161,10 @@ def _torch_device(device: object) -> torch.device:
 
 class BodyAssembler:
     """Decodes chunks straight into K and V per layer of ``layers`` for positions ``0 .. positions-1`` (all when
-    None) on ``device``, in tensors from ``buffers``. On CPU each chunk's planes are interleaved into their place in
-    the layer's tensor (a token block's is a strided view), so no byte is copied after decoding; for another device
-    a chunk is decoded into a staging tensor and copied from there. ``add`` may be called from several threads,
-    one chunk each."""
+    None) on ``device``, in tensors from ``buffers``. Each chunk's planes are interleaved into their place in the
+    layer's tensor (a token block's is a strided view), so no byte is copied after decoding; for a device other than
+    the CPU that tensor is the layer's host staging (from ``buffers``), copied to the device in one piece per K and V
+    as soon as the layer's last chunk is in. ``add`` may be called from several threads, one chunk each."""
 
     def __init__(self, header: PackHeader, layers: range, positions: int | None, device: object, buffers: BufferProvider) -> None:
         self.header, self.layers, self.device, self.buffers = header, layers, _torch_device(device), buffers
@@ -172,51 +172,64 @@ class BodyAssembler:
         shape = header.tensor_shape if self.positions is None else (header.kv_heads, self.positions, header.head_dim)
         tensors = buffers.layer_tensors(shape, torch_dtype(header.dtype), 2 * len(layers), self.device)
         self.keys, self.values = tensors[0::2], tensors[1::2]
-        self._slots = {}  # tensor name -> (list, slot, its elements as unsigned ints on the CPU: None elsewhere)
+        self._names = {}  # tensor name -> (K or V, slot)
         for slot, layer in enumerate(layers):
             k_name, v_name = header.tensor_names(layer)
-            for name, target in ((k_name, self.keys), (v_name, self.values)):
-                self._slots[name] = (target, slot, _elements(target[slot]) if self.device.type == "cpu" else None)
+            self._names[k_name], self._names[v_name] = (0, slot), (1, slot)
+        self._host: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # slot -> its K and V elements to decode into
+        self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> its host staging (not on the CPU)
         self._covered = [0] * len(layers)
         self._lock = threading.Lock()
 
-    def add(self, index: int, data: Buffer, *, verified: bool = False) -> None:
+    def _elements_of(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """Where chunks of layer ``slot`` decode to: the layer's own K and V on the CPU, else its host staging, taken
+        from the buffers when the layer's first chunk comes."""
+        with self._lock:
+            if slot in self._host:
+                return self._host[slot]
+        if self.device.type == "cpu":
+            host = self.keys[slot], self.values[slot]
+        else:
+            host = tuple(self.buffers.staging(tuple(t.shape), t.dtype, self.device) for t in (self.keys[slot], self.values[slot]))
+        with self._lock:
+            if slot not in self._host:  # another chunk of the layer may have come meanwhile: the first staging wins
+                self._host[slot] = (_elements(host[0]), _elements(host[1]))
+                if self.device.type != "cpu":
+                    self._staged[slot] = host
+            return self._host[slot]
+
+    def add(self, index: int, data: Buffer, *, verified: bool = False) -> list[int]:
         """Open chunk ``index`` (``format.chunks.open_chunk``: its digest unless ``verified``, its planes, its table)
         and decode the tensors wanted of it into their places (those of other layers, and positions past those
-        wanted, are not decoded)."""
+        wanted, are not decoded). Returns the slots this chunk completed: every position wanted of their K and V is
+        in, and on a device, their copy is issued."""
         header = self.header
         chunk = open_chunk(header, index, data, verified=verified)
         held = chunk.positions
         stop = held.stop if self.positions is None else min(held.stop, self.positions)
         if self.positions is not None and stop <= held.start:
-            return  # a block past the positions wanted holds nothing of them
+            return []  # a block past the positions wanted holds nothing of them
         offset, count = (held.start, stop - held.start) if header.kind == "knowledge" else (0, chunk.block[1])
-        written = []  # the slots whose K this chunk wrote (its V too, once the loop is over)
+        written = set()  # the slots this chunk wrote K or V of
         for entry in chunk.entries:
-            if entry.name not in self._slots:
+            if entry.name not in self._names:
                 continue
-            target, slot, elements = self._slots[entry.name]
-            first = chunk.first_element(entry)
-            if elements is not None:
-                chunk.planes.write(elements, first, chunk.block, offset, count)
-            else:
-                place = target[slot][:, held.start : stop] if header.kind == "knowledge" else target[slot]
-                staged = self.buffers.staging(tuple(place.shape), place.dtype, self.device)
-                chunk.planes.write(_elements(staged), first, chunk.block, 0, count)
-                self.buffers.copy(staged, place)
-            if target is self.keys:
-                written.append(slot)
+            which, slot = self._names[entry.name]
+            chunk.planes.write(self._elements_of(slot)[which], chunk.first_element(entry), chunk.block, offset, count)
+            written.add(slot)
+        whole, done = 1 if self.positions is None else self.positions, []
         with self._lock:  # counted only now: a layer is complete only once every chunk wrote both its K and its V
-            for slot in written:
+            for slot in sorted(written):
                 self._covered[slot] += 1 if self.positions is None else stop - held.start
-
-    def completed(self, index: int) -> list[int]:
-        """The slots of chunk ``index``'s layers that every position wanted of has reached (each chunk added once)."""
-        info, whole = self.header.chunks[index], 1 if self.positions is None else self.positions
-        start = self.layers.start
-        slots = range(max(info.first_layer, start) - start, min(info.stop_layer, self.layers.stop) - start)
-        with self._lock:
-            return [slot for slot in slots if self._covered[slot] == whole]
+                if self._covered[slot] == whole:
+                    done.append(slot)
+                    self._host.pop(slot)
+        for slot in done:
+            staged = self._staged.pop(slot, None)
+            if staged is not None:
+                self.buffers.copy(staged[0], self.keys[slot])
+                self.buffers.copy(staged[1], self.values[slot])
+        return done
 
     def finish(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """K and V per layer; IntegrityError if the chunks placed did not cover every layer and position once."""
@@ -276,6 +289,7 @@ class ArrivingPack:
         self.header, self._decoder = header, decoder
         self._assembler = BodyAssembler(header, header.body_layers, None, device, decoder.buffers)
         self._layer_done = [threading.Event() for _ in header.body_layers]
+        self._fences: list[Fence | None] = [None] * len(header.body_layers)  # set with the layer's event
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._seen: set[int] = set()
@@ -288,6 +302,9 @@ class ArrivingPack:
         self._layer_done[slot].wait()
         if self._error is not None:
             raise self._error
+        fence = self._fences[slot]
+        if fence is not None:
+            fence()  # the caller's stream waits for this layer's copies (and those issued before them) alone
         return self._assembler.keys[slot], self._assembler.values[slot]
 
     def result(self) -> Pack:
@@ -329,6 +346,30 @@ class ArrivingPack:
         except BaseException as exc:  # handed to every waiter
             self._fail(exc)
             return
+        self._complete(pack)
+
+    def _copy_from(self, pack: Pack) -> None:
+        """Issue the copy of each layer of ``pack`` (a host pack) into this pack's tensors, layer by layer, each
+        layer's fence set as soon as its copies are issued; a thread of its own then waits for the last copy."""
+        buffers, device = self._decoder.buffers, self._assembler.device
+        for slot, (key, value) in enumerate(zip(pack.keys, pack.values)):
+            buffers.copy(key, self._assembler.keys[slot])
+            buffers.copy(value, self._assembler.values[slot])
+            self._fences[slot] = buffers.fence(device)
+            self._layer_done[slot].set()
+
+        def settle() -> None:
+            try:
+                buffers.synchronize(device)
+            except BaseException as exc:
+                self._fail(exc)
+                return
+            self._complete(Pack(header=self.header, keys=self._assembler.keys, values=self._assembler.values))
+
+        threading.Thread(target=settle, name="packstore-copy", daemon=True).start()
+
+    def _complete(self, pack: Pack) -> None:
+        """Hand out ``pack`` to ``result`` once every ``when_complete`` callback has run."""
         while True:  # every callback has run when ``result`` returns
             with self._lock:
                 callbacks, self._callbacks = self._callbacks, []
@@ -347,11 +388,12 @@ class ArrivingPack:
                 if not 0 <= index < len(self.header.chunks) or index in self._seen:
                     raise IntegrityError(f"pack {self.header.key}: chunk {index} is not a chunk of the pack, or came twice")
                 self._seen.add(index)
-            self._assembler.add(index, data, verified=verified)
+            completed = self._assembler.add(index, data, verified=verified)
         except BaseException as exc:
             self._fail(exc)
             raise
-        for slot in self._assembler.completed(index):
+        for slot in completed:
+            self._fences[slot] = self._decoder.buffers.fence(self._assembler.device)  # after this chunk's copies
             self._layer_done[slot].set()
 
     def _fail(self, exc: BaseException) -> None:
@@ -372,6 +414,18 @@ def start_pack(header: PackHeader, source: ChunkSource, decoder: Decoder, device
     pack = ArrivingPack(header, decoder, device)
     threading.Thread(target=pack._feed, args=(source, verified), name="packstore-arrive", daemon=True).start()
     return pack
+
+
+def start_copy(pack: Pack, device: object, decoder: Decoder) -> Pack | ArrivingPack:
+    """``pack`` (held in host memory, pinned for link speed) on ``device``: each layer's copy is issued at once on
+    the decoder's buffers (a copy stream on CUDA) and ``layer(i)`` waits for layer i's copy alone, so the model
+    starts on the first layers while the rest cross; on the CPU the pack itself."""
+    target = _torch_device(device)
+    if target.type == "cpu":
+        return pack
+    arriving = ArrivingPack(pack.header, decoder, target)
+    arriving._copy_from(pack)
+    return arriving
 
 
 def pack_from_chunks(

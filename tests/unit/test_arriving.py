@@ -163,13 +163,14 @@ def test_a_layer_in_token_blocks_is_complete_only_once_every_block_wrote_its_val
         write(planes, out, first, *args, **kwargs)
 
     monkeypatch.setattr(codec.Planes, "write", slow_values)
-    assembler.add(0, encoded.chunks[0])
-    second = threading.Thread(target=assembler.add, args=(1, encoded.chunks[1]), name="second-block")
+    assert assembler.add(0, encoded.chunks[0]) == []
+    completed: list[list[int]] = []
+    second = threading.Thread(target=lambda: completed.append(assembler.add(1, encoded.chunks[1])), name="second-block")
     second.start()
     assert writing_values.wait(10)  # the second block's K is written, its V is not
-    assert assembler.completed(0) == [] and assembler.completed(1) == []
+    assert assembler._covered == [4]  # the first block's positions only: the layer is not complete
     resume.set()
     second.join()
-    assert assembler.completed(1) == [0]
+    assert completed == [[0]]
     keys, values = assembler.finish()
     assert torch.equal(keys[0], pack.keys[0]) and torch.equal(values[0], pack.values[0])

@@ -1,0 +1,102 @@
+"""The CUDA delivery path: chunks decoded into one reusable pinned pool, copied on a copy stream, each layer handed
+out behind its own fence; host packs copied layer by layer. Bit for bit what the CPU decodes. Skips without CUDA,
+except the parts that hold on every device."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from test_format import make_pack
+
+from packstore.packs.buffers import HostBuffers
+from packstore.packs.decoder import Decoder
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import ArrivingPack, encode_pack, start_copy
+from packstore.store import LmdbStore
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+CUDA = torch.device("cuda", 0)
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a, b))
+
+
+def test_a_host_pack_started_on_the_cpu_is_the_pack_itself() -> None:
+    pack = make_pack(layers=2, tokens=6)
+    with Decoder(workers=1) as decoder:
+        assert start_copy(pack, "cpu", decoder) is pack
+        assert start_copy(pack, None, decoder) is pack
+
+
+def test_every_device_has_a_fence_and_the_cpus_waits_for_nothing() -> None:
+    fence = HostBuffers().fence(torch.device("cpu"))
+    assert fence() is None
+
+
+@cuda
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("staging_bytes", [64 << 10, 200 << 10, 512 << 20])  # smaller than a layer; two layers; many
+def test_fetch_to_cuda_is_bit_for_bit_the_cpu_decode(tmp_path, dtype: str, staging_bytes: int) -> None:
+    pack = make_pack(dtype=dtype, layers=4, tokens=300, heads=2, dim=32)
+    buffers = HostBuffers(staging_bytes=staging_bytes)
+    with LmdbStore(tmp_path / "store") as store, Decoder(workers=4, buffers=buffers) as decoder:
+        key, _ = store.put(encode_pack(pack, block_positions=64))
+        reader = PackReader(store, decoder)
+        on_gpu = reader.fetch(key, device="cuda")
+        arriving = reader.start_fetch(key, device=CUDA)
+        layers = [arriving.layer(slot) for slot in range(4)]  # each behind its fence, on this thread's stream
+        part = reader.fetch_part(key, layers=(1, 2), prefix=100, device="cuda")
+    assert all(t.device.type == "cuda" for t in on_gpu.keys + on_gpu.values)
+    assert same(on_gpu.keys, pack.keys) and same(on_gpu.values, pack.values)
+    assert same([k for k, _ in layers], pack.keys) and same([v for _, v in layers], pack.values)
+    assert same(part.keys, [k[:, :100] for k in pack.keys[1:3]])
+    pool = buffers._pool
+    assert pool is not None and pool._pinned is not None and pool._pinned.is_pinned()
+    while buffers._wait_for_oldest_copy():
+        pass
+    gc.collect()
+    assert pool.free_bytes == pool.nbytes  # every staging block came back: none allocated per chunk and kept
+
+
+@cuda
+def test_a_host_pack_is_copied_layer_by_layer_behind_fences() -> None:
+    pack = make_pack(dtype="bfloat16", layers=3, tokens=200, heads=2, dim=64)
+    with Decoder(workers=2) as decoder:
+        pinned = [t.pin_memory() for t in pack.keys + pack.values]
+        host_pack = type(pack)(header=pack.header, keys=pinned[:3], values=pinned[3:])
+        moved = start_copy(host_pack, CUDA, decoder)
+        assert isinstance(moved, ArrivingPack)
+        first = moved.layer(0)
+        assert torch.equal(first[0].cpu(), pack.keys[0])
+        whole = moved.result()
+    assert same(whole.keys, pack.keys) and same(whole.values, pack.values)
+    assert all(t.device.type == "cuda" for t in whole.keys)
+
+
+@cuda
+def test_the_model_answers_the_same_with_a_pack_fetched_to_cuda(tmp_path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from packstore.kv.inject import cache_from_pack
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(config).to(CUDA).eval()
+    ids = torch.randint(0, 64, (1, 300), device=CUDA)
+    with torch.inference_mode():
+        prefix = model(input_ids=ids[:, :280], use_cache=True).past_key_values
+        keys = [layer.keys[0].cpu() for layer in prefix.layers]
+        values = [layer.values[0].cpu() for layer in prefix.layers]
+        expected = model(input_ids=ids[:, 280:], past_key_values=prefix).logits
+    pack = make_pack(layers=3, tokens=280, heads=2, dim=16)
+    pack = type(pack)(header=pack.header, keys=keys, values=values)
+    with LmdbStore(tmp_path / "store") as store, Decoder(workers=4) as decoder:
+        key, _ = store.put(encode_pack(pack, block_positions=64))
+        arriving = PackReader(store, decoder).start_fetch(key, device=CUDA)
+        with torch.inference_mode():
+            got = model(input_ids=ids[:, 280:], past_key_values=cache_from_pack(arriving, CUDA)).logits
+    assert torch.equal(got, expected)
