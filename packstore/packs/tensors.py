@@ -187,10 +187,10 @@ class BodyAssembler:
         with self._lock:
             if slot in self._host:
                 return self._host[slot]
-        if self.device.type == "cpu":
-            host = self.keys[slot], self.values[slot]
-        else:
-            host = tuple(self.buffers.staging(tuple(t.shape), t.dtype, self.device) for t in (self.keys[slot], self.values[slot]))
+        key, value = self.keys[slot], self.values[slot]
+        if self.device.type != "cpu":
+            key, value = (self.buffers.staging(tuple(t.shape), t.dtype, self.device) for t in (key, value))
+        host = key, value
         with self._lock:
             if slot not in self._host:  # another chunk of the layer may have come meanwhile: the first staging wins
                 self._host[slot] = (_elements(host[0]), _elements(host[1]))
