@@ -8,17 +8,39 @@ mean length change with every document, and a rebuild costs seconds at 100,000 f
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import bm25s
 import numpy as np
 import Stemmer
 
 from packstore.format.bank import Cluster, encode_lexical
+
+if TYPE_CHECKING:
+    import bm25s
+
+
+def _hide_jax_from_bm25s() -> None:
+    """Import bm25s without JAX: where JAX is installed, importing bm25s runs a JAX op that starts JAX's GPU client, which
+    reserves most of a GPU's memory (a worker next to its model would lose it). packstore scores with bm25s's NumPy
+    code alone, so JAX is hidden while bm25s is imported (a JAX the program already imported is left alone)."""
+    hide = "jax" not in sys.modules
+    if hide:
+        sys.modules["jax"] = None  # type: ignore[assignment]  # None in sys.modules makes ``import jax`` fail
+    try:
+        import bm25s  # noqa: F401  # imported once here, as the module-level name below
+    finally:
+        if hide:
+            del sys.modules["jax"]
+
+
+_hide_jax_from_bm25s()
+import bm25s  # noqa: E402  # already imported, without JAX
 
 LEXICAL_KIND = "bm25s/en/snowball"  # recorded in BankMeta.lexical
 # Lucene StandardAnalyzer's habits: a number with inner dots or commas is one token ("14.19",
