@@ -1,0 +1,36 @@
+"""tools/bench_gpu.py end to end on CPU with the tiny shape (smollm2-135m's tokenizer): every part, every table, the JSON lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_gpu_tiny_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "results.jsonl"
+    argv = ["--device", "cpu", "--shape", "tiny", "--sizes", "300", "600", "--repeats", "1",
+            "--worker-sizes", "300", "--worker-repeats", "1", "--workdir", str(tmp_path), "--out", str(out)]
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_gpu.py"), *argv], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in ("(a) Time to first token", "stored / floor", "(c) Fetch to the device", "(d) The worker over gRPC", "(e) Build",
+                 "GPU: none", "Total run time"):
+        assert line in done.stdout, line
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    parts = [r["part"] for r in records]
+    assert parts[0] == "machine" and parts[-1] == "total"
+    assert parts.count("ttft") == parts.count("fetch") == parts.count("build") == 2 and parts.count("worker") == 1
+    for r in records:
+        if r["part"] == "ttft":
+            assert r["same_first_token"] and min(r["stored_ms"], r["floor_ms"], r["prefill_ms"]) > 0
+        if r["part"] == "fetch":
+            assert r["fetch_gbps"] > 0 and r["pinned_gbps"] is None
+    assert list(tmp_path.iterdir()) == [out]  # the model, stores and logs went with the run
