@@ -8,6 +8,7 @@ import pytest
 
 from packstore.answering.answer import Answerer, Question
 from packstore.answering.tiers import ReadyCache
+from packstore.cli.packstore_main import decoded_memory_bytes, host_tier_bytes
 from packstore.format import PackHeader
 from packstore.format.header import ChunkInfo
 from packstore.kv.build import build_pack
@@ -140,3 +141,9 @@ def test_a_bank_fact_pack_in_the_store_is_read_through_the_host_tier(tiny_lm, st
     answerer = Answerer(tiny_lm, store, ready=ReadyCache(1 << 30, below=host), host=host)
     pack, stored, hit = answerer.facts_pack(["Alice lives in Paris."])
     assert (stored, hit, answerer.store_reads) == (True, False, 1) and host.stats == (1, pack.header.raw_bytes)
+
+
+def test_the_worker_has_a_host_tier_of_8_gib_on_an_accelerator_and_none_on_a_cpu_unless_told() -> None:
+    assert (host_tier_bytes(None, "cuda"), host_tier_bytes(None, "cpu"), host_tier_bytes(5 << 20, "cpu")) == (8 << 30, 0, 5 << 20)
+    # the memory packs are decoded into: the host tier's on an accelerator; on a CPU both tiers' tensors are the same
+    assert (decoded_memory_bytes(2, 8, "cuda"), decoded_memory_bytes(2, 0, "cuda"), decoded_memory_bytes(4, 3, "cpu")) == (8, 0, 4)
