@@ -16,8 +16,11 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from packstore.answering.composing import check_composition, compose, composition_key
 from packstore.answering.records import AnswerResult
+from packstore.answering.tiers import ReadyCache, ReadyPartition, to_host
 from packstore.bank.bank import BankCache, open_banks
 from packstore.errors import InvalidInput, PackNotFound, Untrusted
 from packstore.format import PackHeader, pack_key, parse_key
@@ -30,7 +33,7 @@ from packstore.kv.packet import check_adapter
 from packstore.kv.render import pack_prefix_ids, render
 from packstore.kv.steer import Direction, LayerDeltas, SteeredCache, applied_layers, check_steering, steering_deltas
 from packstore.packs.reader import PackReader
-from packstore.packs.tensors import ArrivingPack, Pack, encode_pack
+from packstore.packs.tensors import ArrivingPack, Pack, encode_pack, start_copy
 from packstore.store.protocol import DEFAULT_TOP_K, PackStore
 from packstore.store.records import StoredPack
 
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
     from packstore.security.trust import TrustedKeys
 
 DEFAULT_CACHE_BYTES = 2 << 30
+HOST = torch.device("cpu")  # where the host tier's packs are decoded (in the decoder's host buffers)
 REF_TTL_SECONDS = 5.0  # how long what the store said of a ref is used without asking again (docs/operations.md)
 REF_CACHE_ENTRIES = 4096  # refs remembered (a header each, a few KB)
 
@@ -70,99 +74,6 @@ class RefCache:
             self._refs.move_to_end(ref)
             while len(self._refs) > self.entries:
                 self._refs.popitem(last=False)
-
-
-class ReadyCache:
-    """An LRU of ready packs (tensors already on the device), bounded by their decoded KV bytes.
-
-    Keys live in partitions (one per namespace on a worker, ``partition``; the cache's own methods use the
-    unnamed one): a key of one partition never meets another's, while all share the one byte budget and LRU
-    order. Packs and bytes are counted per partition too (``stats_of``), so each tenant can be told its own.
-    A single pack larger than the limit is returned but not kept. ``get`` loads a missing pack with
-    ``load(key)``; concurrent misses on one key may load it twice, which is harmless.
-    """
-
-    def __init__(self, limit_bytes: int) -> None:
-        self.limit_bytes = limit_bytes
-        self._packs: OrderedDict[tuple[str, str], Pack] = OrderedDict()  # by (partition, key), least recently used first
-        self._bytes = 0
-        self._usage: dict[str, tuple[int, int]] = {}  # partition -> (packs, bytes), partitions holding packs only
-        self._lock = threading.Lock()
-
-    def get(self, key: str, load: Callable[[str], Pack], partition: str = "") -> tuple[Pack, bool]:
-        """The pack for ``key`` and whether it was already cached."""
-        with self._lock:
-            if (partition, key) in self._packs:
-                self._packs.move_to_end((partition, key))
-                return self._packs[partition, key], True
-        pack = load(key)
-        self.put(key, pack, partition)
-        return pack, False
-
-    def put(self, key: str, pack: Pack, partition: str = "") -> None:
-        """Keep ``pack`` as ``key`` (unless one is kept already or it alone exceeds the limit), evicting the least recently used."""
-        size = pack.header.raw_bytes
-        with self._lock:
-            if size <= self.limit_bytes and (partition, key) not in self._packs:
-                self._packs[partition, key] = pack
-                self._count(partition, 1, size)
-                while self._bytes > self.limit_bytes:
-                    (owner, _), evicted = self._packs.popitem(last=False)
-                    self._count(owner, -1, -evicted.header.raw_bytes)
-
-    def _count(self, partition: str, packs: int, size: int) -> None:
-        """(lock held) Add ``packs`` and ``size`` bytes to ``partition``'s usage and the total."""
-        held, total = self._usage.get(partition, (0, 0))
-        if held + packs:
-            self._usage[partition] = (held + packs, total + size)
-        else:
-            self._usage.pop(partition, None)
-        self._bytes += size
-
-    def peek(self, key: str, partition: str = "") -> Pack | None:
-        """The cached pack for ``key`` (marked recently used), or None; never loads."""
-        with self._lock:
-            if (partition, key) in self._packs:
-                self._packs.move_to_end((partition, key))
-                return self._packs[partition, key]
-        return None
-
-    @property
-    def stats(self) -> tuple[int, int]:
-        """(packs cached, bytes cached), all partitions together."""
-        with self._lock:
-            return len(self._packs), self._bytes
-
-    def stats_of(self, partition: str) -> tuple[int, int]:
-        """(packs cached, bytes cached) of one partition."""
-        with self._lock:
-            return self._usage.get(partition, (0, 0))
-
-    def partition(self, name: str) -> ReadyPartition:
-        """A view of this cache whose keys never meet another partition's (one per namespace)."""
-        return ReadyPartition(self, name)
-
-
-class ReadyPartition:
-    """One namespace's share of a ReadyCache: the same bytes budget, keys and counts of its own, so a pack one
-    tenant made ready is never a cache hit for another, and its ``stats`` tell only of its own packs."""
-
-    def __init__(self, cache: ReadyCache, name: str) -> None:
-        self.cache, self.name = cache, name
-
-    def get(self, key: str, load: Callable[[str], Pack]) -> tuple[Pack, bool]:
-        return self.cache.get(key, load, self.name)
-
-    def peek(self, key: str) -> Pack | None:
-        return self.cache.peek(key, self.name)
-
-    def put(self, key: str, pack: Pack) -> None:
-        self.cache.put(key, pack, self.name)
-
-    @property
-    def stats(self) -> tuple[int, int]:
-        """(packs cached, bytes cached) of this partition only."""
-        return self.cache.stats_of(self.name)
 
 
 @dataclass(frozen=True)
@@ -218,7 +129,8 @@ class Question:
 
 
 class Answerer:
-    """Answers questions on one model with packs from one store, keeping ready packs in an LRU.
+    """Answers questions on one model with packs from one store, keeping ready packs in an LRU (and, given a host
+    tier, the packs it fetched in host memory too: ``tiers``).
 
     Safe to share between threads: lookups and fetches run concurrently, while device work
     (building a bank's facts pack, generating) runs one request at a time.
@@ -232,6 +144,7 @@ class Answerer:
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         trusted: TrustedKeys | None = None,
         ready: ReadyCache | ReadyPartition | None = None,
+        host: ReadyCache | ReadyPartition | None = None,
         device_lock: threading.Lock | None = None,
         ref_ttl: float = REF_TTL_SECONDS,
         decoder: Decoder | None = None,
@@ -240,7 +153,9 @@ class Answerer:
         """``trusted``: take from the store only packs a trusted key signed (docs/operations.md, "Signed
         packs"); what this Answerer derives from them in memory (compositions, a bank's fact packs) is
         trusted. ``ready`` and ``device_lock`` share an LRU (a partition of it) and the device with other
-        Answerers of the same model (a worker's namespaces); by default they are its own. ``ref_ttl``: how long
+        Answerers of the same model (a worker's namespaces); by default they are its own. ``host``: the host tier (a
+        partition of it) packs are fetched into and copied to the device from, under ``ready`` (whose ``below`` it is);
+        None fetches straight to the device, and lets a pack stream in while the model runs (``arriving``). ``ref_ttl``: how long
         what the store said of a ref is used without asking again (``RefCache``; 0 asks every time). ``decoder``
         and ``bank_cache``: the program's chunk decoder and bank cache (this Answerer's own when None)."""
         self.lm = lm
@@ -249,6 +164,9 @@ class Answerer:
         self.bank_cache = bank_cache if bank_cache is not None else BankCache()
         self.trusted = trusted
         self.ready = ready if ready is not None else ReadyCache(cache_bytes)
+        self.host = host
+        self.store_reads = 0  # packs fetched from the store (each read counted once, whole or streamed)
+        self._reads_lock = threading.Lock()
         self._device_lock = device_lock if device_lock is not None else threading.Lock()
         self.refs = RefCache(ref_ttl)
 
@@ -291,14 +209,31 @@ class Answerer:
     def arriving(self, ref: str) -> tuple[Pack | ArrivingPack, bool]:
         """The knowledge pack ``ref`` names as answering takes it, and whether it was ready: the ready pack, or
         one still arriving from the store (``PackStore.start_fetch``) whose first layers the model can run while
-        the rest decode; it becomes ready once whole. Refused as ``pack`` refuses, before anything is fetched."""
+        the rest decode (from the host tier when it holds the pack, copied layer by layer; else from the store); it
+        becomes ready once whole, and a pack read from the store is copied into the host tier then. Refused as ``pack``
+        refuses, before anything is fetched."""
         stored = self.lookup(ref)
         check_identity(self.lm, stored.header)
-        if (ready := self.ready.peek(stored.key)) is not None:
+        key = stored.key
+        if (ready := self.ready.peek(key)) is not None:
             return ready, True
-        arriving = self._start_download(stored)
-        arriving.when_complete(lambda pack: self.ready.put(stored.key, pack))
-        return arriving, False
+        hosted = self.host.peek(key) if self.host is not None else None
+        if hosted is None:
+            arriving = self._start_download(stored, self.lm.device)
+            arriving.when_complete(lambda pack: self._arrived(key, pack))
+            return arriving, False
+        copied = start_copy(hosted, self.lm.device, self.reader.decoder)
+        if isinstance(copied, Pack):  # the device is the host
+            self.ready.put(key, copied)
+        else:
+            copied.when_complete(lambda pack: self.ready.put(key, pack))
+        return copied, False
+
+    def _arrived(self, key: str, pack: Pack) -> None:
+        """A pack fetched to the device is ready: into the device LRU and, copied to host memory, the host tier."""
+        self.ready.put(key, pack)
+        if self.host is not None:
+            self.host.put(key, to_host(pack, self.reader.decoder.buffers))
 
     def _ready(self, ref: str, check: Callable[[LoadedModel, PackHeader], None]) -> tuple[Pack, bool]:
         """The ready pack ``ref`` names and whether it was ready: ``check`` (kind and identities) runs on
@@ -322,14 +257,22 @@ class Answerer:
             return None
 
     def _download(self, stored: StoredPack) -> Pack:
-        """Fetch the pack ``stored`` describes; with trusted keys, its fetched digest must bear a trusted signature."""
-        return self._start_download(stored).result()
+        """The pack ``stored`` describes on the device: from the host tier when it holds it, else fetched from the
+        store (into the host tier first, when there is one); with trusted keys, a fetched digest must bear a trusted
+        signature."""
+        if self.host is None:
+            return self._start_download(stored, self.lm.device).result()
+        pack, _ = self.host.get(stored.key, lambda _: self._start_download(stored, HOST).result())
+        copied = start_copy(pack, self.lm.device, self.reader.decoder)
+        return copied if isinstance(copied, Pack) else copied.result()
 
-    def _start_download(self, stored: StoredPack) -> ArrivingPack:
-        """Start fetching the pack ``stored`` describes; with trusted keys its header's digest (which the chunks
-        are verified against as they arrive) must bear a trusted signature, checked before this returns."""
+    def _start_download(self, stored: StoredPack, device: torch.device) -> ArrivingPack:
+        """Start fetching the pack ``stored`` describes to ``device``; with trusted keys its header's digest (which the
+        chunks are verified against as they arrive) must bear a trusted signature, checked before this returns."""
         key = stored.key
-        pack = self.reader.start_fetch(key, device=self.lm.device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
+        with self._reads_lock:
+            self.store_reads += 1
+        pack = self.reader.start_fetch(key, device=device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
         if self.trusted is not None:
             try:
                 self.trusted.require(f"pack {key}", "pack", pack.header.pack_sha256, stored.signatures)
@@ -434,7 +377,8 @@ class Answerer:
     def facts_pack(self, facts: Sequence[str]) -> tuple[Pack, bool, bool]:
         """The ready pack of exactly ``facts`` (in order), whether it was already stored, and whether already ready.
 
-        Looked up by content key; a pack not stored yet is built and written back (lazy recompute).
+        Looked up by content key (then in the host tier and the store, as any pack); a pack not stored yet is built
+        and written back (lazy recompute).
         """
         facts = clean_facts(facts)
         stored = True
@@ -443,7 +387,7 @@ class Answerer:
             nonlocal stored
             if self.trusted is None:  # with trusted keys a fact pack is computed here, never taken unsigned from the store
                 try:
-                    return self.reader.fetch(key, device=self.lm.device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
+                    return self._fetch(key)
                 except PackNotFound:
                     pass
             with self._device_lock:

@@ -9,6 +9,8 @@ from packstore import __version__
 from packstore.cli.common import CommandLine, connection_of, connection_options, emit_json
 from packstore.errors import InvalidInput
 
+DEFAULT_HOST_CACHE_BYTES = 8 << 30  # the host tier of a worker on an accelerator, unless --host-cache-bytes says otherwise
+
 
 def cmd_info(args: argparse.Namespace) -> int:
     import torch
@@ -91,6 +93,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     ref_ttl = REF_TTL_SECONDS if args.ref_ttl is None else args.ref_ttl
     if not 0 <= ref_ttl <= 86400:  # also refuses NaN
         raise InvalidInput(f"--ref-ttl must be from 0 to 86400 seconds, got {args.ref_ttl}")
+    if args.host_cache_bytes is not None and args.host_cache_bytes < 0:
+        raise InvalidInput(f"--host-cache-bytes must be 0 or more, got {args.host_cache_bytes}")
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     lm = load_model(
         args.model, device=args.device, dtype=args.dtype, chat_template=template, progress=not args.quiet and sys.stderr.isatty()
@@ -99,8 +103,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from packstore.packs.decoder import Decoder
     from packstore.packs.memory import PackMemory
 
-    reserved = lm.device.type == "cpu" and args.reserve_memory == "on"
-    decoder = Decoder(buffers=HostBuffers(PackMemory(args.cache_bytes, background=True) if reserved else None))
+    host_cache_bytes = host_tier_bytes(args.host_cache_bytes, lm.device.type)
+    reserved = decoded_memory_bytes(args.cache_bytes, host_cache_bytes, lm.device.type) if args.reserve_memory == "on" else 0
+    pinned = lm.device.type == "cuda"  # the host tier's packs cross to the GPU at link speed only from page-locked memory
+    decoder = Decoder(buffers=HostBuffers(PackMemory(reserved, background=True, pinned=pinned) if reserved else None))
     from packstore.security.auth import Auth
     from packstore.worker.stores import NamespaceReaders
 
@@ -111,6 +117,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
             stores.get,
             args.listen,
             args.cache_bytes,
+            host_cache_bytes=host_cache_bytes,
+            metrics=args.metrics or "",
             trusted=trusted,
             auth=auth,
             ref_ttl=ref_ttl,
@@ -120,6 +128,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
             tls_client_ca=args.tls_client_ca or "",
         )
     return 0
+
+
+def host_tier_bytes(asked: int | None, device_type: str) -> int:
+    """The host tier's bound: ``asked`` (``--host-cache-bytes``), else 8 GiB on an accelerator and none on a CPU device,
+    whose device LRU is host memory already."""
+    if asked is None:
+        return 0 if device_type == "cpu" else DEFAULT_HOST_CACHE_BYTES
+    return asked
+
+
+def decoded_memory_bytes(cache_bytes: int, host_cache_bytes: int, device_type: str) -> int:
+    """The host memory packs are decoded into (``PackMemory``): on a CPU device the LRU's, which the host tier's
+    packs share (both hold the same tensors there); on an accelerator the host tier's (0: none, packs are decoded
+    straight to the device)."""
+    return max(cache_bytes, host_cache_bytes) if device_type == "cpu" else host_cache_bytes
 
 
 def _listener_options(parser) -> None:
@@ -188,8 +211,14 @@ def build_cli() -> CommandLine:
     p.add_argument("--listen", default="127.0.0.1:50552", metavar="HOST:PORT", help="gRPC address of the Worker service")
     p.add_argument("--cache-bytes", type=int, default=2 << 30, metavar="N", help="LRU of ready packs, in decoded KV bytes (default 2 GiB)")
     p.add_argument(
+        "--host-cache-bytes", type=int, metavar="N",
+        help="host tier under the device LRU: packs fetched from the store are kept in host memory, in decoded KV bytes, so one "
+        "the device LRU evicted comes back with a copy instead of a store read (default 8 GiB on an accelerator, 0 = none on a CPU)",
+    )
+    p.add_argument(
         "--reserve-memory", choices=("on", "off"), default="on",
-        help="on a CPU device, reserve the LRU's memory, touch it in the background from the start, and decode packs into it (default on)",
+        help="reserve the host memory packs are decoded into (on a CPU device the LRU's, on an accelerator the host tier's), "
+        "touch it in the background from the start, and decode packs into it (default on)",
     )
     p.add_argument(
         "--ref-ttl", type=float, metavar="SECONDS",
@@ -200,6 +229,11 @@ def build_cli() -> CommandLine:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--chat-template", metavar="FILE")
     p.add_argument("--threads", type=int, metavar="N", help="CPU threads for the model (default: torch's, one per core)")
+    p.add_argument(
+        "--metrics", metavar="HOST:PORT",
+        help="serve Prometheus metrics here (:PORT or PORT: on loopback; with --auth, a scrape needs a bearer token, "
+        "and reads its namespaces' series)",
+    )
     _listener_options(p)
     p.add_argument("--token-file", metavar="FILE", help="the worker's own token for the store (default: $PACKSTORE_TOKEN)")
     p.add_argument(

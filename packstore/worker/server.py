@@ -11,18 +11,22 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from packstore.answering.answer import REF_TTL_SECONDS, Answerer, ReadyCache
+from packstore.answering.answer import REF_TTL_SECONDS, Answerer
+from packstore.answering.tiers import ReadyCache
 from packstore.bank.bank import BankCache
 from packstore.errors import PackstoreError
 from packstore.kv.inject import TextDeltas
 from packstore.kv.models import LoadedModel
 from packstore.packs.decoder import Decoder
+from packstore.rpc.listen import server_ssl_context
+from packstore.rpc.metrics_http import serve_metrics
 from packstore.rpc.serving import Server, log_as_json
 from packstore.rpc.status import abort_with_error
 from packstore.security.auth import Auth
 from packstore.store.protocol import PackStore
 from packstore.v1 import worker_pb2, worker_pb2_grpc
 from packstore.worker.messages import generate_done, question_of
+from packstore.worker.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
     from packstore.security.trust import TrustedKeys
@@ -32,8 +36,9 @@ log = logging.getLogger("packstore.worker")
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    """A thin gRPC shell over ``Answerer``s: one model, one device and one LRU, and one Answerer per
-    caller namespace (its store, and its partition of the LRU, so tenants never share ready packs).
+    """A thin gRPC shell over ``Answerer``s: one model, one device, one device LRU and (with ``host_cache_bytes``)
+    one host tier under it, and one Answerer per caller namespace (its store, and its partition of each tier, so
+    tenants never share ready packs).
 
     ``store_for(namespace)`` gives the store a namespace reads; ``auth`` (the worker's own tokens file)
     decides each caller's namespace; without one every caller is in ``default``."""
@@ -44,6 +49,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         store_for: Callable[[str], PackStore],
         *,
         cache_bytes: int,
+        host_cache_bytes: int = 0,
         trusted: TrustedKeys | None = None,
         auth: Auth | None = None,
         ref_ttl: float = REF_TTL_SECONDS,
@@ -56,7 +62,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.store_for = store_for
         self.auth = auth or Auth()
         self.trusted = trusted
-        self.ready = ReadyCache(cache_bytes)
+        self.host = ReadyCache(host_cache_bytes) if host_cache_bytes > 0 else None
+        self.ready = ReadyCache(cache_bytes, below=self.host)
+        self.metrics = WorkerMetrics({"device": self.ready} | ({"host": self.host} if self.host else {}), self.store_reads)
         self._device_lock = threading.Lock()
         self._answerers: dict[str, Answerer] = {}
         self._lock = threading.Lock()
@@ -65,10 +73,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         with self._lock:
             if namespace not in self._answerers:
                 self._answerers[namespace] = Answerer(
-                    self.lm, self.store_for(namespace), ready=self.ready.partition(namespace), device_lock=self._device_lock,
+                    self.lm, self.store_for(namespace), ready=self.ready.partition(namespace),
+                    host=self.host.partition(namespace) if self.host is not None else None, device_lock=self._device_lock,
                     trusted=self.trusted, ref_ttl=self.ref_ttl, decoder=self.decoder, bank_cache=self.bank_cache,
                 )
             return self._answerers[namespace]
+
+    def store_reads(self) -> dict[str, int]:
+        """Packs fetched from the store so far, by namespace."""
+        with self._lock:
+            return {namespace: answerer.store_reads for namespace, answerer in self._answerers.items()}
 
     def Generate(self, request, context):
         start = time.perf_counter()
@@ -100,17 +114,23 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             log.exception("internal error", extra={"fields": {"method": "Generate"}})
             abort_with_error(context, PackstoreError(f"internal error: {exc}"))
         finally:
-            fields["ms"] = round((time.perf_counter() - start) * 1000, 2)
+            seconds = time.perf_counter() - start
+            fields["ms"] = round(seconds * 1000, 2)
             log.info("Generate", extra={"fields": fields})
+            self.metrics.record(fields.get("namespace", ""), "Generate", fields.get("code", "CANCELLED"), seconds)
 
     def Status(self, request, context):
+        start = time.perf_counter()
         try:
             principal = self.auth.authenticate(context.invocation_metadata(), "Status", "read")
         except PackstoreError as exc:
+            self.metrics.record("", "Status", exc.grpc_status, time.perf_counter() - start)
             abort_with_error(context, exc)
         answerer = self.answerer(principal.namespace)
         lm, store = self.lm, answerer.store
         packs, size = answerer.ready.stats  # the caller's own partition: never what other tenants made ready
+        host_packs, host_bytes = answerer.host.stats if answerer.host is not None else (0, 0)
+        self.metrics.record(principal.namespace, "Status", "OK", time.perf_counter() - start)
         return worker_pb2.WorkerStatus(
             model=lm.name,
             model_fp=lm.model_fp,
@@ -122,6 +142,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             cache_limit_bytes=self.ready.limit_bytes,
             store=str(getattr(store, "target", getattr(store, "path", ""))),
             cpu_threads=torch.get_num_threads(),
+            host_cached_packs=host_packs,
+            host_cached_bytes=host_bytes,
+            host_cache_limit_bytes=self.host.limit_bytes if self.host is not None else 0,
         )
 
 
@@ -132,6 +155,8 @@ def serve_worker(
     cache_bytes: int,
     grace_seconds: float = 30.0,
     *,
+    host_cache_bytes: int = 0,
+    metrics: str = "",
     trusted: TrustedKeys | None = None,
     auth: Auth | None = None,
     tls_cert: str = "",
@@ -143,14 +168,23 @@ def serve_worker(
     """Serve Generate on ``listen`` (TLS with ``tls_cert``/``tls_key``, mutual with ``tls_client_ca``)
     until SIGTERM/SIGINT, then finish in-flight generations; with ``trusted``, only packs signed by a
     trusted key are injected; with ``auth``, callers need a token (SIGHUP reloads the file); ``ref_ttl``: see ``Answerer``;
-    ``decoder``: the chunk decoder packs are fetched with (its threads, its buffers)."""
+    ``decoder``: the chunk decoder packs are fetched with (its threads, its buffers); ``host_cache_bytes``: the host
+    tier (0: none); ``metrics``: where to serve Prometheus metrics (HOST:PORT; by the rules of rpc/metrics_http.py)."""
     log_as_json("INFO")
-    service = WorkerService(lm, store_for, cache_bytes=cache_bytes, trusted=trusted, auth=auth, ref_ttl=ref_ttl, decoder=decoder)
+    service = WorkerService(
+        lm, store_for, cache_bytes=cache_bytes, host_cache_bytes=host_cache_bytes, trusted=trusted, auth=auth, ref_ttl=ref_ttl,
+        decoder=decoder,
+    )
     server = Server(
         SERVICE_NAME, lambda grpc_server: worker_pb2_grpc.add_WorkerServicer_to_server(service, grpc_server), listen, log=log,
         workers=8, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
     )
+    metrics_at = None  # where the metrics port listens (loopback unless ``metrics`` names a host)
+    if metrics:
+        tls = server_ssl_context(tls_cert, tls_key, tls_client_ca)
+        metrics_at = serve_metrics(metrics, service.metrics.registry, service.auth, tls=tls).listening
     fields: dict[str, object] = {"listen": listen, "model": lm.name, "model_fp": lm.model_fp, "device": str(lm.device)}
+    fields |= {"cache_bytes": cache_bytes, "host_cache_bytes": host_cache_bytes, "metrics": metrics_at}
     fields |= {"auth": f"callers need a token from {auth.path}" if auth and auth.enabled else "none: callers need no token"}
     fields |= {"tls": server.tls, "mutual_tls": bool(tls_client_ca), "trusted_keys": trusted.source if trusted else None}
     server.run(service.auth, grace_seconds, fields)

@@ -9,17 +9,15 @@ import pytest
 from test_identity import ALT_TEMPLATE
 
 from bank_helpers import TEST_BANK_CACHE
-from packstore.answering.answer import Answerer, Question, ReadyCache
+from packstore.answering.answer import Answerer, Question
 from packstore.answering.records import AnswerResult
 from packstore.bank.bank import open_banks
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch
-from packstore.format import PackHeader
-from packstore.format.header import ChunkInfo
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling, answer_with_text
 from packstore.kv.models import load_model
 from packstore.kv.synthetic import synthetic_facts
-from packstore.packs.tensors import Pack, encode_pack
+from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
 from packstore.store.lmdb.store import _chunk_key
 
@@ -185,45 +183,3 @@ def test_a_stop_token_first_gives_an_empty_answer(tiny_lm, store) -> None:
     ids, result = streamed(Answerer(stops_at_once, store), question)
     assert ids == [first_token]  # the stop token is streamed, and is not part of the answer
     assert (result.answer, result.rag_answer, result.identical) == ("", "", True)
-
-
-def fake_pack(key_byte: str, size: int) -> Pack:
-    header = PackHeader(
-        kind="knowledge", model_fp=key_byte * 64, template_fp="b" * 64, model_name="t", token_ids=(1,), layers=1,
-        kv_heads=1, head_dim=1, dtype="float32", facts=("f",), raw=False, created="2026-01-01T00:00:00Z",
-        chunks=(ChunkInfo(0, 1, size, size, "0" * 64),),
-    )
-    return Pack(header=header, keys=[], values=[])
-
-
-def test_ready_cache_is_an_lru_bounded_in_bytes() -> None:
-    cache = ReadyCache(limit_bytes=100)
-    loads: list[str] = []
-
-    def load(key: str) -> Pack:
-        loads.append(key)
-        return fake_pack(key, {"a": 40, "b": 40, "c": 40, "d": 500}[key])
-
-    for key in ["a", "b", "a", "c"]:  # c evicts b, the least recently used
-        cache.get(key, load)
-    assert cache.stats == (2, 80)
-    assert cache.get("a", load)[1] is True and cache.get("b", load)[1] is False
-    cache.get("d", load)  # larger than the whole cache: served, not kept
-    assert cache.get("d", load)[1] is False and cache.stats[1] <= 100
-    assert loads == ["a", "b", "c", "b", "d", "d"]
-
-
-def test_ready_cache_partitions_share_the_budget_and_count_their_own_packs() -> None:
-    cache = ReadyCache(limit_bytes=100)
-    a, b = cache.partition("a"), cache.partition("b")
-
-    def load(key: str) -> Pack:
-        return fake_pack(key, 30)
-
-    for partition, key in ((a, "k"), (a, "l"), (b, "k")):
-        partition.get(key, load)
-    assert b.get("k", load)[1] is True and a.peek("m") is None and b.peek("l") is None  # keys never meet
-    assert (a.stats, b.stats, cache.stats) == ((2, 60), (1, 30), (3, 90))
-    b.put("m", fake_pack("m", 30))  # over the shared budget: a's least recently used pack goes
-    assert (a.stats, b.stats, cache.stats) == ((1, 30), (2, 60), (3, 90)) and a.peek("l") is not None
-    assert cache.partition("c").stats == (0, 0) and cache.stats_of("a") == a.stats

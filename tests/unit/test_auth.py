@@ -31,7 +31,7 @@ from packstore.rpc.remote import RemoteStore
 from packstore.security.auth import Auth, load_tokens
 from packstore.store.namespaces import namespace_path
 from packstore.worker.client import WorkerClient
-from service_helpers import running_server, running_worker
+from service_helpers import free_port, running_server, running_worker
 
 TOKENS = {
     "a-writer": ("secret-a-writer", ["a"], "write"),
@@ -245,3 +245,57 @@ def test_the_worker_reads_each_callers_namespace_with_its_own_token(server, tiny
         time.sleep(0.6)
         with WorkerClient(worker.address, connection=Connection(token=TOKENS["a-writer"][0])) as caller, pytest.raises(PackNotFound):
             caller.ask(question)  # a deletion is honoured once the ref ttl has passed
+
+
+def tier_reads(text: str) -> dict[tuple[str, str], float]:
+    """The worker's ``packstore_worker_pack_reads_total`` by (namespace, tier)."""
+    return {(s.labels["namespace"], s.labels["tier"]): s.value for s in samples(text) if s.name == "packstore_worker_pack_reads_total"}
+
+
+def test_the_worker_serves_evicted_packs_from_its_host_tier_and_meters_each_namespace_apart(server, tiny_lm, tiny_model_dir, tmp_path) -> None:
+    """A device LRU of one pack and a host tier: a pack the device LRU evicted comes back from the host tier, not the
+    store; each namespace's tiers never meet, and the metrics port shows a tenant its own series only."""
+    facts = {"tier-x": "Xavier lives in Quito.", "tier-y": "Yolanda lives in Nairobi, Kenya."}
+    packs = {name: encode_pack(build_pack(tiny_lm, [fact])) for name, fact in facts.items()}
+    with client(server, "a-writer") as a, client(server, "b-writer") as b:
+        for name, pack in packs.items():
+            a.put(pack, name=name)
+        b.put(packs["tier-x"], name="tier-x")
+    (tmp_path / "worker.token").write_text(TOKENS["operator"][0])
+    device_bytes, host_bytes = max(p.header.raw_bytes for p in packs.values()), 64 << 20
+    port = free_port()
+    extra = (
+        "--threads", "1", "--token-file", str(tmp_path / "worker.token"), "--auth", str(server.tokens), "--cache-bytes", str(device_bytes),
+        "--host-cache-bytes", str(host_bytes), "--metrics", f":{port}",
+    )
+    with running_worker(server.url, str(tiny_model_dir), tmp_path, *extra) as worker:
+        worker.metrics = f"127.0.0.1:{port}"  # ":PORT" listens on loopback
+        with WorkerClient(worker.address, connection=Connection(token=TOKENS["a-reader"][0])) as a_reader:
+            hits = [a_reader.ask(Question("Who?", refs=(name,), sampling=Sampling(max_new_tokens=2))).cache_hit
+                    for name in ("tier-x", "tier-y", "tier-x", "tier-x")]
+            status = a_reader.status()
+        assert hits == [False, False, False, True]  # tier-y evicted tier-x from the device; it came back from the host tier
+        assert tier_reads(scrape(worker, TOKENS["a-reader"][0])) == {("a", "store"): 2, ("a", "host"): 1, ("a", "device"): 1}
+        assert (status["host_cached_packs"], int(status["host_cached_bytes"])) == (2, sum(p.header.raw_bytes for p in packs.values()))
+        assert int(status["host_cache_limit_bytes"]) == host_bytes and (status["cached_packs"], int(status["cache_limit_bytes"])) == (1, device_bytes)
+        before = scrape(worker, TOKENS["a-reader"][0])
+        with WorkerClient(worker.address, connection=Connection(token=TOKENS["b-writer"][0])) as b_writer:
+            assert b_writer.ask(Question("Who?", refs=("tier-x",), sampling=Sampling(max_new_tokens=2))).cache_hit is False
+            assert b_writer.status()["host_cached_packs"] == 1  # a's packs are nothing of b's
+        shared = ("packstore_worker_tier_packs", "packstore_worker_tier_bytes", "packstore_worker_tier_evictions_total")
+
+        def own(text: str) -> list[Sample]:
+            """All but what the shared byte budget may change: b's pack may evict a's from the device LRU."""
+            return [sample for sample in samples(text) if sample.name not in shared]
+
+        assert own(scrape(worker, TOKENS["a-reader"][0])) == own(before)  # b's reads show nowhere in what a's token reads
+        assert {s.labels.get("namespace") for s in samples(before)} == {"a"}
+        assert tier_reads(scrape(worker, TOKENS["b-writer"][0])) == {("b", "store"): 1, ("b", "host"): 0, ("b", "device"): 0}  # a's packs: no hit for b
+        everything = samples(scrape(worker, TOKENS["operator"][0]))
+        limits = {s.labels["tier"]: s.value for s in everything if s.name == "packstore_worker_tier_limit_bytes"}
+        assert limits == {"device": device_bytes, "host": host_bytes}
+        assert any(s.name == "packstore_worker_requests_total" and s.labels["namespace"] == "b" for s in everything)
+        for secret in (None, "not-a-token"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                scrape(worker, secret)
+            assert refused.value.code == 401
