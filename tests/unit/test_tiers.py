@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from packstore.answering.answer import Answerer, Question
 from packstore.answering.tiers import ReadyCache
@@ -13,6 +14,10 @@ from packstore.format import PackHeader
 from packstore.format.header import ChunkInfo
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling
+from packstore.kv.models import load_model
+from packstore.packs.buffers import HostBuffers
+from packstore.packs.decoder import Decoder
+from packstore.packs.memory import PackMemory
 from packstore.packs.tensors import ArrivingPack, Pack, encode_pack
 from packstore.store import LmdbStore
 
@@ -125,7 +130,25 @@ def test_a_pack_evicted_from_the_device_lru_comes_back_from_the_host_tier(tiny_l
     assert answerer.store_reads == 2 and host.counts()[""].hits == 1  # ...and she came back from the host tier
     assert answerer.ready.stats == (1, sizes["alice"]) and host.stats == (2, sum(sizes.values()))
     assert answers[2].answer == answers[0].answer == plain.ask(questions["alice"]).answer
-    assert not isinstance(answerer.arriving("bob")[0], ArrivingPack)  # with a host tier nothing streams in
+    assert not isinstance(answerer.arriving("bob")[0], ArrivingPack)  # on the CPU the host tier's pack is the device's
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_pack_evicted_from_the_gpu_crosses_back_from_the_pinned_host_tier(tiny_model_dir, store) -> None:
+    lm = load_model(str(tiny_model_dir), device="cuda", progress=False)
+    sizes = {name: store.stat(name).header.raw_bytes for name in ("alice", "bob")}
+    host = ReadyCache(sum(sizes.values()))
+    questions = {name: Question(f"Where does {name.title()} live?", refs=(name,), sampling=GREEDY) for name in sizes}
+    with Decoder(buffers=HostBuffers(PackMemory(16 << 20, pinned=True))) as decoder:
+        answerer = Answerer(lm, store, ready=ReadyCache(max(sizes.values()), below=host), host=host, decoder=decoder)
+        answers = [answerer.ask(questions[name]) for name in ("alice", "bob", "alice")]
+        assert answerer.store_reads == 2 and host.counts()[""].hits == 1  # alice came back from the host tier
+        hosted = host.peek(store.resolve("bob"))
+        assert hosted is not None and hosted.keys[0].device.type == "cpu" and hosted.keys[0].is_pinned()
+        arriving, hit = answerer.arriving("bob")  # evicted from the GPU: copied from the host tier layer by layer
+        assert isinstance(arriving, ArrivingPack) and not hit and arriving.result().keys[0].device.type == "cuda"
+        assert answerer.store_reads == 2
+    assert answers[2].answer == answers[0].answer == Answerer(lm, store).ask(questions["alice"]).answer
 
 
 def test_without_a_host_tier_a_pack_still_streams_in(tiny_lm, store) -> None:
