@@ -26,7 +26,17 @@ from packstore.errors import InvalidInput, PackNotFound, Untrusted
 from packstore.format import PackHeader, pack_key, parse_key
 from packstore.kv.build import build_pack, clean_facts
 from packstore.kv.compose import check_parts, extend
-from packstore.kv.inject import Sampling, answer_with_text, cache_aligned_ids, cache_from_pack, check_identity, generate_stream, prepare
+from packstore.kv.inject import (
+    Sampling,
+    answer_with_chunked_text,
+    answer_with_text,
+    cache_aligned_ids,
+    cache_from_pack,
+    check_identity,
+    finish,
+    generate_stream,
+    prepare,
+)
 from packstore.kv.models import LoadedModel
 from packstore.kv.options import STEER_TARGETS, check_alpha
 from packstore.kv.packet import check_adapter
@@ -87,9 +97,10 @@ class Question:
     question is routed there (``top_k``, ``probe``, ``embedder``: None means the bank's own) and
     answered with the pack of its top facts, or, with refs too, with those facts composed after the
     packs. ``compare_rag`` also answers with all the same facts, in order, as prompt text (steered
-    alike). ``steering`` holds (steering ref, alpha) pairs whose deltas are summed and added from the
-    question on, on ``steer_layers`` (None: each pack's default, the middle third) and to
-    ``steer_on`` (``values``; ``keys`` or ``both`` only as the key-arithmetic control).
+    alike): in one prefill, and in the pack's recorded prefill passes (``Answerer.stream``). ``steering``
+    holds (steering ref, alpha) pairs whose deltas are summed and added from the question on, on
+    ``steer_layers`` (None: each pack's default, the middle third) and to ``steer_on`` (``values``;
+    ``keys`` or ``both`` only as the key-arithmetic control).
     """
 
     text: str
@@ -419,8 +430,10 @@ class Answerer:
         answer too: ``self.lm.stop_token_ids``; it is not part of the answer).
 
         The generator's return value is the AnswerResult. With ``compare_rag`` the same facts, in
-        the same order, are then answered as prompt text; ``identical`` compares the generated
-        token ids, not just the text.
+        the same order, are then answered as prompt text: prefilled in one pass (``identical``), and
+        prefilled in the passes the pack's header records, then generated as the pack's answer was
+        (``chunked_identical``: the exactness a pack promises; None where its header records no prefill).
+        Both compare the generated token ids, not just the text.
         """
         facts: list[str] | None = None
         reused: bool | None = None
@@ -458,13 +471,12 @@ class Answerer:
             answer = yield from generate_stream(self.lm, ids, question.sampling, cache(filled=True))
             if isinstance(pack, ArrivingPack):
                 pack = pack.result()  # whole by now (the model took every layer), and ready for the next request
-            rag = (
-                answer_with_text(
+            rag = chunked = None
+            if question.compare_rag and pack is not None:  # (compare_rag comes with refs or a bank: Question checks)
+                rag = answer_with_text(
                     self.lm, pack.header.facts, question.text, raw=pack.header.raw, sampling=question.sampling, cache=cache(filled=False)
                 )
-                if question.compare_rag and pack is not None  # (compare_rag comes with refs or a bank: Question checks)
-                else None
-            )
+                chunked = answer_with_chunked_text(self.lm, pack.header, ids, question.sampling, cache(filled=False))
         return AnswerResult(
             question=question.text,
             answer=answer.text,
@@ -472,6 +484,7 @@ class Answerer:
             rag_answer=rag.text if rag is not None else None,
             rag_prompt_tokens=rag.prompt_tokens if rag is not None else None,
             identical=answer.token_ids == rag.token_ids if rag is not None else None,
+            chunked_identical=answer.token_ids == chunked.token_ids if chunked is not None else None,
             pack=pack.header.key if pack is not None else None,
             bank=question.bank,
             facts=facts,
@@ -485,9 +498,4 @@ class Answerer:
 
     def ask(self, question: Question) -> AnswerResult:
         """Answer ``question`` (``stream`` without the tokens)."""
-        tokens = self.stream(question)
-        while True:
-            try:
-                next(tokens)
-            except StopIteration as finished:
-                return finished.value
+        return finish(self.stream(question))

@@ -15,7 +15,10 @@ class AnswerResult:
     kv_prompt_tokens: int
     rag_answer: str | None = None
     rag_prompt_tokens: int | None = None
-    identical: bool | None = None
+    identical: bool | None = None  # with compare_rag: the same token ids as the facts as text, prefilled in one pass
+    # with compare_rag: the same token ids as the pack's text prefilled in its recorded passes, then the question (the
+    # exactness a pack promises); None where its header records no prefill (written before it was, or spliced)
+    chunked_identical: bool | None = None
     pack: str | None = None
     bank: str | None = None
     facts: list[str] | None = None  # with a bank: the routed facts the pack holds, best first

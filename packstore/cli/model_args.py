@@ -78,7 +78,11 @@ def add_commands(cli: CommandLine) -> None:
     )
     p.add_argument("--bank", metavar="N", help="route the question in bank N and answer with its top facts' pack (computed lazily)")
     bank_options(p)
-    p.add_argument("--compare-rag", action="store_true", help="also answer with the facts in the prompt and compare")
+    p.add_argument(
+        "--compare-rag",
+        action="store_true",
+        help="also answer with the facts in the prompt (in one prefill, and in the pack's own prefill passes) and compare",
+    )
     _composition_options(p, COMPOSE_MODES)
     p.add_argument(
         "--steer", action="append", metavar="REF[:ALPHA]",

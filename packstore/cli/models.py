@@ -111,7 +111,8 @@ def _print_answer(result: Any, compare: bool) -> None:
     print(f"rag:  {result.rag_answer}    [prompt {result.rag_prompt_tokens} tokens]")
     saved = result.rag_prompt_tokens - result.kv_prompt_tokens
     verdict = "yes" if result.identical else "NO - answers differ"
-    print(f"identical: {verdict}; the pack saved {saved} prompt tokens")
+    chunked = {True: "yes", False: "NO - answers differ", None: "unknown (the pack records no prefill)"}
+    print(f"identical: {verdict}; chunked identical: {chunked[result.chunked_identical]}; the pack saved {saved} prompt tokens")
 
 
 def cmd_ask(args: argparse.Namespace) -> int:

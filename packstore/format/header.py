@@ -54,6 +54,8 @@ MAX_MODEL_NAME_CHARS = 4096  # the model specifier as given: an alias or a local
 MAX_CREATED_CHARS = 64
 MAX_CODEC_CHARS = 64
 MAX_CHUNK_STORED_BYTES = 1 << 40
+# A device type as torch names it ("cpu", "cuda", "mps", "xpu", ...): what ``built_on.device`` records.
+_DEVICE_TYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 PARSED_ENTRIES = 16  # headers remembered once parsed (PackHeader.from_json)
 PARSED_MAX_BYTES = 1 << 18  # the largest remembered: a 2k-token pack's header is 36 KB, an 8k one's about 140 KB
 _HEX64 = re.compile(r"[0-9a-f]{64}")  # used with fullmatch: no trailing newline
@@ -177,6 +179,11 @@ class PackHeader:
     recipe: Mapping[str, Any] | None = None  # version 3 only: what a pack without prefix tokens is made from
     metrics: Mapping[str, Any] | None = None  # version 3 only: how it was made (timings, losses); not hashed
     soft_tokens: tuple[tuple[int, int], ...] = ()  # packet compositions: (token index, count) of soft tokens before it
+    # How the K/V was computed (docs/format.md §1.1), None where unknown (packs written before these fields):
+    # an exact knowledge pack's prefill as the cache positions its forward passes started at, then ``tokens``;
+    # and the device type and compute dtype it ran on, ``{"device": "cuda", "dtype": "bfloat16"}``.
+    prefill_chunks: tuple[int, ...] | None = None
+    built_on: Mapping[str, str] | None = None
 
     @property
     def tokens(self) -> int:
@@ -265,6 +272,9 @@ class PackHeader:
             record["soft_tokens"] = [list(pair) for pair in self.soft_tokens]
         else:
             del record["soft_tokens"]  # only a packet composition has soft tokens
+        for name in _OPTIONAL_FIELDS:
+            if record[name] is None:
+                del record[name]  # unknown: absent, as in packs written before the field existed
         record["tokens"] = self.tokens
         record["content_hash"] = self.content_hash
         record["source_sha256"] = facts_digest(self.facts)
@@ -309,6 +319,10 @@ class PackHeader:
         record.setdefault("recipe", None)
         record.setdefault("metrics", None)
         record.setdefault("soft_tokens", [])
+        for name in _OPTIONAL_FIELDS:
+            if name in record and record[name] is None:
+                _refuse(name, "absent where unknown, never null", None)
+            record.setdefault(name, None)
         if layout == 2 and record["composition"] == "exact":
             if version == 4:
                 raise _field_error("composition", "must be absent for an exact pack (it is present for spliced compositions)")
@@ -329,6 +343,7 @@ class PackHeader:
             parents=tuple(record["parents"]),
             chunks=tuple(ChunkInfo.from_record(chunk, CHUNK_DIGESTS[version]) for chunk in record["chunks"]),
             soft_tokens=tuple((index, count) for index, count in record["soft_tokens"]),
+            prefill_chunks=tuple(record["prefill_chunks"]) if record["prefill_chunks"] is not None else None,
         )
         derived = {
             "version": header.version,  # 4 exactly when its chunks have BLAKE3 digests
@@ -398,7 +413,8 @@ def _tensor_names(kind: str, layer: int) -> tuple[str, str]:
     if kind == "adapter":
         return "soft.header", "soft.trailer"
     return f"layers.{layer}.key", f"layers.{layer}.value"
-_SEQUENCE_FIELDS = ("token_ids", "facts", "parents", "chunks", "soft_tokens")
+_SEQUENCE_FIELDS = ("token_ids", "facts", "parents", "chunks", "soft_tokens", "prefill_chunks")
+_OPTIONAL_FIELDS = ("prefill_chunks", "built_on")  # absent where unknown, in any version
 _DERIVED_FIELDS = ("tokens", "content_hash", "source_sha256")
 _BLOCK_FIELDS = ("first_position", "stop_position")  # a token block's entry has these two as well
 _CHUNK_FIELDS = ("first_layer", "stop_layer", "raw_bytes", "stored_bytes")  # and the digest, named by its algorithm
@@ -478,6 +494,8 @@ def _check_fields(record: Mapping[str, Any]) -> None:
     if record["composition"] != "exact" and len(parents) < 2:
         _refuse("parents", f"the keys of at least 2 parts for a {record['composition']} composition", parents)
     _check_soft_tokens(record)
+    _check_prefill_chunks(record)
+    _check_built_on(record.get("built_on"))
     if record["kind"] == "steering":
         _check_steering(record)
     elif record["kind"] == "adapter":
@@ -508,6 +526,41 @@ def _check_soft_tokens(record: Mapping[str, Any]) -> None:
         _check_int(f"soft_tokens[{number}][0]", pair[0], max(previous, 1), len(record["token_ids"]))
         _check_int(f"soft_tokens[{number}][1]", pair[1], 1, 2 * MAX_SOFT_TOKENS)
         previous = pair[0] + 1
+
+
+def _check_prefill_chunks(record: Mapping[str, Any]) -> None:
+    """An exact knowledge pack may list its prefill's passes: positions from 0, rising strictly, to ``tokens``
+    (a pass ran from each to the next); a spliced composition or a pack without tokens is no prefill of text."""
+    chunks = record.get("prefill_chunks")
+    if chunks is None:
+        return
+    if record["kind"] not in PREFIX_KINDS or record["composition"] != "exact":
+        what = f"a {record['composition']} composition" if record["kind"] in PREFIX_KINDS else f"a {record['kind']} pack"
+        _refuse("prefill_chunks", f"absent for {what}, which is not the prefill of its tokens", chunks)
+    tokens = len(record["token_ids"])
+    if not _is_list(chunks) or not 2 <= len(chunks) <= tokens + 1:
+        _refuse("prefill_chunks", f"a list of 2 to {tokens + 1} positions, from 0 to the pack's {tokens} tokens", chunks)
+    previous = -1
+    for index, position in enumerate(chunks):
+        if index == 0:
+            _check_int("prefill_chunks[0]", position, 0, 0)
+        elif index == len(chunks) - 1:
+            _check_int(f"prefill_chunks[{index}]", position, tokens, tokens)
+        else:
+            _check_int(f"prefill_chunks[{index}]", position, previous + 1, tokens - 1)
+        previous = position
+
+
+def _check_built_on(built_on: Any) -> None:
+    """Where the K/V was computed: exactly a device type and a dtype."""
+    if built_on is None:
+        return
+    if not isinstance(built_on, Mapping) or set(built_on) != {"device", "dtype"}:
+        _refuse("built_on", "an object with exactly the fields device, dtype", built_on)
+    device = built_on["device"]
+    if type(device) is not str or not _DEVICE_TYPE.fullmatch(device):
+        _refuse("built_on.device", 'a device type (lowercase letters, digits and _, at most 32 characters: "cpu", "cuda")', device)
+    _check_choice("built_on.dtype", built_on["dtype"], DTYPES)
 
 
 def _check_metrics(metrics: Any) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
 import torch
@@ -17,25 +17,47 @@ from packstore.kv.render import pack_prefix_ids
 from packstore.packs.tensors import Pack
 
 PREFILL_CHUNK_TOKENS = 512
+# A fact an extension point is found with (``extension_point``): any line of text after the facts.
+EXTENSION_PROBE = "More."
+
+
+def prefill_boundaries(start: int, stop: int, *, chunk: int | None = None, cut: int | None = None) -> list[int]:
+    """The passes of a prefill of cache positions ``start`` to ``stop``, as ``prefill`` takes them: a pass every
+    ``chunk`` positions (default PREFILL_CHUNK_TOKENS) from ``start``, another starting at ``cut`` when it lies
+    inside, then ``stop``."""
+    step = chunk or PREFILL_CHUNK_TOKENS
+    starts = set(range(start, stop, step)) | ({cut} if cut is not None and start < cut < stop else set())
+    return sorted(starts) + [stop]
 
 
 def prefill(
-    lm: LoadedModel, token_ids: Sequence[int], *, cache: DynamicCache | None = None, chunk: int | None = None, progress: bool = False
+    lm: LoadedModel,
+    token_ids: Sequence[int],
+    *,
+    cache: DynamicCache | None = None,
+    boundaries: Sequence[int] | None = None,
+    progress: bool = False,
 ) -> DynamicCache:
     """Run ``token_ids`` through the model and return its KV cache; with ``cache`` they continue it (in place).
 
-    ``chunk`` splits the forward pass (bounded activation memory and a progress bar for long packs);
-    ``None`` runs one pass. Layers are plain full-length caches, also for sliding-window attention:
-    the model's masks apply the window, and the stored pack keeps every position.
+    ``boundaries`` are the cache positions the forward passes start at, then where the last one ends (the cache's
+    length, then rising to it plus ``len(token_ids)``; ``prefill_boundaries`` makes them): chunked passes bound
+    activation memory and show progress for long packs, and the same boundaries reproduce a pack's recorded
+    prefill (its header's ``prefill_chunks``) bit for bit. ``None`` runs one pass. Layers are plain full-length
+    caches, also for sliding-window attention: the model's masks apply the window, and the stored pack keeps
+    every position.
     """
     cache = DynamicCache() if cache is None else cache
+    first = cache.get_seq_length()
+    passes = list(boundaries) if boundaries is not None else [first, first + len(token_ids)]
+    if passes[0] != first or passes[-1] != first + len(token_ids) or any(a >= b for a, b in zip(passes, passes[1:])):
+        raise ValueError(f"prefill boundaries must rise from the cache's {first} positions to {first + len(token_ids)}, got {passes}")
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=lm.device)
-    step = chunk or ids.shape[1]
     with torch.inference_mode(), tqdm(
         total=ids.shape[1], unit="tok", desc="prefill", disable=not progress, leave=False
     ) as bar:
-        for start in range(0, ids.shape[1], step):
-            piece = ids[:, start : start + step]
+        for start, stop in zip(passes, passes[1:]):
+            piece = ids[:, start - first : stop - first]
             lm.model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1)
             bar.update(piece.shape[1])
     return cache
@@ -66,6 +88,24 @@ def clean_facts(facts: Sequence[str]) -> list[str]:
     return cleaned
 
 
+def built_on(lm: LoadedModel) -> dict[str, str]:
+    """Where ``lm`` computes: its device type and compute dtype, as a pack's header records them."""
+    return {"device": lm.device.type, "dtype": lm.dtype_name}
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def extension_point(lm: LoadedModel, facts: Sequence[str], token_ids: Sequence[int], *, raw: bool) -> int:
+    """How many of the tokens ``token_ids`` of ``facts``'s pack a pack of more facts after them shares: all but the
+    template's closing framing. An exact composition or erratum (kv/compose.py) keeps a pack's K/V up to a pass
+    boundary of its prefill, so a prefill ends a pass here and an extension reuses everything but the framing."""
+    return common_prefix(token_ids, pack_prefix_ids(lm.tokenizer, [*facts, EXTENSION_PROBE], raw=raw))
+
+
 def knowledge_pack(
     lm: LoadedModel,
     token_ids: Sequence[int],
@@ -76,10 +116,17 @@ def knowledge_pack(
     parents: Sequence[str] = (),
     composition: str = "exact",
     soft_tokens: Sequence[tuple[int, int]] = (),
+    prefill_chunks: Sequence[int] | None = None,
+    copied_from: Sequence[Mapping[str, str] | None] = (),
 ) -> Pack:
     """A knowledge pack of ``lm`` holding ``cache``'s K/V for ``token_ids`` (the rendering of ``facts``),
-    and for any ``soft_tokens`` between them (a packet composition)."""
+    and for any ``soft_tokens`` between them (a packet composition).
+
+    ``prefill_chunks``: the passes that computed it, when it is the prefill of its tokens (None: unknown, or no
+    prefill). ``copied_from``: the ``built_on`` of the packs whose K/V it copies; its own ``built_on`` is ``lm``'s,
+    or unknown (None) when one of them was computed elsewhere or where unknown."""
     keys, values = cache_tensors(cache)
+    here = built_on(lm)
     header = PackHeader(
         kind="knowledge",
         model_fp=lm.model_fp,
@@ -96,13 +143,19 @@ def knowledge_pack(
         parents=tuple(parents),
         composition=composition,
         soft_tokens=tuple((index, count) for index, count in soft_tokens),
+        prefill_chunks=tuple(prefill_chunks) if prefill_chunks is not None else None,
+        built_on=here if all(other == here for other in copied_from) else None,
     )
     return Pack(header=header, keys=keys, values=values)
 
 
 def build_pack(lm: LoadedModel, facts: Sequence[str], *, raw: bool = False, progress: bool = False) -> Pack:
-    """Compute the pack for ``facts`` on ``lm``. ``raw`` skips the chat template (to measure that pitfall)."""
+    """Compute the pack for ``facts`` on ``lm``. ``raw`` skips the chat template (to measure that pitfall).
+
+    The prefill runs in passes of PREFILL_CHUNK_TOKENS and ends one at ``extension_point``, and the header
+    records them (``prefill_chunks``): answers with the pack are those of its text prefilled in these passes."""
     facts = clean_facts(facts)
     token_ids = pack_prefix_ids(lm.tokenizer, facts, raw=raw)
-    cache = prefill(lm, token_ids, chunk=PREFILL_CHUNK_TOKENS, progress=progress)
-    return knowledge_pack(lm, token_ids, facts, cache, raw=raw)
+    passes = prefill_boundaries(0, len(token_ids), cut=extension_point(lm, facts, token_ids, raw=raw))
+    cache = prefill(lm, token_ids, boundaries=passes, progress=progress)
+    return knowledge_pack(lm, token_ids, facts, cache, raw=raw, prefill_chunks=passes)

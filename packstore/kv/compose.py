@@ -21,7 +21,7 @@ from packstore.errors import InvalidInput, PackMismatch
 from packstore.format import PackHeader
 from packstore.format.body import ERRATUM_PREFIX
 from packstore.format.header import COMPOSITIONS
-from packstore.kv.build import PREFILL_CHUNK_TOKENS, clean_facts, knowledge_pack, prefill
+from packstore.kv.build import clean_facts, common_prefix, extension_point, knowledge_pack, prefill, prefill_boundaries
 from packstore.kv.inject import cache_from_pack, check_identity
 from packstore.kv.models import LoadedModel, embedding_weight
 from packstore.kv.render import group_spans, pack_prefix_ids
@@ -45,11 +45,6 @@ class Composition:
         return {"reused_tokens": self.reused_tokens, "prefilled_tokens": self.prefilled_tokens}
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
-
-
 def check_parts(lm: LoadedModel, headers: Sequence[PackHeader]) -> bool:
     """Refuse parts that cannot be composed on ``lm``; returns whether they are raw (all alike)."""
     if not headers:
@@ -67,8 +62,13 @@ def check_parts(lm: LoadedModel, headers: Sequence[PackHeader]) -> bool:
 
 
 def extend(lm: LoadedModel, base: Pack, facts: Sequence[str], *, parents: Sequence[str]) -> Composition:
-    """The exact pack of ``base``'s facts then ``facts``: ``base``'s K/V is kept as far as its tokens
-    agree with the new rendering, and only the rest is prefilled, with ``base`` as prefix."""
+    """The exact pack of ``base``'s facts then ``facts``: ``base``'s K/V is kept as far as its tokens agree
+    with the new rendering, and only the rest is prefilled, with ``base`` as prefix.
+
+    What is kept ends at a pass boundary of ``base``'s recorded prefill (the last at or before the shared
+    tokens: a build ends a pass where an extension starts), so the result is its text prefilled in passes
+    too, recorded as ``base``'s passes up to there then the new ones. A base whose prefill is unknown (a pack
+    written before it was recorded) is kept as far as its tokens agree, and the result's prefill is unknown."""
     check_parts(lm, [base.header])
     if base.header.composition != "exact":
         raise InvalidInput(
@@ -76,10 +76,23 @@ def extend(lm: LoadedModel, base: Pack, facts: Sequence[str], *, parents: Sequen
         )
     all_facts = list(base.header.facts) + clean_facts(facts)
     token_ids = pack_prefix_ids(lm.tokenizer, all_facts, raw=base.header.raw)
-    kept = _common_prefix(base.header.token_ids, token_ids)
+    kept = common_prefix(base.header.token_ids, token_ids)
+    recorded = base.header.prefill_chunks
+    if recorded is not None:
+        kept = max(position for position in recorded if position <= kept)
     cache = cache_from_pack(base, lm.device, tokens=kept)
-    prefill(lm, token_ids[kept:], cache=cache, chunk=PREFILL_CHUNK_TOKENS)
-    pack = knowledge_pack(lm, token_ids, all_facts, cache, raw=base.header.raw, parents=parents)
+    passes = prefill_boundaries(kept, len(token_ids), cut=extension_point(lm, all_facts, token_ids, raw=base.header.raw))
+    prefill(lm, token_ids[kept:], cache=cache, boundaries=passes)
+    pack = knowledge_pack(
+        lm,
+        token_ids,
+        all_facts,
+        cache,
+        raw=base.header.raw,
+        parents=parents,
+        prefill_chunks=[position for position in recorded if position < kept] + passes if recorded is not None else None,
+        copied_from=[base.header.built_on] if kept else [],
+    )
     return Composition(pack=pack, reused_tokens=kept, prefilled_tokens=len(token_ids) - kept)
 
 
@@ -180,7 +193,7 @@ def assemble(lm: LoadedModel, parts: Sequence[Pack], *, rotate: bool, soft: Soft
             raise InvalidInput(f"pack {part.header.key} is a packet composition: its soft tokens cannot be spliced again")
     frequencies = layer_frequencies(lm) if rotate else None
     token_ids, spans = group_spans(lm.tokenizer, [part.header.facts for part in parts], raw=raw)
-    kept = _common_prefix(parts[0].header.token_ids, token_ids)
+    kept = common_prefix(parts[0].header.token_ids, token_ids)
     cache = cache_from_pack(parts[0], lm.device, tokens=kept)
     pending = _Prefill(lm, cache, grad)
     layout: list[tuple[int, int]] = []
@@ -200,7 +213,7 @@ def assemble(lm: LoadedModel, parts: Sequence[Pack], *, rotate: bool, soft: Soft
         if list(own_ids) != list(part.header.token_ids):
             raise InvalidInput(f"pack {part.header.key} does not hold the rendering of its own facts; cannot splice it")
         skip = max(0, index - start)
-        run = _common_prefix(own_ids[own_start + skip : own_stop], token_ids[start + skip : stop])
+        run = common_prefix(own_ids[own_start + skip : own_stop], token_ids[start + skip : stop])
         pending.add(list(token_ids[index:start]))
         index = max(index, start)
         if soft is not None:
@@ -236,7 +249,15 @@ def splice(lm: LoadedModel, parts: Sequence[Pack], mode: str) -> Composition:
 def _spliced_pack(lm: LoadedModel, parts: Sequence[Pack], assembly: Assembly, mode: str, parents: Sequence[str]) -> Composition:
     facts = [fact for part in parts for fact in part.header.facts]
     pack = knowledge_pack(
-        lm, assembly.token_ids, facts, assembly.cache, raw=parts[0].header.raw, parents=parents, composition=mode, soft_tokens=assembly.soft
+        lm,
+        assembly.token_ids,
+        facts,
+        assembly.cache,
+        raw=parts[0].header.raw,
+        parents=parents,
+        composition=mode,
+        soft_tokens=assembly.soft,
+        copied_from=[part.header.built_on for part in parts],
     )
     return Composition(
         pack=pack,

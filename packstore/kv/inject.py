@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from queue import Queue
+from typing import TypeVar
 
 import torch
 from transformers import DynamicCache, DynamicLayer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
@@ -24,6 +25,7 @@ from packstore.packs.tensors import ArrivingPack, Pack
 GREEDY_BELOW = 1e-5
 MAX_TEMPERATURE = 100.0
 MAX_NEW_TOKENS = 1 << 15
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -344,6 +346,29 @@ def answer_with_text(
     to generate with, e.g. one steering the tokens after the facts)."""
     rendering = render(lm.tokenizer, facts, question.strip(), raw=raw)
     return generate(lm, rendering.token_ids, sampling, cache)
+
+
+def finish(stream: Generator[int, None, R]) -> R:
+    """Run a token stream (``generate_stream``, ``Answerer.stream``) to its end and return its return value."""
+    while True:
+        try:
+            next(stream)
+        except StopIteration as finished:
+            return finished.value
+
+
+def answer_with_chunked_text(
+    lm: LoadedModel, header: PackHeader, token_ids: Sequence[int], sampling: Sampling, cache: DynamicCache | None = None
+) -> Answer | None:
+    """The reference a pack's answer must equal bit for bit: the pack's tokens prefilled as text in the passes its
+    header records (``prefill_chunks``), then ``token_ids`` (the rendering the pack answered, which starts with
+    them) generated exactly as with the pack, through ``generate_stream`` on the generation thread. Only the cache's
+    origin differs. ``cache``: an empty cache to fill (a steered one); None where the header records no prefill
+    (a pack written before it was recorded, a spliced composition)."""
+    if header.prefill_chunks is None:
+        return None
+    filled = prefill(lm, header.token_ids, cache=cache, boundaries=header.prefill_chunks)
+    return finish(generate_stream(lm, token_ids, sampling, filled))
 
 
 def prefill_divergence(lm: LoadedModel, pack: Pack, question: str) -> tuple[float, float]:

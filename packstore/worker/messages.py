@@ -27,6 +27,7 @@ SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed")  # Sampling
 RESULT_FIELDS = ("pack", "parts", "steer_on")  # GenerateDone, unset meaning None
 RESULT_VALUES = ("answer", "kv_prompt_tokens", "cache_hit")  # GenerateDone, as they are (False is no None)
 RAG_VALUES = ("rag_answer", "rag_prompt_tokens", "identical")  # GenerateDone, as they are when it says ``compared``
+RAG_FIELDS = ("chunked_identical",)  # GenerateDone when it says ``compared``, unset meaning None
 
 
 def _to_message(record: object, names: Iterable[str]) -> dict[str, Any]:
@@ -93,7 +94,7 @@ def generate_done(result: AnswerResult, generated_tokens: int) -> worker_pb2.Gen
             for applied in result.steering or ()
         ],
         compared=compared,
-        **_to_message(result, RESULT_FIELDS + RESULT_VALUES + (RAG_VALUES if compared else ())),
+        **_to_message(result, RESULT_FIELDS + RESULT_VALUES + (RAG_VALUES + RAG_FIELDS if compared else ())),
     )
 
 
@@ -105,6 +106,6 @@ def answer_result(done: worker_pb2.GenerateDone, question: Question) -> AnswerRe
         facts=list(done.facts) if question.bank else None,
         composed_tokens=done.composed_tokens if done.parts else None,
         steering=[{"pack": a.pack, "alpha": a.alpha, "layers": [a.layers.first, a.layers.last]} for a in done.steering] or None,
-        **_from_message(done, RESULT_FIELDS, AnswerResult),
+        **_from_message(done, RESULT_FIELDS + (RAG_FIELDS if done.compared else ()), AnswerResult),
         **_from_message(done, RESULT_VALUES + (RAG_VALUES if done.compared else ())),
     )

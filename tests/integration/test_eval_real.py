@@ -76,3 +76,13 @@ def test_eval_steering_on_smollm2(tmp_path: Path, capsys) -> None:
     assert {p.name for p in figures.iterdir()} == {
         "eval_steering_alpha.png", "eval_steering_layers_pairs.png", "eval_steering_directions.png", "eval_steering_dual.png"
     }
+
+
+def test_eval_exactness_quick_on_cpu(tmp_path: Path, capsys) -> None:
+    """tools/eval_exactness.py --quick: 2 packs x 2 held-out questions in float32 on CPU, every measure exact."""
+    import eval_exactness
+
+    assert eval_exactness.main(["--quick", "--device", "cpu", "--dtypes", "float32", "--out", str(tmp_path)]) == 0
+    assert "| smollm2-135m | cpu | float32 | 4 | 4/4 (100.0 %) | 4/4 (100.0 %) | 4/4 (100.0 %) |" in capsys.readouterr().out
+    records = [json.loads(line) for line in (tmp_path / "cpu-float32.json").read_text().splitlines()]
+    assert len(records) == 4 and all(r["chunked_identical"] is True and r["prefill_chunks"][-1] == r["pack_tokens"] for r in records)

@@ -51,7 +51,7 @@ def test_build_ask_ls_inspect_rm(cli, facts_file: Path, tmp_path: Path) -> None:
     code, out, _ = cli("ask", "wexley", "What is Wexley famous for?", "--model", "{model}", "--compare-rag", "--json", "--max-new-tokens", "12")
     assert code == 0
     answer = json.loads(out)
-    assert answer["identical"] is True
+    assert answer["identical"] is True and answer["chunked_identical"] is True
     assert answer["rag_prompt_tokens"] - answer["kv_prompt_tokens"] == built["tokens"]
 
     questions = tmp_path / "q.jsonl"
@@ -78,7 +78,7 @@ def test_build_ask_ls_inspect_rm(cli, facts_file: Path, tmp_path: Path) -> None:
 def test_human_output(cli, facts_file: Path) -> None:
     cli("build", str(facts_file), "--model", "{model}", "--name", "wexley")
     code, out, _ = cli("ask", "wexley", "Which river?", "--model", "{model}", "--compare-rag", "--max-new-tokens", "8")
-    assert code == 0 and "identical: yes" in out and "prompt tokens" in out
+    assert code == 0 and "identical: yes; chunked identical: yes;" in out and "prompt tokens" in out
     code, out, _ = cli("ls")
     assert "wexley" in out and "knowledge" in out
     code, out, _ = cli("inspect", "wexley")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.format import PackHeader
 from packstore.format.body import ERRATUM_PREFIX
-from packstore.kv.build import build_pack
+from packstore.kv.build import build_pack, cache_tensors, extension_point, prefill
 from packstore.kv.compose import amend, compose_exact, splice
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text
 from packstore.kv.models import load_model
@@ -29,6 +31,34 @@ def parts(tiny_lm):
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
+
+
+def _prefilled_as_recorded(lm, header: PackHeader) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The K/V of the header's tokens prefilled as text in the passes it records."""
+    return cache_tensors(prefill(lm, header.token_ids, boundaries=header.prefill_chunks))
+
+
+def test_builds_compositions_and_errata_are_their_text_prefilled_in_their_recorded_passes(tiny_lm, parts, monkeypatch) -> None:
+    from packstore.kv import build
+
+    monkeypatch.setattr(build, "PREFILL_CHUNK_TOKENS", 16)
+    base = build_pack(tiny_lm, PART_A)
+    cut = extension_point(tiny_lm, PART_A, base.header.token_ids, raw=False)
+    assert base.header.prefill_chunks == (*range(0, cut, 16), cut, base.header.tokens)
+    assert base.header.built_on == {"device": "cpu", "dtype": "float32"}
+    composed = compose_exact(tiny_lm, base, [parts[1].header, parts[2].header])
+    amended = amend(tiny_lm, composed.pack, "The bells are silent on Sundays.")
+    assert composed.reused_tokens == cut and amended.reused_tokens > composed.pack.header.tokens - 8  # all but the framing
+    for made, first in ((composed, base), (amended, composed.pack)):
+        header = made.pack.header
+        assert header.prefill_chunks[: len(first.header.prefill_chunks) - 1] == first.header.prefill_chunks[:-1]  # the part's passes kept
+        keys, values = _prefilled_as_recorded(tiny_lm, header)
+        assert all(torch.equal(a, b) for a, b in zip(made.pack.keys + made.pack.values, keys + values))
+    unknown = decode_pack(encode_pack(base)).header  # a part recording no prefill (written before it was recorded)
+    older = dataclasses.replace(base, header=dataclasses.replace(unknown, prefill_chunks=None, built_on=None))
+    blind = compose_exact(tiny_lm, older, [parts[1].header])
+    assert blind.pack.header.prefill_chunks is None and blind.pack.header.built_on is None
+    assert splice(tiny_lm, parts, "rope").pack.header.prefill_chunks is None
 
 
 def test_exact_composition_is_the_pack_of_all_facts_and_answers_as_text(tiny_lm, parts) -> None:

@@ -347,6 +347,50 @@ def test_from_json_checks_json_types_exactly() -> None:
     assert PackHeader.from_json(resealed(header)) == header
 
 
+BUILT_ON = {"device": "cuda", "dtype": "float32"}
+
+
+def test_how_a_pack_was_prefilled_round_trips_and_is_absent_where_unknown() -> None:
+    pack = make_pack()
+    recorded = encode_pack(dataclasses.replace(pack, header=dataclasses.replace(pack.header, prefill_chunks=(0, 2, 5), built_on=BUILT_ON)))
+    record = json.loads(recorded.header.to_json())
+    assert (record["prefill_chunks"], record["built_on"]) == ([0, 2, 5], BUILT_ON)
+    again = PackHeader.from_json(recorded.header.to_json())
+    assert again == recorded.header and again.to_json() == recorded.header.to_json()
+    assert again.prefill_chunks == (0, 2, 5) and again.key == encode_pack(pack).header.key  # how it was computed is not its key
+    unknown = encode_pack(pack).header  # as every pack written before the fields: absent, parsed as unknown
+    assert not {"prefill_chunks", "built_on"} & json.loads(unknown.to_json()).keys()
+    assert (PackHeader.from_json(unknown.to_json()).prefill_chunks, PackHeader.from_json(unknown.to_json()).built_on) == (None, None)
+
+
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        ({"prefill_chunks": [0, 5, 5]}, "prefill_chunks[1]"),
+        ({"prefill_chunks": [1, 5]}, "prefill_chunks[0]"),
+        ({"prefill_chunks": [0, 4]}, "prefill_chunks[1]"),
+        ({"prefill_chunks": [0]}, "prefill_chunks"),
+        ({"prefill_chunks": [0, 2.0, 5]}, "prefill_chunks[1]"),
+        ({"prefill_chunks": None}, "prefill_chunks"),  # unknown is absent, never null
+        ({"built_on": {"device": "CUDA", "dtype": "float32"}}, "built_on.device"),
+        ({"built_on": {"device": "cpu", "dtype": "float64"}}, "built_on.dtype"),
+        ({"built_on": {"device": "cpu"}}, "built_on"),
+    ],
+)
+def test_bad_prefill_records_are_refused(changes: dict, field: str) -> None:
+    record = {k: v for k, v in json.loads(encode_pack(make_pack()).header.to_json()).items() if k != "pack_sha256"}
+    record.update(changes)
+    with pytest.raises(InvalidInput, match=rf"^pack header field '{re.escape(field)}' must"):
+        PackHeader.from_json(canonical_json({**record, "pack_sha256": sha256_hex(canonical_json(record))}))
+
+
+def test_a_splice_records_no_prefill_of_its_text() -> None:
+    rope = dataclasses.replace(spliced(), prefill_chunks=(0, 5))
+    with pytest.raises(InvalidInput, match="'prefill_chunks' must be absent for a rope composition"):
+        rope.validate()
+    dataclasses.replace(spliced(), built_on=BUILT_ON).validate()  # where it was spliced is known
+
+
 def test_bank_lexical_record_round_trips_and_refuses_damage() -> None:
     import numpy as np
     import zstandard

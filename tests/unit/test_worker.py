@@ -46,7 +46,7 @@ def test_answers_through_the_worker_match_text_in_prompt(stack, tiny_lm) -> None
     with WorkerClient(worker.address) as client:
         question = Question("What is Wexley famous for?", refs=("wexley",), sampling=GREEDY, compare_rag=True)
         result = client.ask(question, on_token=streamed.append)
-        assert result.identical is True and result.pack == pack.header.key
+        assert result.identical is True and result.chunked_identical is True and result.pack == pack.header.key
         assert "".join(streamed).strip() == result.answer
         with_pack = answer_with_pack(tiny_lm, pack, question.text, GREEDY)
         with_text = answer_with_text(tiny_lm, FACTS, question.text, sampling=GREEDY)
@@ -261,9 +261,13 @@ def test_worker_answers_with_rope_and_packet_compositions(stack, tiny_lm, tmp_pa
                 store.put(encode_pack(pack), name=name)
         with WorkerClient(worker.address) as client:
             for mode, adapter_ref in (("rope", None), ("packet", "pk")):
-                question = Question("Where does Bob live?", refs=("wexley", "bob"), mode=mode, adapter=adapter_ref, sampling=GREEDY)
+                question = Question(
+                    "Where does Bob live?", refs=("wexley", "bob"), mode=mode, adapter=adapter_ref, sampling=GREEDY, compare_rag=True
+                )
                 remote_result, local_result = client.ask(question), Answerer(tiny_lm, local).ask(question)
                 assert (remote_result.pack, remote_result.answer) == (local_result.pack, local_result.answer)
+                assert remote_result.chunked_identical is local_result.chunked_identical is None  # a splice is no prefill of its text
+                assert isinstance(remote_result.identical, bool)
                 assert remote_result.parts == [remote.resolve("wexley"), remote.resolve("bob")]
             stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(worker.address))
             with pytest.raises(grpc.RpcError) as info:

@@ -31,10 +31,20 @@ RESULTS = [
     (
         Question("Q?", refs=("a",), bank="towns", compare_rag=True),
         AnswerResult(
-            question="Q?", answer="A.", kv_prompt_tokens=9, rag_answer="B.", rag_prompt_tokens=30, identical=False, pack="k",
-            bank="towns", facts=["f1", "f2"], cache_hit=True, parts=["k1", "k2"], composed_tokens=0,
+            question="Q?", answer="A.", kv_prompt_tokens=9, rag_answer="B.", rag_prompt_tokens=30, identical=False,
+            chunked_identical=False, pack="k", bank="towns", facts=["f1", "f2"], cache_hit=True, parts=["k1", "k2"], composed_tokens=0,
             steering=[{"pack": "s", "alpha": 0.5, "layers": [1, 2]}], steer_on="values",
         ),
+    ),
+    *(  # chunked_identical unknown (a pack recording no prefill) reads back as None, never as False
+        (
+            Question("Q?", refs=("a",), compare_rag=True),
+            AnswerResult(
+                question="Q?", answer="A.", kv_prompt_tokens=9, rag_answer="A.", rag_prompt_tokens=30, identical=True,
+                chunked_identical=chunked, pack="k", cache_hit=False,
+            ),
+        )
+        for chunked in (True, None)
     ),
 ]
 

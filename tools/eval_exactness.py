@@ -1,0 +1,148 @@
+"""Exactness of packs per device and dtype (issue 36): how often a pack's greedy answer equals the text's.
+
+A pack promises the answer of its text prefilled in the pack's own recorded passes (its header's
+``prefill_chunks``), then the question, bit for bit; equality with the text prefilled in one pass is
+usual on CPU in float32 but not promised, since other pass shapes run other floating-point kernels.
+For every dtype this tool measures, over held-out ckc questions (tools/ckc_split.json), grouped into
+packs of ``--per-pack`` paragraphs (one fact each, in file order) and asked with each pack's own rows'
+questions, greedy, ``--max-new-tokens`` tokens:
+
+- ``identical``: the pack's answer equals the facts as text prefilled in one pass (``Answerer`` with
+  ``compare_rag``);
+- ``chunked_identical``: it equals the text prefilled in the pack's recorded passes, then the question,
+  through the same generation path (``AnswerResult.chunked_identical``; must be 1.0 everywhere);
+- ``text_chunking_identical``: the baseline, no pack at all: the text answered after one prefill equals
+  the text answered after a prefill of its facts in passes of 512 tokens: how sensitive plain prefill is
+  to its own chunking on this device and dtype.
+
+Outputs: one JSON line per question in OUT/<device>-<dtype>.json (rewritten by each run of that dtype),
+and a markdown table on stdout. Run from the repository root:
+
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/eval_exactness.py [--model smollm2-135m] [--device cuda]
+        [--dtypes bfloat16 float32] [--questions 80] [--quick]
+
+``--quick`` asks 2 packs of 2 paragraphs 2 questions each with 8 new tokens (what the test runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from packstore.answering.answer import Answerer, Question  # noqa: E402
+from packstore.answering.api import build_and_store  # noqa: E402
+from packstore.kv.build import prefill, prefill_boundaries  # noqa: E402
+from packstore.kv.inject import Sampling, generate  # noqa: E402
+from packstore.kv.models import DTYPES, LoadedModel, default_device, load_model  # noqa: E402
+from packstore.kv.render import render  # noqa: E402
+from packstore.store import LmdbStore  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import logger, machine_description, source_description  # noqa: E402
+from evallib import REPO, Row, data_path, frozen_split, load_rows, markdown_table, write_jsonl  # noqa: E402
+
+MEASURES = ("identical", "chunked_identical", "text_chunking_identical")
+log = logger("eval_exactness")
+
+
+def pack_groups(rows: Sequence[Row], per_pack: int, questions: int) -> list[list[Row]]:
+    """Consecutive rows in packs of ``per_pack`` (a last short group dropped), enough packs for ``questions``
+    questions: each pack is asked its own rows' questions."""
+    groups = [list(rows[start : start + per_pack]) for start in range(0, len(rows) - per_pack + 1, per_pack)]
+    return groups[: -(-questions // per_pack)]
+
+
+def text_chunking_identical(lm: LoadedModel, facts: Sequence[str], question: str, sampling: Sampling) -> bool:
+    """Whether the text (facts and question) answers alike after one prefill and after its facts are prefilled in
+    passes of 512 tokens (the question then in one more, as ``generate`` prefills what the cache lacks)."""
+    rendering = render(lm.tokenizer, facts, question)
+    one = generate(lm, rendering.token_ids, sampling)
+    passes = prefill_boundaries(0, rendering.prefix_tokens)
+    chunked = generate(lm, rendering.token_ids, sampling, prefill(lm, rendering.prefix_ids, boundaries=passes))
+    return one.token_ids == chunked.token_ids
+
+
+def evaluate(lm: LoadedModel, groups: Sequence[list[Row]], sampling: Sampling, store: LmdbStore) -> list[dict]:
+    """One record per question: the three measures, and the pack's size and recorded passes."""
+    answerer = Answerer(lm, store)
+    records = []
+    for number, group in enumerate(groups):
+        facts = [row.context for row in group]
+        stored, _ = build_and_store(store, lm, facts)
+        for row in group:
+            result = answerer.ask(Question(row.question, refs=(stored.key,), compare_rag=True, sampling=sampling))
+            records.append(
+                {
+                    "model": lm.name,
+                    "device": lm.device.type,
+                    "dtype": lm.dtype_name,
+                    "pack": number,
+                    "id": row.id,
+                    "question": row.question,
+                    "answer": result.answer,
+                    "rag_answer": result.rag_answer,
+                    "identical": result.identical,
+                    "chunked_identical": result.chunked_identical,
+                    "text_chunking_identical": text_chunking_identical(lm, facts, row.question, sampling),
+                    "pack_tokens": stored.header.tokens,
+                    "prefill_chunks": list(stored.header.prefill_chunks or ()),
+                }
+            )
+        log(f"{lm.dtype_name}: pack {number + 1}/{len(groups)} ({stored.header.tokens} tokens) asked")
+    return records
+
+
+def summary_row(records: Sequence[dict]) -> list[str]:
+    """A table row: model, device, dtype, questions, and each measure's rate as ``count/total (percent)``."""
+    first = records[0]
+    rates = [f"{sum(bool(r[m]) for r in records)}/{len(records)} ({100 * sum(bool(r[m]) for r in records) / len(records):.1f} %)" for m in MEASURES]
+    return [first["model"], first["device"], first["dtype"], str(len(records)), *rates]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="model alias or local Hugging Face directory")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=list(DTYPES))
+    parser.add_argument("--questions", type=int, default=80, help="held-out questions per dtype")
+    parser.add_argument("--per-pack", type=int, default=8, help="paragraphs per pack")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--data", type=Path, default=None, help="ckc JSONL (default: $PACKSTORE_EVAL_DATA or ../shared/data/ckc_dev.jsonl)")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "eval_exactness", help="results directory")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--quick", action="store_true", help="2 packs of 2 paragraphs, 2 questions each, 8 new tokens")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    per_pack, questions, max_new_tokens = (2, 4, 8) if args.quick else (args.per_pack, args.questions, args.max_new_tokens)
+    _, held_out = frozen_split(load_rows(args.data or data_path()))
+    groups = pack_groups(held_out, per_pack, questions)
+    sampling = Sampling(max_new_tokens=max_new_tokens)
+    device = args.device or str(default_device())
+    rows = []
+    for dtype in args.dtypes:
+        started = time.perf_counter()
+        lm = load_model(args.model, device=device, dtype=dtype, progress=False)
+        with tempfile.TemporaryDirectory(prefix="eval-exactness-") as scratch, LmdbStore(Path(scratch) / "store") as store:
+            records = evaluate(lm, groups, sampling, store)[:questions]
+        write_jsonl(args.out / f"{lm.device.type}-{dtype}.json", records)
+        rows.append(summary_row(records))
+        log(f"{dtype}: {len(records)} questions in {time.perf_counter() - started:.0f} s")
+        del lm
+    headers = ["model", "device", "dtype", "questions", *MEASURES]
+    print(markdown_table(headers, rows, left=3))
+    print(f"\n{max_new_tokens} new tokens, packs of {per_pack} held-out ckc paragraphs; {machine_description({})}; {source_description()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
