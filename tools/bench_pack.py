@@ -17,7 +17,9 @@ and noisy: repetitions are interleaved and every figure is a median over them):
 3. Codec on the real KV of the ~2k pack in float32, bfloat16 and float16 (model loaded in that
    dtype): packstore's codec (byteplane-3) vs. plain zstd level 3 on the same safetensors chunk blobs
    vs. ZipNN. Ratio = raw / stored bytes; MB/s in raw MB (10^6 bytes), one thread, timed per
-   chunk and summed over all chunks. Every decode is checked bit-exact.
+   chunk and summed over all chunks (so per-thread speeds; "compress vs zipnn" compares them). Every
+   decode is checked bit-exact. Then building: ``encode_pack`` of each pack (split, code, digest every
+   chunk) in MB/s of KV on a pool of one thread and of ``WORKERS`` threads (``--codec-only``: this alone).
 
 Torch runs one intra-op thread by default (``--threads``): on a shared 2-core machine two threads
 stall at every parallel region whenever another process holds a core (a 0.2 s first token became
@@ -33,6 +35,7 @@ Progress goes to stderr, the tables to stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -64,7 +67,7 @@ from packstore.store import LmdbStore  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, median, print_table, source_description, timed  # noqa: E402
 from benchlib import machine_description as describe_machine  # noqa: E402
-from packstore.packs.decoder import Decoder  # noqa: E402
+from packstore.packs.decoder import WORKERS, Decoder  # noqa: E402
 from packstore.packs.reader import PackReader
 
 DECODER = Decoder()  # the chunk threads every read of this run decodes on, as a program's entry point makes one
@@ -297,6 +300,7 @@ class CodecPack:
     dtype: str
     note: str
     blobs: list[bytes]  # the pack's safetensors chunk blobs, exactly as packstore builds them
+    pack: Pack
 
 
 def codec_pack(pack: Pack, note: str) -> CodecPack:
@@ -304,7 +308,7 @@ def codec_pack(pack: Pack, note: str) -> CodecPack:
     encoded = encode_pack(pack)
     blobs = [bytes(codec.decode(chunk, max_plain_bytes(info))) for chunk, info in zip(encoded.chunks, encoded.header.chunks)]
     assert codec.encode(blobs[0], pack.header.dtype) == encoded.chunks[0], "byteplane encode is not deterministic"
-    return CodecPack(pack.header.dtype, note, blobs)
+    return CodecPack(pack.header.dtype, note, blobs, pack)
 
 
 def build_in_dtype(dtype: str, facts: Sequence[str], fallback: Pack) -> tuple[Pack, str]:
@@ -356,11 +360,13 @@ def bench_codec(packs: Sequence[CodecPack], repeats: int) -> None:
     rows = []
     for p in packs:
         raw = sum(len(b) for b in p.blobs)
+        zipnn_runs = results.get((p.dtype, "zipnn"))
+        zipnn_compress = raw / median([run[0] for run in zipnn_runs]) / MB if zipnn_runs else None
         zstd_ratio = zstd_decompress = None
         for name in ("zstd-3", "byteplane", "zipnn"):
             runs = results.get((p.dtype, name))
             if runs is None:
-                rows.append([p.dtype, name, "not installed", "", "", "", ""])
+                rows.append([p.dtype, name, "not installed", "", "", "", "", ""])
                 continue
             ratio = raw / runs[0][2]
             compress = raw / median([run[0] for run in runs]) / MB
@@ -368,14 +374,14 @@ def bench_codec(packs: Sequence[CodecPack], repeats: int) -> None:
             if name == "zstd-3":
                 zstd_ratio, zstd_decompress = ratio, decompress
             rows.append([
-                p.dtype, name, f"{ratio:.3f}", f"{compress:.0f}", f"{decompress:.0f}",
-                f"{ratio / zstd_ratio:.3f}x", f"{decompress / zstd_decompress:.2f}x",
+                p.dtype, name, f"{ratio:.3f}", f"{compress:.0f}", f"{compress / zipnn_compress:.2f}x" if zipnn_compress else "",
+                f"{decompress:.0f}", f"{ratio / zstd_ratio:.3f}x", f"{decompress / zstd_decompress:.2f}x",
             ])
     size = sum(len(b) for b in packs[0].blobs) / MB
     print_table(
-        f"3. Chunk codecs on the ~2k pack's real KV ({len(packs[0].blobs)} chunks, {size:.1f} MB raw in float32; "
-        f"median of {repeats}, one thread, MB/s of raw bytes)",
-        ["dtype", "codec", "ratio", "compress MB/s", "decompress MB/s", "ratio vs zstd", "decompress vs zstd"],
+        f"3. Chunk codecs on the {packs[0].pack.header.tokens}-token pack's real KV ({len(packs[0].blobs)} chunks, {size:.1f} MB raw "
+        f"in float32; median of {repeats}, one thread, MB/s of raw bytes)",
+        ["dtype", "codec", "ratio", "compress MB/s", "compress vs zipnn", "decompress MB/s", "ratio vs zstd", "decompress vs zstd"],
         rows,
     )
     for p in packs:
@@ -383,6 +389,33 @@ def bench_codec(packs: Sequence[CodecPack], repeats: int) -> None:
     for note in notes:
         print(f"   {note}")
     print("   all decodes bit-exact (asserted)")
+    bench_build(packs, repeats)
+
+
+def bench_build(packs: Sequence[CodecPack], repeats: int) -> None:
+    """``encode_pack`` of each pack (as a build ends: split into chunks, code and digest each) on pools of one thread
+    and of ``WORKERS``, in MB/s of KV, median of ``repeats`` interleaved runs."""
+    pools = sorted({1, WORKERS})
+    times: dict[tuple[str, int], list[float]] = {}
+    with contextlib.ExitStack() as stack:
+        decoders = {n: stack.enter_context(Decoder(n)) for n in pools}
+        for p in packs:
+            encode_pack(p.pack, decoder=decoders[pools[-1]])  # warm: compiled kernels, the threads' buffers
+        for _ in range(repeats):
+            for p in packs:
+                for n, decoder in decoders.items():
+                    gc.collect()
+                    times.setdefault((p.dtype, n), []).append(timed(lambda p=p, decoder=decoder: encode_pack(p.pack, decoder=decoder))[0])
+    rows = []
+    for p in packs:
+        kv = sum(t.numel() * t.element_size() for t in p.pack.keys + p.pack.values)
+        speeds = [kv / median(times[p.dtype, n]) / MB for n in pools]
+        rows.append([p.dtype, f"{kv / MB:.1f}", *(f"{speed:.0f}" for speed in speeds), f"{speeds[-1] / speeds[0]:.2f}x"])
+    print_table(
+        f"3b. Building: encode_pack in MB/s of KV (median of {repeats}; pools of {' and '.join(map(str, pools))} threads)",
+        ["dtype", "KV MB", *(f"{n} thread{'s' if n > 1 else ''} MB/s" for n in pools), "scaling"],
+        rows,
+    )
 
 
 # -- main ---------------------------------------------------------------------------------
@@ -395,6 +428,7 @@ def main() -> None:
     parser.add_argument("--get-repeats", type=int, default=5, help="interleaved repetitions for get throughput")
     parser.add_argument("--codec-repeats", type=int, default=5, help="interleaved repetitions for the codecs")
     parser.add_argument("--codec-size", type=int, default=2048, help="which size's facts the codec table uses")
+    parser.add_argument("--codec-only", action="store_true", help="only the codec and building tables (3.), on the --codec-size pack")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (see above)")
     parser.add_argument("--data", type=Path, default=DATA, help="JSON lines with 'context' and 'question'")
     parser.add_argument("--workdir", type=Path, default=None, help="where the scratch store goes (default: a temp dir)")
@@ -413,11 +447,12 @@ def main() -> None:
         workdir = Path(tmp)
         with LmdbStore(workdir / "store") as store:
             cases = []
-            for target in sorted(args.sizes):
+            for target in [args.codec_size] if args.codec_only else sorted(args.sizes):
                 log(f"building the {target}-token pack")
                 cases.append(make_case(lm, store, records, target))
-            bench_ttft(lm, store, cases, args.repeats)
-            bench_get(store, cases, workdir, args.get_repeats)
+            if not args.codec_only:
+                bench_ttft(lm, store, cases, args.repeats)
+                bench_get(store, cases, workdir, args.get_repeats)
         codec_case = next(c for c in cases if c.target == args.codec_size)
         packs = [codec_pack(codec_case.pack, "real KV from the model loaded in float32")]
         del lm, cases

@@ -10,7 +10,8 @@ exponent (6 bits a byte) and its two top mantissa bits (packed four to a byte), 
 informative bits are entropy-coded; it codes each plane in segments that end where the chunk's
 tensors do, each the smaller of a Huffman frame (``packstore.format.huffman``: four streams,
 several symbols a lookup), a level-1 zstd frame (whose matches win on runs) and the raw bytes.
-Container versions 2 (``byteplane-zstd-2``: zstd frames only, float16 unsplit) and 1
+Writing runs in compiled kernels with the GIL released (``packstore.format.split``), so chunks encode in
+parallel threads. Container versions 2 (``byteplane-zstd-2``: zstd frames only, float16 unsplit) and 1
 (``byteplane-zstd``: whole planes at zstd level 1) still decode. See docs/format.md §1.4.
 """
 
@@ -30,6 +31,7 @@ from packstore.format import huffman
 from packstore.format.body import tensor_table
 from packstore.format.header import DTYPE_SIZES
 from packstore.format.interleave import join_planes, pack_pairs, packed_length, unpack_pairs
+from packstore.format.split import split_float16, split_rotated2, split_rotated4, survey
 
 MAGIC = b"PSBP"
 VERSION = 3  # the container writers write
@@ -37,6 +39,9 @@ RAW, ZSTD, HUFFMAN = 0, 1, 2
 METHODS = {2: (RAW, ZSTD), 3: (RAW, ZSTD, HUFFMAN)}  # frame methods by container version
 RAW_THRESHOLD = 0.98  # a frame that saves less than 2 % is stored raw
 ZSTD_PREFERENCE = 0.75  # a segment is coded with zstd rather than Huffman only when that saves 25 % (zstd decodes slower)
+# zstd is tried on a segment when the survey finds 1/128 of it repeated: on real KV (smollm2-135m, all three dtypes)
+# it won only where 5 % or more was (the first layers' repeated rows), and where none is its frame is about the Huffman one.
+REPEATS_WORTH_ZSTD = 128
 SEGMENT = 1 << 16  # fewest plain bytes per coded piece of a plane (v2) that writers use
 WRITE_SEGMENT_LIMIT = 1 << 20  # most plain bytes per piece that writers use
 MAX_SEGMENT = 1 << 24  # most that readers accept
@@ -50,31 +55,9 @@ _ENTRY = struct.Struct("<BI")  # versions 2 and 3: a frame's method and stored l
 _UNSIGNED: dict[int, np.dtype] = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 _ALIGN = 64
 MAX_SCRATCH = 1 << 26  # bytes of a joined plane range kept for reuse per thread (real tensors' are a few MB at most)
-# Per thread: a decompressor, the buffer Huffman frames decode into, and buffers for plane ranges that span segments.
+# Per thread: a compressor and a decompressor; the planes a chunk is split into, and the container it is written to;
+# the buffer Huffman frames decode into, and buffers for plane ranges that span segments.
 _SCRATCH = threading.local()
-
-
-def _code_segment(plain: np.ndarray, compressor: zstandard.ZstdCompressor) -> tuple[int, bytes]:
-    """A plane segment's Huffman frame, or its level-1 zstd frame where zstd's matches make it clearly smaller (runs:
-    ZSTD_PREFERENCE of the Huffman size or less; zstd decodes slower), or the segment itself when neither saves 2 %."""
-    method, coded = HUFFMAN, huffman.encode(plain)
-    matched = compressor.compress(plain.data)
-    if len(matched) <= ZSTD_PREFERENCE * len(coded):
-        method, coded = ZSTD, matched
-    if len(coded) >= RAW_THRESHOLD * len(plain):
-        return RAW, plain.tobytes()
-    return method, coded
-
-
-def _split_planes(elements: np.ndarray, transform: int) -> list[np.ndarray]:
-    """The planes of ``elements`` (unsigned ints of the element's width) under ``transform``: w byte planes, or
-    for the float16 split the low byte, bits 10-15 and bits 8-9 (one per element; packed per segment)."""
-    if transform == SPLIT_FLOAT16:
-        return [(elements & 0xFF).astype(np.uint8), (elements >> 10).astype(np.uint8), ((elements >> 8) & 3).astype(np.uint8)]
-    if transform == ROTATE_LEFT_1:
-        elements = (elements << 1) | (elements >> (8 * elements.itemsize - 1))
-    as_bytes = elements.view(np.uint8).reshape(-1, elements.itemsize)
-    return [np.ascontiguousarray(as_bytes[:, j]) for j in range(elements.itemsize)]
 
 
 def safetensors_split(blob: bytes | memoryview) -> int:
@@ -100,7 +83,13 @@ def transform_for(dtype: str) -> int:
 
 def encode(blob: bytes, dtype: str, segment: int | None = None) -> bytes:
     """Compress a safetensors blob whose tensors are all of ``dtype`` (container version 3), in segments of
-    ``segment`` elements (None: ``segment_for`` the blob's tensors, read strictly)."""
+    ``segment`` elements (None: ``segment_for`` the blob's tensors, read strictly).
+
+    Each segment is the smallest of its Huffman frame, its level-1 zstd frame when that is ZSTD_PREFERENCE of the
+    Huffman size or less, and its raw bytes (when neither saves 2 %). The split and the Huffman sizes are computed
+    in compiled kernels with the GIL released (``packstore.format.split``); zstd, the only costly step left, runs only
+    on segments where the survey finds repeats (runs, repeated rows): on the rest its matches cannot pay for
+    themselves, and it would only make a frame the size of the Huffman one, so it is never chosen there."""
     width = DTYPE_SIZES[dtype]
     split = safetensors_split(blob)
     if (len(blob) - split) % width:
@@ -111,16 +100,65 @@ def encode(blob: bytes, dtype: str, segment: int | None = None) -> bytes:
     if not 0 < segment <= MAX_SEGMENT:
         raise ValueError(f"segment {segment} is outside 1 .. {MAX_SEGMENT}")
     transform = transform_for(dtype)
-    compressor = zstandard.ZstdCompressor(level=1)
-    frames = [(RAW, bytes(blob[:split]))]  # a few hundred bytes of JSON: decoding a frame would cost more than it saves
-    for j, plane in enumerate(_split_planes(elements, transform)):
-        packed = transform == SPLIT_FLOAT16 and j == 2
-        for s in range(0, len(plane), segment):
-            part = pack_pairs(plane[s : s + segment]) if packed else plane[s : s + segment]
-            frames.append(_code_segment(part, compressor))
-    preamble = _PREAMBLE.pack(MAGIC, VERSION, width, transform, split, len(elements), segment)
-    table = b"".join(_ENTRY.pack(method, len(body)) for method, body in frames)
-    return b"".join([preamble, table] + [body for _, body in frames])
+    planes, starts, sizes = _split(elements, transform, segment)
+    lengths, stream_bytes = np.empty((len(starts), 256), np.uint8), np.empty((len(starts), huffman.STREAMS), np.int64)
+    huffman_bytes, repeated = np.empty(len(starts), np.int64), np.empty(len(starts), np.int64)
+    survey(planes, starts, sizes, _scratch("anchors", segment + 8), lengths, stream_bytes, huffman_bytes, repeated)
+    header: Frame = (RAW, split, np.frombuffer(blob, np.uint8, split))  # a few hundred bytes of JSON: stored raw
+    pieces = enumerate(zip(starts.tolist(), sizes.tolist()))
+    frames = [header] + [_choose(planes[start : start + size], int(huffman_bytes[i]), int(repeated[i])) for i, (start, size) in pieces]
+    table = b"".join(_ENTRY.pack(method, length) for method, length, _ in frames)
+    out = _scratch("encoded", _PREAMBLE.size + len(table) + sum(length for _, length, _ in frames))
+    out[: _PREAMBLE.size] = np.frombuffer(_PREAMBLE.pack(MAGIC, VERSION, width, transform, split, len(elements), segment), np.uint8)
+    at = _PREAMBLE.size + len(table)
+    out[_PREAMBLE.size : at] = np.frombuffer(table, np.uint8)
+    for i, (_, length, body) in enumerate(frames):
+        if body is None:  # a Huffman frame, written in place
+            piece = planes[starts[i - 1] : starts[i - 1] + sizes[i - 1]]
+            huffman.write_frame(piece, lengths[i - 1], stream_bytes[i - 1], out[at : at + length])
+        else:
+            out[at : at + length] = np.frombuffer(body, np.uint8)
+        at += length
+    return out.tobytes()
+
+
+# A frame being written: its method, its stored length, and its bytes (None: a Huffman frame, written in place).
+Frame = tuple[int, int, "np.ndarray | bytes | None"]
+
+
+def _choose(plain: np.ndarray, huffman_bytes: int, repeated: int) -> Frame:
+    """A plane segment's frame: Huffman, or level-1 zstd where that is ZSTD_PREFERENCE of the Huffman size or less
+    (zstd decodes slower), or raw when neither saves 2 %. zstd is run only where ``repeated`` says it may win."""
+    frame: Frame = (HUFFMAN, huffman_bytes, None)
+    if repeated * REPEATS_WORTH_ZSTD >= len(plain):
+        matched = _compressor().compress(plain.data)
+        if len(matched) <= ZSTD_PREFERENCE * huffman_bytes:
+            frame = (ZSTD, len(matched), matched)
+    if frame[1] >= RAW_THRESHOLD * len(plain):
+        return RAW, len(plain), plain
+    return frame
+
+
+def _split(elements: np.ndarray, transform: int, segment: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The planes of ``elements`` under ``transform``, laid end to end in a buffer of this thread, and the start and
+    size there of each piece to code: plane by plane, segment by segment (the float16 split's packed plane in
+    ``packed_length`` bytes per segment)."""
+    count, n = len(elements), max(len(elements), 1)
+    rows = 3 if transform == SPLIT_FLOAT16 else elements.itemsize
+    planes = _scratch("planes", rows * n)
+    if transform == SPLIT_FLOAT16:
+        split_float16(elements, segment, *planes.reshape(rows, n))
+    elif rows == 2:
+        split_rotated2(elements, *planes.reshape(rows, n))
+    else:
+        split_rotated4(elements, *planes.reshape(rows, n))
+    firsts = range(0, count, segment)
+    starts = [row * n + first for row in range(rows) for first in firsts]
+    sizes = [min(segment, count - first) for _ in range(rows) for first in firsts]
+    if transform == SPLIT_FLOAT16:
+        starts[2 * len(firsts) :] = [2 * n + k * packed_length(segment) for k in range(len(firsts))]
+        sizes[2 * len(firsts) :] = [packed_length(size) for size in sizes[: len(firsts)]]
+    return planes, np.array(starts, np.int64), np.array(sizes, np.int64)
 
 
 @dataclass(frozen=True)
@@ -335,6 +373,14 @@ def _read_frames(
             if found:
                 return 16 * (i + 1) + found
     return 0
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    """This thread's level-1 zstd compressor, kept (as its decompressor): a fresh one sets up a context per chunk."""
+    found = _SCRATCH.__dict__.get("compressor")
+    if found is None:
+        found = _SCRATCH.compressor = zstandard.ZstdCompressor(level=1)
+    return found
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:

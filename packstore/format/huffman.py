@@ -154,8 +154,47 @@ def _reversed_codes(lengths: np.ndarray) -> np.ndarray:  # pragma: no cover - co
 
 
 @njit(nogil=True, cache=True)
-def _encode_stream(plain: np.ndarray, codes: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> int:  # pragma: no cover - compiled
-    """Write ``plain``'s codes to ``out`` from bit 0 of byte 0 up; returns the bytes written (the last padded with 0s)."""
+def stream_counts(plain: np.ndarray, counts: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``counts[k]`` := the byte counts of stream k's quarter of ``plain`` (four counts at once: independent increments)."""
+    quarter = (len(plain) + STREAMS - 1) // STREAMS
+    counts[:] = 0
+    c0, c1, c2, c3 = counts[0], counts[1], counts[2], counts[3]
+    s0, s1, s2, s3 = plain[:quarter], plain[quarter : 2 * quarter], plain[2 * quarter : 3 * quarter], plain[3 * quarter :]
+    for i in range(len(s3)):
+        c0[s0[i]] += 1
+        c1[s1[i]] += 1
+        c2[s2[i]] += 1
+        c3[s3[i]] += 1
+    for i in range(len(s3), quarter):  # the first three streams' last few bytes
+        c0[s0[i]] += 1
+        if i < len(s1):
+            c1[s1[i]] += 1
+        if i < len(s2):
+            c2[s2[i]] += 1
+
+
+@njit(nogil=True, cache=True)
+def frame_size(counts: np.ndarray, lengths: np.ndarray, stream_bytes: np.ndarray) -> int:  # pragma: no cover - compiled
+    """The size of the frame of bytes with stream ``counts`` (``stream_counts``) coded with ``lengths``; each
+    stream's bytes go to ``stream_bytes``."""
+    first, last = 0, 255
+    while lengths[first] == 0:
+        first += 1
+    while lengths[last] == 0:
+        last -= 1
+    total = _FRAME_FIXED + (last - first + 2) // 2
+    for k in range(STREAMS):
+        bits = 0
+        for symbol in range(first, last + 1):
+            bits += counts[k, symbol] * lengths[symbol]
+        stream_bytes[k] = (bits + 7) // 8
+        total += stream_bytes[k]
+    return total
+
+
+@njit(nogil=True, cache=True)
+def _encode_stream(plain: np.ndarray, codes: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Write ``plain``'s codes to ``out`` from bit 0 of byte 0 up (the last byte padded with 0s)."""
     acc, bits, at = _U(0), 0, 0
     for i in range(len(plain)):
         symbol = plain[i]
@@ -171,6 +210,31 @@ def _encode_stream(plain: np.ndarray, codes: np.ndarray, lengths: np.ndarray, ou
         at += 1
         acc >>= _U(8)
         bits -= 8
+
+
+@njit(nogil=True, cache=True)
+def write_frame(plain: np.ndarray, lengths: np.ndarray, stream_bytes: np.ndarray, out: np.ndarray) -> int:  # pragma: no cover
+    """Write the frame of ``plain`` (at least one byte) coded with ``lengths`` (``_code_lengths`` of its counts), its
+    streams ``stream_bytes`` long (``frame_size``), to ``out``, which has room for it; returns its size."""
+    first, last = 0, 255
+    while lengths[first] == 0:
+        first += 1
+    while lengths[last] == 0:
+        last -= 1
+    out[0], out[1] = first, last - first
+    at = 2
+    for i in range(first, last + 1, 2):
+        out[at] = lengths[i] | ((lengths[i + 1] << np.uint8(4)) if i + 1 <= last else np.uint8(0))
+        at += 1
+    for k in range(STREAMS - 1):
+        for b in range(4):
+            out[at + 4 * k + b] = (stream_bytes[k] >> (8 * b)) & 0xFF
+    at += 4 * (STREAMS - 1)
+    codes, widths = _reversed_codes(lengths), lengths.astype(np.int64)
+    quarter = (len(plain) + STREAMS - 1) // STREAMS
+    for k in range(STREAMS):
+        _encode_stream(plain[k * quarter : (k + 1) * quarter], codes, widths, out[at : at + stream_bytes[k]])
+        at += stream_bytes[k]
     return at
 
 
@@ -179,21 +243,12 @@ def encode(plain: np.ndarray) -> bytes:
     holding the codes of a quarter of the bytes (docs/format.md §1.4)."""
     if plain.size == 0:
         raise ValueError("a Huffman frame codes at least one byte")
-    lengths = _code_lengths(np.bincount(plain, minlength=256).astype(np.int64))
-    used = np.nonzero(lengths)[0]
-    first, count = int(used[0]), int(used[-1] - used[0] + 1)
-    nibbles = np.zeros(count + count % 2, np.uint8)
-    nibbles[:count] = lengths[first : first + count]
-    table = (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
-    codes, widths = _reversed_codes(lengths), lengths.astype(np.int64)
-    quarter = -(-plain.size // STREAMS)
-    streams = []
-    for k in range(STREAMS):
-        part = plain[k * quarter : (k + 1) * quarter]
-        out = np.empty(part.size * MAX_LENGTH // 8 + 8, np.uint8)
-        streams.append(out[: _encode_stream(part, codes, widths, out)].tobytes())
-    sizes = np.array([len(s) for s in streams[:-1]], "<u4").tobytes()
-    return bytes([first, count - 1]) + table + sizes + b"".join(streams)
+    counts, stream_bytes = np.empty((STREAMS, 256), np.int64), np.empty(STREAMS, np.int64)
+    stream_counts(plain, counts)
+    lengths = _code_lengths(counts.sum(axis=0))
+    out = np.empty(frame_size(counts, lengths, stream_bytes), np.uint8)
+    write_frame(plain, lengths, stream_bytes, out)
+    return out.tobytes()
 
 
 # -- reading -------------------------------------------------------------------------------------------------

@@ -73,11 +73,24 @@ def layer_kv(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def cache_tensors(cache: DynamicCache, tokens: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer K and V as ``[kv_heads, tokens, head_dim]`` CPU tensors (the first ``tokens`` positions)."""
+    """Per-layer K and V as ``[kv_heads, tokens, head_dim]`` CPU tensors (the first ``tokens`` positions).
+
+    On CUDA every tensor is copied into one pinned host buffer without waiting, then synchronized once: a pageable
+    ``.to("cpu")`` per tensor waits for each copy in turn and goes through a staging buffer."""
     layers = [layer_kv(layer) for layer in cache.layers]
-    keys = [k[0, :, :tokens].detach().to("cpu").contiguous() for k, _ in layers]
-    values = [v[0, :, :tokens].detach().to("cpu").contiguous() for _, v in layers]
-    return keys, values
+    parts = [t[0, :, :tokens].detach() for k, v in layers for t in (k, v)]  # K, V of layer 0, then of layer 1, ...
+    device = parts[0].device if parts else torch.device("cpu")
+    if device.type == "cuda":
+        host = torch.empty(sum(part.numel() for part in parts), dtype=parts[0].dtype, pin_memory=True)
+        copies, at = [], 0
+        for part in parts:
+            copies.append(host[at : at + part.numel()].view(part.shape).copy_(part, non_blocking=True))
+            at += part.numel()
+        torch.cuda.synchronize(device)
+        parts = copies
+    else:
+        parts = [part.to("cpu").contiguous() for part in parts]
+    return parts[0::2], parts[1::2]
 
 
 def clean_facts(facts: Sequence[str]) -> list[str]:

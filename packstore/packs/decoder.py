@@ -11,9 +11,12 @@ from typing import Any, TypeVar
 
 from packstore.packs.buffers import BufferProvider, HostBuffers
 
-# zstd, blake3 and the plane join release the GIL, so chunks are coded in parallel threads whose decoding
-# scratch stays warm between packs (packstore.format.codec).
-WORKERS = max(1, min(8, os.cpu_count() or 1))
+# zstd, blake3 and the codec's compiled kernels release the GIL, so chunks are coded in parallel threads whose
+# scratch stays warm between packs (packstore.format.codec): one thread per core this process may run on (a 16-core
+# GPU host builds on 16). At most MAX_WORKERS: each thread keeps scratch of a few chunks' size, and a pack has few
+# more chunks than that in flight (a layer's token blocks), so more threads would add memory, not speed.
+MAX_WORKERS = 32
+WORKERS = max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 T = TypeVar("T")
 
 
