@@ -124,7 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     per_pack, questions, max_new_tokens = (2, 4, 8) if args.quick else (args.per_pack, args.questions, args.max_new_tokens)
-    _, held_out = frozen_split(load_rows(args.data or data_path()))
+    data = args.data or data_path()
+    _, held_out = frozen_split(load_rows(data), data)
     groups = pack_groups(held_out, per_pack, questions)
     sampling = Sampling(max_new_tokens=max_new_tokens)
     device = args.device or str(default_device())

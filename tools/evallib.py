@@ -70,16 +70,18 @@ def split_rows(rows: Sequence[Row], fraction: float = 0.5, *, seed: int = 0) -> 
 SPLIT_FILE = REPO / "tools" / "ckc_split.json"
 
 
-def frozen_split(rows: Sequence[Row]) -> tuple[list[Row], list[Row]]:
-    """(tuning, held-out) rows by the split frozen in tools/ckc_split.json before any tuning.
+def frozen_split(rows: Sequence[Row], path: Path | None = None) -> tuple[list[Row], list[Row]]:
+    """(tuning, held-out) rows (read from ``path``, by default ``data_path()``) by the split frozen in
+    tools/ckc_split.json before any tuning.
 
     Raises if the data file is not the one the split was made from, so a changed data set cannot
     quietly move rows between the halves.
     """
     split = json.loads(SPLIT_FILE.read_text())
-    digest = hashlib.sha256(data_path().read_bytes()).hexdigest()
+    path = path or data_path()
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if digest != split["data_sha256"]:
-        raise ValueError(f"{data_path()} is not the data {SPLIT_FILE.name} was frozen on (sha256 {digest[:12]})")
+        raise ValueError(f"{path} is not the data {SPLIT_FILE.name} was frozen on (sha256 {digest[:12]})")
     by_id = {row.id: row for row in rows}
     return [by_id[i] for i in split["tuning"]], [by_id[i] for i in split["held_out"]]
 
