@@ -9,13 +9,16 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from packstore.rpc.remote import RemoteStore
-from packstore.store.objects.store import ObjectStore
 from seaweed_helpers import Seaweed, running_seaweed
 from service_helpers import running_server
+
+if TYPE_CHECKING:  # the s3 extra (boto3): imported where used, so the other unit tests run without it (a GPU host)
+    from packstore.store.objects.store import ObjectStore
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +38,8 @@ def url(seaweed: Seaweed, request) -> str:
 @pytest.fixture
 def replicas(url: str, tmp_path: Path) -> Iterator[tuple[ObjectStore, ObjectStore]]:
     """Two stores on one bucket and prefix, each with its own cache: two replicas of a service."""
+    from packstore.store.objects.store import ObjectStore
+
     with ObjectStore(url, cache_dir=tmp_path / "a") as a, ObjectStore(url, cache_dir=tmp_path / "b") as b:
         yield a, b
 
