@@ -184,9 +184,9 @@ class BodyAssembler:
     def _elements_of(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """Where chunks of layer ``slot`` decode to: the layer's own K and V on the CPU, else its host staging, taken
         from the buffers when the layer's first chunk comes."""
-        with self._lock:
-            if slot in self._host:
-                return self._host[slot]
+        found = self._host.get(slot)  # every chunk of the layer after its first: no lock (a dict read is atomic)
+        if found is not None:
+            return found
         key, value = self.keys[slot], self.values[slot]
         if self.device.type != "cpu":
             key, value = (self.buffers.staging(tuple(t.shape), t.dtype, self.device) for t in (key, value))
