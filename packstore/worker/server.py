@@ -91,8 +91,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             principal = self.auth.authenticate(context.invocation_metadata(), "Generate", "read")
             fields.update(token=principal.token, namespace=principal.namespace)
             answerer = self.answerer(principal.namespace)
-            tokens = answerer.stream(question_of(request))
-            deltas = TextDeltas(self.lm.tokenizer)
+            question = question_of(request)
+            tokens = answerer.stream(question)
+            deltas = TextDeltas(self.lm.tokenizer, question.sampling.stop)
             try:
                 while True:
                     token = next(tokens)
