@@ -227,7 +227,7 @@ def _run_generate(
 ) -> torch.Tensor:
     if sampling.seed is not None:
         torch.manual_seed(sampling.seed)
-    criteria = [_StopWhenSet(stop)] if stop is not None else []
+    criteria: list[StoppingCriteria] = [_StopWhenSet(stop)] if stop is not None else []
     criteria += [_StopAtText(lm.tokenizer, sampling.stop, ids.shape[1])] if sampling.stop else []
     with torch.inference_mode():
         return lm.model.generate(  # type: ignore[operator]  # GenerationMixin's, undeclared on PreTrainedModel: typed Tensor | Module
