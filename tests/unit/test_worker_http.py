@@ -245,3 +245,32 @@ def test_with_tokens_a_bearer_token_and_its_namespace_are_required(tmp_path: Pat
         server.stop(1)
         for store in stores.values():
             store.close()
+
+
+def test_packstore_worker_http_serves_https_with_the_tls_flags_and_answers_as_its_grpc_port(tiny_lm, tiny_model_dir, tmp_path, capsys) -> None:
+    import ssl
+
+    from packstore.rpc.remote import RemoteStore
+    from service_helpers import free_port, running_server, running_worker
+    from tls_helpers import make_certificates
+
+    certs = make_certificates(tmp_path / "tls")
+    with running_server(tmp_path / "data") as server:
+        with RemoteStore(server.url) as remote:
+            remote.put(encode_pack(build_pack(tiny_lm, FACTS)), name="wexley")
+        port = free_port()
+        flags = ["--threads", "1", "--http", str(port), "--tls-cert", certs["cert"], "--tls-key", certs["key"]]
+        with running_worker(server.url, str(tiny_model_dir), tmp_path, *flags, tls={"ca": certs["ca"]}) as worker:
+            ask_argv = ["--tls-ca", certs["ca"], "ask", "wexley", QUESTION, "--worker", f"grpcs://{worker.address}", "--json", "--max-new-tokens", "12"]
+            assert packctl(ask_argv) == 0
+            expected = json.loads(capsys.readouterr().out)
+            body = {"model": str(tiny_model_dir), "messages": [{"role": "user", "content": QUESTION}], "packs": ["wexley"], "max_tokens": 12}
+            request = urllib.request.Request(  # no host in --http: loopback
+                f"https://localhost:{port}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(request, context=ssl.create_default_context(cafile=certs["ca"]), timeout=60) as response:
+                completion = json.loads(response.read())
+            assert completion["choices"][0]["message"]["content"] == expected["answer"]
+            assert completion["packstore"]["pack"] == expected["pack"] and completion["usage"]["prompt_tokens"] == expected["kv_prompt_tokens"]
+            with pytest.raises(OSError):  # HTTPS only: plain HTTP gets no answer
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10)
