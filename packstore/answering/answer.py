@@ -486,6 +486,7 @@ class Answerer:
             identical=answer.token_ids == rag.token_ids if rag is not None else None,
             chunked_identical=answer.token_ids == chunked.token_ids if chunked is not None else None,
             pack=pack.header.key if pack is not None else None,
+            pack_tokens=pack.header.tokens if pack is not None else None,
             bank=question.bank,
             facts=facts,
             pack_reused=reused,

@@ -20,6 +20,7 @@ class AnswerResult:
     # exactness a pack promises); None where its header records no prefill (written before it was, or spliced)
     chunked_identical: bool | None = None
     pack: str | None = None
+    pack_tokens: int | None = None  # the pack's facts tokens: served from its cache, never prefilled for this answer
     bank: str | None = None
     facts: list[str] | None = None  # with a bank: the routed facts the pack holds, best first
     pack_reused: bool | None = None  # with a bank: the facts' pack was already stored

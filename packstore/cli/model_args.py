@@ -101,6 +101,9 @@ def add_commands(cli: CommandLine) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--stop", action="append", default=[], metavar="STR", help="end the answer before this string (repeatable; the first found wins)"
+    )
 
     adapter = cli.command(
         "adapter", deferred(HANDLERS, "cmd_adapter"), "KV Packet adapters: soft tokens trained to splice independently built packs"

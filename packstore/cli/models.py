@@ -125,7 +125,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
     if (args.model is None) == (args.worker is None):
         raise InvalidInput("give --model M to answer here, or --worker HOST:PORT to answer on a worker")
     questions = [args.question] if args.question is not None else read_questions(args.questions)
-    sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    sampling = Sampling(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop)
+    )
     refs = tuple(args.ref.split(",")) if args.ref is not None else ()
     if any(not ref.strip() for ref in refs):
         raise InvalidInput(f"empty pack ref in {args.ref!r}: separate refs with single commas (names never contain one)")

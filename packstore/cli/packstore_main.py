@@ -93,6 +93,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     ref_ttl = REF_TTL_SECONDS if args.ref_ttl is None else args.ref_ttl
     if not 0 <= ref_ttl <= 86400:  # also refuses NaN
         raise InvalidInput(f"--ref-ttl must be from 0 to 86400 seconds, got {args.ref_ttl}")
+    if args.max_concurrent < 1:
+        raise InvalidInput(f"--max-concurrent must be at least 1, got {args.max_concurrent}")
     if args.host_cache_bytes is not None and args.host_cache_bytes < 0:
         raise InvalidInput(f"--host-cache-bytes must be 0 or more, got {args.host_cache_bytes}")
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
@@ -126,6 +128,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
             tls_cert=args.tls_cert or "",
             tls_key=args.tls_key or "",
             tls_client_ca=args.tls_client_ca or "",
+            http=args.http or "",
+            max_concurrent=args.max_concurrent,
         )
     return 0
 
@@ -233,6 +237,15 @@ def build_cli() -> CommandLine:
         "--metrics", metavar="HOST:PORT",
         help="serve Prometheus metrics here (:PORT or PORT: on loopback; with --auth, a scrape needs a bearer token, "
         "and reads its namespaces' series)",
+    )
+    p.add_argument(
+        "--http", metavar="HOST:PORT",
+        help="serve the OpenAI-compatible API (/v1/chat/completions, /v1/models) here too (:PORT or PORT: on loopback; "
+        "HTTPS with the TLS flags; with --auth, callers send 'Authorization: Bearer TOKEN')",
+    )
+    p.add_argument(
+        "--max-concurrent", type=int, default=16, metavar="N",
+        help="requests in flight on each port (gRPC, HTTP) beyond which callers are refused: RESOURCE_EXHAUSTED, HTTP 429 (default 16)",
     )
     _listener_options(p)
     p.add_argument("--token-file", metavar="FILE", help="the worker's own token for the store (default: $PACKSTORE_TOKEN)")

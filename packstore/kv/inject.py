@@ -25,24 +25,32 @@ from packstore.packs.tensors import ArrivingPack, Pack
 GREEDY_BELOW = 1e-5
 MAX_TEMPERATURE = 100.0
 MAX_NEW_TOKENS = 1 << 15
+MAX_STOPS = 16  # stop strings one request may give (OpenAI allows 4)
+MAX_STOP_CHARS = 256  # the longest stop string
 R = TypeVar("R")
 
 
 @dataclass(frozen=True)
 class Sampling:
     """Decoding options; ``temperature`` 0 means greedy (the default, and what equivalence is checked on), and so does
-    any temperature below GREEDY_BELOW (dividing logits by it would overflow them, as vLLM also treats it)."""
+    any temperature below GREEDY_BELOW (dividing logits by it would overflow them, as vLLM also treats it). ``stop``:
+    strings that end the answer where one first appears in its decoded text; the answer is cut before it (as
+    OpenAI's ``stop``)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
         if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
             raise InvalidInput(f"max_new_tokens must be from 1 to {MAX_NEW_TOKENS}")
         if not 0 <= self.temperature <= MAX_TEMPERATURE or not 0 < self.top_p <= 1:  # (NaN fails both)
             raise InvalidInput(f"temperature must be from 0 to {MAX_TEMPERATURE:g} and top_p in (0, 1]")
+        if len(self.stop) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop):
+            raise InvalidInput(f"stop takes at most {MAX_STOPS} strings, each of 1 to {MAX_STOP_CHARS} characters")
 
     @property
     def greedy(self) -> bool:
@@ -172,6 +180,12 @@ def greedy_with_logits(
     return answer, torch.cat(out.logits[: max(len(answer), 1)]).float()
 
 
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """``text`` up to the first place any of the ``stop`` strings appears, and whether one did."""
+    found = [index for string in stop if (index := text.find(string)) >= 0]
+    return (text[: min(found)], True) if found else (text, False)
+
+
 def _generation_config(lm: LoadedModel, sampling: Sampling) -> GenerationConfig:
     options = dict(
         max_new_tokens=sampling.max_new_tokens,
@@ -194,11 +208,27 @@ class _StopWhenSet(StoppingCriteria):
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
+class _StopAtText(StoppingCriteria):
+    """Ends generation once the decoded answer (the ids after the first ``prompt`` ones) holds one of the ``stop``
+    strings. Only the last tokens are decoded, enough for the longest string even at one byte per token."""
+
+    def __init__(self, tokenizer, stop: Sequence[str], prompt: int) -> None:
+        self.tokenizer, self.stop, self.prompt = tokenizer, tuple(stop), prompt
+        self.window = 4 * max(map(len, stop)) + 4
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        tail = input_ids[0, max(self.prompt, input_ids.shape[1] - self.window) :].tolist()
+        found = cut_at_stop(self.tokenizer.decode(tail, skip_special_tokens=True), self.stop)[1]
+        return torch.full((input_ids.shape[0],), found, dtype=torch.bool, device=input_ids.device)
+
+
 def _run_generate(
     lm: LoadedModel, ids: torch.Tensor, sampling: Sampling, cache: DynamicCache | None, streamer=None, stop: threading.Event | None = None
 ) -> torch.Tensor:
     if sampling.seed is not None:
         torch.manual_seed(sampling.seed)
+    criteria: list[StoppingCriteria] = [_StopWhenSet(stop)] if stop is not None else []
+    criteria += [_StopAtText(lm.tokenizer, sampling.stop, ids.shape[1])] if sampling.stop else []
     with torch.inference_mode():
         return lm.model.generate(  # type: ignore[operator]  # GenerationMixin's, undeclared on PreTrainedModel: typed Tensor | Module
             input_ids=ids,
@@ -206,16 +236,17 @@ def _run_generate(
             past_key_values=cache,
             generation_config=_generation_config(lm, sampling),
             streamer=streamer,
-            stopping_criteria=StoppingCriteriaList([_StopWhenSet(stop)]) if stop is not None else None,
+            stopping_criteria=StoppingCriteriaList(criteria) if criteria else None,
         )
 
 
-def _answer(lm: LoadedModel, new: list[int], prompt_tokens: int) -> Answer:
+def _answer(lm: LoadedModel, new: list[int], prompt_tokens: int, stop: Sequence[str] = ()) -> Answer:
+    """The answer of the ``new`` ids: stop tokens dropped, the text cut before the first ``stop`` string."""
     while new and new[-1] in lm.stop_token_ids:
         new.pop()
     text = lm.tokenizer.decode(new, skip_special_tokens=True)
     assert isinstance(text, str)  # one list of ids decodes to one string (decode is typed for batches too)
-    return Answer(text=text.strip(), token_ids=new, prompt_tokens=prompt_tokens)
+    return Answer(text=cut_at_stop(text, stop)[0].strip(), token_ids=new, prompt_tokens=prompt_tokens)
 
 
 def check_context(lm: LoadedModel, tokens: int) -> None:
@@ -232,7 +263,7 @@ def generate(lm: LoadedModel, token_ids: Sequence[int], sampling: Sampling, cach
     cached = cache.get_seq_length() if cache is not None else 0
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=lm.device)
     out = _run_generate(lm, ids, sampling, cache)
-    return _answer(lm, out[0, ids.shape[1] :].tolist(), ids.shape[1] - cached)
+    return _answer(lm, out[0, ids.shape[1] :].tolist(), ids.shape[1] - cached, sampling.stop)
 
 
 _generator_lock = threading.Lock()
@@ -303,28 +334,52 @@ def generate_stream(
         done.result()
     if failure:
         raise failure[0]
-    return _answer(lm, new, ids.shape[1] - cached)
+    return _answer(lm, new, ids.shape[1] - cached, sampling.stop)
 
 
 class TextDeltas:
     """The text each streamed token adds to the answer, so the pieces concatenate to the decoded answer.
 
     A byte-level token can end inside a UTF-8 character; its text is held back (``""``) until the
-    character is complete instead of sending a replacement character.
+    character is complete instead of sending a replacement character. With ``stop`` strings, text that may be the
+    start of one is held back too, and nothing from the first stop string on is ever sent; ``rest`` gives what
+    was held back once the answer is over.
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
+        self.stop = tuple(stop)
         self.ids: list[int] = []
         self.text = ""
+        self.stopped = False  # a stop string appeared: the text is final
 
     def add(self, token: int) -> str:
         self.ids.append(token)
+        if self.stopped:
+            return ""
         now = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if now.endswith("\ufffd"):
             return ""
-        delta, self.text = now[len(self.text) :], now
+        now, self.stopped = cut_at_stop(now, self.stop)
+        if not self.stopped:
+            now = now[: len(now) - _stop_start(now, self.stop)]
+        delta = now[len(self.text) :]
+        self.text += delta
         return delta
+
+    def rest(self) -> str:
+        """The text held back as the possible start of a stop string, once no more tokens come."""
+        if self.stopped:
+            return ""
+        now = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        delta = now[len(self.text) :]
+        self.text += delta
+        return delta
+
+
+def _stop_start(text: str, stop: Sequence[str]) -> int:
+    """The length of the longest end of ``text`` that begins one of the ``stop`` strings (0 for none)."""
+    return max((n for string in stop for n in range(min(len(string), len(text)), 0, -1) if string.startswith(text[-n:])), default=0)
 
 
 def answer_with_pack(lm: LoadedModel, pack: Pack, question: str, sampling: Sampling = Sampling()) -> Answer:

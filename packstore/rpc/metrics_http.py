@@ -34,13 +34,14 @@ log = logging.getLogger("packstore.metrics")
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
-def metrics_address(address: str) -> tuple[str, int]:
+def metrics_address(address: str, what: str = "metrics") -> tuple[str, int]:
     """``HOST:PORT``, ``:PORT`` or ``PORT`` as (host, port); no host means loopback, so the port is never opened to
-    every interface unless asked for (``0.0.0.0:PORT``)."""
+    every interface unless asked for (``0.0.0.0:PORT``). ``what``: the port's use, for the error (the worker's HTTP
+    API listens by the same rules)."""
     host, _, port = address.rpartition(":")
     number = int(port) if port.isdigit() else -1
     if not 0 <= number <= 65535:
-        raise InvalidInput(f"metrics address {address!r}: use HOST:PORT, :PORT or PORT")
+        raise InvalidInput(f"{what} address {address!r}: use HOST:PORT, :PORT or PORT")
     return host.strip("[]") or LOOPBACK, number
 
 

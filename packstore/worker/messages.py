@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from packstore.answering.answer import Question
 
 QUESTION_FIELDS = ("bank", "top_k", "probe", "embedder", "compare_rag", "steer_on", "mode", "adapter")  # GenerateRequest
-SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed")  # Sampling, both records and messages
-RESULT_FIELDS = ("pack", "parts", "steer_on")  # GenerateDone, unset meaning None
+SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed", "stop")  # Sampling, both records and messages
+RESULT_FIELDS = ("pack", "parts", "steer_on", "pack_tokens")  # GenerateDone, unset meaning None
 RESULT_VALUES = ("answer", "kv_prompt_tokens", "cache_hit")  # GenerateDone, as they are (False is no None)
 RAG_VALUES = ("rag_answer", "rag_prompt_tokens", "identical")  # GenerateDone, as they are when it says ``compared``
 RAG_FIELDS = ("chunked_identical",)  # GenerateDone when it says ``compared``, unset meaning None

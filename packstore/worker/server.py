@@ -25,6 +25,7 @@ from packstore.rpc.status import abort_with_error
 from packstore.security.auth import Auth
 from packstore.store.protocol import PackStore
 from packstore.v1 import worker_pb2, worker_pb2_grpc
+from packstore.worker.http import DEFAULT_MAX_CONCURRENT, OpenAIApp, serve_http
 from packstore.worker.messages import generate_done, question_of
 from packstore.worker.metrics import WorkerMetrics
 
@@ -91,8 +92,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             principal = self.auth.authenticate(context.invocation_metadata(), "Generate", "read")
             fields.update(token=principal.token, namespace=principal.namespace)
             answerer = self.answerer(principal.namespace)
-            tokens = answerer.stream(question_of(request))
-            deltas = TextDeltas(self.lm.tokenizer)
+            question = question_of(request)
+            tokens = answerer.stream(question)
+            deltas = TextDeltas(self.lm.tokenizer, question.sampling.stop)
             try:
                 while True:
                     token = next(tokens)
@@ -164,12 +166,16 @@ def serve_worker(
     tls_client_ca: str = "",
     ref_ttl: float = REF_TTL_SECONDS,
     decoder: Decoder | None = None,
+    http: str = "",
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT,
 ) -> None:
     """Serve Generate on ``listen`` (TLS with ``tls_cert``/``tls_key``, mutual with ``tls_client_ca``)
     until SIGTERM/SIGINT, then finish in-flight generations; with ``trusted``, only packs signed by a
     trusted key are injected; with ``auth``, callers need a token (SIGHUP reloads the file); ``ref_ttl``: see ``Answerer``;
     ``decoder``: the chunk decoder packs are fetched with (its threads, its buffers); ``host_cache_bytes``: the host
-    tier (0: none); ``metrics``: where to serve Prometheus metrics (HOST:PORT; by the rules of rpc/metrics_http.py)."""
+    tier (0: none); ``metrics``: where to serve Prometheus metrics (HOST:PORT; by the rules of rpc/metrics_http.py); ``http``:
+    where to serve the OpenAI-compatible API (same rules and TLS; ``worker/http.py``); ``max_concurrent``: requests in
+    flight on each port beyond which a caller is refused (RESOURCE_EXHAUSTED, HTTP 429)."""
     log_as_json("INFO")
     service = WorkerService(
         lm, store_for, cache_bytes=cache_bytes, host_cache_bytes=host_cache_bytes, trusted=trusted, auth=auth, ref_ttl=ref_ttl,
@@ -177,14 +183,17 @@ def serve_worker(
     )
     server = Server(
         SERVICE_NAME, lambda grpc_server: worker_pb2_grpc.add_WorkerServicer_to_server(service, grpc_server), listen, log=log,
-        workers=8, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
+        workers=8, max_concurrent_rpcs=max_concurrent, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
     )
     metrics_at = None  # where the metrics port listens (loopback unless ``metrics`` names a host)
     if metrics:
         tls = server_ssl_context(tls_cert, tls_key, tls_client_ca)
         metrics_at = serve_metrics(metrics, service.metrics.registry, service.auth, tls=tls).listening
+    tls_files = {"tls_cert": tls_cert, "tls_key": tls_key, "tls_client_ca": tls_client_ca}
+    api = serve_http(http, OpenAIApp(service, max_concurrent), grace_seconds=grace_seconds, **tls_files) if http else None
     fields: dict[str, object] = {"listen": listen, "model": lm.name, "model_fp": lm.model_fp, "device": str(lm.device)}
     fields |= {"cache_bytes": cache_bytes, "host_cache_bytes": host_cache_bytes, "metrics": metrics_at}
+    fields |= {"http": api.listening if api else None, "max_concurrent": max_concurrent}
     fields |= {"auth": f"callers need a token from {auth.path}" if auth and auth.enabled else "none: callers need no token"}
     fields |= {"tls": server.tls, "mutual_tls": bool(tls_client_ca), "trusted_keys": trusted.source if trusted else None}
-    server.run(service.auth, grace_seconds, fields)
+    server.run(service.auth, grace_seconds, fields, stopping=(lambda: api.stop(grace_seconds)) if api else None)

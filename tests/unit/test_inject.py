@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from test_identity import ALT_TEMPLATE
 
-from packstore.errors import PackMismatch
+from packstore.errors import InvalidInput, PackMismatch
 from packstore.kv import inject
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling, TextDeltas, answer_with_pack, answer_with_text, prefill_divergence
@@ -119,3 +119,31 @@ def test_every_stream_generates_on_the_same_long_lived_thread(tiny_lm, pack, mon
     for _ in range(3):
         list(inject.generate_stream(tiny_lm, [1, 2], Sampling(max_new_tokens=1)))
     assert len(idents) == 3 and len(set(idents)) == 1 and threading.get_ident() not in idents
+
+
+def test_a_stop_string_ends_the_answer_before_it_streamed_or_not(tiny_lm, pack) -> None:
+    from packstore.kv.inject import cache_from_pack, finish, generate_stream, prepare
+
+    free = answer_with_pack(tiny_lm, pack, QUESTIONS[0], GREEDY)
+    full = tiny_lm.tokenizer.decode(free.token_ids, skip_special_tokens=True)
+    stop = full.strip()[4:7]  # a string the free answer holds, past its start
+    stopped = answer_with_pack(tiny_lm, pack, QUESTIONS[0], Sampling(max_new_tokens=24, stop=(stop, "never-generated")))
+    assert stopped.text == full[: full.find(stop)].strip() and len(stopped.token_ids) < len(free.token_ids)
+    rendering = prepare(tiny_lm, pack.header, QUESTIONS[0])
+    deltas = TextDeltas(tiny_lm.tokenizer, (stop,))
+    tokens = generate_stream(tiny_lm, rendering.token_ids, Sampling(max_new_tokens=24, stop=(stop,)), cache_from_pack(pack, tiny_lm.device))
+    streamed = [deltas.add(token) for token in tokens]
+    assert "".join(streamed) + deltas.rest() == full[: full.find(stop)] and stop not in "".join(streamed)
+    assert finish(generate_stream(tiny_lm, rendering.token_ids, Sampling(max_new_tokens=24, stop=(stop,)), cache_from_pack(pack, tiny_lm.device))).text == stopped.text
+
+
+@pytest.mark.parametrize("stop", [("",), tuple("abcdefghijklmnopq"), ("x" * 257,)])
+def test_bad_stop_strings_are_refused(stop) -> None:
+    with pytest.raises(InvalidInput, match="stop takes"):
+        Sampling(stop=stop)
+
+
+def test_text_held_back_as_a_possible_stop_comes_out_when_no_stop_follows(tiny_lm) -> None:
+    ids = tiny_lm.tokenizer.encode("ab end", add_special_tokens=False)
+    deltas = TextDeltas(tiny_lm.tokenizer, ("endless",))
+    assert "".join(deltas.add(token) for token in ids) + deltas.rest() == "ab end" and deltas.text == "ab end"

@@ -14,7 +14,7 @@ QUESTIONS = [  # floats exact in float32, as the wire carries them
     Question("Which river?", refs=("wexley",)),
     Question(
         "Which river?", refs=("a", "b"), bank="towns", top_k=3, probe=2, embedder="minilm", compare_rag=True,
-        sampling=Sampling(max_new_tokens=7, temperature=0.5, top_p=0.75, seed=0), steering=(("joy", 0.5), ("calm", -1.0)),
+        sampling=Sampling(max_new_tokens=7, temperature=0.5, top_p=0.75, seed=0, stop=("\n", "Q:")), steering=(("joy", 0.5), ("calm", -1.0)),
         steer_layers=(1, 2), steer_on="both", mode="packet", adapter="adapter",
     ),
 ]
@@ -27,7 +27,7 @@ def test_a_question_round_trips_through_its_request(question: Question) -> None:
 
 
 RESULTS = [
-    (Question("Q?", refs=("a",)), AnswerResult(question="Q?", answer="A.", kv_prompt_tokens=9, pack="k", cache_hit=False)),
+    (Question("Q?", refs=("a",)), AnswerResult(question="Q?", answer="A.", kv_prompt_tokens=9, pack="k", pack_tokens=30, cache_hit=False)),
     (
         Question("Q?", refs=("a",), bank="towns", compare_rag=True),
         AnswerResult(

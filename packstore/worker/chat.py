@@ -1,0 +1,130 @@
+"""OpenAI chat-completions bodies <-> the worker's records: a request body becomes the Worker's ``GenerateRequest``
+(then a ``Question`` through ``messages.question_of``, the one mapping gRPC uses too), and an ``AnswerResult``
+becomes the ``chat.completion`` (or last ``chat.completion.chunk``) fields a client reads.
+
+Kept apart from the HTTP server so the mapping is plain functions of dicts, tested without a socket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from google.protobuf import json_format
+
+from packstore.answering.records import AnswerResult
+from packstore.errors import InvalidInput, PackNotFound
+from packstore.v1 import worker_pb2
+from packstore.worker.messages import question_of
+
+if TYPE_CHECKING:
+    from packstore.answering.answer import Question
+
+# the packstore fields beside OpenAI's, by the GenerateRequest field each fills (``steer`` and ``steer_layers`` apart)
+EXTRA_FIELDS = {"packs": "packs", "bank": "bank", "top_k": "top_k", "probe": "probe", "embedder": "embedder", "mode": "mode"}
+EXTRA_FIELDS |= {"adapter": "adapter", "steer_on": "steer_on"}
+SAMPLING = {"temperature": "temperature", "top_p": "top_p", "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
+SAMPLING |= {"seed": "seed", "stop": "stop"}
+IGNORED = {"model", "messages", "stream", "stream_options", "user", "steer", "steer_layers"}  # read apart, or (user) not used
+# OpenAI fields this API does not implement, and the values that mean they are not asked for
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}), "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
+}
+ONE_USER_MESSAGE = (
+    "messages must be a single user message: the pack's facts fill the chat template's system turn, so a system "
+    "message or earlier turns have no place after them that renders exactly"
+)
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A chat-completions request as the worker runs it: the question, and how to send its answer."""
+
+    question: Question
+    stream: bool
+    include_usage: bool
+
+
+def _refuse(message: str, param: str) -> InvalidInput:
+    return InvalidInput(message, param=param)
+
+
+def _question_text(messages: object) -> str:
+    """The question of ``messages``: its one user message's text (a string, or text parts joined)."""
+    if not isinstance(messages, list) or len(messages) != 1 or not isinstance(messages[0], dict):
+        raise _refuse(ONE_USER_MESSAGE, "messages")
+    message = messages[0]
+    if message.get("role") != "user":
+        raise _refuse(ONE_USER_MESSAGE, "messages")
+    content = message.get("content")
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text" for part in content):
+        content = "".join(str(part.get("text", "")) for part in content)
+    if not isinstance(content, str) or not content.strip():
+        raise _refuse("the user message's content must be non-empty text (a string, or parts of type text)", "messages")
+    return content
+
+
+def chat_request(body: object, model: str) -> ChatRequest:
+    """The ChatRequest a chat-completions ``body`` makes for the worker serving ``model``: PackNotFound with OpenAI's
+    ``model_not_found`` code for another model, InvalidInput for anything else it cannot run (their ``param`` field
+    naming the request field)."""
+    if not isinstance(body, dict):
+        raise _refuse("the body must be a JSON object", "body")
+    if body.get("model") != model:
+        message = f"the model {body.get('model')!r} does not exist here: this worker serves {model!r}"
+        raise PackNotFound(message, param="model", code="model_not_found")
+    for name, value in body.items():
+        if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+            raise _refuse(f"{name} is not supported by packstore's worker (one greedy or sampled text answer per request)", name)
+        if name not in UNSUPPORTED and name not in IGNORED and name not in EXTRA_FIELDS and name not in SAMPLING:
+            raise _refuse(f"unknown field {name!r}", name)
+    fields: dict[str, Any] = {target: body[name] for name, target in EXTRA_FIELDS.items() if body.get(name) is not None}
+    sampling = {target: body[name] for name, target in SAMPLING.items() if body.get(name) is not None}
+    if isinstance(sampling.get("stop"), str):
+        sampling["stop"] = [sampling["stop"]]
+    steer = body.get("steer") or []
+    if not isinstance(steer, list) or not all(isinstance(entry, dict) and set(entry) <= {"pack", "alpha"} for entry in steer):
+        raise _refuse('steer must be a list of {"pack": REF, "alpha": A}', "steer")
+    fields["steering"] = [{"alpha": 1.0} | entry for entry in steer]  # alpha defaults to 1, as in ask --steer
+    if (layers := body.get("steer_layers")) is not None:
+        if not isinstance(layers, list) or len(layers) != 2:
+            raise _refuse("steer_layers must be [FIRST, LAST]", "steer_layers")
+        fields["steer_layers"] = {"first": layers[0], "last": layers[1]}
+    fields |= {"question": _question_text(body.get("messages")), "sampling": sampling}
+    try:
+        request = json_format.ParseDict(fields, worker_pb2.GenerateRequest())
+    except json_format.ParseError as exc:
+        raise _refuse(f"invalid request: {exc}", "body") from None
+    stream = body.get("stream") or False
+    options = body.get("stream_options") or {}
+    if not isinstance(stream, bool) or not isinstance(options, dict):
+        raise _refuse("stream must be true or false, and stream_options an object", "stream")
+    return ChatRequest(question_of(request), stream, bool(options.get("include_usage")))
+
+
+def usage(result: AnswerResult, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's usage: the prompt tokens prefilled for this request (the question's, and the facts' where a
+    composition or a bank's pack was computed for it), and the tokens generated."""
+    prompt = result.kv_prompt_tokens + _prefilled_facts(result)
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
+
+
+def _prefilled_facts(result: AnswerResult) -> int:
+    """The facts' tokens prefilled for this request: a bank's pack built now is all prefilled, a composition its new part."""
+    if result.pack_reused is False:
+        return result.pack_tokens or 0
+    return result.composed_tokens or 0
+
+
+def packstore_fields(result: AnswerResult) -> dict[str, Any]:
+    """The ``packstore`` object of an answer: the pack used and the keys composed into it, whether it was ready,
+    the facts' tokens its cache served instead of the prompt, and the bank's facts and steering applied."""
+    fields: dict[str, Any] = {"pack": result.pack, "packs": result.parts or ([result.pack] if result.pack else [])}
+    fields |= {"cache_hit": result.cache_hit, "prompt_tokens_saved": (result.pack_tokens or 0) - _prefilled_facts(result)}
+    if result.facts is not None:
+        fields["facts"] = result.facts
+    if result.steering is not None:
+        fields |= {"steering": result.steering, "steer_on": result.steer_on}
+    return fields

@@ -1,0 +1,276 @@
+"""The worker's OpenAI-compatible HTTP API on the tiny model, with the real ``openai`` client on loopback: answers equal
+the local answering path's (``packctl ask``'s), streamed or not, with packs, a bank and steering; every error status."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from bank_helpers import TEST_BANK_CACHE
+from packstore.answering.answer import Answerer, Question
+from packstore.bank.bank import open_banks
+from packstore.cli.packctl import main as packctl
+from packstore.errors import IntegrityError
+from packstore.kv.build import build_pack
+from packstore.kv.inject import Sampling
+from packstore.kv.records import Pair
+from packstore.kv.steer import build_steering
+from packstore.kv.synthetic import synthetic_facts
+from packstore.packs.tensors import encode_pack
+from packstore.security.auth import Auth
+from packstore.store import LmdbStore
+from packstore.worker.http import OpenAIApp, serve_http
+from packstore.worker.server import WorkerService
+
+FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
+GREEDY = Sampling(max_new_tokens=12)
+QUESTION = "What is Wexley famous for?"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_lm):
+    """A store with packs, a bank and a steering pack; a worker service over it answering on an HTTP port."""
+    root = tmp_path_factory.mktemp("http")
+    store = LmdbStore(root / "store")
+    store.put(encode_pack(build_pack(tiny_lm, FACTS)), name="wexley")
+    store.put(encode_pack(build_pack(tiny_lm, ["Bob lives in Oslo."])), name="bob")
+    store.put(encode_pack(build_steering(tiny_lm, [Pair("Alice lives in Paris and works as a baker.", "Bob lives in Oslo.")])), name="joy")
+    cases = synthetic_facts(40)
+    open_banks(store, TEST_BANK_CACHE).build("wbank", [case.fact for case in cases])
+    service = WorkerService(tiny_lm, lambda namespace: store, cache_bytes=1 << 30)
+    app = OpenAIApp(service, max_concurrent=4)
+    server = serve_http("127.0.0.1:0", app)
+    client = openai.OpenAI(base_url=f"http://{server.listening}/v1", api_key="unused", max_retries=0)
+    yield store, app, server, client, cases
+    server.stop(1)
+    store.close()
+
+
+def http(url: str, body: dict | None = None) -> tuple[int, str, str]:
+    """A plain HTTP request (POST with a JSON ``body``, else GET): the status, content type and text of its response."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.headers["Content-Type"], response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers["Content-Type"], exc.read().decode()
+
+
+def local(store, tiny_lm, question: Question):
+    """The answer of the local answering path (``packctl ask --model``'s) on a fresh Answerer."""
+    return Answerer(tiny_lm, store).ask(question)
+
+
+def ask(client, tiny_lm, **extra):
+    return client.chat.completions.create(
+        model=tiny_lm.name, messages=[{"role": "user", "content": QUESTION}], max_tokens=GREEDY.max_new_tokens, extra_body=extra
+    )
+
+
+def test_an_answer_with_a_pack_is_the_worker_answer_with_usage_and_packstore_fields(world, tiny_lm) -> None:
+    store, _, _, client, _ = world
+    expected = local(store, tiny_lm, Question(QUESTION, refs=("wexley",), sampling=GREEDY))
+    completion = ask(client, tiny_lm, packs=["wexley"])
+    assert completion.object == "chat.completion" and completion.model == tiny_lm.name
+    assert completion.choices[0].message.content == expected.answer and completion.choices[0].message.role == "assistant"
+    assert completion.usage.prompt_tokens == expected.kv_prompt_tokens and completion.usage.completion_tokens > 0
+    facts = completion.model_extra["packstore"]
+    assert facts["packs"] == [expected.pack] and facts["pack"] == expected.pack
+    assert facts["prompt_tokens_saved"] == store.stat("wexley").header.tokens and isinstance(facts["cache_hit"], bool)
+    assert ask(client, tiny_lm, packs=["wexley"]).model_extra["packstore"]["cache_hit"] is True
+
+
+def test_a_streamed_answer_joins_to_the_same_answer_and_ends_with_usage(world, tiny_lm) -> None:
+    store, _, _, client, _ = world
+    expected = local(store, tiny_lm, Question(QUESTION, refs=("wexley",), sampling=GREEDY))
+    chunks = list(
+        client.chat.completions.create(
+            model=tiny_lm.name, messages=[{"role": "user", "content": QUESTION}], max_tokens=12, stream=True,
+            stream_options={"include_usage": True}, extra_body={"packs": ["wexley"]},
+        )
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text == expected.answer and all(chunk.object == "chat.completion.chunk" for chunk in chunks)
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == expected.kv_prompt_tokens
+    assert chunks[-1].model_extra["packstore"]["packs"] == [expected.pack]
+
+
+def test_several_packs_a_bank_steering_and_stop_strings_answer_as_the_local_path(world, tiny_lm) -> None:
+    store, _, _, client, cases = world
+    keys = [store.resolve("wexley"), store.resolve("bob")]
+    composed = ask(client, tiny_lm, packs=["wexley", "bob"])
+    expected = local(store, tiny_lm, Question(QUESTION, refs=("wexley", "bob"), sampling=GREEDY))
+    assert composed.choices[0].message.content == expected.answer and composed.model_extra["packstore"]["packs"] == keys
+    again = ask(client, tiny_lm, packs=["wexley", "bob"]).model_extra["packstore"]
+    assert again["cache_hit"] is True and again["prompt_tokens_saved"] > composed.model_extra["packstore"]["prompt_tokens_saved"]
+    banked = client.chat.completions.create(
+        model=tiny_lm.name, messages=[{"role": "user", "content": cases[3].query}], max_tokens=12, extra_body={"bank": "wbank", "top_k": 2}
+    )
+    expected = local(store, tiny_lm, Question(cases[3].query, bank="wbank", top_k=2, sampling=GREEDY))
+    assert banked.choices[0].message.content == expected.answer and banked.model_extra["packstore"]["facts"] == expected.facts
+    steered = ask(client, tiny_lm, packs=["wexley"], steer=[{"pack": "joy", "alpha": 4.0}], steer_layers=[0, 2])
+    question = Question(QUESTION, refs=("wexley",), sampling=GREEDY, steering=(("joy", 4.0),), steer_layers=(0, 2))
+    expected = local(store, tiny_lm, question)
+    assert steered.choices[0].message.content == expected.answer and steered.model_extra["packstore"]["steering"] == expected.steering
+    free = ask(client, tiny_lm, packs=["wexley"]).choices[0].message.content
+    stop = free[3:6]
+    cut = client.chat.completions.create(
+        model=tiny_lm.name, messages=[{"role": "user", "content": QUESTION}], max_tokens=12, stop=[stop], extra_body={"packs": ["wexley"]}
+    )
+    assert cut.choices[0].message.content == free[: free.find(stop)].strip() and cut.choices[0].finish_reason == "stop"
+
+
+def test_the_answer_equals_packctl_ask_with_the_same_pack_question_and_sampling(world, tiny_lm, tiny_model_dir, tmp_path, capsys) -> None:
+    *_, client, _ = world
+    with LmdbStore(tmp_path / "own") as own:  # packctl opens its store itself: one of its own with the same pack
+        own.put(encode_pack(build_pack(tiny_lm, FACTS)), name="wexley")
+    argv = ["--store", str(tmp_path / "own"), "ask", "wexley", QUESTION, "--model", str(tiny_model_dir), "--json", "--max-new-tokens", "12"]
+    assert packctl(argv + ["--temperature", "0.5", "--seed", "7"]) == 0
+    sampled = json.loads(capsys.readouterr().out)["answer"]
+    completion = ask(client, tiny_lm, packs=["wexley"], temperature=0.5, seed=7)
+    assert completion.choices[0].message.content == sampled
+
+
+@pytest.mark.parametrize(
+    ("extra", "status", "code", "message"),
+    [
+        ({"packs": ["nothing"]}, 404, "not_found", "nothing"),
+        ({"packs": ["wexley"], "model": "gpt-4o"}, 404, "model_not_found", "gpt-4o"),
+        ({"packs": ["wexley"], "n": 2}, 400, "invalid_input", "n is not supported"),
+        ({"packs": ["wexley"], "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "invalid_input", "tools"),
+        ({"packs": ["wexley"], "logprobs": True}, 400, "invalid_input", "logprobs"),
+        ({"packs": ["wexley"], "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}, 400, "invalid_input", "single user message"),
+        ({"packs": ["joy"]}, 400, "pack_mismatch", "steering pack"),
+        ({"packs": ["wexley"], "temperature": -1}, 400, "invalid_input", "temperature"),
+        ({"packs": ["wexley"], "steer_layers": [0]}, 400, "invalid_input", "steer_layers"),
+        ({"packs": ["wexley"], "top_k": "many"}, 400, "invalid_input", "top_k"),
+        ({"wat": 1}, 400, "invalid_input", "unknown field 'wat'"),
+        ({}, 400, "invalid_input", "nothing to answer with"),
+    ],
+)
+def test_bad_requests_get_openai_errors_with_their_status(world, tiny_lm, extra, status, code, message) -> None:
+    *_, server, _, _ = world
+    body = {"model": tiny_lm.name, "messages": [{"role": "user", "content": QUESTION}]} | extra
+    got, _, text = http(f"http://{server.listening}/v1/chat/completions", body)
+    error = json.loads(text)["error"]
+    assert got == status and error["code"] == code and message in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_the_openai_client_raises_its_own_errors(world, tiny_lm) -> None:
+    *_, client, _ = world
+    with pytest.raises(openai.NotFoundError):
+        ask(client, tiny_lm, packs=["nothing"])
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": QUESTION}])
+    assert info.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        ask(client, tiny_lm, packs=["wexley"], n=3)
+
+
+def test_more_requests_in_flight_than_allowed_get_429_and_a_damaged_pack_500_naming_it(world, tiny_lm, monkeypatch) -> None:
+    store, app, _, client, _ = world
+    app.in_flight = app.max_concurrent  # (as if that many were generating)
+    try:
+        with pytest.raises(openai.RateLimitError):
+            ask(client, tiny_lm, packs=["wexley"])
+    finally:
+        app.in_flight = 0
+    key = store.resolve("wexley")
+
+    def damaged(ref: str):
+        raise IntegrityError(f"pack {key}: chunk 0 does not match its checksum", key=key)
+
+    monkeypatch.setattr(app.service.answerer("default"), "arriving", damaged)
+    with pytest.raises(openai.InternalServerError) as info:
+        ask(client, tiny_lm, packs=["wexley"])
+    assert key in info.value.message and info.value.code == "data_loss"
+
+
+def test_raw_sse_framing_and_models_and_health(world, tiny_lm) -> None:
+    *_, server, _, _ = world
+    base = f"http://{server.listening}"
+    body = {"model": tiny_lm.name, "messages": [{"role": "user", "content": QUESTION}], "stream": True, "packs": ["wexley"], "max_tokens": 6}
+    status, kind, raw = http(f"{base}/v1/chat/completions", body)
+    assert status == 200 and kind.startswith("text/event-stream")
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]" and all(event.startswith("data: ") for event in events[:-1])
+    chunks = [json.loads(event[len("data: ") :]) for event in events[:-2]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant" and chunks[-1]["choices"][0]["finish_reason"] is not None
+    assert "packstore" in chunks[-1] and "usage" not in chunks[-1]
+    models = json.loads(http(f"{base}/v1/models")[2])
+    assert models["object"] == "list" and [model["id"] for model in models["data"]] == [tiny_lm.name]
+    assert json.loads(http(f"{base}/health")[2]) == {"status": "ok"}
+
+
+def test_with_tokens_a_bearer_token_and_its_namespace_are_required(tmp_path: Path, tiny_lm) -> None:
+    stores = {name: LmdbStore(tmp_path / name) for name in ("alpha", "beta")}
+    stores["alpha"].put(encode_pack(build_pack(tiny_lm, FACTS)), name="wexley")
+    digest = lambda token: hashlib.sha256(token.encode()).hexdigest()  # noqa: E731
+    (tmp_path / "tokens.toml").write_text(
+        f'[[token]]\nname = "a"\nsha256 = "{digest("secret-a")}"\nnamespaces = ["alpha"]\nrole = "read"\n'
+        f'[[token]]\nname = "both"\nsha256 = "{digest("secret-both")}"\nnamespaces = ["alpha", "beta"]\nrole = "read"\n'
+    )
+    service = WorkerService(tiny_lm, stores.__getitem__, cache_bytes=1 << 30, auth=Auth(tmp_path / "tokens.toml"))
+    server = serve_http("127.0.0.1:0", OpenAIApp(service))
+    try:
+        def client(token: str, namespace: str | None = None) -> openai.OpenAI:
+            headers = {"X-Packstore-Namespace": namespace} if namespace else None
+            return openai.OpenAI(base_url=f"http://{server.listening}/v1", api_key=token, max_retries=0, default_headers=headers)
+
+        assert ask(client("secret-a"), tiny_lm, packs=["wexley"]).choices[0].message.content
+        assert ask(client("secret-both", "alpha"), tiny_lm, packs=["wexley"]).choices[0].message.content
+        with pytest.raises(openai.NotFoundError):  # another tenant's pack is simply unknown
+            ask(client("secret-both", "beta"), tiny_lm, packs=["wexley"])
+        with pytest.raises(openai.AuthenticationError):
+            ask(client("wrong"), tiny_lm, packs=["wexley"])
+        with pytest.raises(openai.AuthenticationError):
+            client("wrong").models.list()
+        with pytest.raises(openai.PermissionDeniedError):
+            ask(client("secret-a", "beta"), tiny_lm, packs=["wexley"])
+        with pytest.raises(openai.BadRequestError, match="several namespaces"):
+            ask(client("secret-both"), tiny_lm, packs=["wexley"])
+        status, _, text = http(f"http://{server.listening}/v1/chat/completions", {})
+        assert status == 401 and json.loads(text)["error"]["type"] == "authentication_error"
+        assert http(f"http://{server.listening}/health")[0] == 200  # health needs no token
+    finally:
+        server.stop(1)
+        for store in stores.values():
+            store.close()
+
+
+def test_packstore_worker_http_serves_https_with_the_tls_flags_and_answers_as_its_grpc_port(tiny_lm, tiny_model_dir, tmp_path, capsys) -> None:
+    import ssl
+
+    from packstore.rpc.remote import RemoteStore
+    from service_helpers import free_port, running_server, running_worker
+    from tls_helpers import make_certificates
+
+    certs = make_certificates(tmp_path / "tls")
+    with running_server(tmp_path / "data") as server:
+        with RemoteStore(server.url) as remote:
+            remote.put(encode_pack(build_pack(tiny_lm, FACTS)), name="wexley")
+        port = free_port()
+        flags = ["--threads", "1", "--http", str(port), "--tls-cert", certs["cert"], "--tls-key", certs["key"]]
+        with running_worker(server.url, str(tiny_model_dir), tmp_path, *flags, tls={"ca": certs["ca"]}) as worker:
+            ask_argv = ["--tls-ca", certs["ca"], "ask", "wexley", QUESTION, "--worker", f"grpcs://{worker.address}", "--json", "--max-new-tokens", "12"]
+            assert packctl(ask_argv) == 0
+            expected = json.loads(capsys.readouterr().out)
+            body = {"model": str(tiny_model_dir), "messages": [{"role": "user", "content": QUESTION}], "packs": ["wexley"], "max_tokens": 12}
+            request = urllib.request.Request(  # no host in --http: loopback
+                f"https://localhost:{port}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(request, context=ssl.create_default_context(cafile=certs["ca"]), timeout=60) as response:
+                completion = json.loads(response.read())
+            assert completion["choices"][0]["message"]["content"] == expected["answer"]
+            assert completion["packstore"]["pack"] == expected["pack"] and completion["usage"]["prompt_tokens"] == expected["kv_prompt_tokens"]
+            with pytest.raises(OSError):  # HTTPS only: plain HTTP gets no answer
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10)
