@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import grpc
@@ -95,15 +95,22 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             question = question_of(request)
             tokens = answerer.stream(question)
             deltas = TextDeltas(self.lm.tokenizer, question.sampling.stop)
+            held: worker_pb2.Token | None = None  # with stop strings, each token goes out one late: see _flush
             try:
                 while True:
                     token = next(tokens)
                     if token in self.lm.stop_token_ids:
+                        yield from self._flush(held, deltas)
+                        held = None
                         yield worker_pb2.GenerateResponse(token=worker_pb2.Token(id=token, stop=True))
+                    elif question.sampling.stop:
+                        yield from self._flush(held, None)
+                        held = worker_pb2.Token(id=token, text=deltas.add(token))
                     else:
                         yield worker_pb2.GenerateResponse(token=worker_pb2.Token(id=token, text=deltas.add(token)))
             except StopIteration as finished:
                 result = finished.value
+            yield from self._flush(held, deltas)
             fields.update(code="OK", key=result.pack, cache_hit=result.cache_hit, tokens=len(deltas.ids))
             yield worker_pb2.GenerateResponse(done=generate_done(result, len(deltas.ids)))
         except PackstoreError as exc:
@@ -120,6 +127,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             fields["ms"] = round(seconds * 1000, 2)
             log.info("Generate", extra={"fields": fields})
             self.metrics.record(fields.get("namespace", ""), "Generate", fields.get("code", "CANCELLED"), seconds)
+
+    @staticmethod
+    def _flush(held: worker_pb2.Token | None, deltas: TextDeltas | None) -> Iterator[worker_pb2.GenerateResponse]:
+        """Send the token held back, with, when the answer is over (``deltas`` given), the text ``TextDeltas`` held back
+        as the possible start of a stop string that never came: so the streamed texts always join to the answer."""
+        if held is not None:
+            if deltas is not None:
+                held.text += deltas.rest()
+            yield worker_pb2.GenerateResponse(token=held)
 
     def Status(self, request, context):
         start = time.perf_counter()

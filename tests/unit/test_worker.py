@@ -56,6 +56,25 @@ def test_answers_through_the_worker_match_text_in_prompt(stack, tiny_lm) -> None
         assert status["cached_packs"] == 1 and status["model_fp"] == tiny_lm.model_fp and status["cpu_threads"] == 1
 
 
+def test_with_stop_strings_the_streamed_text_still_joins_to_the_answer(stack, tiny_lm) -> None:
+    """Text that may begin a stop string is held back while streaming: whether the string comes or not, the pieces
+    streamed join to the answer (the last piece carries what was held back)."""
+    server, _ = stack
+    with RemoteStore(server.url) as remote:
+        remote.put(encode_pack(build_pack(tiny_lm, FACTS)), name="wexley-stops")
+    worker = stack[1]
+    plain = Question("What is Wexley famous for?", refs=("wexley-stops",), sampling=GREEDY)
+    with WorkerClient(worker.address) as client:
+        full = client.ask(plain).answer
+        assert full, "the tiny model answered nothing: the test needs some text"
+        for stop in (full[-1], full[len(full) // 2 :], full[-1] + "\u2603"):  # the last never comes, but its start ends the answer
+            streamed: list[str] = []
+            question = Question(plain.text, refs=plain.refs, sampling=Sampling(max_new_tokens=12, stop=(stop,)))
+            result = client.ask(question, on_token=streamed.append)
+            expected = full[: full.find(stop)].strip() if stop in full else full
+            assert "".join(streamed).strip() == result.answer == expected
+
+
 def test_second_request_hits_the_cache(stack, tiny_lm) -> None:
     server, worker = stack
     with RemoteStore(server.url) as remote:
