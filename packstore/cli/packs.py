@@ -39,8 +39,8 @@ def _print_summary(record: dict[str, Any]) -> None:
 def cmd_ls(args: argparse.Namespace) -> int:
     """One page of packs in key order (``--limit``, default 100), or every pack with ``--all``.
 
-    A page by default because listing a large store whole takes seconds (about 1.6 s in-process and
-    3.8 s over gRPC at 100,000 packs, docs/benchmarks.md) while a page costs what one pack costs.
+    A page by default because listing a large store whole takes seconds (4-6 s for ``ls --all`` at
+    100,000 packs, docs/benchmarks.md) while a page costs what one pack costs.
     """
     if args.all and (args.limit is not None or args.page_token is not None):
         raise InvalidInput("--all lists every pack: it takes neither --limit nor --page-token")
@@ -48,7 +48,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if args.all:
             summaries, next_token = store.list(), ""
         else:
-            page = store.list_page(page_size=args.limit or DEFAULT_PAGE, page_token=args.page_token or "")
+            page = store.list_page(page_size=DEFAULT_PAGE if args.limit is None else args.limit, page_token=args.page_token or "")
             summaries, next_token = page.packs, page.next_token
     records = [summary.to_json() for summary in summaries]
     if next_token:

@@ -59,3 +59,5 @@ def test_ls_all_lists_every_pack(store: tuple[str, list[str]], capsys: pytest.Ca
 
     code, _, err = ls(capsys, path, "--all", "--limit", "5")
     assert code == 1 and "--all" in err and err.count("\n") == 1
+    code, _, err = ls(capsys, path, "--limit", "0")
+    assert code == 1 and "page size 0" in err
