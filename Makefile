@@ -29,8 +29,11 @@ demo: install
 	$(BIN)/packctl build examples/facts.txt --model $(DEMO_MODEL) --name velmora-demo
 	$(BIN)/packctl ask velmora-demo --questions examples/questions.jsonl --model $(DEMO_MODEL) --compare-rag \
 		| $(BIN)/python examples/show_answers.py
-	$(BIN)/packctl amend velmora-demo --erratum "Since 2024 the observatory's director is Dr. Lina Sorvik." --name velmora-demo-v2
-	$(BIN)/packctl ask velmora-demo-v2 "Who is the observatory's director?" --model $(DEMO_MODEL) --compare-rag
+	@echo "Amending the pack with an erratum: the comet is Halvard-9, not Halvard-7 (only the correction line is prefilled)."
+	$(BIN)/packctl amend velmora-demo --erratum "The Corvane Telescope discovered the comet Halvard-9 in March 2011." --name velmora-demo-v2
+	$(BIN)/packctl ask velmora-demo-v2 "Which comet did the Corvane Telescope discover?" --model $(DEMO_MODEL) --compare-rag
+	@echo "Note: small models often ignore errata. smollm2-135m follows this one, but gave the corrected answer in only 23 % of 60"
+	@echo "measured cases (docs/evaluation.md, \"Errata\"; the amended pack answered as the amended text in all of them)."
 
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -ra

@@ -95,12 +95,20 @@ def store_rows(store: PackStore, count: int, repeats: int) -> list[tuple[str, st
 
 
 def cli_rows(spec: str, repeats: int) -> list[tuple[str, str]]:
+    """Whole ``packctl ls`` processes: the default first page against one pack and against ``--all``,
+    as a table and as JSON (the default page should cost what one pack costs, whatever the store holds)."""
     packctl = str(Path(sys.executable).parent / "packctl")
 
     def run(*args: str) -> Callable[[], object]:
-        return lambda: subprocess.run([packctl, "--store", spec, "ls", "--json", *args], check=True, capture_output=True)
+        return lambda: subprocess.run([packctl, "--store", spec, "ls", *args], check=True, capture_output=True)
 
-    return [measure("packctl ls --limit 100 (process)", run("--limit", "100"), repeats), measure("packctl ls (process, all)", run(), repeats)]
+    return [
+        measure("packctl ls --limit 1 (process)", run("--limit", "1"), repeats),
+        measure("packctl ls (process, default: first page of 100)", run(), repeats),
+        measure("packctl ls --json (process, first page of 100)", run("--json"), repeats),
+        measure("packctl ls --all (process)", run("--all"), repeats),
+        measure("packctl ls --all --json (process)", run("--all", "--json"), repeats),
+    ]
 
 
 def main() -> None:

@@ -67,6 +67,7 @@ from packstore.store import LmdbStore  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, median, print_table, source_description, timed  # noqa: E402
 from benchlib import machine_description as describe_machine  # noqa: E402
+from evallib import data_path  # noqa: E402
 from packstore.packs.decoder import WORKERS, Decoder  # noqa: E402
 from packstore.packs.reader import PackReader
 
@@ -82,7 +83,7 @@ def machine_description() -> str:
 
 MODEL = "smollm2-135m"
 MAX_CONTEXT = 8192
-DATA = Path("/work/shared/data/ckc_dev.jsonl")
+DATA = data_path()
 FIRST_TOKEN = Sampling(max_new_tokens=1)
 MB = 1e6
 T = TypeVar("T")

@@ -88,6 +88,7 @@ from service_helpers import free_port, running_server, running_worker  # noqa: E
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import elapsed, logger, median, print_table, source_description, timed  # noqa: E402
 from benchlib import machine_description as describe_machine  # noqa: E402
+from evallib import data_path  # noqa: E402
 from packstore.packs.decoder import Decoder  # noqa: E402
 from packstore.packs.reader import PackReader
 
@@ -102,7 +103,7 @@ def machine_description() -> str:
 
 
 MODEL = "smollm2-135m"
-DATA = Path("/work/shared/data/ckc_dev.jsonl")
+DATA = data_path()
 FIRST_TOKEN = Sampling(max_new_tokens=1)
 WORKER_CACHE_BYTES = 2 << 30  # the worker's LRU; every pack of this run must fit (checked)
 MB = 1e6

@@ -253,7 +253,7 @@ def first_token_logits(lm: LoadedModel, pack: Pack, question: str) -> torch.Tens
     rendering = prepare(lm, pack.header, question)
     ids = torch.tensor([rendering.token_ids[pack.header.tokens :]], dtype=torch.long, device=lm.device)
     with torch.inference_mode():
-        output = lm.model(input_ids=ids, past_key_values=cache_from_pack(pack, lm.device), use_cache=True)
+        output = lm.model(input_ids=ids, use_cache=True, **{lm.cache_argument: cache_from_pack(pack, lm.device)})
     return output.logits[0, -1].float().cpu()
 
 

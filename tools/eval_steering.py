@@ -253,7 +253,7 @@ def generate_batch(lm: LoadedModel, batch: Batch, deltas: dict, max_new_tokens: 
         out = lm.model.generate(
             input_ids=batch.ids,
             attention_mask=batch.mask,
-            past_key_values=cache,
+            **{lm.cache_argument: cache},
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=lm.stop_token_ids[0],

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "ckc_dev.jsonl"
+DEFAULT_DATA = REPO / "tools" / "data" / "ckc_dev.jsonl"  # BIG-bench ckc rows, kept with their license (tools/data/README.md)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 
@@ -37,7 +37,7 @@ class Row:
 
 
 def data_path() -> Path:
-    """``$PACKSTORE_EVAL_DATA`` if set, else ``../shared/data/ckc_dev.jsonl`` next to the repository."""
+    """``$PACKSTORE_EVAL_DATA`` if set, else the repository's own copy, ``tools/data/ckc_dev.jsonl``."""
     return Path(os.environ.get("PACKSTORE_EVAL_DATA", DEFAULT_DATA))
 
 

@@ -114,7 +114,7 @@ def selective_recompute(
                 input_ids=torch.tensor([ids], device=device)[:, positions.to(device)],
                 position_ids=positions.to(device)[None],
                 attention_mask=_attention_masks(lm, positions.to(device), len(ids), dtype),
-                past_key_values=cache,
+                **{lm.cache_argument: cache},
                 use_cache=True,
                 logits_to_keep=1,
             )

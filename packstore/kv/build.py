@@ -58,7 +58,7 @@ def prefill(
     ) as bar:
         for start, stop in zip(passes, passes[1:]):
             piece = ids[:, start - first : stop - first]
-            lm.model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            lm.model(input_ids=piece, use_cache=True, logits_to_keep=1, **{lm.cache_argument: cache})
             bar.update(piece.shape[1])
     return cache
 

@@ -172,7 +172,7 @@ class _Prefill:
                 pieces = [
                     embed(torch.tensor(item, device=device)) if isinstance(item, list) else item.to(device, dtype) for item in self.pending
                 ]
-                self.lm.model(inputs_embeds=torch.cat(pieces)[None], past_key_values=self.cache, use_cache=True)
+                self.lm.model(inputs_embeds=torch.cat(pieces)[None], use_cache=True, **{self.lm.cache_argument: self.cache})
         self.pending = []
 
 

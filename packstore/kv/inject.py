@@ -169,7 +169,7 @@ def greedy_with_logits(
         out = lm.model.generate(  # type: ignore[operator]  # GenerationMixin's, undeclared on PreTrainedModel: typed Tensor | Module
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
-            past_key_values=cache,
+            **{lm.cache_argument: cache},
             generation_config=_generation_config(lm, Sampling(max_new_tokens=max_new_tokens)),
             return_dict_in_generate=True,
             output_logits=True,
@@ -233,7 +233,7 @@ def _run_generate(
         return lm.model.generate(  # type: ignore[operator]  # GenerationMixin's, undeclared on PreTrainedModel: typed Tensor | Module
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
-            past_key_values=cache,
+            **{lm.cache_argument: cache},
             generation_config=_generation_config(lm, sampling),
             streamer=streamer,
             stopping_criteria=StoppingCriteriaList(criteria) if criteria else None,

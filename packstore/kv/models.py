@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import tempfile
 from dataclasses import dataclass
@@ -156,6 +157,17 @@ class LoadedModel:
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
+
+    @cached_property
+    def cache_argument(self) -> str:
+        """The keyword the model's forward and ``generate`` take a KV cache under.
+
+        transformers renamed ``past_key_values`` to ``cache`` and warns on the old name (``FutureWarning``,
+        removed in 5.40 for forward, 6.0 for ``generate``); releases before the rename that the pin still
+        allows (5.17 has no ``cache``) know only ``past_key_values``. ``generate`` hands its cache to the
+        forward under the same name, so the forward's signature decides for both.
+        """
+        return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
 
 def _wheel_model_dir(wheel: WheelModel, bar: tqdm) -> Path:

@@ -141,7 +141,7 @@ def _teacher(lm: LoadedModel, example: Example) -> _Target | None:
 def _answer_logits(lm: LoadedModel, cache, question_ids: Sequence[int], answer_ids: Sequence[int]) -> torch.Tensor:
     """The logits that predict each answer token, after ``cache`` and the question (teacher forcing)."""
     ids = torch.tensor([list(question_ids) + list(answer_ids[:-1])], device=lm.device)
-    logits = lm.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0]
+    logits = lm.model(input_ids=ids, use_cache=True, **{lm.cache_argument: cache}).logits[0]
     return logits[len(question_ids) - 1 :]
 
 

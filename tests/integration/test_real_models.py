@@ -1,4 +1,4 @@
-"""Fidelity on the real models shipped in wheels, over real questions from ../shared/data/ckc_dev.jsonl.
+"""Fidelity on the real models shipped in wheels, over real questions from tools/data/ckc_dev.jsonl.
 
 For each model: at least 20 questions over fact sets of at least 500 tokens, answered with the pack
 injected and with the facts as prompt text; greedy outputs must be identical (0 divergences).
@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from packstore.errors import PackMismatch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from evallib import data_path  # noqa: E402
+from packstore.errors import PackMismatch  # noqa: E402
 from packstore.format.body import BLOCK_POSITIONS
 from packstore.kv.build import build_pack, prefill
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text, prefill_divergence
@@ -33,7 +35,7 @@ MIN_PACK_TOKENS = 500
 MIN_QUESTIONS = 20
 GREEDY = Sampling(max_new_tokens=24)
 REPO = Path(__file__).resolve().parents[2]
-DATA = Path(os.environ.get("PACKSTORE_EVAL_DATA", REPO.parent / "shared" / "data" / "ckc_dev.jsonl"))
+DATA = data_path()
 
 
 def eval_rows() -> list[dict]:

@@ -62,7 +62,7 @@ def test_build_ask_ls_inspect_rm(cli, facts_file: Path, tmp_path: Path) -> None:
     assert all(row["identical"] for row in lines)
 
     code, out, _ = cli("ls", "--json")
-    listed = json.loads(out)
+    listed = json.loads(out)["packs"]
     assert code == 0 and [p["key"] for p in listed] == [built["key"]] and PACK_FIELDS <= listed[0].keys()
 
     code, out, _ = cli("inspect", "wexley", "--json")
@@ -72,7 +72,7 @@ def test_build_ask_ls_inspect_rm(cli, facts_file: Path, tmp_path: Path) -> None:
     code, out, _ = cli("rm", "wexley")
     assert code == 0 and built["key"] in out
     code, out, _ = cli("ls", "--json")
-    assert json.loads(out) == []
+    assert json.loads(out) == {"packs": [], "next_page_token": ""}
 
 
 def test_human_output(cli, facts_file: Path) -> None:
@@ -140,7 +140,7 @@ def test_bad_input_is_one_line_and_non_zero(cli, tmp_path: Path, facts_file: Pat
     code, _, err = cli(*[subs.get(a, a) for a in argv])
     assert code == 1 and message in err and err.count("\n") == 1
     code, out, _ = cli("ls", "--json")
-    assert len(json.loads(out)) == 1  # nothing already stored was lost
+    assert len(json.loads(out)["packs"]) == 1  # nothing already stored was lost
 
 
 def test_console_script_exit_codes(tmp_path: Path) -> None:
@@ -257,7 +257,7 @@ def test_bad_compositions_are_refused_and_store_nothing(cli, tmp_path: Path, arg
     code, _, err = cli(*argv)
     assert code != 0 and message in err
     code, out, _ = cli("ls", "--json")
-    assert len(json.loads(out)) == 2
+    assert len(json.loads(out)["packs"]) == 2
 
 
 def test_parts_of_another_model_are_refused(cli, tmp_path: Path, other_tiny_model_dir: Path) -> None:
@@ -265,11 +265,11 @@ def test_parts_of_another_model_are_refused(cli, tmp_path: Path, other_tiny_mode
     path = tmp_path / "bob.txt"
     path.write_text("Bob lives in Oslo.\n")
     cli("build", str(path), "--model", str(other_tiny_model_dir), "--name", "bob")
-    key = json.loads(cli("ls", "--json")[1])
-    other = [p["key"] for p in key if p["name"] == "bob"][0]
+    listed = json.loads(cli("ls", "--json")[1])["packs"]
+    other = [p["key"] for p in listed if p["name"] == "bob"][0]
     code, _, err = cli("compose", "wexley", other, "--model", "{model}")
     assert code == 1 and "part 2" in err and "model" in err
-    assert len(json.loads(cli("ls", "--json")[1])) == 2
+    assert len(json.loads(cli("ls", "--json")[1])["packs"]) == 2
 
 
 PAIRS = (
@@ -338,7 +338,7 @@ def test_bad_pairs_files_store_nothing(cli, tmp_path: Path) -> None:
         path.write_text(text)
         code, _, err = cli("steer", "build", str(path), "--model", "{model}", "--name", "bad")
         assert code == 1 and message in err
-    assert cli("ls", "--json")[1].strip() == "[]"
+    assert json.loads(cli("ls", "--json")[1])["packs"] == []
 
 
 def test_adapter_train_and_packet_compositions(cli, tmp_path: Path) -> None:

@@ -54,7 +54,7 @@ def test_migrate_a_local_store_into_a_bucket_and_back(capsys, local, url, tmp_pa
     assert code == 0 and json.loads(out) == {"packs": 3, "copied": 0, "names_set": 0, "signatures_added": 0} | NO_BANKS  # idempotent
 
     code, out, _ = packctl(capsys, "--store", url, "ls", "--json")
-    listed = json.loads(out)
+    listed = json.loads(out)["packs"]
     assert code == 0 and sorted(p["key"] for p in listed) == sorted(keys)
     assert {p["key"]: p["names"] for p in listed}[keys[0]] == ["pack-0"]
     code, out, _ = packctl(capsys, "--store", url, "inspect", "pack-1", "--json")

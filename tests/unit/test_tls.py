@@ -73,7 +73,7 @@ def test_mutual_tls_requires_a_client_certificate_from_the_client_ca(certs, tmp_
             urllib.request.urlopen(f"https://{server.metrics}/metrics", context=Connection(tls_ca=certs["ca"]).ssl_context(), timeout=10).read()
         assert b"packstore_requests_total" in urllib.request.urlopen(f"https://{server.metrics}/metrics", context=mutual.ssl_context(), timeout=10).read()
         argv = ["--store", secure, "--tls-ca", certs["ca"], "--tls-client-cert", certs["client_cert"], "--tls-client-key", certs["client_key"]]
-        assert packctl([*argv, "ls", "--json"]) == 0 and json.loads(capsys.readouterr().out)[0]["name"] == "p"
+        assert packctl([*argv, "ls", "--json"]) == 0 and json.loads(capsys.readouterr().out)["packs"][0]["name"] == "p"
         assert packctl(["--store", secure, "--tls-ca", certs["ca"], "--tls-client-cert", certs["client_cert"], "ls"]) == 1
         assert "needs its key" in capsys.readouterr().err
 
