@@ -16,8 +16,6 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from packstore.answering.composing import check_composition, compose, composition_key
 from packstore.answering.records import AnswerResult
 from packstore.answering.tiers import ReadyCache, ReadyPartition, to_host
@@ -52,7 +50,6 @@ if TYPE_CHECKING:
     from packstore.security.trust import TrustedKeys
 
 DEFAULT_CACHE_BYTES = 2 << 30
-HOST = torch.device("cpu")  # where the host tier's packs are decoded (in the decoder's host buffers)
 REF_TTL_SECONDS = 5.0  # how long what the store said of a ref is used without asking again (docs/operations.md)
 REF_CACHE_ENTRIES = 4096  # refs remembered (a header each, a few KB)
 
@@ -228,23 +225,23 @@ class Answerer:
         key = stored.key
         if (ready := self.ready.peek(key)) is not None:
             return ready, True
-        hosted = self.host.peek(key) if self.host is not None else None
-        if hosted is None:
-            arriving = self._start_download(stored, self.lm.device)
-            arriving.when_complete(lambda pack: self._arrived(key, pack))
-            return arriving, False
-        copied = start_copy(hosted, self.lm.device, self.reader.decoder)
-        if isinstance(copied, Pack):  # the device is the host
-            self.ready.put(key, copied)
+        moving = self._bring(stored)
+        if isinstance(moving, Pack):  # the device is the host
+            self.ready.put(key, moving)
         else:
-            copied.when_complete(lambda pack: self.ready.put(key, pack))
-        return copied, False
+            moving.when_complete(lambda pack: self.ready.put(key, pack))
+        return moving, False
 
-    def _arrived(self, key: str, pack: Pack) -> None:
-        """A pack fetched to the device is ready: into the device LRU and, copied to host memory, the host tier."""
-        self.ready.put(key, pack)
-        if self.host is not None:
-            self.host.put(key, to_host(pack, self.reader.decoder.buffers))
+    def _bring(self, stored: StoredPack) -> Pack | ArrivingPack:
+        """The pack ``stored`` describes, on its way to the device layer by layer: copied from the host tier when it
+        holds the pack, else fetched from the store and, once whole, copied into the host tier (when there is one)."""
+        hosted = self.host.peek(stored.key) if self.host is not None else None
+        if hosted is not None:
+            return start_copy(hosted, self.lm.device, self.reader.decoder)
+        arriving = self._start_download(stored)
+        if (host := self.host) is not None:
+            arriving.when_complete(lambda pack: host.put(stored.key, to_host(pack, self.reader.decoder.buffers)))
+        return arriving
 
     def _ready(self, ref: str, check: Callable[[LoadedModel, PackHeader], None]) -> tuple[Pack, bool]:
         """The ready pack ``ref`` names and whether it was ready: ``check`` (kind and identities) runs on
@@ -268,22 +265,18 @@ class Answerer:
             return None
 
     def _download(self, stored: StoredPack) -> Pack:
-        """The pack ``stored`` describes on the device: from the host tier when it holds it, else fetched from the
-        store (into the host tier first, when there is one); with trusted keys, a fetched digest must bear a trusted
-        signature."""
-        if self.host is None:
-            return self._start_download(stored, self.lm.device).result()
-        pack, _ = self.host.get(stored.key, lambda _: self._start_download(stored, HOST).result())
-        copied = start_copy(pack, self.lm.device, self.reader.decoder)
-        return copied if isinstance(copied, Pack) else copied.result()
+        """The pack ``stored`` describes on the device, whole (``_bring``); with trusted keys, a fetched digest must
+        bear a trusted signature."""
+        moving = self._bring(stored)
+        return moving if isinstance(moving, Pack) else moving.result()
 
-    def _start_download(self, stored: StoredPack, device: torch.device) -> ArrivingPack:
-        """Start fetching the pack ``stored`` describes to ``device``; with trusted keys its header's digest (which the
+    def _start_download(self, stored: StoredPack) -> ArrivingPack:
+        """Start fetching the pack ``stored`` describes to the model's device; with trusted keys its header's digest (which the
         chunks are verified against as they arrive) must bear a trusted signature, checked before this returns."""
         key = stored.key
         with self._reads_lock:
             self.store_reads += 1
-        pack = self.reader.start_fetch(key, device=device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
+        pack = self.reader.start_fetch(key, device=self.lm.device, model_fp=self.lm.model_fp, template_fp=self.lm.template_fp)
         if self.trusted is not None:
             try:
                 self.trusted.require(f"pack {key}", "pack", pack.header.pack_sha256, stored.signatures)
