@@ -38,7 +38,7 @@ from packstore.kv.inject import (
 from packstore.kv.models import LoadedModel
 from packstore.kv.options import STEER_TARGETS, check_alpha
 from packstore.kv.packet import check_adapter
-from packstore.kv.render import pack_prefix_ids, render
+from packstore.kv.render import Turn, pack_prefix_ids, render
 from packstore.kv.steer import Direction, LayerDeltas, SteeredCache, applied_layers, check_steering, steering_deltas
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import ArrivingPack, Pack, encode_pack, start_copy
@@ -97,7 +97,9 @@ class Question:
     alike): in one prefill, and in the pack's recorded prefill passes (``Answerer.stream``). ``steering``
     holds (steering ref, alpha) pairs whose deltas are summed and added from the question on, on
     ``steer_layers`` (None: each pack's default, the middle third) and to ``steer_on`` (``values``;
-    ``keys`` or ``both`` only as the key-arithmetic control).
+    ``keys`` or ``both`` only as the key-arithmetic control). ``history`` holds the conversation's earlier
+    turns, (role, content) pairs rendered between the facts and the question (``kv.render``); routing reads the
+    question alone.
     """
 
     text: str
@@ -113,9 +115,11 @@ class Question:
     steer_on: str = "values"
     mode: str = "exact"
     adapter: str | None = None
+    history: tuple[Turn, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "refs", tuple(self.refs))
+        object.__setattr__(self, "history", tuple(tuple(turn) if isinstance(turn, list) else turn for turn in self.history))
         object.__setattr__(self, "bank", self.bank or None)
         object.__setattr__(self, "steering", tuple((ref, check_alpha(alpha, ref)) for ref, alpha in self.steering))
         for ref in self.refs + tuple(ref for ref, _ in self.steering):
@@ -447,9 +451,9 @@ class Answerer:
         elif facts is not None:
             pack, reused, hit = self.facts_pack(facts)
         if pack is not None:
-            rendering = prepare(self.lm, pack.header, question.text)
-        else:  # steering alone: the question, with no knowledge before it
-            rendering = render(self.lm.tokenizer, [], question.text.strip())
+            rendering = prepare(self.lm, pack.header, question.text, question.history)
+        else:  # steering alone: the conversation, with no knowledge before it
+            rendering = render(self.lm.tokenizer, [], question.text.strip(), history=question.history)
 
         def cache(filled: bool):
             """A cache steering every position from the question on (None when nothing steers);
@@ -467,7 +471,8 @@ class Answerer:
             rag = chunked = None
             if question.compare_rag and pack is not None:  # (compare_rag comes with refs or a bank: Question checks)
                 rag = answer_with_text(
-                    self.lm, pack.header.facts, question.text, raw=pack.header.raw, sampling=question.sampling, cache=cache(filled=False)
+                    self.lm, pack.header.facts, question.text, raw=pack.header.raw, sampling=question.sampling,
+                    cache=cache(filled=False), history=question.history,
                 )
                 chunked = answer_with_chunked_text(self.lm, pack.header, ids, question.sampling, cache(filled=False))
         return AnswerResult(

@@ -19,7 +19,7 @@ from packstore.errors import InvalidInput, PackMismatch
 from packstore.format import PackHeader
 from packstore.kv.build import cache_tensors, prefill
 from packstore.kv.models import LoadedModel
-from packstore.kv.render import Rendering, check_prefix, render
+from packstore.kv.render import Rendering, Turn, check_prefix, render
 from packstore.packs.tensors import ArrivingPack, Pack
 
 GREEDY_BELOW = 1e-5
@@ -77,10 +77,10 @@ def check_identity(lm: LoadedModel, header: PackHeader, kind: str = "knowledge")
         raise PackMismatch(exc.what, f"{exc} (loaded: {lm.name!r}, {lm.dtype_name})") from None
 
 
-def prepare(lm: LoadedModel, header: PackHeader, question: str) -> Rendering:
-    """Render pack facts + question in one pass and check the pack is exactly its prefix."""
+def prepare(lm: LoadedModel, header: PackHeader, question: str, history: Sequence[Turn] = ()) -> Rendering:
+    """Render pack facts + earlier turns + question in one pass and check the pack is exactly its prefix."""
     check_identity(lm, header)
-    rendering = render(lm.tokenizer, header.facts, question.strip(), raw=header.raw)
+    rendering = render(lm.tokenizer, header.facts, question.strip(), raw=header.raw, history=history)
     check_prefix(header.token_ids, rendering, lm.tokenizer)
     return rendering
 
@@ -396,10 +396,11 @@ def answer_with_text(
     raw: bool = False,
     sampling: Sampling = Sampling(),
     cache: DynamicCache | None = None,
+    history: Sequence[Turn] = (),
 ) -> Answer:
-    """The RAG baseline: the same facts rendered into the prompt as text (``cache``: an empty cache
-    to generate with, e.g. one steering the tokens after the facts)."""
-    rendering = render(lm.tokenizer, facts, question.strip(), raw=raw)
+    """The RAG baseline: the same facts rendered into the prompt as text, before the ``history`` turns and the question
+    (``cache``: an empty cache to generate with, e.g. one steering the tokens after the facts)."""
+    rendering = render(lm.tokenizer, facts, question.strip(), raw=raw, history=history)
     return generate(lm, rendering.token_ids, sampling, cache)
 
 

@@ -4,6 +4,10 @@ A pack holds the tokens of everything the rendering puts before the question: fo
 the whole system turn plus the user-turn header; for Gemma, whose template has no system role, the
 turn header plus the facts at the top of the first user turn. The split point is found by rendering
 the conversation once with a sentinel question and cutting at the last token that ends before it.
+
+Earlier turns of a conversation (``history``: system, user and assistant messages) are rendered between the pack's
+prefix and the question, where the template places them; a conversation that changes the text before its first
+message (a system message the template puts only first, say) cannot follow a pack and is refused.
 """
 
 from __future__ import annotations
@@ -12,9 +16,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2.exceptions import TemplateError
+
 from packstore.errors import InvalidInput, PackMismatch
 
 QUESTION_SENTINEL = "Question_placeholder_for_packstore_split"
+TURN_ROLES = ("system", "user", "assistant")
+Turn = tuple[str, str]  # (role, content) of one earlier message
 
 
 @dataclass(frozen=True)
@@ -49,45 +57,65 @@ def check_no_special_tokens(tokenizer: Any, what: str, text: str) -> None:
             raise InvalidInput(f"{what} contains the special token {token!r}, which would change the conversation's structure")
 
 
-def conversation_text(tokenizer: Any, facts: Sequence[str], question: str, *, raw: bool) -> str:
-    """The full prompt text: facts as the system message (or, raw, as bare text) then the user question.
+def conversation_text(tokenizer: Any, facts: Sequence[str], question: str, *, raw: bool, history: Sequence[Turn] = ()) -> str:
+    """The full prompt text: facts as the system message (or, raw, as bare text), the ``history`` turns, then the
+    user question.
 
-    Without facts (a question steered with no knowledge) it is the user question alone, rendered as
-    the template renders a conversation without a system message."""
+    Without facts (a question steered with no knowledge) it is the conversation alone, rendered as the template
+    renders one without the facts' system message."""
+    messages = [{"role": role, "content": content} for role, content in history] + [{"role": "user", "content": question}]
     try:
         if not facts:
-            return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if not raw:
-            return tokenizer.apply_chat_template(
-                [{"role": "system", "content": facts_text(facts)}, {"role": "user", "content": question}],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-        turn = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-        )
+            system = {"role": "system", "content": facts_text(facts)}
+            return tokenizer.apply_chat_template([system, *messages], tokenize=False, add_generation_prompt=True)
+        turn = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except ValueError as exc:  # transformers raises ValueError when no chat template is set
         raise InvalidInput(f"the model's tokenizer cannot render a chat: {exc}; load the model with a chat template") from None
+    except TemplateError as exc:  # the template's own refusal, e.g. roles that do not alternate
+        raise InvalidInput(f"the chat template cannot render this conversation: {exc}") from None
     lead = ""
     if _adds_bos(tokenizer) and turn.startswith(tokenizer.bos_token):
         lead, turn = tokenizer.bos_token, turn[len(tokenizer.bos_token) :]
     return lead + facts_text(facts) + "\n\n" + turn
 
 
-def render(tokenizer: Any, facts: Sequence[str], question: str, *, raw: bool = False) -> Rendering:
-    """Render and tokenize the whole conversation once; ``prefix_tokens`` counts the tokens before the question."""
+def check_history(tokenizer: Any, history: Sequence[Turn]) -> None:
+    """Refuse earlier turns that are not (role, text) pairs of a known role, or whose text holds a special token."""
+    for index, turn in enumerate(history):
+        if not (isinstance(turn, tuple | list) and len(turn) == 2 and all(isinstance(part, str) for part in turn)):
+            raise InvalidInput(f"turn {index + 1} of the history is not a (role, content) pair of strings")
+        if turn[0] not in TURN_ROLES:
+            raise InvalidInput(f"turn {index + 1} has the role {turn[0]!r}: use one of {', '.join(TURN_ROLES)}")
+        check_no_special_tokens(tokenizer, f"turn {index + 1} of the history", turn[1])
+
+
+def render(tokenizer: Any, facts: Sequence[str], question: str, *, raw: bool = False, history: Sequence[Turn] = ()) -> Rendering:
+    """Render and tokenize the whole conversation once; ``prefix_tokens`` counts the tokens before the question, or
+    before the first of the ``history`` turns: the tokens a pack of ``facts`` holds."""
     if not question.strip():
         raise InvalidInput("the question is empty")
     for index, fact in enumerate(facts):
         check_no_special_tokens(tokenizer, f"fact {index + 1}", fact)
     check_no_special_tokens(tokenizer, "the question", question)
-    text = conversation_text(tokenizer, facts, question, raw=raw)
-    probe = conversation_text(tokenizer, facts, QUESTION_SENTINEL, raw=raw)
-    if probe.count(QUESTION_SENTINEL) != 1:
-        raise InvalidInput("the chat template does not place the question exactly once; cannot split a pack from it")
-    question_start = probe.index(QUESTION_SENTINEL)
-    if not text.startswith(probe[:question_start]):
-        raise InvalidInput("the chat template renders the text before the question differently per question")
+    check_history(tokenizer, history)
+    text = conversation_text(tokenizer, facts, question, raw=raw, history=history)
+    if history and not facts:  # no pack to follow: the split is where the first turn's text begins
+        first = [(history[0][0], QUESTION_SENTINEL), *history[1:]]
+        question_start = _sentinel_at(conversation_text(tokenizer, [], question, raw=raw, history=first))
+    else:
+        probe = conversation_text(tokenizer, facts, QUESTION_SENTINEL, raw=raw)  # the text a pack of these facts holds
+        question_start = _sentinel_at(probe)
+        if history and not text.startswith(probe[:question_start]):
+            roles = ", ".join(role for role, _ in history)
+            raise InvalidInput(
+                f"the chat template cannot place these earlier turns ({roles}) after the facts: it changes the text before "
+                "the first turn (a system message, or a first turn not from the user, has no place there in this template); "
+                "put instructions in the user message, or begin the history with a user turn"
+            )
+        if not text.startswith(probe[:question_start]):
+            raise InvalidInput("the chat template renders the text before the question differently per question")
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     prefix = 0
     for _, end in encoding["offset_mapping"]:
@@ -96,6 +124,13 @@ def render(tokenizer: Any, facts: Sequence[str], question: str, *, raw: bool = F
         prefix += 1
     offsets = [tuple(pair) for pair in encoding["offset_mapping"]]
     return Rendering(text=text, token_ids=list(encoding["input_ids"]), prefix_tokens=prefix, offsets=offsets)
+
+
+def _sentinel_at(probe: str) -> int:
+    """Where the sentinel question starts in ``probe``, a rendering that must hold it exactly once."""
+    if probe.count(QUESTION_SENTINEL) != 1:
+        raise InvalidInput("the chat template does not place the question exactly once; cannot split a pack from it")
+    return probe.index(QUESTION_SENTINEL)
 
 
 def pack_prefix_ids(tokenizer: Any, facts: Sequence[str], *, raw: bool = False) -> list[int]:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 # the packstore fields beside OpenAI's, by the GenerateRequest field each fills (``steer`` and ``steer_layers`` apart)
 EXTRA_FIELDS = {"packs": "packs", "bank": "bank", "top_k": "top_k", "probe": "probe", "embedder": "embedder", "mode": "mode"}
-EXTRA_FIELDS |= {"adapter": "adapter", "steer_on": "steer_on"}
+EXTRA_FIELDS |= {"adapter": "adapter", "steer_on": "steer_on", "compare_rag": "compare_rag"}
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 SAMPLING |= {"seed": "seed", "stop": "stop"}
 IGNORED = {"model", "messages", "stream", "stream_options", "user", "steer", "steer_layers"}  # read apart, or (user) not used
@@ -32,10 +32,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}), "frequency_penalty": (None, 0),
     "presence_penalty": (None, 0), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
 }
-ONE_USER_MESSAGE = (
-    "messages must be a single user message: the pack's facts fill the chat template's system turn, so a system "
-    "message or earlier turns have no place after them that renders exactly"
-)
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # OpenAI's -> the template's
 
 
 @dataclass(frozen=True)
@@ -51,19 +48,31 @@ def _refuse(message: str, param: str) -> InvalidInput:
     return InvalidInput(message, param=param)
 
 
-def _question_text(messages: object) -> str:
-    """The question of ``messages``: its one user message's text (a string, or text parts joined)."""
-    if not isinstance(messages, list) or len(messages) != 1 or not isinstance(messages[0], dict):
-        raise _refuse(ONE_USER_MESSAGE, "messages")
-    message = messages[0]
-    if message.get("role") != "user":
-        raise _refuse(ONE_USER_MESSAGE, "messages")
+def _message_text(message: object, index: int) -> tuple[str, str]:
+    """The (role, text) of one chat message: its content a string, or text parts joined."""
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        raise _refuse(f"{where} must be an object with role system, developer, user or assistant", "messages")
+    if set(message) - {"role", "content", "name"}:
+        extra = ", ".join(sorted(set(message) - {"role", "content", "name"}))
+        raise _refuse(f"{where} has fields this API does not support ({extra}): tool calls are not implemented", "messages")
     content = message.get("content")
     if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text" for part in content):
         content = "".join(str(part.get("text", "")) for part in content)
-    if not isinstance(content, str) or not content.strip():
-        raise _refuse("the user message's content must be non-empty text (a string, or parts of type text)", "messages")
-    return content
+    if not isinstance(content, str):
+        raise _refuse(f"{where}'s content must be text (a string, or parts of type text)", "messages")
+    return ROLES[message["role"]], content
+
+
+def _conversation(messages: object) -> tuple[tuple[tuple[str, str], ...], str]:
+    """The earlier turns and the question of ``messages``: every message but the last, and the last, a user's."""
+    if not isinstance(messages, list) or not messages:
+        raise _refuse("messages must be a non-empty list of chat messages", "messages")
+    turns = [_message_text(message, index) for index, message in enumerate(messages)]
+    role, question = turns[-1]
+    if role != "user" or not question.strip():
+        raise _refuse("the last message must be a user message with non-empty text: the question to answer", "messages")
+    return tuple(turns[:-1]), question
 
 
 def chat_request(body: object, model: str) -> ChatRequest:
@@ -92,7 +101,8 @@ def chat_request(body: object, model: str) -> ChatRequest:
         if not isinstance(layers, list) or len(layers) != 2:
             raise _refuse("steer_layers must be [FIRST, LAST]", "steer_layers")
         fields["steer_layers"] = {"first": layers[0], "last": layers[1]}
-    fields |= {"question": _question_text(body.get("messages")), "sampling": sampling}
+    history, question = _conversation(body.get("messages"))
+    fields |= {"question": question, "sampling": sampling, "history": [{"role": role, "content": text} for role, text in history]}
     try:
         request = json_format.ParseDict(fields, worker_pb2.GenerateRequest())
     except json_format.ParseError as exc:
@@ -120,11 +130,15 @@ def _prefilled_facts(result: AnswerResult) -> int:
 
 def packstore_fields(result: AnswerResult) -> dict[str, Any]:
     """The ``packstore`` object of an answer: the pack used and the keys composed into it, whether it was ready,
-    the facts' tokens its cache served instead of the prompt, and the bank's facts and steering applied."""
+    the facts' tokens its cache served instead of the prompt, the bank's facts and steering applied, and with
+    ``compare_rag`` whether the answer equals the facts' as prompt text."""
     fields: dict[str, Any] = {"pack": result.pack, "packs": result.parts or ([result.pack] if result.pack else [])}
     fields |= {"cache_hit": result.cache_hit, "prompt_tokens_saved": (result.pack_tokens or 0) - _prefilled_facts(result)}
     if result.facts is not None:
         fields["facts"] = result.facts
     if result.steering is not None:
         fields |= {"steering": result.steering, "steer_on": result.steer_on}
+    if result.identical is not None:  # asked with compare_rag
+        fields |= {"identical": result.identical, "chunked_identical": result.chunked_identical}
+        fields["rag_prompt_tokens"] = result.rag_prompt_tokens
     return fields

@@ -21,11 +21,13 @@ from collections.abc import AsyncIterator, Generator, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import uvicorn
+from anyio import CancelScope
 from starlette.applications import Starlette
-from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from packstore.answering.records import AnswerResult
 from packstore.errors import InvalidInput, LimitExceeded, PackstoreError
@@ -40,13 +42,14 @@ if TYPE_CHECKING:
     from packstore.kv.models import LoadedModel
 
 DEFAULT_MAX_CONCURRENT = 16
+MAX_BODY_BYTES = 8 << 20  # a request body past this is refused (413) before it is read whole
 STARTUP_SECONDS = 10.0
 HTTP_STATUS = {  # a PackstoreError's gRPC status -> the HTTP status it answers with
     "INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404,
     "RESOURCE_EXHAUSTED": 429, "INTERNAL": 500, "DATA_LOSS": 500, "UNAVAILABLE": 503,
 }
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "invalid_request_error"}
-ERROR_TYPE |= {429: "rate_limit_error"}  # every other status: server_error
+ERROR_TYPE |= {413: "invalid_request_error", 429: "rate_limit_error"}  # every other status: server_error
 log = logging.getLogger("packstore.worker")
 
 
@@ -61,9 +64,18 @@ class WorkerService(Protocol):
     def answerer(self, namespace: str) -> Answerer: ...
 
 
+class BodyTooLarge(InvalidInput):
+    """A request body longer than MAX_BODY_BYTES: HTTP 413."""
+
+
+def http_status(exc: PackstoreError) -> int:
+    """The HTTP status ``exc`` answers with."""
+    return 413 if isinstance(exc, BodyTooLarge) else HTTP_STATUS.get(exc.grpc_status, 500)
+
+
 def error_body(exc: PackstoreError) -> dict[str, Any]:
     """OpenAI's error object for ``exc``: its message, type, the request field at fault (``param``) and its code."""
-    status = HTTP_STATUS.get(exc.grpc_status, 500)
+    status = http_status(exc)
     code = exc.fields.get("code", exc.code.lower())
     kind = ERROR_TYPE.get(status, "server_error")
     return {"error": {"message": exc.message, "type": kind, "param": exc.fields.get("param"), "code": code}}
@@ -71,7 +83,7 @@ def error_body(exc: PackstoreError) -> dict[str, Any]:
 
 def error_response(exc: PackstoreError) -> JSONResponse:
     headers = {"WWW-Authenticate": 'Bearer realm="packstore"'} if exc.grpc_status == "UNAUTHENTICATED" else None
-    return JSONResponse(error_body(exc), status_code=HTTP_STATUS.get(exc.grpc_status, 500), headers=headers)
+    return JSONResponse(error_body(exc), status_code=http_status(exc), headers=headers)
 
 
 class Generation:
@@ -84,12 +96,29 @@ class Generation:
         self.deltas = TextDeltas(service.lm.tokenizer, chat.question.sampling.stop)
         self.result: AnswerResult | None = None
         self.stop_token = False
+        self._pieces = self._text_pieces()
+        self._turn = threading.Lock()  # one thread at a time advances or closes the pieces
+
+    def next_piece(self) -> str | None:
+        """The next piece of text (blocking: generation runs here), or None once the answer is whole."""
+        with self._turn:
+            return next(self._pieces, None)
+
+    def run_to_end(self) -> None:
+        """Generate the whole answer (``result`` is set after)."""
+        while self.next_piece() is not None:
+            pass
+
+    def close(self) -> None:
+        """Stop generating (waiting for a piece another thread is computing), freeing the model for the next request."""
+        with self._turn:
+            self._pieces.close()
 
     @property
     def finish_reason(self) -> str:
         return "stop" if self.stop_token or self.deltas.stopped else "length"
 
-    def pieces(self) -> Generator[str, None, None]:
+    def _text_pieces(self) -> Generator[str, None, None]:
         """The answer's text in pieces as it is generated (some empty); ``result`` is set once they end. Closing it
         early stops generation."""
         pending, started = "", False
@@ -120,17 +149,32 @@ class Generation:
 
 
 class OpenAIApp:
-    """The Starlette app over ``service``, answering at most ``max_concurrent`` requests at once (a 429 beyond)."""
+    """The API over ``service`` (``app``, an ASGI app), answering at most ``max_concurrent`` chat completions at once
+    (a 429 beyond)."""
 
     def __init__(self, service: WorkerService, max_concurrent: int = DEFAULT_MAX_CONCURRENT) -> None:
         self.service, self.max_concurrent, self.in_flight = service, max_concurrent, 0
-        self.app = Starlette(
+        self.routes = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
             ]
         )
+
+    async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI app: ``routes``, a chat completion holding one of the ``max_concurrent`` slots until its response,
+        whole or streamed, has ended or its client has gone (and its generation has stopped); none free: 429 at once."""
+        if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
+            return await self.routes(scope, receive, send)
+        if self.in_flight >= self.max_concurrent:
+            busy = LimitExceeded(f"more than {self.max_concurrent} requests in flight: retry later")
+            return await self._done({"method": "ChatCompletions", "protocol": "http"}, time.perf_counter(), busy)(scope, receive, send)
+        self.in_flight += 1
+        try:
+            await self.routes(scope, receive, send)
+        finally:
+            self.in_flight -= 1
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -145,30 +189,21 @@ class OpenAIApp:
 
     async def chat_completions(self, request: Request) -> Response:
         start, fields = time.perf_counter(), {"method": "ChatCompletions", "protocol": "http"}
-        if self.in_flight >= self.max_concurrent:
-            return self._done(fields, start, LimitExceeded(f"more than {self.max_concurrent} requests in flight: retry later"))
-        self.in_flight += 1
-        streaming = False
         try:
             principal = self.service.auth.authenticate(request.headers.items(), "ChatCompletions", "read")
             fields |= {"token": principal.token, "namespace": principal.namespace}
             chat = chat_request(await _json(request), self.service.lm.name)
             generation = Generation(self.service, principal.namespace, chat)
-            pieces = generation.pieces()
             if not chat.stream:
-                await run_in_threadpool(lambda: all(True for _ in pieces))
+                await run_in_threadpool(generation.run_to_end)
                 return self._done(fields, start, None, generation, self._completion(generation))
-            first = await run_in_threadpool(next, pieces)  # a refusal (unknown pack, mismatch) comes here, as a status
-            streaming = True
-            return StreamingResponse(self._events(generation, pieces, first, chat, fields, start), media_type="text/event-stream")
+            first = await run_in_threadpool(generation.next_piece)  # a refusal (unknown pack, mismatch) comes here, as a status
+            return StreamingResponse(self._events(generation, first, chat, fields, start), media_type="text/event-stream")
         except PackstoreError as exc:
             return self._done(fields, start, exc)
         except Exception as exc:  # an unexpected failure: a 500 with a message, the server keeps serving
             log.exception("internal error", extra={"fields": {"method": "ChatCompletions"}})
             return self._done(fields, start, PackstoreError(f"internal error: {exc}"))
-        finally:
-            if not streaming:
-                self.in_flight -= 1
 
     def _completion(self, generation: Generation) -> dict[str, Any]:
         assert generation.result is not None
@@ -177,11 +212,10 @@ class OpenAIApp:
         body = _envelope("chat.completion", self.service.lm.name) | {"choices": [choice], "usage": generation.usage()}
         return body | {"packstore": packstore_fields(generation.result)}
 
-    async def _events(
-        self, generation: Generation, pieces: Generator[str, None, None], first: str, chat: ChatRequest, fields: dict, start: float
-    ) -> AsyncIterator[str]:
+    async def _events(self, generation: Generation, first: str | None, chat: ChatRequest, fields: dict, start: float) -> AsyncIterator[str]:
         """The answer as server-sent events: a role chunk, the text chunks, the finish chunk (with the ``packstore``
-        object), with ``include_usage`` a chunk of usage and packstore, then ``[DONE]``; a failure midway is an error event."""
+        object), with ``include_usage`` a chunk of usage and packstore, then ``[DONE]``; a failure midway is an error
+        event. A client gone midway cancels this (Starlette): generation stops before the request's slot frees."""
         envelope = _envelope("chat.completion.chunk", self.service.lm.name)
 
         def chunk(delta: dict[str, str], finish: str | None = None, **extra: Any) -> str:
@@ -190,11 +224,11 @@ class OpenAIApp:
         failure: PackstoreError | None = None
         try:
             yield chunk({"role": "assistant", "content": ""})
-            if first:
-                yield chunk({"content": first})
-            async for piece in iterate_in_threadpool(pieces):
+            piece = first
+            while piece is not None:
                 if piece:
                     yield chunk({"content": piece})
+                piece = await run_in_threadpool(generation.next_piece)
             assert generation.result is not None
             summary = packstore_fields(generation.result)
             yield chunk({}, generation.finish_reason, packstore=summary)
@@ -205,8 +239,8 @@ class OpenAIApp:
             failure = exc
             yield _event(error_body(exc))
         finally:
-            self.in_flight -= 1
-            await run_in_threadpool(pieces.close)  # a client gone midway: generation stops, the device is free
+            with CancelScope(shield=True):  # (cancelled when the client goes: the clean-up must still run)
+                await run_in_threadpool(generation.close)
             self._done(fields, start, failure, generation)
 
     def _done(
@@ -220,14 +254,25 @@ class OpenAIApp:
         elif generation is not None and generation.result is not None:
             result = generation.result
             fields |= {"code": "OK", "key": result.pack, "cache_hit": result.cache_hit, "tokens": len(generation.deltas.ids)}
+        else:  # the client went before the answer was whole
+            fields |= {"code": "CANCELLED", "tokens": len(generation.deltas.ids) if generation is not None else 0}
         log.info("ChatCompletions", extra={"fields": fields})
-        self.service.metrics.record(fields.get("namespace", ""), "ChatCompletions", fields.get("code", "CANCELLED"), seconds)
+        self.service.metrics.record(fields.get("namespace", ""), "ChatCompletions", fields["code"], seconds)
         return error_response(failure) if failure is not None else JSONResponse(body)
 
 
 async def _json(request: Request) -> object:
+    """The request's JSON body, read up to MAX_BODY_BYTES (BodyTooLarge past it, InvalidInput when it is not JSON)."""
+    too_large = BodyTooLarge(f"the request body is over {MAX_BODY_BYTES} bytes", param="body", code="request_too_large")
+    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        raise too_large
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large
     try:
-        return json.loads(await request.body())
+        return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"the body is not JSON: {exc}", param="body") from None
 
@@ -261,7 +306,7 @@ def serve_http(
     takes requests. InvalidInput when the address or the TLS files are unusable."""
     host, port = metrics_address(address, "http")
     config = uvicorn.Config(
-        app.app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=int(grace_seconds),
+        app.app, interface="asgi3", log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=int(grace_seconds),
         ssl_certfile=tls_cert or None, ssl_keyfile=tls_key or None, ssl_ca_certs=tls_client_ca or None,
         ssl_cert_reqs=ssl.CERT_REQUIRED if tls_client_ca else ssl.CERT_NONE,
     )

@@ -55,6 +55,7 @@ def generate_request(question: Question) -> worker_pb2.GenerateRequest:
         packs=list(question.refs),
         sampling=worker_pb2.Sampling(**_to_message(question.sampling, SAMPLING_FIELDS)),
         steering=[worker_pb2.Steer(pack=ref, alpha=alpha) for ref, alpha in question.steering],
+        history=[worker_pb2.Turn(role=role, content=content) for role, content in question.history],
         **_to_message(question, QUESTION_FIELDS),
     )
     if question.steer_layers is not None:
@@ -73,6 +74,7 @@ def question_of(request: worker_pb2.GenerateRequest) -> Question:
         sampling=Sampling(**_from_message(request.sampling, SAMPLING_FIELDS, Sampling)),
         steering=tuple((steer.pack, steer.alpha) for steer in request.steering),
         steer_layers=(request.steer_layers.first, request.steer_layers.last) if request.HasField("steer_layers") else None,
+        history=tuple((turn.role, turn.content) for turn in request.history),
         **_from_message(request, QUESTION_FIELDS, Question),
     )
 

@@ -40,6 +40,38 @@ def test_raw_rendering_has_no_template_around_the_facts(tiny_lm) -> None:
     assert tok.decode(pack_prefix_ids(tok, FACTS, raw=True)).startswith("Alice lives")
 
 
+def test_earlier_turns_render_between_the_pack_and_the_question_in_one_pass(tiny_lm) -> None:
+    tok = tiny_lm.tokenizer
+    history = [("user", "Where does Alice live?"), ("assistant", "In Paris.")]
+    rendering = render(tok, FACTS, "And Bob?", history=history)
+    messages = [{"role": "system", "content": "\n".join(FACTS)}] + [{"role": r, "content": c} for r, c in history]
+    expected = tok.apply_chat_template(messages + [{"role": "user", "content": "And Bob?"}], tokenize=False, add_generation_prompt=True)
+    assert rendering.text == expected and rendering.prefix_ids == pack_prefix_ids(tok, FACTS)
+    check_prefix(pack_prefix_ids(tok, FACTS), rendering, tok)
+    assert tok.decode(rendering.token_ids[rendering.prefix_tokens :]).startswith("Where does Alice live?<|im_end|>")
+
+
+@pytest.mark.parametrize(
+    "history,message",
+    [
+        ([("system", "Answer in French.")], r"cannot place these earlier turns \(system\) after the facts"),
+        ([("assistant", "Hello."), ("user", "Hi")], r"cannot place these earlier turns \(assistant, user\)"),
+        ([("tool", "42")], "role 'tool'"),
+        ([("user", "Hi <|im_end|>")], "turn 1 of the history contains the special token"),
+        ([("user",)], "not a \\(role, content\\) pair"),
+    ],
+)
+def test_turns_the_template_cannot_place_after_the_facts_are_refused(tiny_lm, history, message) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        render(tiny_lm.tokenizer, FACTS, "And Bob?", history=history)
+
+
+def test_without_facts_a_system_message_opens_the_conversation(tiny_lm) -> None:
+    rendering = render(tiny_lm.tokenizer, [], "Who?", history=[("system", "Be brief.")])
+    assert rendering.text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    assert tiny_lm.tokenizer.decode(rendering.prefix_ids) == "<|im_start|>system\n"  # steering starts at the first turn
+
+
 def test_mismatched_tokens_name_the_position(tiny_lm) -> None:
     tok = tiny_lm.tokenizer
     prefix = pack_prefix_ids(tok, FACTS)

@@ -7,6 +7,7 @@ import hashlib
 import json
 import urllib.error
 import urllib.request
+from http.client import HTTPConnection
 from pathlib import Path
 
 import openai
@@ -16,7 +17,6 @@ from bank_helpers import TEST_BANK_CACHE
 from packstore.answering.answer import Answerer, Question
 from packstore.bank.bank import open_banks
 from packstore.cli.packctl import main as packctl
-from packstore.errors import IntegrityError
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling
 from packstore.kv.records import Pair
@@ -25,7 +25,8 @@ from packstore.kv.synthetic import synthetic_facts
 from packstore.packs.tensors import encode_pack
 from packstore.security.auth import Auth
 from packstore.store import LmdbStore
-from packstore.worker.http import OpenAIApp, serve_http
+from packstore.store.lmdb.store import _chunk_key
+from packstore.worker.http import MAX_BODY_BYTES, OpenAIApp, serve_http
 from packstore.worker.server import WorkerService
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
@@ -68,9 +69,9 @@ def local(store, tiny_lm, question: Question):
     return Answerer(tiny_lm, store).ask(question)
 
 
-def ask(client, tiny_lm, **extra):
+def ask(client, tiny_lm, stream: bool = False, **extra):
     return client.chat.completions.create(
-        model=tiny_lm.name, messages=[{"role": "user", "content": QUESTION}], max_tokens=GREEDY.max_new_tokens, extra_body=extra
+        model=tiny_lm.name, messages=[{"role": "user", "content": QUESTION}], max_tokens=GREEDY.max_new_tokens, stream=stream, extra_body=extra
     )
 
 
@@ -147,7 +148,10 @@ def test_the_answer_equals_packctl_ask_with_the_same_pack_question_and_sampling(
         ({"packs": ["wexley"], "n": 2}, 400, "invalid_input", "n is not supported"),
         ({"packs": ["wexley"], "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "invalid_input", "tools"),
         ({"packs": ["wexley"], "logprobs": True}, 400, "invalid_input", "logprobs"),
-        ({"packs": ["wexley"], "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}, 400, "invalid_input", "single user message"),
+        ({"packs": ["wexley"], "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}, 400, "invalid_input", "cannot place these earlier turns (system)"),
+        ({"packs": ["wexley"], "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}, 400, "invalid_input", "last message must be a user message"),
+        ({"packs": ["wexley"], "messages": [{"role": "assistant", "content": None, "tool_calls": []}, {"role": "user", "content": "Hi"}]}, 400, "invalid_input", "tool calls"),
+        ({"packs": ["wexley"], "messages": []}, 400, "invalid_input", "non-empty list"),
         ({"packs": ["joy"]}, 400, "pack_mismatch", "steering pack"),
         ({"packs": ["wexley"], "temperature": -1}, 400, "invalid_input", "temperature"),
         ({"packs": ["wexley"], "steer_layers": [0]}, 400, "invalid_input", "steer_layers"),
@@ -176,23 +180,69 @@ def test_the_openai_client_raises_its_own_errors(world, tiny_lm) -> None:
         ask(client, tiny_lm, packs=["wexley"], n=3)
 
 
-def test_more_requests_in_flight_than_allowed_get_429_and_a_damaged_pack_500_naming_it(world, tiny_lm, monkeypatch) -> None:
+def test_a_conversation_renders_after_the_pack_and_answers_as_the_local_path_and_as_text(world, tiny_lm) -> None:
+    store, _, _, client, _ = world
+    history = (("user", "Which river flows through Wexley?"), ("assistant", "The river Tamsin."))
+    messages = [{"role": role, "content": content} for role, content in history] + [{"role": "user", "content": QUESTION}]
+    completion = client.chat.completions.create(
+        model=tiny_lm.name, messages=messages, max_tokens=12, extra_body={"packs": ["wexley"], "compare_rag": True}
+    )
+    expected = local(store, tiny_lm, Question(QUESTION, refs=("wexley",), sampling=GREEDY, history=history, compare_rag=True))
+    assert completion.choices[0].message.content == expected.answer and expected.identical is True
+    summary = completion.model_extra["packstore"]
+    assert summary["identical"] is True and summary["chunked_identical"] is True
+    single = ask(client, tiny_lm, packs=["wexley"])
+    assert completion.usage.prompt_tokens == expected.kv_prompt_tokens > single.usage.prompt_tokens  # the turns are prefilled
+    streamed = client.chat.completions.create(
+        model=tiny_lm.name, messages=messages, max_tokens=12, stream=True, extra_body={"packs": ["wexley"]}
+    )
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices) == expected.answer
+
+
+def test_more_requests_in_flight_than_allowed_get_429_and_a_damaged_pack_500_naming_it(world, tiny_lm) -> None:
     store, app, _, client, _ = world
-    app.in_flight = app.max_concurrent  # (as if that many were generating)
+    app.in_flight = app.max_concurrent  # (as if that many were generating; the real race: tests/integration/test_http_real.py)
     try:
         with pytest.raises(openai.RateLimitError):
             ask(client, tiny_lm, packs=["wexley"])
     finally:
         app.in_flight = 0
-    key = store.resolve("wexley")
+    key, _ = store.put(encode_pack(build_pack(tiny_lm, ["Carol lives in Lima."])), name="broken")
+    last = len(store.stat(key).header.chunks) - 1
 
-    def damaged(ref: str):
-        raise IntegrityError(f"pack {key}: chunk 0 does not match its checksum", key=key)
+    def flip(txn) -> None:  # one bit of the stored chunk: its checksum no longer matches
+        damaged = bytearray(txn.get(_chunk_key(key, last), db=store._chunks))
+        damaged[-1] ^= 1
+        txn.put(_chunk_key(key, last), bytes(damaged), db=store._chunks)
 
-    monkeypatch.setattr(app.service.answerer("default"), "arriving", damaged)
-    with pytest.raises(openai.InternalServerError) as info:
-        ask(client, tiny_lm, packs=["wexley"])
-    assert key in info.value.message and info.value.code == "data_loss"
+    store._env.write(flip)
+    for stream in (False, True):
+        with pytest.raises(openai.InternalServerError) as info:
+            list(ask(client, tiny_lm, packs=["broken"], stream=stream)) if stream else ask(client, tiny_lm, packs=["broken"])
+        assert key in info.value.message and info.value.code == "data_loss"
+    assert ask(client, tiny_lm, packs=["wexley"]).choices[0].message.content  # the worker goes on serving
+
+
+def test_a_body_over_the_limit_is_refused_with_413(world, tiny_lm) -> None:
+    *_, server, _, _ = world
+    host, port = server.listening.rsplit(":", 1)
+    for announced, sent in ((MAX_BODY_BYTES + 1, b""), (None, b"x" * (MAX_BODY_BYTES + 1))):  # said up front, or found reading
+        connection = HTTPConnection(host, int(port), timeout=60)
+        connection.putrequest("POST", "/v1/chat/completions")
+        connection.putheader("Content-Type", "application/json")
+        if announced is not None:
+            connection.putheader("Content-Length", str(announced))
+            connection.endheaders()
+        else:
+            connection.putheader("Transfer-Encoding", "chunked")
+            connection.endheaders()
+            try:
+                connection.send(b"%x\r\n%s\r\n0\r\n\r\n" % (len(sent), sent))
+            except OSError:  # the server may answer and close before the whole body is sent
+                pass
+        response = connection.getresponse()
+        assert response.status == 413 and json.loads(response.read())["error"]["code"] == "request_too_large"
+        connection.close()
 
 
 def test_raw_sse_framing_and_models_and_health(world, tiny_lm) -> None:

@@ -16,6 +16,7 @@ QUESTIONS = [  # floats exact in float32, as the wire carries them
         "Which river?", refs=("a", "b"), bank="towns", top_k=3, probe=2, embedder="minilm", compare_rag=True,
         sampling=Sampling(max_new_tokens=7, temperature=0.5, top_p=0.75, seed=0, stop=("\n", "Q:")), steering=(("joy", 0.5), ("calm", -1.0)),
         steer_layers=(1, 2), steer_on="both", mode="packet", adapter="adapter",
+        history=(("user", "Where is Wexley?"), ("assistant", "By the river.")),
     ),
 ]
 
