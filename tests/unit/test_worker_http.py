@@ -324,3 +324,26 @@ def test_packstore_worker_http_serves_https_with_the_tls_flags_and_answers_as_it
             assert completion["packstore"]["pack"] == expected["pack"] and completion["usage"]["prompt_tokens"] == expected["kv_prompt_tokens"]
             with pytest.raises(OSError):  # HTTPS only: plain HTTP gets no answer
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10)
+
+
+def test_with_a_client_ca_the_https_port_answers_only_clients_with_a_certificate_it_signed(world, tiny_lm, tmp_path) -> None:
+    import ssl
+
+    from tls_helpers import make_certificates
+
+    _, app, _, _, _ = world
+    certs = make_certificates(tmp_path / "tls")
+    server = serve_http("127.0.0.1:0", app, tls_cert=certs["cert"], tls_key=certs["key"], tls_client_ca=certs["ca"])
+    try:
+        url = f"https://localhost:{server.listening.rsplit(':', 1)[1]}/v1/chat/completions"
+        body = json.dumps({"model": tiny_lm.name, "messages": [{"role": "user", "content": QUESTION}], "packs": ["wexley"], "max_tokens": 4})
+        request = urllib.request.Request(url, data=body.encode(), headers={"Content-Type": "application/json"})
+        anonymous = ssl.create_default_context(cafile=certs["ca"])
+        with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(request, context=anonymous, timeout=30).read()
+        signed = ssl.create_default_context(cafile=certs["ca"])
+        signed.load_cert_chain(certs["client_cert"], certs["client_key"])
+        with urllib.request.urlopen(request, context=signed, timeout=60) as response:
+            assert json.loads(response.read())["choices"][0]["message"]["content"]
+    finally:
+        server.stop(1)
