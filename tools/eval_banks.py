@@ -1,10 +1,13 @@
 """Bank retrieval on data the routing was not tuned on: top-1 / top-5, route latency, build time, size.
 
-Three kinds of data, each a bank of facts and questions whose one answering fact is known:
+Four kinds of data, each a bank of facts and questions whose one answering fact is known:
 
 - ``own``: the project's generator (packstore.kv.synthetic), the data the first routing was tuned on;
 - ``second``: tools/second_facts.py, written independently (other templates and name styles,
   questions that share few words with their facts); no setting was tuned on it;
+- ``third`` (only with ``--data third``): tools/third_facts.py, a third independent generator (other
+  domains and question forms again), committed with its digest (tools/third_facts.sha256) before any
+  routing was measured on it; never tuned on;
 - ``ckc-tuning`` / ``ckc-held-out``: one bank of all 600 ckc_dev paragraphs, asked the questions of
   the tuning half or of the held-out half (tools/ckc_split.json, frozen before tuning).
 
@@ -48,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, source_description  # noqa: E402
 from evallib import REPO, frozen_split, grouped_bars, load_rows, markdown_table  # noqa: E402
 from second_facts import second_facts  # noqa: E402
+from third_facts import THIRD_SEED, third_facts  # noqa: E402
 
 BANK_CACHE = BankCache()  # embedders loaded once per run
 
@@ -76,6 +80,14 @@ def second_dataset(size: int, questions: int, seed: int = SECOND_SEED) -> Datase
     cases = second_facts(size, seed=seed)
     asked = random.Random(size).sample(cases, min(questions, size))
     label = f"second {size:,}" + ("" if seed == SECOND_SEED else f" seed {seed}")
+    return Dataset(label, [c.fact for c in cases], [(c.question, c.fact) for c in asked])
+
+
+def third_dataset(size: int, questions: int, seed: int = THIRD_SEED) -> Dataset:
+    """The third generator's facts; held out from all tuning (tools/third_facts.sha256 pins them)."""
+    cases = third_facts(size, seed=seed)
+    asked = random.Random(size).sample(cases, min(questions, size))
+    label = f"third {size:,}" + ("" if seed == THIRD_SEED else f" seed {seed}")
     return Dataset(label, [c.fact for c in cases], [(c.question, c.fact) for c in asked])
 
 
@@ -209,8 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--vectors", nargs="+", default=["fp16"], choices=VECTOR_KINDS, help="fact embedding storage")
     parser.add_argument("--report-only", action="store_true", help="redo table and plots from OUT/summary.json")
     parser.add_argument("--no-ckc", action="store_true", help="only the generated banks")
-    parser.add_argument("--data", nargs="+", choices=("own", "second"), default=["own", "second"], help="generated data sets")
+    parser.add_argument("--data", nargs="+", choices=("own", "second", "third"), default=["own", "second"], help="generated data sets")
     parser.add_argument("--second-seed", type=int, default=SECOND_SEED, help="seed of the second generator's facts")
+    parser.add_argument("--third-seed", type=int, default=THIRD_SEED, help="seed of the third generator's facts")
     parser.add_argument("--sweep", nargs="*", type=float, metavar="W", help="tune: hybrid top-1/top-5 per lexical weight")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "eval_banks")
     parser.add_argument("--figures", type=Path, default=REPO / "docs" / "figures")
@@ -232,7 +245,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             (args.out / "sweep.md").write_text(text + "\n")
             print(text)
             return 0
-        makers = {"own": own_dataset, "second": lambda size, n: second_dataset(size, n, args.second_seed)}
+        makers = {
+            "own": own_dataset,
+            "second": lambda size, n: second_dataset(size, n, args.second_seed),
+            "third": lambda size, n: third_dataset(size, n, args.third_seed),
+        }
         datasets = [makers[kind](size, args.questions) for size in args.sizes for kind in args.data]
         if not args.no_ckc:
             datasets += ckc_datasets()
