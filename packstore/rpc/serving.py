@@ -21,6 +21,10 @@ from packstore.errors import PackstoreError
 from packstore.rpc.listen import bind
 from packstore.security.auth import Auth
 
+# Python runs signal handlers on the main thread only, between bytecodes; a signal the kernel delivers to another
+# thread (gRPC's, boto3's) does not wake a main thread blocked on a lock, so it waits with a timeout and looks again.
+SIGNAL_POLL_SECONDS = 0.5
+
 
 class JsonLogFormatter(logging.Formatter):
     """One JSON object per line: time, level, message, and any structured fields passed in ``extra``."""
@@ -72,15 +76,16 @@ class Server:
         """Take calls, report SERVING, log ``serving`` with ``fields``, and serve until SIGTERM/SIGINT (SIGHUP reloads
         ``auth``'s tokens); then health turns NOT_SERVING, ``stopping`` runs, new calls are refused and the calls in
         flight (streams included) get up to ``grace_seconds`` to finish. Call from the main thread (it sets signals)."""
-        self.grpc.start()
-        for name in ("", self.service_name):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.log.info("serving", extra={"fields": fields})
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         signal.signal(signal.SIGHUP, lambda *_: self.reload_tokens(auth))
-        stop.wait()
+        self.grpc.start()
+        for name in ("", self.service_name):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.log.info("serving", extra={"fields": fields})
+        while not stop.wait(SIGNAL_POLL_SECONDS):
+            pass
         self.log.info("shutting down", extra={"fields": {"grace_seconds": grace_seconds}})
         self.health.enter_graceful_shutdown()
         if stopping is not None:
