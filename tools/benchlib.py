@@ -94,17 +94,28 @@ def machine_description(libraries: dict[str, str]) -> str:
     )
 
 
+def _git(*args: str) -> str:
+    root = Path(__file__).resolve().parent.parent
+    command = ["git", "--no-optional-locks", *args]
+    return subprocess.run(command, cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+
 def source_description() -> str:
     """The packstore commit measured, and whether packstore/ had uncommitted changes (read-only git calls)."""
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str:
-        command = ["git", "--no-optional-locks", *args]
-        return subprocess.run(command, cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-
     try:
-        commit = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--", "packstore")
+        commit = _git("rev-parse", "--short", "HEAD")
+        dirty = _git("status", "--porcelain", "--", "packstore")
     except (OSError, subprocess.CalledProcessError):
         return "packstore: not a git checkout"
     return f"packstore: commit {commit}" + (" + uncommitted changes in packstore/" if dirty else "")
+
+
+def source_commit() -> str:
+    """The commit a record was measured at: the short hash, with "+dirty" when packstore/ or tools/ differed from it
+    (a record so marked names no tree anyone can check out)."""
+    try:
+        commit = _git("rev-parse", "--short", "HEAD")
+        dirty = _git("status", "--porcelain", "--", "packstore", "tools")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")

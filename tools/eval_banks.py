@@ -32,7 +32,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,8 +48,8 @@ from packstore.kv.synthetic import synthetic_facts  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import logger, machine_description, source_description  # noqa: E402
-from evallib import REPO, frozen_split, grouped_bars, load_rows, markdown_table  # noqa: E402
+from benchlib import logger, machine_description, source_commit, source_description  # noqa: E402
+from evallib import REPO, frozen_split, grouped_bars, jsonl_appender, load_rows, markdown_table, mean_interval, read_jsonl  # noqa: E402
 from second_facts import second_facts  # noqa: E402
 from third_facts import THIRD_SEED, third_facts  # noqa: E402
 
@@ -59,6 +59,8 @@ MODES = ("hybrid", "dense", "flat", "lexical")
 EMBEDDERS = ("all-minilm-l6-v2", "all-mpnet-base-v2")
 SECOND_SEED = 7  # the second generator's seed for evaluation (docs/evaluation.md says what was seen of it)
 log = logger("eval_banks")
+CONFIGURATION = ("dataset", "embedder", "vectors", "mode")  # what a question record's summary row is keyed by
+BANK_FIELDS = ("facts", "clusters", "build_s", "bytes_per_fact")  # the bank's, repeated in each of its question records
 
 
 @dataclass(frozen=True)
@@ -106,38 +108,50 @@ def percentile_ms(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values) * 1000, q))
 
 
-def measure(store: LmdbStore, bank: str, dataset: Dataset, embedder, mode: str, clusters: int) -> dict:
-    """Route every question alone; top-1 and top-5 shares and wall-clock latency per route call."""
+def measure(store: LmdbStore, bank: str, dataset: Dataset, embedder, mode: str, clusters: int) -> tuple[dict, list[dict]]:
+    """Route every question alone, timed wall-clock: the summary (top-1 and top-5 shares, p50 / p95 ms) and one record
+    per question (its index in the dataset, the answering fact's rank among the five returned or None, the ms)."""
     probe = clusters if mode == "flat" else None
     route_mode = "dense" if mode == "flat" else mode
     route(store, bank, [dataset.questions[0][0]], embedder, mode=route_mode, probe=probe)  # warm: caches, first-call costs
-    first = five = 0
-    latencies = []
-    for question, fact in dataset.questions:
+    records = []
+    for index, (question, fact) in enumerate(dataset.questions):
         started = time.perf_counter()
         found = route(store, bank, [question], embedder, top_k=5, mode=route_mode, probe=probe)[0]
-        latencies.append(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
         texts = [text for text, _ in found.facts]
-        first += bool(texts) and texts[0] == fact.strip()
-        five += fact.strip() in texts
-    n = len(dataset.questions)
+        records.append({"question": index, "rank": texts.index(fact.strip()) if fact.strip() in texts else None, "ms": seconds * 1000})
+    return summarize(records), records
+
+
+def summarize(records: Sequence[dict]) -> dict:
+    """Top-1 and top-5 shares with 95 % intervals, and latency percentiles, of one configuration's question records."""
+    first = [float(r["rank"] == 0) for r in records]
+    five = [float(r["rank"] is not None) for r in records]
+    latencies = [r["ms"] / 1000 for r in records]
+    top1, top5 = mean_interval(first), mean_interval(five)
     return {
-        "questions": n,
-        "top1": first / n,
-        "top5": five / n,
+        "questions": len(records),
+        "top1": top1.mean,
+        "top1_ci": [top1.low, top1.high],
+        "top5": top5.mean,
+        "top5_ci": [top5.low, top5.high],
         "p50_ms": percentile_ms(latencies, 50),
         "p95_ms": percentile_ms(latencies, 95),
     }
 
 
 def evaluate(
-    datasets: Sequence[Dataset], embedders: Sequence[str], modes: Sequence[str], scratch: Path, vector_kinds: Sequence[str] = ("fp16",)
+    datasets: Sequence[Dataset], embedders: Sequence[str], modes: Sequence[str], scratch: Path, vector_kinds: Sequence[str] = ("fp16",),
+    keep: Callable[[dict], None] = lambda record: None,
 ) -> list[dict]:
-    """One row per dataset x embedder x vector storage x mode; a bank is built once per fact set, embedder and storage."""
+    """One row per dataset x embedder x vector storage x mode; a bank is built once per fact set, embedder and storage.
+    Each question's record (``measure``), with its configuration and the commit, goes to ``keep``."""
     groups: dict[tuple[str, ...], list[Dataset]] = {}
     for dataset in datasets:
         groups.setdefault(tuple(dataset.facts), []).append(dataset)
     rows = []
+    commit = source_commit()
     for spec, vectors in ((spec, vectors) for spec in embedders for vectors in vector_kinds):
         embedder = BANK_CACHE.embedder(spec)
         with LmdbStore(scratch / f"{spec}-{vectors}") as store:
@@ -154,10 +168,25 @@ def evaluate(
                 log(f"{spec} {vectors}: built {members[0].name} ({meta.facts} facts) in {about['build_s']:.1f} s")
                 for dataset in members:
                     for mode in modes:
-                        result = measure(store, "eval", dataset, embedder, mode, meta.clusters)
-                        rows.append({"dataset": dataset.name, "embedder": spec, "mode": mode} | about | result)
+                        result, records = measure(store, "eval", dataset, embedder, mode, meta.clusters)
+                        configuration = {"dataset": dataset.name, "embedder": spec, "mode": mode} | about
+                        rows.append(configuration | result)
+                        for record in records:
+                            keep({"commit": commit} | configuration | record)
                         log(f"{spec} {vectors} {dataset.name} {mode}: top1 {result['top1']:.3f} top5 {result['top5']:.3f} p95 {result['p95_ms']:.1f} ms")
                 store.delete_bank("eval")
+    return rows
+
+
+def rows_from_records(records: Sequence[dict]) -> list[dict]:
+    """The summary rows of a run's question records (``OUT/questions.jsonl``), in the order the run made them."""
+    configurations: dict[tuple, list[dict]] = {}
+    for record in records:
+        configurations.setdefault(tuple(record[name] for name in CONFIGURATION), []).append(record)
+    rows = []
+    for members in configurations.values():
+        about = {name: members[0][name] for name in CONFIGURATION + BANK_FIELDS + ("commit",)}
+        rows.append(about | summarize(members))
     return rows
 
 
@@ -171,22 +200,29 @@ def sweep(weights: Sequence[float], scratch: Path, questions: int) -> list[dict]
             meta = build_bank(store, f"s{index}", dataset.facts, embedder)
             for weight in weights:
                 bank_module.LEXICAL_WEIGHT = weight
-                result = measure(store, f"s{index}", dataset, embedder, "hybrid", meta.clusters)
+                result, _ = measure(store, f"s{index}", dataset, embedder, "hybrid", meta.clusters)
                 rows.append({"dataset": dataset.name, "lexical_weight": weight} | result)
                 log(f"weight {weight}: {dataset.name} top1 {result['top1']:.3f} top5 {result['top5']:.3f}")
     return rows
 
 
 def table(rows: Sequence[dict]) -> str:
-    headers = ["data", "embedder", "vectors", "mode", "facts", "top-1 %", "top-5 %", "p50 ms", "p95 ms", "build s", "bytes / fact"]
+    """The results table: one line per configuration, shares with their 95 % intervals where the run recorded them."""
+    headers = ["data", "embedder", "vectors", "mode", "facts", "questions", "top-1 % [95% CI]", "top-5 % [95% CI]", "p50 ms", "p95 ms"]
+    headers += ["build s", "bytes / fact"]
     lines = [
         [
-            r["dataset"], r["embedder"], r.get("vectors", "fp16"), r["mode"], f"{r['facts']:,}", f"{100 * r['top1']:.1f}", f"{100 * r['top5']:.1f}",
-            f"{r['p50_ms']:.1f}", f"{r['p95_ms']:.1f}", f"{r['build_s']:.1f}", f"{r['bytes_per_fact']:.0f}",
+            r["dataset"], r["embedder"], r.get("vectors", "fp16"), r["mode"], f"{r['facts']:,}", f"{r['questions']:,}",
+            _share(r["top1"], r.get("top1_ci")), _share(r["top5"], r.get("top5_ci")), f"{r['p50_ms']:.1f}", f"{r['p95_ms']:.1f}",
+            f"{r['build_s']:.1f}", f"{r['bytes_per_fact']:.0f}",
         ]
         for r in rows
     ]
     return markdown_table(headers, lines, left=4)
+
+
+def _share(value: float, interval: Sequence[float] | None) -> str:
+    return f"{100 * value:.1f}" + (f" [{100 * interval[0]:.1f}, {100 * interval[1]:.1f}]" if interval else "")
 
 
 def sweep_table(rows: Sequence[dict]) -> str:
@@ -219,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--embedders", nargs="+", default=list(EMBEDDERS))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--vectors", nargs="+", default=["fp16"], choices=VECTOR_KINDS, help="fact embedding storage")
-    parser.add_argument("--report-only", action="store_true", help="redo table and plots from OUT/summary.json")
+    parser.add_argument("--report-only", action="store_true", help="redo table and plots from the records, OUT/questions.jsonl")
     parser.add_argument("--no-ckc", action="store_true", help="only the generated banks")
     parser.add_argument("--data", nargs="+", choices=("own", "second", "third"), default=["own", "second"], help="generated data sets")
     parser.add_argument("--second-seed", type=int, default=SECOND_SEED, help="seed of the second generator's facts")
@@ -233,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     about = {"machine": machine_description({}), "source": source_description()}
     if args.report_only:
-        rows = json.loads((args.out / "summary.json").read_text())["rows"]
+        rows = rows_from_records(read_jsonl(args.out / "questions.jsonl"))
         plot(rows, args.figures)
         print(table(rows))
         return 0
@@ -253,7 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         datasets = [makers[kind](size, args.questions) for size in args.sizes for kind in args.data]
         if not args.no_ckc:
             datasets += ckc_datasets()
-        rows = evaluate(datasets, args.embedders, args.modes, Path(scratch), args.vectors)
+        records = args.out / "questions.jsonl"
+        records.unlink(missing_ok=True)  # a run's records are all of one commit
+        rows = evaluate(datasets, args.embedders, args.modes, Path(scratch), args.vectors, jsonl_appender(records))
     text = table(rows)
     (args.out / "summary.json").write_text(json.dumps(about | {"rows": rows}, indent=2) + "\n")
     (args.out / "table.md").write_text(text + "\n")

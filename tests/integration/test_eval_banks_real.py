@@ -29,3 +29,8 @@ def test_eval_banks_small(tmp_path: Path) -> None:
     assert rows["ckc held-out", "hybrid"]["questions"] == 288
     assert all(r["bytes_per_fact"] > 0 and r["p95_ms"] >= r["p50_ms"] for r in rows.values())
     assert {p.name for p in figures.iterdir()} == {"eval_banks_accuracy.png", "eval_banks_latency.png"}
+    records = eval_banks.read_jsonl(out / "questions.jsonl")
+    assert len(records) == sum(r["questions"] for r in rows.values()) and all(r["commit"] for r in records)
+    again = {(r["dataset"], r["mode"]): r for r in eval_banks.rows_from_records(records)}
+    assert {key: (r["top1"], r["top5"]) for key, r in again.items()} == {key: (r["top1"], r["top5"]) for key, r in rows.items()}
+    assert eval_banks.main(argv + ["--report-only"]) == 0  # the table again, from the records alone
