@@ -108,6 +108,11 @@ def summary_row(records: Sequence[dict]) -> list[str]:
     return [first["model"], first["device"], first["dtype"], str(len(records)), *rates]
 
 
+def table(runs: Sequence[Sequence[dict]]) -> str:
+    """The markdown table: one line per run (device and dtype), from each run's question records."""
+    return markdown_table(["model", "device", "dtype", "questions", *MEASURES], [summary_row(records) for records in runs], left=3)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="model alias or local Hugging Face directory")
@@ -129,18 +134,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     groups = pack_groups(held_out, per_pack, questions)
     sampling = Sampling(max_new_tokens=max_new_tokens)
     device = args.device or str(default_device())
-    rows = []
+    runs = []
     for dtype in args.dtypes:
         started = time.perf_counter()
         lm = load_model(args.model, device=device, dtype=dtype, progress=False)
         with tempfile.TemporaryDirectory(prefix="eval-exactness-") as scratch, LmdbStore(Path(scratch) / "store") as store:
             records = evaluate(lm, groups, sampling, store)[:questions]
         write_jsonl(args.out / f"{lm.device.type}-{dtype}.json", records)
-        rows.append(summary_row(records))
+        runs.append(records)
         log(f"{dtype}: {len(records)} questions in {time.perf_counter() - started:.0f} s")
         del lm
-    headers = ["model", "device", "dtype", "questions", *MEASURES]
-    print(markdown_table(headers, rows, left=3))
+    print(table(runs))
     print(f"\n{max_new_tokens} new tokens, packs of {per_pack} held-out ckc paragraphs; {machine_description({})}; {source_description()}")
     return 0
 

@@ -649,6 +649,8 @@ TABLE_SETS = {
     "keys": ("The key-arithmetic control", ["sentiment +0", "sentiment +1", "keys +0.5", "keys +1", "keys +2", "both +1"]),
 }
 
+FOOD_CONDITIONS = ["sentiment +0", "food +1", "food +2", "food +3", "sentiment +1 food +1", "sentiment +2 food +2"]  # Table 8's food rows
+
 
 def write_report(generations: list[dict], dual_records: list[dict], cosines: list[dict], out: Path, figures: Path, about: dict) -> str:
     summary = summarize_generations(generations)
@@ -656,7 +658,7 @@ def write_report(generations: list[dict], dual_records: list[dict], cosines: lis
     sections = [f"### {title}\n\n{generation_table(summary, names)}" for title, names in TABLE_SETS.values()]
     sections.append(
         "### Two directions (Table 8)\n\n"
-        + generation_table(summary, ["sentiment +0", "food +1", "food +2", "food +3", "sentiment +1 food +1", "sentiment +2 food +2"], effect="food_any")
+        + generation_table(summary, FOOD_CONDITIONS, effect="food_any")
         + "\n\n"
         + retained_table(summary)
         + "\n\n"
