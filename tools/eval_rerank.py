@@ -131,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lm-questions", type=int, default=60, help="questions per data set for the (slow) language-model stage")
     parser.add_argument("--lm", default="smollm2-135m", help="the language model that scores candidates")
     parser.add_argument("--size", type=int, default=5000, help="facts per generated bank")
+    parser.add_argument("--data", nargs="+", choices=("own", "second", "ckc"), default=["own", "second", "ckc"], help="tuning data sets")
     parser.add_argument("--report-only", action="store_true", help="print the table from OUT/questions.jsonl")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "eval_rerank")
     parser.add_argument("--threads", type=int, default=1)
@@ -144,7 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         embedder = BANK_CACHE.embedder(EMBEDDERS[0])
         stages = [("late", late_scorer(embedder), args.late_candidates, args.questions)]
         stages.append(("lm", lm_scorer(args.lm), args.lm_candidates, args.lm_questions))
-        datasets = [own_dataset(args.size, args.questions), second_dataset(args.size, args.questions), ckc_datasets()[0]]
+        makers = {"own": own_dataset, "second": second_dataset, "ckc": lambda size, questions: ckc_datasets()[0]}
+        datasets = [makers[name](args.size, args.questions) for name in args.data]
         with tempfile.TemporaryDirectory(prefix="eval-rerank-") as scratch, LmdbStore(Path(scratch) / "store") as store:
             for number, dataset in enumerate(datasets):
                 build_bank(store, f"b{number}", dataset.facts, embedder)
