@@ -61,6 +61,11 @@ def _eval_banks(out: Path) -> str:
     return eval_banks.table(eval_banks.rows_from_records(read_jsonl(out / "questions.jsonl")))
 
 
+def _eval_rerank(out: Path) -> str:
+    eval_rerank = _tool("eval_rerank")
+    return eval_rerank.table(read_jsonl(out / "questions.jsonl"))
+
+
 def _eval_packs(out: Path) -> str:
     eval_packs = _tool("eval_packs")
     return eval_packs.table(eval_packs.summarize(read_jsonl(out / "questions.jsonl")))
@@ -128,6 +133,7 @@ def _steering_set(name: str) -> Callable[[ModuleType], Sequence[str]]:
 
 GENERATORS: dict[str, Generator] = {
     "eval_banks": Generator(("questions.jsonl",), _eval_banks),
+    "eval_rerank": Generator(("questions.jsonl",), _eval_rerank),
     "eval_packs": Generator(("questions.jsonl",), _eval_packs),
     "eval_bank_answers": Generator(("questions.jsonl",), _eval_bank_answers),
     **{f"eval_compose-{part}": Generator((f"{part}.jsonl",), _eval_compose(part)) for part in ("accumulation", "modes", "timing", "errata")},

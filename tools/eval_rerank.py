@@ -11,8 +11,8 @@ download their weights at run time), so the two second stages that load offline 
   likelihood rerankers do, for the top ``--lm-candidates`` facts.
 
 Each stage's score is added to the route's hybrid score with a weight from ``WEIGHTS`` (a very large weight is the
-stage alone). Data: the own generator's and the second generator's 5,000-fact banks and the ckc tuning half (never the
-held-out half, never the third generator). Records: OUT/questions.jsonl (per question and stage: the answering fact's
+stage alone). Data (``--data``): the own generator's and the second generator's 5,000-fact banks and the ckc tuning half
+(never the held-out half, never the third generator). Records: OUT/questions.jsonl (per question and stage: the answering fact's
 rank before and after at each weight, the stage's ms), OUT/table.md.
 
     HF_HUB_OFFLINE=1 .venv/bin/python tools/eval_rerank.py [--lm-questions 60] [--out results/eval_rerank]
@@ -125,7 +125,7 @@ def table(records: Sequence[dict]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--questions", type=int, default=400, help="questions per generated bank (ckc: all 312 tuning ones)")
+    parser.add_argument("--questions", type=int, default=400, help="questions per data set (the first ones; ckc has 312 tuning questions)")
     parser.add_argument("--late-candidates", type=int, default=20)
     parser.add_argument("--lm-candidates", type=int, default=5)
     parser.add_argument("--lm-questions", type=int, default=60, help="questions per data set for the (slow) language-model stage")
