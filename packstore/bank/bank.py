@@ -16,7 +16,7 @@ import torch
 from packstore.bank.embedder import Embedder, load_embedder
 from packstore.bank.lexical import LEXICAL_KIND, LexicalIndex
 from packstore.errors import InvalidInput, PackMismatch, StoreBusy
-from packstore.format.bank import VECTOR_KINDS, BankMeta, Cluster, quantize
+from packstore.format.bank import DEFAULT_VECTORS, VECTOR_KINDS, BankMeta, Cluster, quantize
 from packstore.store.bank_records import StoredBanks
 from packstore.store.lmdb.banks import BankChanged
 from packstore.store.protocol import (
@@ -130,7 +130,7 @@ def _group(ids: np.ndarray, vectors: np.ndarray, texts: list[str], assignment: n
 
 
 def build_bank(
-    store: BankTables, name: str, facts: Sequence[str], embedder: Embedder, *, vectors: str = "fp16", progress: bool = False
+    store: BankTables, name: str, facts: Sequence[str], embedder: Embedder, *, vectors: str = DEFAULT_VECTORS, progress: bool = False
 ) -> BankMeta:
     """Embed every fact, cluster into about N/20 clusters, and store the bank (replacing one of that name).
 
@@ -380,7 +380,7 @@ class LocalBanks(StoredBanks):
         self.cache = cache if cache is not None else BankCache()
 
     def build(
-        self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, vectors: str = "fp16", progress: bool = False
+        self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, vectors: str = DEFAULT_VECTORS, progress: bool = False
     ) -> BankMeta:
         return build_bank(self.store, name, facts, self.cache.embedder(embedder), vectors=vectors, progress=progress)
 

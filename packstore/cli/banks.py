@@ -11,7 +11,7 @@ from packstore.answering.facts import read_facts, read_items
 from packstore.cli.common import EXIT_ERROR, CommandLine, emit_json, global_options
 from packstore.cli.shared import progress, store_of
 from packstore.errors import InvalidInput
-from packstore.format.bank import VECTOR_KINDS
+from packstore.format.bank import DEFAULT_VECTORS, VECTOR_KINDS
 from packstore.security.trust import SigningKey, TrustedKeys
 from packstore.store.protocol import DEFAULT_TOP_K, MIN_PROBE, PROBED_SHARE, ROUTE_MODES
 
@@ -103,8 +103,8 @@ def add_commands(cli: CommandLine) -> None:
         help="all-minilm-l6-v2 (default), all-mpnet-base-v2, or a local sentence-transformers directory; recorded in the bank",
     )
     p.add_argument(
-        "--vectors", choices=VECTOR_KINDS, default="fp16",
-        help="store fact embeddings as fp16 (default) or int8 with a scale per fact (half the bytes)",
+        "--vectors", choices=VECTOR_KINDS, default=DEFAULT_VECTORS,
+        help="store fact embeddings as int8 with a scale per fact (default) or fp16 (about 380 bytes a fact more, no measured gain)",
     )
     p = sub.add_parser("add", parents=common, help="add a facts file to bank N without re-clustering")
     p.add_argument("name", metavar="N")

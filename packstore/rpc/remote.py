@@ -19,6 +19,7 @@ import grpc
 
 from packstore.errors import LimitExceeded, PackNotFound, PackstoreError, Unauthenticated
 from packstore.format import EncodedPack, PackHeader
+from packstore.format.bank import DEFAULT_VECTORS
 from packstore.format.body import chunks_for
 from packstore.rpc.bulk import ReceiveBuffers, bulk_chunks, connect, connect_local, first_frame
 from packstore.rpc.channel import Connection, GrpcClient
@@ -305,7 +306,9 @@ class RemoteBanks:
 
         return bank_meta(self.store._call(lambda: rpc(batches(), timeout=self.store.timeout)))[0]
 
-    def build(self, name: str, facts: list[str], embedder: str = DEFAULT_EMBEDDER, *, vectors: str = "fp16", progress: bool = False):
+    def build(
+        self, name: str, facts: list[str], embedder: str = DEFAULT_EMBEDDER, *, vectors: str = DEFAULT_VECTORS, progress: bool = False
+    ):
         return self._upload(self.store._stub.BuildBank, name, list(facts), embedder, vectors)
 
     def add(self, name: str, facts: list[str], embedder: str | None = None, *, progress: bool = False):

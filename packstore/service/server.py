@@ -13,6 +13,7 @@ import grpc
 from packstore.bank.bank import BankCache, LocalBanks
 from packstore.errors import InvalidInput, LimitExceeded, PackstoreError
 from packstore.format import PackHeader
+from packstore.format.bank import DEFAULT_VECTORS
 from packstore.format.body import chunks_for
 from packstore.format.signature import Signature
 from packstore.packs.reader import PackReader, verified_chunks
@@ -320,7 +321,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
         with self._call("BuildBank", context) as call:
             name, embedder, vectors, facts = self._bank_stream(request_iterator)
             call["bank"] = name
-            meta = self._banks(call.store).build(name, facts, embedder or DEFAULT_EMBEDDER, vectors=vectors or "fp16")
+            meta = self._banks(call.store).build(name, facts, embedder or DEFAULT_EMBEDDER, vectors=vectors or DEFAULT_VECTORS)
             return bank_info(meta, call.store.bank_stored_bytes(name))
 
     def AddFacts(self, request_iterator: Iterator[store_pb2.BankFacts], context: grpc.ServicerContext) -> store_pb2.BankInfo:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from packstore.errors import AmbiguousRef, InvalidInput, PackNotFound
+from packstore.format.bank import DEFAULT_VECTORS
 from packstore.format.chunks import Buffer, ChunkSource
 from packstore.store.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
 
@@ -91,7 +92,7 @@ class BankStore(BankRecordStore, Protocol):
     """Fact banks: build, extend and route besides the records. Embedders are named by specifier."""
 
     def build(
-        self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, vectors: str = "fp16", progress: bool = False
+        self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, vectors: str = DEFAULT_VECTORS, progress: bool = False
     ) -> BankMeta:
         """Embed, cluster and index ``facts`` into bank ``name`` (replacing one); embeddings stored as ``vectors``."""
 

@@ -15,7 +15,7 @@ from packstore.bank.bank import MIN_PROBE, add_facts, build_bank, default_probe,
 from packstore.bank.embedder import load_embedder, resolve_embedder_dir
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch, PackNotFound
-from packstore.format.bank import encode_centroids, encode_cluster, encode_lexical
+from packstore.format.bank import DEFAULT_VECTORS, encode_centroids, encode_cluster, encode_lexical
 from packstore.kv.synthetic import synthetic_facts
 from packstore.store import LmdbStore
 
@@ -291,14 +291,14 @@ def test_damaged_lexical_index_is_detected_and_a_bank_without_one_routes_dense(t
         assert route(store, "b", ["Ekkerwal"], embedder, mode="lexical")[0].facts[0][0].startswith("The foundry Ekkerwal")
 
 
-def test_int8_vectors_halve_the_embedding_bytes_and_route_alike(bank_store, tmp_path: Path, embedder) -> None:
+def test_int8_vectors_the_default_halve_the_embedding_bytes_of_fp16_and_route_alike(bank_store, tmp_path: Path, embedder) -> None:
     facts = [s.fact for s in synthetic_facts(N)]
     with LmdbStore(tmp_path / "s") as store:
-        meta = build_bank(store, "q", facts, embedder, vectors="int8")
-        assert meta.vectors == "int8" and bank_store.bank("synthetic").vectors == "fp16"
-        saved = bank_store.bank_stored_bytes("synthetic") - store.bank_stored_bytes("q")
+        meta = build_bank(store, "q", facts, embedder, vectors="fp16")
+        assert meta.vectors == "fp16" and bank_store.bank("synthetic").vectors == "int8" == DEFAULT_VECTORS
+        saved = store.bank_stored_bytes("q") - bank_store.bank_stored_bytes("synthetic")
         assert abs(saved - N * (384 - 2)) < 0.02 * N * 384  # 2 bytes a dimension -> 1, plus a 2-byte scale a fact
-        cluster = next(iter(store.bank_clusters("q", [0]).values()))
+        cluster = next(iter(bank_store.bank_clusters("synthetic", [0]).values()))
         assert cluster.embeddings.dtype == np.int8 and cluster.scales.shape == (len(cluster.texts),)
         exact = embedder.embed(cluster.texts)
         assert np.abs(cluster.vectors() - exact).max() < 0.01
@@ -306,8 +306,9 @@ def test_int8_vectors_halve_the_embedding_bytes_and_route_alike(bank_store, tmp_
         for kind_store, bank in ((store, "q"), (bank_store, "synthetic")):
             routed = route(kind_store, bank, [c.query for c in cases], embedder, top_k=1, mode="dense")
             assert sum(r.facts[0][0] == c.fact for r, c in zip(routed, cases)) / len(cases) >= 0.75
+        build_bank(store, "r", facts[:40], embedder)
         added = "The orchard Vexmoriel in Lake Vesper was planted by Odo Brank in 1701."
-        assert add_facts(store, "q", [added], embedder).vectors == "int8"
-        assert route(store, "q", ["Who planted Vexmoriel?"], embedder, top_k=1)[0].facts[0][0] == added
+        assert add_facts(store, "r", [added], embedder).vectors == "int8"
+        assert route(store, "r", ["Who planted Vexmoriel?"], embedder, top_k=1)[0].facts[0][0] == added
         with pytest.raises(InvalidInput, match="unknown vector storage 'int4'"):
             build_bank(store, "bad", facts[:5], embedder, vectors="int4")

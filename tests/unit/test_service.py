@@ -302,10 +302,10 @@ def test_banks_over_the_service(server, remote) -> None:
     assert all(len(r.clusters) == 5 for r in banks.route("remote-bank", [cases[0].query], mode="dense"))  # the default probe
     assert banks.add("remote-bank", ["The mill Xyloquent was built by Ferro."]).facts == 121
     assert banks.route("remote-bank", ["Xyloquent"], top_k=1, mode="lexical")[0].facts[0][0] == "The mill Xyloquent was built by Ferro."
-    assert banks.list()[0][0].lexical == "bm25s/en/snowball" and banks.list()[0][0].vectors == "fp16"
-    assert banks.build("remote-int8", [c.fact for c in cases[:40]], vectors="int8").vectors == "int8"
-    assert banks.add("remote-int8", ["The kiln Ostravel was fired by Mira."]).vectors == "int8"
-    banks.delete("remote-int8")
+    assert banks.list()[0][0].lexical == "bm25s/en/snowball" and banks.list()[0][0].vectors == "int8"  # the default
+    assert banks.build("remote-fp16", [c.fact for c in cases[:40]], vectors="fp16").vectors == "fp16"
+    assert banks.add("remote-fp16", ["The kiln Ostravel was fired by Mira."]).vectors == "fp16"
+    banks.delete("remote-fp16")
     assert [m.name for m, _ in banks.list()] == ["remote-bank"] and banks.stored_bytes("remote-bank") / 121 < 1024
     stub = stub_for(server)
     with pytest.raises(grpc.RpcError) as info:
