@@ -90,7 +90,6 @@ def _rank(texts: Sequence[str], scores: np.ndarray, fact: str) -> int | None:
 
 def trial(store: LmdbStore, bank: str, dataset: Dataset, embedder, stage: str, scorer, candidates: int, questions: int, keep) -> None:
     """Route each question for ``candidates`` facts, rescore them with ``scorer``, keep one record per question."""
-    commit = source_commit()
     for index, (question, fact) in enumerate(dataset.questions[:questions]):
         found = route(store, bank, [question], embedder, top_k=candidates)[0]
         texts, hybrid = [t for t, _ in found.facts], np.array([s for _, s in found.facts], dtype=np.float64)
@@ -99,7 +98,7 @@ def trial(store: LmdbStore, bank: str, dataset: Dataset, embedder, stage: str, s
         seconds = time.perf_counter() - started
         after = {f"{weight:g}": _rank(texts, hybrid + weight * extra, fact.strip()) for weight in WEIGHTS}
         keep(
-            {"commit": commit, "dataset": dataset.name, "stage": stage, "candidates": candidates, "question": index,
+            {"dataset": dataset.name, "stage": stage, "candidates": candidates, "question": index,
              "rank_before": _rank(texts, hybrid, fact.strip()), "rank_after": after, "ms": seconds * 1000}
         )
 
@@ -141,7 +140,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.report_only:
         args.out.mkdir(parents=True, exist_ok=True)
         records.unlink(missing_ok=True)
-        keep = jsonl_appender(records)
+        commit, append = source_commit(), jsonl_appender(records)  # the commit once: a run's records are all of one tree
+
+        def keep(record: dict) -> None:
+            append({"commit": commit} | record)
+
         embedder = BANK_CACHE.embedder(EMBEDDERS[0])
         stages = [("late", late_scorer(embedder), args.late_candidates, args.questions)]
         stages.append(("lm", lm_scorer(args.lm), args.lm_candidates, args.lm_questions))

@@ -107,15 +107,15 @@ def render(tokenizer: Any, facts: Sequence[str], question: str, *, raw: bool = F
     else:
         probe = conversation_text(tokenizer, facts, QUESTION_SENTINEL, raw=raw)  # the text a pack of these facts holds
         question_start = _sentinel_at(probe)
-        if history and not text.startswith(probe[:question_start]):
+        if not text.startswith(probe[:question_start]):
+            if not history:
+                raise InvalidInput("the chat template renders the text before the question differently per question")
             roles = ", ".join(role for role, _ in history)
             raise InvalidInput(
                 f"the chat template cannot place these earlier turns ({roles}) after the facts: it changes the text before "
                 "the first turn (a system message, or a first turn not from the user, has no place there in this template); "
                 "put instructions in the user message, or begin the history with a user turn"
             )
-        if not text.startswith(probe[:question_start]):
-            raise InvalidInput("the chat template renders the text before the question differently per question")
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     prefix = 0
     for _, end in encoding["offset_mapping"]:

@@ -53,8 +53,7 @@ def _message_text(message: object, index: int) -> tuple[str, str]:
     where = f"messages[{index}]"
     if not isinstance(message, dict) or message.get("role") not in ROLES:
         raise _refuse(f"{where} must be an object with role system, developer, user or assistant", "messages")
-    if set(message) - {"role", "content", "name"}:
-        extra = ", ".join(sorted(set(message) - {"role", "content", "name"}))
+    if extra := ", ".join(sorted(set(message) - {"role", "content", "name"})):
         raise _refuse(f"{where} has fields this API does not support ({extra}): tool calls are not implemented", "messages")
     content = message.get("content")
     if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text" for part in content):
