@@ -12,7 +12,9 @@ Each question is answered four ways, greedy, ``--max-new-tokens`` tokens:
 Prompt tokens count the tokens prefilled per question: (e) prefills only the question's turn.
 The retrieval share (gold paragraph among the routed ones) is reported too. By default the
 held-out half of the frozen split is asked (tools/ckc_split.json); ``--rows all`` asks all 600.
-Outputs: OUT/questions.jsonl, OUT/summary.json, OUT/table.md, and a PNG in ``--figures``.
+``--prompt`` and the three metrics are as in tools/eval_packs.py. Outputs: OUT/questions.jsonl (one
+record per question, appended as it is scored, so a stopped run resumes; ``--fresh`` starts over),
+OUT/summary.json, OUT/table.md, and a PNG in ``--figures``; ``--report-only`` redoes the last three.
 
     HF_HUB_OFFLINE=1 .venv/bin/python tools/eval_bank_answers.py [--models smollm2-135m] [--limit N]
 """
@@ -25,7 +27,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,10 +41,24 @@ from packstore.store import LmdbStore  # noqa: E402
 from packstore.store.protocol import DEFAULT_TOP_K  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import logger, machine_description, source_description  # noqa: E402
+from benchlib import logger, machine_description, source_commit, source_description  # noqa: E402
 from eval_packs import answer_without_knowledge, scored  # noqa: E402
-from evallib import REPO, frozen_split, grouped_bars, load_rows, markdown_table, mean_interval, write_jsonl  # noqa: E402
-from packstore.bank.bank import open_banks
+from evallib import (  # noqa: E402
+    METRICS,
+    PROMPTS,
+    REPO,
+    asked,
+    frozen_split,
+    grouped_bars,
+    jsonl_appender,
+    load_rows,
+    markdown_table,
+    metric_headers,
+    metric_intervals,
+    read_jsonl,
+    resumed_records,
+)
+from packstore.bank.bank import open_banks  # noqa: E402
 
 CONDITIONS = {
     "none": "(a) no knowledge",
@@ -53,19 +69,27 @@ CONDITIONS = {
 log = logger("eval_bank_answers")
 
 
-def evaluate(lm, rows, store: LmdbStore, sampling: Sampling, top_k: int) -> list[dict]:
-    """One record per row: the four conditions' answers and scores, the routed paragraphs, divergence."""
+def evaluate(
+    lm, rows, store: LmdbStore, sampling: Sampling, top_k: int, *, prompt: str = "short", on_record: Callable[[dict], None] | None = None
+) -> list[dict]:
+    """One record per row: the four conditions' answers and scores, the routed paragraphs, divergence.
+
+    ``on_record`` sees each record as soon as its row is scored (the CLI appends it to questions.jsonl)."""
     answerer = Answerer(lm, store)
     records = []
+    commit = source_commit()
     started = time.perf_counter()
     for index, row in enumerate(rows, 1):
-        none = answer_without_knowledge(lm, row.question, sampling)
-        gold = answer_with_text(lm, [row.context], row.question, sampling=sampling)
-        banked = answerer.ask(Question(row.question, bank="ckc", top_k=top_k, compare_rag=True, sampling=sampling))
+        question = asked(row.question, prompt)
+        none = answer_without_knowledge(lm, question, sampling)
+        gold = answer_with_text(lm, [row.context], question, sampling=sampling)
+        banked = answerer.ask(Question(question, bank="ckc", top_k=top_k, compare_rag=True, sampling=sampling))
         records.append(
             {
                 "model": lm.name,
                 "id": row.id,
+                "commit": commit,
+                "prompt": prompt,
                 "question": row.question,
                 "answers": list(row.answers),
                 "gold_routed": row.context.strip() in banked.facts,
@@ -79,6 +103,8 @@ def evaluate(lm, rows, store: LmdbStore, sampling: Sampling, top_k: int) -> list
                 },
             }
         )
+        if on_record is not None:
+            on_record(records[-1])
         if index % 10 == 0 or index == len(rows):
             log(f"{lm.name}: {index}/{len(rows)} rows, {(time.perf_counter() - started) / index:.2f} s/row")
     return records
@@ -93,11 +119,8 @@ def summarize(records: Sequence[dict]) -> dict:
             "divergences": sum(r["divergent"] for r in mine),
             "gold_routed": sum(r["gold_routed"] for r in mine) / len(mine),
             "conditions": {
-                c: {
-                    "em": mean_interval([r["conditions"][c]["em"] for r in mine]),
-                    "f1": mean_interval([r["conditions"][c]["f1"] for r in mine]),
-                    "prompt_tokens": sum(r["conditions"][c]["prompt_tokens"] for r in mine) / len(mine),
-                }
+                c: metric_intervals([r["conditions"][c]["answer"] for r in mine], [r["answers"] for r in mine])
+                | {"prompt_tokens": sum(r["conditions"][c]["prompt_tokens"] for r in mine) / len(mine)}
                 for c in CONDITIONS
             },
         }
@@ -106,7 +129,13 @@ def summarize(records: Sequence[dict]) -> dict:
 
 def table(summary: dict, top_k: int) -> str:
     lines = [
-        [model, label, str(r["questions"]), r["conditions"][c]["em"].percent(), r["conditions"][c]["f1"].percent(), f"{r['conditions'][c]['prompt_tokens']:.1f}"]
+        [
+            model,
+            label,
+            str(r["questions"]),
+            *(r["conditions"][c][m].percent() for m in METRICS),
+            f"{r['conditions'][c]['prompt_tokens']:.1f}",
+        ]
         for model, r in summary.items()
         for c, label in CONDITIONS.items()
     ]
@@ -115,52 +144,73 @@ def table(summary: dict, top_k: int) -> str:
         f"divergences (e) vs (f): {r['divergences']} of {r['questions']}"
         for model, r in summary.items()
     ]
-    headers = ["model", "condition", "questions", "EM % [95% CI]", "F1 % [95% CI]", "prompt tokens / question"]
+    headers = ["model", "condition", "questions", *metric_headers(), "prompt tokens / question"]
     return markdown_table(headers, lines, left=2) + "\n\n" + "\n".join(notes)
+
+
+def write_report(records: Sequence[dict], out: Path, figures: Path, about: dict) -> str:
+    """Write summary.json, table.md and the figure from ``records``; returns the markdown table."""
+    summary = summarize(records)
+    text = table(summary, about["top_k"])
+    (out / "summary.json").write_text(json.dumps(about | {"models": summary}, indent=2, default=lambda i: i.__dict__) + "\n")
+    (out / "table.md").write_text(text + "\n")
+    counts = ", ".join(f"{m} n={r['questions']}" for m, r in summary.items())
+    grouped_bars(
+        figures / "eval_bank_answers.png",
+        {
+            name: {m: {CONDITIONS[c]: r["conditions"][c][metric] for c in CONDITIONS} for m, r in summary.items()}
+            for metric, name in METRICS.items()
+        },
+        title=f"ckc answers with a bank of all 600 paragraphs, top {about['top_k']} routed ({counts})",
+        ylabel="score (0-1)",
+    )
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["smollm2-135m"])
+    parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
     parser.add_argument("--rows", choices=("held-out", "all"), default="held-out")
     parser.add_argument("--limit", type=int, default=None, help="only the first N of those rows")
     parser.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="paragraphs routed per question (as ask --bank)")
     parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--prompt", choices=tuple(PROMPTS), default="short", help="what follows each question (evallib.PROMPTS)")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "eval_bank_answers")
     parser.add_argument("--figures", type=Path, default=REPO / "docs" / "figures")
+    parser.add_argument("--report-only", action="store_true", help="redo table, summary and figure from OUT/questions.jsonl")
+    parser.add_argument("--fresh", action="store_true", help="discard OUT/questions.jsonl instead of resuming it")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.report_only:
+        about = json.loads((args.out / "summary.json").read_text())
+        about.pop("models", None)
+        print(write_report(read_jsonl(args.out / "questions.jsonl"), args.out, args.figures, about))
+        return 0
     torch.set_num_threads(args.threads)
     rows = load_rows()
-    asked = (rows if args.rows == "all" else frozen_split(rows)[1])[: args.limit]
+    chosen = (rows if args.rows == "all" else frozen_split(rows)[1])[: args.limit]
     sampling = Sampling(max_new_tokens=args.max_new_tokens)
+    settings = {"rows": args.rows, "top_k": args.top_k, "max_new_tokens": args.max_new_tokens, "prompt": args.prompt}
+    records = resumed_records(args.out, "questions", settings, fresh=args.fresh)
+    keep = jsonl_appender(args.out / "questions.jsonl")
     started = time.perf_counter()
-    records: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="eval-bank-answers-") as scratch, LmdbStore(Path(scratch) / "store") as store:
         open_banks(store).build("ckc", [r.context for r in rows])
         for name in args.models:
             lm = load_model(name, progress=False)
-            records += evaluate(lm, asked, store, sampling, args.top_k)
-    summary = summarize(records)
-    text = table(summary, args.top_k)
-    about = {
-        "rows": args.rows, "questions_per_model": len(asked), "top_k": args.top_k, "max_new_tokens": args.max_new_tokens,
-        "wall_seconds": round(time.perf_counter() - started, 1), "machine": machine_description({}), "source": source_description(),
+            done = {r["id"] for r in records if r["model"] == lm.name}
+            todo = [row for row in chosen if row.id not in done]
+            log(f"{name} loaded; {len(todo)} of {len(chosen)} questions to ask")
+            records += evaluate(lm, todo, store, sampling, args.top_k, prompt=args.prompt, on_record=keep)
+    ids = {row.id for row in chosen}
+    records = [r for r in records if r["id"] in ids]
+    about = settings | {
+        "questions_per_model": len(chosen),
+        "wall_seconds_last_run": round(time.perf_counter() - started, 1),
+        "machine": machine_description({}),
+        "source": source_description(),
     }
-    write_jsonl(args.out / "questions.jsonl", records)
-    (args.out / "summary.json").write_text(json.dumps(about | {"models": summary}, indent=2, default=lambda i: i.__dict__) + "\n")
-    (args.out / "table.md").write_text(text + "\n")
-    counts = ", ".join(f"{m} n={r['questions']}" for m, r in summary.items())
-    grouped_bars(
-        args.figures / "eval_bank_answers.png",
-        {
-            metric.upper(): {m: {CONDITIONS[c]: r["conditions"][c][metric] for c in CONDITIONS} for m, r in summary.items()}
-            for metric in ("em", "f1")
-        },
-        title=f"ckc answers with a bank of all 600 paragraphs, top {args.top_k} routed ({counts})",
-        ylabel="score (0-1)",
-    )
-    print(text)
+    print(write_report(records, args.out, args.figures, about))
     return 0
 
 

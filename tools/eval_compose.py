@@ -63,19 +63,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, median, source_description, timed  # noqa: E402
 from eval_packs import scored  # noqa: E402
 from evallib import (  # noqa: E402
+    METRICS,
     REPO,
     Interval,
     Row,
-    exact_match,
+    contains_answer,
     frozen_split,
+    gold_answers,
     grouped_bars,
     jsonl_appender,
     load_rows,
     markdown_table,
     mean_interval,
+    metric_headers,
+    metric_intervals,
     normalize,
     parts_type,
     read_jsonl,
+    resumed_records,
 )
 
 MODELS = ("smollm2-135m", "gemma3-270m")
@@ -137,10 +142,10 @@ def _replacement(row: Row, original: str, pool: Sequence[Row], seed: int) -> str
         if (
             normalize(candidate)
             and any(c.isdigit() for c in candidate) == has_digit
-            and not exact_match(candidate, [original])
-            and not exact_match(original, [candidate])
-            and not exact_match(row.context, [candidate])
-            and not exact_match(row.question, [candidate])
+            and not contains_answer(candidate, [original])
+            and not contains_answer(original, [candidate])
+            and not contains_answer(row.context, [candidate])
+            and not contains_answer(row.question, [candidate])
         ):
             return candidate
     return None
@@ -179,7 +184,7 @@ def errata_cases(rows: Sequence[Row], pool: Sequence[Row], count: int, seed: int
 
 def follows(answer: str, case: ErratumCase) -> str:
     """Which of the two answers ``answer`` gives: a key of FOLLOWS."""
-    new, old = exact_match(answer, [case.replacement]), exact_match(answer, [case.original])
+    new, old = contains_answer(answer, [case.replacement]), contains_answer(answer, [case.original])
     return "both" if new and old else "erratum" if new else "original" if old else "neither"
 
 
@@ -211,21 +216,6 @@ def fraction(values: Iterable[bool]) -> Interval:
 
 
 # ---- results directory: one jsonl per part, resumable ----
-
-
-def part_records(out: Path, part: str, wanted: dict, *, fresh: bool) -> list[dict]:
-    """The records a resumed ``part`` keeps, as in eval_packs.previous_records, with one entry per part in
-    OUT/settings.json: a part is resumed only under the settings it was made with."""
-    out.mkdir(parents=True, exist_ok=True)
-    path, settings_path = out / f"{part}.jsonl", out / "settings.json"
-    settings = json.loads(settings_path.read_text()) if settings_path.exists() else {}
-    if fresh or not path.exists():
-        path.write_text("")
-        settings_path.write_text(json.dumps(settings | {part: wanted}, indent=2) + "\n")
-        return []
-    if settings.get(part) != wanted:
-        raise SystemExit(f"{path} was made with settings {settings.get(part)}, not {wanted}: pass --fresh to start over")
-    return read_records(out, part)
 
 
 def read_records(out: Path, part: str) -> list[dict]:
@@ -413,8 +403,10 @@ def _mean(values: Iterable[float]) -> float:
 
 
 def summarize_accumulation(records: Sequence[dict]) -> dict:
-    """Per model and k: EM/F1 with pack and text, identical share, prompt tokens, savings, composed tokens."""
+    """Per model and k: each of ``METRICS`` with pack and text (recomputed from the answers), identical share,
+    prompt tokens, savings, composed tokens."""
     summary: dict = {}
+    golds = gold_answers()
     for model, mine in _by_model(records).items():
         summary[model] = {}
         for k in sorted({r["k"] for r in mine}):
@@ -422,7 +414,11 @@ def summarize_accumulation(records: Sequence[dict]) -> dict:
             pack_tokens, text_tokens = _mean(r["pack"]["prompt_tokens"] for r in at), _mean(r["text"]["prompt_tokens"] for r in at)
             summary[model][str(k)] = {
                 "questions": len(at),
-                **{f"{metric}_{way}": mean_interval([r[way][metric] for r in at]) for way in ("pack", "text") for metric in ("em", "f1")},
+                **{
+                    f"{metric}_{way}": interval
+                    for way in ("pack", "text")
+                    for metric, interval in metric_intervals([r[way]["answer"] for r in at], [golds[r["id"]] for r in at]).items()
+                },
                 "identical": sum(not r["divergent"] for r in at) / len(at),
                 "divergences": sum(r["divergent"] for r in at),
                 "prompt_tokens_pack": pack_tokens,
@@ -435,13 +431,14 @@ def summarize_accumulation(records: Sequence[dict]) -> dict:
 
 
 def summarize_modes(records: Sequence[dict]) -> dict:
-    """Per model: each mode's EM/F1 and prefilled tokens; rope and naive against exact."""
+    """Per model: each mode's ``METRICS`` (recomputed from the answers) and prefilled tokens; rope and naive against exact."""
     summary: dict = {}
+    golds = gold_answers()
     for model, mine in _by_model(records).items():
         modes = {}
         for mode in MODES:
             scores = [r["conditions"][mode] for r in mine]
-            modes[mode] = {"em": mean_interval([s["em"] for s in scores]), "f1": mean_interval([s["f1"] for s in scores])}
+            modes[mode] = metric_intervals([s["answer"] for s in scores], [golds[r["id"]] for r in mine])
             if "prefilled_tokens" in scores[0]:
                 modes[mode] |= {
                     "prefilled_tokens": _mean(s["prefilled_tokens"] for s in scores),
@@ -492,12 +489,12 @@ def summarize_errata(records: Sequence[dict]) -> dict:
 
 def accumulation_table(summary: dict) -> str:
     """One line per model and k."""
-    headers = ["model", "k", "questions", "EM pack %", "EM text %", "F1 pack %", "F1 text %", "identical ids"]
+    headers = ["model", "k", "questions", *(f"{name} {way} %" for name in METRICS.values() for way in ("pack", "text")), "identical ids"]
     headers += ["prompt tokens pack", "prompt tokens text", "savings", "composed: prefilled / total tokens"]
     lines = []
     for model, steps in summary.items():
         for k, s in steps.items():
-            scores = [s[f"{metric}_{way}"].percent() for metric in ("em", "f1") for way in ("pack", "text")]
+            scores = [s[f"{metric}_{way}"].percent() for metric in METRICS for way in ("pack", "text")]
             identical = f"{100 * s['identical']:.0f} % ({s['divergences']} div.)"
             tokens = [f"{s['prompt_tokens_pack']:.1f}", f"{s['prompt_tokens_text']:.1f}", f"{100 * s['savings']:.1f} %"]
             composition = f"{s['prefilled_tokens']:.0f} / {s['composed_tokens']:.0f}"
@@ -507,7 +504,7 @@ def accumulation_table(summary: dict) -> str:
 
 def modes_table(summary: dict) -> str:
     """One line per model and mode; rope and naive with their agreement with exact."""
-    headers = ["model", "mode", "questions", "EM % [95% CI]", "F1 % [95% CI]", "prefilled / total tokens"]
+    headers = ["model", "mode", "questions", *metric_headers(), "prefilled / total tokens"]
     headers += ["prob. cosine 1st token", "logit cosine 1st token", "same 1st token %", "same answer ids %"]
     lines = []
     for model, s in summary.items():
@@ -518,7 +515,7 @@ def modes_table(summary: dict) -> str:
             if agreement := s["agreement"].get(mode):
                 versus = [f"{agreement['prob_cosine'].mean:.4f}", f"{agreement['logit_cosine'].mean:.4f}"]
                 versus += [agreement["same_first_token"].percent(), agreement["same_tokens"].percent()]
-            lines.append([model, label, str(s["questions"]), scores["em"].percent(), scores["f1"].percent(), tokens, *versus])
+            lines.append([model, label, str(s["questions"]), *(scores[m].percent() for m in METRICS), tokens, *versus])
     notes = [
         f"{model}: k = {s['k']} paragraphs (gold + {s['k'] - 1} distractors); cosines are means over questions of the "
         "cosine between the first answer token's softmax probabilities (resp. raw logits) and exact's"
@@ -579,7 +576,7 @@ def plot(summary: dict, figures: Path) -> None:
         counts = ", ".join(f"{m} n={next(iter(steps.values()))['questions']} per k" for m, steps in acc.items())
         grouped_bars(
             figures / "eval_compose_accumulation.png",
-            {"EM (0-1, 95% CI)": per_k("em"), "prompt tokens prefilled per question": per_k("prompt_tokens")},
+            {"contains (0-1, 95% CI)": per_k("contains"), "prompt tokens prefilled per question": per_k("prompt_tokens")},
             title=f"Accumulation on ckc_dev: gold paragraph + k-1 distractor packs, exact composition vs text ({counts})",
             ylabel="EM / tokens",
         )
@@ -589,7 +586,7 @@ def plot(summary: dict, figures: Path) -> None:
         counts = ", ".join(f"{m} k={s['k']} n={s['questions']}" for m, s in modes.items())
         grouped_bars(
             figures / "eval_compose_modes.png",
-            {"EM per mode (95% CI)": {m: {MODES[mode]: s["modes"][mode]["em"] for mode in MODES} for m, s in modes.items()}, "rope and naive vs exact": versus},
+            {"contains per mode (95% CI)": {m: {MODES[mode]: s["modes"][mode]["contains"] for mode in MODES} for m, s in modes.items()}, "rope and naive vs exact": versus},
             title=f"Composition modes on ckc_dev, gold paragraph + distractors ({counts})",
             ylabel="score / share (0-1)",
         )
@@ -659,7 +656,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     started = time.perf_counter()
     if not args.report_only:
-        previous = {part: part_records(args.out, part, wanted[part], fresh=args.fresh) for part in args.parts}
+        previous = {part: resumed_records(args.out, part, wanted[part], fresh=args.fresh) for part in args.parts}
         for name in args.models:
             lm = load_model(name, device="cpu", progress=False)
             log(f"{name} loaded ({lm.dtype_name}); parts {', '.join(args.parts)}")

@@ -10,6 +10,10 @@ question is answered four ways, greedy, ``--max-new-tokens`` tokens:
 (c) pack: the paragraph's pack, built with the chat template, injected through ``Answerer``;
 (d) raw pack: the pack built without the chat template (``raw=True``), injected the same way.
 
+``--prompt short`` (the default) asks each question with ``evallib.SHORT_ANSWER`` after it, so that strict
+exact match means something; ``--prompt open`` asks the bare question (the models answer in sentences).
+Every answer is scored three ways (``evallib.METRICS``: contains, strict EM, token F1).
+
 (b) and (c) come from one ``Answerer.ask(compare_rag=True)``, which compares their generated token
 ids: every difference is a divergence, and there must be none. Packs live in a scratch store in a
 temp directory, deleted as soon as their row is scored. Outputs: a markdown table on stdout (and in
@@ -48,16 +52,20 @@ from packstore.kv.models import LoadedModel, load_model  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import logger, machine_description, source_description  # noqa: E402
+from benchlib import logger, machine_description, source_commit, source_description  # noqa: E402
 from evallib import (  # noqa: E402
+    METRICS,
+    PROMPTS,
     REPO,
     Row,
-    exact_match,
+    answer_scores,
+    asked,
     grouped_bars,
     load_rows,
     markdown_table,
-    mean_interval,
-    token_f1,
+    metric_headers,
+    metric_intervals,
+    resumed_records,
     write_jsonl,
 )
 
@@ -73,19 +81,13 @@ log = logger("eval_packs")
 
 def answer_without_knowledge(lm: LoadedModel, question: str, sampling: Sampling) -> Answer:
     """The question alone as the user turn of the chat template (the template's own default system text, if any)."""
-    text = lm.tokenizer.apply_chat_template(
-        [{"role": "user", "content": question.strip()}], tokenize=False, add_generation_prompt=True
-    )
+    text = lm.tokenizer.apply_chat_template([{"role": "user", "content": question.strip()}], tokenize=False, add_generation_prompt=True)
     return generate(lm, lm.tokenizer(text, add_special_tokens=False).input_ids, sampling)
 
 
 def scored(answer: str, prompt_tokens: int, row: Row) -> dict:
-    return {
-        "answer": answer,
-        "prompt_tokens": prompt_tokens,
-        "em": exact_match(answer, row.answers),
-        "f1": token_f1(answer, row.answers),
-    }
+    """One condition's part of a record: the answer, its prompt tokens and its ``METRICS`` scores."""
+    return {"answer": answer, "prompt_tokens": prompt_tokens, **answer_scores(answer, row.answers)}
 
 
 def evaluate(
@@ -94,27 +96,32 @@ def evaluate(
     store: LmdbStore,
     sampling: Sampling,
     *,
+    prompt: str = "short",
     on_record: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """One record per row: the four conditions' answers, prompt tokens and scores, and whether (b) and (c) diverged.
 
-    ``on_record`` sees each record as soon as its row is scored (the CLI appends it to questions.jsonl).
+    ``prompt`` names what follows each question (``evallib.PROMPTS``). ``on_record`` sees each record as
+    soon as its row is scored (the CLI appends it to questions.jsonl).
     """
     answerer = Answerer(lm, store, cache_bytes=0)
     records = []
+    commit = source_commit()
     started = time.perf_counter()
     for index, row in enumerate(rows, 1):
-        facts = [row.context]
+        facts, question = [row.context], asked(row.question, prompt)
         templated, _ = build_and_store(store, lm, facts)
         raw, _ = build_and_store(store, lm, facts, raw=True)
-        none = answer_without_knowledge(lm, row.question, sampling)
-        with_pack = answerer.ask(Question(row.question, refs=(templated.key,), compare_rag=True, sampling=sampling))
-        with_raw = answerer.ask(Question(row.question, refs=(raw.key,), sampling=sampling))
+        none = answer_without_knowledge(lm, question, sampling)
+        with_pack = answerer.ask(Question(question, refs=(templated.key,), compare_rag=True, sampling=sampling))
+        with_raw = answerer.ask(Question(question, refs=(raw.key,), sampling=sampling))
         store.delete(templated.key)
         store.delete(raw.key)
         record = {
             "model": lm.name,
             "id": row.id,
+            "commit": commit,
+            "prompt": prompt,
             "question": row.question,
             "answers": list(row.answers),
             "pack_tokens": templated.header.tokens,
@@ -137,16 +144,15 @@ def evaluate(
 
 
 def summarize(records: Sequence[dict]) -> dict:
-    """Per model and condition: EM and F1 (mean with 95% bootstrap interval), mean prompt tokens; and divergences."""
+    """Per model and condition: each of ``METRICS`` (mean with 95% bootstrap interval, recomputed from the answers),
+    mean prompt tokens; and divergences."""
     summary: dict = {}
     for model in dict.fromkeys(r["model"] for r in records):
         mine = [r for r in records if r["model"] == model]
         conditions = {}
         for condition in CONDITIONS:
             scores = [r["conditions"][condition] for r in mine]
-            conditions[condition] = {
-                "em": mean_interval([s["em"] for s in scores]),
-                "f1": mean_interval([s["f1"] for s in scores]),
+            conditions[condition] = metric_intervals([s["answer"] for s in scores], [r["answers"] for r in mine]) | {
                 "prompt_tokens": sum(s["prompt_tokens"] for s in scores) / len(scores),
             }
         summary[model] = {
@@ -169,36 +175,38 @@ def table(summary: dict) -> str:
                     model,
                     label,
                     str(result["questions"]),
-                    scores["em"].percent(),
-                    scores["f1"].percent(),
+                    *(scores[metric].percent() for metric in METRICS),
                     f"{scores['prompt_tokens']:.1f}",
                 ]
             )
-    headers = ["model", "condition", "questions", "EM % [95% CI]", "F1 % [95% CI]", "prompt tokens / question"]
+    headers = ["model", "condition", "questions", *metric_headers(), "prompt tokens / question"]
     notes = [
-        f"{model}: divergences (b) vs (c): {r['divergences']} of {r['questions']} questions; "
-        f"mean pack size {r['pack_tokens']:.1f} tokens"
+        f"{model}: divergences (b) vs (c): {r['divergences']} of {r['questions']} questions; mean pack size {r['pack_tokens']:.1f} tokens"
         for model, r in summary.items()
     ]
     return markdown_table(headers, lines, left=2) + "\n\n" + "\n".join(notes)
 
 
 def plot(summary: dict, figures: Path) -> list[Path]:
-    """EM/F1 per condition and model with their intervals, and prompt tokens per condition and model."""
+    """Each metric per condition and model with its interval, and prompt tokens per condition and model."""
     accuracy, tokens = figures / "eval_packs_accuracy.png", figures / "eval_packs_prompt_tokens.png"
     counts = ", ".join(f"{m} n={r['questions']}" for m, r in summary.items())
     grouped_bars(
         accuracy,
         {
-            metric.upper(): {m: {CONDITIONS[c]: r["conditions"][c][metric] for c in CONDITIONS} for m, r in summary.items()}
-            for metric in ("em", "f1")
+            name: {m: {CONDITIONS[c]: r["conditions"][c][metric] for c in CONDITIONS} for m, r in summary.items()}
+            for metric, name in METRICS.items()
         },
         title=f"ckc_dev accuracy per condition (95% bootstrap intervals; {counts})",
         ylabel="score (0-1)",
     )
     grouped_bars(
         tokens,
-        {"(c) and (d) take their pack's own tokens from its cache": {m: {CONDITIONS[c]: r["conditions"][c]["prompt_tokens"] for c in CONDITIONS} for m, r in summary.items()}},
+        {
+            "(c) and (d) take their pack's own tokens from its cache": {
+                m: {CONDITIONS[c]: r["conditions"][c]["prompt_tokens"] for c in CONDITIONS} for m, r in summary.items()
+            }
+        },
         title=f"Mean prompt tokens prefilled per question ({counts})",
         ylabel="tokens per question",
     )
@@ -216,24 +224,6 @@ def write_report(records: Sequence[dict], out: Path, figures: Path, about: dict)
     return text
 
 
-def previous_records(out: Path, max_new_tokens: int, *, fresh: bool) -> list[dict]:
-    """The records a resumed run keeps: OUT/questions.jsonl as it stands, unless ``fresh`` (then it is emptied).
-
-    A run is only resumed under the same generation length; OUT/settings.json records it.
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    questions, settings = out / "questions.jsonl", out / "settings.json"
-    wanted = {"max_new_tokens": max_new_tokens}
-    if fresh or not questions.exists():
-        questions.write_text("")
-        settings.write_text(json.dumps(wanted) + "\n")
-        return []
-    recorded = json.loads(settings.read_text()) if settings.exists() else None
-    if recorded != wanted:
-        raise SystemExit(f"{questions} was made with settings {recorded}, not {wanted}: pass --fresh to start over")
-    return [json.loads(line) for line in questions.read_text().splitlines() if line.strip()]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), help="model names or directories")
@@ -241,6 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "results" / "eval_packs", help="results directory")
     parser.add_argument("--figures", type=Path, default=REPO / "docs" / "figures", help="where the PNGs go")
     parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--prompt", choices=tuple(PROMPTS), default="short", help="what follows each question (evallib.PROMPTS)")
     parser.add_argument("--report-only", action="store_true", help="redo table and plots from OUT/questions.jsonl")
     parser.add_argument("--fresh", action="store_true", help="discard OUT/questions.jsonl instead of resuming it")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (see the module docstring)")
@@ -254,13 +245,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     rows = load_rows(limit=args.limit)
     sampling = Sampling(max_new_tokens=args.max_new_tokens)
-    records = previous_records(args.out, args.max_new_tokens, fresh=args.fresh)
+    settings = {"max_new_tokens": args.max_new_tokens, "prompt": args.prompt}
+    records = resumed_records(args.out, "questions", settings, fresh=args.fresh)
     started = time.perf_counter()
     with (
         tempfile.TemporaryDirectory(prefix="eval-packs-") as scratch,
         LmdbStore(Path(scratch) / "store") as store,
         (args.out / "questions.jsonl").open("a") as sink,
     ):
+
         def keep(record: dict) -> None:
             sink.write(json.dumps(record, ensure_ascii=False) + "\n")
             sink.flush()
@@ -272,12 +265,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             done = {r["id"] for r in records if r["model"] == lm.name}
             todo = [row for row in rows if row.id not in done]
             log(f"{name} loaded on {lm.device} ({lm.dtype_name}); {len(todo)} of {len(rows)} rows to ask")
-            records += evaluate(lm, todo, store, sampling, on_record=keep)
+            records += evaluate(lm, todo, store, sampling, prompt=args.prompt, on_record=keep)
     asked = {row.id for row in rows}
     records = [r for r in records if r["model"] in models and r["id"] in asked]
     about = {
         "rows_per_model": len(rows),
         "max_new_tokens": args.max_new_tokens,
+        "prompt": args.prompt,
         "wall_seconds_last_run": round(time.perf_counter() - started, 1),
         "machine": machine_description({}),
         "source": source_description(),

@@ -70,18 +70,20 @@ from packstore.store import LmdbStore  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, source_description  # noqa: E402
 from evallib import (  # noqa: E402
+    METRICS,
     REPO,
     Interval,
-    exact_match,
+    answer_scores,
     frozen_split,
+    gold_answers,
     grouped_bars,
     jsonl_appender,
     load_rows,
     markdown_table,
     mean_interval,
+    metric_intervals,
     parts_type,
     read_jsonl,
-    token_f1,
 )
 
 MODELS = ("smollm2-135m", "gemma3-270m")
@@ -381,8 +383,7 @@ def run_dual(lm: LoadedModel, rows, packs: dict[str, Pack], max_new_tokens: int,
                         "id": row.id,
                         "alpha": alpha,
                         "answer": result.answer,
-                        "em": exact_match(result.answer, row.answers),
-                        "f1": token_f1(result.answer, row.answers),
+                        **answer_scores(result.answer, row.answers),
                         "sentiment": sentiment(result.answer),
                         "compared": result.identical is not None,
                         "identical": result.identical,
@@ -426,7 +427,9 @@ def summarize_generations(records: Sequence[dict]) -> dict:
 
 
 def summarize_dual(records: Sequence[dict]) -> dict:
+    """Per model and alpha: ``METRICS`` (recomputed from the answers), sentiment, repetition, divergences."""
     summary: dict = {}
+    golds = gold_answers()
     for model in dict.fromkeys(r["model"] for r in records):
         for alpha in DUAL_ALPHAS:
             mine = [r for r in records if r["model"] == model and r["alpha"] == alpha]
@@ -435,8 +438,7 @@ def summarize_dual(records: Sequence[dict]) -> dict:
             compared = [r for r in mine if r["compared"]]
             summary.setdefault(model, {})[f"{alpha:g}"] = {
                 "n": len(mine),
-                "em": mean_interval([float(r["em"]) for r in mine]),
-                "f1": mean_interval([r["f1"] for r in mine]),
+                **metric_intervals([r["answer"] for r in mine], [golds[r["id"]] for r in mine]),
                 "sentiment": mean_interval([r["sentiment"] for r in mine]),
                 "repetition": float(np.mean([repetition(r["answer"]) for r in mine])),
                 "compared": len(compared),
@@ -523,9 +525,9 @@ def dual_table(summary: dict) -> str:
     for model, by_alpha in summary.items():
         for alpha, s in by_alpha.items():
             rows.append(
-                [model, alpha, str(s["n"]), s["em"].percent(), s["f1"].percent(), _ci(s["sentiment"]), _f(s["repetition"]), f"{s['divergences']} / {s['compared']}"]
+                [model, alpha, str(s["n"]), *(s[m].percent() for m in METRICS), _ci(s["sentiment"]), _f(s["repetition"]), f"{s['divergences']} / {s['compared']}"]
             )
-    headers = ["model", "alpha", "questions", "EM %", "F1 %", "answer sentiment", "repetition", "divergences pack vs text (steered)"]
+    headers = ["model", "alpha", "questions", *(f"{name} %" for name in METRICS.values()), "answer sentiment", "repetition", "divergences pack vs text (steered)"]
     return markdown_table(headers, rows, left=2)
 
 
@@ -620,8 +622,11 @@ def plot(summary: dict, dual: dict, cosines: Sequence[dict], figures: Path) -> N
             alphas = [float(a) for a in by_alpha]
             axes[0].errorbar(
                 alphas,
-                [100 * s["em"].mean for s in by_alpha.values()],
-                yerr=[[100 * (s["em"].mean - s["em"].low) for s in by_alpha.values()], [100 * (s["em"].high - s["em"].mean) for s in by_alpha.values()]],
+                [100 * s["contains"].mean for s in by_alpha.values()],
+                yerr=[
+                    [100 * (s["contains"].mean - s["contains"].low) for s in by_alpha.values()],
+                    [100 * (s["contains"].high - s["contains"].mean) for s in by_alpha.values()],
+                ],
                 marker="o",
                 capsize=3,
                 label=model,
@@ -630,7 +635,7 @@ def plot(summary: dict, dual: dict, cosines: Sequence[dict], figures: Path) -> N
         axes[0].axvline(0.7, color="grey", linestyle="--", linewidth=1, label="paper's guidance (0.7)")
         axes[0].set_title("Dual channel: ckc accuracy with the knowledge pack, steered")
         axes[0].set_xlabel("alpha (sentiment)")
-        axes[0].set_ylabel("exact match %")
+        axes[0].set_ylabel("contains the answer %")
         axes[1].set_title("Dual channel: sentiment of the answers")
         axes[1].set_xlabel("alpha (sentiment)")
         axes[1].set_ylabel("mean VADER compound")

@@ -1,9 +1,10 @@
-"""Shared evaluation helpers for tools/eval_*.py: ckc rows, EM/F1 scoring, intervals, and report output.
+"""Shared evaluation helpers for tools/eval_*.py: ckc rows, answer scoring, intervals, and report output.
 
 Scoring follows SQuAD's answer normalisation (lowercase, drop punctuation and the articles a/an/the,
-collapse whitespace). Exact match asks whether a normalised gold answer occurs in the normalised
-prediction as whole words (the models answer in sentences, so containment, not equality; whole words
-so that "5" does not match "15"). Token F1 is SQuAD's bag-of-tokens F1, the best over the gold answers.
+collapse whitespace), with three metrics, each under its own name in every table (``METRICS``):
+``contains`` (lenient: a normalised gold answer occurs in the normalised prediction as whole words, so
+that "5" does not match "15"), ``em`` (strict exact match: the normalised prediction equals a normalised
+gold answer) and ``f1`` (SQuAD's bag-of-tokens F1); each is the best over the gold answers.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def load_rows(path: Path | None = None, *, limit: int | None = None) -> list[Row
     return rows[:limit] if limit is not None else rows
 
 
+def gold_answers(path: Path | None = None) -> dict[str, tuple[str, ...]]:
+    """Each ckc row's accepted answers by id, for scoring records that keep only the row's id."""
+    return {row.id: row.answers for row in load_rows(path)}
+
+
 def split_rows(rows: Sequence[Row], fraction: float = 0.5, *, seed: int = 0) -> tuple[list[Row], list[Row]]:
     """A deterministic split into (first part, rest), about ``fraction`` of the rows in the first.
 
@@ -92,10 +98,16 @@ def normalize(text: str) -> str:
     return " ".join(text.split())
 
 
-def exact_match(prediction: str, answers: Iterable[str]) -> bool:
-    """Whether some normalised gold answer occurs in the normalised prediction as whole words."""
+def contains_answer(prediction: str, answers: Iterable[str]) -> bool:
+    """Lenient: whether some normalised gold answer occurs in the normalised prediction as whole words."""
     padded = f" {normalize(prediction)} "
     return any(gold and f" {gold} " in padded for gold in map(normalize, answers))
+
+
+def strict_match(prediction: str, answers: Iterable[str]) -> bool:
+    """Strict exact match: whether the normalised prediction equals some normalised gold answer."""
+    predicted = normalize(prediction)
+    return any(predicted == gold for gold in map(normalize, answers) if gold)
 
 
 def token_f1(prediction: str, answers: Iterable[str]) -> float:
@@ -109,6 +121,29 @@ def token_f1(prediction: str, answers: Iterable[str]) -> float:
             precision, recall = common / len(predicted), common / len(gold)
             best = max(best, 2 * precision * recall / (precision + recall))
     return best
+
+
+METRICS = {"contains": "contains", "em": "strict EM", "f1": "F1"}  # record key -> column name, in table order
+
+# Chosen on 25 rows of the tuning half against four other wordings (a few words, a one-line answer, two worked
+# examples, ...): none got either model to answer with the bare answer; this one kept the most answers right.
+SHORT_ANSWER = "\n\nAnswer with only the answer (a name, date or number)."
+PROMPTS = {"short": SHORT_ANSWER, "open": ""}  # --prompt: what follows each question (strict EM needs "short")
+
+
+def asked(question: str, prompt: str) -> str:
+    """The question as the model is asked it under ``--prompt`` ``prompt`` (``PROMPTS``)."""
+    return question.strip() + PROMPTS[prompt]
+
+
+def answer_scores(prediction: str, answers: Iterable[str]) -> dict[str, float]:
+    """Every metric of ``METRICS`` for one answer: ``contains`` and ``em`` as 0/1, ``f1`` in [0, 1]."""
+    answers = list(answers)
+    return {
+        "contains": float(contains_answer(prediction, answers)),
+        "em": float(strict_match(prediction, answers)),
+        "f1": token_f1(prediction, answers),
+    }
 
 
 @dataclass(frozen=True)
@@ -138,6 +173,21 @@ def mean_interval(values: Sequence[float], *, resamples: int = 2000, seed: int =
     return Interval(float(data.mean()), float(low), float(high))
 
 
+def metric_intervals(predictions: Sequence[str], answers: Sequence[Sequence[str]]) -> dict[str, Interval]:
+    """Each metric of ``METRICS`` over paired predictions and gold answers, with its 95% interval.
+
+    Tables recompute the scores from the answers' text rather than read stored flags, so records made
+    before a metric existed (or when ``em`` still meant containment) give the same columns.
+    """
+    scores = [answer_scores(p, a) for p, a in zip(predictions, answers, strict=True)]
+    return {metric: mean_interval([s[metric] for s in scores]) for metric in METRICS}
+
+
+def metric_headers() -> list[str]:
+    """The table columns for ``metric_intervals``: ``contains % [95% CI]``, ``strict EM % [95% CI]``, ``F1 % [95% CI]``."""
+    return [f"{name} % [95% CI]" for name in METRICS.values()]
+
+
 def write_jsonl(path: Path, records: Iterable[Mapping]) -> None:
     """One JSON object a line (parent directories created)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -159,6 +209,25 @@ def jsonl_appender(path: Path) -> Callable[[dict], None]:
             sink.write(json.dumps(record, ensure_ascii=False) + "\n")
 
     return keep
+
+
+def resumed_records(out: Path, part: str, settings: Mapping, *, fresh: bool) -> list[dict]:
+    """The records a resumed run keeps of OUT/PART.jsonl: the file as it stands, unless ``fresh`` (then it is emptied).
+
+    A part is only resumed under the ``settings`` it was made with (generation length, prompt, ...), which
+    OUT/settings.json records per part; other settings are refused rather than mixed into one table.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    path, settings_path = out / f"{part}.jsonl", out / "settings.json"
+    recorded = json.loads(settings_path.read_text()) if settings_path.exists() else {}
+    wanted = dict(settings)
+    if fresh or not path.exists():
+        path.write_text("")
+        settings_path.write_text(json.dumps(recorded | {part: wanted}, indent=2) + "\n")
+        return []
+    if recorded.get(part) != wanted:
+        raise SystemExit(f"{path} was made with settings {recorded.get(part)}, not {wanted}: pass --fresh to start over")
+    return read_jsonl(path)
 
 
 def parts_type(known: Sequence[str]) -> Callable[[str], list[str]]:

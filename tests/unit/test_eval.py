@@ -1,4 +1,4 @@
-"""The evaluation harness: EM/F1 normalisation, the seeded split, intervals, and eval_packs on the tiny model."""
+"""The evaluation harness: the three answer metrics, the seeded split, intervals, resuming, and eval_packs on the tiny model."""
 
 from __future__ import annotations
 
@@ -12,7 +12,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import eval_packs  # noqa: E402
 from bank_helpers import TEST_BANK_CACHE
-from evallib import Row, exact_match, frozen_split, load_rows, mean_interval, normalize, split_rows, token_f1  # noqa: E402
+from evallib import (  # noqa: E402
+    METRICS,
+    Row,
+    answer_scores,
+    asked,
+    contains_answer,
+    frozen_split,
+    load_rows,
+    mean_interval,
+    metric_intervals,
+    normalize,
+    resumed_records,
+    split_rows,
+    strict_match,
+    token_f1,
+)
 from packstore.bank.bank import open_banks
 from packstore.kv.inject import Sampling  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
@@ -42,8 +57,37 @@ def test_normalize_is_squad_style(text: str, expected: str) -> None:
         ("anything", ["the"], False),
     ],
 )
-def test_exact_match_is_whole_word_containment(prediction: str, answers: list[str], expected: bool) -> None:
-    assert exact_match(prediction, answers) is expected
+def test_contains_is_whole_word_containment(prediction: str, answers: list[str], expected: bool) -> None:
+    assert contains_answer(prediction, answers) is expected
+
+
+@pytest.mark.parametrize(
+    ("prediction", "answers", "expected"),
+    [
+        ("Zayed Khan.", ["Zayed Khan"], True),
+        ("the Zayed Khan", ["Zayed Khan"], True),
+        ("Neal Schon", ["Brick", "Neal Schon"], True),
+        ("It was played by Zayed Khan.", ["Zayed Khan"], False),
+        ("Zayed", ["Zayed Khan"], False),
+        ("", ["the"], False),
+    ],
+)
+def test_strict_em_is_equality_after_normalisation(prediction: str, answers: list[str], expected: bool) -> None:
+    assert strict_match(prediction, answers) is expected
+
+
+def test_every_metric_is_scored_and_recomputed_from_the_answers() -> None:
+    assert answer_scores("It was Zayed Khan", ["Zayed Khan"]) == {"contains": 1.0, "em": 0.0, "f1": pytest.approx(2 / 3)}
+    assert list(answer_scores("x", ["y"])) == list(METRICS)
+    intervals = metric_intervals(["Zayed Khan", "no idea"], [["Zayed Khan"], ["Brick"]])
+    assert {m: i.mean for m, i in intervals.items()} == {"contains": 0.5, "em": 0.5, "f1": 0.5}
+    with pytest.raises(ValueError):
+        metric_intervals(["one"], [])
+
+
+def test_the_short_prompt_follows_the_question() -> None:
+    assert asked(" who? ", "open") == "who?"
+    assert asked("who?", "short").startswith("who?\n\nAnswer with only the answer")
 
 
 def test_token_f1_is_the_best_over_gold_answers() -> None:
@@ -77,7 +121,9 @@ def test_eval_packs_on_the_tiny_model(tiny_lm, tmp_path: Path) -> None:
     assert [r["id"] for r in records] == [r.id for r in rows]
     assert not any(r["divergent"] for r in records)
     for record in records:
+        assert record["prompt"] == "short" and record["commit"]
         assert set(record["conditions"]) == set(eval_packs.CONDITIONS)
+        assert set(METRICS) <= set(record["conditions"]["pack"])
         text, pack = record["conditions"]["text"], record["conditions"]["pack"]
         assert text["answer"] == pack["answer"]
         assert pack["prompt_tokens"] + record["pack_tokens"] == text["prompt_tokens"]
@@ -102,14 +148,16 @@ def test_the_frozen_ckc_split_is_the_seeded_half_and_covers_every_row() -> None:
     assert len(tuning) + len(held_out) == len(rows) == 600
 
 
-def test_eval_packs_resumes_only_under_the_same_settings(tmp_path: Path) -> None:
+def test_a_run_resumes_only_under_the_same_settings(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    assert eval_packs.previous_records(out, 24, fresh=False) == []
+    assert resumed_records(out, "questions", {"max_new_tokens": 24}, fresh=False) == []
     (out / "questions.jsonl").write_text(json.dumps({"model": "m", "id": "ckc-1"}) + "\n")
-    assert eval_packs.previous_records(out, 24, fresh=False) == [{"model": "m", "id": "ckc-1"}]
+    assert resumed_records(out, "questions", {"max_new_tokens": 24}, fresh=False) == [{"model": "m", "id": "ckc-1"}]
     with pytest.raises(SystemExit, match="pass --fresh"):
-        eval_packs.previous_records(out, 32, fresh=False)
-    assert eval_packs.previous_records(out, 32, fresh=True) == []
+        resumed_records(out, "questions", {"max_new_tokens": 32}, fresh=False)
+    assert resumed_records(out, "other", {"max_new_tokens": 32}, fresh=False) == []  # each part has its own settings
+    assert json.loads((out / "settings.json").read_text()) == {"questions": {"max_new_tokens": 24}, "other": {"max_new_tokens": 32}}
+    assert resumed_records(out, "questions", {"max_new_tokens": 32}, fresh=True) == []
     assert (out / "questions.jsonl").read_text() == ""
 
 

@@ -14,16 +14,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import eval_compose  # noqa: E402
 from eval_compose import (  # noqa: E402
     ErratumCase,
-    appender,
     arrangement,
     cosine,
     errata_cases,
     erratum_case,
     fill_parts,
     follows,
-    part_records,
     question_order,
-    read_records,
 )
 from evallib import Row, frozen_split, load_rows  # noqa: E402
 
@@ -92,22 +89,11 @@ def test_cosine() -> None:
     assert cosine(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 3.0])) == pytest.approx(0.0)
 
 
-def test_parts_resume_under_their_own_settings(tmp_path: Path) -> None:
-    assert part_records(tmp_path, "modes", {"k": 3}, fresh=False) == []
-    appender(tmp_path, "modes")({"model": "m", "id": "a"})
-    assert part_records(tmp_path, "errata", {"n": 1}, fresh=False) == []
-    assert part_records(tmp_path, "modes", {"k": 3}, fresh=False) == [{"model": "m", "id": "a"}]
-    assert json.loads((tmp_path / "settings.json").read_text()) == {"modes": {"k": 3}, "errata": {"n": 1}}
-    with pytest.raises(SystemExit):
-        part_records(tmp_path, "modes", {"k": 4}, fresh=False)
-    assert part_records(tmp_path, "modes", {"k": 4}, fresh=True) == [] == read_records(tmp_path, "modes")
-
-
 def _accumulation(k: int, divergent: bool) -> dict:
-    scores = {"answer": "x", "em": True, "f1": 0.5}
+    scores = {"answer": "It was Zayed Khan", "contains": 1.0, "em": 0.0, "f1": 2 / 3}
     return {
         "model": "m",
-        "id": "a",
+        "id": "ckc-15887",  # a real ckc row: tables score the answers against its gold answer, Zayed Khan
         "k": k,
         "composed_tokens": 300,
         "prefilled_tokens": 200,
@@ -118,7 +104,7 @@ def _accumulation(k: int, divergent: bool) -> dict:
 
 
 def test_report_from_records_of_every_part(tmp_path: Path) -> None:
-    scores = {"answer": "x", "prompt_tokens": 20, "em": True, "f1": 1.0}
+    scores = {"answer": "Zayed Khan.", "prompt_tokens": 20, "contains": 1.0, "em": 1.0, "f1": 1.0}
     versus = {"prob_cosine": 0.9, "logit_cosine": 0.99, "same_first_token": True, "same_tokens": False}
     composed = {"prefilled_tokens": 5, "composed_tokens": 300}
     records = {
@@ -126,7 +112,7 @@ def test_report_from_records_of_every_part(tmp_path: Path) -> None:
         "modes": [
             {
                 "model": "m",
-                "id": "a",
+                "id": "ckc-15887",
                 "k": 3,
                 "agreement": {mode: versus for mode in eval_compose.SPLICED},
                 "conditions": {"single": scores} | {mode: scores | composed for mode in ("exact", "rope", "naive")},
@@ -153,6 +139,9 @@ def test_report_from_records_of_every_part(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "summary.json").read_text())["parts"]
     assert summary["accumulation"]["m"]["2"]["savings"] == pytest.approx(0.9)
     assert summary["accumulation"]["m"]["2"]["divergences"] == 1
+    accumulated = summary["accumulation"]["m"]["1"]
+    assert (accumulated["contains_pack"]["mean"], accumulated["em_pack"]["mean"], accumulated["f1_text"]["mean"]) == (1.0, 0.0, pytest.approx(2 / 3))
+    assert summary["modes"]["m"]["modes"]["rope"]["em"]["mean"] == 1.0
     assert summary["timing"]["m"]["2048"]["ratio_exact_to_rope"] == pytest.approx(4.0)
     assert summary["errata"]["m"]["after"]["erratum"]["mean"] == 1.0
     assert "| m | 2 | 1 |" in text and "4.0x" in text
