@@ -10,11 +10,16 @@ recompute (building the KV pack of the top facts with smollm2-135m, which does n
 The first query after a build is timed apart ("cold route"): it reads and verifies the centroid
 matrix, which later queries find cached. Probe 0 is the default probe count (default_probe).
 
+``--adds K ...`` then times ``bank add`` of K new facts (one add per K, in order) on a backup of the
+bank, so a kept bank stays as it was. An add embeds only the new facts but rebuilds the BM25 index over
+every fact (bm25s stores IDF-weighted scores per document, so it cannot append); the "lexical rebuild"
+column times that rebuild of the grown bank alone (``LexicalIndex.build`` and its serialisation).
+
 With --keep DIR the banks are built in DIR and kept; a later run with the same DIR measures
 routing on a kept bank of the same N facts and embedder instead of embedding them again (its
 build row then says "kept").
 
-    python tools/bench_banks.py [--sizes 1000 5000 100000 1000000] [--probes 0 5 20] [--threads 2] [--keep DIR]
+    python tools/bench_banks.py [--sizes 1000 5000 100000 1000000] [--probes 0 5 20] [--threads 2] [--keep DIR] [--adds 1 1000]
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import logger, machine_description, print_table, source_description  # noqa: E402
-from packstore.bank.bank import build_bank, default_probe, route  # noqa: E402
+from packstore.bank.bank import add_facts, build_bank, default_probe, route  # noqa: E402
 from packstore.bank.embedder import Embedder, load_embedder  # noqa: E402
+from packstore.bank.lexical import LexicalIndex  # noqa: E402
 from packstore.errors import PackNotFound  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.models import load_model  # noqa: E402
@@ -98,8 +104,29 @@ def build_row(n: int, store: LmdbStore, embedder: TimedEmbedder):
     ]
 
 
+def add_rows(n: int, store: LmdbStore, adds: list[int], embedder: TimedEmbedder, scratch: Path) -> list[list[str]]:
+    """One row per ``adds`` entry K: ``bank add`` of K new synthetic facts to a backup of the bank, in order."""
+    store.backup_into(scratch)
+    rows, total = [], n
+    with LmdbStore(scratch) as copy:
+        for count in adds:
+            facts = [synthetic_fact(total + i).fact for i in range(count)]
+            embedder.seconds = 0.0
+            started = time.perf_counter()
+            meta = add_facts(copy, "synthetic", facts, embedder)
+            seconds = time.perf_counter() - started
+            total = meta.facts
+            clusters = copy.bank_clusters("synthetic", list(range(meta.clusters)))
+            started = time.perf_counter()
+            LexicalIndex.build(clusters, meta.clusters).to_bytes()
+            lexical = time.perf_counter() - started
+            rows.append([f"{n:,}", f"{count:,}", f"{seconds:.2f}", f"{embedder.seconds:.2f}", f"{lexical:.2f}"])
+            log(f"{n} facts: added {count} in {seconds:.2f} s")
+    return rows
+
+
 def bench_size(n: int, args: argparse.Namespace, embedder: TimedEmbedder, lm, workdir: Path) -> dict[str, list[str]]:
-    """One bank of ``n`` facts: its build row and one routing row per probe count (0: the default)."""
+    """One bank of ``n`` facts: its build row, one routing row per probe count (0: the default), one row per add."""
     with LmdbStore(workdir / f"bank-{n}") as store:
         meta, build = build_row(n, store, embedder)
         sample = [synthetic_fact(i) for i in random.Random(n).sample(range(n), min(args.queries, n))]
@@ -126,7 +153,11 @@ def bench_size(n: int, args: argparse.Namespace, embedder: TimedEmbedder, lm, wo
                 f"{100 * in_clusters / len(sample):.1f} %", f"{100 * first / len(sample):.1f} %", f"{cold * 1000:.1f}",
                 *(percentiles(timings[p]) if timings[p] else "-" for p in ("embed", "route", "lexical", "rank", "recompute")),
             ])
-    return {"build": build, "routing": routing}
+        adds = []
+        if args.adds:
+            with tempfile.TemporaryDirectory(prefix=f"packstore-bench-adds-{n}-") as scratch:
+                adds = add_rows(n, store, args.adds, embedder, Path(scratch))
+    return {"build": build, "routing": routing, "adds": adds}
 
 
 def main() -> None:
@@ -137,6 +168,7 @@ def main() -> None:
     parser.add_argument("--recomputes", type=int, default=10, help="queries per size whose top facts' pack is built")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps timings stable on shared cores)")
     parser.add_argument("--keep", type=Path, metavar="DIR", help="build the banks in DIR and keep them; reuse banks kept there")
+    parser.add_argument("--adds", type=int, nargs="*", default=[], help="time bank add of K new facts, per K (on a backup)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"Machine: {machine_description({})}")
@@ -145,18 +177,21 @@ def main() -> None:
     loaded = load_embedder()
     embedder = TimedEmbedder(name=loaded.name, directory=loaded.directory)
     lm = load_model("smollm2-135m", progress=False)
-    builds, routings = [], []
+    builds, routings, adds = [], [], []
     with tempfile.TemporaryDirectory(prefix="packstore-bench-banks-") as tmp:
         for n in args.sizes:
             rows = bench_size(n, args, embedder, lm, args.keep or Path(tmp))
             builds.append(rows["build"])
             routings.extend(rows["routing"])
+            adds.extend(rows["adds"])
             print_table("Build", ["facts", "clusters", "build s", "embed s", "cluster+store s", "facts/s", "B/fact", "peak RSS GiB"], builds)
             print_table(
                 "Routing (latency per query in ms, p50 / p95)",
                 ["facts", "probe", "in searched", "ranked 1st", "cold route", "embed", "route", "lexical", "rank", "recompute"],
                 routings,
             )
+            if adds:
+                print_table("bank add (seconds; on a backup of each bank)", ["facts", "added", "add s", "embed s", "lexical rebuild s"], adds)
 
 
 if __name__ == "__main__":
