@@ -41,7 +41,7 @@ from packstore.store import LmdbStore  # noqa: E402
 from packstore.store.protocol import DEFAULT_TOP_K  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import logger, machine_description, source_commit, source_description  # noqa: E402
+from benchlib import logger, machine_description, source_description  # noqa: E402
 from eval_packs import answer_without_knowledge, scored  # noqa: E402
 from evallib import (  # noqa: E402
     METRICS,
@@ -77,7 +77,6 @@ def evaluate(
     ``on_record`` sees each record as soon as its row is scored (the CLI appends it to questions.jsonl)."""
     answerer = Answerer(lm, store)
     records = []
-    commit = source_commit()
     started = time.perf_counter()
     for index, row in enumerate(rows, 1):
         question = asked(row.question, prompt)
@@ -88,7 +87,6 @@ def evaluate(
             {
                 "model": lm.name,
                 "id": row.id,
-                "commit": commit,
                 "prompt": prompt,
                 "question": row.question,
                 "answers": list(row.answers),

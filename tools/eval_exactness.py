@@ -47,7 +47,7 @@ from packstore.kv.render import render  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import logger, machine_description, source_description  # noqa: E402
+from benchlib import logger, machine_description, source_commit, source_description  # noqa: E402
 from evallib import REPO, Row, data_path, frozen_split, load_rows, markdown_table, write_jsonl  # noqa: E402
 
 MEASURES = ("identical", "chunked_identical", "text_chunking_identical")
@@ -140,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lm = load_model(args.model, device=device, dtype=dtype, progress=False)
         with tempfile.TemporaryDirectory(prefix="eval-exactness-") as scratch, LmdbStore(Path(scratch) / "store") as store:
             records = evaluate(lm, groups, sampling, store)[:questions]
-        write_jsonl(args.out / f"{lm.device.type}-{dtype}.json", records)
+        write_jsonl(args.out / f"{lm.device.type}-{dtype}.json", [{"commit": source_commit(), **r} for r in records])
         runs.append(records)
         log(f"{dtype}: {len(records)} questions in {time.perf_counter() - started:.0f} s")
         del lm

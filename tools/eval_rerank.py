@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import logger, source_commit  # noqa: E402
+from benchlib import logger  # noqa: E402
 from eval_banks import BANK_CACHE, EMBEDDERS, Dataset, ckc_datasets, own_dataset, second_dataset  # noqa: E402
 from evallib import REPO, jsonl_appender, markdown_table, mean_interval, read_jsonl  # noqa: E402
 from packstore.bank.bank import build_bank, route  # noqa: E402
@@ -140,10 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.report_only:
         args.out.mkdir(parents=True, exist_ok=True)
         records.unlink(missing_ok=True)
-        commit, append = source_commit(), jsonl_appender(records)  # the commit once: a run's records are all of one tree
-
-        def keep(record: dict) -> None:
-            append({"commit": commit} | record)
+        keep = jsonl_appender(records)  # stamps each record with the commit, read once: a run's records are all of one tree
 
         embedder = BANK_CACHE.embedder(EMBEDDERS[0])
         stages = [("late", late_scorer(embedder), args.late_candidates, args.questions)]

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchlib import source_commit
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = REPO / "tools" / "data" / "ckc_dev.jsonl"  # BIG-bench ckc rows, kept with their license (tools/data/README.md)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -202,11 +204,16 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def jsonl_appender(path: Path) -> Callable[[dict], None]:
-    """A function appending one record to ``path`` (flushed, so a stopped run keeps what it made)."""
+    """A function appending one record to ``path`` (flushed, so a stopped run keeps what it made).
+
+    A record without a ``commit`` gets the commit the run measures (``benchlib.source_commit``, read once
+    when the appender is made), so every record says which tree of packstore/ and tools/ made it.
+    """
+    commit = source_commit()
 
     def keep(record: Mapping) -> None:
         with path.open("a") as sink:
-            sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+            sink.write(json.dumps({"commit": commit, **record}, ensure_ascii=False) + "\n")
 
     return keep
 

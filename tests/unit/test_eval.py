@@ -19,10 +19,12 @@ from evallib import (  # noqa: E402
     asked,
     contains_answer,
     frozen_split,
+    jsonl_appender,
     load_rows,
     mean_interval,
     metric_intervals,
     normalize,
+    read_jsonl,
     resumed_records,
     split_rows,
     strict_match,
@@ -159,6 +161,15 @@ def test_a_run_resumes_only_under_the_same_settings(tmp_path: Path) -> None:
     assert json.loads((out / "settings.json").read_text()) == {"questions": {"max_new_tokens": 24}, "other": {"max_new_tokens": 32}}
     assert resumed_records(out, "questions", {"max_new_tokens": 32}, fresh=True) == []
     assert (out / "questions.jsonl").read_text() == ""
+
+
+def test_appended_records_name_the_commit_that_made_them(tmp_path: Path) -> None:
+    keep = jsonl_appender(tmp_path / "records.jsonl")
+    keep({"id": "a"})
+    keep({"id": "b", "commit": "given"})
+    first, second = read_jsonl(tmp_path / "records.jsonl")
+    assert first["id"] == "a" and first["commit"] and first["commit"] != "given"
+    assert second["commit"] == "given"
 
 
 def test_eval_bank_answers_on_the_tiny_model(tiny_lm, tmp_path: Path) -> None:
