@@ -7,9 +7,9 @@ table (and any note lines its tool prints under it) between them and nothing els
     | ... |
     <!-- /table -->
 
-KIND names a generator (``GENERATORS``), DIR a results directory relative to the repository root; the
-generator makes the table from DIR's records with the evaluation tool's own table function, as the tool's
-``--report-only`` does. Run from the repository root:
+KIND names a generator (``GENERATORS``), DIR a results directory relative to the repository root (or
+several joined by ``+``, for a table gathered from several runs); the generator makes the table from DIR's
+records with the evaluation tool's own table function, as the tool's ``--report-only`` does. Run from the repository root:
 
     .venv/bin/python tools/doc_tables.py --check [FILE]   # exit 1, with a diff per table, when the doc differs
     .venv/bin/python tools/doc_tables.py --write [FILE]   # rewrite the marked tables from the records
@@ -50,15 +50,27 @@ def _tool(name: str) -> ModuleType:
 
 @dataclass(frozen=True)
 class Generator:
-    """What a KIND reads in DIR (glob patterns, each must match a file) and how it makes the table from it."""
+    """What a KIND reads in each DIR (glob patterns, each must match a file) and how it makes the table from
+    them (``make`` gets the one directory, or the list of them when ``several``)."""
 
     records: tuple[str, ...]
-    make: Callable[[Path], str]
+    make: Callable[[Path], str] | Callable[[list[Path]], str]
+    several: bool = False
 
 
 def _eval_banks(out: Path) -> str:
     eval_banks = _tool("eval_banks")
     return eval_banks.table(eval_banks.rows_from_records(read_jsonl(out / "questions.jsonl")))
+
+
+def _eval_banks_targets(outs: list[Path]) -> str:
+    eval_banks = _tool("eval_banks")
+    return eval_banks.targets_table([row for out in outs for row in eval_banks.rows_from_records(read_jsonl(out / "questions.jsonl"))])
+
+
+def _eval_banks_sweep(out: Path) -> str:
+    eval_banks = _tool("eval_banks")
+    return eval_banks.sweep_table(eval_banks.sweep_rows_from_records(read_jsonl(out / "sweep.jsonl")))
 
 
 def _eval_rerank(out: Path) -> str:
@@ -133,6 +145,8 @@ def _steering_set(name: str) -> Callable[[ModuleType], Sequence[str]]:
 
 GENERATORS: dict[str, Generator] = {
     "eval_banks": Generator(("questions.jsonl",), _eval_banks),
+    "eval_banks-sweep": Generator(("sweep.jsonl",), _eval_banks_sweep),
+    "eval_banks-targets": Generator(("questions.jsonl",), _eval_banks_targets, several=True),
     "eval_rerank": Generator(("questions.jsonl",), _eval_rerank),
     "eval_packs": Generator(("questions.jsonl",), _eval_packs),
     "eval_bank_answers": Generator(("questions.jsonl",), _eval_bank_answers),
@@ -191,13 +205,18 @@ def generate(kind: str, directory: str, root: Path = REPO) -> str:
     generator = GENERATORS.get(kind)
     if generator is None:
         raise DocTableError(f"unknown table kind {kind!r}; known: {', '.join(GENERATORS)}")
-    out = root / directory
-    if not out.is_dir():
-        raise DocTableError(f"{kind}: results directory {directory} does not exist (under {root})")
-    for pattern in generator.records:
-        if not any(out.glob(pattern)):
-            raise DocTableError(f"{kind}: no records file {directory}/{pattern}")
-    return generator.make(out).rstrip("\n")
+    outs = []
+    for name in directory.split("+"):
+        out = root / name
+        if not out.is_dir():
+            raise DocTableError(f"{kind}: results directory {name} does not exist (under {root})")
+        for pattern in generator.records:
+            if not any(out.glob(pattern)):
+                raise DocTableError(f"{kind}: no records file {name}/{pattern}")
+        outs.append(out)
+    if len(outs) > 1 and not generator.several:
+        raise DocTableError(f"{kind} is made from one results directory, not {len(outs)} ({directory})")
+    return generator.make(outs if generator.several else outs[0]).rstrip("\n")  # type: ignore[arg-type]
 
 
 def _generated(path: Path, root: Path) -> tuple[list[str], list[tuple[Marked, list[str]]]]:

@@ -19,8 +19,9 @@ exact nearest neighbours), ``lexical`` (BM25 alone). Run from the repository roo
     HF_HUB_OFFLINE=1 .venv/bin/python tools/eval_banks.py [--sizes 5000 100000] [--embedders ...]
 
 ``--sweep`` instead routes the tuning data (own generator, ckc tuning half) with several lexical
-weights: how LEXICAL_WEIGHT was chosen. Outputs: OUT/summary.json, OUT/table.md, and PNGs in
-``--figures``. Torch runs one thread (``--threads``), as in tools/eval_packs.py.
+weights: how LEXICAL_WEIGHT was chosen (records OUT/sweep.jsonl, table OUT/sweep.md). Outputs:
+OUT/questions.jsonl (one record per question and configuration, with the commit), OUT/summary.json,
+OUT/table.md, and PNGs in ``--figures``. Torch runs one thread (``--threads``), as in tools/eval_packs.py.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import torch  # noqa: E402
 
 import packstore.bank.bank as bank_module  # noqa: E402
 from packstore.bank.bank import BankCache, build_bank, route  # noqa: E402
-from packstore.format.bank import VECTOR_KINDS  # noqa: E402
+from packstore.format.bank import DEFAULT_VECTORS, VECTOR_KINDS  # noqa: E402
 from packstore.kv.synthetic import synthetic_facts  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 
@@ -190,8 +191,9 @@ def rows_from_records(records: Sequence[dict]) -> list[dict]:
     return rows
 
 
-def sweep(weights: Sequence[float], scratch: Path, questions: int) -> list[dict]:
-    """Hybrid routing of the tuning data under each lexical weight (the embedder is the default)."""
+def sweep(weights: Sequence[float], scratch: Path, questions: int, keep: Callable[[dict], None] = lambda record: None) -> list[dict]:
+    """Hybrid routing of the tuning data under each lexical weight (the embedder is the default); each question's
+    record, with its data set and weight, goes to ``keep``."""
     datasets = [own_dataset(5000, questions), ckc_datasets()[0]]
     rows = []
     embedder = BANK_CACHE.embedder(EMBEDDERS[0])
@@ -200,7 +202,9 @@ def sweep(weights: Sequence[float], scratch: Path, questions: int) -> list[dict]
             meta = build_bank(store, f"s{index}", dataset.facts, embedder)
             for weight in weights:
                 bank_module.LEXICAL_WEIGHT = weight
-                result, _ = measure(store, f"s{index}", dataset, embedder, "hybrid", meta.clusters)
+                result, records = measure(store, f"s{index}", dataset, embedder, "hybrid", meta.clusters)
+                for record in records:
+                    keep({"dataset": dataset.name, "lexical_weight": weight} | record)
                 rows.append({"dataset": dataset.name, "lexical_weight": weight} | result)
                 log(f"weight {weight}: {dataset.name} top1 {result['top1']:.3f} top5 {result['top5']:.3f}")
     return rows
@@ -225,9 +229,66 @@ def _share(value: float, interval: Sequence[float] | None) -> str:
     return f"{100 * value:.1f}" + (f" [{100 * interval[0]:.1f}, {100 * interval[1]:.1f}]" if interval else "")
 
 
+@dataclass(frozen=True)
+class Target:
+    """One of issue 38's targets: a summary field of the default route's row for ``dataset``, against a bound."""
+
+    label: str
+    dataset: str
+    field: str  # a key of ``summarize``'s result or of BANK_FIELDS
+    bound: float
+    at_most: bool = False  # the bound is a ceiling (latency, bytes), not a floor
+
+
+TARGETS = (
+    Target("top-1 >= 99 % at 5,000 facts, generator nobody tuned on", "third 5,000", "top1", 0.99),
+    Target("top-1 >= 97 % at 100,000 facts, generator nobody tuned on", "third 100,000", "top1", 0.97),
+    Target("top-5 >= 97 % on the held-out ckc questions", "ckc held-out", "top5", 0.97),
+    Target("top-1 >= 85 % on the held-out ckc questions", "ckc held-out", "top1", 0.85),
+    Target("route p95 <= 50 ms at 100,000 facts, no reranking", "third 100,000", "p95_ms", 50.0, at_most=True),
+    Target("<= 1.5 KB per fact for paragraph-length facts, default vectors", "ckc held-out", "bytes_per_fact", 1536.0, at_most=True),
+)
+
+
+def targets_table(rows: Sequence[dict]) -> str:
+    """Issue 38's targets against the default route (MiniLM, int8 vectors, hybrid) in ``rows``; a point estimate
+    must clear its bound to count as met, and a target without a matching row says so."""
+    default = {"embedder": EMBEDDERS[0], "vectors": DEFAULT_VECTORS, "mode": "hybrid"}
+    lines = []
+    for target in TARGETS:
+        row = next((r for r in rows if r["dataset"] == target.dataset and all(r.get(k) == v for k, v in default.items())), None)
+        if row is None:
+            lines.append([target.label, target.dataset, "not measured", "-", "-"])
+            continue
+        value = row[target.field]
+        met = value <= target.bound if target.at_most else value >= target.bound
+        if target.field in ("top1", "top5"):
+            shown = _share(value, row.get(f"{target.field}_ci"))
+            shown += f" % ({round(value * row['questions']):,} of {row['questions']:,})"
+        else:
+            shown = f"{value:.1f} ms" if target.field == "p95_ms" else f"{value:,.0f} B"
+        lines.append([target.label, target.dataset, shown, row["commit"], "yes" if met else "**no**"])
+    return markdown_table(["target", "data", "measured [95% CI]", "commit", "met"], lines, left=2)
+
+
+def sweep_rows_from_records(records: Sequence[dict]) -> list[dict]:
+    """The sweep's rows (data set, weight, summary, commit) from its question records (``OUT/sweep.jsonl``)."""
+    groups: dict[tuple, list[dict]] = {}
+    for record in records:
+        groups.setdefault((record["dataset"], record["lexical_weight"]), []).append(record)
+    return [
+        {"dataset": dataset, "lexical_weight": weight, "commit": members[0].get("commit", "")} | summarize(members)
+        for (dataset, weight), members in groups.items()
+    ]
+
+
 def sweep_table(rows: Sequence[dict]) -> str:
-    lines = [[r["dataset"], f"{r['lexical_weight']:g}", f"{100 * r['top1']:.1f}", f"{100 * r['top5']:.1f}"] for r in rows]
-    return markdown_table(["tuning data", "lexical weight", "top-1 %", "top-5 %"], lines, left=1)
+    """One line per tuning data set and lexical weight."""
+    lines = [
+        [r["dataset"], f"{r['lexical_weight']:g}", f"{r['questions']:,}", _share(r["top1"], r.get("top1_ci")), _share(r["top5"], r.get("top5_ci"))]
+        for r in rows
+    ]
+    return markdown_table(["tuning data", "lexical weight", "questions", "top-1 % [95% CI]", "top-5 % [95% CI]"], lines, left=1)
 
 
 def plot(rows: Sequence[dict], figures: Path) -> list[Path]:
@@ -275,9 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="eval-banks-") as scratch:
         if args.sweep is not None:
-            rows = sweep(args.sweep or [0.0, 0.1, 0.2, 0.3, 0.5, 0.8], Path(scratch), args.questions)
-            text = sweep_table(rows)
-            (args.out / "sweep.json").write_text(json.dumps(about | {"rows": rows}, indent=2) + "\n")
+            records = args.out / "sweep.jsonl"
+            records.unlink(missing_ok=True)  # a run's records are all of one commit
+            sweep(args.sweep or [0.0, 0.1, 0.2, 0.3, 0.5, 0.8], Path(scratch), args.questions, jsonl_appender(records))
+            text = sweep_table(sweep_rows_from_records(read_jsonl(records)))
             (args.out / "sweep.md").write_text(text + "\n")
             print(text)
             return 0

@@ -86,3 +86,40 @@ def test_eval_banks_tables_come_from_question_records(tmp_path: Path) -> None:
     assert doc_tables.main(["--check", str(doc), "--root", str(tmp_path)]) == 1
     assert doc_tables.main(["--write", str(doc), "--root", str(tmp_path)]) == 0
     assert doc.read_text() == f"<!-- table: eval_banks banks -->\n{table}\n<!-- /table -->\n"
+
+
+def test_the_targets_table_gathers_several_runs(tmp_path: Path) -> None:
+    """issue 38's targets from two results directories joined by +: a met target, a miss, and one not measured."""
+    import eval_banks
+
+    default = {"embedder": "all-minilm-l6-v2", "vectors": "int8", "mode": "hybrid", "clusters": 1, "build_s": 0.5}
+    runs = {
+        "third": [default | {"commit": "aaa1111", "dataset": "third 5,000", "facts": 5000, "bytes_per_fact": 600.0, "question": i,
+                             "rank": 0, "ms": 10.0} for i in range(4)],
+        "ckc": [default | {"commit": "bbb2222", "dataset": "ckc held-out", "facts": 600, "bytes_per_fact": 1400.0, "question": i,
+                           "rank": rank, "ms": 20.0} for i, rank in enumerate((0, 0, 3, None))],
+    }
+    for name, records in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "questions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    table = doc_tables.generate("eval_banks-targets", "third+ckc", tmp_path)
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines()[2:]}
+    assert len(lines) == len(eval_banks.TARGETS)
+    assert "(4 of 4) | aaa1111 | yes |" in lines["top-1 >= 99 % at 5,000 facts, generator nobody tuned on"]
+    assert "not measured" in lines["top-1 >= 97 % at 100,000 facts, generator nobody tuned on"]
+    assert "(3 of 4) | bbb2222 | **no** |" in lines["top-5 >= 97 % on the held-out ckc questions"]
+    assert "1,400 B | bbb2222 | yes |" in lines["<= 1.5 KB per fact for paragraph-length facts, default vectors"]
+    with pytest.raises(doc_tables.DocTableError, match="one results directory"):
+        doc_tables.generate("eval_banks", "third+ckc", tmp_path)
+
+
+def test_the_lexical_weight_sweep_table_comes_from_its_question_records(tmp_path: Path) -> None:
+    import eval_banks
+
+    (tmp_path / "sweep").mkdir()
+    records = [{"commit": "ccc3333", "dataset": "ckc tuning", "lexical_weight": w, "question": i, "rank": rank, "ms": 5.0}
+               for w in (0.0, 0.2) for i, rank in enumerate((0, 2 if w == 0.0 else 0))]
+    (tmp_path / "sweep" / "sweep.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    table = doc_tables.generate("eval_banks-sweep", "sweep", tmp_path)
+    assert table == eval_banks.sweep_table(eval_banks.sweep_rows_from_records(records))
+    assert "| ckc tuning | 0 | 2 | 50.0 [" in table and "| ckc tuning | 0.2 | 2 | 100.0 [100.0, 100.0] |" in table
