@@ -58,9 +58,10 @@ class Generator:
     several: bool = False
 
 
-def _eval_banks(out: Path) -> str:
+def _eval_banks(outs: list[Path]) -> str:
+    """One table of every run's rows, in the order of the directories (e.g. one run per embedder)."""
     eval_banks = _tool("eval_banks")
-    return eval_banks.table(eval_banks.rows_from_records(read_jsonl(out / "questions.jsonl")))
+    return eval_banks.table([row for out in outs for row in eval_banks.rows_from_records(read_jsonl(out / "questions.jsonl"))])
 
 
 def _eval_banks_targets(outs: list[Path]) -> str:
@@ -144,7 +145,7 @@ def _steering_set(name: str) -> Callable[[ModuleType], Sequence[str]]:
 
 
 GENERATORS: dict[str, Generator] = {
-    "eval_banks": Generator(("questions.jsonl",), _eval_banks),
+    "eval_banks": Generator(("questions.jsonl",), _eval_banks, several=True),
     "eval_banks-sweep": Generator(("sweep.jsonl",), _eval_banks_sweep),
     "eval_banks-targets": Generator(("questions.jsonl",), _eval_banks_targets, several=True),
     "eval_rerank": Generator(("questions.jsonl",), _eval_rerank),

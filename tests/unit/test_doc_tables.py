@@ -110,7 +110,7 @@ def test_the_targets_table_gathers_several_runs(tmp_path: Path) -> None:
     assert "(3 of 4) | bbb2222 | **no** |" in lines["top-5 >= 97 % on the held-out ckc questions"]
     assert "1,400 B | bbb2222 | yes |" in lines["<= 1.5 KB per fact for paragraph-length facts, default vectors"]
     with pytest.raises(doc_tables.DocTableError, match="one results directory"):
-        doc_tables.generate("eval_banks", "third+ckc", tmp_path)
+        doc_tables.generate("eval_rerank", "third+ckc", tmp_path)
 
 
 def test_the_lexical_weight_sweep_table_comes_from_its_question_records(tmp_path: Path) -> None:
