@@ -18,7 +18,7 @@ ROWS = 5
 
 def test_eval_packs_on_smollm2(tmp_path: Path, capsys) -> None:
     out, figures = tmp_path / "out", tmp_path / "figures"
-    argv = ["--models", "smollm2-135m", "--limit", str(ROWS), "--out", str(out), "--figures", str(figures)]
+    argv = ["--models", "smollm2-135m", "--limit", str(ROWS), "--out", str(out), "--figures", str(figures), "--prompt", "open"]
     assert eval_packs.main(argv) == 0
     assert f"divergences (b) vs (c): 0 of {ROWS}" in capsys.readouterr().out
     records = [json.loads(line) for line in (out / "questions.jsonl").read_text().splitlines()]
@@ -27,8 +27,10 @@ def test_eval_packs_on_smollm2(tmp_path: Path, capsys) -> None:
         conditions = record["conditions"]
         assert conditions["pack"]["prompt_tokens"] + record["pack_tokens"] == conditions["text"]["prompt_tokens"]
         assert conditions["pack"]["prompt_tokens"] < conditions["none"]["prompt_tokens"]
-    # The paragraphs hold the (substituted) answers: text in the prompt must answer some of them.
-    assert sum(r["conditions"]["text"]["em"] for r in records) >= 1
+    # The paragraphs hold the (substituted) answers: text in the prompt must answer some of them (smollm2-135m
+    # answers in sentences, so the lenient metric; with the bare question, as the first rows' answers were checked).
+    assert sum(r["conditions"]["text"]["contains"] for r in records) >= 1
+    assert all(r["prompt"] == "open" and set(r["conditions"]["text"]) >= {"contains", "em", "f1"} for r in records)
     assert {p.name for p in figures.iterdir()} == {"eval_packs_accuracy.png", "eval_packs_prompt_tokens.png"}
 
 
