@@ -54,23 +54,35 @@ eval: eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-pa
 doc-tables: install
 	$(BIN)/python tools/doc_tables.py --write
 
-# The paper's Tables 1 and 3 on ckc_dev: all 600 rows on both models (1,200 questions), results in
-# results/eval_packs/ (resumed from questions.jsonl) and plots in docs/figures/.
+# The paper's Tables 1 and 3 on ckc_dev: all 600 rows on both models (1,200 questions), short-answer prompt,
+# results in results/eval_packs-38/ (resumed from questions.jsonl) and plots in docs/figures/.
 eval-packs: install
-	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packs.py --models smollm2-135m gemma3-270m
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packs.py --models smollm2-135m gemma3-270m --out results/eval_packs-38
 
-# Bank retrieval: the lexical-weight sweep on the tuning data, then both embedders on own / second
-# generator at 5,000 facts and the ckc halves, then the default embedder at 100,000 facts.
+# Bank retrieval, one records directory per run: the lexical-weight sweep on the tuning data; MiniLM (int8
+# and fp16) and mpnet (fp16) on the own / second generator at 5,000 facts and the ckc halves; MiniLM int8 at
+# 100,000 facts; a second draw of the second generator (seed 11); the third generator (never tuned on) at
+# 5,000 and 100,000.
 eval-banks: install
-	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --sweep
-	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --sizes 5000
-	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --sizes 100000 --questions 300 --no-ckc \
-		--embedders all-minilm-l6-v2 --modes hybrid dense lexical \
-		--out results/eval_banks-100k --figures docs/figures/eval_banks_100k
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --sweep --questions 1000 --out results/eval_banks-sweep-38
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --sizes 5000 --embedders all-minilm-l6-v2 --vectors int8 fp16 \
+		--out results/eval_banks-5k-minilm --figures docs/figures/eval_banks_5k_minilm
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --sizes 5000 --embedders all-mpnet-base-v2 --vectors fp16 \
+		--out results/eval_banks-5k-mpnet --figures docs/figures/eval_banks_5k_mpnet
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --data second --second-seed 11 --sizes 5000 --no-ckc \
+		--embedders all-minilm-l6-v2 --modes hybrid dense lexical --vectors int8 --out results/eval_banks-seed11-38 \
+		--figures docs/figures/eval_banks_seed11
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --sizes 100000 --questions 1000 --no-ckc \
+		--embedders all-minilm-l6-v2 --modes hybrid dense lexical --vectors int8 \
+		--out results/eval_banks-100k-38 --figures docs/figures/eval_banks_100k
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --data third --sizes 5000 100000 --no-ckc \
+		--embedders all-minilm-l6-v2 --modes hybrid --vectors int8 fp16 --out results/eval_banks-third \
+		--figures docs/figures/eval_banks_third
 
-# The paper's Table 4: ckc answers through one bank of every paragraph (held-out half).
+# The paper's Table 4: ckc answers through one bank of every paragraph (held-out half, both models),
+# short-answer prompt, into results/eval_bank_answers-38/ (resumed from questions.jsonl).
 eval-bank-answers: install
-	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_bank_answers.py --models smollm2-135m gemma3-270m
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_bank_answers.py --models smollm2-135m gemma3-270m --out results/eval_bank_answers-38
 
 # Composition (Tables 2 and 5, compose time at 2k/8k tokens, errata) on both models, into
 # results/eval_compose/ (each part resumes) and docs/figures/eval_compose_*.png.
