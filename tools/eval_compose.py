@@ -67,6 +67,7 @@ from evallib import (  # noqa: E402
     REPO,
     Interval,
     Row,
+    answer_scores,
     contains_answer,
     frozen_split,
     gold_answers,
@@ -78,6 +79,7 @@ from evallib import (  # noqa: E402
     metric_headers,
     metric_intervals,
     normalize,
+    paired_difference,
     parts_type,
     read_jsonl,
     resumed_records,
@@ -238,13 +240,31 @@ def composed(lm: LoadedModel, packs: Sequence[Pack]) -> Composition:
     return compose_exact(lm, packs[0], [pack.header for pack in packs[1:]])
 
 
-def first_token_logits(lm: LoadedModel, pack: Pack, question: str) -> torch.Tensor:
-    """The logits of the first answer token with ``pack`` injected (the question's tokens prefilled)."""
+def answer_logits(lm: LoadedModel, pack: Pack, question: str, answer_ids: Sequence[int]) -> torch.Tensor:
+    """Teacher-forced logits with ``pack`` injected: row i predicts ``answer_ids[i]`` after the question and the answer's
+    first i tokens ([max(len(answer_ids), 1), vocabulary]; row 0 is the first answer token's distribution)."""
     rendering = prepare(lm, pack.header, question)
-    ids = torch.tensor([rendering.token_ids[pack.header.tokens :]], dtype=torch.long, device=lm.device)
+    forced = list(rendering.token_ids[pack.header.tokens :]) + list(answer_ids[:-1])
+    ids = torch.tensor([forced], dtype=torch.long, device=lm.device)
     with torch.inference_mode():
         output = lm.model(input_ids=ids, use_cache=True, **{lm.cache_argument: cache_from_pack(pack, lm.device)})
-    return output.logits[0, -1].float().cpu()
+    return output.logits[0, -max(len(answer_ids), 1) :].float().cpu()
+
+
+def answer_agreement(logits: torch.Tensor, reference: torch.Tensor) -> dict:
+    """How far teacher-forced answer logits are from the reference's on the same tokens: the mean over answer tokens of
+    KL(reference || these) in nats, the share of tokens whose top-1 agrees, and, for the first token, the cosines of
+    the probabilities and of the raw logits (the earlier headline, which hardly separates the modes)."""
+    log_p, log_q = torch.log_softmax(reference.double(), -1), torch.log_softmax(logits.double(), -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    return {
+        "answer_kl": float(kl.mean()),
+        "answer_top1": float((logits.argmax(-1) == reference.argmax(-1)).double().mean()),
+        "answer_tokens": int(logits.shape[0]),
+        "prob_cosine": cosine(logits[0].softmax(-1), reference[0].softmax(-1)),
+        "logit_cosine": cosine(logits[0], reference[0]),
+        "same_first_token": int(logits[0].argmax()) == int(reference[0].argmax()),
+    }
 
 
 def _progress(lm: LoadedModel, part: str, index: int, total: int, started: float) -> None:
@@ -292,8 +312,8 @@ def run_accumulation(
 def run_modes(
     lm: LoadedModel, rows: Sequence[Row], pool: Sequence[Row], k: int, seed: int, sampling: Sampling, keep: Callable[[dict], None]
 ) -> None:
-    """One record per question: each mode's answer and scores, and rope and naive against exact on the
-    first token's distribution and on the generated ids."""
+    """One record per question: each mode's answer and scores, and rope and naive against exact: on the distributions
+    over exact's answer tokens (teacher-forced, ``answer_agreement``) and on the generated ids."""
     started = time.perf_counter()
     for index, row in enumerate(rows, 1):
         parts, position = arrangement(row, pool, k, seed)
@@ -304,17 +324,12 @@ def run_modes(
         }
         answers = {"single": answer_with_pack(lm, packs[position], row.question, sampling)}
         answers |= {mode: answer_with_pack(lm, c.pack, row.question, sampling) for mode, c in compositions.items()}
-        logits = {mode: first_token_logits(lm, c.pack, row.question) for mode, c in compositions.items()}
+        logits = {mode: answer_logits(lm, c.pack, row.question, answers["exact"].token_ids) for mode, c in compositions.items()}
         conditions = {mode: scored(answer.text, answer.prompt_tokens, row) for mode, answer in answers.items()}
         for mode, composition in compositions.items():
             conditions[mode] |= {"prefilled_tokens": composition.prefilled_tokens, "composed_tokens": composition.pack.header.tokens}
         agreement = {
-            mode: {
-                "prob_cosine": cosine(logits[mode].softmax(-1), logits["exact"].softmax(-1)),
-                "logit_cosine": cosine(logits[mode], logits["exact"]),
-                "same_first_token": int(logits[mode].argmax()) == int(logits["exact"].argmax()),
-                "same_tokens": answers[mode].token_ids == answers["exact"].token_ids,
-            }
+            mode: answer_agreement(logits[mode], logits["exact"]) | {"same_tokens": answers[mode].token_ids == answers["exact"].token_ids}
             for mode in SPLICED
         }
         keep(_arranged(lm, row, k, position, parts) | {"conditions": conditions, "agreement": agreement})
@@ -444,15 +459,26 @@ def summarize_modes(records: Sequence[dict]) -> dict:
                     "prefilled_tokens": _mean(s["prefilled_tokens"] for s in scores),
                     "composed_tokens": _mean(s["composed_tokens"] for s in scores),
                 }
-        agreement = {
-            mode: {
-                "prob_cosine": mean_interval([r["agreement"][mode]["prob_cosine"] for r in mine]),
-                "logit_cosine": mean_interval([r["agreement"][mode]["logit_cosine"] for r in mine]),
-                "same_first_token": fraction(r["agreement"][mode]["same_first_token"] for r in mine),
-                "same_tokens": fraction(r["agreement"][mode]["same_tokens"] for r in mine),
+        scores = {mode: [answer_scores(r["conditions"][mode]["answer"], golds[r["id"]]) for r in mine] for mode in MODES}
+        agreement = {}
+        for mode in SPLICED:
+            measured = [r["agreement"][mode] for r in mine]
+            agreement[mode] = {
+                "prob_cosine": mean_interval([a["prob_cosine"] for a in measured]),
+                "logit_cosine": mean_interval([a["logit_cosine"] for a in measured]),
+                "same_first_token": fraction(a["same_first_token"] for a in measured),
+                "same_tokens": fraction(a["same_tokens"] for a in measured),
+                **{  # paired against exact on the same questions
+                    f"{metric}_minus_exact": paired_difference([x[metric] for x in scores[mode]], [x[metric] for x in scores["exact"]])
+                    for metric in ("contains", "f1")
+                },
             }
-            for mode in SPLICED
-        }
+            if all("answer_kl" in a for a in measured):  # records made before issue 39 have the first token's only
+                agreement[mode] |= {key: mean_interval([a[key] for a in measured]) for key in ("answer_kl", "answer_top1")}
+        if all("answer_kl" in agreement[mode] for mode in SPLICED):
+            agreement["naive_minus_rope_kl"] = paired_difference(
+                [r["agreement"]["naive"]["answer_kl"] for r in mine], [r["agreement"]["rope"]["answer_kl"] for r in mine]
+            )
         summary[model] = {"questions": len(mine), "k": mine[0]["k"], "modes": modes, "agreement": agreement}
     return summary
 
@@ -505,23 +531,37 @@ def accumulation_table(summary: dict) -> str:
 def modes_table(summary: dict) -> str:
     """One line per model and mode; rope and naive with their agreement with exact."""
     headers = ["model", "mode", "questions", *metric_headers(), "prefilled / total tokens"]
-    headers += ["prob. cosine 1st token", "logit cosine 1st token", "same 1st token %", "same answer ids %"]
+    headers += ["KL to exact, answer tokens (nats)", "top-1 agrees, answer tokens %", "same 1st token %", "same answer ids %"]
+    headers += ["contains - exact (paired)", "F1 - exact (paired)", "prob. cosine 1st token", "logit cosine 1st token"]
     lines = []
     for model, s in summary.items():
         for mode, label in MODES.items():
             scores = s["modes"][mode]
             tokens = f"{scores['prefilled_tokens']:.0f} / {scores['composed_tokens']:.0f}" if "prefilled_tokens" in scores else "-"
-            versus = ["-"] * 4
+            versus = ["-"] * 8
             if agreement := s["agreement"].get(mode):
-                versus = [f"{agreement['prob_cosine'].mean:.4f}", f"{agreement['logit_cosine'].mean:.4f}"]
+                kl = agreement.get("answer_kl")
+                versus = [f"{kl.mean:.4f} [{kl.low:.4f}, {kl.high:.4f}]" if kl else "-"]
+                versus += [agreement["answer_top1"].percent() if "answer_top1" in agreement else "-"]
                 versus += [agreement["same_first_token"].percent(), agreement["same_tokens"].percent()]
+                versus += [_signed(agreement["contains_minus_exact"]), _signed(agreement["f1_minus_exact"])]
+                versus += [f"{agreement['prob_cosine'].mean:.4f}", f"{agreement['logit_cosine'].mean:.4f}"]
             lines.append([model, label, str(s["questions"]), *(scores[m].percent() for m in METRICS), tokens, *versus])
-    notes = [
-        f"{model}: k = {s['k']} paragraphs (gold + {s['k'] - 1} distractors); cosines are means over questions of the "
-        "cosine between the first answer token's softmax probabilities (resp. raw logits) and exact's"
-        for model, s in summary.items()
-    ]
+    notes = []
+    for model, s in summary.items():
+        note = (
+            f"{model}: k = {s['k']} paragraphs (gold + {s['k'] - 1} distractors); KL and top-1 are teacher-forced on exact's "
+            "answer tokens, means over questions; paired differences are in points with 95% paired bootstrap intervals"
+        )
+        if gap := s["agreement"].get("naive_minus_rope_kl"):
+            note += f"; naive - rope KL: {gap.mean:+.4f} [{gap.low:+.4f}, {gap.high:+.4f}] nats"
+        notes.append(note)
     return markdown_table(headers, lines, left=2) + "\n\n" + "\n".join(notes)
+
+
+def _signed(interval: Interval) -> str:
+    """A paired difference of shares in points: ``+1.0 [-2.0, +4.0]``."""
+    return f"{100 * interval.mean:+.1f} [{100 * interval.low:+.1f}, {100 * interval.high:+.1f}]"
 
 
 def timing_table(summary: dict) -> str:

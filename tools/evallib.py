@@ -175,6 +175,13 @@ def mean_interval(values: Sequence[float], *, resamples: int = 2000, seed: int =
     return Interval(float(data.mean()), float(low), float(high))
 
 
+def paired_difference(first: Sequence[float], second: Sequence[float], *, resamples: int = 2000, seed: int = 0) -> Interval:
+    """The mean of ``first - second`` over the same questions, with a 95% paired bootstrap interval: questions are
+    resampled together, so question-to-question variance common to both cancels (an interval excluding 0 is a
+    difference at the 5% level)."""
+    return mean_interval([a - b for a, b in zip(first, second, strict=True)], resamples=resamples, seed=seed)
+
+
 def metric_intervals(predictions: Sequence[str], answers: Sequence[Sequence[str]]) -> dict[str, Interval]:
     """Each metric of ``METRICS`` over paired predictions and gold answers, with its 95% interval.
 

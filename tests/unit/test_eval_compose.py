@@ -1,4 +1,4 @@
-"""tools/eval_compose.py without a model: row order, arrangements, errata cases, parts, resume, report."""
+"""tools/eval_compose.py: row order, arrangements, errata cases, parts, report; answer-token agreement on the tiny model."""
 
 from __future__ import annotations
 
@@ -101,6 +101,53 @@ def _accumulation(k: int, divergent: bool) -> dict:
         "pack": scores | {"prompt_tokens": 20},
         "text": scores | {"prompt_tokens": 200},
     }
+
+
+def test_answer_agreement_is_teacher_forced_over_the_answer_tokens(tiny_lm) -> None:
+    from packstore.kv.build import build_pack
+    from packstore.kv.compose import splice
+    from packstore.kv.inject import Sampling, answer_with_pack
+
+    packs = [build_pack(tiny_lm, [f"Paragraph {i} names Person {i} here ."]) for i in range(3)]
+    exact, naive = eval_compose.composed(tiny_lm, packs).pack, splice(tiny_lm, packs, "naive").pack
+    answer = answer_with_pack(tiny_lm, exact, "who is named?", Sampling(max_new_tokens=5))
+    logits = eval_compose.answer_logits(tiny_lm, exact, "who is named?", answer.token_ids)
+    assert logits.shape[0] == max(len(answer.token_ids), 1)
+    assert logits.argmax(-1).tolist() == answer.token_ids[: logits.shape[0]]  # greedy: each forced row picks the next token
+    same = eval_compose.answer_agreement(logits, logits)
+    assert same["answer_kl"] == pytest.approx(0.0, abs=1e-9) and same["answer_top1"] == 1.0 and same["same_first_token"]
+    spliced = eval_compose.answer_agreement(eval_compose.answer_logits(tiny_lm, naive, "who is named?", answer.token_ids), logits)
+    assert spliced["answer_kl"] > 0 and spliced["answer_tokens"] == logits.shape[0]
+
+
+def _modes_record(kl: float | None) -> dict:
+    """A modes record: rope right and naive wrong, with answer-token agreement when ``kl`` is given (records before
+    issue 39 have the first token's only)."""
+    right, wrong = {"answer": "Zayed Khan", "prompt_tokens": 20}, {"answer": "nobody", "prompt_tokens": 20}
+    versus = {"prob_cosine": 0.9, "logit_cosine": 0.99, "same_first_token": True, "same_tokens": False}
+    extra = {} if kl is None else {"answer_top1": 0.5, "answer_tokens": 4}
+    return {
+        "model": "m",
+        "id": "ckc-15887",
+        "k": 3,
+        "conditions": {"single": right, "exact": right, "rope": right, "naive": wrong},
+        "agreement": {
+            "rope": versus | ({} if kl is None else extra | {"answer_kl": kl}),
+            "naive": versus | ({} if kl is None else extra | {"answer_kl": 3 * kl}),
+        },
+    }
+
+
+def test_modes_summary_has_paired_differences_and_kl_when_recorded() -> None:
+    old = eval_compose.summarize_modes([_modes_record(None)])["m"]["agreement"]
+    assert "answer_kl" not in old["rope"] and "naive_minus_rope_kl" not in old
+    assert old["naive"]["contains_minus_exact"].mean == -1.0 and old["rope"]["contains_minus_exact"].mean == 0.0
+    new = eval_compose.summarize_modes([_modes_record(0.1), _modes_record(0.3)])
+    assert new["m"]["agreement"]["naive_minus_rope_kl"].mean == pytest.approx(0.4)
+    table = eval_compose.modes_table(new)
+    assert "| m | RoPE splice | 2 |" in table and "0.2000 [" in table and "-100.0 [-100.0, -100.0]" in table
+    assert "naive - rope KL: +0.4000" in table
+    assert "| - | - |" in eval_compose.modes_table(eval_compose.summarize_modes([_modes_record(None)]))
 
 
 def test_report_from_records_of_every_part(tmp_path: Path) -> None:
