@@ -125,7 +125,7 @@ def _steering_dual(out: Path) -> str:
 
 
 def _eval_packet(index: int) -> Callable[[Path], str]:
-    """tools/eval_packet.py prints three tables (quality, cost, training) separated by blank lines: the INDEXth."""
+    """tools/eval_packet.py prints four tables (quality, paired, cost, training) separated by blank lines: the INDEXth."""
 
     def make(out: Path) -> str:
         tool = _tool("eval_packet")
@@ -159,7 +159,7 @@ GENERATORS: dict[str, Generator] = {
     "eval_steering-dual": Generator(("dual.jsonl",), _steering_dual),
     **{
         f"eval_packet-{name}": Generator(("answers.jsonl", "timing.jsonl", "training.jsonl"), _eval_packet(index))
-        for index, name in enumerate(("quality", "cost", "training"))
+        for index, name in enumerate(("quality", "paired", "cost", "training"))
     },
     "eval_exactness": Generator(("*.json",), _eval_exactness),
 }

@@ -55,7 +55,7 @@ import torch  # noqa: E402
 
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.compose import Composition, amend, compose_exact, splice  # noqa: E402
-from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text, cache_from_pack, prepare  # noqa: E402
+from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text, cache_from_pack, forced_logits, prepare  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
 from packstore.packs.tensors import Pack  # noqa: E402
 
@@ -243,12 +243,7 @@ def composed(lm: LoadedModel, packs: Sequence[Pack]) -> Composition:
 def answer_logits(lm: LoadedModel, pack: Pack, question: str, answer_ids: Sequence[int]) -> torch.Tensor:
     """Teacher-forced logits with ``pack`` injected: row i predicts ``answer_ids[i]`` after the question and the answer's
     first i tokens ([max(len(answer_ids), 1), vocabulary]; row 0 is the first answer token's distribution)."""
-    rendering = prepare(lm, pack.header, question)
-    forced = list(rendering.token_ids[pack.header.tokens :]) + list(answer_ids[:-1])
-    ids = torch.tensor([forced], dtype=torch.long, device=lm.device)
-    with torch.inference_mode():
-        output = lm.model(input_ids=ids, use_cache=True, **{lm.cache_argument: cache_from_pack(pack, lm.device)})
-    return output.logits[0, -max(len(answer_ids), 1) :].float().cpu()
+    return forced_logits(lm, prepare(lm, pack.header, question).token_ids, answer_ids, cache_from_pack(pack, lm.device))
 
 
 def answer_agreement(logits: torch.Tensor, reference: torch.Tensor) -> dict:

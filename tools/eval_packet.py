@@ -3,8 +3,13 @@
 For each seed an adapter is trained (``packstore.kv.packet.train_adapter``, model frozen) on examples
 from the project's two fact generators (packstore.kv.synthetic and tools/second_facts.py: short
 invented facts, 2-4 documents of 2-5 facts, a question about one fact), never on ckc. It is then
-tested on ckc: each question's paragraph (the gold) and 1-4 other paragraphs as distractors, 2-5 in
-all, in a seeded order with the gold at a seeded position, every paragraph its own pack built alone.
+tested on the held-out ckc questions (all 288 unless ``--questions N``): each question's paragraph (the
+gold) and 1-4 other paragraphs as distractors, 2-5 in all, in an order and with the gold at a position
+seeded per question (``ARRANGEMENT_SEED``), every paragraph its own pack built alone. Every seed and every
+method answers these same questions in these same arrangements: full, none and selective recompute do
+not depend on the adapter and are asked once per question (records with seed null), KV Packet once per
+question and seed; so the methods' differences are paired per question and the spread across seeds is
+the adapters' own.
 The test contexts differ from the training ones: real Wikipedia paragraphs of 100-250 tokens instead
 of invented one-line facts, up to 5 parts instead of 4, and every question's distractors unrelated.
 
@@ -14,9 +19,9 @@ Methods, all from the same independently built parts:
   selective  selective recompute (the CacheBlend idea, packstore.kv.blend): the splice, with the
              ``--share`` (15 %) of tokens whose values deviate most after two layers recomputed;
   packet     the splice with the adapter's soft tokens around each part (packstore.kv.packet).
-Per method: EM and F1 of the greedy answer, the first answer token's logits against full recompute
-(cosine of the logits and of the probabilities, same argmax), whether the whole answer equals full
-recompute's, and the FLOPs of composing (analytic: 2 x non-embedding parameters + 4 x layers x
+Per method: contains, strict EM and F1 of the greedy answer; against full recompute, teacher-forced on
+full's answer tokens, the mean KL (nats) and the share of tokens whose top-1 agrees, the first token's
+agreement and logit cosine, and whether the whole answer equals full's; and the FLOPs of composing (analytic: 2 x non-embedding parameters + 4 x layers x
 attention width x context per computed position; the probe's share for selective). Time to first
 token (composing from parts in memory, the question's prefill and the first token) is timed on a
 subset (``--timing``), each method in turn per question, median of ``--repeats``.
@@ -31,24 +36,28 @@ summary.json, table.md; PNGs in ``--figures``. From the repository root:
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
+from packstore.format import PackHeader  # noqa: E402
 from packstore.format.packfile import pack_file_parts, parse_pack_file  # noqa: E402
 from packstore.kv.blend import DEFAULT_SHARE, PROBE_LAYERS, selective_recompute  # noqa: E402
 from packstore.kv.build import build_pack, prefill  # noqa: E402
 from packstore.kv.compose import splice  # noqa: E402
-from packstore.kv.inject import cache_aligned_ids, cache_from_pack, greedy_with_logits  # noqa: E402
+from packstore.kv.inject import cache_aligned_ids, cache_from_pack, forced_logits, greedy_with_logits  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
 from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_TOKENS  # noqa: E402
 from packstore.kv.packet import generated_examples, packet_compose, train_adapter  # noqa: E402
@@ -58,9 +67,11 @@ from packstore.packs.tensors import Pack, decode_pack, encode_pack  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, median, source_description  # noqa: E402
+from eval_compose import answer_agreement  # noqa: E402
 from evallib import (  # noqa: E402
     METRICS,
     REPO,
+    Interval,
     Row,
     answer_scores,
     frozen_split,
@@ -70,13 +81,17 @@ from evallib import (  # noqa: E402
     load_rows,
     markdown_table,
     mean_interval,
+    paired_difference,
     parts_type,
     read_jsonl,
 )
 from second_facts import second_facts  # noqa: E402
 
 MODELS = ("smollm2-135m", "gemma3-270m")
-METHODS = ("full", "none", "selective", "packet")
+SEEDLESS = ("full", "none", "selective")  # do not depend on the adapter: asked once per question, seed None
+METHODS = (*SEEDLESS, "packet")
+ARRANGEMENT_SEED = 0  # the distractors and gold position of each question, the same for every adapter seed
+COMPARISONS = (("packet", "none"), ("packet", "full"), ("selective", "packet"))  # paired differences, first - second
 LABELS = {"full": "full recompute", "none": "no recompute (RoPE)", "selective": "selective recompute", "packet": "KV Packet"}
 PARTS = ("train", "answers", "timing")
 log = logger("eval_packet")
@@ -104,15 +119,14 @@ def training_examples(count: int, seed: int) -> list[Example]:
     return examples
 
 
-def questions(rows: Sequence[Row], seed: int, count: int, pool: Sequence[Row]) -> list[tuple[Row, list[Row]]]:
-    """``count`` questions for ``seed`` (held-out half first, seeds taking consecutive rows), each with its
-    2-5 paragraphs: the gold at a seeded position among seeded distractors."""
-    tuning, held_out = frozen_split(rows)
-    ordered = held_out + tuning
-    chosen = ordered[seed * count : (seed + 1) * count]
+def questions(rows: Sequence[Row], count: int | None, pool: Sequence[Row]) -> list[tuple[Row, list[Row]]]:
+    """The first ``count`` held-out questions (all of them when None), each with its 2-5 paragraphs: the gold at a
+    seeded position among seeded distractors. Every adapter seed and every method is asked these same questions in
+    these same arrangements, so their differences are paired and the spread across seeds is the adapters' alone."""
+    _, held_out = frozen_split(rows)
     arranged = []
-    for row in chosen:
-        rng = random.Random(f"{seed}:{row.id}")
+    for row in held_out[:count]:
+        rng = random.Random(f"{ARRANGEMENT_SEED}:{row.id}")
         others = [other for other in pool if other.context != row.context]
         k = rng.randint(2, 5)
         parts = rng.sample(others, k - 1)
@@ -146,46 +160,74 @@ def composing_flops(lm: LoadedModel, computed: Sequence[int], probed: int = 0) -
 # ---- answering ----
 
 
-def compositions(lm: LoadedModel, parts: Sequence[Pack], adapter: Pack, share: float) -> dict[str, tuple]:
-    """Per method: (cache, the pack header whose soft tokens the cache holds or None, the positions
-    computed through every layer, the positions probed through the first layers)."""
+@dataclass(frozen=True)
+class Composed:
+    """One method's composed context: a function making a fresh cache of it (generation extends the cache it is
+    given), the pack header whose soft tokens the cache holds (None without), the positions computed through every
+    layer, and the positions probed through the first layers."""
+
+    fresh: Callable[[], DynamicCache]
+    header: PackHeader | None
+    computed: list[int]
+    probed: int
+
+
+def compositions(lm: LoadedModel, parts: Sequence[Pack], methods: Sequence[str], adapter: Pack | None, share: float) -> dict[str, Composed]:
+    """The composed context of each of ``methods`` (``packet`` needs the ``adapter``)."""
     with torch.inference_mode():
         rope = splice(lm, parts, "rope")
-        packet = packet_compose(lm, parts, adapter)
     token_ids = list(rope.pack.header.token_ids)
-    blend = selective_recompute(lm, rope.pack, share=share)
-    return {
-        "full": (prefill(lm, token_ids), None, list(range(len(token_ids))), 0),
-        "none": (cache_from_pack(rope.pack, lm.device), None, list(rope.computed_positions), 0),
-        "selective": (blend.cache, None, sorted(set(rope.computed_positions) | set(blend.recomputed)), len(token_ids)),
-        "packet": (cache_from_pack(packet.pack, lm.device), packet.pack.header, list(packet.computed_positions), 0),
-    }
+    made: dict[str, Composed] = {}
+    for method in methods:
+        if method == "full":
+            full = prefill(lm, token_ids)
+            made[method] = Composed(lambda full=full: copy.deepcopy(full), None, list(range(len(token_ids))), 0)
+        elif method == "none":
+            made[method] = Composed(lambda: cache_from_pack(rope.pack, lm.device), None, list(rope.computed_positions), 0)
+        elif method == "selective":
+            blend = selective_recompute(lm, rope.pack, share=share)
+            computed = sorted(set(rope.computed_positions) | set(blend.recomputed))
+            made[method] = Composed(lambda blend=blend: copy.deepcopy(blend.cache), None, computed, len(token_ids))
+        else:
+            if adapter is None:
+                raise ValueError("the packet method needs an adapter")
+            with torch.inference_mode():
+                packet = packet_compose(lm, parts, adapter)
+            made[method] = Composed(lambda packet=packet: cache_from_pack(packet.pack, lm.device), packet.pack.header, list(packet.computed_positions), 0)
+    return made
 
 
-def evaluate_question(lm: LoadedModel, row: Row, arranged: Sequence[Row], adapter: Pack, share: float, max_new_tokens: int) -> dict:
+def evaluate_question(
+    lm: LoadedModel, row: Row, arranged: Sequence[Row], methods: Sequence[str], adapter: Pack | None, share: float, max_new_tokens: int
+) -> dict:
+    """One record: each of ``methods``' greedy answer and scores, and its agreement with full recompute (the reference,
+    computed in every record): the distributions over full's answer tokens (teacher-forced, ``answer_agreement``),
+    the whole answer, and the cost of composing."""
     with torch.inference_mode():
         parts = [build_pack(lm, [paragraph.context]) for paragraph in arranged]
     rendering = render(lm.tokenizer, [p.context for p in arranged], row.question)
     record = {"id": row.id, "k": len(arranged), "gold": next(i for i, p in enumerate(arranged) if p.id == row.id), "tokens": rendering.prefix_tokens}
-    reference = None
-    for method, (cache, header, computed, probed) in compositions(lm, parts, adapter, share).items():
-        ids = cache_aligned_ids(header, rendering.token_ids, lm.stop_token_ids[0]) if header is not None else rendering.token_ids
-        answer_ids, step_logits = greedy_with_logits(lm, ids, max_new_tokens, cache)
-        logits = step_logits[0]  # the first answer token's
+    made = compositions(lm, parts, ["full", *(m for m in methods if m != "full")], adapter, share)
+    reference_ids: list[int] = []
+    reference_logits = None
+    for method, composed in made.items():
+        ids = cache_aligned_ids(composed.header, rendering.token_ids, lm.stop_token_ids[0]) if composed.header is not None else rendering.token_ids
+        answer_ids, _ = greedy_with_logits(lm, ids, max_new_tokens, composed.fresh())
+        if method == "full":
+            reference_ids = answer_ids
+        logits = forced_logits(lm, ids, reference_ids, composed.fresh())
+        reference_logits = logits if reference_logits is None else reference_logits
+        if method not in methods:
+            continue
         answer = lm.tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
-        if reference is None:
-            reference = (answer_ids, logits)
-        probs, reference_probs = torch.softmax(logits, -1), torch.softmax(reference[1], -1)
         record[method] = {
             "answer": answer,
             **answer_scores(answer, row.answers),
-            "logit_cosine": float(torch.nn.functional.cosine_similarity(logits, reference[1], dim=0)),
-            "prob_cosine": float(torch.nn.functional.cosine_similarity(probs, reference_probs, dim=0)),
-            "same_first": int(logits.argmax()) == int(reference[1].argmax()),
-            "same_answer": answer_ids == reference[0],
-            "computed": len(computed),
-            "probed": probed,
-            "flops": composing_flops(lm, computed, probed),
+            **answer_agreement(logits, reference_logits),
+            "same_answer": answer_ids == reference_ids,
+            "computed": len(composed.computed),
+            "probed": composed.probed,
+            "flops": composing_flops(lm, composed.computed, composed.probed),
         }
     return record
 
@@ -236,32 +278,63 @@ def load_adapter(path: Path) -> Pack:
 # ---- records, summaries, report ----
 
 
+def _scored(entry: dict, answers: Sequence[str]) -> dict:
+    """A method's record entry with every metric recomputed from its answer (records before issue 39 name the
+    first-token agreement ``same_first``)."""
+    scored = {"same_first_token": entry.get("same_first")} | entry | answer_scores(entry["answer"], answers)
+    scored.pop("same_first", None)
+    return scored
+
+
+AVERAGED = (*METRICS, "answer_kl", "answer_top1", "logit_cosine", "same_first_token", "same_answer", "computed", "flops")
+
+
 def summarize(answers: Sequence[dict], timing: Sequence[dict], training: Sequence[dict]) -> dict:
-    """Per model and method: ``METRICS`` (recomputed from the answers; contains and F1 also per seed), agreement
-    with full recompute, cost; median TTFT; the adapters' training records."""
+    """Per model and method, over the questions it was asked: ``METRICS`` recomputed from the answers (a question's
+    score is its mean over the adapter seeds that asked it), per-seed means, agreement with full recompute and cost;
+    the paired differences of ``COMPARISONS`` on the questions both methods were asked; median TTFT; the adapters'
+    training records."""
     summary: dict = {}
     golds = gold_answers()
     for model in dict.fromkeys(r["model"] for r in answers):
-        mine = [r for r in answers if r["model"] == model]
-        seeds = sorted({r["seed"] for r in mine})
-        entry: dict = {"questions": len(mine), "seeds": seeds, "methods": {}}
-        for method in METHODS:
-            scores = [answer_scores(r[method]["answer"], golds[r["id"]]) for r in mine]
-            values = [r[method] for r in mine]
+        by_question: dict[str, dict[str, list[dict]]] = {}  # method -> question -> its entries, one per seed
+        by_seed: dict[str, dict] = {}  # method -> seed (None for a seedless method) -> entries
+        for record in (r for r in answers if r["model"] == model):
+            for method in METHODS:
+                if method in record:
+                    entry = _scored(record[method], golds[record["id"]])
+                    by_question.setdefault(method, {}).setdefault(record["id"], []).append(entry)
+                    by_seed.setdefault(method, {}).setdefault(record.get("seed"), []).append(entry)
+        means = {
+            method: {
+                question: {key: float(np.mean([e[key] for e in entries])) for key in AVERAGED if entries[0].get(key) is not None}
+                for question, entries in questions_.items()
+            }
+            for method, questions_ in by_question.items()
+        }
+        entry: dict = {"methods": {}, "paired": {}}
+        for method, per_question in means.items():
+            values = list(per_question.values())
+            measured = {key for value in values for key in value}
             entry["methods"][method] = {
-                **{metric: mean_interval([score[metric] for score in scores]) for metric in METRICS},
+                "questions": len(values),
+                "seeds": sorted(seed for seed in by_seed[method] if seed is not None),
+                **{key: mean_interval([v[key] for v in values]) for key in (*METRICS, "answer_kl", "answer_top1") if key in measured},
                 **{
-                    f"{metric}_by_seed": [float(np.mean([sc[metric] for sc, r in zip(scores, mine) if r["seed"] == s])) for s in seeds]
-                    for metric in ("contains", "f1")
+                    f"{metric}_by_seed": [float(np.mean([e[metric] for e in entries])) for entries in by_seed[method].values()]
+                    for metric in METRICS
                 },
-                "logit_cosine": float(np.mean([v["logit_cosine"] for v in values])),
-                "prob_cosine": float(np.mean([v["prob_cosine"] for v in values])),
-                "same_first": float(np.mean([v["same_first"] for v in values])),
-                "same_answer": float(np.mean([v["same_answer"] for v in values])),
-                "computed": float(np.mean([v["computed"] for v in values])),
+                **{key: float(np.mean([v[key] for v in values])) for key in ("logit_cosine", "same_first_token", "same_answer", "computed")},
                 "gflops": float(np.mean([v["flops"] for v in values])) / 1e9,
             }
-        entry["tokens"] = float(np.mean([r["tokens"] for r in mine]))
+        for first, second in COMPARISONS:
+            if first in means and second in means:
+                common = [q for q in means[first] if q in means[second]]
+                entry["paired"][f"{first} - {second}"] = {"questions": len(common)} | {
+                    metric: paired_difference([means[first][q][metric] for q in common], [means[second][q][metric] for q in common])
+                    for metric in METRICS
+                }
+        entry["tokens"] = float(np.mean([r["tokens"] for r in answers if r["model"] == model]))
         timed = [r for r in timing if r["model"] == model]
         if timed:
             entry["ttft"] = {m: median([r[m] for r in timed]) for m in METHODS}
@@ -272,23 +345,37 @@ def summarize(answers: Sequence[dict], timing: Sequence[dict], training: Sequenc
 
 
 def _pm(values: Sequence[float]) -> str:
-    return f"{100 * np.mean(values):.1f} ± {100 * np.std(values):.1f}"
+    """Per-seed means as ``mean ± sample sd`` in percent; one seed (a seedless method) has no spread."""
+    if len(values) < 2:
+        return f"{100 * np.mean(values):.1f} (one run)"
+    return f"{100 * np.mean(values):.1f} ± {100 * np.std(values, ddof=1):.1f}"
+
+
+def _points(interval: Interval) -> str:
+    return f"{100 * interval.mean:+.1f} [{100 * interval.low:+.1f}, {100 * interval.high:+.1f}]"
 
 
 def tables(summary: dict) -> str:
-    rows, costs, trained = [], [], []
+    """Four tables, blank-line separated: quality, paired differences, cost, adapter training."""
+    rows, paired, costs, trained = [], [], [], []
     for model, entry in summary.items():
         full = entry["methods"]["full"]
         for method, m in entry["methods"].items():
+            kl = m.get("answer_kl")
             rows.append(
-                [model, LABELS[method], m["contains"].percent(), _pm(m["contains_by_seed"]), m["em"].percent(), m["f1"].percent(), _pm(m["f1_by_seed"]),
-                 f"{m['logit_cosine']:.4f}", f"{100 * m['same_first']:.1f}", f"{100 * m['same_answer']:.1f}"]
+                [model, LABELS[method], str(m["questions"]), str(len(m["seeds"]) or 1), m["contains"].percent(), _pm(m["contains_by_seed"]),
+                 m["em"].percent(), m["f1"].percent(), _pm(m["f1_by_seed"]), f"{kl.mean:.4f} [{kl.low:.4f}, {kl.high:.4f}]" if kl else "-",
+                 m["answer_top1"].percent() if "answer_top1" in m else "-", f"{100 * m['same_first_token']:.1f}",
+                 f"{100 * m['same_answer']:.1f}", f"{m['logit_cosine']:.4f}"]
             )
             ttft = entry.get("ttft", {})
             costs.append(
                 [model, LABELS[method], f"{m['computed']:.1f}", f"{m['gflops']:.2f}", f"{m['gflops'] / full['gflops']:.3f}",
                  f"{1000 * ttft[method]:.0f}" if method in ttft else "-", f"{ttft[method] / ttft['full']:.2f}" if method in ttft else "-"]
             )
+        for comparison, differences in entry["paired"].items():
+            first, second = comparison.split(" - ")
+            paired.append([model, f"{LABELS[first]} - {LABELS[second]}", str(differences["questions"]), *(_points(differences[m]) for m in METRICS)])
         for t in entry["training"]:
             trained.append(
                 [model, str(t["seed"]), str(t["steps"]), str(t["examples"]), f"{t['train_seconds']:.0f}", f"{t['peak_rss_mb']:.0f}",
@@ -296,8 +383,13 @@ def tables(summary: dict) -> str:
                  f"{t['holdout_kl_after'] / t['holdout_kl_no_adapter'] - 1:+.0%}"]
             )
     quality = markdown_table(
-        ["model", "method", "contains % [95% CI]", "contains by seed (mean ± sd)", "strict EM % [95% CI]", "F1 % [95% CI]", "F1 by seed", "first-token logit cosine to full", "same first token %", "same answer as full %"],
+        ["model", "method", "questions", "seeds", "contains % [95% CI]", "contains by seed (mean ± sd)", "strict EM % [95% CI]", "F1 % [95% CI]",
+         "F1 by seed", "KL to full, answer tokens (nats)",
+         "top-1 agrees with full, answer tokens %", "same first token %", "same answer as full %", "first-token logit cosine"],
         rows, left=2,
+    )
+    differences = markdown_table(
+        ["model", "paired difference (same questions)", "questions", *(f"{name} points [95% CI]" for name in METRICS.values())], paired, left=2
     )
     cost = markdown_table(["model", "method", "positions computed", "GFLOPs to compose", "vs full", "TTFT ms (median)", "vs full"], costs, left=2)
     training = markdown_table(
@@ -305,7 +397,7 @@ def tables(summary: dict) -> str:
          "trained vs no adapter"],
         trained, left=1,
     )
-    return "\n\n".join([quality, cost, training])
+    return "\n\n".join([quality, differences, cost, training])
 
 
 def plot(summary: dict, figures: Path) -> None:
@@ -346,12 +438,25 @@ def write_report(out: Path, figures: Path, about: dict) -> str:
 # ---- command line ----
 
 
+def ask(lm: LoadedModel, asked: Sequence[tuple[Row, list[Row]]], methods: Sequence[str], seed: int | None, adapter: Pack | None, args) -> None:
+    """Append one record per question not yet in answers.jsonl for this model and ``seed`` (None: the seedless methods)."""
+    done = {r["id"] for r in read_jsonl(args.out / "answers.jsonl") if r["model"] == lm.name and r.get("seed") == seed}
+    keep = jsonl_appender(args.out / "answers.jsonl")
+    todo = [(row, arranged) for row, arranged in asked if row.id not in done]
+    started = time.perf_counter()
+    for number, (row, arranged) in enumerate(todo, 1):
+        keep({"model": lm.name, "seed": seed} | evaluate_question(lm, row, arranged, methods, adapter, args.share, args.max_new_tokens))
+        if number % 10 == 0:
+            log(f"{lm.name} {'seed ' + str(seed) if seed is not None else 'seedless methods'}: {number}/{len(todo)} questions, "
+                f"{(time.perf_counter() - started) / number:.1f} s each")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--parts", type=parts_type(PARTS), default=list(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--questions", type=int, default=100, help="questions per seed (each seed takes its own rows)")
+    parser.add_argument("--questions", type=int, default=None, help="the first N held-out questions (default all 288), the same for every seed")
     parser.add_argument("--examples", type=int, default=96, help="training examples per adapter")
     parser.add_argument("--steps", type=int, default=ADAPTER_STEPS)
     parser.add_argument("--tokens", type=int, default=ADAPTER_TOKENS, help="soft tokens on each side of a part")
@@ -383,11 +488,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif json.loads(settings_path.read_text()) != settings:
         raise SystemExit(f"{args.out} was made with settings {settings_path.read_text().strip()}, not {settings}: pass --fresh")
     rows = load_rows()
+    asked = questions(rows, args.questions, rows)
     started = time.perf_counter()
     if not args.report_only:
         for name in args.models:
             lm = load_model(name, device="cpu", progress=False)
             log(f"{name} loaded")
+            if "answers" in parts:
+                ask(lm, asked, SEEDLESS, None, None, args)
             for seed in args.seeds:
                 path = adapter_path(args.out, lm.name, seed)
                 if "train" in parts and not path.exists():
@@ -403,15 +511,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if not path.exists():
                     continue
                 adapter = load_adapter(path)
-                asked = questions(rows, seed, args.questions, rows)
                 if "answers" in parts:
-                    done = {r["id"] for r in read_jsonl(args.out / "answers.jsonl") if r["model"] == lm.name and r["seed"] == seed}
-                    keep = jsonl_appender(args.out / "answers.jsonl")
-                    todo = [(row, arranged) for row, arranged in asked if row.id not in done]
-                    for number, (row, arranged) in enumerate(todo, 1):
-                        keep({"model": lm.name, "seed": seed} | evaluate_question(lm, row, arranged, adapter, args.share, args.max_new_tokens))
-                        if number % 10 == 0:
-                            log(f"{name} seed {seed}: {number}/{len(todo)} questions, {(time.perf_counter() - started) / 60:.0f} min in")
+                    ask(lm, asked, ("packet",), seed, adapter, args)
                 if "timing" in parts and seed == args.seeds[0]:
                     done = {r["id"] for r in read_jsonl(args.out / "timing.jsonl") if r["model"] == lm.name}
                     keep = jsonl_appender(args.out / "timing.jsonl")

@@ -180,6 +180,21 @@ def greedy_with_logits(
     return answer, torch.cat(out.logits[: max(len(answer), 1)]).float()
 
 
+def forced_logits(
+    lm: LoadedModel, token_ids: Sequence[int], answer_ids: Sequence[int], cache: DynamicCache | None = None
+) -> torch.Tensor:
+    """Teacher-forced logits after ``token_ids``: row i is the distribution the model gives ``answer_ids[i]`` after the
+    answer's first i tokens ([max(len(answer_ids), 1), vocabulary], float32 on CPU; row 0 is the first answer token's).
+    A ``cache`` holding the first positions of ``token_ids`` (a pack, ``cache_aligned_ids`` for soft tokens) is
+    extended, as generation would extend it; only the positions after it are run. Comparing two caches' rows on the
+    same answer measures how far their distributions are apart along it, not only at its first token."""
+    seen = cache.get_seq_length() if cache is not None else 0
+    ids = torch.tensor([list(token_ids[seen:]) + list(answer_ids[:-1])], dtype=torch.long, device=lm.device)
+    with torch.inference_mode():
+        output = lm.model(input_ids=ids, use_cache=True, **({lm.cache_argument: cache} if cache is not None else {}))
+    return output.logits[0, -max(len(answer_ids), 1) :].float().cpu()
+
+
 def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     """``text`` up to the first place any of the ``stop`` strings appears, and whether one did."""
     found = [index for string in stop if (index := text.find(string)) >= 0]

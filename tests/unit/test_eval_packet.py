@@ -1,4 +1,4 @@
-"""tools/eval_packet.py: training data, question arrangements, FLOPs, and a whole run on the tiny model."""
+"""tools/eval_packet.py: training data, the shared held-out questions, and a whole run on the tiny model (two seeds)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import eval_packet  # noqa: E402
-from evallib import load_rows  # noqa: E402
+from evallib import frozen_split, load_rows  # noqa: E402
 
 
 def test_training_examples_mix_both_generators_and_never_ckc() -> None:
@@ -20,26 +20,36 @@ def test_training_examples_mix_both_generators_and_never_ckc() -> None:
     assert not any(fact in paragraphs for e in examples for doc in e.documents for fact in doc)
 
 
-def test_questions_hold_the_gold_paragraph_once_among_2_to_5() -> None:
+def test_questions_are_the_held_out_half_each_with_the_gold_paragraph_once_among_2_to_5() -> None:
     rows = load_rows()
-    asked = eval_packet.questions(rows, seed=1, count=30, pool=rows)
-    assert len({row.id for row, _ in asked}) == 30
-    assert not {row.id for row, _ in asked} & {row.id for row, _ in eval_packet.questions(rows, seed=0, count=30, pool=rows)}
+    asked = eval_packet.questions(rows, 30, rows)
+    held_out = frozen_split(rows)[1]
+    assert [row.id for row, _ in asked] == [row.id for row in held_out[:30]]
     for row, parts in asked:
         assert 2 <= len(parts) <= 5 and sum(p.context == row.context for p in parts) == 1
-    assert asked == eval_packet.questions(rows, seed=1, count=30, pool=rows)
+    assert asked == eval_packet.questions(rows, 30, rows)  # the same arrangements for every seed and run
+    assert len(eval_packet.questions(rows, None, rows)) == len(held_out) == 288
 
 
 def test_a_whole_run_on_the_tiny_model(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     out, figures = tmp_path / "out", tmp_path / "figures"
-    argv = ["--models", str(tiny_model_dir), "--seeds", "0", "--questions", "2", "--examples", "6", "--steps", "1"]
+    argv = ["--models", str(tiny_model_dir), "--seeds", "0", "1", "--questions", "2", "--examples", "6", "--steps", "1"]
     argv += ["--timing", "1", "--repeats", "1", "--max-new-tokens", "4", "--out", str(out), "--figures", str(figures)]
     assert eval_packet.main(argv) == 0
     capsys.readouterr()
     [entry] = json.loads((out / "summary.json").read_text())["models"].values()
     methods = entry["methods"]
     assert methods["full"]["logit_cosine"] > 0.9999 and methods["full"]["same_answer"] == 1.0
+    assert methods["full"]["answer_kl"]["mean"] < 1e-6 and methods["full"]["answer_top1"]["mean"] == 1.0
+    assert methods["none"]["answer_kl"]["mean"] > 0
+    assert methods["full"]["seeds"] == [] and methods["packet"]["seeds"] == [0, 1]  # full, none, selective once a question
+    assert all(m["questions"] == 2 for m in methods.values())
+    records = eval_packet.read_jsonl(out / "answers.jsonl")
+    assert sorted(str(r["seed"]) for r in records) == ["0", "0", "1", "1", "None", "None"]
+    assert {r["id"] for r in records if r["seed"] == 0} == {r["id"] for r in records if r["seed"] is None}
+    assert set(entry["paired"]) == {f"{a} - {b}" for a, b in eval_packet.COMPARISONS}
     assert methods["none"]["gflops"] < methods["selective"]["gflops"] < methods["full"]["gflops"]
     assert methods["none"]["gflops"] < methods["packet"]["gflops"] < methods["full"]["gflops"]
-    assert set(entry["ttft"]) == set(eval_packet.METHODS) and len(entry["training"]) == 1
+    assert set(entry["ttft"]) == set(eval_packet.METHODS) and len(entry["training"]) == 2
     assert {p.name for p in figures.iterdir()} == {"eval_packet_quality.png", "eval_packet_cost.png"}
+    assert len(eval_packet.tables(eval_packet.summarize(records, [], [])).split("\n\n")) == 4
