@@ -63,6 +63,7 @@ from packstore.kv.models import LoadedModel, load_model  # noqa: E402
 from packstore.kv.options import middle_third  # noqa: E402
 from packstore.kv.records import Pair  # noqa: E402
 from packstore.kv.render import render  # noqa: E402
+from packstore.kv.rope import layer_frequencies  # noqa: E402
 from packstore.kv.steer import Direction, SteeredCache, build_steering, model_layers, steering_deltas  # noqa: E402
 from packstore.packs.tensors import Pack, encode_pack  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
@@ -90,6 +91,7 @@ MODELS = ("smollm2-135m", "gemma3-270m")
 PARTS = ("sweep", "layers", "pairs", "directions", "keys", "dual")
 DATA = REPO / "tools" / "steering_data"
 MAIN_PAIRS = 30
+UNROTATED = "sentiment, keys before RoPE"  # the sentiment pairs, key deltas pooled before RoPE (steer build --keys unrotated)
 SUBSET_PAIRS = 5
 SWEEP_ALPHAS = (-2.0, -1.0, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0)
 DUAL_ALPHAS = (0.0, 0.35, 0.7, 1.0, 1.5, 2.0)
@@ -197,6 +199,9 @@ def conditions() -> list[Condition]:
     found += [Condition(f"sentiment {a:+g} food {a:+g}", "directions", (("sentiment", a), ("food", a)), alpha=a) for a in (1.0, 2.0)]
     found += [Condition(f"keys {a:+g}", "keys", (("sentiment", a),), target="keys", alpha=a) for a in (0.5, 1.0, 2.0)]
     found += [Condition("both +1", "keys", (("sentiment", 1.0),), target="both", alpha=1.0)]
+    found += [  # key arithmetic before RoPE: the delta rotated to each steered position (issue 39)
+        Condition(f"keys before RoPE {a:+g}", "keys", ((UNROTATED, a),), target="keys", alpha=a) for a in (0.5, 1.0, 2.0)
+    ]
     return found
 
 
@@ -250,7 +255,8 @@ def render_batch(lm: LoadedModel, prompts: Sequence[Prompt], instruction: str) -
 
 def generate_batch(lm: LoadedModel, batch: Batch, deltas: dict, max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations of each row (stop tokens cut), steered from each row's question start."""
-    cache = SteeredCache(deltas, batch.starts) if deltas else None
+    padding = torch.tensor([batch.ids.shape[1] - length for length in batch.lengths])
+    cache = SteeredCache(deltas, batch.starts, padding) if deltas else None
     with torch.inference_mode():
         out = lm.model.generate(
             input_ids=batch.ids,
@@ -315,14 +321,19 @@ def scored_outputs(lm: LoadedModel, batch: Batch, outputs: Sequence[Sequence[int
 
 
 def build_directions(lm: LoadedModel) -> dict[str, Pack]:
-    """Every direction's steering pack on ``lm`` (all layers, last-token pooling, the default)."""
-    return {name: build_steering(lm, pairs) for name, pairs in direction_pairs().items()}
+    """Every direction's steering pack on ``lm`` (all layers, last-token pooling, the default), and the sentiment
+    direction again with its key deltas pooled before RoPE (``UNROTATED``)."""
+    pairs = direction_pairs()
+    return {name: build_steering(lm, found) for name, found in pairs.items()} | {
+        UNROTATED: build_steering(lm, pairs["sentiment"], key_space="unrotated")
+    }
 
 
 def condition_deltas(lm: LoadedModel, condition: Condition, packs: dict[str, Pack]) -> dict:
     directions = [Direction(packs[name], alpha) for name, alpha in condition.steer]
     span = thirds(model_layers(lm))[condition.layers]
-    return steering_deltas(directions, layers=span, target=condition.target)
+    before_rope = any(name == UNROTATED for name, _ in condition.steer)
+    return steering_deltas(directions, layers=span, target=condition.target, frequencies=layer_frequencies(lm) if before_rope else None)
 
 
 def run_conditions(
@@ -651,7 +662,10 @@ TABLE_SETS = {
     "sweep": ("Effect and coherence against alpha (Table 6)", [f"sentiment {a:+g}" for a in SWEEP_ALPHAS] + [f"instruction {t}" for t in INSTRUCTIONS]),
     "layers": ("Layer range (Table 7)", [f"sentiment {a:+g}{t}" for a in (1.0, 2.0) for t in (" early", "", " late")]),
     "pairs": ("How many pairs: 5 against 30", [f"{n} {a:+g}" for a in (1.0, 2.0) for n in ("sentiment", "sentiment-5a", "sentiment-5b", "sentiment-5c")]),
-    "keys": ("The key-arithmetic control", ["sentiment +0", "sentiment +1", "keys +0.5", "keys +1", "keys +2", "both +1"]),
+    "keys": (
+        "The key-arithmetic control",
+        ["sentiment +0", "sentiment +1", "keys +0.5", "keys +1", "keys +2", "both +1"] + [f"keys before RoPE {a:+g}" for a in (0.5, 1.0, 2.0)],
+    ),
 }
 
 FOOD_CONDITIONS = ["sentiment +0", "food +1", "food +2", "food +3", "sentiment +1 food +1", "sentiment +2 food +2"]  # Table 8's food rows

@@ -39,7 +39,8 @@ from packstore.kv.models import LoadedModel
 from packstore.kv.options import STEER_TARGETS, check_alpha
 from packstore.kv.packet import check_adapter
 from packstore.kv.render import Turn, pack_prefix_ids, render
-from packstore.kv.steer import Direction, LayerDeltas, SteeredCache, applied_layers, check_steering, steering_deltas
+from packstore.kv.rope import layer_frequencies
+from packstore.kv.steer import Direction, LayerDeltas, SteeredCache, applied_layers, check_steering, key_space_of, steering_deltas
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import ArrivingPack, Pack, encode_pack, start_copy
 from packstore.store.protocol import DEFAULT_TOP_K, PackStore
@@ -299,7 +300,14 @@ class Answerer:
             first, last = applied_layers(pack.header, question.steer_layers)
             directions.append(Direction(pack, alpha))
             applied.append({"pack": pack.header.key, "alpha": alpha, "layers": [first, last]})
-        deltas = steering_deltas(directions, layers=question.steer_layers, target=question.steer_on, device=self.lm.device)
+        before_rope = question.steer_on in ("keys", "both") and any(key_space_of(d.pack.header) == "unrotated" for d in directions)
+        deltas = steering_deltas(
+            directions,
+            layers=question.steer_layers,
+            target=question.steer_on,
+            device=self.lm.device,
+            frequencies=layer_frequencies(self.lm) if before_rope else None,
+        )
         return deltas, applied
 
     def header(self, key: str) -> PackHeader:

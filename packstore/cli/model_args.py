@@ -8,7 +8,7 @@ import argparse
 from packstore.cli.banks import bank_options
 from packstore.cli.common import CommandLine, deferred, global_options
 from packstore.format.header import COMPOSITIONS as COMPOSE_MODES
-from packstore.format.header import POOLINGS
+from packstore.format.header import KEY_SPACES, POOLINGS
 from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_TOKENS, MAX_ALPHA, STEER_TARGETS
 
 HANDLERS = "packstore.cli.models"
@@ -142,4 +142,9 @@ def add_commands(cli: CommandLine) -> None:
     p.add_argument(
         "--pooling", choices=POOLINGS, default="last",
         help="pool each text's K/V at its last token (default) or as the mean over its tokens",
+    )
+    p.add_argument(
+        "--keys", choices=KEY_SPACES, default="rotated", dest="key_space",
+        help="key deltas as cached, after RoPE (default), or unrotated: pooled before RoPE and applied rotated to each "
+        "position (the key-arithmetic control with --steer-on keys; needs a model whose RoPE is a pure rotation)",
     )

@@ -177,7 +177,9 @@ def cmd_steer(args: argparse.Namespace) -> int:
     layers = parse_layers(args.layers) if args.layers is not None else None
     lm = _load_model(args)
     with store_of(args) as store:
-        stored, created = build_steering_and_store(store, lm, pairs, name=args.name, layers=layers, pooling=args.pooling)
+        stored, created = build_steering_and_store(
+            store, lm, pairs, name=args.name, layers=layers, pooling=args.pooling, key_space=args.key_space
+        )
     record = pack_summary(stored) | {"created_new": created, "pairs": len(pairs)}
     if args.json:
         emit_json(record)

@@ -27,6 +27,10 @@ CHUNK_DIGEST = CHUNK_DIGESTS[FORMAT_VERSION]  # what writers use
 KINDS = ("knowledge", "steering", "adapter")
 PREFIX_KINDS = ("knowledge",)  # kinds whose body is the K/V of their token ids
 POOLINGS = ("last", "mean")  # how a steering pack pools each text's K/V over its tokens
+# The space a steering pack's key deltas are in: "rotated" (recipe without "keys"), pooled from post-RoPE keys as
+# cached; "unrotated" (recipe "keys": "unrotated"), each position's key rotated back to position 0 before pooling,
+# so the delta is applied rotated to each position it is added at (key arithmetic before RoPE).
+KEY_SPACES = ("rotated", "unrotated")
 MAX_PAIRS = 100_000
 MAX_SOFT_TOKENS = 64  # an adapter's soft tokens on each side of a part
 MAX_HIDDEN_SIZE = 1 << 16
@@ -606,11 +610,14 @@ def _check_adapter(record: Mapping[str, Any]) -> None:
 
 
 def _check_steering(record: Mapping[str, Any]) -> None:
-    """A steering pack has no facts, parents or raw rendering, and a recipe of pairs, pooling and layers."""
+    """A steering pack has no facts, parents or raw rendering, and a recipe of pairs, pooling and layers, and "keys":
+    "unrotated" for key deltas made before rotation (absent: rotated; never written out, so a pack has one key)."""
     _check_no_prefix(record)
     recipe = record.get("recipe")
-    if not isinstance(recipe, Mapping) or set(recipe) != {"pairs", "pooling", "layers"}:
-        _refuse("recipe", "an object with exactly the fields layers, pairs, pooling", recipe)
+    if not isinstance(recipe, Mapping) or set(recipe) - {"keys"} != {"pairs", "pooling", "layers"}:
+        _refuse("recipe", "an object with exactly the fields layers, pairs, pooling (and keys, optionally)", recipe)
+    if "keys" in recipe and recipe["keys"] != "unrotated":
+        _refuse("recipe.keys", '"unrotated" (absent: the key deltas are rotated, as cached)', recipe["keys"])
     pairs = recipe["pairs"]
     if not _is_list(pairs) or not 1 <= len(pairs) <= MAX_PAIRS:
         _refuse("recipe.pairs", f"a list of 1 to {MAX_PAIRS} pairs", pairs)

@@ -60,15 +60,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rotate_keys(keys: torch.Tensor, inv_freq: torch.Tensor, delta: int) -> torch.Tensor:
-    """``keys`` ([..., tokens, head_dim], post-RoPE) moved ``delta`` positions later (earlier if negative).
+def rotate_keys(keys: torch.Tensor, inv_freq: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
+    """``keys`` ([..., tokens, head_dim], post-RoPE) moved ``delta`` positions later (earlier if negative); a tensor
+    ``delta`` of one offset per token moves each token by its own (rotating a position-free vector by its position
+    is this with the positions as offsets).
 
     The angle is formed in float64 and the rotation done in float32, then cast back to the keys' dtype.
     """
-    if delta == 0:
+    if isinstance(delta, int) and delta == 0:
         return keys
-    angles = (delta * inv_freq).to(torch.float64)
-    angles = torch.cat((angles, angles))
+    if isinstance(delta, torch.Tensor):
+        offsets = delta.to("cpu", torch.float64)[:, None]  # [tokens, 1]: one angle set per token
+    else:
+        offsets = torch.tensor(float(delta), dtype=torch.float64)
+    angles = offsets * inv_freq.to(torch.float64)
+    angles = torch.cat((angles, angles), dim=-1)
     cos = angles.cos().to(torch.float32).to(keys.device)
     sin = angles.sin().to(torch.float32).to(keys.device)
     k = keys.to(torch.float32)

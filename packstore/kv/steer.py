@@ -7,8 +7,11 @@ layer (``last``: the last token's; ``mean``: the mean over its tokens); the pack
 Applying adds ``alpha * dV`` to the values of every position from the question's first token on,
 in the chosen layers, while they are computed: a knowledge pack's stored K/V (and the facts, when
 they are prompt text) are never touched. Keys are untouched too, unless the key-arithmetic
-control asks for them (``keys`` or ``both``): the cached keys are rotated by RoPE, so adding a
-delta made at other positions is expected to break coherence, which is what the control measures.
+control asks for them (``keys`` or ``both``). Cached keys are rotated by RoPE, so a key delta pooled
+from them ("rotated", the default) is one vector added alike to every steered key: a shift softmax
+mostly ignores. Built with ``keys="unrotated"``, each position's key is rotated back to position 0
+before pooling, and the delta is rotated to each position it is added at: key arithmetic before RoPE,
+which changes how attention weighs the steered positions against each other.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ from transformers import DynamicCache
 
 from packstore.errors import InvalidInput
 from packstore.format import PackHeader
-from packstore.format.header import POOLINGS, inputs_hash
+from packstore.format.header import KEY_SPACES, POOLINGS, inputs_hash
 from packstore.kv.build import layer_kv, prefill
 from packstore.kv.inject import check_identity
 from packstore.kv.models import LoadedModel
 from packstore.kv.options import STEER_TARGETS, middle_third
 from packstore.kv.records import Pair
 from packstore.kv.render import check_no_special_tokens
+from packstore.kv.rope import layer_frequencies, rotate_keys
 from packstore.packs.tensors import Pack
 
 
@@ -54,14 +58,21 @@ def check_pairs(lm: LoadedModel, pairs: Sequence[Pair]) -> list[Pair]:
     return cleaned
 
 
-def _pooled(lm: LoadedModel, text: str, pooling: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per layer, the text's cached K and V pooled over its tokens, each ``[kv_heads, head_dim]`` float32."""
+def _pooled(
+    lm: LoadedModel, text: str, pooling: str, frequencies: list[torch.Tensor] | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer, the text's cached K and V pooled over its tokens, each ``[kv_heads, head_dim]`` float32; with each
+    layer's RoPE ``frequencies``, every key is first rotated back to position 0 (its value before RoPE)."""
     ids = lm.tokenizer(text).input_ids  # the tokenizer's own special tokens (a BOS where it adds one)
     cache = prefill(lm, ids)
-    pool = (lambda t: t[0, :, -1]) if pooling == "last" else (lambda t: t[0].mean(dim=1))
+    pool = (lambda t: t[:, -1]) if pooling == "last" else (lambda t: t.mean(dim=1))
     layers = [layer_kv(layer) for layer in cache.layers]
-    keys = [pool(k.float()).cpu() for k, _ in layers]
-    values = [pool(v.float()).cpu() for _, v in layers]
+    back = -torch.arange(len(ids))
+    keys = [
+        pool(rotate_keys(k[0].float().cpu(), frequencies[i], back) if frequencies is not None else k[0].float()).cpu()
+        for i, (k, _) in enumerate(layers)
+    ]
+    values = [pool(v[0].float()).cpu() for _, v in layers]
     return keys, values
 
 
@@ -78,26 +89,35 @@ def build_span(lm: LoadedModel, layers: tuple[int, int] | None) -> tuple[int, in
     return first, last
 
 
-def steering_key(lm: LoadedModel, pairs: Sequence[Pair], pooling: str, span: tuple[int, int]) -> str:
+def steering_key(lm: LoadedModel, pairs: Sequence[Pair], pooling: str, span: tuple[int, int], key_space: str = "rotated") -> str:
     """The key the steering pack of these (checked) pairs would have: known before any model work."""
-    return f"{lm.model_fp}/{lm.template_fp}/{inputs_hash('steering', steering_recipe(pairs, pooling, span))}"
+    return f"{lm.model_fp}/{lm.template_fp}/{inputs_hash('steering', steering_recipe(pairs, pooling, span, key_space))}"
 
 
 def build_steering(
-    lm: LoadedModel, pairs: Sequence[Pair], *, layers: tuple[int, int] | None = None, pooling: str = "last"
+    lm: LoadedModel,
+    pairs: Sequence[Pair],
+    *,
+    layers: tuple[int, int] | None = None,
+    pooling: str = "last",
+    key_space: str = "rotated",
 ) -> Pack:
     """The steering pack of ``pairs`` on ``lm``: per layer of ``layers`` (default every layer), the mean
-    over pairs of the good text's pooled K/V minus the bad text's, in the model's dtype."""
+    over pairs of the good text's pooled K/V minus the bad text's, in the model's dtype; ``key_space`` "unrotated"
+    pools each key as it was before RoPE (module docstring; needs a model whose RoPE is a pure rotation)."""
     pairs = check_pairs(lm, pairs)
     if pooling not in POOLINGS:
         raise InvalidInput(f"unknown pooling {pooling!r}: use one of {', '.join(POOLINGS)}")
+    if key_space not in KEY_SPACES:
+        raise InvalidInput(f"unknown key space {key_space!r}: use one of {', '.join(KEY_SPACES)}")
+    frequencies = layer_frequencies(lm) if key_space == "unrotated" else None
     count = model_layers(lm)
     first, last = build_span(lm, layers)
     sums_k: list[torch.Tensor] | None = None
     sums_v: list[torch.Tensor] | None = None
     for pair in pairs:
-        good_k, good_v = _pooled(lm, pair.good, pooling)
-        bad_k, bad_v = _pooled(lm, pair.bad, pooling)
+        good_k, good_v = _pooled(lm, pair.good, pooling, frequencies)
+        bad_k, bad_v = _pooled(lm, pair.bad, pooling, frequencies)
         diff_k = [g - b for g, b in zip(good_k, bad_k)]
         diff_v = [g - b for g, b in zip(good_v, bad_v)]
         sums_k = diff_k if sums_k is None else [s + d for s, d in zip(sums_k, diff_k)]
@@ -118,15 +138,22 @@ def build_steering(
         facts=(),
         raw=False,
         created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        recipe=steering_recipe(pairs, pooling, (first, last)),
+        recipe=steering_recipe(pairs, pooling, (first, last), key_space),
         metrics={},
     )
     return Pack(header=header, keys=keys, values=values)
 
 
-def steering_recipe(pairs: Sequence[Pair], pooling: str, layers: tuple[int, int]) -> dict:
-    """The recipe a steering pack's header holds and its key hashes (docs/format.md §4.3)."""
-    return {"pairs": [pair.to_json() for pair in pairs], "pooling": pooling, "layers": list(layers)}
+def steering_recipe(pairs: Sequence[Pair], pooling: str, layers: tuple[int, int], key_space: str = "rotated") -> dict:
+    """The recipe a steering pack's header holds and its key hashes (docs/format.md §4.3); "keys" only when unrotated,
+    so packs built before the field keep their keys."""
+    recipe = {"pairs": [pair.to_json() for pair in pairs], "pooling": pooling, "layers": list(layers)}
+    return recipe | ({"keys": key_space} if key_space != "rotated" else {})
+
+
+def key_space_of(header: PackHeader) -> str:
+    """The space a steering pack's key deltas are in: "rotated" (as cached) or "unrotated" (before RoPE)."""
+    return (header.recipe or {}).get("keys", "rotated")
 
 
 def check_steering(lm: LoadedModel, header: PackHeader) -> None:
@@ -148,17 +175,35 @@ def applied_layers(header: PackHeader, layers: tuple[int, int] | None) -> tuple[
     return first, last
 
 
-LayerDeltas = dict[int, tuple[torch.Tensor | None, torch.Tensor | None]]
+@dataclass(frozen=True)
+class LayerDelta:
+    """What steering adds to one layer's K and V at each steered position: ``key`` and ``value`` as they are,
+    ``unrotated_key`` rotated to the position first (``inv_freq``: the layer's RoPE frequencies); None: nothing."""
+
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+    unrotated_key: torch.Tensor | None = None
+    inv_freq: torch.Tensor | None = None
+
+
+LayerDeltas = dict[int, LayerDelta]
 
 
 def steering_deltas(
-    directions: Sequence[Direction], *, layers: tuple[int, int] | None = None, target: str = "values", device: torch.device | str = "cpu"
+    directions: Sequence[Direction],
+    *,
+    layers: tuple[int, int] | None = None,
+    target: str = "values",
+    device: torch.device | str = "cpu",
+    frequencies: Sequence[torch.Tensor] | None = None,
 ) -> LayerDeltas:
-    """Per layer, the sum of ``alpha * dK`` and of ``alpha * dV`` over ``directions`` (None where
-    ``target`` leaves K or V alone), on ``device`` in the packs' dtype. Directions with alpha 0 add nothing."""
+    """Per layer, the sum of ``alpha * dK`` (rotated and unrotated key deltas apart) and of ``alpha * dV`` over
+    ``directions``, on ``device`` in the packs' dtype, with what ``target`` leaves alone left out. Directions with
+    alpha 0 add nothing. Unrotated key deltas need each layer's RoPE ``frequencies`` (``rope.layer_frequencies``)."""
     if target not in STEER_TARGETS:
         raise InvalidInput(f"unknown steering target {target!r}: use one of {', '.join(STEER_TARGETS)}")
-    sums: dict[int, list[torch.Tensor]] = {}
+    steer_keys, steer_values = target in ("keys", "both"), target in ("values", "both")
+    sums: dict[int, dict[str, torch.Tensor]] = {}
     dtype = None
     for direction in directions:
         header = direction.pack.header
@@ -166,20 +211,24 @@ def steering_deltas(
         if direction.alpha == 0:
             continue
         dtype = direction.pack.values[0].dtype
+        space = "unrotated_key" if key_space_of(header) == "unrotated" else "key"
+        if steer_keys and space == "unrotated_key" and frequencies is None:
+            raise InvalidInput(f"steering pack {header.key} holds key deltas before RoPE: applying them needs the model's RoPE frequencies")
         for layer in range(first, last + 1):
             slot = layer - header.body_layers.start
-            dk = direction.alpha * direction.pack.keys[slot].float()
-            dv = direction.alpha * direction.pack.values[slot].float()
-            if layer in sums:
-                sums[layer] = [sums[layer][0] + dk, sums[layer][1] + dv]
-            else:
-                sums[layer] = [dk, dv]
+            parts = sums.setdefault(layer, {})
+            pack = direction.pack
+            for name, delta, wanted in ((space, pack.keys[slot], steer_keys), ("value", pack.values[slot], steer_values)):
+                if wanted:
+                    added = direction.alpha * delta.float()
+                    parts[name] = parts[name] + added if name in parts else added
     return {
-        layer: (
-            dk.to(device, dtype) if target in ("keys", "both") else None,
-            dv.to(device, dtype) if target in ("values", "both") else None,
+        layer: LayerDelta(
+            **{name: total.to(device, dtype) for name, total in parts.items()},
+            inv_freq=frequencies[layer] if "unrotated_key" in parts and frequencies is not None else None,
         )
-        for layer, (dk, dv) in sums.items()
+        for layer, parts in sums.items()
+        if parts
     }
 
 
@@ -187,22 +236,39 @@ class SteeredCache(DynamicCache):
     """A DynamicCache that adds steering deltas to the K/V of every position from ``start`` on, as the
     model computes them; positions before ``start`` (a pack's K/V, or facts given as text) stay as they are.
 
-    ``start`` is one position for every row, or a tensor of one per row (a left-padded batch)."""
+    ``start`` is one position for every row, or a tensor of one per row (a left-padded batch). An unrotated key
+    delta is rotated to each position's RoPE position: its cache index less the row's ``padding`` (left-padded
+    rows count their positions from their first real token, as the model's position ids do)."""
 
-    def __init__(self, deltas: LayerDeltas, start: int | torch.Tensor) -> None:
+    def __init__(self, deltas: LayerDeltas, start: int | torch.Tensor, padding: torch.Tensor | None = None) -> None:
         super().__init__()
         self.deltas = deltas
         self.start = start
+        self.padding = padding
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         delta = self.deltas.get(layer_idx)
         if delta is not None:
-            steer = self._steered_positions(self.get_seq_length(layer_idx), key_states)
+            cached = self.get_seq_length(layer_idx)
+            steer = self._steered_positions(cached, key_states)
             if steer is not None:
-                dk, dv = delta
-                key_states = _add_where(key_states, dk, steer)
-                value_states = _add_where(value_states, dv, steer)
+                key_states = _add_where(key_states, delta.key, steer)
+                if delta.unrotated_key is not None and delta.inv_freq is not None:
+                    key_states = key_states + steer[:, None, :, None].to(key_states.dtype) * self._rotated(delta, cached, key_states)
+                value_states = _add_where(value_states, delta.value, steer)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _rotated(self, delta: LayerDelta, cached: int, states: torch.Tensor) -> torch.Tensor:
+        """The unrotated key delta at each incoming position's RoPE position: [batch or 1, heads, positions, head_dim]."""
+        assert delta.unrotated_key is not None and delta.inv_freq is not None
+        indices = torch.arange(cached, cached + states.shape[-2])
+        padding = self.padding.cpu() if self.padding is not None else torch.zeros(1, dtype=torch.long)
+        rows = []
+        for pad in padding.tolist():
+            positions = indices - pad
+            spread = delta.unrotated_key[:, None, :].expand(-1, len(positions), -1)
+            rows.append(rotate_keys(spread, delta.inv_freq, positions))
+        return torch.stack(rows).to(states.device, states.dtype)
 
     def _steered_positions(self, cached: int, states: torch.Tensor) -> torch.Tensor | None:
         """A [batch or 1, positions] mask of the incoming positions to steer, or None when there are none."""

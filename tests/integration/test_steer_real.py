@@ -83,3 +83,50 @@ def test_a_steering_pack_answers_only_its_own_model(tmp_path: Path) -> None:
         stored, _ = build_steering_and_store(store, first, read_pairs(PAIRS)[:3], name="joy")
         with pytest.raises(PackMismatch, match="model mismatch"):
             Answerer(second, store).ask(Question("Tell me about your weekend.", steering=((stored.key, 1.0),), sampling=GREEDY))
+
+
+def test_key_deltas_before_rope_on_both_models(real_lm, tmp_path: Path) -> None:
+    """steer build --keys unrotated on a real model (Llama; Gemma 3, whose local and global layers rotate with
+    different frequencies): rotating cached keys back to position 0 gives layer 0 one key per token wherever it
+    stands (layer 0's keys see no context), and the control moves the answer's distribution while a zero alpha
+    changes nothing and the values alone do not depend on the key space."""
+    import torch
+
+    from packstore.answering.api import build_steering_and_store, steering_details
+    from packstore.kv.build import layer_kv, prefill
+    from packstore.kv.records import Pair
+    from packstore.kv.render import render
+    from packstore.kv.rope import layer_frequencies, rotate_keys
+    from packstore.kv.steer import SteeredCache
+
+    word = real_lm.tokenizer(" river", add_special_tokens=False).input_ids
+    ids = real_lm.tokenizer("river").input_ids[:-1] + word * 5  # BOS (where the tokenizer adds one), then " river" x 5
+    keys, _ = layer_kv(prefill(real_lm, ids).layers[0])
+    positions = torch.arange(len(ids))
+    unrotated = rotate_keys(keys[0].float(), layer_frequencies(real_lm)[0], -positions)[:, -5:]  # [heads, 5, head_dim]
+    assert torch.allclose(unrotated, unrotated[:, :1].expand_as(unrotated), atol=1e-4)
+    assert not torch.allclose(keys[0, :, -1].float(), keys[0, :, -2].float(), atol=1e-3)  # as cached they differ
+
+    pairs = [Pair(**json.loads(line)) for line in PAIRS.read_text().splitlines()[:8]]
+    question = "Describe a walk in the park."
+    with LmdbStore(tmp_path / "store") as store:
+        rotated, _ = build_steering_and_store(store, real_lm, pairs, name="joy")
+        before, created = build_steering_and_store(store, real_lm, pairs, name="joy-before-rope", key_space="unrotated")
+        assert created and before.key != rotated.key and steering_details(store, before)["key_space"] == "unrotated"
+        answerer = Answerer(real_lm, store)
+        asked = lambda ref, alpha, on: Question(question, sampling=GREEDY, steering=((ref, alpha),), steer_on=on)  # noqa: E731
+        plain = answerer.ask(asked("joy", 0.0, "values")).answer  # alpha 0 is exactly unsteered
+        assert answerer.ask(asked("joy-before-rope", 0.0, "keys")).answer == plain
+        assert answerer.ask(asked("joy-before-rope", 1.0, "values")).answer == answerer.ask(asked("joy", 1.0, "values")).answer
+        rendering = render(real_lm.tokenizer, [], question)
+        tokens = torch.tensor([rendering.token_ids], device=real_lm.device)
+
+        def first_token(deltas) -> torch.Tensor:
+            cache = SteeredCache(deltas, rendering.prefix_tokens)
+            with torch.inference_mode():
+                return real_lm.model(input_ids=tokens, use_cache=True, **{real_lm.cache_argument: cache}).logits[0, -1].float()
+
+        unsteered = first_token(answerer.steering(asked("joy-before-rope", 0.0, "keys"))[0])
+        steered = first_token(answerer.steering(asked("joy-before-rope", 4.0, "keys"))[0])
+        kl = torch.nn.functional.kl_div(torch.log_softmax(steered, -1), torch.log_softmax(unsteered, -1), log_target=True, reduction="sum")
+        assert float(kl) > 1e-3

@@ -297,8 +297,13 @@ def test_steer_build_inspect_and_ask(cli, facts_file: Path, pairs_file: Path) ->
     details = json.loads(out)
     assert details["pairs"] == 2 and details["steer_layers"] == [0, 2] and details["default_layers"] == [1, 1]
     assert len(details["norms"]) == 3 and details["recipe"]["pooling"] == "last"
+    assert details["key_space"] == "rotated" and "keys" not in details["recipe"]
     code, out, _ = cli("inspect", "team:joy")
-    assert "pairs:        2" in out and "|dV|" in out
+    assert "pairs:        2" in out and "|dV|" in out and "key deltas rotated" in out
+    code, out, _ = cli("steer", "build", str(pairs_file), "--model", "{model}", "--name", "team:joy-before-rope", "--keys", "unrotated", "--json")
+    assert code == 0 and json.loads(out)["created_new"] is True  # another pack: the key space is in the recipe
+    code, out, _ = cli("inspect", "team:joy-before-rope", "--json")
+    assert json.loads(out)["key_space"] == "unrotated" and json.loads(out)["recipe"]["keys"] == "unrotated"
     code, out, _ = cli("ls")
     assert "steering" in out
 

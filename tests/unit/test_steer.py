@@ -20,6 +20,7 @@ from packstore.kv.models import load_model
 from packstore.kv.options import MAX_ALPHA, middle_third, parse_layers, parse_steer
 from packstore.kv.records import Pair
 from packstore.kv.render import render
+from packstore.kv.rope import layer_frequencies, rotate_keys
 from packstore.kv.steer import Direction, SteeredCache, build_steering, steering_deltas
 from packstore.packs.admin import export_pack, import_pack
 from packstore.packs.reader import PackReader
@@ -109,6 +110,8 @@ def _tampered(header: PackHeader, **changes) -> bytes:
         ({"recipe": {"pairs": [{"good": "a", "bad": ""}], "pooling": "last", "layers": [0, 2]}}, "recipe.pairs[0]"),
         ({"recipe": {"pairs": [{"good": "a", "bad": "b"}], "pooling": "max", "layers": [0, 2]}}, "recipe.pooling"),
         ({"recipe": {"pairs": [{"good": "a", "bad": "b"}], "pooling": "last", "layers": [0, 3]}}, "recipe.layers[1]"),
+        ({"recipe": {"pairs": [{"good": "a", "bad": "b"}], "pooling": "last", "layers": [0, 2], "keys": "rotated"}}, "recipe.keys"),
+        ({"recipe": {"pairs": [{"good": "a", "bad": "b"}], "pooling": "last", "layers": [0, 2], "space": "x"}}, "recipe"),
         ({"composition": "rope"}, "composition"),
     ],
 )
@@ -174,11 +177,41 @@ def test_directions_sum_and_the_key_control_touches_keys(tiny_lm, joy) -> None:
     calm = build_steering(tiny_lm, OTHER_PAIRS)
     both = steering_deltas([Direction(joy, 1.5), Direction(calm, -0.5)], layers=(0, 2))
     for layer in range(3):
-        assert torch.allclose(both[layer][1], 1.5 * joy.values[layer] - 0.5 * calm.values[layer], atol=1e-6)
-        assert both[layer][0] is None
+        assert torch.allclose(both[layer].value, 1.5 * joy.values[layer] - 0.5 * calm.values[layer], atol=1e-6)
+        assert both[layer].key is None and both[layer].unrotated_key is None
     keys_only = steering_deltas([Direction(joy, 1.0)], target="keys")
-    assert set(keys_only) == {1} and keys_only[1][1] is None and torch.equal(keys_only[1][0], joy.keys[1])
+    assert set(keys_only) == {1} and keys_only[1].value is None and torch.equal(keys_only[1].key, joy.keys[1])
     assert steering_deltas([Direction(joy, 0.0)]) == {}
+
+
+def test_unrotated_key_deltas_are_pooled_before_rope_and_rotated_to_each_position(tiny_lm, joy) -> None:
+    """Key arithmetic before RoPE: the pack holds position-free key deltas (a different pack, recorded in its recipe),
+    and each steered key gets the delta rotated to its own position, not one vector alike."""
+    before = build_steering(tiny_lm, PAIRS, key_space="unrotated")
+    assert before.header.recipe["keys"] == "unrotated" and "keys" not in joy.header.recipe
+    assert before.header.key != joy.header.key and torch.equal(before.values[1], joy.values[1])  # values are the same
+    assert not torch.allclose(before.keys[1].float(), joy.keys[1].float())
+    frequencies = layer_frequencies(tiny_lm)
+    with pytest.raises(InvalidInput, match="RoPE frequencies"):
+        steering_deltas([Direction(before, 1.0)], target="keys")
+    deltas = steering_deltas([Direction(before, 2.0), Direction(joy, 1.0)], target="both", frequencies=frequencies)
+    assert torch.equal(deltas[1].unrotated_key, 2.0 * before.keys[1].float()) and torch.equal(deltas[1].key, joy.keys[1].float())
+    rendering = render(tiny_lm.tokenizer, FACTS, QUESTION)
+    start = rendering.prefix_tokens
+    plain = prefill(tiny_lm, rendering.token_ids)
+    only = steering_deltas([Direction(before, 2.0)], target="keys", layers=(1, 1), frequencies=frequencies)
+    steered = prefill(tiny_lm, rendering.token_ids, cache=SteeredCache(only, start))
+    # layer 1 is the only one steered: each of its keys from the question on moves by the delta rotated to its position
+    positions = torch.arange(start, len(rendering.token_ids))
+    spread = (2.0 * before.keys[1].float())[:, None, :].expand(-1, len(positions), -1)
+    expected = plain.layers[1].keys[0, :, start:] + rotate_keys(spread, frequencies[1], positions)
+    assert torch.allclose(steered.layers[1].keys[0, :, start:], expected, atol=1e-5)
+    assert torch.equal(steered.layers[1].keys[:, :, :start], plain.layers[1].keys[:, :, :start])
+    moved = steered.layers[1].keys[0, :, start:] - plain.layers[1].keys[0, :, start:]
+    assert not torch.allclose(moved[:, 0], moved[:, -1])  # not one vector added alike
+    # a left-padded row counts positions from its first real token, as the model's position ids do
+    padded = SteeredCache(only, torch.tensor([start + 2]), padding=torch.tensor([2]))
+    assert torch.allclose(padded._rotated(only[1], start + 2, torch.zeros(1, 1, 3, 1)), SteeredCache(only, start)._rotated(only[1], start, torch.zeros(1, 1, 3, 1)))
 
 
 def test_steering_alone_answers_the_question_with_no_knowledge(tiny_lm, store) -> None:
