@@ -42,6 +42,7 @@ from packstore.bank.bank import add_facts, build_bank, default_probe, route  # n
 from packstore.bank.embedder import Embedder, load_embedder  # noqa: E402
 from packstore.bank.lexical import LexicalIndex  # noqa: E402
 from packstore.errors import PackNotFound  # noqa: E402
+from packstore.format.bank import DEFAULT_VECTORS  # noqa: E402
 from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.models import load_model  # noqa: E402
 from packstore.kv.synthetic import synthetic_fact, synthetic_facts  # noqa: E402
@@ -173,7 +174,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"Machine: {machine_description({})}")
     print(source_description())
-    print(f"Embedder all-minilm-l6-v2 (384-d, stored fp16); about N/20 clusters; top {TOP_K} facts; {args.queries} queries per size")
+    print(f"Embedder all-minilm-l6-v2 (384-d, stored {DEFAULT_VECTORS}); about N/20 clusters; top {TOP_K} facts; {args.queries} queries per size")
     loaded = load_embedder()
     embedder = TimedEmbedder(name=loaded.name, directory=loaded.directory)
     lm = load_model("smollm2-135m", progress=False)
