@@ -64,12 +64,12 @@ from packstore.kv.options import middle_third  # noqa: E402
 from packstore.kv.records import Pair  # noqa: E402
 from packstore.kv.render import render  # noqa: E402
 from packstore.kv.rope import layer_frequencies  # noqa: E402
-from packstore.kv.steer import Direction, SteeredCache, build_steering, model_layers, steering_deltas  # noqa: E402
+from packstore.kv.steer import Direction, SteeredCache, build_steering, model_layers, pair_deltas, steering_deltas  # noqa: E402
 from packstore.packs.tensors import Pack, encode_pack  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import logger, machine_description, source_description  # noqa: E402
+from benchlib import logger, machine_description, source_commit, source_description  # noqa: E402
 from evallib import (  # noqa: E402
     METRICS,
     REPO,
@@ -360,15 +360,45 @@ def run_conditions(
             log(f"{lm.name} {condition.name}: {done}/{total} prompts, {rate:.2f} s each, ~{rate * (total - done) / 60:.0f} min left")
 
 
+NULL_SHUFFLES = 1000  # label-shuffled draws per pair of directions
+
+
 def direction_cosines(lm: LoadedModel, packs: dict[str, Pack], seed: int) -> dict:
     """Per-layer cosine of the value deltas of two directions, of two authors' sentiment directions,
-    and of two random vectors of the same size (what unrelated directions look like in this dimension)."""
+    and of two random vectors of the same size (what unrelated directions look like in this dimension);
+    and, per pair of directions, a label-shuffled null (``shuffled_null``)."""
     generator = torch.Generator().manual_seed(seed)
     pairs = {"sentiment vs food": ("sentiment", "food"), "sentiment vs sentiment (other author)": ("sentiment", "sentiment-second")}
     found = {label: [cosine(packs[a].values[i], packs[b].values[i]) for i in range(len(packs[a].values))] for label, (a, b) in pairs.items()}
     size = packs["sentiment"].values[0].numel()
     found["random vectors"] = [cosine(torch.randn(size, generator=generator), torch.randn(size, generator=generator)) for _ in packs["sentiment"].values]
-    return {"model": lm.name, "layers": len(packs["sentiment"].values), "dimension": size, "cosines": found}
+    sets = direction_pairs()
+    differences = {name: [dv for _, dv in pair_deltas(lm, sets[name])] for name in {n for a_b in pairs.values() for n in a_b}}
+    null = {label: shuffled_null(differences[a], differences[b], float(np.mean(found[label])), seed) for label, (a, b) in pairs.items()}
+    return {"model": lm.name, "commit": source_commit(), "layers": len(packs["sentiment"].values), "dimension": size, "cosines": found, "null": null}
+
+
+def shuffled_null(first: Sequence[Sequence[torch.Tensor]], second: Sequence[Sequence[torch.Tensor]], observed: float, seed: int) -> dict:
+    """What the mean-over-layers cosine of two directions looks like when their pairs' labels mean nothing: each draw
+    swaps good and bad in a random half of each direction's pairs (a random sign per pair) and averages again.
+    ``first[p][layer]`` is pair p's value delta. Returns the null's 2.5 / 50 / 97.5 % quantiles and the two-sided
+    share of draws at least as far from 0 as ``observed``."""
+    rng = np.random.default_rng(seed)
+    stacked = [np.stack([np.stack([d.numpy().ravel() for d in layers]) for layers in pairs]) for pairs in (first, second)]  # [pairs, layers, dim]
+    draws = []
+    for _ in range(NULL_SHUFFLES):
+        means = [np.einsum("p,pld->ld", rng.choice((-1.0, 1.0), size=len(deltas)), deltas) / len(deltas) for deltas in stacked]
+        dot = (means[0] * means[1]).sum(-1)
+        norms = np.linalg.norm(means[0], axis=-1) * np.linalg.norm(means[1], axis=-1)
+        draws.append(float(np.mean(dot / np.maximum(norms, 1e-30))))
+    values = np.asarray(draws)
+    low, middle, high = np.percentile(values, [2.5, 50, 97.5])
+    return {
+        "shuffles": NULL_SHUFFLES,
+        "observed": observed,
+        "quantiles": [float(low), float(middle), float(high)],
+        "p_two_sided": float(np.mean(np.abs(values) >= abs(observed))),
+    }
 
 
 def run_dual(lm: LoadedModel, rows, packs: dict[str, Pack], max_new_tokens: int, compare: int, done: set, keep: Callable[[dict], None]) -> None:
@@ -524,11 +554,17 @@ def retained_table(summary: dict) -> str:
 
 
 def cosine_table(cosines: Sequence[dict]) -> str:
+    """One row per model and pair of directions: the cosine over layers, and the label-shuffled null where recorded."""
     rows = []
     for entry in cosines:
         for label, values in entry["cosines"].items():
-            rows.append([entry["model"], label, f"{np.mean(values):+.4f}", f"{np.std(values):.4f}", f"{np.mean(np.abs(values)):.4f}", str(entry["dimension"])])
-    return markdown_table(["model", "value deltas of", "mean cosine", "sd over layers", "mean abs", "dimension"], rows, left=2)
+            null = entry.get("null", {}).get(label)
+            shuffled = ["-", "-"] if null is None else [f"{null['quantiles'][0]:+.4f} .. {null['quantiles'][2]:+.4f}", f"{null['p_two_sided']:.3f}"]
+            rows.append(
+                [entry["model"], label, f"{np.mean(values):+.4f}", f"{np.std(values):.4f}", f"{np.mean(np.abs(values)):.4f}", str(entry["dimension"]), *shuffled]
+            )
+    headers = ["model", "value deltas of", "mean cosine", "sd over layers", "mean abs", "dimension", "label-shuffled null, 95 %", "p (two-sided)"]
+    return markdown_table(headers, rows, left=2)
 
 
 def dual_table(summary: dict) -> str:

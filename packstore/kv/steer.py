@@ -16,7 +16,7 @@ which changes how attention weighs the steered positions against each other.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -94,6 +94,28 @@ def steering_key(lm: LoadedModel, pairs: Sequence[Pair], pooling: str, span: tup
     return f"{lm.model_fp}/{lm.template_fp}/{inputs_hash('steering', steering_recipe(pairs, pooling, span, key_space))}"
 
 
+def _summed(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The sum of ``tensors``, in order (at least one)."""
+    total, *rest = tensors
+    for tensor in rest:
+        total = total + tensor
+    return total
+
+
+def pair_deltas(
+    lm: LoadedModel, pairs: Sequence[Pair], *, pooling: str = "last", key_space: str = "rotated"
+) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """Per pair (checked), per layer, the good text's pooled K and V minus the bad text's, float32 on CPU: what a
+    steering pack averages (and what a label-shuffled null flips the sign of)."""
+    frequencies = layer_frequencies(lm) if key_space == "unrotated" else None
+    differences = []
+    for pair in pairs:
+        good_k, good_v = _pooled(lm, pair.good, pooling, frequencies)
+        bad_k, bad_v = _pooled(lm, pair.bad, pooling, frequencies)
+        differences.append(([g - b for g, b in zip(good_k, bad_k)], [g - b for g, b in zip(good_v, bad_v)]))
+    return differences
+
+
 def build_steering(
     lm: LoadedModel,
     pairs: Sequence[Pair],
@@ -110,21 +132,12 @@ def build_steering(
         raise InvalidInput(f"unknown pooling {pooling!r}: use one of {', '.join(POOLINGS)}")
     if key_space not in KEY_SPACES:
         raise InvalidInput(f"unknown key space {key_space!r}: use one of {', '.join(KEY_SPACES)}")
-    frequencies = layer_frequencies(lm) if key_space == "unrotated" else None
     count = model_layers(lm)
     first, last = build_span(lm, layers)
-    sums_k: list[torch.Tensor] | None = None
-    sums_v: list[torch.Tensor] | None = None
-    for pair in pairs:
-        good_k, good_v = _pooled(lm, pair.good, pooling, frequencies)
-        bad_k, bad_v = _pooled(lm, pair.bad, pooling, frequencies)
-        diff_k = [g - b for g, b in zip(good_k, bad_k)]
-        diff_v = [g - b for g, b in zip(good_v, bad_v)]
-        sums_k = diff_k if sums_k is None else [s + d for s, d in zip(sums_k, diff_k)]
-        sums_v = diff_v if sums_v is None else [s + d for s, d in zip(sums_v, diff_v)]
-    assert sums_k is not None and sums_v is not None  # check_pairs refuses an empty list
-    keys = [(s / len(pairs)).to(lm.dtype).contiguous() for s in sums_k[first : last + 1]]
-    values = [(s / len(pairs)).to(lm.dtype).contiguous() for s in sums_v[first : last + 1]]
+    differences = pair_deltas(lm, pairs, pooling=pooling, key_space=key_space)
+    span = range(first, last + 1)
+    keys = [(_summed(dk[layer] for dk, _ in differences) / len(pairs)).to(lm.dtype).contiguous() for layer in span]
+    values = [(_summed(dv[layer] for _, dv in differences) / len(pairs)).to(lm.dtype).contiguous() for layer in span]
     header = PackHeader(
         kind="steering",
         model_fp=lm.model_fp,

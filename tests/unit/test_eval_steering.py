@@ -58,3 +58,23 @@ def test_a_whole_run_on_the_tiny_model_resumes_and_reports(tmp_path: Path, tiny_
     assert len(list(figures.glob("eval_steering_*.png"))) == 4
     with pytest.raises(SystemExit):
         eval_steering.main([*argv[:-4], "--max-new-tokens", "5", "--out", str(out), "--figures", str(figures)])
+
+
+def test_the_label_shuffled_null_centres_on_zero_and_rejects_a_shared_direction() -> None:
+    """Two directions built from the same pair differences agree (cosine 1), which shuffled labels almost never
+    reach; unrelated random differences sit inside the null."""
+    import numpy as np
+    import torch
+
+    from eval_steering import NULL_SHUFFLES, shuffled_null
+
+    generator = torch.Generator().manual_seed(0)
+    shared = [[torch.randn(3, 8, generator=generator) + 2.0 for _ in range(4)] for _ in range(12)]  # 12 pairs, 4 layers
+    same = shuffled_null(shared, shared, 1.0, seed=1)
+    assert same["shuffles"] == NULL_SHUFFLES and same["p_two_sided"] < 0.01
+    low, middle, high = same["quantiles"]
+    assert low < middle < high and abs(middle) < 0.2
+    other = [[torch.randn(3, 8, generator=generator) for _ in range(4)] for _ in range(12)]
+    observed = float(np.mean([torch.nn.functional.cosine_similarity(sum(p[i] for p in shared).ravel(), sum(p[i] for p in other).ravel(), dim=0)
+                               for i in range(4)]))
+    assert shuffled_null(shared, other, observed, seed=1)["p_two_sided"] > 0.01
