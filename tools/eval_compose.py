@@ -6,11 +6,14 @@ first, then from the tuning half when more are asked for; distractors and erratu
 come from all 600 rows. Every random choice is seeded by ``--seed`` and the row id, so a resumed or
 repeated run asks the same thing. Four parts (``--parts``), greedy, ``--max-new-tokens`` tokens:
 
-accumulation (Table 2): for k = 1..``--steps``, the gold paragraph and k-1 distractors (the first
-    k-1 of one seeded shuffle per question, so steps are nested), gold at a seeded position, each its
-    own pack, composed exactly in order (``compose_exact`` from the first part: only the later
-    parts are prefilled). The composed pack and the same paragraphs as prompt text must generate
-    identical token ids; prompt tokens per question each way give the savings 1 - pack / text.
+accumulation (Table 2, as the paper runs it): questions in groups of ``--acc-golds``; a group's parts
+    are its questions' own paragraphs and ``--acc-distractors`` paragraphs none of them is about, in
+    one seeded order, each its own pack. Step k composes the first k parts exactly, in order
+    (``compose_exact`` from the first part: only the later parts are prefilled), and asks every
+    question of the group: knowledge accumulates, a question becomes answerable at the step its
+    paragraph arrives, so accuracy over all questions rises with k and levels off once every
+    paragraph is in. The composed pack and the same paragraphs as prompt text must generate identical
+    token ids; prompt tokens per question each way give the savings 1 - pack / text.
 modes (Table 5): at k = ``--modes-parts`` (the same arrangement as accumulation at that k), the
     gold pack alone, the exact composition, and the parts spliced with RoPE re-positioning and
     naively; rope and naive are compared with exact on the first answer token (cosine of the
@@ -103,6 +106,25 @@ def question_order(rows: Sequence[Row]) -> list[Row]:
     """The rows in the order questions are taken: held-out half of the frozen split, then the tuning half."""
     tuning, held_out = frozen_split(rows)
     return held_out + tuning
+
+
+def accumulation_groups(rows: Sequence[Row], pool: Sequence[Row], golds: int, distractors: int, seed: int) -> list[tuple[list[Row], list[Row]]]:
+    """Consecutive groups of ``golds`` questions (in ``rows`` order, a last short group dropped), each with its parts:
+    the questions' own paragraphs (once each) and ``distractors`` other paragraphs that hold none of the group's
+    answers, in one order seeded by the group's questions."""
+    groups = []
+    for start in range(0, len(rows) - golds + 1, golds):
+        questions = list(rows[start : start + golds])
+        own = list({row.context: row for row in questions}.values())
+        contexts = {row.context for row in questions}
+        candidates = [
+            other for other in pool if other.context not in contexts and not any(contains_answer(other.context, row.answers) for row in questions)
+        ]
+        rng = random.Random(f"{seed}:accumulation:{','.join(row.id for row in questions)}")
+        parts = own + rng.sample(candidates, distractors)
+        rng.shuffle(parts)
+        groups.append((questions, parts))
+    return groups
 
 
 def arrangement(row: Row, pool: Sequence[Row], k: int, seed: int) -> tuple[list[Row], int]:
@@ -273,35 +295,36 @@ def _arranged(lm: LoadedModel, row: Row, k: int, position: int, parts: Sequence[
 
 
 def run_accumulation(
-    lm: LoadedModel, rows: Sequence[Row], pool: Sequence[Row], steps: int, seed: int, sampling: Sampling, done: set, keep: Callable[[dict], None]
+    lm: LoadedModel, groups: Sequence[tuple[list[Row], list[Row]]], sampling: Sampling, done: set, keep: Callable[[dict], None]
 ) -> None:
-    """One record per question and step k not in ``done`` ((id, k) pairs): the composed pack and the
-    same paragraphs as text, their answers, scores, prompt tokens, and whether their ids differ."""
+    """One record per question and step k not in ``done`` ((id, k) pairs): the first k parts of its group composed,
+    whether its own paragraph is among them, the composed pack and the same paragraphs as text, their answers, scores,
+    prompt tokens, and whether their ids differ."""
     started = time.perf_counter()
-    for index, row in enumerate(rows, 1):
-        packs: dict[str, Pack] = {}
-        for k in range(1, steps + 1):
-            if (row.id, k) in done:
+    for index, (questions, parts) in enumerate(groups, 1):
+        packs = {part.id: build_pack(lm, [part.context]) for part in parts}
+        for k in range(1, len(parts) + 1):
+            asked = [row for row in questions if (row.id, k) not in done]
+            if not asked:
                 continue
-            parts, position = arrangement(row, pool, k, seed)
-            for part in parts:
-                if part.id not in packs:
-                    packs[part.id] = build_pack(lm, [part.context])
-            composition = composed(lm, [packs[part.id] for part in parts])
-            with_pack = answer_with_pack(lm, composition.pack, row.question, sampling)
-            with_text = answer_with_text(lm, list(composition.pack.header.facts), row.question, sampling=sampling)
-            keep(
-                _arranged(lm, row, k, position, parts)
-                | {
-                    "composed_tokens": composition.pack.header.tokens,
-                    "prefilled_tokens": composition.prefilled_tokens,
-                    "reused_tokens": composition.reused_tokens,
-                    "divergent": with_pack.token_ids != with_text.token_ids,
-                    "pack": scored(with_pack.text, with_pack.prompt_tokens, row),
-                    "text": scored(with_text.text, with_text.prompt_tokens, row),
-                }
-            )
-        _progress(lm, "accumulation", index, len(rows), started)
+            composition = composed(lm, [packs[part.id] for part in parts[:k]])
+            for row in asked:
+                with_pack = answer_with_pack(lm, composition.pack, row.question, sampling)
+                with_text = answer_with_text(lm, list(composition.pack.header.facts), row.question, sampling=sampling)
+                position = next(i for i, part in enumerate(parts) if part.context == row.context)
+                keep(
+                    {"model": lm.name, "id": row.id, "group": questions[0].id, "k": k, "gold_position": position}
+                    | {"parts": [part.id for part in parts[:k]], "gold_included": position < k}
+                    | {
+                        "composed_tokens": composition.pack.header.tokens,
+                        "prefilled_tokens": composition.prefilled_tokens,
+                        "reused_tokens": composition.reused_tokens,
+                        "divergent": with_pack.token_ids != with_text.token_ids,
+                        "pack": scored(with_pack.text, with_pack.prompt_tokens, row),
+                        "text": scored(with_text.text, with_text.prompt_tokens, row),
+                    }
+                )
+        _progress(lm, "accumulation", index, len(groups), started)
 
 
 def run_modes(
@@ -424,6 +447,7 @@ def summarize_accumulation(records: Sequence[dict]) -> dict:
             pack_tokens, text_tokens = _mean(r["pack"]["prompt_tokens"] for r in at), _mean(r["text"]["prompt_tokens"] for r in at)
             summary[model][str(k)] = {
                 "questions": len(at),
+                "gold_included": _mean(r.get("gold_included", True) for r in at),  # records before issue 39: always
                 **{
                     f"{metric}_{way}": interval
                     for way in ("pack", "text")
@@ -510,7 +534,8 @@ def summarize_errata(records: Sequence[dict]) -> dict:
 
 def accumulation_table(summary: dict) -> str:
     """One line per model and k."""
-    headers = ["model", "k", "questions", *(f"{name} {way} %" for name in METRICS.values() for way in ("pack", "text")), "identical ids"]
+    headers = ["model", "k", "questions", "own paragraph in the context %"]
+    headers += [*(f"{name} {way} %" for name in METRICS.values() for way in ("pack", "text")), "identical ids"]
     headers += ["prompt tokens pack", "prompt tokens text", "savings", "composed: prefilled / total tokens"]
     lines = []
     for model, steps in summary.items():
@@ -519,7 +544,7 @@ def accumulation_table(summary: dict) -> str:
             identical = f"{100 * s['identical']:.0f} % ({s['divergences']} div.)"
             tokens = [f"{s['prompt_tokens_pack']:.1f}", f"{s['prompt_tokens_text']:.1f}", f"{100 * s['savings']:.1f} %"]
             composition = f"{s['prefilled_tokens']:.0f} / {s['composed_tokens']:.0f}"
-            lines.append([model, k, str(s["questions"]), *scores, identical, *tokens, composition])
+            lines.append([model, k, str(s["questions"]), f"{100 * s['gold_included']:.0f}", *scores, identical, *tokens, composition])
     return markdown_table(headers, lines, left=2)
 
 
@@ -661,8 +686,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), help="model names or directories")
     parser.add_argument("--parts", type=parts_type(PARTS), default=list(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
     parser.add_argument("--limit", type=int, default=200, help="questions per model for modes")
-    parser.add_argument("--acc-limit", type=int, default=100, help="questions per model and k for accumulation")
-    parser.add_argument("--steps", type=int, default=5, help="accumulation steps: k = 1..STEPS paragraphs")
+    parser.add_argument("--acc-limit", type=int, default=102, help="accumulation: questions per model, asked at every step")
+    parser.add_argument("--acc-golds", type=int, default=3, help="accumulation: questions (and their paragraphs) per group")
+    parser.add_argument("--acc-distractors", type=int, default=2, help="accumulation: paragraphs per group that answer none of them")
     parser.add_argument("--modes-parts", type=int, default=3, help="paragraphs (gold + distractors) for modes")
     parser.add_argument("--errata", type=int, default=60, help="erratum cases per model")
     parser.add_argument("--timing-tokens", type=_numbers, default=[2048, 8192], help="comma-separated composed sizes to time")
@@ -681,10 +707,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     pool = load_rows()
     ordered = question_order(pool)
     cases, skipped = errata_cases(ordered, pool, args.errata, args.seed)
+    groups = accumulation_groups(ordered[: args.acc_limit], pool, args.acc_golds, args.acc_distractors, args.seed)
     sampling = Sampling(max_new_tokens=args.max_new_tokens)
     common = {"max_new_tokens": args.max_new_tokens, "seed": args.seed, "rows": ROWS_NOTE}
     wanted = {
-        "accumulation": common | {"steps": args.steps},
+        "accumulation": common | {"golds": args.acc_golds, "distractors": args.acc_distractors},
         "modes": common | {"k": args.modes_parts},
         "timing": {"parts": args.timing_parts, "rows": "consecutive paragraphs in question order"},
         "errata": common | {"max_erratum_words": MAX_ERRATUM_WORDS},
@@ -698,8 +725,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             mine = {part: [r for r in records if r["model"] == lm.name] for part, records in previous.items()}
             if "accumulation" in args.parts:
                 done = {(r["id"], r["k"]) for r in mine["accumulation"]}
-                todo = [row for row in ordered[: args.acc_limit] if any((row.id, k) not in done for k in range(1, args.steps + 1))]
-                run_accumulation(lm, todo, pool, args.steps, args.seed, sampling, done, appender(args.out, "accumulation"))
+                todo = [(qs, parts) for qs, parts in groups if any((q.id, k) not in done for q in qs for k in range(1, len(parts) + 1))]
+                run_accumulation(lm, todo, sampling, done, appender(args.out, "accumulation"))
             if "modes" in args.parts:
                 done = {r["id"] for r in mine["modes"]}
                 todo = [row for row in ordered[: args.limit] if row.id not in done]
@@ -712,9 +739,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 done = {r["id"] for r in mine["errata"]}
                 run_errata(lm, [c for c in cases if c.row.id not in done], sampling, appender(args.out, "errata"))
     # the report covers every model with records, restricted to what these options select
-    acc_ids, mode_ids, case_ids = {r.id for r in ordered[: args.acc_limit]}, {r.id for r in ordered[: args.limit]}, {c.row.id for c in cases}
+    acc_ids = {row.id for questions, _ in groups for row in questions}
+    mode_ids, case_ids = {r.id for r in ordered[: args.limit]}, {c.row.id for c in cases}
     selected = {
-        "accumulation": [r for r in read_records(args.out, "accumulation") if r["id"] in acc_ids and r["k"] <= args.steps],
+        "accumulation": [r for r in read_records(args.out, "accumulation") if r["id"] in acc_ids and r["k"] <= args.acc_golds + args.acc_distractors],
         "modes": [r for r in read_records(args.out, "modes") if r["id"] in mode_ids],
         "timing": [r for r in read_records(args.out, "timing") if r["target_tokens"] in args.timing_tokens],
         "errata": [r for r in read_records(args.out, "errata") if r["id"] in case_ids],

@@ -39,13 +39,14 @@ def test_eval_compose_on_smollm2(tmp_path: Path, capsys) -> None:
     import eval_compose
 
     out, figures = tmp_path / "out", tmp_path / "figures"
-    argv = ["--models", "smollm2-135m", "--limit", "2", "--acc-limit", "2", "--steps", "3", "--errata", "2"]
+    argv = ["--models", "smollm2-135m", "--limit", "2", "--acc-limit", "2", "--acc-golds", "2", "--acc-distractors", "1", "--errata", "2"]
     argv += ["--timing-tokens", "512", "--timing-repeats", "1", "--max-new-tokens", "12", "--out", str(out), "--figures", str(figures)]
     assert eval_compose.main(argv) == 0
     capsys.readouterr()
     summary = json.loads((out / "summary.json").read_text())["parts"]
     accumulation = summary["accumulation"]["smollm2-135m"]
     assert sorted(accumulation) == ["1", "2", "3"] and all(s["divergences"] == 0 for s in accumulation.values())
+    assert accumulation["3"]["gold_included"] == 1.0 and accumulation["1"]["gold_included"] < 1.0  # 2 questions, 3 parts
     assert accumulation["3"]["savings"] > 0.8 and accumulation["3"]["prefilled_tokens"] < accumulation["3"]["composed_tokens"]
     modes = summary["modes"]["smollm2-135m"]
     assert modes["questions"] == 2 and modes["agreement"]["rope"]["prob_cosine"]["mean"] > 0

@@ -22,7 +22,7 @@ from eval_compose import (  # noqa: E402
     follows,
     question_order,
 )
-from evallib import Row, frozen_split, load_rows  # noqa: E402
+from evallib import Row, contains_answer, frozen_split, load_rows  # noqa: E402
 
 POOL = [Row(f"r{i}", f"question {i}?", f"Paragraph {i} names Person {i} here .", (f"Person {i}",)) for i in range(20)]
 
@@ -48,6 +48,18 @@ def test_arrangements_are_seeded_nested_and_hold_the_gold_row_once() -> None:
     assert arrangement(row, POOL, 5, seed=1)[0] != arrangement(row, POOL, 5, seed=0)[0]
     with pytest.raises(ValueError):
         arrangement(row, POOL[:3], 5, seed=0)  # 3 other rows, 4 distractors wanted
+
+
+def test_accumulation_groups_hold_their_questions_paragraphs_and_distractors_without_their_answers() -> None:
+    groups = eval_compose.accumulation_groups(POOL[:10], POOL, golds=3, distractors=2, seed=0)
+    assert [[row.id for row in questions] for questions, _ in groups] == [["r0", "r1", "r2"], ["r3", "r4", "r5"], ["r6", "r7", "r8"]]
+    for questions, parts in groups:
+        assert len(parts) == 5 and len({part.id for part in parts}) == 5
+        assert {row.id for row in questions} <= {part.id for part in parts}
+        distractors = [part for part in parts if part not in questions]
+        assert len(distractors) == 2 and not any(contains_answer(part.context, row.answers) for part in distractors for row in questions)
+    assert groups == eval_compose.accumulation_groups(POOL[:10], POOL, golds=3, distractors=2, seed=0)
+    assert [parts for _, parts in groups] != [parts for _, parts in eval_compose.accumulation_groups(POOL[:10], POOL, 3, 2, seed=1)]
 
 
 def test_erratum_replaces_the_answer_in_its_sentence() -> None:
@@ -94,6 +106,7 @@ def _accumulation(k: int, divergent: bool) -> dict:
     return {
         "model": "m",
         "id": "ckc-15887",  # a real ckc row: tables score the answers against its gold answer, Zayed Khan
+        "gold_included": k > 1,
         "k": k,
         "composed_tokens": 300,
         "prefilled_tokens": 200,
@@ -186,6 +199,7 @@ def test_report_from_records_of_every_part(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "summary.json").read_text())["parts"]
     assert summary["accumulation"]["m"]["2"]["savings"] == pytest.approx(0.9)
     assert summary["accumulation"]["m"]["2"]["divergences"] == 1
+    assert summary["accumulation"]["m"]["1"]["gold_included"] == 0.0 and summary["accumulation"]["m"]["2"]["gold_included"] == 1.0
     accumulated = summary["accumulation"]["m"]["1"]
     assert (accumulated["contains_pack"]["mean"], accumulated["em_pack"]["mean"], accumulated["f1_text"]["mean"]) == (1.0, 0.0, pytest.approx(2 / 3))
     assert summary["modes"]["m"]["modes"]["rope"]["em"]["mean"] == 1.0
