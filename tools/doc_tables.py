@@ -152,7 +152,10 @@ GENERATORS: dict[str, Generator] = {
     "eval_packs": Generator(("questions.jsonl",), _eval_packs),
     "eval_bank_answers": Generator(("questions.jsonl",), _eval_bank_answers),
     **{f"eval_compose-{part}": Generator((f"{part}.jsonl",), _eval_compose(part)) for part in ("accumulation", "modes", "timing", "errata")},
-    **{f"eval_steering-{name}": Generator(("generations.jsonl",), _steering_generations(_steering_set(name))) for name in ("sweep", "layers", "pairs", "keys")},
+    **{
+        f"eval_steering-{name}": Generator(("generations.jsonl",), _steering_generations(_steering_set(name)))
+        for name in ("sweep", "layers", "pairs", "keys", "diagnosis")
+    },
     "eval_steering-food": Generator(("generations.jsonl",), _steering_generations(lambda tool: tool.FOOD_CONDITIONS, effect="food_any")),
     "eval_steering-retained": Generator(("generations.jsonl",), _steering_retained),
     "eval_steering-cosines": Generator(("cosines.json",), _steering_cosines),

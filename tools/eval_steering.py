@@ -88,9 +88,10 @@ from evallib import (  # noqa: E402
 )
 
 MODELS = ("smollm2-135m", "gemma3-270m")
-PARTS = ("sweep", "layers", "pairs", "directions", "keys", "dual")
+PARTS = ("sweep", "layers", "pairs", "directions", "keys", "diagnosis", "dual")
 DATA = REPO / "tools" / "steering_data"
 MAIN_PAIRS = 30
+MEAN_POOLED = "sentiment, mean-pooled"  # the sentiment pairs, K/V pooled as the mean over each text's tokens
 UNROTATED = "sentiment, keys before RoPE"  # the sentiment pairs, key deltas pooled before RoPE (steer build --keys unrotated)
 SUBSET_PAIRS = 5
 SWEEP_ALPHAS = (-2.0, -1.0, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0)
@@ -173,16 +174,16 @@ class Condition:
     name: str
     part: str
     steer: tuple[tuple[str, float], ...] = ()
-    layers: str = "middle"  # early | middle | late third
+    layers: str = "middle"  # early | middle | late third, or all layers
     target: str = "values"
     instruction: str = ""
     alpha: float = 0.0  # the sentiment alpha this condition is plotted at (sweep, layers, pairs, keys)
 
 
 def thirds(layers: int) -> dict[str, tuple[int, int]]:
-    """Early, middle and late thirds of ``layers`` layers (the middle as ``middle_third``)."""
+    """Early, middle and late thirds of ``layers`` layers (the middle as ``middle_third``), and all of them."""
     first, last = middle_third(layers)
-    return {"early": (0, first - 1), "middle": (first, last), "late": (last + 1, layers - 1)}
+    return {"early": (0, first - 1), "middle": (first, last), "late": (last + 1, layers - 1), "all": (0, layers - 1)}
 
 
 def conditions() -> list[Condition]:
@@ -202,6 +203,10 @@ def conditions() -> list[Condition]:
     found += [  # key arithmetic before RoPE: the delta rotated to each steered position (issue 39)
         Condition(f"keys before RoPE {a:+g}", "keys", ((UNROTATED, a),), target="keys", alpha=a) for a in (0.5, 1.0, 2.0)
     ]
+    # why is sentiment inert on gemma3-270m? mean pooling instead of the last token, every layer, stronger alphas
+    found += [Condition(f"sentiment mean-pooled {a:+g}", "diagnosis", ((MEAN_POOLED, a),), alpha=a) for a in (1.0, 2.0, 4.0)]
+    found += [Condition(f"sentiment all layers {a:+g}", "diagnosis", (("sentiment", a),), layers="all", alpha=a) for a in (0.5, 1.0)]
+    found += [Condition(f"sentiment {a:+g}", "diagnosis", (("sentiment", a),), alpha=a) for a in (4.0, 6.0)]
     return found
 
 
@@ -325,7 +330,8 @@ def build_directions(lm: LoadedModel) -> dict[str, Pack]:
     direction again with its key deltas pooled before RoPE (``UNROTATED``)."""
     pairs = direction_pairs()
     return {name: build_steering(lm, found) for name, found in pairs.items()} | {
-        UNROTATED: build_steering(lm, pairs["sentiment"], key_space="unrotated")
+        UNROTATED: build_steering(lm, pairs["sentiment"], key_space="unrotated"),
+        MEAN_POOLED: build_steering(lm, pairs["sentiment"], pooling="mean"),
     }
 
 
@@ -698,6 +704,12 @@ TABLE_SETS = {
     "sweep": ("Effect and coherence against alpha (Table 6)", [f"sentiment {a:+g}" for a in SWEEP_ALPHAS] + [f"instruction {t}" for t in INSTRUCTIONS]),
     "layers": ("Layer range (Table 7)", [f"sentiment {a:+g}{t}" for a in (1.0, 2.0) for t in (" early", "", " late")]),
     "pairs": ("How many pairs: 5 against 30", [f"{n} {a:+g}" for a in (1.0, 2.0) for n in ("sentiment", "sentiment-5a", "sentiment-5b", "sentiment-5c")]),
+    "diagnosis": (
+        "Why sentiment is inert on gemma3-270m: pooling, layers, strength",
+        ["sentiment +0", "sentiment +1", "sentiment +2", "sentiment +4", "sentiment +6"]
+        + [f"sentiment mean-pooled {a:+g}" for a in (1.0, 2.0, 4.0)]
+        + [f"sentiment all layers {a:+g}" for a in (0.5, 1.0)],
+    ),
     "keys": (
         "The key-arithmetic control",
         ["sentiment +0", "sentiment +1", "keys +0.5", "keys +1", "keys +2", "both +1"] + [f"keys before RoPE {a:+g}" for a in (0.5, 1.0, 2.0)],
@@ -738,7 +750,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), help="model names or directories")
     parser.add_argument("--parts", type=parts_type(PARTS), default=list(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
     parser.add_argument("--limit", type=int, default=60, help="prompts per prompt set")
-    parser.add_argument("--dual-limit", type=int, default=100, help="ckc questions for the dual channel")
+    parser.add_argument("--dual-limit", type=int, default=200, help="ckc questions for the dual channel")
     parser.add_argument("--compare", type=int, default=20, help="dual channel: questions also answered as steered text, to count divergences")
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--dual-max-new-tokens", type=int, default=24)
@@ -777,7 +789,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 (args.out / "cosines.json").write_text(json.dumps(cosines, indent=2) + "\n")
             done = {(r["condition"], r["set"], r["index"]) for r in read_jsonl(paths["generations"]) if r["model"] == lm.name}
             todo = []
-            compared = set(args.parts) & {"layers", "pairs", "directions", "keys"}
+            compared = set(args.parts) & {"layers", "pairs", "directions", "keys", "diagnosis"}
             references = {"sentiment +0", "sentiment +1", "sentiment +2"} if compared else set()  # what those parts compare with
             for condition in conditions():
                 if condition.part in args.parts or condition.name in references:

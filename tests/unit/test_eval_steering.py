@@ -28,9 +28,9 @@ def test_food_share_and_sentiment_scorers() -> None:
 def test_thirds_cover_every_layer_once() -> None:
     for layers in (3, 18, 30):
         spans = eval_steering.thirds(layers)
-        covered = [i for first, last in spans.values() for i in range(first, last + 1)]
-        assert covered == list(range(layers))
-    assert eval_steering.thirds(30) == {"early": (0, 9), "middle": (10, 19), "late": (20, 29)}
+        covered = [i for name, (first, last) in spans.items() if name != "all" for i in range(first, last + 1)]
+        assert covered == list(range(layers)) and spans["all"] == (0, layers - 1)
+    assert eval_steering.thirds(30) == {"early": (0, 9), "middle": (10, 19), "late": (20, 29), "all": (0, 29)}
 
 
 def test_conditions_are_unique_and_pair_sets_disjoint() -> None:
