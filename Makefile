@@ -87,7 +87,7 @@ eval-bank-answers: install
 # Composition (Tables 2 and 5, compose time at 2k/8k tokens, errata) on both models, into
 # results/eval_compose/ (each part resumes) and docs/figures/eval_compose_*.png.
 eval-compose: install
-	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_compose.py --models smollm2-135m gemma3-270m --acc-limit 50
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_compose.py --models smollm2-135m gemma3-270m --out results/eval_compose-39
 
 # Steering (Tables 6-10): alpha sweep, layer thirds, 5 vs 30 pairs, two directions, the key control and
 # the dual channel on ckc, both models, into results/eval_steering/ (resumes) and docs/figures/eval_steering_*.png.
@@ -98,7 +98,8 @@ eval-steering: install
 # plain RoPE composition, selective recompute and full recompute on unseen ckc contexts, with training
 # cost and TTFT, into results/eval_packet/ (resumes) and docs/figures/eval_packet_*.png.
 eval-packet: install
-	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packet.py --models smollm2-135m gemma3-270m
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packet.py --models smollm2-135m gemma3-270m --ablate-tokens 2 8 \
+		--out results/eval_packet-39
 
 # Short versions of the six, into results/*-small/ (plots too).
 EVAL_SMALL_ROWS ?= 20

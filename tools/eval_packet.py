@@ -93,23 +93,31 @@ METHODS = (*SEEDLESS, "packet")
 ARRANGEMENT_SEED = 0  # the distractors and gold position of each question, the same for every adapter seed
 COMPARISONS = (("packet", "none"), ("packet", "full"), ("selective", "packet"))  # paired differences, first - second
 LABELS = {"full": "full recompute", "none": "no recompute (RoPE)", "selective": "selective recompute", "packet": "KV Packet"}
-PARTS = ("train", "answers", "timing")
+PARTS = ("train", "answers", "timing", "ablation")
 log = logger("eval_packet")
 
 
 # ---- data ----
 
 
-def training_examples(count: int, seed: int) -> list[Example]:
-    """``count`` examples, half from each of the project's fact generators, shuffled by ``seed``."""
-    first = generated_examples(count - count // 2, seed=seed)
-    rng = random.Random(f"second:{seed}")
-    cases = second_facts(count * 14, seed=seed)
+SHAPES = {  # --shape: (documents, facts per document) ranges of the training examples
+    "facts": ((2, 4), (2, 5)),  # short invented facts: the first adapters' data
+    "paragraphs": ((2, 5), (6, 10)),  # paragraph-long documents, 2-5 of them, as the test contexts are (issue 39)
+}
+
+
+def training_examples(count: int, seed: int, shape: str = "paragraphs") -> list[Example]:
+    """``count`` examples, half from each of the project's fact generators (never ckc), shuffled by ``seed``: each a
+    question about one fact of one of its documents, the other documents distractors, in the ``SHAPES`` given."""
+    documents_range, facts_range = SHAPES[shape]
+    first = generated_examples(count - count // 2, seed=seed, documents=documents_range, facts=facts_range)
+    rng = random.Random(f"second:{seed}:{shape}")
+    cases = second_facts(count * documents_range[1] * facts_range[1], seed=seed)
     second, used = [], 0
     for _ in range(count // 2):
         documents = []
-        for _ in range(rng.randint(2, 4)):
-            size = rng.randint(2, 5)
+        for _ in range(rng.randint(*documents_range)):
+            size = rng.randint(*facts_range)
             documents.append(cases[used : used + size])
             used += size
         asked = rng.choice(rng.choice(documents))
@@ -262,8 +270,9 @@ def time_question(lm: LoadedModel, row: Row, arranged: Sequence[Row], adapter: P
 # ---- adapters ----
 
 
-def adapter_path(out: Path, model: str, seed: int) -> Path:
-    return out / "adapters" / f"{Path(model).name}-seed{seed}.pack"
+def adapter_path(out: Path, model: str, seed: int, tokens: int | None = None) -> Path:
+    """Where an adapter is kept: one per model and seed, and per soft-token count for the ablation's (``tokens``)."""
+    return out / "adapters" / f"{Path(model).name}-seed{seed}{'' if tokens is None else f'-t{tokens}'}.pack"
 
 
 def save_adapter(pack: Pack, path: Path) -> None:
@@ -377,10 +386,12 @@ def tables(summary: dict) -> str:
             first, second = comparison.split(" - ")
             paired.append([model, f"{LABELS[first]} - {LABELS[second]}", str(differences["questions"]), *(_points(differences[m]) for m in METRICS)])
         for t in entry["training"]:
+            closed = 1 - t["holdout_kl_after"] / t["holdout_kl_no_adapter"]  # full recompute is the teacher: its KL is 0
             trained.append(
-                [model, str(t["seed"]), str(t["steps"]), str(t["examples"]), f"{t['train_seconds']:.0f}", f"{t['peak_rss_mb']:.0f}",
+                [model, str(t["seed"]), str(t.get("tokens", "-")), t.get("shape", "-") + (" (ablation)" if t.get("ablation") else ""),
+                 str(t["steps"]), str(t["examples"]), f"{t['train_seconds'] / 60:.1f}", f"{t['peak_rss_mb']:.0f}",
                  f"{t['holdout_kl_no_adapter']:.4f}", f"{t['holdout_kl_before']:.4f}", f"{t['holdout_kl_after']:.4f}",
-                 f"{t['holdout_kl_after'] / t['holdout_kl_no_adapter'] - 1:+.0%}"]
+                 f"{closed:+.0%}", "yes" if closed >= 0.5 else "no"]
             )
     quality = markdown_table(
         ["model", "method", "questions", "seeds", "contains % [95% CI]", "contains by seed (mean ± sd)", "strict EM % [95% CI]", "F1 % [95% CI]",
@@ -393,8 +404,8 @@ def tables(summary: dict) -> str:
     )
     cost = markdown_table(["model", "method", "positions computed", "GFLOPs to compose", "vs full", "TTFT ms (median)", "vs full"], costs, left=2)
     training = markdown_table(
-        ["model", "seed", "steps", "examples", "seconds", "peak RSS MB", "held-out KL: RoPE splice, no adapter", "soft tokens at init", "trained",
-         "trained vs no adapter"],
+        ["model", "seed", "soft tokens a side", "training data", "steps", "examples", "minutes", "peak RSS MB",
+         "held-out KL: RoPE splice, no adapter", "soft tokens at init", "trained", "gap to full recompute closed", "half closed"],
         trained, left=1,
     )
     return "\n\n".join([quality, differences, cost, training])
@@ -425,6 +436,38 @@ def plot(summary: dict, figures: Path) -> None:
     grouped_bars(figures / "eval_packet_cost.png", panels_cost, title="Cost of composing, relative to full recompute", ylabel="ratio to full recompute")
 
 
+def plot_curves(training: Sequence[dict], figures: Path) -> None:
+    """Held-out KL against training steps, one line per adapter, with each model's plain-splice KL (no adapter) and
+    half of it (issue 39's target) as lines; written only when some training record has a curve."""
+    curved = [t for t in training if t.get("curve")]
+    if not curved:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(t["model"] for t in curved))
+    figure, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.2), squeeze=False)
+    for axis, model in zip(axes[0], models):
+        mine = [t for t in curved if t["model"] == model]
+        for t in mine:
+            steps, kls = zip(*([(0, t["holdout_kl_before"])] + [tuple(point) for point in t["curve"]]))
+            axis.plot(steps, kls, marker=".", label=f"seed {t['seed']}, {t.get('tokens', '?')} tokens{' (ablation)' if t.get('ablation') else ''}")
+        plain = mine[0]["holdout_kl_no_adapter"]
+        axis.axhline(plain, color="grey", linestyle="--", label="RoPE splice, no adapter")
+        axis.axhline(plain / 2, color="grey", linestyle=":", label="half the gap to full recompute")
+        axis.set_title(f"{Path(model).name}: held-out KL to full recompute while training")
+        axis.set_xlabel("training step")
+        axis.set_ylabel("KL (nats per answer token)")
+        axis.legend(fontsize=7)
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figures.mkdir(parents=True, exist_ok=True)
+    figure.savefig(figures / "eval_packet_curve.png", dpi=110)
+    plt.close(figure)
+
+
 def write_report(out: Path, figures: Path, about: dict) -> str:
     summary = summarize(read_jsonl(out / "answers.jsonl"), read_jsonl(out / "timing.jsonl"), read_jsonl(out / "training.jsonl"))
     text = tables(summary)
@@ -432,10 +475,28 @@ def write_report(out: Path, figures: Path, about: dict) -> str:
     (out / "summary.json").write_text(json.dumps(about | {"models": summary}, indent=2, default=encode) + "\n")
     (out / "table.md").write_text(text + "\n")
     plot(summary, figures)
+    plot_curves(read_jsonl(out / "training.jsonl"), figures)
     return text
 
 
 # ---- command line ----
+
+
+def train_and_keep(lm: LoadedModel, args, seed: int, tokens: int, path: Path, *, ablation: bool = False) -> None:
+    """Train one adapter on ``--shape`` examples, keep it at ``path`` and append its training record (time, memory,
+    held-out KL before and after, the held-out KL every ``--curve-every`` steps) to training.jsonl."""
+    curve: list[list[float]] = []
+    adapter = train_adapter(
+        lm, training_examples(args.examples, seed, args.shape), source=f"packstore.kv.synthetic + tools/second_facts.py, {args.shape}",
+        tokens=tokens, steps=args.steps, learning_rate=args.learning_rate, seed=seed,
+        progress=lambda step, loss: log(f"{lm.name} seed {seed} t{tokens} step {step}: KL {loss:.4f}") if step % 25 == 0 else None,
+        checkpoints=range(args.curve_every, args.steps + 1, args.curve_every) if args.curve_every else (),
+        on_checkpoint=lambda step, kl: curve.append([step, round(kl, 5)]),
+    )
+    save_adapter(adapter, path)
+    record = {"model": lm.name, "seed": seed, "tokens": tokens, "steps": args.steps, "examples": args.examples, "shape": args.shape}
+    jsonl_appender(args.out / "training.jsonl")(record | {"ablation": ablation, "curve": curve, **adapter.header.metrics})
+    log(f"{lm.name} seed {seed} t{tokens}: adapter trained, {adapter.header.metrics}")
 
 
 def ask(lm: LoadedModel, asked: Sequence[tuple[Row, list[Row]]], methods: Sequence[str], seed: int | None, adapter: Pack | None, args) -> None:
@@ -460,6 +521,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=96, help="training examples per adapter")
     parser.add_argument("--steps", type=int, default=ADAPTER_STEPS)
     parser.add_argument("--tokens", type=int, default=ADAPTER_TOKENS, help="soft tokens on each side of a part")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="paragraphs", help="training examples: paragraph-long documents or short facts")
+    parser.add_argument("--curve-every", type=int, default=50, help="held-out KL every N training steps (0: none)")
+    parser.add_argument("--ablate-tokens", type=int, nargs="*", default=[], help="ablation part: also train the first seed with these token counts")
     parser.add_argument("--learning-rate", type=float, default=ADAPTER_LEARNING_RATE)
     parser.add_argument("--share", type=float, default=DEFAULT_SHARE, help="selective recompute: share of tokens recomputed")
     parser.add_argument("--max-new-tokens", type=int, default=24)
@@ -475,7 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     settings = {
-        "examples": args.examples, "steps": args.steps, "tokens": args.tokens, "learning_rate": args.learning_rate,
+        "examples": args.examples, "steps": args.steps, "tokens": args.tokens, "learning_rate": args.learning_rate, "shape": args.shape,
         "share": args.share, "max_new_tokens": args.max_new_tokens, "questions": args.questions,
     }
     settings_path = args.out / "settings.json"
@@ -499,15 +563,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for seed in args.seeds:
                 path = adapter_path(args.out, lm.name, seed)
                 if "train" in parts and not path.exists():
-                    examples = training_examples(args.examples, seed)
-                    adapter = train_adapter(
-                        lm, examples, source="packstore.kv.synthetic + tools/second_facts.py", tokens=args.tokens, steps=args.steps,
-                        learning_rate=args.learning_rate, seed=seed,
-                        progress=lambda step, loss, name=name, seed=seed: log(f"{name} seed {seed} step {step}: KL {loss:.4f}") if step % 25 == 0 else None,
-                    )
-                    save_adapter(adapter, path)
-                    jsonl_appender(args.out / "training.jsonl")({"model": lm.name, "seed": seed, "steps": args.steps, "examples": args.examples, **adapter.header.metrics})
-                    log(f"{name} seed {seed}: adapter trained, {adapter.header.metrics}")
+                    train_and_keep(lm, args, seed, args.tokens, path)
                 if not path.exists():
                     continue
                 adapter = load_adapter(path)
@@ -519,6 +575,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for row, arranged in asked[: args.timing]:
                         if row.id not in done:
                             keep({"model": lm.name} | time_question(lm, row, arranged, adapter, args.share, args.repeats))
+            if "ablation" in parts:  # held-out KL only: soft-token counts other than --tokens, the first seed
+                for tokens in args.ablate_tokens:
+                    path = adapter_path(args.out, lm.name, args.seeds[0], tokens)
+                    if not path.exists():
+                        train_and_keep(lm, args, args.seeds[0], tokens, path, ablation=True)
     about = {"settings": settings, "wall_seconds_last_run": round(time.perf_counter() - started, 1), "machine": machine_description({}), "source": source_description()}
     print(write_report(args.out, args.figures, about))
     return 0

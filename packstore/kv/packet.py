@@ -45,21 +45,23 @@ def data_digest(examples: Sequence[Example]) -> str:
     return sha256_hex(canonical_json([example.to_json() for example in examples]))
 
 
-def generated_examples(count: int, *, seed: int = 0) -> list[Example]:
+def generated_examples(
+    count: int, *, seed: int = 0, documents: tuple[int, int] = (2, 4), facts: tuple[int, int] = (2, 5)
+) -> list[Example]:
     """Training examples from the project's fact generator (packstore.kv.synthetic), never ckc: each
-    has 2-4 documents of 2-5 facts and a question about one fact of one document."""
+    has ``documents`` (a range) documents of ``facts`` facts and a question about one fact of one document."""
     from packstore.kv.synthetic import synthetic_fact
 
     rng = random.Random(seed)
     examples, index = [], seed * 1_000_003 % 1_000_000
     for _ in range(count):
-        documents = []
-        for _ in range(rng.randint(2, 4)):
-            size = rng.randint(2, 5)
-            documents.append([synthetic_fact(index + i) for i in range(size)])
+        documents_ = []
+        for _ in range(rng.randint(*documents)):
+            size = rng.randint(*facts)
+            documents_.append([synthetic_fact(index + i) for i in range(size)])
             index += size
-        facts = rng.choice(rng.choice(documents))
-        examples.append(Example(tuple(tuple(f.fact for f in doc) for doc in documents), facts.query))
+        asked = rng.choice(rng.choice(documents_))
+        examples.append(Example(tuple(tuple(f.fact for f in doc) for doc in documents_), asked.query))
     return examples
 
 
@@ -181,11 +183,14 @@ def train_adapter(
     seed: int = 0,
     holdout: int | None = None,
     progress: Callable[[int, float], None] | None = None,
+    checkpoints: Sequence[int] = (),
+    on_checkpoint: Callable[[int, float], None] | None = None,
 ) -> Pack:
     """Train an adapter for ``lm`` on ``examples`` (the last ``holdout``, by default a quarter up to 16,
     only measured, never trained on) for ``steps`` Adam steps; the model stays frozen. Returns the
     adapter pack, whose metrics hold the KL on the held-out examples before and after, the training
-    time and the peak memory."""
+    time and the peak memory. After each step in ``checkpoints``, ``on_checkpoint(step, held-out KL)``
+    (a learning curve; the time it takes is in the training time)."""
     holdout = min(MAX_HOLDOUT, len(examples) // 4) if holdout is None else holdout
     if not 1 <= tokens <= 64:
         raise InvalidInput(f"soft tokens per side must be from 1 to 64, got {tokens}")
@@ -224,15 +229,16 @@ def train_adapter(
             order = list(range(len(train)))
             rng.shuffle(order)
         drawn = target(order.pop(), train)
-        if drawn is None:
-            continue
-        optimizer.zero_grad()
-        loss = distillation_loss(lm, drawn, soft, grad=True)
-        loss.backward()
-        optimizer.step()
-        recent = (recent + [float(loss.detach())])[-50:]
-        if progress is not None:
-            progress(step + 1, sum(recent) / len(recent))
+        if drawn is not None:
+            optimizer.zero_grad()
+            loss = distillation_loss(lm, drawn, soft, grad=True)
+            loss.backward()
+            optimizer.step()
+            recent = (recent + [float(loss.detach())])[-50:]
+            if progress is not None:
+                progress(step + 1, sum(recent) / len(recent))
+        if on_checkpoint is not None and step + 1 in checkpoints:
+            on_checkpoint(step + 1, held_out_kl(soft))
     after = held_out_kl(soft)
     recipe = {
         "tokens": tokens,

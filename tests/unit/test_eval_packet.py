@@ -13,8 +13,11 @@ from evallib import frozen_split, load_rows  # noqa: E402
 
 
 def test_training_examples_mix_both_generators_and_never_ckc() -> None:
-    examples = eval_packet.training_examples(20, seed=0)
-    assert len(examples) == 20 and all(2 <= len(e.documents) <= 4 for e in examples)
+    short = eval_packet.training_examples(20, seed=0, shape="facts")
+    assert len(short) == 20 and all(2 <= len(e.documents) <= 4 and all(2 <= len(d) <= 5 for d in e.documents) for e in short)
+    examples = eval_packet.training_examples(20, seed=0)  # paragraphs: shaped like the test contexts
+    assert len(examples) == 20 and all(2 <= len(e.documents) <= 5 and all(6 <= len(d) <= 10 for d in e.documents) for e in examples)
+    assert all(any(e.question and d for d in e.documents) for e in examples)
     assert eval_packet.training_examples(20, seed=0) == examples and eval_packet.training_examples(20, seed=1) != examples
     paragraphs = {row.context for row in load_rows()}
     assert not any(fact in paragraphs for e in examples for doc in e.documents for fact in doc)
@@ -33,7 +36,8 @@ def test_questions_are_the_held_out_half_each_with_the_gold_paragraph_once_among
 
 def test_a_whole_run_on_the_tiny_model(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     out, figures = tmp_path / "out", tmp_path / "figures"
-    argv = ["--models", str(tiny_model_dir), "--seeds", "0", "1", "--questions", "2", "--examples", "6", "--steps", "1"]
+    argv = ["--models", str(tiny_model_dir), "--seeds", "0", "1", "--questions", "2", "--examples", "6", "--steps", "2"]
+    argv += ["--curve-every", "1", "--ablate-tokens", "2"]
     argv += ["--timing", "1", "--repeats", "1", "--max-new-tokens", "4", "--out", str(out), "--figures", str(figures)]
     assert eval_packet.main(argv) == 0
     capsys.readouterr()
@@ -50,6 +54,10 @@ def test_a_whole_run_on_the_tiny_model(tmp_path: Path, tiny_model_dir: Path, cap
     assert set(entry["paired"]) == {f"{a} - {b}" for a, b in eval_packet.COMPARISONS}
     assert methods["none"]["gflops"] < methods["selective"]["gflops"] < methods["full"]["gflops"]
     assert methods["none"]["gflops"] < methods["packet"]["gflops"] < methods["full"]["gflops"]
-    assert set(entry["ttft"]) == set(eval_packet.METHODS) and len(entry["training"]) == 2
-    assert {p.name for p in figures.iterdir()} == {"eval_packet_quality.png", "eval_packet_cost.png"}
+    assert set(entry["ttft"]) == set(eval_packet.METHODS) and len(entry["training"]) == 3  # two seeds and one ablation
+    trained = eval_packet.read_jsonl(out / "training.jsonl")
+    assert [(t["seed"], t["tokens"], t["ablation"]) for t in trained] == [(0, 4, False), (1, 4, False), (0, 2, True)]
+    assert all([step for step, _ in t["curve"]] == [1, 2] and t["shape"] == "paragraphs" and t["commit"] for t in trained)
+    assert (out / "adapters" / f"{tiny_model_dir.name}-seed0-t2.pack").exists()
+    assert {p.name for p in figures.iterdir()} == {"eval_packet_quality.png", "eval_packet_cost.png", "eval_packet_curve.png"}
     assert len(eval_packet.tables(eval_packet.summarize(records, [], [])).split("\n\n")) == 4
