@@ -317,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--vectors", nargs="+", default=["fp16"], choices=VECTOR_KINDS, help="fact embedding storage")
     parser.add_argument("--report-only", action="store_true", help="redo table and plots from the records, OUT/questions.jsonl")
+    parser.add_argument("--also", type=Path, nargs="*", default=[], metavar="DIR", help="report-only: add these runs' records (one table)")
     parser.add_argument("--no-ckc", action="store_true", help="only the generated banks")
     parser.add_argument("--data", nargs="+", choices=("own", "second", "third"), default=["own", "second"], help="generated data sets")
     parser.add_argument("--second-seed", type=int, default=SECOND_SEED, help="seed of the second generator's facts")
@@ -330,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     about = {"machine": machine_description({}), "source": source_description()}
     if args.report_only:
-        rows = rows_from_records(read_jsonl(args.out / "questions.jsonl"))
+        rows = [row for out in (args.out, *args.also) for row in rows_from_records(read_jsonl(out / "questions.jsonl"))]
         plot(rows, args.figures)
         print(table(rows))
         return 0
