@@ -136,12 +136,13 @@ def bench_size(n: int, args: argparse.Namespace, embedder: TimedEmbedder, lm, wo
         default = default_probe(meta.clusters)
         for probe in dict.fromkeys(p or default for p in args.probes):
             log(f"{n} facts: routing {len(sample)} queries, probe {probe}")
-            timings: dict[str, list[float]] = {"embed": [], "route": [], "lexical": [], "rank": [], "recompute": []}
+            timings: dict[str, list[float]] = {"embed": [], "route": [], "lexical": [], "rank": [], "total": [], "recompute": []}
             in_clusters = first = 0
             for index, case in enumerate(sample):
                 result = route(store, "synthetic", [case.query], embedder, top_k=TOP_K, probe=probe)[0]
                 for part in ("embed", "route", "lexical", "rank"):
                     timings[part].append(result.seconds[part])
+                timings["total"].append(sum(result.seconds[part] for part in ("embed", "route", "lexical", "rank")))
                 first += result.facts[0][0] == case.fact
                 probed = store.bank_clusters("synthetic", result.clusters).values()
                 in_clusters += any(c is not None and case.fact in c.texts for c in probed)
@@ -152,7 +153,7 @@ def bench_size(n: int, args: argparse.Namespace, embedder: TimedEmbedder, lm, wo
             routing.append([
                 f"{n:,}", f"{probe}{' (default)' if probe == default else ''}",
                 f"{100 * in_clusters / len(sample):.1f} %", f"{100 * first / len(sample):.1f} %", f"{cold * 1000:.1f}",
-                *(percentiles(timings[p]) if timings[p] else "-" for p in ("embed", "route", "lexical", "rank", "recompute")),
+                *(percentiles(timings[p]) if timings[p] else "-" for p in ("embed", "route", "lexical", "rank", "total", "recompute")),
             ])
         adds = []
         if args.adds:
@@ -188,7 +189,7 @@ def main() -> None:
             print_table("Build", ["facts", "clusters", "build s", "embed s", "cluster+store s", "facts/s", "B/fact", "peak RSS GiB"], builds)
             print_table(
                 "Routing (latency per query in ms, p50 / p95)",
-                ["facts", "probe", "in searched", "ranked 1st", "cold route", "embed", "route", "lexical", "rank", "recompute"],
+                ["facts", "probe", "in searched", "ranked 1st", "cold route", "embed", "route", "lexical", "rank", "total", "recompute"],
                 routings,
             )
             if adds:
