@@ -20,6 +20,7 @@ from packstore.answering.composing import check_composition, compose, compositio
 from packstore.answering.records import AnswerResult
 from packstore.answering.tiers import ReadyCache, ReadyPartition, to_host
 from packstore.bank.bank import BankCache, open_banks
+from packstore.bank.rerank import DEFAULT_WEIGHT, RERANKERS, recorded_embedder, reranked_route, reranker
 from packstore.errors import InvalidInput, PackNotFound, Untrusted
 from packstore.format import PackHeader, pack_key, parse_key
 from packstore.kv.build import build_pack, clean_facts
@@ -90,17 +91,16 @@ class Question:
     or both, and/or steering packs.
 
     Several refs are answered with their exact sequential composition, in order, or, with ``mode``
-    ``rope``/``naive``/``packet``, with their parts spliced without recompute (``packet``: wrapped in
-    the soft tokens of the adapter ``adapter`` names; all three approximate). With a bank the
-    question is routed there (``top_k``, ``probe``, ``embedder``: None means the bank's own) and
-    answered with the pack of its top facts, or, with refs too, with those facts composed after the
-    packs. ``compare_rag`` also answers with all the same facts, in order, as prompt text (steered
-    alike): in one prefill, and in the pack's recorded prefill passes (``Answerer.stream``). ``steering``
-    holds (steering ref, alpha) pairs whose deltas are summed and added from the question on, on
-    ``steer_layers`` (None: each pack's default, the middle third) and to ``steer_on`` (``values``;
-    ``keys`` or ``both`` only as the key-arithmetic control). ``history`` holds the conversation's earlier
-    turns, (role, content) pairs rendered between the facts and the question (``kv.render``); routing reads the
-    question alone.
+    ``rope``/``naive``/``packet``, with their parts spliced without recompute (``packet``: wrapped in the soft tokens
+    of the adapter ``adapter`` names; all three approximate). With a bank the question is routed there (``top_k``,
+    ``probe``, ``embedder``: None means the bank's own; ``rerank``, ``rerank_weight``: a second stage over the routed
+    facts, ``bank.rerank``) and answered with the pack of its top facts, or, with refs too, with those facts composed
+    after the packs. ``compare_rag`` also answers with all the same facts, in order, as prompt text (steered alike):
+    in one prefill, and in the pack's recorded prefill passes (``Answerer.stream``). ``steering`` holds (steering ref,
+    alpha) pairs whose deltas are summed and added from the question on, on ``steer_layers`` (None: each pack's
+    default, the middle third) and to ``steer_on`` (``values``; ``keys`` or ``both`` only as the key-arithmetic
+    control). ``history`` holds the conversation's earlier turns, (role, content) pairs rendered between the facts and
+    the question (``kv.render``); routing reads the question alone.
     """
 
     text: str
@@ -109,6 +109,8 @@ class Question:
     top_k: int = DEFAULT_TOP_K
     probe: int | None = None
     embedder: str | None = None
+    rerank: str = "none"
+    rerank_weight: float = DEFAULT_WEIGHT
     compare_rag: bool = False
     sampling: Sampling = Sampling()
     steering: tuple[tuple[str, float], ...] = ()
@@ -130,6 +132,11 @@ class Question:
             raise InvalidInput("nothing to answer with: give a pack, a bank or a steering pack")
         if self.compare_rag and not self.bank and not self.refs:
             raise InvalidInput("comparing with the facts as prompt text needs a pack or a bank")
+        object.__setattr__(self, "rerank", self.rerank or "none")
+        if self.rerank not in RERANKERS:
+            raise InvalidInput(f"unknown reranker {self.rerank!r}: use one of {', '.join(RERANKERS)}")
+        if self.rerank != "none" and not self.bank:
+            raise InvalidInput("reranking reorders a bank's routed facts: give a bank too")
         if self.steer_on not in STEER_TARGETS:
             raise InvalidInput(f"unknown steering target {self.steer_on!r}: use one of {', '.join(STEER_TARGETS)}")
         parts = len(self.refs) + bool(self.bank)
@@ -417,14 +424,28 @@ class Answerer:
         return pack, stored, hit
 
     def route(
-        self, bank: str, question: str, *, top_k: int = DEFAULT_TOP_K, probe: int | None = None, embedder: str | None = None
+        self,
+        bank: str,
+        question: str,
+        *,
+        top_k: int = DEFAULT_TOP_K,
+        probe: int | None = None,
+        embedder: str | None = None,
+        rerank: str = "none",
+        rerank_weight: float = DEFAULT_WEIGHT,
     ) -> list[str]:
-        """The facts ``bank`` routes ``question`` to, best first; InvalidInput when there are none. With
-        trusted keys the bank must bear a trusted signature over its current digest."""
+        """The facts ``bank`` routes ``question`` to, best first, reranked by ``rerank`` (``lm``: this model
+        scores them); InvalidInput when there are none. With trusted keys the bank must bear a trusted
+        signature over its current digest."""
         banks = open_banks(self.store, self.bank_cache)
         if self.trusted is not None:
             self.trusted.require(f"bank {bank!r}", "bank", banks.digest(bank), banks.signatures(bank))
-        routed = banks.route(bank, [question], embedder, top_k=top_k, probe=probe)[0]
+        second = None
+        if rerank != "none":
+            spec = (embedder or recorded_embedder(banks, bank)) if rerank == "late" else None
+            embedded = self.bank_cache.embedder(spec) if spec else None
+            second = reranker(rerank, embedder=embedded, lm=(self.lm.tokenizer, self.lm.model), weight=rerank_weight)
+        routed = reranked_route(banks, bank, [question], embedder, top_k=top_k, probe=probe, reranker=second)[0]
         facts = [text for text, _ in routed.facts]
         if not facts:
             raise InvalidInput(f"bank {bank!r} routed the question to no facts")
@@ -448,7 +469,10 @@ class Answerer:
         hit: bool | None = None
         deltas, applied = self.steering(question) if question.steering else ({}, None)
         if question.bank:
-            facts = self.route(question.bank, question.text, top_k=question.top_k, probe=question.probe, embedder=question.embedder)
+            facts = self.route(
+                question.bank, question.text, top_k=question.top_k, probe=question.probe, embedder=question.embedder,
+                rerank=question.rerank, rerank_weight=question.rerank_weight,
+            )
         if question.refs and question.mode != "exact":
             pack, keys, hit, prefilled = self.spliced(question.refs, facts or (), mode=question.mode, adapter=question.adapter)
             parts, composed_tokens = keys, prefilled

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from packstore.answering.facts import read_facts, read_items
+from packstore.bank.rerank import CANDIDATES, DEFAULT_WEIGHT, RERANKERS
 from packstore.cli.common import EXIT_ERROR, CommandLine, emit_json, global_options
 from packstore.cli.shared import progress, store_of
 from packstore.errors import InvalidInput
@@ -20,9 +21,26 @@ def _bank_record(meta: Any, stored_bytes: int) -> dict[str, Any]:
     return meta.__dict__ | {"stored_bytes": stored_bytes, "bytes_per_fact": round(stored_bytes / max(meta.facts, 1), 1)}
 
 
+def _route_reranker(args: argparse.Namespace, banks: Any) -> Any:
+    """The Reranker ``bank route --rerank`` asks for: the bank's embedder (late) or ``--rerank-model`` (lm)."""
+    from packstore.bank.bank import BankCache
+    from packstore.bank.rerank import recorded_embedder, reranker
+
+    if args.rerank == "late":
+        spec = args.embedder or recorded_embedder(banks, args.name)
+        return reranker("late", embedder=BankCache().embedder(spec), weight=args.rerank_weight)
+    if args.rerank == "lm":
+        from packstore.kv.models import load_model
+
+        lm = load_model(args.rerank_model, progress=False)
+        return reranker("lm", lm=(lm.tokenizer, lm.model), weight=args.rerank_weight)
+    return None
+
+
 def cmd_bank(args: argparse.Namespace) -> int:
     from packstore.answering.api import sign_bank, verify_banks  # banks embed: the model stack loads only here
     from packstore.bank.bank import open_banks
+    from packstore.bank.rerank import reranked_route
 
     with store_of(args, readonly=args.bank_command in ("route", "ls", "verify")) as store:
         banks = open_banks(store)
@@ -44,7 +62,10 @@ def cmd_bank(args: argparse.Namespace) -> int:
             if (args.query is None) == (args.queries is None):
                 raise InvalidInput("give either a QUERY or --queries FILE")
             queries = [args.query] if args.query is not None else read_items(args.queries, "query")
-            for result in banks.route(args.name, queries, args.embedder, top_k=args.top_k, probe=args.probe, mode=args.mode):
+            second = _route_reranker(args, banks)
+            for result in reranked_route(
+                banks, args.name, queries, args.embedder, top_k=args.top_k, probe=args.probe, mode=args.mode, reranker=second
+            ):
                 if args.json or args.queries is not None:
                     emit_json(result.to_json())
                     continue
@@ -88,6 +109,16 @@ def bank_options(parser: argparse.ArgumentParser) -> None:
     )
     if not any(a.dest == "embedder" for a in parser._actions):
         parser.add_argument("--embedder", default=None, help="the bank's own embedder (default); another is refused")
+    parser.add_argument(
+        "--rerank", choices=RERANKERS, default="none",
+        help="none (default): the route's own order; late: MaxSim over the embedder's token embeddings of the top "
+        f"{CANDIDATES['late']}; lm: the language model's likelihood of the question after each of the top {CANDIDATES['lm']} "
+        "(neither beat none on the tuning data: docs/evaluation.md)",
+    )
+    parser.add_argument(
+        "--rerank-weight", type=float, default=DEFAULT_WEIGHT, metavar="W",
+        help=f"how much of the reranker's score is added to the route's (default {DEFAULT_WEIGHT:g})",
+    )
 
 
 def add_commands(cli: CommandLine) -> None:
@@ -119,6 +150,7 @@ def add_commands(cli: CommandLine) -> None:
         help="hybrid (default): embedding clusters and the BM25 index together; dense or lexical: one alone",
     )
     bank_options(p)
+    p.add_argument("--rerank-model", default="smollm2-135m", metavar="M", help="the language model of --rerank lm (default smollm2-135m)")
     sub.add_parser("ls", parents=common, help="list banks")
     p = sub.add_parser("sign", parents=common, help="sign bank N's current contents with a private key (packctl keygen)")
     p.add_argument("name", metavar="N")

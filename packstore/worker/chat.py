@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 # the packstore fields beside OpenAI's, by the GenerateRequest field each fills (``steer`` and ``steer_layers`` apart)
 EXTRA_FIELDS = {"packs": "packs", "bank": "bank", "top_k": "top_k", "probe": "probe", "embedder": "embedder", "mode": "mode"}
-EXTRA_FIELDS |= {"adapter": "adapter", "steer_on": "steer_on", "compare_rag": "compare_rag"}
+EXTRA_FIELDS |= {"adapter": "adapter", "steer_on": "steer_on", "compare_rag": "compare_rag", "rerank": "rerank"}
+EXTRA_FIELDS |= {"rerank_weight": "rerank_weight"}
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 SAMPLING |= {"seed": "seed", "stop": "stop"}
 IGNORED = {"model", "messages", "stream", "stream_options", "user", "steer", "steer_layers"}  # read apart, or (user) not used

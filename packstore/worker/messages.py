@@ -22,7 +22,8 @@ from packstore.v1 import store_pb2, worker_pb2
 if TYPE_CHECKING:
     from packstore.answering.answer import Question
 
-QUESTION_FIELDS = ("bank", "top_k", "probe", "embedder", "compare_rag", "steer_on", "mode", "adapter")  # GenerateRequest
+# GenerateRequest
+QUESTION_FIELDS = ("bank", "top_k", "probe", "embedder", "rerank", "rerank_weight", "compare_rag", "steer_on", "mode", "adapter")
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed", "stop")  # Sampling, both records and messages
 RESULT_FIELDS = ("pack", "parts", "steer_on", "pack_tokens")  # GenerateDone, unset meaning None
 RESULT_VALUES = ("answer", "kv_prompt_tokens", "cache_hit")  # GenerateDone, as they are (False is no None)

@@ -117,6 +117,12 @@ def test_several_packs_a_bank_steering_and_stop_strings_answer_as_the_local_path
     )
     expected = local(store, tiny_lm, Question(cases[3].query, bank="wbank", top_k=2, sampling=GREEDY))
     assert banked.choices[0].message.content == expected.answer and banked.model_extra["packstore"]["facts"] == expected.facts
+    reranked = client.chat.completions.create(
+        model=tiny_lm.name, messages=[{"role": "user", "content": cases[3].query}], max_tokens=12,
+        extra_body={"bank": "wbank", "top_k": 2, "rerank": "lm", "rerank_weight": 2.0},
+    )
+    expected = local(store, tiny_lm, Question(cases[3].query, bank="wbank", top_k=2, rerank="lm", rerank_weight=2.0, sampling=GREEDY))
+    assert reranked.choices[0].message.content == expected.answer and reranked.model_extra["packstore"]["facts"] == expected.facts
     steered = ask(client, tiny_lm, packs=["wexley"], steer=[{"pack": "joy", "alpha": 4.0}], steer_layers=[0, 2])
     question = Question(QUESTION, refs=("wexley",), sampling=GREEDY, steering=(("joy", 4.0),), steer_layers=(0, 2))
     expected = local(store, tiny_lm, question)
@@ -156,6 +162,7 @@ def test_the_answer_equals_packctl_ask_with_the_same_pack_question_and_sampling(
         ({"packs": ["wexley"], "temperature": -1}, 400, "invalid_input", "temperature"),
         ({"packs": ["wexley"], "steer_layers": [0]}, 400, "invalid_input", "steer_layers"),
         ({"packs": ["wexley"], "top_k": "many"}, 400, "invalid_input", "top_k"),
+        ({"bank": "wbank", "rerank": "cross"}, 400, "invalid_input", "unknown reranker 'cross'"),
         ({"wat": 1}, 400, "invalid_input", "unknown field 'wat'"),
         ({}, 400, "invalid_input", "nothing to answer with"),
     ],

@@ -13,7 +13,7 @@ from packstore.worker.messages import answer_result, generate_done, generate_req
 QUESTIONS = [  # floats exact in float32, as the wire carries them
     Question("Which river?", refs=("wexley",)),
     Question(
-        "Which river?", refs=("a", "b"), bank="towns", top_k=3, probe=2, embedder="minilm", compare_rag=True,
+        "Which river?", refs=("a", "b"), bank="towns", top_k=3, probe=2, embedder="minilm", rerank="lm", rerank_weight=0.5, compare_rag=True,
         sampling=Sampling(max_new_tokens=7, temperature=0.5, top_p=0.75, seed=0, stop=("\n", "Q:")), steering=(("joy", 0.5), ("calm", -1.0)),
         steer_layers=(1, 2), steer_on="both", mode="packet", adapter="adapter",
         history=(("user", "Where is Wexley?"), ("assistant", "By the river.")),

@@ -1,0 +1,149 @@
+"""A second stage over a route's candidates: rescore the routed facts and keep the best ``top_k``.
+
+Routing ranks facts by cosine + BM25 (``bank.route``). A reranker routes for more candidates, scores each against
+the query and adds ``weight`` x that score to the route's own. Two stages load offline (no PyPI wheel ships a
+cross-encoder's weights): ``late``, ColBERT's MaxSim over the bank's own embedder's token embeddings, and ``lm``, a
+causal language model's mean log-probability of the query after each candidate (zero-shot question likelihood).
+Neither beat the plain route on the tuning data (docs/evaluation.md, issue 38), so the default is ``none``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from packstore.errors import InvalidInput, PackNotFound
+from packstore.store.protocol import DEFAULT_TOP_K, BankStore
+from packstore.store.records import Route
+
+if TYPE_CHECKING:
+    import torch
+
+RERANKERS = ("none", "late", "lm")
+CANDIDATES = {"late": 20, "lm": 5}  # candidates rescored per query: each stage's cost grows with them
+DEFAULT_WEIGHT = 0.25  # the tuning data's best weight for both stages (ties with no reranking)
+LM_PROMPT = "Passage: {passage}\nA question this passage answers:"
+
+Scorer = Callable[[str, Sequence[str]], np.ndarray]
+
+
+def late_scorer(embedder: Any) -> Scorer:
+    """MaxSim: per candidate, the mean over the query's tokens of the best cosine with the candidate's tokens
+    (``embedder``: a bank Embedder; CLS and SEP left out)."""
+
+    import torch
+
+    def tokens(texts: Sequence[str]) -> list[torch.Tensor]:
+        out = embedder.model.encode(list(texts), output_value="token_embeddings", convert_to_numpy=False)
+        return [torch.nn.functional.normalize(o.float(), dim=-1)[1:-1] for o in out]
+
+    def score(query: str, candidates: Sequence[str]) -> np.ndarray:
+        asked = tokens([query])[0]
+        return np.array([float((asked @ fact.T).max(dim=1).values.mean()) for fact in tokens(candidates)])
+
+    return score
+
+
+def lm_scorer(tokenizer: Any, model: torch.nn.Module) -> Scorer:
+    """The mean log-probability of the query's tokens after each candidate in ``LM_PROMPT``, in one padded batch
+    (``tokenizer``, ``model``: a Hugging Face causal LM, such as the answering model)."""
+    import torch
+
+    device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def score(query: str, candidates: Sequence[str]) -> np.ndarray:
+        asked = tokenizer(" " + query.strip(), add_special_tokens=False).input_ids
+        sequences = [tokenizer(LM_PROMPT.format(passage=c), add_special_tokens=False).input_ids + asked for c in candidates]
+        width = max(map(len, sequences))
+        ids = torch.full((len(sequences), width), tokenizer.pad_token_id or 0)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            ids[row, : len(sequence)], mask[row, : len(sequence)] = torch.tensor(sequence), 1
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float().log_softmax(-1).cpu()
+        target = torch.tensor(asked)[:, None]
+        starts = [len(sequence) - len(asked) for sequence in sequences]
+        return np.array([float(logits[row, s - 1 : s - 1 + len(asked)].gather(-1, target).mean()) for row, s in enumerate(starts)])
+
+    return score
+
+
+@dataclass(frozen=True)
+class Reranker:
+    """A named second stage: route for ``candidates`` facts, add ``weight`` x ``scorer``'s score, keep ``top_k``."""
+
+    name: str
+    scorer: Scorer
+    candidates: int
+    weight: float = DEFAULT_WEIGHT
+
+    def __post_init__(self) -> None:
+        if self.candidates < 1:
+            raise InvalidInput(f"a reranker needs at least 1 candidate, not {self.candidates}")
+        if not np.isfinite(self.weight) or self.weight <= 0:
+            raise InvalidInput(f"the rerank weight must be a positive number, not {self.weight}")
+
+    def routed_for(self, top_k: int) -> int:
+        """How many facts to route for so that ``top_k`` are kept after rescoring."""
+        return max(top_k, self.candidates)
+
+    def apply(self, route: Route, top_k: int) -> Route:
+        """``route`` with its facts rescored and cut to ``top_k``; the stage's seconds join its timings."""
+        if not route.facts:
+            return route
+        texts = [text for text, _ in route.facts]
+        started = time.perf_counter()
+        extra = self.scorer(route.query, texts)
+        seconds = time.perf_counter() - started
+        scores = np.array([score for _, score in route.facts], dtype=np.float64) + self.weight * extra
+        best = np.argsort(-scores, kind="stable")[:top_k]
+        return replace(route, facts=[(texts[i], float(scores[i])) for i in best], seconds=route.seconds | {"rerank": seconds})
+
+
+def reranker(name: str, *, embedder: Any = None, lm: tuple[Any, torch.nn.Module] | None = None,
+             candidates: int | None = None, weight: float = DEFAULT_WEIGHT) -> Reranker | None:
+    """The Reranker ``name`` names (None for "none"): ``late`` needs the bank's ``embedder``, ``lm`` a
+    (tokenizer, model) pair."""
+    if name not in RERANKERS:
+        raise InvalidInput(f"unknown reranker {name!r}: use one of {', '.join(RERANKERS)}")
+    if name == "none":
+        return None
+    if name == "late":
+        if embedder is None:
+            raise InvalidInput("the late reranker needs the bank's embedder")
+        scorer = late_scorer(embedder)
+    else:
+        if lm is None:
+            raise InvalidInput("the lm reranker needs a language model")
+        scorer = lm_scorer(*lm)
+    return Reranker(name, scorer, candidates if candidates is not None else CANDIDATES[name], weight)
+
+
+def recorded_embedder(banks: BankStore, name: str) -> str:
+    """The embedder bank ``name`` records (the late stage needs its token embeddings); PackNotFound when there is no bank."""
+    for meta, _ in banks.list():
+        if meta.name == name:
+            return meta.embedder
+    raise PackNotFound(f"no bank named {name!r}", ref=name)
+
+
+def reranked_route(
+    banks: BankStore,
+    name: str,
+    queries: Sequence[str],
+    embedder: str | None = None,
+    *,
+    top_k: int = DEFAULT_TOP_K,
+    probe: int | None = None,
+    mode: str = "hybrid",
+    reranker: Reranker | None = None,
+) -> list[Route]:
+    """``banks.route``, then ``reranker`` (when one is given) over ``reranker.candidates`` routed facts per query."""
+    if reranker is None:
+        return banks.route(name, queries, embedder, top_k=top_k, probe=probe, mode=mode)
+    routes = banks.route(name, queries, embedder, top_k=reranker.routed_for(top_k), probe=probe, mode=mode)
+    return [reranker.apply(route, top_k) for route in routes]
