@@ -151,7 +151,7 @@ GENERATORS: dict[str, Generator] = {
     "eval_rerank": Generator(("questions.jsonl",), _eval_rerank),
     "eval_packs": Generator(("questions.jsonl",), _eval_packs),
     "eval_bank_answers": Generator(("questions.jsonl",), _eval_bank_answers),
-    **{f"eval_compose-{part}": Generator((f"{part}.jsonl",), _eval_compose(part)) for part in ("accumulation", "modes", "timing", "errata")},
+    **{f"eval_compose-{part}": Generator((f"{part}.jsonl",), _eval_compose(part)) for part in ("accumulation", "modes", "timing", "errata", "diagnosis")},
     **{
         f"eval_steering-{name}": Generator(("generations.jsonl",), _steering_generations(_steering_set(name)))
         for name in ("sweep", "layers", "pairs", "keys", "diagnosis")

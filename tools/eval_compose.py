@@ -4,7 +4,7 @@ Every ckc paragraph is one pack of one fact (as in tools/eval_packs.py); distrac
 paragraphs. Questions are taken from the held-out half of the frozen split (tools/ckc_split.json)
 first, then from the tuning half when more are asked for; distractors and erratum replacements
 come from all 600 rows. Every random choice is seeded by ``--seed`` and the row id, so a resumed or
-repeated run asks the same thing. Four parts (``--parts``), greedy, ``--max-new-tokens`` tokens:
+repeated run asks the same thing. Five parts (``--parts``), greedy, ``--max-new-tokens`` tokens:
 
 accumulation (Table 2, as the paper runs it): questions in groups of ``--acc-golds``; a group's parts
     are its questions' own paragraphs and ``--acc-distractors`` paragraphs none of them is about, in
@@ -27,9 +27,13 @@ errata: a paragraph's pack amended (``amend``) with its sentence that holds the 
     replaced by another row's answer B; does the answer follow the erratum (B), the original (A),
     both, or neither? Answered with the base pack, the amended pack, and the amended facts as text
     (pack and text must generate identical ids).
+diagnosis: on the first ``--diag-limit`` modes questions, where the RoPE splice departs from exact: the
+    splice with exact's K/V put back at one place at a time (sliding-window layers, full-attention
+    layers, the gold paragraph's tokens, the other paragraphs', the template's), each compared with
+    exact on exact's answer tokens (``PATCHES``).
 
 Outputs in ``--out``: one JSON line per record per part (accumulation.jsonl, modes.jsonl,
-timing.jsonl, errata.jsonl, appended as each is done), settings.json, summary.json, table.md; PNGs
+timing.jsonl, errata.jsonl, diagnosis.jsonl, appended as each is done), settings.json, summary.json, table.md; PNGs
 in ``--figures``. A part resumes: records already there are not redone (``--fresh`` empties the
 parts being run; other settings than recorded are refused). Run from the repository root:
 
@@ -60,6 +64,7 @@ from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.compose import Composition, amend, compose_exact, splice  # noqa: E402
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text, cache_from_pack, forced_logits, prepare  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
+from packstore.kv.render import group_spans  # noqa: E402
 from packstore.packs.tensors import Pack  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -89,9 +94,18 @@ from evallib import (  # noqa: E402
 )
 
 MODELS = ("smollm2-135m", "gemma3-270m")
-PARTS = ("accumulation", "modes", "timing", "errata")
+PARTS = ("accumulation", "modes", "timing", "errata", "diagnosis")
 MODES = {"single": "gold pack alone", "exact": "sequential (exact)", "rope": "RoPE splice", "naive": "naive splice"}
 SPLICED = ("rope", "naive")
+# the RoPE splice with exact K/V put back in one place: where it recovers exact's answer distribution, the splice's error lives
+PATCHES = {
+    "none": "RoPE splice",
+    "sliding": "+ exact K/V, sliding-window layers",
+    "full": "+ exact K/V, full-attention layers",
+    "gold": "+ exact K/V, gold paragraph's tokens",
+    "others": "+ exact K/V, the other paragraphs' tokens",
+    "framing": "+ exact K/V, template tokens (outside paragraphs)",
+}
 FOLLOWS = {"erratum": "erratum (B)", "original": "original (A)", "both": "both", "neither": "neither"}
 ROWS_NOTE = "questions: held-out half of tools/ckc_split.json first, then the tuning half; distractors: all other rows"
 MAX_ERRATUM_WORDS = 80  # a longer "sentence" is a flattened table or list, not a correction
@@ -354,6 +368,66 @@ def run_modes(
         _progress(lm, "modes", index, len(rows), started)
 
 
+def layer_types(lm: LoadedModel) -> list[str]:
+    """Each layer's attention type as the config states it ("sliding_attention" / "full_attention"); all full when
+    the config names none (Llama)."""
+    config = lm.model.config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return list(getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers)
+
+
+def patched(spliced: Pack, exact: Pack, layers: Iterable[int], positions: Sequence[int]) -> Pack:
+    """``spliced`` with the keys and values of ``layers`` at token ``positions`` taken from ``exact``."""
+    keys, values = list(spliced.keys), list(spliced.values)
+    index = torch.tensor(list(positions), dtype=torch.long)
+    for layer in layers:
+        keys[layer], values[layer] = keys[layer].clone(), values[layer].clone()
+        keys[layer][:, index], values[layer][:, index] = exact.keys[layer][:, index], exact.values[layer][:, index]
+    return Pack(spliced.header, keys, values)
+
+
+def patch_sites(lm: LoadedModel, parts: Sequence[Pack], position: int, tokens: int) -> dict[str, tuple[list[int], list[int]]]:
+    """Per patch of ``PATCHES`` (bar "none"): the (layers, token positions) it takes from exact; the sliding-window patch
+    only where the model has such layers, the gold and other-paragraph patches only for their parts after the first
+    (the first part's tokens are exact in a splice already)."""
+    kinds = layer_types(lm)
+    every_layer, every_token = list(range(len(kinds))), list(range(tokens))
+    _, spans = group_spans(lm.tokenizer, [part.header.facts for part in parts])
+    inside = {i: list(range(*span)) for i, span in enumerate(spans)}
+    sites = {
+        "sliding": ([i for i, kind in enumerate(kinds) if kind == "sliding_attention"], every_token),
+        "full": ([i for i, kind in enumerate(kinds) if kind == "full_attention"], every_token),
+        "gold": (every_layer, inside[position] if position > 0 else []),
+        "others": (every_layer, [t for i, span in inside.items() if i not in (0, position) for t in span]),
+        "framing": (every_layer, sorted(set(every_token) - {t for span in inside.values() for t in span})),
+    }
+    return {name: site for name, site in sites.items() if site[0] and site[1]}
+
+
+def run_diagnosis(
+    lm: LoadedModel, rows: Sequence[Row], pool: Sequence[Row], k: int, seed: int, sampling: Sampling, keep: Callable[[dict], None]
+) -> None:
+    """One record per question, arranged as in ``run_modes``: the RoPE splice and each patch of it (``PATCHES``)
+    against exact on exact's answer tokens (``answer_agreement``), to locate what the splice gets wrong."""
+    started = time.perf_counter()
+    for index, row in enumerate(rows, 1):
+        parts, position = arrangement(row, pool, k, seed)
+        packs = [build_pack(lm, [part.context]) for part in parts]
+        exact, spliced = composed(lm, packs).pack, splice(lm, packs, "rope").pack
+        if list(exact.header.token_ids) != list(spliced.header.token_ids):
+            raise SystemExit(f"{row.id}: the splice and the exact composition render different tokens")
+        answer = answer_with_pack(lm, exact, row.question, sampling).token_ids
+        reference = answer_logits(lm, exact, row.question, answer)
+        variants = {"none": spliced}
+        variants |= {
+            name: patched(spliced, exact, layers, positions)
+            for name, (layers, positions) in patch_sites(lm, packs, position, exact.header.tokens).items()
+        }
+        agreement = {name: answer_agreement(answer_logits(lm, pack, row.question, answer), reference) for name, pack in variants.items()}
+        keep(_arranged(lm, row, k, position, parts) | {"agreement": agreement})
+        _progress(lm, "diagnosis", index, len(rows), started)
+
+
 def run_timing(
     lm: LoadedModel, rows: Sequence[Row], targets: Sequence[int], parts: int, repeats: int, budget: float, keep: Callable[[dict], None]
 ) -> None:
@@ -502,6 +576,48 @@ def summarize_modes(records: Sequence[dict]) -> dict:
     return summary
 
 
+def summarize_diagnosis(records: Sequence[dict]) -> dict:
+    """Per model and patch: first-token agreement, answer-token KL and top-1 against exact over the questions that
+    patch applies to, with its paired gain over the plain splice on the same questions."""
+    summary: dict = {}
+    for model, mine in _by_model(records).items():
+        summary[model] = {}
+        for name in PATCHES:
+            have = [r["agreement"] for r in mine if name in r["agreement"]]
+            if not have:
+                continue
+            same = [float(a[name]["same_first_token"]) for a in have]
+            summary[model][name] = {
+                "questions": len(have),
+                "same_first_token": mean_interval(same),
+                "answer_kl": mean_interval([a[name]["answer_kl"] for a in have]),
+                "answer_top1": mean_interval([a[name]["answer_top1"] for a in have]),
+                "same_first_minus_splice": paired_difference(same, [float(a["none"]["same_first_token"]) for a in have]),
+                "kl_minus_splice": paired_difference([a[name]["answer_kl"] for a in have], [a["none"]["answer_kl"] for a in have]),
+            }
+    return summary
+
+
+def diagnosis_table(summary: dict) -> str:
+    """One line per model and patch."""
+    headers = ["model", "RoPE splice", "questions", "same 1st token as exact % [95% CI]", "KL to exact, answer tokens (nats)"]
+    headers += ["top-1 agrees, answer tokens %", "same 1st token - splice (paired)", "KL - splice (paired)"]
+    lines = []
+    for model, patches in summary.items():
+        for name, s in patches.items():
+            kl, gain = s["answer_kl"], s["kl_minus_splice"]
+            paired = ["-", "-"] if name == "none" else [_signed(s["same_first_minus_splice"]), f"{gain.mean:+.4f} [{gain.low:+.4f}, {gain.high:+.4f}]"]
+            lines.append(
+                [model, PATCHES[name], str(s["questions"]), s["same_first_token"].percent(), f"{kl.mean:.4f} [{kl.low:.4f}, {kl.high:.4f}]"]
+                + [s["answer_top1"].percent(), *paired]
+            )
+    note = (
+        "each patch puts the exact composition's K/V back into the RoPE splice at one place; paired differences on the questions "
+        "it applies to (the gold and other-paragraph patches skip paragraphs in first place, which a splice keeps exact)"
+    )
+    return markdown_table(headers, lines, left=2) + "\n\n" + note
+
+
 def summarize_timing(records: Sequence[dict]) -> dict:
     """Per model and target size: the timing record with the exact/rope ratio."""
     return {
@@ -622,6 +738,7 @@ TABLES = {
     "modes": ("Composition modes (Table 5): rope and naive compared with exact", modes_table),
     "timing": ("Compose time: exact (later parts prefilled) vs RoPE splice, median seconds", timing_table),
     "errata": ("Errata: does the answer follow the correction (B) or the original (A)?", errata_table),
+    "diagnosis": ("Where the RoPE splice differs from exact: exact K/V put back one place at a time", diagnosis_table),
 }
 
 
@@ -665,6 +782,7 @@ def plot(summary: dict, figures: Path) -> None:
 def write_report(records: dict[str, list[dict]], out: Path, figures: Path, about: dict) -> str:
     """summary.json, table.md and the figures from the parts' records; returns the markdown."""
     summarizers = {"accumulation": summarize_accumulation, "modes": summarize_modes, "timing": summarize_timing, "errata": summarize_errata}
+    summarizers["diagnosis"] = summarize_diagnosis
     out.mkdir(parents=True, exist_ok=True)
     summary = {part: summarizers[part](mine) for part, mine in records.items() if mine}
     text = "\n\n".join(f"### {TABLES[part][0]}\n\n{TABLES[part][1](s)}" for part, s in summary.items())
@@ -689,7 +807,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--acc-limit", type=int, default=102, help="accumulation: questions per model, asked at every step")
     parser.add_argument("--acc-golds", type=int, default=3, help="accumulation: questions (and their paragraphs) per group")
     parser.add_argument("--acc-distractors", type=int, default=2, help="accumulation: paragraphs per group that answer none of them")
-    parser.add_argument("--modes-parts", type=int, default=3, help="paragraphs (gold + distractors) for modes")
+    parser.add_argument("--modes-parts", type=int, default=3, help="paragraphs (gold + distractors) for modes and diagnosis")
+    parser.add_argument("--diag-limit", type=int, default=60, help="questions per model for diagnosis (the first of modes')")
     parser.add_argument("--errata", type=int, default=60, help="erratum cases per model")
     parser.add_argument("--timing-tokens", type=_numbers, default=[2048, 8192], help="comma-separated composed sizes to time")
     parser.add_argument("--timing-parts", type=int, default=4)
@@ -715,6 +834,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "modes": common | {"k": args.modes_parts},
         "timing": {"parts": args.timing_parts, "rows": "consecutive paragraphs in question order"},
         "errata": common | {"max_erratum_words": MAX_ERRATUM_WORDS},
+        "diagnosis": common | {"k": args.modes_parts},
     }
     started = time.perf_counter()
     if not args.report_only:
@@ -738,6 +858,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "errata" in args.parts:
                 done = {r["id"] for r in mine["errata"]}
                 run_errata(lm, [c for c in cases if c.row.id not in done], sampling, appender(args.out, "errata"))
+            if "diagnosis" in args.parts:
+                done = {r["id"] for r in mine["diagnosis"]}
+                todo = [row for row in ordered[: args.diag_limit] if row.id not in done]
+                run_diagnosis(lm, todo, pool, args.modes_parts, args.seed, sampling, appender(args.out, "diagnosis"))
     # the report covers every model with records, restricted to what these options select
     acc_ids = {row.id for questions, _ in groups for row in questions}
     mode_ids, case_ids = {r.id for r in ordered[: args.limit]}, {c.row.id for c in cases}
@@ -746,11 +870,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "modes": [r for r in read_records(args.out, "modes") if r["id"] in mode_ids],
         "timing": [r for r in read_records(args.out, "timing") if r["target_tokens"] in args.timing_tokens],
         "errata": [r for r in read_records(args.out, "errata") if r["id"] in case_ids],
+        "diagnosis": [r for r in read_records(args.out, "diagnosis") if r["id"] in {row.id for row in ordered[: args.diag_limit]}],
     }
     settings_path = args.out / "settings.json"
     about = {
         "settings": json.loads(settings_path.read_text()) if settings_path.exists() else {},
-        "limits": {"acc_limit": args.acc_limit, "limit": args.limit, "errata": args.errata, "timing_tokens": args.timing_tokens},
+        "limits": {"acc_limit": args.acc_limit, "limit": args.limit, "errata": args.errata, "timing_tokens": args.timing_tokens}
+        | {"diag_limit": args.diag_limit},
         "errata_rows_skipped": skipped,
         "wall_seconds_last_run": round(time.perf_counter() - started, 1),
         "machine": machine_description({}),

@@ -207,3 +207,38 @@ def test_report_from_records_of_every_part(tmp_path: Path) -> None:
     assert summary["errata"]["m"]["after"]["erratum"]["mean"] == 1.0
     assert "| m | 2 | 1 |" in text and "4.0x" in text
     assert {p.name for p in tmp_path.glob("*.png")} == {f"eval_compose_{n}.png" for n in ("accumulation", "modes", "errata")}
+
+
+def test_diagnosis_patches_put_exact_back_and_all_of_it_is_exact(tiny_lm) -> None:
+    """Patching every layer at every position gives exact's answer distribution; the token patches split the tokens
+    into the gold paragraph's, the other later paragraphs' and the template's."""
+    from packstore.kv.build import build_pack
+    from packstore.kv.compose import splice
+    from packstore.kv.inject import Sampling, answer_with_pack
+
+    packs = [build_pack(tiny_lm, [f"Paragraph {i} names Person {i} here ."]) for i in range(3)]
+    exact, spliced = eval_compose.composed(tiny_lm, packs).pack, splice(tiny_lm, packs, "rope").pack
+    tokens = exact.header.tokens
+    sites = eval_compose.patch_sites(tiny_lm, packs, 1, tokens)
+    assert "sliding" not in sites and sites["full"] == (list(range(tiny_lm.model.config.num_hidden_layers)), list(range(tokens)))
+    gold, others, framing = (set(sites[name][1]) for name in ("gold", "others", "framing"))
+    assert gold and others and framing and not gold & others and not (gold | others) & framing
+    assert "gold" not in eval_compose.patch_sites(tiny_lm, packs, 0, tokens)  # a first paragraph is exact in a splice
+    answer = answer_with_pack(tiny_lm, exact, "who is named?", Sampling(max_new_tokens=5)).token_ids
+    reference = eval_compose.answer_logits(tiny_lm, exact, "who is named?", answer)
+    whole = eval_compose.patched(spliced, exact, *sites["full"])
+    agreement = eval_compose.answer_agreement(eval_compose.answer_logits(tiny_lm, whole, "who is named?", answer), reference)
+    assert agreement["answer_kl"] == pytest.approx(0.0, abs=1e-6) and agreement["answer_top1"] == 1.0
+    assert torch.equal(spliced.keys[0], splice(tiny_lm, packs, "rope").pack.keys[0])  # the splice itself is untouched
+
+
+def test_diagnosis_summary_pairs_each_patch_with_the_plain_splice() -> None:
+    def record(same: bool, kl: float) -> dict:
+        plain = {"same_first_token": False, "answer_kl": 0.5, "answer_top1": 0.5}
+        return {"model": "m", "id": "x", "k": 3, "agreement": {"none": plain, "gold": {"same_first_token": same, "answer_kl": kl, "answer_top1": 1.0}}}
+
+    summary = eval_compose.summarize_diagnosis([record(True, 0.1), record(False, 0.3)])
+    assert summary["m"]["gold"]["same_first_minus_splice"].mean == pytest.approx(0.5)
+    assert summary["m"]["gold"]["kl_minus_splice"].mean == pytest.approx(-0.3)
+    table = eval_compose.diagnosis_table(summary)
+    assert "| m | RoPE splice | 2 | 0.0 [" in table and "+ exact K/V, gold paragraph's tokens" in table and "+50.0 [" in table
