@@ -23,7 +23,16 @@ from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_T
 from packstore.kv.packet import generated_examples, train_adapter
 from packstore.kv.records import Example, Pair
 from packstore.kv.render import pack_prefix_ids
-from packstore.kv.steer import applied_layers, build_span, build_steering, check_pairs, delta_norms, key_space_of, steering_key
+from packstore.kv.steer import (
+    applied_layers,
+    build_span,
+    build_steering,
+    check_pairs,
+    delta_norms,
+    framing_of,
+    key_space_of,
+    steering_key,
+)
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import Pack, encode_pack
 from packstore.store import PackStore, StoredPack
@@ -49,6 +58,7 @@ def steering_details(store: PackStore, stored: StoredPack) -> dict[str, Any]:
         "pairs": len(recipe["pairs"]),
         "pooling": recipe["pooling"],
         "key_space": key_space_of(h),
+        "framing": framing_of(h),
         "steer_layers": [first, last],
         "default_layers": list(applied_layers(h, None)),
         "norms": delta_norms(PackReader(store).fetch(h.key)),
@@ -145,15 +155,17 @@ def build_steering_and_store(
     layers: tuple[int, int] | None = None,
     pooling: str = "last",
     key_space: str = "rotated",
+    framing: str = "text",
 ) -> tuple[StoredPack, bool]:
-    """Build the steering pack of ``pairs`` on ``lm`` and store it. Its key is known from the pairs,
-    pooling, layers and key space alone, so building the same pack again runs no model and stores nothing new."""
+    """Build the steering pack of ``pairs`` on ``lm`` and store it. Its key is known from the pairs, pooling,
+    layers, key space and framing alone, so building the same pack again runs no model and stores nothing new."""
     pairs = check_pairs(lm, pairs)
     span = build_span(lm, layers)
-    existing = _stored_or_none(store, steering_key(lm, pairs, pooling, span, key_space), name)
+    existing = _stored_or_none(store, steering_key(lm, pairs, pooling, span, key_space, framing), name)
     if existing is not None:
         return existing[:2]
-    return store_pack(store, build_steering(lm, pairs, layers=span, pooling=pooling, key_space=key_space), name=name)
+    built = build_steering(lm, pairs, layers=span, pooling=pooling, key_space=key_space, framing=framing)
+    return store_pack(store, built, name=name)
 
 
 def train_adapter_and_store(

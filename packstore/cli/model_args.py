@@ -8,7 +8,7 @@ import argparse
 from packstore.cli.banks import bank_options
 from packstore.cli.common import CommandLine, deferred, global_options
 from packstore.format.header import COMPOSITIONS as COMPOSE_MODES
-from packstore.format.header import KEY_SPACES, POOLINGS
+from packstore.format.header import FRAMINGS, KEY_SPACES, POOLINGS
 from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_TOKENS, MAX_ALPHA, STEER_TARGETS
 
 HANDLERS = "packstore.cli.models"
@@ -147,4 +147,9 @@ def add_commands(cli: CommandLine) -> None:
         "--keys", choices=KEY_SPACES, default="rotated", dest="key_space",
         help="key deltas as cached, after RoPE (default), or unrotated: pooled before RoPE and applied rotated to each "
         "position (the key-arithmetic control with --steer-on keys; needs a model whose RoPE is a pure rotation)",
+    )
+    p.add_argument(
+        "--framing", choices=FRAMINGS, default="text",
+        help="pool each pair text alone (default) or as a user message in the chat template, over the message and the "
+        "template after it (the positions steering is added to when asking)",
     )

@@ -178,7 +178,7 @@ def cmd_steer(args: argparse.Namespace) -> int:
     lm = _load_model(args)
     with store_of(args) as store:
         stored, created = build_steering_and_store(
-            store, lm, pairs, name=args.name, layers=layers, pooling=args.pooling, key_space=args.key_space
+            store, lm, pairs, name=args.name, layers=layers, pooling=args.pooling, key_space=args.key_space, framing=args.framing
         )
     record = pack_summary(stored) | {"created_new": created, "pairs": len(pairs)}
     if args.json:

@@ -91,7 +91,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"signed by:    {signature['key_id']} ({signature['created']}){'' if signature['valid'] else ' INVALID'}")
     if record["kind"] == "steering":
         first, last = record["steer_layers"]
-        print(f"pairs:        {record['pairs']} (pooling: {record['pooling']} token; key deltas {record['key_space']})")
+        pooled = f"pooling: {record['pooling']} token, texts framed as {record['framing']}; key deltas {record['key_space']}"
+        print(f"pairs:        {record['pairs']} ({pooled})")
         print(f"layers:       {first}-{last} held; applied by default to {record['default_layers'][0]}-{record['default_layers'][1]}")
         print("norms:        layer  |dK|       |dV|")
         for norm in record["norms"]:

@@ -31,6 +31,10 @@ POOLINGS = ("last", "mean")  # how a steering pack pools each text's K/V over it
 # cached; "unrotated" (recipe "keys": "unrotated"), each position's key rotated back to position 0 before pooling,
 # so the delta is applied rotated to each position it is added at (key arithmetic before RoPE).
 KEY_SPACES = ("rotated", "unrotated")
+# What a steering pack's pair texts are pooled in: "text" (recipe without "framing"), each text alone as the tokenizer
+# encodes it; "chat" (recipe "framing": "chat"), each text as a user message in the chat template with the generation
+# prompt after it, pooled over the positions steering is added to at use (the message and the template after it).
+FRAMINGS = ("text", "chat")
 MAX_PAIRS = 100_000
 MAX_SOFT_TOKENS = 64  # an adapter's soft tokens on each side of a part
 MAX_HIDDEN_SIZE = 1 << 16
@@ -610,14 +614,17 @@ def _check_adapter(record: Mapping[str, Any]) -> None:
 
 
 def _check_steering(record: Mapping[str, Any]) -> None:
-    """A steering pack has no facts, parents or raw rendering, and a recipe of pairs, pooling and layers, and "keys":
-    "unrotated" for key deltas made before rotation (absent: rotated; never written out, so a pack has one key)."""
+    """A steering pack has no facts, parents or raw rendering, and a recipe of pairs, pooling and layers, "keys":
+    "unrotated" for key deltas made before rotation (absent: rotated) and "framing": "chat" for pairs pooled in the
+    chat template (absent: as text); the defaults are never written out, so a pack has one key."""
     _check_no_prefix(record)
     recipe = record.get("recipe")
-    if not isinstance(recipe, Mapping) or set(recipe) - {"keys"} != {"pairs", "pooling", "layers"}:
-        _refuse("recipe", "an object with exactly the fields layers, pairs, pooling (and keys, optionally)", recipe)
+    if not isinstance(recipe, Mapping) or set(recipe) - {"keys", "framing"} != {"pairs", "pooling", "layers"}:
+        _refuse("recipe", "an object with exactly the fields layers, pairs, pooling (and keys, framing, optionally)", recipe)
     if "keys" in recipe and recipe["keys"] != "unrotated":
         _refuse("recipe.keys", '"unrotated" (absent: the key deltas are rotated, as cached)', recipe["keys"])
+    if "framing" in recipe and recipe["framing"] != "chat":
+        _refuse("recipe.framing", '"chat" (absent: the pairs were pooled as plain text)', recipe["framing"])
     pairs = recipe["pairs"]
     if not _is_list(pairs) or not 1 <= len(pairs) <= MAX_PAIRS:
         _refuse("recipe.pairs", f"a list of 1 to {MAX_PAIRS} pairs", pairs)

@@ -11,7 +11,10 @@ control asks for them (``keys`` or ``both``). Cached keys are rotated by RoPE, s
 from them ("rotated", the default) is one vector added alike to every steered key: a shift softmax
 mostly ignores. Built with ``keys="unrotated"``, each position's key is rotated back to position 0
 before pooling, and the delta is rotated to each position it is added at: key arithmetic before RoPE,
-which changes how attention weighs the steered positions against each other.
+which changes how attention weighs the steered positions against each other. Built with
+``framing="chat"``, each text is pooled as a user message in the chat template with the generation
+prompt after it, over the positions steering is added to at use (the message and the template after
+it), rather than as plain text.
 """
 
 from __future__ import annotations
@@ -25,13 +28,13 @@ from transformers import DynamicCache
 
 from packstore.errors import InvalidInput
 from packstore.format import PackHeader
-from packstore.format.header import KEY_SPACES, POOLINGS, inputs_hash
+from packstore.format.header import FRAMINGS, KEY_SPACES, POOLINGS, inputs_hash
 from packstore.kv.build import layer_kv, prefill
 from packstore.kv.inject import check_identity
 from packstore.kv.models import LoadedModel
 from packstore.kv.options import STEER_TARGETS, middle_third
 from packstore.kv.records import Pair
-from packstore.kv.render import check_no_special_tokens
+from packstore.kv.render import check_no_special_tokens, render
 from packstore.kv.rope import layer_frequencies, rotate_keys
 from packstore.packs.tensors import Pack
 
@@ -59,13 +62,18 @@ def check_pairs(lm: LoadedModel, pairs: Sequence[Pair]) -> list[Pair]:
 
 
 def _pooled(
-    lm: LoadedModel, text: str, pooling: str, frequencies: list[torch.Tensor] | None = None
+    lm: LoadedModel, text: str, pooling: str, frequencies: list[torch.Tensor] | None = None, framing: str = "text"
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer, the text's cached K and V pooled over its tokens, each ``[kv_heads, head_dim]`` float32; with each
-    layer's RoPE ``frequencies``, every key is first rotated back to position 0 (its value before RoPE)."""
-    ids = lm.tokenizer(text).input_ids  # the tokenizer's own special tokens (a BOS where it adds one)
+    layer's RoPE ``frequencies``, every key is first rotated back to position 0 (its value before RoPE). ``framing``
+    "chat": the text as a user message in the chat template, pooled from the message's first token to the end."""
+    if framing == "chat":
+        rendering = render(lm.tokenizer, [], text)
+        ids, start = rendering.token_ids, rendering.prefix_tokens
+    else:
+        ids, start = lm.tokenizer(text).input_ids, 0  # the tokenizer's own special tokens (a BOS where it adds one)
     cache = prefill(lm, ids)
-    pool = (lambda t: t[:, -1]) if pooling == "last" else (lambda t: t.mean(dim=1))
+    pool = (lambda t: t[:, -1]) if pooling == "last" else (lambda t: t[:, start:].mean(dim=1))
     layers = [layer_kv(layer) for layer in cache.layers]
     back = -torch.arange(len(ids))
     keys = [
@@ -89,9 +97,11 @@ def build_span(lm: LoadedModel, layers: tuple[int, int] | None) -> tuple[int, in
     return first, last
 
 
-def steering_key(lm: LoadedModel, pairs: Sequence[Pair], pooling: str, span: tuple[int, int], key_space: str = "rotated") -> str:
+def steering_key(
+    lm: LoadedModel, pairs: Sequence[Pair], pooling: str, span: tuple[int, int], key_space: str = "rotated", framing: str = "text"
+) -> str:
     """The key the steering pack of these (checked) pairs would have: known before any model work."""
-    return f"{lm.model_fp}/{lm.template_fp}/{inputs_hash('steering', steering_recipe(pairs, pooling, span, key_space))}"
+    return f"{lm.model_fp}/{lm.template_fp}/{inputs_hash('steering', steering_recipe(pairs, pooling, span, key_space, framing))}"
 
 
 def _summed(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -103,15 +113,15 @@ def _summed(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
 
 
 def pair_deltas(
-    lm: LoadedModel, pairs: Sequence[Pair], *, pooling: str = "last", key_space: str = "rotated"
+    lm: LoadedModel, pairs: Sequence[Pair], *, pooling: str = "last", key_space: str = "rotated", framing: str = "text"
 ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
     """Per pair (checked), per layer, the good text's pooled K and V minus the bad text's, float32 on CPU: what a
     steering pack averages (and what a label-shuffled null flips the sign of)."""
     frequencies = layer_frequencies(lm) if key_space == "unrotated" else None
     differences = []
     for pair in pairs:
-        good_k, good_v = _pooled(lm, pair.good, pooling, frequencies)
-        bad_k, bad_v = _pooled(lm, pair.bad, pooling, frequencies)
+        good_k, good_v = _pooled(lm, pair.good, pooling, frequencies, framing)
+        bad_k, bad_v = _pooled(lm, pair.bad, pooling, frequencies, framing)
         differences.append(([g - b for g, b in zip(good_k, bad_k)], [g - b for g, b in zip(good_v, bad_v)]))
     return differences
 
@@ -123,18 +133,22 @@ def build_steering(
     layers: tuple[int, int] | None = None,
     pooling: str = "last",
     key_space: str = "rotated",
+    framing: str = "text",
 ) -> Pack:
     """The steering pack of ``pairs`` on ``lm``: per layer of ``layers`` (default every layer), the mean
     over pairs of the good text's pooled K/V minus the bad text's, in the model's dtype; ``key_space`` "unrotated"
-    pools each key as it was before RoPE (module docstring; needs a model whose RoPE is a pure rotation)."""
+    pools each key as it was before RoPE (module docstring; needs a model whose RoPE is a pure rotation); ``framing``
+    "chat" pools each text as a user message in the chat template."""
     pairs = check_pairs(lm, pairs)
     if pooling not in POOLINGS:
         raise InvalidInput(f"unknown pooling {pooling!r}: use one of {', '.join(POOLINGS)}")
     if key_space not in KEY_SPACES:
         raise InvalidInput(f"unknown key space {key_space!r}: use one of {', '.join(KEY_SPACES)}")
+    if framing not in FRAMINGS:
+        raise InvalidInput(f"unknown framing {framing!r}: use one of {', '.join(FRAMINGS)}")
     count = model_layers(lm)
     first, last = build_span(lm, layers)
-    differences = pair_deltas(lm, pairs, pooling=pooling, key_space=key_space)
+    differences = pair_deltas(lm, pairs, pooling=pooling, key_space=key_space, framing=framing)
     span = range(first, last + 1)
     keys = [(_summed(dk[layer] for dk, _ in differences) / len(pairs)).to(lm.dtype).contiguous() for layer in span]
     values = [(_summed(dv[layer] for _, dv in differences) / len(pairs)).to(lm.dtype).contiguous() for layer in span]
@@ -151,22 +165,30 @@ def build_steering(
         facts=(),
         raw=False,
         created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        recipe=steering_recipe(pairs, pooling, (first, last), key_space),
+        recipe=steering_recipe(pairs, pooling, (first, last), key_space, framing),
         metrics={},
     )
     return Pack(header=header, keys=keys, values=values)
 
 
-def steering_recipe(pairs: Sequence[Pair], pooling: str, layers: tuple[int, int], key_space: str = "rotated") -> dict:
-    """The recipe a steering pack's header holds and its key hashes (docs/format.md §4.3); "keys" only when unrotated,
-    so packs built before the field keep their keys."""
+def steering_recipe(
+    pairs: Sequence[Pair], pooling: str, layers: tuple[int, int], key_space: str = "rotated", framing: str = "text"
+) -> dict:
+    """The recipe a steering pack's header holds and its key hashes (docs/format.md §4.3); "keys" only when unrotated
+    and "framing" only when chat, so packs built before those fields keep their keys."""
     recipe = {"pairs": [pair.to_json() for pair in pairs], "pooling": pooling, "layers": list(layers)}
-    return recipe | ({"keys": key_space} if key_space != "rotated" else {})
+    recipe |= {"keys": key_space} if key_space != "rotated" else {}
+    return recipe | ({"framing": framing} if framing != "text" else {})
 
 
 def key_space_of(header: PackHeader) -> str:
     """The space a steering pack's key deltas are in: "rotated" (as cached) or "unrotated" (before RoPE)."""
     return (header.recipe or {}).get("keys", "rotated")
+
+
+def framing_of(header: PackHeader) -> str:
+    """How a steering pack's pair texts were pooled: "text" (alone) or "chat" (as user messages in the template)."""
+    return (header.recipe or {}).get("framing", "text")
 
 
 def check_steering(lm: LoadedModel, header: PackHeader) -> None:

@@ -304,6 +304,10 @@ def test_steer_build_inspect_and_ask(cli, facts_file: Path, pairs_file: Path) ->
     assert code == 0 and json.loads(out)["created_new"] is True  # another pack: the key space is in the recipe
     code, out, _ = cli("inspect", "team:joy-before-rope", "--json")
     assert json.loads(out)["key_space"] == "unrotated" and json.loads(out)["recipe"]["keys"] == "unrotated"
+    code, out, _ = cli("steer", "build", str(pairs_file), "--model", "{model}", "--name", "team:joy-chat", "--framing", "chat", "--json")
+    assert code == 0 and json.loads(out)["created_new"] is True
+    code, out, _ = cli("inspect", "team:joy-chat", "--json")
+    assert json.loads(out)["framing"] == "chat" and json.loads(out)["recipe"]["framing"] == "chat"
     code, out, _ = cli("ls")
     assert "steering" in out
 

@@ -111,6 +111,7 @@ def _tampered(header: PackHeader, **changes) -> bytes:
         ({"recipe": {"pairs": [{"good": "a", "bad": "b"}], "pooling": "max", "layers": [0, 2]}}, "recipe.pooling"),
         ({"recipe": {"pairs": [{"good": "a", "bad": "b"}], "pooling": "last", "layers": [0, 3]}}, "recipe.layers[1]"),
         ({"recipe": {"pairs": [{"good": "a", "bad": "b"}], "pooling": "last", "layers": [0, 2], "keys": "rotated"}}, "recipe.keys"),
+        ({"recipe": {"pairs": [{"good": "a", "bad": "b"}], "pooling": "last", "layers": [0, 2], "framing": "text"}}, "recipe.framing"),
         ({"recipe": {"pairs": [{"good": "a", "bad": "b"}], "pooling": "last", "layers": [0, 2], "space": "x"}}, "recipe"),
         ({"composition": "rope"}, "composition"),
     ],
@@ -212,6 +213,24 @@ def test_unrotated_key_deltas_are_pooled_before_rope_and_rotated_to_each_positio
     # a left-padded row counts positions from its first real token, as the model's position ids do
     padded = SteeredCache(only, torch.tensor([start + 2]), padding=torch.tensor([2]))
     assert torch.allclose(padded._rotated(only[1], start + 2, torch.zeros(1, 1, 3, 1)), SteeredCache(only, start)._rotated(only[1], start, torch.zeros(1, 1, 3, 1)))
+
+
+def test_chat_framed_pairs_are_pooled_in_the_template_over_the_steered_positions(tiny_lm, joy) -> None:
+    """``framing="chat"``: each text is a user message with the generation prompt after it; "last" pools the prompt's
+    last token, "mean" the positions from the message on (those steering is added to), and the recipe says so."""
+    framed = build_steering(tiny_lm, PAIRS, framing="chat")
+    assert framed.header.recipe["framing"] == "chat" and "framing" not in joy.header.recipe
+    assert framed.header.key != joy.header.key and not torch.allclose(framed.values[1].float(), joy.values[1].float())
+    assert PackHeader.from_json(framed.header.to_json()).recipe == framed.header.recipe
+    mean = build_steering(tiny_lm, PAIRS[:1], pooling="mean", framing="chat")
+    expected = []
+    for text in (PAIRS[0].good, PAIRS[0].bad):
+        rendering = render(tiny_lm.tokenizer, [], text)
+        cache = prefill(tiny_lm, rendering.token_ids)
+        expected.append(cache.layers[1].values[0, :, rendering.prefix_tokens :].float().mean(dim=1))
+    assert torch.allclose(mean.values[1].float(), expected[0] - expected[1], atol=1e-5)
+    with pytest.raises(InvalidInput, match="unknown framing 'xml'"):
+        build_steering(tiny_lm, PAIRS, framing="xml")
 
 
 def test_steering_alone_answers_the_question_with_no_knowledge(tiny_lm, store) -> None:
