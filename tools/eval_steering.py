@@ -92,6 +92,7 @@ PARTS = ("sweep", "layers", "pairs", "directions", "keys", "diagnosis", "dual")
 DATA = REPO / "tools" / "steering_data"
 MAIN_PAIRS = 30
 MEAN_POOLED = "sentiment, mean-pooled"  # the sentiment pairs, K/V pooled as the mean over each text's tokens
+CHAT_FRAMED = "sentiment, chat-framed"  # the sentiment pairs pooled as user messages in the chat template (--framing chat)
 UNROTATED = "sentiment, keys before RoPE"  # the sentiment pairs, key deltas pooled before RoPE (steer build --keys unrotated)
 SUBSET_PAIRS = 5
 SWEEP_ALPHAS = (-2.0, -1.0, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0)
@@ -203,8 +204,10 @@ def conditions() -> list[Condition]:
     found += [  # key arithmetic before RoPE: the delta rotated to each steered position (issue 39)
         Condition(f"keys before RoPE {a:+g}", "keys", ((UNROTATED, a),), target="keys", alpha=a) for a in (0.5, 1.0, 2.0)
     ]
-    # why is sentiment inert on gemma3-270m? mean pooling instead of the last token, every layer, stronger alphas
+    # why is sentiment inert on gemma3-270m? mean pooling instead of the last token, pairs in the chat template, every
+    # layer, stronger alphas
     found += [Condition(f"sentiment mean-pooled {a:+g}", "diagnosis", ((MEAN_POOLED, a),), alpha=a) for a in (1.0, 2.0, 4.0)]
+    found += [Condition(f"sentiment chat-framed {a:+g}", "diagnosis", ((CHAT_FRAMED, a),), alpha=a) for a in (1.0, 2.0, 4.0)]
     found += [Condition(f"sentiment all layers {a:+g}", "diagnosis", (("sentiment", a),), layers="all", alpha=a) for a in (0.5, 1.0)]
     found += [Condition(f"sentiment {a:+g}", "diagnosis", (("sentiment", a),), alpha=a) for a in (4.0, 6.0)]
     return found
@@ -327,11 +330,12 @@ def scored_outputs(lm: LoadedModel, batch: Batch, outputs: Sequence[Sequence[int
 
 def build_directions(lm: LoadedModel) -> dict[str, Pack]:
     """Every direction's steering pack on ``lm`` (all layers, last-token pooling, the default), and the sentiment
-    direction again with its key deltas pooled before RoPE (``UNROTATED``)."""
+    direction again with its key deltas pooled before RoPE (``UNROTATED``), mean-pooled and chat-framed."""
     pairs = direction_pairs()
     return {name: build_steering(lm, found) for name, found in pairs.items()} | {
         UNROTATED: build_steering(lm, pairs["sentiment"], key_space="unrotated"),
         MEAN_POOLED: build_steering(lm, pairs["sentiment"], pooling="mean"),
+        CHAT_FRAMED: build_steering(lm, pairs["sentiment"], framing="chat"),
     }
 
 
@@ -705,9 +709,10 @@ TABLE_SETS = {
     "layers": ("Layer range (Table 7)", [f"sentiment {a:+g}{t}" for a in (1.0, 2.0) for t in (" early", "", " late")]),
     "pairs": ("How many pairs: 5 against 30", [f"{n} {a:+g}" for a in (1.0, 2.0) for n in ("sentiment", "sentiment-5a", "sentiment-5b", "sentiment-5c")]),
     "diagnosis": (
-        "Why sentiment is inert on gemma3-270m: pooling, layers, strength",
+        "Why sentiment is inert on gemma3-270m: pooling, template, layers, strength",
         ["sentiment +0", "sentiment +1", "sentiment +2", "sentiment +4", "sentiment +6"]
         + [f"sentiment mean-pooled {a:+g}" for a in (1.0, 2.0, 4.0)]
+        + [f"sentiment chat-framed {a:+g}" for a in (1.0, 2.0, 4.0)]
         + [f"sentiment all layers {a:+g}" for a in (0.5, 1.0)],
     ),
     "keys": (
