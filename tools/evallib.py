@@ -287,7 +287,7 @@ def grouped_bars(
 
     crowded = max(len(series) for series in panels.values()) > 4  # then labels turn upright, the legend goes below
     rows, columns = (len(panels), 1) if crowded else (1, len(panels))
-    size = (13.0, 4.6 * len(panels) + 0.6) if crowded else (max(6.5 * len(panels), 9.0), 4.8)
+    size = (13.0, 4.6 * len(panels) + 0.6) if crowded else (max(6.5 * len(panels), 9.0), 5.4)
     figure, axes = plt.subplots(rows, columns, figsize=size, squeeze=False, sharey=shared_y)
     for axis, (panel, series) in zip(axes.flat, panels.items()):
         categories = list(dict.fromkeys(c for values in series.values() for c in values))
@@ -308,8 +308,8 @@ def grouped_bars(
         axis.set_xticks(range(len(categories)), categories, rotation=0 if crowded else 15, ha="center" if crowded else "right", fontsize=8)
         if crowded:
             axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        else:
-            axis.legend(fontsize=8)
+        else:  # below the panel: inside it, "best" still covers a bar when every place holds one
+            axis.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(len(series), 3), frameon=False)
         axis.margins(y=0.2 if crowded else 0.15)
     figure.suptitle(title, fontsize=11)
     figure.tight_layout()
