@@ -84,8 +84,8 @@ eval-banks: install
 eval-bank-answers: install
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_bank_answers.py --models smollm2-135m gemma3-270m --out results/eval_bank_answers-38
 
-# Composition (Tables 2 and 5, compose time at 2k/8k tokens, errata) on both models, into
-# results/eval_compose/ (each part resumes) and docs/figures/eval_compose_*.png.
+# Composition (Tables 2 and 5, compose time at 2k/8k tokens, errata, where the splice departs from exact) on
+# both models, into results/eval_compose-39/ (each part resumes) and docs/figures/eval_compose_*.png.
 eval-compose: install
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_compose.py --models smollm2-135m gemma3-270m --out results/eval_compose-39
 
@@ -111,7 +111,7 @@ eval-small: install
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_bank_answers.py --limit $(EVAL_SMALL_ROWS) \
 		--out results/eval_bank_answers-small --figures results/eval_bank_answers-small
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_compose.py --models smollm2-135m --limit $(EVAL_SMALL_ROWS) --acc-limit 5 \
-		--errata 10 --timing-tokens 2048 --out results/eval_compose-small --figures results/eval_compose-small
+		--errata 10 --diag-limit 5 --timing-tokens 2048 --out results/eval_compose-small --figures results/eval_compose-small
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_steering.py --models smollm2-135m --limit 8 --dual-limit $(EVAL_SMALL_ROWS) \
 		--out results/eval_steering-small --figures results/eval_steering-small
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packet.py --models smollm2-135m --seeds 0 --questions 10 --examples 16 \

@@ -40,7 +40,7 @@ def test_eval_compose_on_smollm2(tmp_path: Path, capsys) -> None:
 
     out, figures = tmp_path / "out", tmp_path / "figures"
     argv = ["--models", "smollm2-135m", "--limit", "2", "--acc-limit", "2", "--acc-golds", "2", "--acc-distractors", "1", "--errata", "2"]
-    argv += ["--timing-tokens", "512", "--timing-repeats", "1", "--max-new-tokens", "12", "--out", str(out), "--figures", str(figures)]
+    argv += ["--diag-limit", "2", "--timing-tokens", "512", "--timing-repeats", "1", "--max-new-tokens", "12", "--out", str(out), "--figures", str(figures)]
     assert eval_compose.main(argv) == 0
     capsys.readouterr()
     summary = json.loads((out / "summary.json").read_text())["parts"]
@@ -53,6 +53,8 @@ def test_eval_compose_on_smollm2(tmp_path: Path, capsys) -> None:
     timing = summary["timing"]["smollm2-135m"]["512"]
     assert timing["same_token_ids"] and timing["prefilled_tokens"]["rope"] < timing["prefilled_tokens"]["exact"]
     assert summary["errata"]["smollm2-135m"]["divergences"] == 0
+    diagnosis = summary["diagnosis"]["smollm2-135m"]  # every layer of smollm2 has full attention: that patch is exact
+    assert diagnosis["none"]["questions"] == 2 and diagnosis["full"]["answer_kl"]["mean"] < 1e-6 and "sliding" not in diagnosis
     assert {p.name for p in figures.iterdir()} == {
         "eval_compose_accumulation.png", "eval_compose_modes.png", "eval_compose_errata.png"
     }
