@@ -305,7 +305,7 @@ def summarize(answers: Sequence[dict], timing: Sequence[dict], training: Sequenc
     training records."""
     summary: dict = {}
     golds = gold_answers()
-    for model in dict.fromkeys(r["model"] for r in answers):
+    for model in dict.fromkeys(r["model"] for r in [*answers, *training]):  # an adapter trained before any answer counts
         by_question: dict[str, dict[str, list[dict]]] = {}  # method -> question -> its entries, one per seed
         by_seed: dict[str, dict] = {}  # method -> seed (None for a seedless method) -> entries
         for record in (r for r in answers if r["model"] == model):
@@ -343,7 +343,8 @@ def summarize(answers: Sequence[dict], timing: Sequence[dict], training: Sequenc
                     metric: paired_difference([means[first][q][metric] for q in common], [means[second][q][metric] for q in common])
                     for metric in METRICS
                 }
-        entry["tokens"] = float(np.mean([r["tokens"] for r in answers if r["model"] == model]))
+        asked = [r["tokens"] for r in answers if r["model"] == model]
+        entry["tokens"] = float(np.mean(asked)) if asked else None
         timed = [r for r in timing if r["model"] == model]
         if timed:
             entry["ttft"] = {m: median([r[m] for r in timed]) for m in METHODS}
@@ -368,7 +369,7 @@ def tables(summary: dict) -> str:
     """Four tables, blank-line separated: quality, paired differences, cost, adapter training."""
     rows, paired, costs, trained = [], [], [], []
     for model, entry in summary.items():
-        full = entry["methods"]["full"]
+        full = entry["methods"].get("full")
         for method, m in entry["methods"].items():
             kl = m.get("answer_kl")
             rows.append(
@@ -412,6 +413,7 @@ def tables(summary: dict) -> str:
 
 
 def plot(summary: dict, figures: Path) -> None:
+    summary = {model: entry for model, entry in summary.items() if "full" in entry["methods"]}  # models with answers
     panels_quality = {
         model: {
             "F1 %": {LABELS[m]: v["f1"].scaled(100) for m, v in entry["methods"].items()},
