@@ -64,10 +64,11 @@ def lm_scorer(tokenizer: Any, model: torch.nn.Module) -> Scorer:
         mask = torch.zeros((len(sequences), width), dtype=torch.long)
         for row, sequence in enumerate(sequences):
             ids[row, : len(sequence)], mask[row, : len(sequence)] = torch.tensor(sequence), 1
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float().log_softmax(-1).cpu()
-        target = torch.tensor(asked)[:, None]
-        starts = [len(sequence) - len(asked) for sequence in sequences]
-        return np.array([float(logits[row, s - 1 : s - 1 + len(asked)].gather(-1, target).mean()) for row, s in enumerate(starts)])
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        target = torch.tensor(asked, device=logits.device)[:, None]
+        starts = [len(sequence) - len(asked) for sequence in sequences]  # normalise only the rows predicting the query
+        predicting = [logits[row, s - 1 : s - 1 + len(asked)].float().log_softmax(-1) for row, s in enumerate(starts)]
+        return np.array([float(rows.gather(-1, target).mean()) for rows in predicting])
 
     return score
 
