@@ -15,8 +15,10 @@ questions, greedy, ``--max-new-tokens`` tokens:
   the text answered after a prefill of its facts in passes of 512 tokens: how sensitive plain prefill is
   to its own chunking on this device and dtype.
 
-Outputs: one JSON line per question in OUT/<device>-<dtype>.json (rewritten by each run of that dtype),
-and a markdown table on stdout. Run from the repository root:
+Outputs: one JSON line per question in OUT/<device>-<dtype>.json (rewritten by each run of that dtype,
+written pack by pack, so a run cut short keeps the packs it finished), and a markdown table on stdout.
+``--shard I/N`` asks packs I, I+N, ... only, into OUT/<device>-<dtype>.<I>of<N>.json, so that N processes share
+a GPU's time (the table groups every file's records by model, device and dtype). Run from the repository root:
 
     HF_HUB_OFFLINE=1 .venv/bin/python tools/eval_exactness.py [--model smollm2-135m] [--device cuda]
         [--dtypes bfloat16 float32] [--questions 80] [--quick]
@@ -27,6 +29,7 @@ and a markdown table on stdout. Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -48,7 +51,7 @@ from packstore.store import LmdbStore  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, source_commit, source_description  # noqa: E402
-from evallib import REPO, Row, data_path, frozen_split, load_rows, markdown_table, write_jsonl  # noqa: E402
+from evallib import REPO, Row, data_path, frozen_split, load_rows, markdown_table  # noqa: E402
 
 MEASURES = ("identical", "chunked_identical", "text_chunking_identical")
 log = logger("eval_exactness")
@@ -71,17 +74,23 @@ def text_chunking_identical(lm: LoadedModel, facts: Sequence[str], question: str
     return one.token_ids == chunked.token_ids
 
 
-def evaluate(lm: LoadedModel, groups: Sequence[list[Row]], sampling: Sampling, store: LmdbStore) -> list[dict]:
-    """One record per question: the three measures, and the pack's size and recorded passes."""
+def evaluate(
+    lm: LoadedModel, groups: Sequence[tuple[int, list[Row]]], sampling: Sampling, store: LmdbStore, out: Path, commit: str
+) -> list[dict]:
+    """One record per question (the three measures, and the pack's size and recorded passes), written to ``out``
+    pack by pack; ``groups`` are (pack number, its rows)."""
     answerer = Answerer(lm, store)
-    records = []
-    for number, group in enumerate(groups):
+    records: list[dict] = []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("")
+    for number, group in groups:
         facts = [row.context for row in group]
         stored, _ = build_and_store(store, lm, facts)
         for row in group:
             result = answerer.ask(Question(row.question, refs=(stored.key,), compare_rag=True, sampling=sampling))
             records.append(
                 {
+                    "commit": commit,
                     "model": lm.name,
                     "device": lm.device.type,
                     "dtype": lm.dtype_name,
@@ -97,7 +106,9 @@ def evaluate(lm: LoadedModel, groups: Sequence[list[Row]], sampling: Sampling, s
                     "prefill_chunks": list(stored.header.prefill_chunks or ()),
                 }
             )
-        log(f"{lm.dtype_name}: pack {number + 1}/{len(groups)} ({stored.header.tokens} tokens) asked")
+        with out.open("a") as sink:
+            sink.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records[-len(group) :])
+        log(f"{lm.dtype_name}: pack {number + 1} ({stored.header.tokens} tokens) asked")
     return records
 
 
@@ -109,8 +120,20 @@ def summary_row(records: Sequence[dict]) -> list[str]:
 
 
 def table(runs: Sequence[Sequence[dict]]) -> str:
-    """The markdown table: one line per run (device and dtype), from each run's question records."""
-    return markdown_table(["model", "device", "dtype", "questions", *MEASURES], [summary_row(records) for records in runs], left=3)
+    """The markdown table: one line per model, device and dtype, from the question records of every run (shards of
+    one run are grouped)."""
+    grouped: dict[tuple[str, str, str], list[dict]] = {}
+    for record in (record for records in runs for record in records):
+        grouped.setdefault((record["model"], record["device"], record["dtype"]), []).append(record)
+    return markdown_table(["model", "device", "dtype", "questions", *MEASURES], [summary_row(records) for records in grouped.values()], left=3)
+
+
+def shard(text: str) -> tuple[int, int]:
+    """``I/N`` as (I, N), 0 <= I < N."""
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit() and 0 <= int(index) < int(count)):
+        raise argparse.ArgumentTypeError(f"not a shard I/N with 0 <= I < N: {text!r}")
+    return int(index), int(count)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=None, help="ckc JSONL (default: $PACKSTORE_EVAL_DATA or ../shared/data/ckc_dev.jsonl)")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "eval_exactness", help="results directory")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--shard", type=shard, default=None, metavar="I/N", help="ask packs I, I+N, ... only (N processes share a GPU)")
+    parser.add_argument("--rev", default=None, help="the commit measured (default: from git; a copy without .git says unknown)")
     parser.add_argument("--quick", action="store_true", help="2 packs of 2 paragraphs, 2 questions each, 8 new tokens")
     args = parser.parse_args(argv)
     if args.threads:
@@ -131,7 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_pack, questions, max_new_tokens = (2, 4, 8) if args.quick else (args.per_pack, args.questions, args.max_new_tokens)
     data = args.data or data_path()
     _, held_out = frozen_split(load_rows(data), data)
-    groups = pack_groups(held_out, per_pack, questions)
+    numbered = list(enumerate(pack_groups(held_out, per_pack, questions)))
+    index, count = args.shard or (0, 1)
+    groups, suffix = numbered[index::count], "" if args.shard is None else f".{index}of{count}"
+    commit = args.rev or source_commit()
     sampling = Sampling(max_new_tokens=max_new_tokens)
     device = args.device or str(default_device())
     runs = []
@@ -139,8 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.perf_counter()
         lm = load_model(args.model, device=device, dtype=dtype, progress=False)
         with tempfile.TemporaryDirectory(prefix="eval-exactness-") as scratch, LmdbStore(Path(scratch) / "store") as store:
-            records = evaluate(lm, groups, sampling, store)[:questions]
-        write_jsonl(args.out / f"{lm.device.type}-{dtype}.json", [{"commit": source_commit(), **r} for r in records])
+            records = evaluate(lm, groups, sampling, store, args.out / f"{lm.device.type}-{dtype}{suffix}.json", commit)
         runs.append(records)
         log(f"{dtype}: {len(records)} questions in {time.perf_counter() - started:.0f} s")
         del lm
