@@ -11,6 +11,9 @@ questions, greedy, ``--max-new-tokens`` tokens:
   ``compare_rag``);
 - ``chunked_identical``: it equals the text prefilled in the pack's recorded passes, then the question,
   through the same generation path (``AnswerResult.chunked_identical``; must be 1.0 everywhere);
+- ``kv_bit_equal`` (per pack, a diagnosis): the pack fetched from the store onto the device equals, bit for bit in
+  every layer, the text prefilled in its recorded passes there; where it holds and ``chunked_identical`` does not,
+  the difference arises in generation (kernels chosen for the injected cache), not in the K/V delivered;
 - ``text_chunking_identical``: the baseline, no pack at all: the text answered after one prefill equals
   the text answered after a prefill of its facts in passes of 512 tokens: how sensitive plain prefill is
   to its own chunking on this device and dtype.
@@ -43,7 +46,8 @@ import torch  # noqa: E402
 
 from packstore.answering.answer import Answerer, Question  # noqa: E402
 from packstore.answering.api import build_and_store  # noqa: E402
-from packstore.kv.build import prefill, prefill_boundaries  # noqa: E402
+from packstore.format.header import PackHeader  # noqa: E402
+from packstore.kv.build import layer_kv, prefill, prefill_boundaries  # noqa: E402
 from packstore.kv.inject import Sampling, generate  # noqa: E402
 from packstore.kv.models import DTYPES, LoadedModel, default_device, load_model  # noqa: E402
 from packstore.kv.render import render  # noqa: E402
@@ -53,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, source_commit, source_description  # noqa: E402
 from evallib import REPO, Row, data_path, frozen_split, load_rows, markdown_table  # noqa: E402
 
-MEASURES = ("identical", "chunked_identical", "text_chunking_identical")
+MEASURES = ("identical", "chunked_identical", "text_chunking_identical", "kv_bit_equal")
 log = logger("eval_exactness")
 
 
@@ -74,6 +78,18 @@ def text_chunking_identical(lm: LoadedModel, facts: Sequence[str], question: str
     return one.token_ids == chunked.token_ids
 
 
+def kv_bit_equal(lm: LoadedModel, answerer: Answerer, header: PackHeader) -> bool:
+    """Whether the pack, fetched onto the model's device as an answer fetches it, holds bit for bit the K/V of its
+    text prefilled in its recorded passes on that device."""
+    pack = answerer.reader.fetch(header.key, device=lm.device)
+    reference = prefill(lm, header.token_ids, boundaries=header.prefill_chunks)
+    for slot, layer in enumerate(reference.layers):
+        key, value = layer_kv(layer)
+        if not (torch.equal(key[0], pack.keys[slot]) and torch.equal(value[0], pack.values[slot])):
+            return False
+    return True
+
+
 def evaluate(
     lm: LoadedModel, groups: Sequence[tuple[int, list[Row]]], sampling: Sampling, store: LmdbStore, out: Path, commit: str
 ) -> list[dict]:
@@ -86,6 +102,7 @@ def evaluate(
     for number, group in groups:
         facts = [row.context for row in group]
         stored, _ = build_and_store(store, lm, facts)
+        bit_equal = kv_bit_equal(lm, answerer, stored.header)
         for row in group:
             result = answerer.ask(Question(row.question, refs=(stored.key,), compare_rag=True, sampling=sampling))
             records.append(
@@ -102,6 +119,7 @@ def evaluate(
                     "identical": result.identical,
                     "chunked_identical": result.chunked_identical,
                     "text_chunking_identical": text_chunking_identical(lm, facts, row.question, sampling),
+                    "kv_bit_equal": bit_equal,
                     "pack_tokens": stored.header.tokens,
                     "prefill_chunks": list(stored.header.prefill_chunks or ()),
                 }
@@ -113,10 +131,17 @@ def evaluate(
 
 
 def summary_row(records: Sequence[dict]) -> list[str]:
-    """A table row: model, device, dtype, questions, and each measure's rate as ``count/total (percent)``."""
+    """A table row: model, device, dtype, questions, and each measure's rate as ``count/total (percent)`` (n/a for a
+    measure the records predate)."""
     first = records[0]
-    rates = [f"{sum(bool(r[m]) for r in records)}/{len(records)} ({100 * sum(bool(r[m]) for r in records) / len(records):.1f} %)" for m in MEASURES]
-    return [first["model"], first["device"], first["dtype"], str(len(records)), *rates]
+
+    def rate(measure: str) -> str:
+        if not all(measure in r for r in records):
+            return "n/a"
+        count = sum(bool(r[measure]) for r in records)
+        return f"{count}/{len(records)} ({100 * count / len(records):.1f} %)"
+
+    return [first["model"], first["device"], first["dtype"], str(len(records)), *(rate(m) for m in MEASURES)]
 
 
 def table(runs: Sequence[Sequence[dict]]) -> str:
