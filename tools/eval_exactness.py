@@ -19,7 +19,7 @@ questions, greedy, ``--max-new-tokens`` tokens:
   to its own chunking on this device and dtype.
 
 Outputs: one JSON line per question in OUT/<device>-<dtype>.json (rewritten by each run of that dtype,
-written pack by pack, so a run cut short keeps the packs it finished), and a markdown table on stdout.
+written question by question, so a run cut short keeps what it finished), and a markdown table on stdout.
 ``--shard I/N`` asks packs I, I+N, ... only, into OUT/<device>-<dtype>.<I>of<N>.json, so that N processes share
 a GPU's time (the table groups every file's records by model, device and dtype). Run from the repository root:
 
@@ -32,12 +32,11 @@ a GPU's time (the table groups every file's records by model, device and dtype).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -55,7 +54,7 @@ from packstore.store import LmdbStore  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, source_commit, source_description  # noqa: E402
-from evallib import REPO, Row, data_path, frozen_split, load_rows, markdown_table  # noqa: E402
+from evallib import REPO, Row, data_path, frozen_split, jsonl_appender, load_rows, markdown_table  # noqa: E402
 
 MEASURES = ("identical", "chunked_identical", "text_chunking_identical", "kv_bit_equal")
 log = logger("eval_exactness")
@@ -91,14 +90,12 @@ def kv_bit_equal(lm: LoadedModel, answerer: Answerer, header: PackHeader) -> boo
 
 
 def evaluate(
-    lm: LoadedModel, groups: Sequence[tuple[int, list[Row]]], sampling: Sampling, store: LmdbStore, out: Path, commit: str
+    lm: LoadedModel, groups: Sequence[tuple[int, list[Row]]], sampling: Sampling, store: LmdbStore, keep: Callable[[dict], None], commit: str
 ) -> list[dict]:
-    """One record per question (the three measures, and the pack's size and recorded passes), written to ``out``
-    pack by pack; ``groups`` are (pack number, its rows)."""
+    """One record per question (the measures, and the pack's size and recorded passes), each handed to ``keep`` as
+    it is made; ``groups`` are (pack number, its rows)."""
     answerer = Answerer(lm, store)
     records: list[dict] = []
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("")
     for number, group in groups:
         facts = [row.context for row in group]
         stored, _ = build_and_store(store, lm, facts)
@@ -124,8 +121,7 @@ def evaluate(
                     "prefill_chunks": list(stored.header.prefill_chunks or ()),
                 }
             )
-        with out.open("a") as sink:
-            sink.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records[-len(group) :])
+            keep(records[-1])
         log(f"{lm.dtype_name}: pack {number + 1} ({stored.header.tokens} tokens) asked")
     return records
 
@@ -192,7 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.perf_counter()
         lm = load_model(args.model, device=device, dtype=dtype, progress=False)
         with tempfile.TemporaryDirectory(prefix="eval-exactness-") as scratch, LmdbStore(Path(scratch) / "store") as store:
-            records = evaluate(lm, groups, sampling, store, args.out / f"{lm.device.type}-{dtype}{suffix}.json", commit)
+            path = args.out / f"{lm.device.type}-{dtype}{suffix}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.unlink(missing_ok=True)  # a run's records are all of one commit
+            records = evaluate(lm, groups, sampling, store, jsonl_appender(path), commit)
         runs.append(records)
         log(f"{dtype}: {len(records)} questions in {time.perf_counter() - started:.0f} s")
         del lm

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger  # noqa: E402
 from eval_banks import BANK_CACHE, EMBEDDERS, Dataset, ckc_datasets, own_dataset, second_dataset  # noqa: E402
 from evallib import REPO, jsonl_appender, markdown_table, mean_interval, read_jsonl  # noqa: E402
-from packstore.bank.bank import BankCache, build_bank, route  # noqa: E402
+from packstore.bank.bank import build_bank, route  # noqa: E402
 from packstore.bank.rerank import CANDIDATES, late_scorer, lm_scorer  # noqa: E402
 from packstore.kv.models import load_model  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
@@ -52,11 +52,10 @@ def _rank(texts: Sequence[str], scores: np.ndarray, fact: str) -> int | None:
 
 def trial(store: LmdbStore, bank: str, dataset: Dataset, embedder, stage: str, scorer, candidates: int, questions: int, keep) -> None:
     """Route each question for ``candidates`` facts, rescore them with ``scorer``, keep one record per question."""
-    cache = BankCache()  # the bank's records read once, as a server holds them
-    route(store, bank, [dataset.questions[0][0]], embedder, top_k=candidates, cache=cache)  # warm
+    route(store, bank, [dataset.questions[0][0]], embedder, top_k=candidates, cache=BANK_CACHE)  # warm: the bank's records, read once
     for index, (question, fact) in enumerate(dataset.questions[:questions]):
         started = time.perf_counter()
-        found = route(store, bank, [question], embedder, top_k=candidates, cache=cache)[0]
+        found = route(store, bank, [question], embedder, top_k=candidates, cache=BANK_CACHE)[0]
         routed = time.perf_counter() - started
         texts, hybrid = [t for t, _ in found.facts], np.array([s for _, s in found.facts], dtype=np.float64)
         started = time.perf_counter()
