@@ -582,6 +582,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = Results(args.out, {"rev": args.rev, "device": args.device.type, "dtype": args.dtype})
     results.record("machine", **about)
     tokenizer = load_tokenizer(args.tokenizer)
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
     try:
         with tempfile.TemporaryDirectory(prefix="packstore-bench-gpu-", dir=args.workdir) as tmp:
             args.tier_args = ["--host-cache-bytes", "0"] if args.worker_sizes and worker_has_host_tier(Path(tmp)) else []
