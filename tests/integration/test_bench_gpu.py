@@ -22,15 +22,20 @@ def test_bench_gpu_tiny_on_cpu(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_gpu.py"), *argv], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     for line in ("(a) Time to first token", "stored / floor", "(c) Fetch to the device", "(d) The worker over gRPC", "(e) Build",
+                 "(f) Decoding the largest pack on the host",
                  "GPU: none", "Total run time"):
         assert line in done.stdout, line
     records = [json.loads(line) for line in out.read_text().splitlines()]
     parts = [r["part"] for r in records]
     assert parts[0] == "machine" and parts[-1] == "total"
     assert parts.count("ttft") == parts.count("fetch") == parts.count("build") == 2 and parts.count("worker") == 1
+    decode = [r for r in records if r["part"] == "decode"]
+    assert [r["threads"] for r in decode][0] == 1 and decode[0]["decode_speedup"] == 1.0 and decode[0]["tokens"] == max(r["tokens"] for r in records if r["part"] == "fetch")
     for r in records:
         if r["part"] == "ttft":
             assert r["same_first_token"] and min(r["stored_ms"], r["floor_ms"], r["prefill_ms"]) > 0
         if r["part"] == "fetch":
             assert r["fetch_gbps"] > 0 and r["pinned_gbps"] is None
+        if r["part"] == "decode":
+            assert min(r["digest_gbps"], r["frames_gbps"], r["decode_gbps"]) > 0
     assert list(tmp_path.iterdir()) == [out]  # the model, stores and logs went with the run
