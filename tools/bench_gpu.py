@@ -22,7 +22,8 @@ figure is a median, and the ratios within this run are what count):
 (e) Build (facts -> pack stored in the LMDB store: ``build_and_store``, once, after a warm-up) against one prefill
     of the same tokens in a single pass (median), with the KV and stored sizes.
 (f) Decoding on the host, by stage and thread count: the largest pack's stored chunks (in memory) checked against
-    their digests (digest), coded into byte planes (frames: Huffman or zstd), and decoded whole into touched host
+    their digests (digest), opened into byte planes (frames: Huffman or zstd, and the tensor table checked, as
+    ``open_chunk`` does for every reader), and decoded whole into touched host
     memory (decode: the digest, the frames, the plane join and the bookkeeping, what a fetch does before its copy), on
     1, 2, 4, ... threads up to the cores this process may use, in GB/s of KV: which stage stops scaling, where a
     fetch falls short of the copy bandwidth.
@@ -73,9 +74,8 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTraine
 import packstore  # noqa: E402
 from packstore.answering.answer import Question  # noqa: E402
 from packstore.answering.api import build_and_store  # noqa: E402
-from packstore.format import codec  # noqa: E402
-from packstore.format.body import EncodedPack, max_plain_bytes, verify_chunk  # noqa: E402
-from packstore.format.header import CODECS  # noqa: E402
+from packstore.format.body import EncodedPack, verify_chunk  # noqa: E402
+from packstore.format.chunks import open_chunk  # noqa: E402
 from packstore.kv.build import build_pack, prefill  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model, resolve_model_dir  # noqa: E402
 from packstore.kv.render import pack_prefix_ids, render  # noqa: E402
@@ -353,6 +353,11 @@ def host_pack(pack: Pack) -> Pack:
 # -- (f) decoding on the host, by stage and thread count ----------------------------------
 
 DECODE_STAGES = ("digest", "frames", "decode")
+DECODE_REPEATS = 3  # at most: every stage runs at every thread count
+
+
+def decode_repeats(args: argparse.Namespace) -> int:
+    return min(args.repeats, DECODE_REPEATS)
 
 
 def thread_counts(cores: int = WORKERS) -> list[int]:
@@ -363,10 +368,9 @@ def thread_counts(cores: int = WORKERS) -> list[int]:
 def decode_stages(encoded: EncodedPack, decoder: Decoder) -> dict[str, Callable[[], object]]:
     """Each stage of decoding ``encoded`` once over all its chunks, on ``decoder``'s threads."""
     header, indexed = encoded.header, list(enumerate(encoded.chunks))
-    method = CODECS[header.codec]
     return {
         "digest": lambda: decoder.map(lambda item: verify_chunk(header, *item), indexed),
-        "frames": lambda: decoder.map(lambda item: codec.decode_planes(item[1], max_plain_bytes(header.chunks[item[0]]), method), indexed),
+        "frames": lambda: decoder.map(lambda item: open_chunk(header, *item, verified=True), indexed),
         "decode": lambda: decode_pack(encoded, decoder=decoder),
     }
 
@@ -529,7 +533,7 @@ def store_parts(lm: LoadedModel, label: str, args: argparse.Namespace, records: 
         if not args.no_fetch:
             bench_fetch(lm, store, label, cases, args.repeats, results)
         if not args.no_decode:
-            bench_decode(store, label, cases[-1], min(args.repeats, 3), results)
+            bench_decode(store, label, cases[-1], decode_repeats(args), results)
 
 
 def run_model(spec: ModelSpec, args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, workdir: Path, results: Results) -> None:
@@ -595,7 +599,7 @@ TABLES = {
 def print_tables(results: Results, args: argparse.Namespace) -> None:
     for part, (title, headers) in TABLES.items():
         if part in results.tables:
-            title = title.format(repeats=args.repeats, worker_repeats=args.worker_repeats, decode_repeats=min(args.repeats, 3))
+            title = title.format(repeats=args.repeats, worker_repeats=args.worker_repeats, decode_repeats=decode_repeats(args))
             print_table(title, headers, results.tables[part])
     if results.tables.get("worker") and args.tier_args:
         print("   worker cold: run with --host-cache-bytes 0 (no host tier)")
