@@ -12,8 +12,8 @@ figure is a median, and the ratios within this run are what count):
     tokenizer and chat template (smollm2-135m's by default) and 40,960 positions; or ``--model DIR``, any local
     Hugging Face model directory. Several in one run; each is freed before the next.
 (c) Fetch to the device: ``PackReader.fetch`` of each pack onto ``--device`` (read, verify, decode, copy) in GB/s of
-    decoded KV, beside the host-to-device copy bandwidth from pinned and from pageable memory, measured in the same
-    rounds (n/a on CPU).
+    decoded KV, also with the byte planes joined on the device (``HostBuffers(join_on_device=True)``), beside the
+    host-to-device copy bandwidth from pinned and from pageable memory, measured in the same rounds (n/a on CPU).
 (d) The worker over gRPC: ``packstore serve`` and ``packstore worker`` on loopback (this interpreter, this process's
     packstore), packs built here and uploaded through the service (which keeps them hot); one new token, timed at the
     client, after a warm-up request: cold = a pack in no tier of the worker (a distinct pack each repetition; with
@@ -23,7 +23,8 @@ figure is a median, and the ratios within this run are what count):
     of the same tokens in a single pass (median), with the KV and stored sizes.
 (f) Decoding on the host, by stage and thread count: the largest pack's stored chunks (in memory) checked against
     their digests (digest), opened into byte planes (frames: Huffman or zstd, and the tensor table checked, as
-    ``open_chunk`` does for every reader), and decoded whole into touched host
+    ``open_chunk`` does for every reader), staged as planes (staged: digest, frames and the planes copied into touched
+    memory, the host's share of a fetch joined on the device), and decoded whole into touched host
     memory (decode: the digest, the frames, the plane join and the bookkeeping, what a fetch does before its copy), on
     1, 2, 4, ... threads up to the cores this process may use, in GB/s of KV: which stage stops scaling, where a
     fetch falls short of the copy bandwidth.
@@ -317,32 +318,40 @@ def copy_sources(nbytes: int) -> dict[str, torch.Tensor]:
 def bench_fetch(lm: LoadedModel, store: LmdbStore, label: str, cases: Sequence[bp.Case], repeats: int, results: Results) -> None:
     """Fetches of each pack and, on CUDA, copies of the same bytes from pinned and pageable memory, interleaved."""
     reader = PackReader(store, bp.DECODER)
+    joining = Decoder(WORKERS, HostBuffers(join_on_device=True))
+    joined_reader = PackReader(store, joining)
     nbytes = min(max(c.kv_bytes for c in cases), 1 << 30)
     on_cuda = lm.device.type == "cuda"
     sources = copy_sources(nbytes) if on_cuda else {}
     target = torch.empty(nbytes, dtype=torch.uint8, device=lm.device) if on_cuda else None
     hosted = {c.target: host_pack(c.pack) for c in cases} if on_cuda else {}
-    seconds: dict[int | str, list[float]] = {key: [] for key in [*(c.target for c in cases), *(f"host {t}" for t in hosted), *sources]}
     operations: dict[int | str, Callable[[], object]] = {c.target: lambda c=c: reader.fetch(c.key, device=lm.device) for c in cases}
+    operations |= {f"joined {c.target}": lambda c=c: joined_reader.fetch(c.key, device=lm.device) for c in cases}
     operations |= {f"host {t}": lambda p=p: start_copy(p, lm.device, bp.DECODER).result() for t, p in hosted.items()}
     operations |= {name: lambda source=source: target.copy_(source, non_blocking=True) for name, source in sources.items()}
-    for operation in operations.values():
-        operation()  # warm-up, and the store's pages into memory
-    for r in range(repeats):
-        for key, operation in operations.items():
-            gc.collect()
-            seconds[key].append(device_timed(lm.device, operation)[0])
-        log(f"fetch: repeat {r + 1}/{repeats} done")
+    seconds: dict[int | str, list[float]] = {key: [] for key in operations}
+    try:
+        for operation in operations.values():
+            operation()  # warm-up, and the store's pages into memory
+        for r in range(repeats):
+            for key, operation in operations.items():
+                gc.collect()
+                seconds[key].append(device_timed(lm.device, operation)[0])
+            log(f"fetch: repeat {r + 1}/{repeats} done")
+    finally:
+        joining.close()
     copy_gbps = {name: nbytes / median(seconds[name]) / GB for name in sources}
     for case in cases:
         fetch_s = median(seconds[case.target])
-        gbps = case.kv_bytes / fetch_s / GB
+        gbps, joined_gbps = (case.kv_bytes / median(seconds[key]) / GB for key in (case.target, f"joined {case.target}"))
         host_gbps = case.kv_bytes / median(seconds[f"host {case.target}"]) / GB if on_cuda else None
         results.record("fetch", shape=label, tokens=case.tokens, kv_mb=case.kv_bytes / MB, fetch_ms=fetch_s * 1e3, fetch_gbps=gbps,
-                       copy_mb=nbytes / MB, pinned_gbps=copy_gbps.get("pinned"), pageable_gbps=copy_gbps.get("pageable"), host_copy_gbps=host_gbps)
+                       joined_on_device_gbps=joined_gbps, copy_mb=nbytes / MB, pinned_gbps=copy_gbps.get("pinned"),
+                       pageable_gbps=copy_gbps.get("pageable"), host_copy_gbps=host_gbps)
         cells = [f"{copy_gbps[n]:.1f}" if n in copy_gbps else "n/a" for n in ("pinned", "pageable")]
         shares = [ratio(gbps, copy_gbps["pinned"]), f"{host_gbps:.1f}", ratio(host_gbps, copy_gbps["pinned"])] if host_gbps else ["n/a"] * 3
-        results.row("fetch", [label, str(case.tokens), f"{case.kv_bytes / MB:.1f}", f"{fetch_s * 1e3:.1f}", f"{gbps:.2f}", *cells, *shares])
+        results.row("fetch", [label, str(case.tokens), f"{case.kv_bytes / MB:.1f}", f"{fetch_s * 1e3:.1f}", f"{gbps:.2f}",
+                              f"{joined_gbps:.2f}", *cells, *shares])
 
 
 def host_pack(pack: Pack) -> Pack:
@@ -352,7 +361,7 @@ def host_pack(pack: Pack) -> Pack:
 
 # -- (f) decoding on the host, by stage and thread count ----------------------------------
 
-DECODE_STAGES = ("digest", "frames", "decode")
+DECODE_STAGES = ("digest", "frames", "staged", "decode")
 DECODE_REPEATS = 3  # at most: every stage runs at every thread count
 
 
@@ -365,12 +374,30 @@ def thread_counts(cores: int = WORKERS) -> list[int]:
     return [2**i for i in range(cores.bit_length()) if 2**i < cores] + [cores]
 
 
-def decode_stages(encoded: EncodedPack, decoder: Decoder) -> dict[str, Callable[[], object]]:
-    """Each stage of decoding ``encoded`` once over all its chunks, on ``decoder``'s threads."""
+class StagedOnly(HostBuffers):
+    """The host's share of a fetch whose planes are joined on the device (``HostBuffers(join_on_device=True)``): each
+    chunk's planes staged in touched memory, as in the pinned pool, and neither copied nor joined."""
+
+    def __init__(self, memory: PackMemory) -> None:
+        super().__init__(memory, join_on_device=True)
+
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        assert self.memory is not None
+        block = self.memory.take(int(torch.Size(shape).numel()) * dtype.itemsize)
+        return super().staging(shape, dtype, device) if block is None else block.view(dtype).view(shape)
+
+    def upload(self, staged: torch.Tensor, device: torch.device, then: Callable[[torch.Tensor], None]) -> None:
+        """Nothing: the copy and the join are the device's."""
+
+
+def decode_stages(encoded: EncodedPack, decoder: Decoder, staging: Decoder) -> dict[str, Callable[[], object]]:
+    """Each stage of decoding ``encoded`` once over all its chunks, on ``decoder``'s threads (``staging``'s, which
+    has as many, for the planes staged)."""
     header, indexed = encoded.header, list(enumerate(encoded.chunks))
     return {
         "digest": lambda: decoder.map(lambda item: verify_chunk(header, *item), indexed),
         "frames": lambda: decoder.map(lambda item: open_chunk(header, *item, verified=True), indexed),
+        "staged": lambda: decode_pack(encoded, decoder=staging),
         "decode": lambda: decode_pack(encoded, decoder=decoder),
     }
 
@@ -379,8 +406,10 @@ def bench_decode(store: LmdbStore, label: str, case: bp.Case, repeats: int, resu
     """(f) for ``case``: every stage at every thread count, interleaved, median of ``repeats``."""
     encoded = PackReader(store).get(case.key)
     memory = PackMemory(2 * case.kv_bytes)  # touched once, as a worker's; room for a pack being freed and the next
+    staging = PackMemory(2 * case.kv_bytes)
     decoders = {n: Decoder(n, HostBuffers(memory)) for n in thread_counts()}
-    operations = {(n, stage): op for n, decoder in decoders.items() for stage, op in decode_stages(encoded, decoder).items()}
+    stagers = {n: Decoder(n, StagedOnly(staging)) for n in decoders}
+    operations = {(n, stage): op for n, decoder in decoders.items() for stage, op in decode_stages(encoded, decoder, stagers[n]).items()}
     seconds: dict[tuple[int, str], list[float]] = {key: [] for key in operations}
     try:
         for operation in operations.values():
@@ -390,7 +419,7 @@ def bench_decode(store: LmdbStore, label: str, case: bp.Case, repeats: int, resu
                 gc.collect()
                 seconds[key].append(timed(operation)[0])
     finally:
-        for decoder in decoders.values():
+        for decoder in [*decoders.values(), *stagers.values()]:
             decoder.close()
     single = {stage: median(seconds[1, stage]) for stage in DECODE_STAGES}
     for n in decoders:
@@ -580,10 +609,11 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, tokenizer: PreTrainedTo
 TABLES = {
     "ttft": ("(a) Time to first token, one new token (median of {repeats}; ms)",
              ["model shape", "pack tokens", "stored ms", "floor ms", "prefill ms", "stored / floor", "prefill / stored", "same token"]),
-    "fetch": ("(c) Fetch to the device: PackReader.fetch GB/s of decoded KV, beside host-to-device copies of "
-              "min(largest KV, 1 GiB) and a pinned host pack copied layer by layer (start_copy, the host tier's path) "
-              "in the same rounds (median of {repeats})",
-              ["model shape", "pack tokens", "KV MB", "fetch ms", "fetch GB/s", "pinned GB/s", "pageable GB/s", "fetch / pinned",
+    "fetch": ("(c) Fetch to the device: PackReader.fetch GB/s of decoded KV (joined on the host; and with the byte planes "
+              "joined on the device), beside host-to-device copies of min(largest KV, 1 GiB) and a pinned host pack copied "
+              "layer by layer (start_copy, the host tier's path) in the same rounds (median of {repeats})",
+              ["model shape", "pack tokens", "KV MB", "fetch ms", "fetch GB/s", "joined on device GB/s", "pinned GB/s", "pageable GB/s",
+               "fetch / pinned",
                "host tier GB/s", "host tier / pinned"]),
     "worker": ("(d) The worker over gRPC, one new token at the client (median of {worker_repeats} packs; cold: in no tier "
                "of the worker, warm: the same pack again)",
@@ -591,8 +621,10 @@ TABLES = {
     "build": ("(e) Build (facts -> pack in the LMDB store, once) against one prefill of the same tokens (median of {repeats})",
               ["model shape", "pack tokens", "KV MB", "stored MB", "build ms", "prefill ms", "build / prefill"]),
     "decode": ("(f) Decoding the largest pack on the host, by stage and thread count, GB/s of KV (median of {decode_repeats}; "
-               "digest: chunks checked; frames: coded into byte planes; decode: whole, into touched host memory)",
-               ["model shape", "pack tokens", "chunks", "threads", "digest GB/s", "frames GB/s", "decode GB/s", "decode vs 1 thread"]),
+               "digest: chunks checked; frames: coded into byte planes; staged: the host's share when planes are joined on the "
+               "device, planes staged in touched host memory; decode: whole, into touched host memory)",
+               ["model shape", "pack tokens", "chunks", "threads", "digest GB/s", "frames GB/s", "staged GB/s", "decode GB/s",
+                "decode vs 1 thread"]),
 }
 
 

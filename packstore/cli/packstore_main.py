@@ -108,7 +108,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     host_cache_bytes = host_tier_bytes(args.host_cache_bytes, lm.device.type)
     reserved = decoded_memory_bytes(args.cache_bytes, host_cache_bytes, lm.device.type) if args.reserve_memory == "on" else 0
     pinned = lm.device.type == "cuda"  # the host tier's packs cross to the GPU at link speed only from page-locked memory
-    decoder = Decoder(buffers=HostBuffers(PackMemory(reserved, background=True, pinned=pinned) if reserved else None))
+    memory = PackMemory(reserved, background=True, pinned=pinned) if reserved else None
+    decoder = Decoder(buffers=HostBuffers(memory, join_on_device=args.plane_join == "device"))
     from packstore.security.auth import Auth
     from packstore.worker.stores import NamespaceReaders
 
@@ -223,6 +224,11 @@ def build_cli() -> CommandLine:
         "--reserve-memory", choices=("on", "off"), default="on",
         help="reserve the host memory packs are decoded into (on a CPU device the LRU's, on an accelerator the host tier's), "
         "touch it in the background from the start, and decode packs into it (default on)",
+    )
+    p.add_argument(
+        "--plane-join", choices=("host", "device"), default="host",
+        help="where packs read from the store have their byte planes joined into elements: host (the decoding threads; "
+        "default) or device (the model's: the threads only check and entropy-decode, the copy carries the planes)",
     )
     p.add_argument(
         "--ref-ttl", type=float, metavar="SECONDS",

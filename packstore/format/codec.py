@@ -224,13 +224,15 @@ class Planes:
         ``[A, P, D]`` array of uint16/uint32 (the bytes of a whole tensor). Positions ``0 .. count-1`` (all ``T``
         when None) go to ``out[:, offset : offset + count]``, so a token block lands in its place in the layer."""
         stop = first + shape[0] * shape[1] * shape[2]
-        count = shape[1] if count is None else count
+        planes, packed = self.parts(first, stop)
+        join_planes(planes, shape, out, offset, shape[1] if count is None else count, self.rotated, packed)
+
+    def parts(self, start: int, stop: int) -> tuple[list[np.ndarray], tuple[np.ndarray, int, int] | None]:
+        """What elements ``start`` to ``stop`` are joined from: their byte planes (``plane``), and for the float16
+        split, its low byte and bits 10-15 with the packed plane (``packed``; None otherwise)."""
         if self.transform == SPLIT_FLOAT16:
-            planes = [self.plane(0, first, stop), self.plane(1, first, stop)]
-            join_planes(planes, shape, out, offset, count, False, self.packed(first, stop))
-        else:
-            planes = [self.plane(j, first, stop) for j in range(self.element_size)]
-            join_planes(planes, shape, out, offset, count, self.rotated)
+            return [self.plane(0, start, stop), self.plane(1, start, stop)], self.packed(start, stop)
+        return [self.plane(j, start, stop) for j in range(self.element_size)], None
 
 
 def _need(stored: memoryview, size: int) -> None:

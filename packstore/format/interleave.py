@@ -11,8 +11,12 @@ mantissa bits in a packed plane, four elements a byte, laid out so that 64 conse
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 import numpy as np
 from numba import njit
+
+IntArray = TypeVar("IntArray", bound=Any)  # numpy or torch integers: the packed layout is the same on either side
 
 
 @njit(nogil=True, cache=True)
@@ -63,8 +67,9 @@ def packed_length(elements: int) -> int:
     return (elements // PACKED_GROUP) * 64 + min(elements % PACKED_GROUP, 64)
 
 
-def packed_index(element: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Where element ``e``'s two bits are in the packed plane: byte ``(e // 256) * 64 + e % 64``, at bit ``2 * (e // 64 % 4)``."""
+def packed_index(element: IntArray) -> tuple[IntArray, IntArray]:
+    """Where element ``e``'s two bits are in the packed plane: byte ``(e // 256) * 64 + e % 64``, at bit ``2 * (e // 64 % 4)``
+    (``element``: integer indices, a numpy array or a torch tensor)."""
     return (element >> 8) * 64 + (element & 63), 2 * ((element >> 6) & 3)
 
 

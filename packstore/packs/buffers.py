@@ -30,7 +30,10 @@ def _no_wait() -> None:
 
 @runtime_checkable
 class BufferProvider(Protocol):
-    """Memory for decoded packs, and the copy from host staging to an accelerator."""
+    """Memory for decoded packs, and the copy from host staging to an accelerator. ``join_on_device``: chunks are
+    staged as byte planes, copied as such and joined into elements on the device (``upload``), not on the CPU."""
+
+    join_on_device: bool
 
     def layer_tensors(self, shape: tuple[int, ...], dtype: torch.dtype, count: int, device: torch.device) -> list[torch.Tensor]:
         """``count`` new (uninitialised) tensors of ``shape`` and ``dtype`` on ``device``: one K or V per layer."""
@@ -42,6 +45,11 @@ class BufferProvider(Protocol):
 
     def copy(self, staged: torch.Tensor, place: torch.Tensor) -> None:
         """Start copying ``staged`` into ``place`` on its device; the provider keeps ``staged`` until the copy is done."""
+        ...
+
+    def upload(self, staged: torch.Tensor, device: torch.device, then: Callable[[torch.Tensor], None]) -> None:
+        """Copy ``staged`` (from ``staging``) to ``device`` and call ``then`` with the copy, where the work it starts
+        is ordered after the copy and before the next ``fence``; the provider keeps ``staged`` until the copy is done."""
         ...
 
     def fence(self, device: torch.device) -> Fence:
@@ -58,11 +66,13 @@ class HostBuffers:
     """CPU tensors from ``memory`` when it has room (else allocated as usual); CUDA tensors filled from a pinned
     staging pool of ``staging_bytes`` (made on first use) on one copy stream per device, with an event per copy so
     that a staging block is reused as soon as its own copy is done. Other accelerators copy from pageable memory on
-    their current stream."""
+    their current stream. ``join_on_device``: chunks' byte planes are staged and joined on the device
+    (``packstore.packs.plane_join``), so the CPU threads only check and entropy-decode."""
 
-    def __init__(self, memory: PackMemory | None = None, *, staging_bytes: int = STAGING_BYTES) -> None:
+    def __init__(self, memory: PackMemory | None = None, *, staging_bytes: int = STAGING_BYTES, join_on_device: bool = False) -> None:
         self.memory = memory
         self.staging_bytes = staging_bytes
+        self.join_on_device = join_on_device
         self._pool: PackMemory | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._in_flight: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()  # (copy done, its staging block)
@@ -100,11 +110,24 @@ class HostBuffers:
         stream = self._stream(place.device)
         with torch.cuda.stream(stream):
             place.copy_(staged, non_blocking=True)
+        self._keep_until_copied(stream, staged)
+
+    def upload(self, staged: torch.Tensor, device: torch.device, then: Callable[[torch.Tensor], None]) -> None:
+        if device.type != "cuda":
+            then(staged.to(device, non_blocking=True))  # on the CPU ``staged`` itself
+            return
+        stream = self._stream(device)
+        with torch.cuda.stream(stream):  # the copy, and what ``then`` runs on it, in order on the copy stream
+            then(staged.to(device, non_blocking=True))
+        self._keep_until_copied(stream, staged)
+
+    def _keep_until_copied(self, stream: torch.cuda.Stream, staged: torch.Tensor) -> None:
+        """Hold ``staged`` until the work issued on ``stream`` so far is done; give back what has landed."""
         done = torch.cuda.Event()
         done.record(stream)
         with self._lock:
             self._in_flight.append((done, staged))
-            while self._in_flight and self._in_flight[0][0].query():  # give back what has landed, oldest first
+            while self._in_flight and self._in_flight[0][0].query():  # oldest first
                 self._in_flight.popleft()
 
     def fence(self, device: torch.device) -> Fence:

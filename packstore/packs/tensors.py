@@ -7,6 +7,8 @@ opening a chunk); this module builds tensors on top of it, on a ``Decoder``'s th
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import wait
@@ -19,11 +21,12 @@ from safetensors.torch import save as safetensors_save
 
 from packstore.errors import IntegrityError, InvalidInput
 from packstore.format import codec
-from packstore.format.body import BLOCK_POSITIONS, LAYERS_PER_CHUNK, EncodedPack, chunk_digest
-from packstore.format.chunks import UNSIGNED, Buffer, ChunkSource, adapter_digest, as_3d, open_chunk
+from packstore.format.body import BLOCK_POSITIONS, LAYERS_PER_CHUNK, EncodedPack, TensorEntry, chunk_digest
+from packstore.format.chunks import UNSIGNED, Buffer, ChunkSource, OpenedChunk, adapter_digest, as_3d, open_chunk
 from packstore.format.header import CHUNK_DIGEST, CODEC, ChunkInfo, PackHeader
 from packstore.packs.buffers import BufferProvider, Fence
 from packstore.packs.decoder import Decoder
+from packstore.packs.plane_join import join_planes_on
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -164,7 +167,9 @@ class BodyAssembler:
     None) on ``device``, in tensors from ``buffers``. Each chunk's planes are interleaved into their place in the
     layer's tensor (a token block's is a strided view), so no byte is copied after decoding; for a device other than
     the CPU that tensor is the layer's host staging (from ``buffers``), copied to the device in one piece per K and V
-    as soon as the layer's last chunk is in. ``add`` may be called from several threads, one chunk each."""
+    as soon as the layer's last chunk is in; when the buffers ``join_on_device``, each chunk's planes are staged and
+    copied instead, and joined on the device into the layer's tensor. ``add`` may be called from several threads,
+    one chunk each."""
 
     def __init__(self, header: PackHeader, layers: range, positions: int | None, device: object, buffers: BufferProvider) -> None:
         self.header, self.layers, self.device, self.buffers = header, layers, _torch_device(device), buffers
@@ -210,26 +215,51 @@ class BodyAssembler:
         if self.positions is not None and stop <= held.start:
             return []  # a block past the positions wanted holds nothing of them
         offset, count = (held.start, stop - held.start) if header.kind == "knowledge" else (0, chunk.block[1])
-        written = set()  # the slots this chunk wrote K or V of
-        for entry in chunk.entries:
-            if entry.name not in self._names:
-                continue
-            which, slot = self._names[entry.name]
-            chunk.planes.write(self._elements_of(slot)[which], chunk.first_element(entry), chunk.block, offset, count)
-            written.add(slot)
+        wanted = [(entry, *self._names[entry.name]) for entry in chunk.entries if entry.name in self._names]
+        if self.buffers.join_on_device:
+            self._join_on_device(chunk, [(entry, (self.keys, self.values)[which][slot]) for entry, which, slot in wanted], offset, count)
+        else:
+            for entry, which, slot in wanted:
+                chunk.planes.write(self._elements_of(slot)[which], chunk.first_element(entry), chunk.block, offset, count)
+        written = {slot for _, _, slot in wanted}  # the slots this chunk wrote K or V of
         whole, done = 1 if self.positions is None else self.positions, []
         with self._lock:  # counted only now: a layer is complete only once every chunk wrote both its K and its V
             for slot in sorted(written):
                 self._covered[slot] += 1 if self.positions is None else stop - held.start
                 if self._covered[slot] == whole:
                     done.append(slot)
-                    self._host.pop(slot)
+                    self._host.pop(slot, None)  # joined on the device, a layer has no host elements
         for slot in done:
             staged = self._staged.pop(slot, None)
             if staged is not None:
                 self.buffers.copy(staged[0], self.keys[slot])
                 self.buffers.copy(staged[1], self.values[slot])
         return done
+
+    def _join_on_device(self, chunk: OpenedChunk, wanted: list[tuple[TensorEntry, torch.Tensor]], offset: int, count: int) -> None:
+        """Stage the byte planes of each wanted tensor of ``chunk`` in one host block, copy it to the device, and join
+        them there into their places (``plane_join``): the CPU has only checked and entropy-decoded the chunk."""
+        tensors = []  # (its place, the spans of its planes in the block, the packed plane's first element and cover)
+        arrays: list[np.ndarray] = []
+        for entry, place in wanted:
+            first = chunk.first_element(entry)
+            planes, packed = chunk.planes.parts(first, first + math.prod(chunk.block))
+            layout = [len(arrays) + j for j in range(len(planes) + (packed is not None))]
+            arrays += planes if packed is None else [*planes, packed[0]]
+            tensors.append((place.view(as_3d(tuple(place.shape))), layout, None if packed is None else packed[1:]))
+        spans = [0, *itertools.accumulate(len(array) for array in arrays)]
+        staged = self.buffers.staging((spans[-1],), torch.uint8, self.device)
+        host = staged.numpy()
+        for array, start, stop in zip(arrays, spans[:-1], spans[1:]):
+            host[start:stop] = array
+
+        def join(planes: torch.Tensor) -> None:
+            for place, layout, packed in tensors:
+                views = [planes[spans[j] : spans[j + 1]] for j in layout]
+                packed_view = None if packed is None else (views.pop(), *packed)
+                join_planes_on(views, chunk.block, place, offset, count, chunk.planes.rotated, packed_view)
+
+        self.buffers.upload(staged, self.device, join)
 
     def finish(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """K and V per layer; IntegrityError if the chunks placed did not cover every layer and position once."""

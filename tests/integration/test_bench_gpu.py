@@ -35,7 +35,7 @@ def test_bench_gpu_tiny_on_cpu(tmp_path: Path) -> None:
         if r["part"] == "ttft":
             assert r["same_first_token"] and min(r["stored_ms"], r["floor_ms"], r["prefill_ms"]) > 0
         if r["part"] == "fetch":
-            assert r["fetch_gbps"] > 0 and r["pinned_gbps"] is None
+            assert r["fetch_gbps"] > 0 and r["joined_on_device_gbps"] > 0 and r["pinned_gbps"] is None
         if r["part"] == "decode":
-            assert min(r["digest_gbps"], r["frames_gbps"], r["decode_gbps"]) > 0
+            assert min(r["digest_gbps"], r["frames_gbps"], r["staged_gbps"], r["decode_gbps"]) > 0
     assert list(tmp_path.iterdir()) == [out]  # the model, stores and logs went with the run

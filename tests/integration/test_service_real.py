@@ -49,3 +49,17 @@ def test_upload_and_answer_through_the_worker(tmp_path: Path) -> None:
                 remote.put(encode_pack(build_pack(gemma, facts[:1])), name="gemma-pack")
             with pytest.raises(PackMismatch, match="model mismatch"):
                 client.ask(Question(rows[0]["question"], refs=("gemma-pack",), sampling=GREEDY))
+
+
+def test_a_worker_joining_planes_on_its_device_answers_the_same(tmp_path: Path) -> None:
+    """``--plane-join device``: packs from the store are joined by torch on the model's device (here the CPU), and the
+    answers are still token for token those with the facts as text."""
+    lm = load_model("smollm2-135m", progress=False)
+    facts, rows = fact_sets(lm.tokenizer, eval_rows())[0]
+    with running_server(tmp_path / "data") as server:
+        with RemoteStore(server.url) as remote:
+            remote.put(encode_pack(build_pack(lm, facts)), name="ckc")
+        with running_worker(server.url, "smollm2-135m", tmp_path, "--plane-join", "device") as worker, WorkerClient(worker.address) as client:
+            for row in rows[:2]:
+                result = client.ask(Question(row["question"], refs=("ckc",), sampling=GREEDY, compare_rag=True))
+                assert result.identical is True, row["question"]

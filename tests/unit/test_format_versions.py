@@ -20,6 +20,8 @@ import torch
 
 from packstore.cli.packctl import main as packctl
 from packstore.packs.admin import export_pack, import_pack
+from packstore.packs.buffers import HostBuffers
+from packstore.packs.decoder import Decoder
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import decode_pack, encode_pack
 from packstore.store import LmdbStore
@@ -91,3 +93,14 @@ def test_a_store_in_codec_byteplane_zstd_2_reads_bit_exact_and_takes_byteplane_3
         assert created and store.stat(key).header.codec == "byteplane-3"
         assert torch.equal(PackReader(store).fetch(key).keys[0], fresh.keys[0])
     assert packctl(["--store", str(tmp_path / "store"), "verify"]) == 0
+
+
+def test_every_older_container_joins_on_the_device_bit_exact(old_store: Path, tmp_path: Path) -> None:
+    """Containers of versions 1 and 2 (a steering pack's whole tensors among them) through ``join_on_device``."""
+    shutil.copytree(CODEC2 / "store", tmp_path / "codec2")
+    with Decoder(workers=2, buffers=HostBuffers(join_on_device=True)) as decoder:
+        for path, expected in ((old_store, {name: pack for name, (_, pack) in EXPECTED.items()}), (tmp_path / "codec2", codec2.expected_packs())):
+            with LmdbStore(path) as store:
+                for name, pack in expected.items():
+                    fetched = PackReader(store, decoder).fetch(name)
+                    assert all(torch.equal(a, b) for a, b in zip(fetched.keys + fetched.values, pack.keys + pack.values)), name
