@@ -14,6 +14,8 @@ questions, greedy, ``--max-new-tokens`` tokens:
 - ``kv_bit_equal`` (per pack, a diagnosis): the pack fetched from the store onto the device equals, bit for bit in
   every layer, the text prefilled in its recorded passes there; where it holds and ``chunked_identical`` does not,
   the difference arises in generation (kernels chosen for the injected cache), not in the K/V delivered;
+- ``repeat_identical``: the pack's answer asked once more (from the ready cache) equals the first: whether the
+  device repeats itself; where it fails, a ``chunked_identical`` failure may be run-to-run nondeterminism;
 - ``text_chunking_identical``: the baseline, no pack at all: the text answered after one prefill equals
   the text answered after a prefill of its facts in passes of 512 tokens: how sensitive plain prefill is
   to its own chunking on this device and dtype.
@@ -56,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, source_commit, source_description  # noqa: E402
 from evallib import REPO, Row, data_path, frozen_split, jsonl_appender, load_rows, markdown_table  # noqa: E402
 
-MEASURES = ("identical", "chunked_identical", "text_chunking_identical", "kv_bit_equal")
+MEASURES = ("identical", "chunked_identical", "text_chunking_identical", "kv_bit_equal", "repeat_identical")
 log = logger("eval_exactness")
 
 
@@ -102,6 +104,7 @@ def evaluate(
         bit_equal = kv_bit_equal(lm, answerer, stored.header)
         for row in group:
             result = answerer.ask(Question(row.question, refs=(stored.key,), compare_rag=True, sampling=sampling))
+            again = answerer.ask(Question(row.question, refs=(stored.key,), sampling=sampling))
             records.append(
                 {
                     "commit": commit,
@@ -117,6 +120,7 @@ def evaluate(
                     "chunked_identical": result.chunked_identical,
                     "text_chunking_identical": text_chunking_identical(lm, facts, row.question, sampling),
                     "kv_bit_equal": bit_equal,
+                    "repeat_identical": again.answer == result.answer,
                     "pack_tokens": stored.header.tokens,
                     "prefill_chunks": list(stored.header.prefill_chunks or ()),
                 }

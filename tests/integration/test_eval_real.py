@@ -89,10 +89,10 @@ def test_eval_exactness_quick_on_cpu(tmp_path: Path, capsys) -> None:
     import eval_exactness
 
     assert eval_exactness.main(["--quick", "--device", "cpu", "--dtypes", "float32", "--out", str(tmp_path), "--rev", "abc1234"]) == 0
-    assert "| smollm2-135m | cpu | float32 | 4 | 4/4 (100.0 %) | 4/4 (100.0 %) | 4/4 (100.0 %) | 4/4 (100.0 %) |" in capsys.readouterr().out
+    assert "| smollm2-135m | cpu | float32 | 4 | 4/4 (100.0 %) | 4/4 (100.0 %) | 4/4 (100.0 %) | 4/4 (100.0 %) | 4/4 (100.0 %) |" in capsys.readouterr().out
     records = [json.loads(line) for line in (tmp_path / "cpu-float32.json").read_text().splitlines()]
     assert len(records) == 4 and all(r["chunked_identical"] is True and r["prefill_chunks"][-1] == r["pack_tokens"] for r in records)
-    assert all(r["kv_bit_equal"] is True and r["commit"] == "abc1234" for r in records)
+    assert all(r["kv_bit_equal"] is True and r["repeat_identical"] is True and r["commit"] == "abc1234" for r in records)
     shards = tmp_path / "shards"
     assert eval_exactness.main(["--quick", "--device", "cpu", "--dtypes", "float32", "--out", str(shards), "--shard", "1/2"]) == 0
     second = [json.loads(line) for line in (shards / "cpu-float32.1of2.json").read_text().splitlines()]
