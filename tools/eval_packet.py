@@ -270,9 +270,11 @@ def time_question(lm: LoadedModel, row: Row, arranged: Sequence[Row], adapter: P
 # ---- adapters ----
 
 
-def adapter_path(out: Path, model: str, seed: int, tokens: int | None = None) -> Path:
-    """Where an adapter is kept: one per model and seed, and per soft-token count for the ablation's (``tokens``)."""
-    return out / "adapters" / f"{Path(model).name}-seed{seed}{'' if tokens is None else f'-t{tokens}'}.pack"
+def adapter_path(out: Path, model: str, seed: int, tokens: int | None = None, learning_rate: float | None = None) -> Path:
+    """Where an adapter is kept: one per model and seed, and per soft-token count (``tokens``) or learning rate
+    (``learning_rate``) for the ablation's."""
+    tail = ("" if tokens is None else f"-t{tokens}") + ("" if learning_rate is None else f"-lr{learning_rate:g}")
+    return out / "adapters" / f"{Path(model).name}-seed{seed}{tail}.pack"
 
 
 def save_adapter(pack: Pack, path: Path) -> None:
@@ -389,7 +391,8 @@ def tables(summary: dict) -> str:
         for t in entry["training"]:
             closed = 1 - t["holdout_kl_after"] / t["holdout_kl_no_adapter"]  # full recompute is the teacher: its KL is 0
             trained.append(
-                [model, str(t["seed"]), str(t.get("tokens", "-")), t.get("shape", "-") + (" (ablation)" if t.get("ablation") else ""),
+                [model, str(t["seed"]), str(t.get("tokens", "-")), f"{t['learning_rate']:g}" if "learning_rate" in t else "-",
+                 t.get("shape", "-") + (" (ablation)" if t.get("ablation") else ""),
                  str(t["steps"]), str(t["examples"]), f"{t['train_seconds'] / 60:.1f}", f"{t['peak_rss_mb']:.0f}",
                  f"{t['holdout_kl_no_adapter']:.4f}", f"{t['holdout_kl_before']:.4f}", f"{t['holdout_kl_after']:.4f}",
                  f"{closed:+.0%}", "yes" if closed >= 0.5 else "no"]
@@ -405,7 +408,7 @@ def tables(summary: dict) -> str:
     )
     cost = markdown_table(["model", "method", "positions computed", "GFLOPs to compose", "vs full", "TTFT ms (median)", "vs full"], costs, left=2)
     training = markdown_table(
-        ["model", "seed", "soft tokens a side", "training data", "steps", "examples", "minutes", "peak RSS MB",
+        ["model", "seed", "soft tokens a side", "learning rate", "training data", "steps", "examples", "minutes", "peak RSS MB",
          "held-out KL: RoPE splice, no adapter", "soft tokens at init", "trained", "gap to full recompute closed", "half closed"],
         trained, left=1,
     )
@@ -455,7 +458,8 @@ def plot_curves(training: Sequence[dict], figures: Path) -> None:
         mine = [t for t in curved if t["model"] == model]
         for t in mine:
             steps, kls = zip(*([(0, t["holdout_kl_before"])] + [tuple(point) for point in t["curve"]]))
-            axis.plot(steps, kls, marker=".", label=f"seed {t['seed']}, {t.get('tokens', '?')} tokens{' (ablation)' if t.get('ablation') else ''}")
+            rate = f", lr {t['learning_rate']:g}" if "learning_rate" in t else ""
+            axis.plot(steps, kls, marker=".", label=f"seed {t['seed']}, {t.get('tokens', '?')} tokens{rate}{' (ablation)' if t.get('ablation') else ''}")
         plain = mine[0]["holdout_kl_no_adapter"]
         axis.axhline(plain, color="grey", linestyle="--", label="RoPE splice, no adapter")
         axis.axhline(plain / 2, color="grey", linestyle=":", label="half the gap to full recompute")
@@ -484,19 +488,24 @@ def write_report(out: Path, figures: Path, about: dict) -> str:
 # ---- command line ----
 
 
-def train_and_keep(lm: LoadedModel, args, seed: int, tokens: int, path: Path, *, ablation: bool = False) -> None:
-    """Train one adapter on ``--shape`` examples, keep it at ``path`` and append its training record (time, memory,
-    held-out KL before and after, the held-out KL every ``--curve-every`` steps) to training.jsonl."""
+def train_and_keep(
+    lm: LoadedModel, args, seed: int, tokens: int, path: Path, *, ablation: bool = False, learning_rate: float | None = None
+) -> None:
+    """Train one adapter on ``--shape`` examples (at ``learning_rate``, else ``--learning-rate``), keep it at ``path``
+    and append its training record (time, memory, held-out KL before and after, the held-out KL every
+    ``--curve-every`` steps) to training.jsonl."""
     curve: list[list[float]] = []
+    learning_rate = args.learning_rate if learning_rate is None else learning_rate
     adapter = train_adapter(
         lm, training_examples(args.examples, seed, args.shape), source=f"packstore.kv.synthetic + tools/second_facts.py, {args.shape}",
-        tokens=tokens, steps=args.steps, learning_rate=args.learning_rate, seed=seed,
+        tokens=tokens, steps=args.steps, learning_rate=learning_rate, seed=seed,
         progress=lambda step, loss: log(f"{lm.name} seed {seed} t{tokens} step {step}: KL {loss:.4f}") if step % 25 == 0 else None,
         checkpoints=range(args.curve_every, args.steps + 1, args.curve_every) if args.curve_every else (),
         on_checkpoint=lambda step, kl: curve.append([step, round(kl, 5)]),
     )
     save_adapter(adapter, path)
-    record = {"model": lm.name, "seed": seed, "tokens": tokens, "steps": args.steps, "examples": args.examples, "shape": args.shape}
+    record = {"model": lm.name, "seed": seed, "tokens": tokens, "learning_rate": learning_rate, "steps": args.steps, "examples": args.examples,
+              "shape": args.shape}
     jsonl_appender(args.out / "training.jsonl")(record | {"ablation": ablation, "curve": curve, **adapter.header.metrics})
     log(f"{lm.name} seed {seed} t{tokens}: adapter trained, {adapter.header.metrics}")
 
@@ -526,6 +535,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shape", choices=tuple(SHAPES), default="paragraphs", help="training examples: paragraph-long documents or short facts")
     parser.add_argument("--curve-every", type=int, default=50, help="held-out KL every N training steps (0: none)")
     parser.add_argument("--ablate-tokens", type=int, nargs="*", default=[], help="ablation part: also train the first seed with these token counts")
+    parser.add_argument("--ablate-learning-rates", type=float, nargs="*", default=[],
+                        help="ablation part: also train the first seed at --tokens with these learning rates")
     parser.add_argument("--learning-rate", type=float, default=ADAPTER_LEARNING_RATE)
     parser.add_argument("--share", type=float, default=DEFAULT_SHARE, help="selective recompute: share of tokens recomputed")
     parser.add_argument("--max-new-tokens", type=int, default=24)
@@ -577,11 +588,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for row, arranged in asked[: args.timing]:
                         if row.id not in done:
                             keep({"model": lm.name} | time_question(lm, row, arranged, adapter, args.share, args.repeats))
-            if "ablation" in parts:  # held-out KL only: soft-token counts other than --tokens, the first seed
+            if "ablation" in parts:  # held-out KL only: other soft-token counts and learning rates, the first seed
                 for tokens in args.ablate_tokens:
                     path = adapter_path(args.out, lm.name, args.seeds[0], tokens)
                     if not path.exists():
                         train_and_keep(lm, args, args.seeds[0], tokens, path, ablation=True)
+                for rate in args.ablate_learning_rates:
+                    path = adapter_path(args.out, lm.name, args.seeds[0], args.tokens, rate)
+                    if not path.exists():
+                        train_and_keep(lm, args, args.seeds[0], args.tokens, path, ablation=True, learning_rate=rate)
     about = {"settings": settings, "wall_seconds_last_run": round(time.perf_counter() - started, 1), "machine": machine_description({}), "source": source_description()}
     print(write_report(args.out, args.figures, about))
     return 0
