@@ -758,14 +758,23 @@ def plot(summary: dict, figures: Path) -> None:
             ylabel="EM / tokens",
         )
     if modes := summary.get("modes"):
-        measures = {"prob_cosine": "prob. cosine, 1st token", "same_first_token": "same 1st token", "same_tokens": "same answer ids"}
-        versus = {f"{m} {mode}": {label: s["agreement"][mode][key] for key, label in measures.items()} for m, s in modes.items() for mode in SPLICED}
+        measures = {"answer_top1": "top-1 agrees, answer tokens", "prob_cosine": "prob. cosine, 1st token", "same_first_token": "same 1st token",
+                    "same_tokens": "same answer ids"}
+        versus = {
+            f"{m} {mode}": {label: s["agreement"][mode][key] for key, label in measures.items() if key in s["agreement"][mode]}
+            for m, s in modes.items() for mode in SPLICED
+        }
+        panels = {"contains per mode (95% CI)": {m: {MODES[mode]: s["modes"][mode]["contains"] for mode in MODES} for m, s in modes.items()},
+                  "rope and naive vs exact": versus}
+        if all("answer_kl" in s["agreement"][mode] for s in modes.values() for mode in SPLICED):  # records since issue 39
+            panels["KL to exact over its answer tokens (nats, 95% CI)"] = {
+                m: {MODES[mode]: s["agreement"][mode]["answer_kl"] for mode in SPLICED} for m, s in modes.items()
+            }
         counts = ", ".join(f"{m} k={s['k']} n={s['questions']}" for m, s in modes.items())
         grouped_bars(
-            figures / "eval_compose_modes.png",
-            {"contains per mode (95% CI)": {m: {MODES[mode]: s["modes"][mode]["contains"] for mode in MODES} for m, s in modes.items()}, "rope and naive vs exact": versus},
+            figures / "eval_compose_modes.png", panels,
             title=f"Composition modes on ckc_dev, gold paragraph + distractors ({counts})",
-            ylabel="score / share (0-1)",
+            ylabel="score / share (0-1); KL in nats",
         )
     if errata := summary.get("errata"):
         names = {"before": "base pack", "after": "amended pack"}
