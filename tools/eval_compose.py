@@ -510,8 +510,9 @@ def _mean(values: Iterable[float]) -> float:
 
 
 def summarize_accumulation(records: Sequence[dict]) -> dict:
-    """Per model and k: each of ``METRICS`` with pack and text (recomputed from the answers), identical share,
-    prompt tokens, savings, composed tokens."""
+    """Per model and k: each of ``METRICS`` with pack and text (recomputed from the answers), contains with the pack
+    among the questions whose own paragraph is in the context and among those whose is not, identical share, prompt
+    tokens, savings, composed tokens."""
     summary: dict = {}
     golds = gold_answers()
     for model, mine in _by_model(records).items():
@@ -526,6 +527,14 @@ def summarize_accumulation(records: Sequence[dict]) -> dict:
                     f"{metric}_{way}": interval
                     for way in ("pack", "text")
                     for metric, interval in metric_intervals([r[way]["answer"] for r in at], [golds[r["id"]] for r in at]).items()
+                },
+                **{
+                    f"contains_pack_{side}": metric_intervals([r["pack"]["answer"] for r in split], [golds[r["id"]] for r in split])["contains"]
+                    for side, split in (
+                        ("own_in", [r for r in at if r.get("gold_included", True)]),
+                        ("own_out", [r for r in at if not r.get("gold_included", True)]),
+                    )
+                    if split
                 },
                 "identical": sum(not r["divergent"] for r in at) / len(at),
                 "divergences": sum(r["divergent"] for r in at),
@@ -651,12 +660,14 @@ def summarize_errata(records: Sequence[dict]) -> dict:
 def accumulation_table(summary: dict) -> str:
     """One line per model and k."""
     headers = ["model", "k", "questions", "own paragraph in the context %"]
-    headers += [*(f"{name} {way} %" for name in METRICS.values() for way in ("pack", "text")), "identical ids"]
+    headers += [*(f"{name} {way} %" for name in METRICS.values() for way in ("pack", "text"))]
+    headers += ["contains pack, own paragraph in %", "contains pack, own paragraph out %", "identical ids"]
     headers += ["prompt tokens pack", "prompt tokens text", "savings", "composed: prefilled / total tokens"]
     lines = []
     for model, steps in summary.items():
         for k, s in steps.items():
             scores = [s[f"{metric}_{way}"].percent() for metric in METRICS for way in ("pack", "text")]
+            scores += [s[f"contains_pack_{side}"].percent() if f"contains_pack_{side}" in s else "-" for side in ("own_in", "own_out")]
             identical = f"{100 * s['identical']:.0f} % ({s['divergences']} div.)"
             tokens = [f"{s['prompt_tokens_pack']:.1f}", f"{s['prompt_tokens_text']:.1f}", f"{100 * s['savings']:.1f} %"]
             composition = f"{s['prefilled_tokens']:.0f} / {s['composed_tokens']:.0f}"
@@ -751,10 +762,12 @@ def plot(summary: dict, figures: Path) -> None:
             return {f"{m} {label}": {f"k={k}": s[f"{key}_{way}"] for k, s in steps.items()} for m, steps in acc.items() for way, label in ways.items()}
 
         counts = ", ".join(f"{m} n={next(iter(steps.values()))['questions']} per k" for m, steps in acc.items())
+        own = {m: {f"k={k}": s["contains_pack_own_in"] for k, s in steps.items() if "contains_pack_own_in" in s} for m, steps in acc.items()}
         grouped_bars(
             figures / "eval_compose_accumulation.png",
-            {"contains (0-1, 95% CI)": per_k("contains"), "prompt tokens prefilled per question": per_k("prompt_tokens")},
-            title=f"Accumulation on ckc_dev: gold paragraph + k-1 distractor packs, exact composition vs text ({counts})",
+            {"contains (0-1, 95% CI)": per_k("contains"), "contains with the pack, own paragraph in the context": own,
+             "prompt tokens prefilled per question": per_k("prompt_tokens")},
+            title=f"Accumulation on ckc_dev: the first k parts composed exactly vs the same parts as text ({counts})",
             ylabel="EM / tokens",
         )
     if modes := summary.get("modes"):
