@@ -127,6 +127,25 @@ def _join_split(
             i += take
 
 
+def check_join(
+    sizes: list[int], shape: tuple[int, int, int], out_shape: tuple[int, ...], offset: int, count: int, contiguous: bool,
+    packed: tuple[int, int, int] | None = None,
+) -> None:
+    """ValueError unless planes of ``sizes`` bytes (and a packed plane of ``packed``: its length, the element there of
+    the tensor's first, the elements it covers) hold an ``[A, T, D]`` ``shape`` whose ``[:, :count]`` fits positions
+    ``offset`` onwards of a contiguous ``[A, P, D]`` output: the checks every join (CPU or device) makes first."""
+    heads, rows, width = shape
+    elements = heads * rows * width
+    fits = len(out_shape) == 3 and out_shape[0] == heads and out_shape[2] == width and 0 <= count <= rows
+    fits = fits and 0 <= offset <= out_shape[1] - count and contiguous and all(size == elements for size in sizes)
+    if packed is not None:
+        length, first, covered = packed
+        fits = fits and 0 <= first and first + elements <= covered and length == packed_length(covered)
+    if not fits:
+        where = f"positions {offset} .. {offset + count} of {tuple(out_shape)}"
+        raise ValueError(f"cannot join planes of {sizes} bytes as {shape} into {where}")
+
+
 def join_planes(
     planes: list[np.ndarray],
     shape: tuple[int, int, int],
@@ -143,14 +162,7 @@ def join_planes(
     float16's low byte and its bits 10-15 (the float16 split). Each head's positions are one run of memory on
     both sides, so the kernels copy runs rather than rows."""
     heads, rows, width = shape
-    elements = heads * rows * width
-    fits = out.ndim == 3 and out.shape[0] == heads and out.shape[2] == width and 0 <= count <= rows and 0 <= offset <= out.shape[1] - count
-    if packed is not None:
-        plane, first, covered = packed
-        fits = fits and 0 <= first and first + elements <= covered and len(plane) == packed_length(covered)
-    if not (fits and out.flags.c_contiguous and all(len(plane) == elements for plane in planes)):
-        sizes = [len(p) for p in planes]
-        raise ValueError(f"cannot join planes of {sizes} bytes as {shape} into positions {offset} .. {offset + count} of {out.shape}")
+    check_join([len(p) for p in planes], shape, out.shape, offset, count, out.flags.c_contiguous, packed and (len(packed[0]), *packed[1:]))
     dims = (heads, rows, width, out.shape[1], offset, count)
     if packed is not None and len(planes) == 2 and out.dtype == np.uint16:
         _join_split(planes[0], planes[1], packed[0], packed[1], out.reshape(-1), *dims)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from packstore.format.interleave import packed_index, packed_length
+from packstore.format.interleave import check_join, packed_index
 
 _SIGNED = {16: torch.int16, 32: torch.int32}  # element bits -> the integers an element's bytes are viewed as
 
@@ -33,18 +33,12 @@ def join_planes_on(
     heads, rows, width = shape
     elements = heads * rows * width
     bits = 8 * out.element_size()
-    fits = out.dim() == 3 and out.shape[0] == heads and out.shape[2] == width and 0 <= count <= rows and 0 <= offset <= out.shape[1] - count
+    sizes = [p.numel() for p in planes]
+    check_join(sizes, shape, tuple(out.shape), offset, count, out.is_contiguous(), packed and (len(packed[0]), *packed[1:]))
+    if len(planes) != (2 if packed is not None else bits // 8) or bits not in _SIGNED or any(p.dtype != torch.uint8 for p in planes):
+        raise ValueError(f"cannot join {len(planes)} byte planes into {out.dtype} elements")
     if packed is not None:
-        plane, first, covered = packed
-        fits = fits and bits == 16 and len(planes) == 2 and 0 <= first and first + elements <= covered
-        fits = fits and len(plane) == packed_length(covered)
-    else:
-        fits = fits and bits in _SIGNED and len(planes) == bits // 8
-    if not (fits and all(p.dtype == torch.uint8 and p.numel() == elements for p in planes)):
-        sizes = [p.numel() for p in planes]
-        where = f"positions {offset} .. {offset + count} of {tuple(out.shape)}"
-        raise ValueError(f"cannot join planes of {sizes} bytes as {shape} into {where}")
-    if packed is not None:
+        plane, first, _ = packed
         byte, shift = packed_index(torch.arange(first, first + elements, device=out.device))
         top = (plane[byte].to(torch.int32) >> shift) & 3
         value = (planes[1].to(torch.int32) << 10) | (top << 8) | planes[0].to(torch.int32)
