@@ -169,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--questions", type=int, default=80, help="held-out questions per dtype")
     parser.add_argument("--per-pack", type=int, default=8, help="paragraphs per pack")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--data", type=Path, default=None, help="ckc JSONL (default: $PACKSTORE_EVAL_DATA or ../shared/data/ckc_dev.jsonl)")
+    parser.add_argument("--data", type=Path, default=None, help="ckc JSONL (default: $PACKSTORE_EVAL_DATA or tools/data/ckc_dev.jsonl)")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "eval_exactness", help="results directory")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--shard", type=shard, default=None, metavar="I/N", help="ask packs I, I+N, ... only (N processes share a GPU)")
