@@ -20,7 +20,8 @@ figure is a median, and the ratios within this run are what count):
     ``--host-cache-bytes 0`` where the worker has that flag), warm = the same pack asked again (its ready-cache; both
     asserted through cache_hit). ``--worker-args='...'`` adds worker flags.
 (e) Build (facts -> pack stored in the LMDB store: ``build_and_store``, once, after a warm-up) against one prefill
-    of the same tokens in a single pass (median), with the KV and stored sizes.
+    of the same tokens in a single pass (median), with the KV and stored sizes, and the build by stage: the KV
+    (chunked prefill and the copy off the device), encoding, and the LMDB write (commit and sync included).
 (f) Decoding on the host, by stage and thread count: the largest pack's stored chunks (in memory) checked against
     their digests (digest), opened into byte planes (frames: Huffman or zstd, and the tensor table checked, as
     ``open_chunk`` does for every reader), staged as planes (staged: digest, frames and the planes copied into touched
@@ -252,26 +253,52 @@ def warm_up(lm: LoadedModel, records: Sequence[bp.Record]) -> None:
     synchronize(lm.device)
 
 
-def build_cases(lm: LoadedModel, store: LmdbStore, records: Sequence[bp.Record], sizes: Sequence[int]) -> list[tuple[bp.Case, float]]:
-    """Each size's pack built into ``store`` (seconds it took) and fetched onto the device as ``bench_pack`` does."""
+@dataclass(frozen=True)
+class BuildStages:
+    """Seconds of one ``build_and_store``, by stage: the KV (chunked prefill and the copy to host memory,
+    ``build_pack``), encoding (``encode_pack``) and the LMDB write (``LmdbStore.put``, commit included)."""
+
+    kv: float
+    encode: float
+    put: float
+
+    @property
+    def total(self) -> float:
+        return self.kv + self.encode + self.put
+
+
+def build_staged(lm: LoadedModel, store: LmdbStore, facts: Sequence[str]) -> tuple[BuildStages, str]:
+    """``build_and_store`` of ``facts`` taken apart and timed by stage; returns the stages and the stored key."""
+    kv_s, pack = device_timed(lm.device, lambda: build_pack(lm, facts))
+    encode_s, encoded = timed(lambda: encode_pack(pack))
+    put_s, (key, _) = timed(lambda: store.put(encoded))
+    return BuildStages(kv_s, encode_s, put_s), key
+
+
+def build_cases(lm: LoadedModel, store: LmdbStore, records: Sequence[bp.Record], sizes: Sequence[int]) -> list[tuple[bp.Case, BuildStages]]:
+    """Each size's pack built into ``store`` (the seconds of each stage) and fetched onto the device as ``bench_pack`` does."""
     built = []
     for target in sizes:
         log(f"building the {target}-token pack")
         facts, question = fitting_facts(lm, records, target)
-        seconds, (stored, _) = device_timed(lm.device, lambda facts=facts: build_and_store(store, lm, facts))
+        stages, key = build_staged(lm, store, facts)
+        stored = store.stat(key)
         case = bp.Case(target, facts, question, stored.key, bp.load_stored(lm, store, stored.key), stored.stored_bytes)
-        built.append((case, seconds))
+        built.append((case, stages))
     return built
 
 
-def bench_build(lm: LoadedModel, label: str, built: Sequence[tuple[bp.Case, float]], repeats: int, results: Results) -> None:
-    for case, build_s in built:
+def bench_build(lm: LoadedModel, label: str, built: Sequence[tuple[bp.Case, BuildStages]], repeats: int, results: Results) -> None:
+    for case, stages in built:
         ids = pack_prefix_ids(lm.tokenizer, case.facts)
         prefill_s = median([device_timed(lm.device, lambda ids=ids: prefill(lm, ids))[0] for _ in range(repeats)])
         results.record("build", shape=label, tokens=case.tokens, kv_mb=case.kv_bytes / MB, stored_mb=case.stored_bytes / MB,
-                       build_ms=build_s * 1e3, prefill_ms=prefill_s * 1e3)
+                       build_ms=stages.total * 1e3, kv_ms=stages.kv * 1e3, encode_ms=stages.encode * 1e3, put_ms=stages.put * 1e3,
+                       prefill_ms=prefill_s * 1e3)
         results.row("build", [label, str(case.tokens), f"{case.kv_bytes / MB:.1f}", f"{case.stored_bytes / MB:.1f}",
-                              f"{build_s * 1e3:.1f}", f"{prefill_s * 1e3:.1f}", ratio(build_s, prefill_s)])
+                              f"{stages.total * 1e3:.1f}", f"{stages.kv * 1e3:.1f}", f"{stages.encode * 1e3:.1f}",
+                              f"{case.kv_bytes / MB / stages.encode:.0f}", f"{stages.put * 1e3:.1f}",
+                              f"{case.stored_bytes / MB / stages.put:.0f}", f"{prefill_s * 1e3:.1f}", ratio(stages.total, prefill_s)])
         free_device()
 
 
@@ -619,7 +646,8 @@ TABLES = {
                "of the worker, warm: the same pack again)",
                ["model shape", "pack tokens (target)", "cold ms", "warm ms", "cold / warm"]),
     "build": ("(e) Build (facts -> pack in the LMDB store, once) against one prefill of the same tokens (median of {repeats})",
-              ["model shape", "pack tokens", "KV MB", "stored MB", "build ms", "prefill ms", "build / prefill"]),
+              ["model shape", "pack tokens", "KV MB", "stored MB", "build ms", "KV ms", "encode ms", "encode MB/s of KV", "put ms",
+               "put MB/s stored", "prefill ms", "build / prefill"]),
     "decode": ("(f) Decoding the largest pack on the host, by stage and thread count, GB/s of KV (median of {decode_repeats}; "
                "digest: chunks checked; frames: coded into byte planes; staged: the host's share when planes are joined on the "
                "device, planes staged in touched host memory; decode: whole, into touched host memory)",

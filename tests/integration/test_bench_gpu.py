@@ -38,4 +38,6 @@ def test_bench_gpu_tiny_on_cpu(tmp_path: Path) -> None:
             assert r["fetch_gbps"] > 0 and r["joined_on_device_gbps"] > 0 and r["pinned_gbps"] is None
         if r["part"] == "decode":
             assert min(r["digest_gbps"], r["frames_gbps"], r["staged_gbps"], r["decode_gbps"]) > 0
+        if r["part"] == "build":  # the stages add up to the build
+            assert min(r["kv_ms"], r["encode_ms"], r["put_ms"]) > 0 and r["build_ms"] == pytest.approx(r["kv_ms"] + r["encode_ms"] + r["put_ms"])
     assert list(tmp_path.iterdir()) == [out]  # the model, stores and logs went with the run
