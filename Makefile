@@ -98,7 +98,7 @@ eval-steering: install
 # plain RoPE composition, selective recompute and full recompute on unseen ckc contexts, with training
 # cost and TTFT, into results/eval_packet/ (resumes) and docs/figures/eval_packet_*.png.
 eval-packet: install
-	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packet.py --models smollm2-135m gemma3-270m --ablate-tokens 2 8 --ablate-learning-rates 0.01 \
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packet.py --models smollm2-135m gemma3-270m --ablate-tokens 2 8 --ablate-learning-rates 0.01 --ablate-steps 600 \
 		--out results/eval_packet-39
 
 # Short versions of the six, into results/*-small/ (plots too).

@@ -270,10 +270,13 @@ def time_question(lm: LoadedModel, row: Row, arranged: Sequence[Row], adapter: P
 # ---- adapters ----
 
 
-def adapter_path(out: Path, model: str, seed: int, tokens: int | None = None, learning_rate: float | None = None) -> Path:
-    """Where an adapter is kept: one per model and seed, and per soft-token count (``tokens``) or learning rate
-    (``learning_rate``) for the ablation's."""
+def adapter_path(
+    out: Path, model: str, seed: int, tokens: int | None = None, learning_rate: float | None = None, steps: int | None = None
+) -> Path:
+    """Where an adapter is kept: one per model and seed, and per soft-token count (``tokens``), learning rate
+    (``learning_rate``) or step count (``steps``) for the ablation's."""
     tail = ("" if tokens is None else f"-t{tokens}") + ("" if learning_rate is None else f"-lr{learning_rate:g}")
+    tail += "" if steps is None else f"-s{steps}"
     return out / "adapters" / f"{Path(model).name}-seed{seed}{tail}.pack"
 
 
@@ -461,7 +464,8 @@ def plot_curves(training: Sequence[dict], figures: Path) -> None:
             steps, kls = zip(*([(0, t["holdout_kl_before"])] + [tuple(point) for point in t["curve"]]))
             rate = f", lr {t['learning_rate']:g}" if "learning_rate" in t else ""
             shares = [kl / t["holdout_kl_no_adapter"] for kl in kls]
-            axis.plot(steps, shares, marker=".", label=f"seed {t['seed']}, {t.get('tokens', '?')} tokens{rate}{' (ablation)' if t.get('ablation') else ''}")
+            ablation = f", {t['steps']} steps (ablation)" if t.get("ablation") else ""
+            axis.plot(steps, shares, marker=".", label=f"seed {t['seed']}, {t.get('tokens', '?')} tokens{rate}{ablation}")
         axis.axhline(1.0, color="grey", linestyle="--", label="RoPE splice, no adapter")
         axis.axhline(0.5, color="grey", linestyle=":", label="half the gap to full recompute")
         axis.set_title(f"{Path(model).name}: held-out KL to full recompute while training")
@@ -490,22 +494,24 @@ def write_report(out: Path, figures: Path, about: dict) -> str:
 
 
 def train_and_keep(
-    lm: LoadedModel, args, seed: int, tokens: int, path: Path, *, ablation: bool = False, learning_rate: float | None = None
+    lm: LoadedModel, args, seed: int, tokens: int, path: Path, *, ablation: bool = False, learning_rate: float | None = None,
+    steps: int | None = None,
 ) -> None:
-    """Train one adapter on ``--shape`` examples (at ``learning_rate``, else ``--learning-rate``), keep it at ``path``
-    and append its training record (time, memory, held-out KL before and after, the held-out KL every
-    ``--curve-every`` steps) to training.jsonl."""
+    """Train one adapter on ``--shape`` examples (at ``learning_rate``, else ``--learning-rate``, for ``steps``, else
+    ``--steps``), keep it at ``path`` and append its training record (time, memory, held-out KL before and after, the
+    held-out KL every ``--curve-every`` steps) to training.jsonl."""
     curve: list[list[float]] = []
     learning_rate = args.learning_rate if learning_rate is None else learning_rate
+    steps = args.steps if steps is None else steps
     adapter = train_adapter(
         lm, training_examples(args.examples, seed, args.shape), source=f"packstore.kv.synthetic + tools/second_facts.py, {args.shape}",
-        tokens=tokens, steps=args.steps, learning_rate=learning_rate, seed=seed,
+        tokens=tokens, steps=steps, learning_rate=learning_rate, seed=seed,
         progress=lambda step, loss: log(f"{lm.name} seed {seed} t{tokens} step {step}: KL {loss:.4f}") if step % 25 == 0 else None,
-        checkpoints=range(args.curve_every, args.steps + 1, args.curve_every) if args.curve_every else (),
+        checkpoints=range(args.curve_every, steps + 1, args.curve_every) if args.curve_every else (),
         on_checkpoint=lambda step, kl: curve.append([step, round(kl, 5)]),
     )
     save_adapter(adapter, path)
-    record = {"model": lm.name, "seed": seed, "tokens": tokens, "learning_rate": learning_rate, "steps": args.steps, "examples": args.examples,
+    record = {"model": lm.name, "seed": seed, "tokens": tokens, "learning_rate": learning_rate, "steps": steps, "examples": args.examples,
               "shape": args.shape}
     jsonl_appender(args.out / "training.jsonl")(record | {"ablation": ablation, "curve": curve, **adapter.header.metrics})
     log(f"{lm.name} seed {seed} t{tokens}: adapter trained, {adapter.header.metrics}")
@@ -538,6 +544,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ablate-tokens", type=int, nargs="*", default=[], help="ablation part: also train the first seed with these token counts")
     parser.add_argument("--ablate-learning-rates", type=float, nargs="*", default=[],
                         help="ablation part: also train the first seed at --tokens with these learning rates")
+    parser.add_argument("--ablate-steps", type=int, nargs="*", default=[],
+                        help="ablation part: also train the first seed at --tokens for these step counts (the learning curve covers counts up to --steps)")
     parser.add_argument("--learning-rate", type=float, default=ADAPTER_LEARNING_RATE)
     parser.add_argument("--share", type=float, default=DEFAULT_SHARE, help="selective recompute: share of tokens recomputed")
     parser.add_argument("--max-new-tokens", type=int, default=24)
@@ -589,7 +597,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for row, arranged in asked[: args.timing]:
                         if row.id not in done:
                             keep({"model": lm.name} | time_question(lm, row, arranged, adapter, args.share, args.repeats))
-            if "ablation" in parts:  # held-out KL only: other soft-token counts and learning rates, the first seed
+            if "ablation" in parts:  # held-out KL only: other soft-token counts, learning rates and steps, the first seed
                 for tokens in args.ablate_tokens:
                     path = adapter_path(args.out, lm.name, args.seeds[0], tokens)
                     if not path.exists():
@@ -598,6 +606,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     path = adapter_path(args.out, lm.name, args.seeds[0], args.tokens, rate)
                     if not path.exists():
                         train_and_keep(lm, args, args.seeds[0], args.tokens, path, ablation=True, learning_rate=rate)
+                for steps in args.ablate_steps:
+                    path = adapter_path(args.out, lm.name, args.seeds[0], args.tokens, steps=steps)
+                    if not path.exists():
+                        train_and_keep(lm, args, args.seeds[0], args.tokens, path, ablation=True, steps=steps)
     about = {"settings": settings, "wall_seconds_last_run": round(time.perf_counter() - started, 1), "machine": machine_description({}), "source": source_description()}
     print(write_report(args.out, args.figures, about))
     return 0

@@ -37,7 +37,7 @@ def test_questions_are_the_held_out_half_each_with_the_gold_paragraph_once_among
 def test_a_whole_run_on_the_tiny_model(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     out, figures = tmp_path / "out", tmp_path / "figures"
     argv = ["--models", str(tiny_model_dir), "--seeds", "0", "1", "--questions", "2", "--examples", "6", "--steps", "2"]
-    argv += ["--curve-every", "1", "--ablate-tokens", "2", "--ablate-learning-rates", "0.01"]
+    argv += ["--curve-every", "1", "--ablate-tokens", "2", "--ablate-learning-rates", "0.01", "--ablate-steps", "3"]
     argv += ["--timing", "1", "--repeats", "1", "--max-new-tokens", "4", "--out", str(out), "--figures", str(figures)]
     assert eval_packet.main(argv) == 0
     capsys.readouterr()
@@ -54,13 +54,14 @@ def test_a_whole_run_on_the_tiny_model(tmp_path: Path, tiny_model_dir: Path, cap
     assert set(entry["paired"]) == {f"{a} - {b}" for a, b in eval_packet.COMPARISONS}
     assert methods["none"]["gflops"] < methods["selective"]["gflops"] < methods["full"]["gflops"]
     assert methods["none"]["gflops"] < methods["packet"]["gflops"] < methods["full"]["gflops"]
-    assert set(entry["ttft"]) == set(eval_packet.METHODS) and len(entry["training"]) == 4  # two seeds and two ablations
+    assert set(entry["ttft"]) == set(eval_packet.METHODS) and len(entry["training"]) == 5  # two seeds and three ablations
     trained = eval_packet.read_jsonl(out / "training.jsonl")
-    expected = [(0, 4, 0.03, False), (1, 4, 0.03, False), (0, 2, 0.03, True), (0, 4, 0.01, True)]
-    assert [(t["seed"], t["tokens"], t["learning_rate"], t["ablation"]) for t in trained] == expected
-    assert all([step for step, _ in t["curve"]] == [1, 2] and t["shape"] == "paragraphs" and t["commit"] for t in trained)
+    expected = [(0, 4, 0.03, 2, False), (1, 4, 0.03, 2, False), (0, 2, 0.03, 2, True), (0, 4, 0.01, 2, True), (0, 4, 0.03, 3, True)]
+    assert [(t["seed"], t["tokens"], t["learning_rate"], t["steps"], t["ablation"]) for t in trained] == expected
+    assert all([step for step, _ in t["curve"]] == list(range(1, t["steps"] + 1)) and t["shape"] == "paragraphs" and t["commit"] for t in trained)
     assert (out / "adapters" / f"{tiny_model_dir.name}-seed0-t2.pack").exists()
     assert (out / "adapters" / f"{tiny_model_dir.name}-seed0-t4-lr0.01.pack").exists()
+    assert (out / "adapters" / f"{tiny_model_dir.name}-seed0-t4-s3.pack").exists()
     assert {p.name for p in figures.iterdir()} == {"eval_packet_quality.png", "eval_packet_cost.png", "eval_packet_curve.png"}
     assert len(eval_packet.tables(eval_packet.summarize(records, [], [])).split("\n\n")) == 4
 
