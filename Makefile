@@ -96,7 +96,7 @@ eval-steering: install
 
 # KV Packet (the paper's comparison): per model, three seeds of a trained soft-token adapter against
 # plain RoPE composition, selective recompute and full recompute on unseen ckc contexts, with training
-# cost and TTFT, into results/eval_packet/ (resumes) and docs/figures/eval_packet_*.png.
+# cost and TTFT, the ablations (soft tokens, learning rate, steps), into results/eval_packet-39/ (resumes) and docs/figures/eval_packet_*.png.
 eval-packet: install
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packet.py --models smollm2-135m gemma3-270m --ablate-tokens 2 8 --ablate-learning-rates 0.01 --ablate-steps 600 \
 		--out results/eval_packet-39
