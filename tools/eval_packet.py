@@ -300,7 +300,8 @@ def _scored(entry: dict, answers: Sequence[str]) -> dict:
     return scored
 
 
-AVERAGED = (*METRICS, "answer_kl", "answer_top1", "logit_cosine", "same_first_token", "same_answer", "computed", "flops")
+AGREEMENT = ("answer_kl", "answer_top1")  # with full recompute, over its answer tokens (records from issue 39 on)
+AVERAGED = (*METRICS, *AGREEMENT, "logit_cosine", "same_first_token", "same_answer", "computed", "flops")
 
 
 def summarize(answers: Sequence[dict], timing: Sequence[dict], training: Sequence[dict]) -> dict:
@@ -333,7 +334,7 @@ def summarize(answers: Sequence[dict], timing: Sequence[dict], training: Sequenc
             entry["methods"][method] = {
                 "questions": len(values),
                 "seeds": sorted(seed for seed in by_seed[method] if seed is not None),
-                **{key: mean_interval([v[key] for v in values]) for key in (*METRICS, "answer_kl", "answer_top1") if key in measured},
+                **{key: mean_interval([v[key] for v in values]) for key in (*METRICS, *AGREEMENT) if key in measured},
                 **{
                     f"{metric}_by_seed": [float(np.mean([e[metric] for e in entries])) for entries in by_seed[method].values()]
                     for metric in METRICS
@@ -344,9 +345,10 @@ def summarize(answers: Sequence[dict], timing: Sequence[dict], training: Sequenc
         for first, second in COMPARISONS:
             if first in means and second in means:
                 common = [q for q in means[first] if q in means[second]]
+                measured = [m for m in (*METRICS, *AGREEMENT) if all(m in means[method][q] for method in (first, second) for q in common)]
                 entry["paired"][f"{first} - {second}"] = {"questions": len(common)} | {
                     metric: paired_difference([means[first][q][metric] for q in common], [means[second][q][metric] for q in common])
-                    for metric in METRICS
+                    for metric in measured
                 }
         asked = [r["tokens"] for r in answers if r["model"] == model]
         entry["tokens"] = float(np.mean(asked)) if asked else None
@@ -390,7 +392,9 @@ def tables(summary: dict) -> str:
             )
         for comparison, differences in entry["paired"].items():
             first, second = comparison.split(" - ")
-            paired.append([model, f"{LABELS[first]} - {LABELS[second]}", str(differences["questions"]), *(_points(differences[m]) for m in METRICS)])
+            kl, top1 = differences.get("answer_kl"), differences.get("answer_top1")
+            paired.append([model, f"{LABELS[first]} - {LABELS[second]}", str(differences["questions"]), *(_points(differences[m]) for m in METRICS),
+                           f"{kl.mean:+.4f} [{kl.low:+.4f}, {kl.high:+.4f}]" if kl else "-", _points(top1) if top1 else "-"])
         for t in entry["training"]:
             closed = 1 - t["holdout_kl_after"] / t["holdout_kl_no_adapter"]  # full recompute is the teacher: its KL is 0
             trained.append(
@@ -407,7 +411,8 @@ def tables(summary: dict) -> str:
         rows, left=2,
     )
     differences = markdown_table(
-        ["model", "paired difference (same questions)", "questions", *(f"{name} points [95% CI]" for name in METRICS.values())], paired, left=2
+        ["model", "paired difference (same questions)", "questions", *(f"{name} points [95% CI]" for name in METRICS.values()),
+         "KL to full, answer tokens (nats) [95% CI]", "top-1 agrees with full, points [95% CI]"], paired, left=2,
     )
     cost = markdown_table(["model", "method", "positions computed", "GFLOPs to compose", "vs full", "TTFT ms (median)", "vs full"], costs, left=2)
     training = markdown_table(

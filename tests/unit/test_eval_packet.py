@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import eval_packet  # noqa: E402
@@ -52,6 +54,8 @@ def test_a_whole_run_on_the_tiny_model(tmp_path: Path, tiny_model_dir: Path, cap
     assert sorted(str(r["seed"]) for r in records) == ["0", "0", "1", "1", "None", "None"]
     assert {r["id"] for r in records if r["seed"] == 0} == {r["id"] for r in records if r["seed"] is None}
     assert set(entry["paired"]) == {f"{a} - {b}" for a, b in eval_packet.COMPARISONS}
+    assert all({"contains", "f1", "answer_kl", "answer_top1"} <= set(d) for d in entry["paired"].values())  # KL paired too
+    assert entry["paired"]["packet - full"]["answer_kl"]["mean"] == pytest.approx(methods["packet"]["answer_kl"]["mean"], abs=1e-9)
     assert methods["none"]["gflops"] < methods["selective"]["gflops"] < methods["full"]["gflops"]
     assert methods["none"]["gflops"] < methods["packet"]["gflops"] < methods["full"]["gflops"]
     assert set(entry["ttft"]) == set(eval_packet.METHODS) and len(entry["training"]) == 5  # two seeds and three ablations
