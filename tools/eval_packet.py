@@ -1,8 +1,11 @@
 """KV Packet against full, no and selective recompute, on multi-document ckc questions, per model and seed.
 
 For each seed an adapter is trained (``packstore.kv.packet.train_adapter``, model frozen) on examples
-from the project's two fact generators (packstore.kv.synthetic and tools/second_facts.py: short
-invented facts, 2-4 documents of 2-5 facts, a question about one fact), never on ckc. It is then
+from the project's two fact generators (packstore.kv.synthetic and tools/second_facts.py), never on ckc:
+2-5 paragraph-long documents of 6-10 invented facts and a question about one fact, the other documents
+distractors (``--shape paragraphs``; ``--shape facts``: 2-4 documents of 2-5 facts, the first adapters'
+data), with the held-out KL every ``--curve-every`` steps; the ablation part trains the first seed again
+with other soft-token counts, learning rates and step counts. It is then
 tested on the held-out ckc questions (all 288 unless ``--questions N``): each question's paragraph (the
 gold) and 1-4 other paragraphs as distractors, 2-5 in all, in an order and with the gold at a position
 seeded per question (``ARRANGEMENT_SEED``), every paragraph its own pack built alone. Every seed and every
@@ -11,7 +14,7 @@ not depend on the adapter and are asked once per question (records with seed nul
 question and seed; so the methods' differences are paired per question and the spread across seeds is
 the adapters' own.
 The test contexts differ from the training ones: real Wikipedia paragraphs of 100-250 tokens instead
-of invented one-line facts, up to 5 parts instead of 4, and every question's distractors unrelated.
+of lists of invented facts, and distractors on unrelated topics.
 
 Methods, all from the same independently built parts:
   full       full recompute: the prefill of every part's tokens in one rendering (exact, the reference);
