@@ -768,7 +768,7 @@ def plot(summary: dict, figures: Path) -> None:
             {"contains (0-1, 95% CI)": per_k("contains"), "contains with the pack, own paragraph in the context": own,
              "prompt tokens prefilled per question": per_k("prompt_tokens")},
             title=f"Accumulation on ckc_dev: the first k parts composed exactly vs the same parts as text ({counts})",
-            ylabel="EM / tokens",
+            ylabel="contains (0-1); prompt tokens",
         )
     if modes := summary.get("modes"):
         measures = {"answer_top1": "top-1 agrees, answer tokens", "prob_cosine": "prob. cosine, 1st token", "same_first_token": "same 1st token",
