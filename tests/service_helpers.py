@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from cgroup_helpers import MemoryCgroup
 
 
+PORT_ATTEMPTS = 3
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -36,7 +39,21 @@ def _health_channel(address: str, tls: dict | None) -> grpc.Channel:
     return grpc.secure_channel(address, credentials)
 
 
-def wait_serving(address: str, timeout: float = 30.0, tls: dict | None = None) -> None:
+class ServerExited(RuntimeError):
+    """The process under test exited before it reported SERVING; the message carries the end of its log."""
+
+
+def _log_tail(log: Path | None, lines: int = 20) -> str:
+    if log is None or not log.exists():
+        return ""
+    return "\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def wait_serving(
+    address: str, timeout: float = 60.0, tls: dict | None = None, process: subprocess.Popen | None = None, log: Path | None = None
+) -> None:
+    """Return once ``address`` reports SERVING. With ``process``, fail at once (``ServerExited``) if it exits first;
+    either failure quotes the end of ``log``, so a CI run says why a server never came up."""
     deadline = time.monotonic() + timeout
     with _health_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -46,8 +63,10 @@ def wait_serving(address: str, timeout: float = 30.0, tls: dict | None = None) -
                     return
             except grpc.RpcError:
                 pass
+            if process is not None and process.poll() is not None:
+                raise ServerExited(f"server for {address} exited with {process.returncode} before SERVING:{_log_tail(log)}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"server at {address} did not become SERVING")
+                raise TimeoutError(f"server at {address} did not become SERVING in {timeout:.0f} s:{_log_tail(log)}")
             time.sleep(0.1)
 
 
@@ -76,18 +95,31 @@ def running_server(
 ) -> Iterator[RunningServer]:
     """``packstore serve`` on ``data``; yields once its health reports SERVING. ``cgroup``: start it inside that memory
     cgroup (``cgroup_helpers.memory_cgroup``), so what it holds can be read there."""
-    address, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     packstore = Path(sys.executable).parent / "packstore"
-    log = open(data.parent / f"{data.name}-server.log", "w")
-    argv = [str(packstore), "serve", "--data", str(data), "--listen", address, "--metrics", metrics, *extra]
-    process = subprocess.Popen(
-        cgroup.command(argv) if cgroup is not None else argv, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {}),
-    )
-    if cgroup is not None:
-        cgroup.track(process)
-    server = RunningServer(process, address, metrics, data)
+    log_path = data.parent / f"{data.name}-server.log"
+    for attempt in range(PORT_ATTEMPTS):
+        # free_port's ports are free when asked, not when the server binds them: a lost race retries on fresh ones
+        address, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        log = open(log_path, "w")
+        argv = [str(packstore), "serve", "--data", str(data), "--listen", address, "--metrics", metrics, *extra]
+        process = subprocess.Popen(
+            cgroup.command(argv) if cgroup is not None else argv, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {}),
+        )
+        if cgroup is not None:
+            cgroup.track(process)
+        server = RunningServer(process, address, metrics, data)
+        try:
+            wait_serving(address, tls=tls, process=process, log=log_path)
+            break
+        except ServerExited as exc:
+            log.close()
+            if "cannot listen" not in str(exc) or attempt == PORT_ATTEMPTS - 1:
+                raise
+        except BaseException:
+            server.stop()
+            log.close()
+            raise
     try:
-        wait_serving(address, tls=tls)
         yield server
     finally:
         server.stop()
@@ -110,7 +142,7 @@ def running_worker(
         cgroup.track(process)
     worker = RunningServer(process, address, "", log_dir)
     try:
-        wait_serving(address, timeout=300, tls=tls)
+        wait_serving(address, timeout=300, tls=tls, process=process, log=log_dir / "worker.log")
         yield worker
     finally:
         worker.stop()

@@ -29,17 +29,19 @@ def bind(server: grpc.Server, listen: str, *, tls_cert: str = "", tls_key: str =
     """Add ``listen`` to ``server``: TLS with ``tls_cert``/``tls_key`` (and, with ``tls_client_ca``,
     requiring client certificates signed by it), else plain. Returns whether TLS is on."""
     _check_tls_files(tls_cert, tls_key, tls_client_ca)
+    credentials = None
     if tls_cert:
         credentials = grpc.ssl_server_credentials(
             [(_read(tls_key, "TLS key"), _read(tls_cert, "TLS certificate"))],
             root_certificates=_read(tls_client_ca, "TLS client CA") if tls_client_ca else None,
             require_client_auth=bool(tls_client_ca),
         )
-        bound = server.add_secure_port(listen, credentials)
-    else:
-        bound = server.add_insecure_port(listen)
+    try:  # grpcio reports a port it cannot bind by returning 0 or, in newer releases, by raising RuntimeError
+        bound = server.add_secure_port(listen, credentials) if tls_cert else server.add_insecure_port(listen)
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise InvalidInput(f"cannot listen on {listen}")
+        raise InvalidInput(f"cannot listen on {listen}: the address is in use or not this host's")
     return bool(tls_cert)
 
 

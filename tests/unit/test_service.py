@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -236,6 +237,17 @@ def test_a_hot_pack_is_served_from_its_verified_copy_while_its_stored_copy_is_da
         with pytest.raises(grpc.RpcError) as info:
             list(stub_for(server).GetPack(store_pb2.GetPackRequest(ref=key)))
         assert info.value.code() == grpc.StatusCode.DATA_LOSS
+
+
+def test_serving_on_a_port_already_taken_exits_with_a_message_naming_the_address(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        packstore = Path(sys.executable).parent / "packstore"
+        result = subprocess.run([str(packstore), "serve", "--data", str(tmp_path / "data"), "--listen", address], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert f"cannot listen on {address}" in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 def test_size_limit_is_enforced(tmp_path: Path) -> None:
