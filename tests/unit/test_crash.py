@@ -37,7 +37,7 @@ def start_server(data: Path, log: Path) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen(
         [str(PACKSTORE), "serve", "--data", str(data), "--listen", address], stdout=open(log, "a"), stderr=subprocess.STDOUT
     )
-    wait_serving(address)
+    wait_serving(address, process=process, log=log)
     return process, address
 
 
