@@ -148,6 +148,23 @@ class Generation:
         return usage(self.result, len(self.deltas.ids))
 
 
+SLOT_SCOPE_KEY = "packstore.slot"
+
+
+class Slot:
+    """One of an ``OpenAIApp``'s ``max_concurrent`` chat-completion slots, taken when made; ``release`` frees it
+    once, however often it is called (when the answer is whole, and again when the response ends)."""
+
+    def __init__(self, app: OpenAIApp) -> None:
+        self.app, self.held = app, True
+        app.in_flight += 1
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.app.in_flight -= 1
+
+
 class OpenAIApp:
     """The API over ``service`` (``app``, an ASGI app), answering at most ``max_concurrent`` chat completions at once
     (a 429 beyond)."""
@@ -163,18 +180,20 @@ class OpenAIApp:
         )
 
     async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The ASGI app: ``routes``, a chat completion holding one of the ``max_concurrent`` slots until its response,
-        whole or streamed, has ended or its client has gone (and its generation has stopped); none free: 429 at once."""
+        """The ASGI app: ``routes``, a chat completion holding one of the ``max_concurrent`` slots until its answer is
+        whole (before its last bytes are sent, so a client that has read them can ask again at once) or its client has
+        gone (and its generation has stopped); none free: 429 at once."""
         if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
             return await self.routes(scope, receive, send)
         if self.in_flight >= self.max_concurrent:
             busy = LimitExceeded(f"more than {self.max_concurrent} requests in flight: retry later")
             return await self._done({"method": "ChatCompletions", "protocol": "http"}, time.perf_counter(), busy)(scope, receive, send)
-        self.in_flight += 1
+        slot = Slot(self)
+        scope[SLOT_SCOPE_KEY] = slot
         try:
             await self.routes(scope, receive, send)
         finally:
-            self.in_flight -= 1
+            slot.release()
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -194,11 +213,13 @@ class OpenAIApp:
             fields |= {"token": principal.token, "namespace": principal.namespace}
             chat = chat_request(await _json(request), self.service.lm.name)
             generation = Generation(self.service, principal.namespace, chat)
+            slot: Slot = request.scope[SLOT_SCOPE_KEY]
             if not chat.stream:
                 await run_in_threadpool(generation.run_to_end)
+                slot.release()
                 return self._done(fields, start, None, generation, self._completion(generation))
             first = await run_in_threadpool(generation.next_piece)  # a refusal (unknown pack, mismatch) comes here, as a status
-            return StreamingResponse(self._events(generation, first, chat, fields, start), media_type="text/event-stream")
+            return StreamingResponse(self._events(generation, slot, first, chat, fields, start), media_type="text/event-stream")
         except PackstoreError as exc:
             return self._done(fields, start, exc)
         except Exception as exc:  # an unexpected failure: a 500 with a message, the server keeps serving
@@ -212,10 +233,13 @@ class OpenAIApp:
         body = _envelope("chat.completion", self.service.lm.name) | {"choices": [choice], "usage": generation.usage()}
         return body | {"packstore": packstore_fields(generation.result)}
 
-    async def _events(self, generation: Generation, first: str | None, chat: ChatRequest, fields: dict, start: float) -> AsyncIterator[str]:
+    async def _events(
+        self, generation: Generation, slot: Slot, first: str | None, chat: ChatRequest, fields: dict, start: float
+    ) -> AsyncIterator[str]:
         """The answer as server-sent events: a role chunk, the text chunks, the finish chunk (with the ``packstore``
         object), with ``include_usage`` a chunk of usage and packstore, then ``[DONE]``; a failure midway is an error
-        event. A client gone midway cancels this (Starlette): generation stops before the request's slot frees."""
+        event. The slot frees once the answer is whole, before those last chunks; a client gone midway cancels this
+        (Starlette): generation stops before the slot frees."""
         envelope = _envelope("chat.completion.chunk", self.service.lm.name)
 
         def chunk(delta: dict[str, str], finish: str | None = None, **extra: Any) -> str:
@@ -230,6 +254,7 @@ class OpenAIApp:
                     yield chunk({"content": piece})
                 piece = await run_in_threadpool(generation.next_piece)
             assert generation.result is not None
+            slot.release()
             summary = packstore_fields(generation.result)
             yield chunk({}, generation.finish_reason, packstore=summary)
             if chat.include_usage:
@@ -241,6 +266,7 @@ class OpenAIApp:
         finally:
             with CancelScope(shield=True):  # (cancelled when the client goes: the clean-up must still run)
                 await run_in_threadpool(generation.close)
+            slot.release()
             self._done(fields, start, failure, generation)
 
     def _done(

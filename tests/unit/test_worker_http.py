@@ -10,6 +10,7 @@ import urllib.request
 from http.client import HTTPConnection
 from pathlib import Path
 
+import anyio
 import openai
 import pytest
 
@@ -228,6 +229,36 @@ def test_more_requests_in_flight_than_allowed_get_429_and_a_damaged_pack_500_nam
             list(ask(client, tiny_lm, packs=["broken"], stream=stream)) if stream else ask(client, tiny_lm, packs=["broken"])
         assert key in info.value.message and info.value.code == "data_loss"
     assert ask(client, tiny_lm, packs=["wexley"]).choices[0].message.content  # the worker goes on serving
+
+
+def test_a_slot_is_free_before_the_last_bytes_of_its_answer_are_sent(world, tiny_lm) -> None:
+    """A client that has read a whole answer can ask again at once under --max-concurrent 1: the slot frees when the
+    answer is whole, not after its response has gone out (the race test_http_real met as a 429)."""
+    _, app, *_ = world
+
+    async def in_flight_while_sending_the_end(stream: bool) -> list[int]:
+        body = {"model": tiny_lm.name, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, "stream": stream, "packs": ["wexley"]}
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": [(b"content-type", b"application/json")]}
+        requested = [False]
+        seen: list[int] = []
+
+        async def receive() -> dict:
+            if not requested[0]:
+                requested[0] = True
+                return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+            await anyio.sleep_forever()  # (the client stays: Starlette listens for a disconnect while it streams)
+            return {}
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body" and (b"[DONE]" in message.get("body", b"") or not stream):
+                seen.append(app.in_flight)
+
+        await app.app(scope, receive, send)
+        return seen
+
+    for stream in (False, True):
+        assert anyio.run(in_flight_while_sending_the_end, stream)[:1] == [0], f"stream={stream}"
+    assert app.in_flight == 0
 
 
 def test_a_body_over_the_limit_is_refused_with_413(world, tiny_lm) -> None:
