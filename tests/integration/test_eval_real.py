@@ -61,21 +61,21 @@ def test_eval_compose_on_smollm2(tmp_path: Path, capsys) -> None:
 
 
 def test_eval_steering_on_smollm2(tmp_path: Path, capsys) -> None:
-    """The short version of `make eval-steering`: every part on two prompts a set, two dual-channel questions."""
+    """The short version of `make eval-steering`: every part on one prompt a set, one dual-channel question."""
     import eval_steering
 
     out, figures = tmp_path / "out", tmp_path / "figures"
-    argv = ["--models", "smollm2-135m", "--limit", "2", "--dual-limit", "2", "--compare", "2", "--batch", "6"]
+    argv = ["--models", "smollm2-135m", "--limit", "1", "--dual-limit", "1", "--compare", "1", "--batch", "3"]
     argv += ["--max-new-tokens", "10", "--dual-max-new-tokens", "10", "--out", str(out), "--figures", str(figures)]
     assert eval_steering.main(argv) == 0
     capsys.readouterr()
     summary = json.loads((out / "summary.json").read_text())
     by_condition = summary["generations"]["smollm2-135m"]
     assert {c.name for c in eval_steering.conditions()} <= set(by_condition)
-    assert all(by_condition[c]["all"]["n"] == 6 for c in by_condition)  # 2 prompts x 3 sets
+    assert all(by_condition[c]["all"]["n"] == 3 for c in by_condition)  # 1 prompt x 3 sets
     dual = summary["dual"]["smollm2-135m"]
     assert sorted(map(float, dual)) == list(eval_steering.DUAL_ALPHAS)
-    assert all(s["compared"] == 2 and s["divergences"] == 0 for s in dual.values())  # steered pack = steered text
+    assert all(s["compared"] == 1 and s["divergences"] == 0 for s in dual.values())  # steered pack = steered text
     [cosines] = summary["cosines"]
     assert cosines["layers"] == 30 and len(cosines["cosines"]["sentiment vs food"]) == 30
     assert {p.name for p in figures.iterdir()} == {
