@@ -763,12 +763,12 @@ def plot(summary: dict, figures: Path) -> None:
 
         counts = ", ".join(f"{m} n={next(iter(steps.values()))['questions']} per k" for m, steps in acc.items())
         own = {m: {f"k={k}": s["contains_pack_own_in"] for k, s in steps.items() if "contains_pack_own_in" in s} for m, steps in acc.items()}
+        panels = {"contains (0-1, 95% CI)": per_k("contains"), "contains with the pack, own paragraph in the context": own,
+                  "prompt tokens prefilled per question": per_k("prompt_tokens")}
         grouped_bars(
-            figures / "eval_compose_accumulation.png",
-            {"contains (0-1, 95% CI)": per_k("contains"), "contains with the pack, own paragraph in the context": own,
-             "prompt tokens prefilled per question": per_k("prompt_tokens")},
+            figures / "eval_compose_accumulation.png", panels,
             title=f"Accumulation on ckc_dev: the first k parts composed exactly vs the same parts as text ({counts})",
-            ylabel="contains (0-1); prompt tokens",
+            ylabel={panel: "tokens" if panel.startswith("prompt tokens") else "contains (0-1)" for panel in panels},
         )
     if modes := summary.get("modes"):
         measures = {"answer_top1": "top-1 agrees, answer tokens", "prob_cosine": "prob. cosine, 1st token", "same_first_token": "same 1st token",
@@ -787,7 +787,7 @@ def plot(summary: dict, figures: Path) -> None:
         grouped_bars(
             figures / "eval_compose_modes.png", panels,
             title=f"Composition modes on ckc_dev, gold paragraph + distractors ({counts})",
-            ylabel="score / share (0-1); KL in nats",
+            ylabel={panel: "nats" if panel.startswith("KL") else "score / share (0-1)" for panel in panels},
         )
     if errata := summary.get("errata"):
         names = {"before": "base pack", "after": "amended pack"}

@@ -271,14 +271,15 @@ def grouped_bars(
     panels: Mapping[str, Mapping[str, Mapping[str, Interval | float]]],
     *,
     title: str,
-    ylabel: str,
+    ylabel: str | Mapping[str, str],
     shared_y: bool = False,
 ) -> None:
     """A PNG of grouped bar charts: one panel per key of ``panels``, categories on x, one bar per series.
 
     ``panels[panel][series][category]`` is a value or an Interval (drawn with its interval as an
-    error bar). Each bar is labelled with its value. ``shared_y``: one y scale for every panel, so
-    that panels of very different effects are not drawn the same height.
+    error bar). Each bar is labelled with its value. ``ylabel``: one y label for every panel, or one per
+    panel (``ylabel[panel]``) where panels measure different things. ``shared_y``: one y scale for every
+    panel, so that panels of very different effects are not drawn the same height.
     """
     import matplotlib
 
@@ -302,9 +303,10 @@ def grouped_bars(
             colour = plt.cm.tab20(index % 20) if len(series) > 10 else None  # the default cycle repeats after 10
             bars = axis.bar(xs, means, width, yerr=errors, capsize=3, label=name, color=colour)
             fmt = "%.2f" if max(means, default=0) <= 1 else "%.0f"
-            axis.bar_label(bars, fmt=fmt, fontsize=6 if crowded else 7, padding=2, rotation=90 if crowded else 0)
+            upright = len(series) > 3  # (side by side, four or more bars' labels run into each other)
+            axis.bar_label(bars, fmt=fmt, fontsize=6 if crowded else 7, padding=2, rotation=90 if upright else 0)
         axis.set_title(panel)
-        axis.set_ylabel(ylabel)
+        axis.set_ylabel(ylabel if isinstance(ylabel, str) else ylabel[panel])
         axis.set_xticks(range(len(categories)), categories, rotation=0 if crowded else 15, ha="center" if crowded else "right", fontsize=8)
         if crowded:
             axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
