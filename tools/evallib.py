@@ -286,13 +286,14 @@ def grouped_bars(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    crowded = max(len(series) for series in panels.values()) > 4  # then labels turn upright, the legend goes below
+    crowded = max(len(series) for series in panels.values()) > 4  # then panels stack and the legend goes beside them
     rows, columns = (len(panels), 1) if crowded else (1, len(panels))
     size = (13.0, 4.6 * len(panels) + 0.6) if crowded else (max(6.5 * len(panels), 9.0), 5.4)
     figure, axes = plt.subplots(rows, columns, figsize=size, squeeze=False, sharey=shared_y)
     for axis, (panel, series) in zip(axes.flat, panels.items()):
         categories = list(dict.fromkeys(c for values in series.values() for c in values))
         width = 0.8 / max(len(series), 1)
+        upright = len(series) > 3  # side by side, four or more bars' value labels run into each other
         for index, (name, values) in enumerate(series.items()):
             xs = [i + (index - (len(series) - 1) / 2) * width for i, c in enumerate(categories) if c in values]
             points = [values[c] for c in categories if c in values]
@@ -303,7 +304,6 @@ def grouped_bars(
             colour = plt.cm.tab20(index % 20) if len(series) > 10 else None  # the default cycle repeats after 10
             bars = axis.bar(xs, means, width, yerr=errors, capsize=3, label=name, color=colour)
             fmt = "%.2f" if max(means, default=0) <= 1 else "%.0f"
-            upright = len(series) > 3  # (side by side, four or more bars' labels run into each other)
             axis.bar_label(bars, fmt=fmt, fontsize=6 if crowded else 7, padding=2, rotation=90 if upright else 0)
         axis.set_title(panel)
         axis.set_ylabel(ylabel if isinstance(ylabel, str) else ylabel[panel])
