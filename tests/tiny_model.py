@@ -47,10 +47,11 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def make_model_dir(path: Path, *, seed: int = 0, forced_stop: bool = False) -> Path:
+def make_model_dir(path: Path, *, seed: int = 0, forced_stop: bool = False, tied: bool = False) -> Path:
     """Write a tiny model + tokenizer to ``path``; a different ``seed`` gives different weights, same shape.
     ``forced_stop``: its generation config forces the stop token as the last token allowed (so with one new
-    token the first token it generates is the stop token)."""
+    token the first token it generates is the stop token). ``tied``: the output layer shares the input
+    embedding (``tie_word_embeddings``), as in SmolLM2 and Gemma 3."""
     tokenizer = make_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -65,7 +66,7 @@ def make_model_dir(path: Path, *, seed: int = 0, forced_stop: bool = False) -> P
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

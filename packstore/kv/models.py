@@ -25,14 +25,12 @@ from tqdm.auto import tqdm  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from packstore.errors import InvalidInput  # noqa: E402
-from packstore.kv.identity import model_fingerprint, template_fingerprint  # noqa: E402
+from packstore.kv.identity import DTYPES, model_fingerprint, template_fingerprint  # noqa: E402
+from packstore.kv.model_cache import model_cache_dir  # noqa: E402
 from packstore.kv.templates import GEMMA3_CHAT_TEMPLATE  # noqa: E402
 
 transformers.utils.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 def _package_dir(package: str) -> Path:
     """Directory of an installed package, found without importing it (its imports may be absent)."""
@@ -113,14 +111,6 @@ WHEEL_MODELS: dict[str, WheelModel] = {
         extra_stop_tokens=("<end_of_turn>",),
     ),
 }
-
-
-def model_cache_dir() -> Path:
-    """``$PACKSTORE_MODEL_CACHE``, else ``$XDG_CACHE_HOME/packstore/models``, else ``~/.cache/packstore/models``."""
-    if os.environ.get("PACKSTORE_MODEL_CACHE"):
-        return Path(os.environ["PACKSTORE_MODEL_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "packstore" / "models"
 
 
 def embedding_weight(embed: torch.nn.Module) -> torch.Tensor:
