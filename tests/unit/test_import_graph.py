@@ -43,6 +43,10 @@ ALLOWED: dict[str, set[str]] = {
     "service": BASE | {"rpc", "store", "packs", "bank", "security", "format"},
     "answering": BASE | {"kv", "packs", "store", "bank", "security", "format"},
     "worker": BASE | {"rpc", "answering", "kv", "packs", "bank", "store", "security", "format"},
+    # The vLLM connector (the only importer of vllm) over the answering path's engine-free planning, the pack reader and
+    # the worker's per-namespace stores; its plugin entry point imports nothing (vLLM loads it in every process).
+    "vllm": BASE | {"answering", "kv", "packs", "rpc", "security", "store", "worker"},
+    "vllm_plugin": set(),
     "cli": {"*"},  # a shell over everything
 }
 

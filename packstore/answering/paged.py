@@ -1,0 +1,328 @@
+"""Packs for a paged-attention engine (vLLM): which pack a prompt gets, and how many of its tokens, in whole blocks.
+
+An engine with a paged KV cache prefills a prompt it is sent; a pack can only save that prefill for the prompt's first
+tokens, in whole cache blocks, and only when the prompt begins with the pack's exact tokens. This module decides that
+without the engine: ``PackMatcher.plan`` names the pack (asked for by ref, or found by ``PrefixIndex`` from the prompt's
+first tokens), checks its identities against the served model and never raises: a pack that cannot apply gets a plan
+with the reason, which the engine reports with the answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from packstore.errors import PackstoreError
+from packstore.format.header import PackHeader
+from packstore.security.trust import TrustedKeys
+from packstore.store.protocol import DEFAULT_NAMESPACE, PackStore
+
+log = logging.getLogger("packstore.paged")
+
+HEADERS_REMEMBERED = 256  # pack headers kept by key (a key's header never changes)
+_TOKEN_BYTES = 4  # token ids hash as little-endian uint32, as pack keys do
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the engine serves, as packs are checked against it: identities, dtype, cache shape and block size."""
+
+    model_fp: str
+    template_fp: str
+    dtype: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+
+
+@dataclass
+class PackPlan:
+    """The decision for one request: the pack and the block-aligned tokens to load, or why none applies.
+
+    ``tokens`` counts the prompt's first tokens whose K/V the pack supplies (whole blocks of ``prompt[:-1]``);
+    ``loaded`` how many of them were written from the pack (the rest were already in the engine's prefix cache)."""
+
+    ref: str | None = None
+    key: str | None = None
+    namespace: str = DEFAULT_NAMESPACE
+    pack_tokens: int = 0
+    tokens: int = 0
+    pack_sha256: str | None = None
+    mode: str = "none"  # "explicit" (kv_transfer_params.pack), "automatic" (the prompt's first tokens), "none"
+    reason: str | None = None
+    loaded: int = 0
+    failure: str | None = None  # set when loading failed and the engine recomputed the blocks
+
+    @property
+    def applies(self) -> bool:
+        return self.key is not None and self.reason is None and self.tokens > 0
+
+    def report(self) -> dict[str, Any]:
+        """What comes back with the answer (vLLM: the response's ``kv_transfer_params``)."""
+        found: dict[str, Any] = {"pack_applied": self.applies and self.failure is None, "pack_mode": self.mode}
+        if self.ref is not None:
+            found["pack"] = self.ref
+        if self.key is not None:
+            found["pack_key"] = self.key
+            found["pack_tokens"] = self.pack_tokens
+        if self.applies and self.failure is None:
+            found["pack_tokens_used"] = self.tokens
+            found["pack_tokens_loaded"] = self.loaded
+        reason = self.failure or self.reason
+        if reason is not None:
+            found["reason"] = reason
+        return found
+
+
+def aligned_tokens(pack_tokens: int, prompt_tokens: int, block_size: int) -> int:
+    """The pack tokens an engine can take from a pack: whole blocks of ``prompt[:-1]`` (one token is always computed)."""
+    return (min(pack_tokens, prompt_tokens - 1) // block_size) * block_size
+
+
+def block_chain(token_ids: Sequence[int], block_size: int, blocks: int) -> list[bytes]:
+    """Digests of the first 1..``blocks`` whole blocks of ``token_ids``, each chained on the one before."""
+    chain, digest = [], b""
+    for block in range(blocks):
+        part = token_ids[block * block_size : (block + 1) * block_size]
+        digest = hashlib.blake2b(digest + b"".join(int(t).to_bytes(_TOKEN_BYTES, "little") for t in part), digest_size=16).digest()
+        chain.append(digest)
+    return chain
+
+
+def slot_mapping(block_ids: Sequence[int], block_size: int, start: int, stop: int) -> list[int]:
+    """The paged-cache slots of positions [start, stop) of a request whose blocks are ``block_ids``, in order."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, stop)]
+
+
+def blocks_of(block_ids: Sequence[int], block_size: int, start: int, stop: int) -> set[int]:
+    """The block ids holding positions [start, stop)."""
+    return {block_ids[p // block_size] for p in range(start, stop)}
+
+
+class PrefixIndex:
+    """Packs by their token ids at block boundaries: a prompt that begins with a pack's tokens finds it.
+
+    Each pack is filed under the digest chain of its whole blocks; ``match`` walks the prompt's chain from the deepest
+    block up and returns the longest pack whose every token begins the prompt (a pack and the question after it)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._by_chain: dict[bytes, list[tuple[str, tuple[int, ...]]]] = {}
+        self.packs = 0
+
+    def add(self, key: str, token_ids: Sequence[int]) -> None:
+        """File pack ``key``; packs shorter than one block are not filed (they save no whole block)."""
+        blocks = len(token_ids) // self.block_size
+        if blocks == 0:
+            return
+        self._by_chain.setdefault(block_chain(token_ids, self.block_size, blocks)[-1], []).append((key, tuple(token_ids)))
+        self.packs += 1
+
+    def match(self, prompt: Sequence[int]) -> tuple[str, int] | None:
+        """(key, pack tokens) of the longest filed pack that the prompt begins with and goes on after, or None."""
+        blocks = (len(prompt) - 1) // self.block_size
+        chain = block_chain(prompt, self.block_size, blocks)
+        for digest in reversed(chain):
+            filed = self._by_chain.get(digest, ())
+            found = [(key, len(ids)) for key, ids in filed if len(ids) < len(prompt) and tuple(prompt[: len(ids)]) == ids]
+            if found:
+                return max(found, key=lambda item: item[1])
+        return None
+
+
+def _refusal(header: PackHeader, served: ServedModel) -> str | None:
+    """Why a pack cannot be loaded into the served model's cache, or None."""
+    if header.kind != "knowledge":
+        return f"pack {header.key[-12:]} is a {header.kind} pack, not a knowledge pack"
+    if header.soft_tokens or header.composition == "naive":
+        return f"pack {header.key[-12:]} is a {header.composition} composition, whose cache positions are not its tokens'"
+    if header.template_fp != served.template_fp:
+        return (
+            f"template mismatch: pack built with template_fp {header.template_fp[:12]}, the served tokenizer has "
+            f"template_fp {served.template_fp[:12]}"
+        )
+    if header.model_fp != served.model_fp:
+        if header.dtype != served.dtype:
+            return f"dtype mismatch: pack built in {header.dtype}, the engine serves the model in {served.dtype}"
+        return (
+            f"model mismatch: pack built for model {header.model_name!r} (model_fp {header.model_fp[:12]}), the engine "
+            f"serves model_fp {served.model_fp[:12]}"
+        )
+    shape = (header.layers, header.kv_heads, header.head_dim)
+    if shape != (served.layers, served.kv_heads, served.head_dim):
+        cache = (served.layers, served.kv_heads, served.head_dim)
+        return f"shape mismatch: pack has (layers, kv heads, head dim) {shape}, the engine's cache {cache}"
+    return None
+
+
+def _token_problem(header: PackHeader, prompt: Sequence[int]) -> str | None:
+    """Why the prompt does not begin with the pack's tokens and go on after them, or None."""
+    n = header.tokens
+    if len(prompt) <= n:
+        return (
+            f"the prompt has {len(prompt)} tokens, not more than the pack's {n}: send the pack's rendering and then the "
+            "question (packctl render)"
+        )
+    for position, (mine, theirs) in enumerate(zip(header.token_ids, prompt)):
+        if mine != theirs:
+            return (
+                f"the prompt's tokens differ from the pack's at position {position} (pack {mine}, prompt {theirs}): "
+                "render the prompt with packctl render"
+            )
+    return None
+
+
+@dataclass
+class MatcherCounters:
+    """How requests fared, by outcome: what the connector logs and reports."""
+
+    applied: int = 0
+    not_applied: int = 0
+    load_failures: int = 0
+    tokens_loaded: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    def count(self, plan: PackPlan) -> None:
+        if plan.applies:
+            self.applied += 1
+        elif plan.reason is not None:
+            self.not_applied += 1
+            kind = plan.reason.split(":")[0][:60]
+            self.reasons[kind] = self.reasons.get(kind, 0) + 1
+
+
+class PackMatcher:
+    """Plans each request against packs in ``stores(namespace)``: explicit refs, and (``automatic``) the prompt's first
+    tokens through a ``PrefixIndex`` of each namespace, rebuilt in the background every ``refresh_s`` seconds.
+
+    ``namespaces``: the namespaces a request may name (``kv_transfer_params.namespace``); the first is the default."""
+
+    def __init__(
+        self,
+        stores: Callable[[str], PackStore],
+        served: ServedModel,
+        *,
+        namespaces: Sequence[str] = (DEFAULT_NAMESPACE,),
+        automatic: bool = True,
+        trusted: TrustedKeys | None = None,
+        refresh_s: float = 10.0,
+    ) -> None:
+        self.stores, self.served, self.namespaces = stores, served, tuple(namespaces)
+        self.automatic, self.trusted, self.refresh_s = automatic, trusted, refresh_s
+        self.counters = MatcherCounters()
+        self._headers: OrderedDict[tuple[str, str], PackHeader] = OrderedDict()
+        self._indexes: dict[str, PrefixIndex] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._refresher: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Build every namespace's prefix index now, then keep them fresh in a daemon thread (automatic mode only)."""
+        if not self.automatic:
+            return
+        self.refresh()
+        self._refresher = threading.Thread(target=self._refresh_forever, name="packstore-prefix-index", daemon=True)
+        self._refresher.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _refresh_forever(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Rebuild each namespace's index from its store's packs for the served model and template; a store that
+        cannot be read keeps its last index (logged)."""
+        for namespace in self.namespaces:
+            try:
+                index = self._build_index(namespace)
+            except (PackstoreError, OSError) as exc:
+                log.warning("packstore: cannot index the packs of namespace %r: %s", namespace, exc)
+                continue
+            with self._lock:
+                self._indexes[namespace] = index
+
+    def _build_index(self, namespace: str) -> PrefixIndex:
+        index = PrefixIndex(self.served.block_size)
+        store = self.stores(namespace)
+        for summary in store.list(model_fp=self.served.model_fp, template_fp=self.served.template_fp):
+            if summary.kind != "knowledge" or summary.tokens < self.served.block_size:
+                continue
+            header = self._header(namespace, summary.key)
+            if _refusal(header, self.served) is None:
+                index.add(header.key, header.token_ids)
+        return index
+
+    def _header(self, namespace: str, ref: str) -> PackHeader:
+        """The header of ``ref`` in ``namespace``; by key from memory once read (names are resolved each time)."""
+        remembered = self._headers.get((namespace, ref))
+        if remembered is not None:
+            return remembered
+        stored = self.stores(namespace).stat(ref, model_fp=self.served.model_fp)
+        if self.trusted is not None:
+            self.trusted.require(f"pack {stored.key}", "pack", stored.header.pack_sha256, stored.signatures)
+        with self._lock:
+            self._headers[(namespace, stored.key)] = stored.header
+            while len(self._headers) > HEADERS_REMEMBERED:
+                self._headers.popitem(last=False)
+        return stored.header
+
+    def plan(self, prompt: Sequence[int], params: Mapping[str, Any] | None) -> PackPlan:
+        """The pack for a prompt and its ``kv_transfer_params``; never raises (a plan with a reason instead)."""
+        try:
+            plan = self._plan(list(prompt), dict(params or {}))
+        except Exception as exc:  # the engine's scheduler must never see an exception from here
+            log.exception("packstore: planning a request failed")
+            plan = PackPlan(mode="explicit" if params and params.get("pack") else "none", reason=f"internal error: {exc}")
+        self.counters.count(plan)
+        if plan.reason is not None:
+            log.warning("packstore: pack %s not applied: %s", plan.ref or plan.key, plan.reason)
+        return plan
+
+    def _plan(self, prompt: list[int], params: dict[str, Any]) -> PackPlan:
+        namespace = params.get("namespace") or self.namespaces[0]
+        ref = params.get("pack")
+        if not isinstance(namespace, str) or namespace not in self.namespaces:
+            readable = ", ".join(self.namespaces)
+            reason = f"namespace {namespace!r} is not one this server's connector reads ({readable})"
+            return PackPlan(ref=ref if isinstance(ref, str) else None, reason=reason)
+        if ref is not None:
+            if not isinstance(ref, str) or not ref:
+                return PackPlan(mode="explicit", reason="kv_transfer_params.pack must be a pack key or name (a string)")
+            return self._explicit(prompt, ref, namespace)
+        if not self.automatic:
+            return PackPlan()
+        with self._lock:
+            index = self._indexes.get(namespace)
+        found = index.match(prompt) if index is not None else None
+        if found is None:
+            return PackPlan()
+        key, _ = found
+        return self._checked(PackPlan(key=key, namespace=namespace, mode="automatic"), self._header(namespace, key), prompt)
+
+    def _explicit(self, prompt: list[int], ref: str, namespace: str) -> PackPlan:
+        plan = PackPlan(ref=ref, namespace=namespace, mode="explicit")
+        try:
+            header = self._header(namespace, ref)
+        except PackstoreError as exc:
+            plan.reason = f"{type(exc).__name__}: {exc}"
+            return plan
+        plan.key = header.key
+        return self._checked(plan, header, prompt)
+
+    def _checked(self, plan: PackPlan, header: PackHeader, prompt: Sequence[int]) -> PackPlan:
+        plan.pack_tokens, plan.pack_sha256 = header.tokens, header.pack_sha256
+        plan.reason = _refusal(header, self.served) or _token_problem(header, prompt)
+        if plan.reason is None:
+            plan.tokens = aligned_tokens(header.tokens, len(prompt), self.served.block_size)
+            if plan.tokens == 0:
+                plan.reason = f"the pack's {header.tokens} tokens fill no whole cache block of {self.served.block_size} tokens"
+        return plan
+

@@ -1,0 +1,357 @@
+"""The vLLM connector: packs loaded into vLLM's paged KV cache, so packs serve in the engine people run.
+
+vLLM builds ``PackstoreConnector`` twice, a scheduler half in the engine process and a worker half beside the model
+(``KVConnectorBase_V1``). The scheduler half plans each request (``packstore.answering.paged``: the pack a request
+names in ``kv_transfer_params.pack``, or the one its first tokens match; identities, tokens and whole blocks checked)
+and never raises; the worker half reads the pack through the pack reader (every tier, chunk check and signature rule
+applies) and writes each layer with the attention backend's own cache update as the model reaches it. A pack that
+fails while loading is reported as failed blocks, which vLLM recomputes; the reason comes back with the answer
+(docs/protocol.md, "vLLM connector"). This is the only module that imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+
+from packstore.answering.paged import PackMatcher, PackPlan, ServedModel, blocks_of, slot_mapping
+from packstore.kv.identity import directory_model_fingerprint, directory_template_fingerprint
+from packstore.packs.decoder import Decoder
+from packstore.packs.reader import PackReader
+from packstore.rpc.channel import Connection
+from packstore.security.trust import TrustedKeys
+from packstore.store.protocol import DEFAULT_NAMESPACE
+from packstore.worker.stores import NamespaceReaders
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from packstore.packs.tensors import ArrivingPack
+
+log = logging.getLogger("packstore.vllm")
+
+SETTINGS = ("store", "namespace", "namespaces", "token_file", "tls_ca", "s3_endpoint", "trusted_keys", "automatic", "index_refresh_s")
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """``kv_connector_extra_config``: the store and how to reach it, as packctl's and the worker's flags say it."""
+
+    store: str | None = None
+    namespace: str = DEFAULT_NAMESPACE
+    namespaces: tuple[str, ...] = ()
+    token_file: str | None = None
+    tls_ca: str | None = None
+    s3_endpoint: str | None = None
+    trusted_keys: str | None = None
+    automatic: bool = True
+    index_refresh_s: float = 10.0
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
+        """The settings in ``extra``; ValueError naming an unknown or mistyped one (vLLM refuses to start)."""
+        unknown = sorted(set(extra) - set(SETTINGS))
+        if unknown:
+            raise ValueError(f"PackstoreConnector: unknown kv_connector_extra_config key {unknown[0]!r} (known: {', '.join(SETTINGS)})")
+        namespace = extra.get("namespace") or DEFAULT_NAMESPACE
+        others = extra.get("namespaces") or ()
+        if isinstance(others, str) or not all(isinstance(n, str) for n in others):
+            raise ValueError("PackstoreConnector: kv_connector_extra_config 'namespaces' must be a list of namespace names")
+        refresh = extra.get("index_refresh_s", 10.0)
+        if not isinstance(refresh, int | float) or refresh <= 0:
+            raise ValueError("PackstoreConnector: kv_connector_extra_config 'index_refresh_s' must be a positive number of seconds")
+        return cls(
+            store=extra.get("store"),
+            namespace=namespace,
+            namespaces=tuple(dict.fromkeys([namespace, *others])),
+            token_file=extra.get("token_file"),
+            tls_ca=extra.get("tls_ca"),
+            s3_endpoint=extra.get("s3_endpoint"),
+            trusted_keys=extra.get("trusted_keys"),
+            automatic=bool(extra.get("automatic", True)),
+            index_refresh_s=float(refresh),
+        )
+
+    def readers(self) -> NamespaceReaders:
+        """Each namespace's store, opened on first use with the token, TLS CA and S3 endpoint given."""
+        connection = Connection.from_env(
+            token_file=self.token_file, tls_ca=self.tls_ca, s3_endpoint=self.s3_endpoint, namespace=self.namespace
+        )
+        return NamespaceReaders(self.store, connection, per_caller=True)
+
+
+def check_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse (ValueError, so vLLM does not start) an engine configuration packs cannot be loaded into exactly."""
+    transfer = vllm_config.kv_transfer_config
+    problems = []
+    if transfer is None or transfer.kv_load_failure_policy != "recompute":
+        problems.append("set kv_load_failure_policy to \"recompute\" in --kv-transfer-config, so a pack that fails to load is recomputed")
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        problems.append(
+            f"tensor/pipeline parallel sizes {parallel.tensor_parallel_size}/{parallel.pipeline_parallel_size} are not supported: "
+            "serve on one device"
+        )
+    model = vllm_config.model_config
+    if model.use_mla:
+        problems.append("models with multi-head latent attention (MLA) are not supported")
+    if model.is_hybrid or model.is_attention_free:
+        problems.append("hybrid and recurrent models are not supported: packs hold the K/V of attention layers only")
+    text = model.hf_text_config
+    if getattr(text, "sliding_window", None) or "sliding_attention" in (getattr(text, "layer_types", None) or ()):
+        problems.append(f"models with sliding-window layers ({model.hf_config.model_type}) are not supported yet")
+    if vllm_config.cache_config.cache_dtype != "auto":
+        problems.append(f"kv cache dtype {vllm_config.cache_config.cache_dtype!r} is not supported: packs hold the model's own dtype")
+    if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+        problems.append("KV cache layouts with several groups are not supported")
+    if problems:
+        raise ValueError("PackstoreConnector cannot serve this engine: " + "; ".join(problems))
+
+
+def served_model(vllm_config: VllmConfig) -> ServedModel:
+    """The identities and cache shape of the model vLLM serves, computed from its Hugging Face directory."""
+    model = vllm_config.model_config
+    dtype = _DTYPE_NAMES.get(model.dtype) if isinstance(model.dtype, torch.dtype) else None
+    if dtype is None:
+        raise ValueError(f"PackstoreConnector: vLLM serves the model in {model.dtype}, which packs do not hold")
+    return ServedModel(
+        model_fp=directory_model_fingerprint(model.model, dtype),
+        template_fp=directory_template_fingerprint(model.tokenizer or model.model),
+        dtype=dtype,
+        layers=model.get_num_layers(vllm_config.parallel_config),
+        kv_heads=model.get_num_kv_heads(vllm_config.parallel_config),
+        head_dim=model.get_head_size(),
+        block_size=vllm_config.cache_config.block_size,
+    )
+
+
+@dataclass(frozen=True)
+class PackLoad:
+    """One request's load this step: positions [start, stop) of pack ``key`` into the request's blocks."""
+
+    request_id: str
+    key: str
+    namespace: str
+    pack_sha256: str
+    start: int
+    stop: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class PackstoreMetadata(KVConnectorMetadata):
+    """Scheduler -> worker: the loads of this step."""
+
+    loads: list[PackLoad] = field(default_factory=list)
+
+
+@dataclass
+class PackstoreWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: requests whose pack failed to load this step, and why (their blocks were recomputed)."""
+
+    failures: dict[str, str] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, PackstoreWorkerMetadata)
+        return PackstoreWorkerMetadata({**self.failures, **other.failures})
+
+
+@dataclass
+class _ActiveLoad:
+    """A load in flight on the worker: the arriving pack, its slots, the layers written, and the first failure."""
+
+    load: PackLoad
+    pack: ArrivingPack | None
+    slots: torch.Tensor
+    written: set[str] = field(default_factory=set)
+    failure: str | None = None
+
+
+class PackstoreConnector(KVConnectorBase_V1):
+    """Loads knowledge packs into vLLM's paged KV cache (module docstring; docs/protocol.md, "vLLM connector")."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_engine(vllm_config, kv_cache_config)
+        self.settings = ConnectorSettings.from_extra_config(dict(self._kv_transfer_config.kv_connector_extra_config))
+        self.block_size = vllm_config.cache_config.block_size
+        self._readers = self.settings.readers()
+        if role == KVConnectorRole.SCHEDULER:
+            trusted = TrustedKeys.load(self.settings.trusted_keys) if self.settings.trusted_keys else None
+            self.matcher = PackMatcher(
+                self._readers.get,
+                served_model(vllm_config),
+                namespaces=self.settings.namespaces,
+                automatic=self.settings.automatic,
+                trusted=trusted,
+                refresh_s=self.settings.index_refresh_s,
+            )
+            self.matcher.start()
+            self._plans: dict[str, PackPlan] = {}
+            self._to_load: dict[str, PackPlan] = {}
+            log.info("packstore: connector serving packs from %s (namespaces %s)", self.settings.store, ", ".join(self.settings.namespaces))
+        else:
+            self._decoder = Decoder()
+            self._packs: dict[str, PackReader] = {}
+            self._kv_caches: dict[str, torch.Tensor] = {}
+            self._layers: dict[str, Any] = {}
+            self._active: list[_ActiveLoad] = []
+            self._failed_blocks: set[int] = set()
+            self._failures: dict[str, str] = {}
+
+    # ---- scheduler half -------------------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """The pack tokens beyond what vLLM's prefix cache holds (0 when none applies); planned once per request."""
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            plan = self.matcher.plan(request.prompt_token_ids or [], request.kv_transfer_params)
+            self._plans[request.request_id] = plan
+        if not plan.applies or num_computed_tokens >= plan.tokens:
+            return 0, False
+        return plan.tokens - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self._to_load[request.request_id] = self._plans[request.request_id]
+            self._plans[request.request_id].loaded = num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """The loads of the requests scheduled this step (new ones, and ones resumed after preemption)."""
+        meta = PackstoreMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in self._to_load:
+                meta.loads.append(self._load_of(new.req_id, new.block_ids[0]))
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[index]
+            if req_id in self._to_load and req_id in cached.resumed_req_ids and new_blocks is not None:
+                meta.loads.append(self._load_of(req_id, new_blocks[0]))
+        return meta
+
+    def _load_of(self, request_id: str, block_ids: list[int]) -> PackLoad:
+        plan = self._to_load.pop(request_id)
+        assert plan.key is not None and plan.pack_sha256 is not None  # only plans that apply are loaded
+        start = plan.tokens - plan.loaded
+        self.matcher.counters.tokens_loaded += plan.loaded
+        return PackLoad(request_id, plan.key, plan.namespace, plan.pack_sha256, start, plan.tokens, tuple(block_ids))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Record the worker's load failures: the requests were recomputed, and say so when they finish."""
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, PackstoreWorkerMetadata):
+            for request_id, reason in meta.failures.items():
+                self.matcher.counters.load_failures += 1
+                plan = self._plans.get(request_id)
+                if plan is not None:
+                    plan.failure = f"loading the pack failed and vLLM recomputed its blocks: {reason}"
+                log.warning("packstore: request %s: pack load failed, recomputed: %s", request_id, reason)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Whether the pack applied, and why not, returned with the answer as its ``kv_transfer_params``."""
+        self._to_load.pop(request.request_id, None)
+        plan = self._plans.pop(request.request_id, None)
+        if plan is None or plan.mode == "none":
+            return False, None
+        return False, plan.report()
+
+    # ---- worker half ----------------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = dict(kv_caches)
+
+    def _reader(self, namespace: str) -> PackReader:
+        if namespace not in self._packs:
+            self._packs[namespace] = PackReader(self._readers.get(namespace), self._decoder)
+        return self._packs[namespace]
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Start reading this step's packs; each layer is written when the model reaches it (``wait_for_layer_load``)."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PackstoreMetadata)
+        if not meta.loads:
+            return
+        self._layers = {name: layer for name, layer in forward_context.no_compile_layers.items() if hasattr(layer, "kv_cache")}
+        for load in meta.loads:
+            slots = torch.tensor(slot_mapping(load.block_ids, self.block_size, load.start, load.stop), dtype=torch.long)
+            active = _ActiveLoad(load, None, slots)
+            try:
+                active.pack = self._reader(load.namespace).start_fetch(load.key)
+                if active.pack.header.pack_sha256 != load.pack_sha256:
+                    active.failure = f"pack {load.key[-12:]} changed in the store after it was planned"
+            except Exception as exc:
+                active.failure = f"{type(exc).__name__}: {exc}"
+            self._active.append(active)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Write layer ``layer_name`` of every pack in flight into vLLM's cache before the layer runs."""
+        for active in self._active:
+            self._write_layer(active, layer_name)
+
+    def _write_layer(self, active: _ActiveLoad, layer_name: str) -> None:
+        if active.failure is not None or active.pack is None or layer_name in active.written or layer_name not in self._layers:
+            return
+        load, layer = active.load, self._layers[layer_name]
+        try:
+            keys, values = active.pack.layer(extract_layer_index(layer_name))
+            kv_cache = self._kv_caches.get(layer_name, layer.kv_cache)
+            key = keys[:, load.start : load.stop].transpose(0, 1).to(kv_cache.device, kv_cache.dtype).contiguous()
+            value = values[:, load.start : load.stop].transpose(0, 1).to(kv_cache.device, kv_cache.dtype).contiguous()
+            layer.impl.do_kv_cache_update(layer, key, value, kv_cache, active.slots.to(kv_cache.device))
+        except Exception as exc:
+            active.failure = f"{type(exc).__name__}: {exc}"
+            return
+        active.written.add(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        """Packs are only read here (built with ``packctl build --engine vllm``), never saved from serving."""
+
+    def wait_for_save(self) -> None:
+        """After the forward: a load with a layer not written (or failed) has its blocks reported for recompute."""
+        for active in self._active:
+            missing = sorted(set(self._layers) - active.written)
+            if active.failure is None and missing:
+                active.failure = f"layer {missing[0]} was not written before the model used it"
+            if active.failure is not None:
+                load = active.load
+                self._failed_blocks |= blocks_of(load.block_ids, self.block_size, load.start, load.stop)
+                self._failures[load.request_id] = active.failure
+                log.warning("packstore: pack %s for request %s failed to load: %s", load.key[-12:], load.request_id, active.failure)
+        self._active = []
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._failures:
+            return None
+        failures, self._failures = self._failures, {}
+        return PackstoreWorkerMetadata(failures)
+
+    def shutdown(self) -> None:
+        if self.role == KVConnectorRole.SCHEDULER:
+            self.matcher.close()
+        else:
+            self._decoder.close()
+        self._readers.close()
+
+
