@@ -22,7 +22,7 @@ def _model_options(parser: argparse.ArgumentParser, *, required: bool = True) ->
     parser.add_argument(
         "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="compute dtype (part of the model identity)"
     )
-    parser.add_argument("--chat-template", metavar="FILE", help="use this Jinja chat template instead of the tokenizer's own")
+    _chat_template_option(parser)
 
 
 def _composition_options(parser: argparse.ArgumentParser, modes: tuple[str, ...]) -> None:
@@ -36,8 +36,13 @@ def _composition_options(parser: argparse.ArgumentParser, modes: tuple[str, ...]
     parser.add_argument("--adapter", metavar="REF", help="the adapter (packctl adapter train) for --mode packet")
 
 
+def _chat_template_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chat-template", metavar="FILE", help="use this Jinja chat template instead of the tokenizer's own")
+
+
 def add_commands(cli: CommandLine) -> None:
-    """build, compose, amend, ask, adapter train and steer build, with their arguments and deferred handlers."""
+    """build, compose, amend, ask, render, adapter train, steer build and model export, with their arguments and deferred
+    handlers."""
     p = cli.command("build", deferred(HANDLERS, "cmd_build"), "build a pack from a facts file and store it; prints the key")
     p.add_argument("facts", metavar="FACTS", help="one fact per line, or JSONL with a 'text' field")
     _model_options(p)
@@ -105,6 +110,17 @@ def add_commands(cli: CommandLine) -> None:
         "--stop", action="append", default=[], metavar="STR", help="end the answer before this string (repeatable; the first found wins)"
     )
 
+    p = cli.command(
+        "render", deferred(HANDLERS, "cmd_render"),
+        "print what a client sends a serving engine (vLLM) so the pack applies: the chat messages and the prompt's token ids",
+    )
+    p.add_argument("ref", metavar="REF", help="pack key or name")
+    p.add_argument("question", metavar="QUESTION")
+    p.add_argument(
+        "--model", metavar="M", help="the model whose tokenizer renders (default: the pack's own); smollm2-135m, gemma3-270m or a directory"
+    )
+    _chat_template_option(p)
+
     adapter = cli.command(
         "adapter", deferred(HANDLERS, "cmd_adapter"), "KV Packet adapters: soft tokens trained to splice independently built packs"
     )
@@ -152,4 +168,23 @@ def add_commands(cli: CommandLine) -> None:
         "--framing", choices=FRAMINGS, default="text",
         help="pool each pair text alone (default) or as a user message in the chat template, over the message and the "
         "template after it (the positions steering is added to when asking)",
+    )
+
+    model = cli.command("model", deferred(HANDLERS, "cmd_model"), "models: write one as a Hugging Face directory a serving engine loads")
+    sub = model.add_subparsers(dest="model_command", required=True, metavar="MODEL_COMMAND")
+    p = sub.add_parser(
+        "export", parents=[global_options(add_defaults=False, client=True)],
+        help="write model M to DIR as a Hugging Face directory (config, tokenizer with chat template, safetensors) for vllm serve DIR",
+        description="write model M to DIR as a Hugging Face directory (config, generation config, tokenizer with its chat template, "
+        "safetensors) that vLLM serves (vllm serve DIR); prints DIR and the model_fp and template_fp packs for it carry",
+    )
+    p.add_argument("model", metavar="M", help="smollm2-135m, gemma3-270m, or a local Hugging Face model directory")
+    p.add_argument("dir", metavar="DIR", help="the directory to write (new or empty, unless --force)")
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+        help="the compute dtype whose model_fp is printed (the weights are written as they are)",
+    )
+    _chat_template_option(p)
+    p.add_argument(
+        "--force", action="store_true", help="write into a non-empty DIR: same-named files are replaced, other weight files removed"
     )

@@ -1,10 +1,11 @@
-"""packctl's model-side commands: build, compose, amend, ask, steer build and adapter train. This module
+"""packctl's model-side commands: build, compose, amend, ask, render, steer build, adapter train and model export. This module
 imports torch and transformers; packctl imports it only when one of these commands runs (their arguments
 are ``packstore.cli.model_args``)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -22,21 +23,27 @@ from packstore.answering.facts import read_examples, read_facts, read_pairs, rea
 from packstore.cli.common import EXIT_ERROR, connection_of, emit_json
 from packstore.cli.shared import human_bytes, progress, store_of
 from packstore.errors import InvalidInput, PackMismatch
+from packstore.kv.export import export_model
 from packstore.kv.inject import Sampling
-from packstore.kv.models import LoadedModel, load_model
+from packstore.kv.models import LoadedModel, load_model, load_tokenizer
 from packstore.kv.options import parse_layers, parse_steer
+from packstore.kv.prompt import pack_prompt
 from packstore.packs.admin import pack_summary
 from packstore.worker.client import WorkerClient
 
 
+def _chat_template(args: argparse.Namespace) -> str | None:
+    """The text of ``--chat-template FILE``, or None."""
+    if not args.chat_template:
+        return None
+    try:
+        return Path(args.chat_template).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InvalidInput(f"--chat-template {args.chat_template}: {exc.strerror}") from None
+
+
 def _load_model(args: argparse.Namespace) -> LoadedModel:
-    template = None
-    if args.chat_template:
-        try:
-            template = Path(args.chat_template).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise InvalidInput(f"--chat-template {args.chat_template}: {exc.strerror}") from None
-    return load_model(args.model, device=args.device, dtype=args.dtype, chat_template=template, progress=progress(args))
+    return load_model(args.model, device=args.device, dtype=args.dtype, chat_template=_chat_template(args), progress=progress(args))
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -215,4 +222,39 @@ def cmd_adapter(args: argparse.Namespace) -> int:
             f"held-out KL {metrics['holdout_kl_before']} -> {metrics['holdout_kl_after']}, peak RSS {metrics['peak_rss_mb']} MB",
             file=sys.stderr,
         )
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    with store_of(args, readonly=True) as store:
+        header = store.stat(args.ref).header
+    model = args.model or header.model_name
+    prompt = pack_prompt(load_tokenizer(model, chat_template=_chat_template(args)), header, args.question, model=model)
+    if args.json:
+        emit_json(prompt.to_json())
+        return 0
+    if prompt.messages is None:
+        print(
+            f"pack {prompt.key} was built without the chat template (raw): chat messages cannot express it; "
+            "send this prompt text (a completions request) or its token ids",
+            file=sys.stderr,
+        )
+        print(prompt.prompt)
+    else:
+        print(json.dumps(prompt.messages, ensure_ascii=False))
+    print(f"{len(prompt.prompt_token_ids)} prompt tokens, the first {prompt.pack_tokens} from the pack", file=sys.stderr)
+    return 0
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    directory = Path(args.dir).expanduser()
+    if not args.force and directory.is_dir() and any(directory.iterdir()):
+        raise InvalidInput(f"{directory} is not empty: give a new or empty directory, or --force to write into it")
+    exported = export_model(args.model, directory, dtype=args.dtype, chat_template=_chat_template(args), overwrite=args.force)
+    if args.json:
+        emit_json(exported.to_json())
+    else:
+        print(exported.directory)
+        print(f"model_fp:    {exported.model_fp} ({exported.dtype})")
+        print(f"template_fp: {exported.template_fp}")
     return 0

@@ -224,6 +224,15 @@ def resolve_model_dir(spec: str, bar: tqdm | None = None) -> tuple[Path, WheelMo
     )
 
 
+def load_tokenizer(spec: str, *, chat_template: str | None = None) -> transformers.PreTrainedTokenizerBase:
+    """The tokenizer ``load_model(spec, chat_template=...)`` loads, without the weights: for rendering prompts."""
+    model_dir, _ = resolve_model_dir(spec)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
 def load_model(
     spec: str,
     *,
