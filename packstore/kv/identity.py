@@ -240,8 +240,11 @@ def _meta_model(directory: Path, dtype: torch.dtype) -> PreTrainedModel:
         raise InvalidInput(f"cannot read the model config in {directory}: {exc}") from None
     if getattr(config, "quantization_config", None):
         raise InvalidInput(f"{directory} holds a quantized checkpoint: its identity can only be computed by loading it")
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except ValueError as exc:  # transformers' answer to a config of no causal language model it knows
+        raise InvalidInput(f"{directory} holds no causal language model transformers can build: {exc}") from None
 
 
 def _load_dtype(model: PreTrainedModel, dtype: torch.dtype):
