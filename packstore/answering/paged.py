@@ -163,18 +163,17 @@ def _refusal(header: PackHeader, served: ServedModel) -> str | None:
 
 def _token_problem(header: PackHeader, prompt: Sequence[int]) -> str | None:
     """Why the prompt does not begin with the pack's tokens and go on after them, or None."""
-    n = header.tokens
-    if len(prompt) <= n:
-        return (
-            f"the prompt has {len(prompt)} tokens, not more than the pack's {n}: send the pack's rendering and then the "
-            "question (packctl render)"
-        )
     for position, (mine, theirs) in enumerate(zip(header.token_ids, prompt)):
         if mine != theirs:
             return (
                 f"the prompt's tokens differ from the pack's at position {position} (pack {mine}, prompt {theirs}): "
                 "render the prompt with packctl render"
             )
+    if len(prompt) <= header.tokens:
+        return (
+            f"the prompt has {len(prompt)} tokens, not more than the pack's {header.tokens}: send the pack's rendering and "
+            "then the question (packctl render)"
+        )
     return None
 
 

