@@ -12,10 +12,14 @@ fails while loading is reported as failed blocks, which vLLM recomputes; the rea
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors.torch import save_file
+from vllm import __version__ as vllm_version
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -47,7 +51,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("packstore.vllm")
 
-SETTINGS = ("store", "namespace", "namespaces", "token_file", "tls_ca", "s3_endpoint", "trusted_keys", "automatic", "index_refresh_s")
+SETTINGS = (
+    "store", "namespace", "namespaces", "token_file", "tls_ca", "s3_endpoint", "trusted_keys", "automatic", "index_refresh_s", "capture_dir"
+)
+CAPTURE_FILE = "kv.safetensors"  # what a capture run writes in its capture_dir (packstore.kv.engine_build reads it)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -64,6 +71,7 @@ class ConnectorSettings:
     trusted_keys: str | None = None
     automatic: bool = True
     index_refresh_s: float = 10.0
+    capture_dir: str | None = None  # packctl build --engine vllm: write the K/V the engine computes here
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -88,6 +96,7 @@ class ConnectorSettings:
             trusted_keys=extra.get("trusted_keys"),
             automatic=bool(extra.get("automatic", True)),
             index_refresh_s=float(refresh),
+            capture_dir=extra.get("capture_dir"),
         )
 
     def readers(self) -> NamespaceReaders:
@@ -216,6 +225,8 @@ class PackstoreConnector(KVConnectorBase_V1):
             self._active: list[_ActiveLoad] = []
             self._failed_blocks: set[int] = set()
             self._failures: dict[str, str] = {}
+            self._captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+            self._captured_steps: list[int] = []
 
     # ---- scheduler half -------------------------------------------------------------------------------------------
 
@@ -277,6 +288,39 @@ class PackstoreConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
+        if self.settings.capture_dir is not None:
+            layers = self._vllm_config.compilation_config.static_forward_context
+            for name in kv_caches:
+                self._capture(extract_layer_index(name), layers[name].impl)
+
+    def _capture(self, index: int, impl: Any) -> None:
+        """Keep a copy of every K/V row the attention backend writes into layer ``index``'s cache (a capture run
+        serves one request: its prompt's rows, in order, are the pack)."""
+        update = impl.do_kv_cache_update
+        rows = self._captured.setdefault(index, [])
+
+        def capturing(layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+            update(layer, key, value, kv_cache, slots)
+            written = slots[slots >= 0].numel()
+            rows.append((key[:written].detach().clone(), value[:written].detach().clone()))
+
+        impl.do_kv_cache_update = capturing
+
+    def _write_capture(self) -> None:
+        """After a step that wrote rows: every row captured so far, per layer, and the rows each step wrote, to
+        ``capture_dir/kv.safetensors`` (replaced whole, so a reader never sees half a file)."""
+        steps = sum(len(k) for k, _ in self._captured.get(0, []))
+        if self.settings.capture_dir is None or steps == sum(self._captured_steps):
+            return
+        self._captured_steps.append(steps - sum(self._captured_steps))
+        tensors = {"steps": torch.tensor(self._captured_steps, dtype=torch.int64)}
+        for index, rows in self._captured.items():
+            tensors[f"k.{index}"] = torch.cat([k for k, _ in rows])
+            tensors[f"v.{index}"] = torch.cat([v for _, v in rows])
+        target = Path(self.settings.capture_dir) / CAPTURE_FILE
+        device = next(iter(self._captured.values()))[0][0].device.type
+        save_file(tensors, target.with_suffix(".partial"), metadata={"engine": "vllm", "version": vllm_version, "device": device})
+        os.replace(target.with_suffix(".partial"), target)
 
     def _reader(self, namespace: str) -> PackReader:
         if namespace not in self._packs:
@@ -336,6 +380,7 @@ class PackstoreConnector(KVConnectorBase_V1):
                 self._failures[load.request_id] = active.failure
                 log.warning("packstore: pack %s for request %s failed to load: %s", load.key[-12:], load.request_id, active.failure)
         self._active = []
+        self._write_capture()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

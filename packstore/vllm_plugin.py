@@ -1,12 +1,18 @@
-"""vLLM's plugin entry point (``vllm.general_plugins``): registers ``PackstoreConnector`` by name, so
-``--kv-transfer-config '{"kv_connector": "PackstoreConnector", ...}'`` needs no ``kv_connector_module_path``.
+"""What vLLM runs of packstore's before any of packstore is imported: the plugin entry point (``vllm.general_plugins``)
+that registers ``PackstoreConnector`` by name, and the capture run of ``packctl build --engine vllm``.
 
-Kept apart from ``packstore.vllm`` and importing nothing at load: vLLM loads general plugins in every one of its
-processes, before its CPU worker rebinds kernels by scanning every module in ``sys.modules``, a scan that llvmlite's
-objects (through numba, which the pack reader uses) break. The connector module is imported only when vLLM builds it.
+Both import nothing at load. vLLM loads general plugins in every one of its processes, before its CPU worker rebinds
+kernels by scanning every module in ``sys.modules``, a scan that llvmlite's objects (through numba, which the pack
+reader uses) break; and a capture run is started as ``python -m packstore.vllm_plugin capture SPEC`` so that the
+engine's processes start from a process that has imported nothing of packstore. The connector module
+(``packstore.vllm``) is imported only when vLLM builds it, after that scan.
 """
 
 from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
 
 CONNECTOR = "PackstoreConnector"
 CONNECTOR_MODULE = "packstore.vllm"
@@ -18,3 +24,39 @@ def register() -> None:
 
     if CONNECTOR not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR, CONNECTOR_MODULE, CONNECTOR)
+
+
+def capture(spec_path: str) -> None:
+    """Prefill ``spec["token_ids"]`` once in vLLM serving ``spec["model"]``, the connector writing the K/V the engine
+    computes into ``spec["capture_dir"]`` (packstore.kv.engine_build turns it into a pack)."""
+    from vllm import LLM, SamplingParams  # vLLM is installed where this runs (packctl build --engine vllm checks)
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(Path(spec_path).read_text())
+    transfer = KVTransferConfig(
+        kv_connector=CONNECTOR,
+        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"store": spec["capture_dir"], "automatic": False, "capture_dir": spec["capture_dir"]},
+    )
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec["dtype"],
+        block_size=spec["block_size"],
+        max_model_len=spec["max_model_len"],
+        kv_cache_memory_bytes=spec["kv_cache_bytes"],
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        seed=0,
+        kv_transfer_config=transfer,
+    )
+    request = SamplingParams(max_tokens=1, temperature=0, extra_args={"kv_transfer_params": {"pack": False}})
+    llm.generate([TokensPrompt(prompt_token_ids=spec["token_ids"])], request, use_tqdm=False)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "capture":
+        sys.exit("usage: python -m packstore.vllm_plugin capture SPEC.json")
+    capture(sys.argv[2])

@@ -48,6 +48,12 @@ def add_commands(cli: CommandLine) -> None:
     _model_options(p)
     p.add_argument("--name", help="name (alias) for the pack, per model")
     p.add_argument("--raw", action="store_true", help="no chat template around the facts (to measure that pitfall)")
+    p.add_argument(
+        "--engine", choices=("transformers", "vllm"), default="transformers",
+        help="whose prefill computes the K/V: packstore's own (transformers, default) or vLLM's (a pack vLLM then loads bit for "
+        "bit as its own prefix cache; the header records the engine, which is part of the key)",
+    )
+    p.add_argument("--block-size", type=int, default=128, metavar="N", help="--engine vllm: vLLM's KV cache block size (default 128)")
 
     p = cli.command(
         "compose", deferred(HANDLERS, "cmd_compose"),

@@ -17,12 +17,14 @@ from packstore.answering.api import (
     build_and_store,
     build_steering_and_store,
     compose_and_store,
+    store_pack,
     train_adapter_and_store,
 )
 from packstore.answering.facts import read_examples, read_facts, read_pairs, read_questions
 from packstore.cli.common import EXIT_ERROR, connection_of, emit_json
 from packstore.cli.shared import human_bytes, progress, store_of
 from packstore.errors import InvalidInput, PackMismatch
+from packstore.kv.engine_build import build_pack_with_engine
 from packstore.kv.export import export_model
 from packstore.kv.inject import Sampling
 from packstore.kv.models import LoadedModel, load_model, load_tokenizer
@@ -48,9 +50,17 @@ def _load_model(args: argparse.Namespace) -> LoadedModel:
 
 def cmd_build(args: argparse.Namespace) -> int:
     facts = read_facts(args.facts)
-    lm = _load_model(args)
-    with store_of(args) as store:
-        stored, created = build_and_store(store, lm, facts, name=args.name, raw=args.raw, progress=progress(args))
+    if args.engine == "transformers":
+        lm = _load_model(args)
+        with store_of(args) as store:
+            stored, created = build_and_store(store, lm, facts, name=args.name, raw=args.raw, progress=progress(args))
+    else:
+        pack = build_pack_with_engine(
+            args.model, facts, engine=args.engine, dtype=args.dtype, block_size=args.block_size, raw=args.raw,
+            chat_template=_chat_template(args),
+        )
+        with store_of(args) as store:
+            stored, created = store_pack(store, pack, name=args.name)
     record = pack_summary(stored) | {"created_new": created}
     if args.json:
         emit_json(record)

@@ -15,11 +15,11 @@ from typing import Any, NoReturn
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch
 
 FORMAT_NAME = "packstore-pack"
-FORMAT_VERSION = 4  # the newest version this build reads and writes (docs/format.md §7)
-READ_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5  # the newest version this build reads and writes (docs/format.md §7)
+READ_VERSIONS = (1, 2, 3, 4, 5)
 # The chunk digest of each version (docs/format.md §1.3): sha256 up to version 3; BLAKE3-256, which hashes at
 # several times sha256's speed and is as cryptographic, from version 4. Headers and keys stay sha256.
-CHUNK_DIGESTS = {1: "sha256", 2: "sha256", 3: "sha256", 4: "blake3"}
+CHUNK_DIGESTS = {1: "sha256", 2: "sha256", 3: "sha256", 4: "blake3", 5: "blake3"}
 CHUNK_DIGEST = CHUNK_DIGESTS[FORMAT_VERSION]  # what writers use
 # "knowledge": the K/V of a prefix (versions 1 and 2); without prefix tokens (version 3): "steering",
 # per-layer K/V deltas made from contrastive pairs (docs/format.md §4.3), and "adapter", trained
@@ -64,6 +64,11 @@ MAX_CODEC_CHARS = 64
 MAX_CHUNK_STORED_BYTES = 1 << 40
 # A device type as torch names it ("cpu", "cuda", "mps", "xpu", ...): what ``built_on.device`` records.
 _DEVICE_TYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+# A serving engine that computed a pack's K/V with its own prefill (version 5, docs/format.md §1.1): its name, its
+# version and the KV cache block size it ran with. Packs built by packstore's own transformers path have none.
+ENGINES = ("vllm",)
+ENGINE_FIELDS = ("block_size", "name", "version")
+MAX_BLOCK_SIZE = 1 << 16
 PARSED_ENTRIES = 16  # headers remembered once parsed (PackHeader.from_json)
 PARSED_MAX_BYTES = 1 << 18  # the largest remembered: a 2k-token pack's header is 36 KB, an 8k one's about 140 KB
 _HEX64 = re.compile(r"[0-9a-f]{64}")  # used with fullmatch: no trailing newline
@@ -95,18 +100,30 @@ def facts_digest(facts: Iterable[str]) -> str:
     return sha256_hex(canonical_json(list(facts)))
 
 
-def recipe_hash(token_ids: Iterable[int], composition: str, parents: Iterable[str]) -> str:
-    """The content hash of a pack whose KV is not the exact prefill of its tokens: its tokens and
-    its recipe (composition and parts, in order), so it never shares a key with the exact pack."""
-    if composition == "exact":
+def recipe_hash(
+    token_ids: Iterable[int], composition: str, parents: Iterable[str], engine: Mapping[str, Any] | None = None
+) -> str:
+    """The content hash of a pack whose KV is not the exact prefill of its tokens by packstore's own path: its tokens
+    and its recipe (composition and parts, in order; the engine that prefilled it), so it never shares a key with the
+    exact pack of the same tokens."""
+    if composition == "exact" and engine is None:
         return content_hash(token_ids)
-    recipe = {"composition": composition, "parents": list(parents), "tokens": content_hash(token_ids)}
+    recipe: dict[str, Any] = {"composition": composition, "parents": list(parents), "tokens": content_hash(token_ids)}
+    if engine is not None:
+        recipe["engine"] = dict(engine)
     return sha256_hex(canonical_json(recipe))
 
 
-def pack_key(model_fp: str, template_fp: str, token_ids: Iterable[int], composition: str = "exact", parents: Iterable[str] = ()) -> str:
+def pack_key(
+    model_fp: str,
+    template_fp: str,
+    token_ids: Iterable[int],
+    composition: str = "exact",
+    parents: Iterable[str] = (),
+    engine: Mapping[str, Any] | None = None,
+) -> str:
     """The store key ``model_fp/template_fp/content_hash``."""
-    return f"{model_fp}/{template_fp}/{recipe_hash(token_ids, composition, parents)}"
+    return f"{model_fp}/{template_fp}/{recipe_hash(token_ids, composition, parents, engine)}"
 
 
 def inputs_hash(kind: str, recipe: Mapping[str, Any]) -> str:
@@ -192,6 +209,9 @@ class PackHeader:
     # and the device type and compute dtype it ran on, ``{"device": "cuda", "dtype": "bfloat16"}``.
     prefill_chunks: tuple[int, ...] | None = None
     built_on: Mapping[str, str] | None = None
+    # The serving engine whose own prefill computed the K/V (``{"name": "vllm", "version": ..., "block_size": ...}``),
+    # None for packstore's own build: version 5, and part of the key's recipe.
+    engine: Mapping[str, Any] | None = None
 
     @property
     def tokens(self) -> int:
@@ -206,7 +226,7 @@ class PackHeader:
     def content_hash(self) -> str:
         if self.kind not in PREFIX_KINDS:
             return inputs_hash(self.kind, self.recipe or {})
-        return recipe_hash(self.token_ids, self.composition, self.parents)
+        return recipe_hash(self.token_ids, self.composition, self.parents, self.engine)
 
     @property
     def body_layers(self) -> range:
@@ -244,8 +264,11 @@ class PackHeader:
 
     @property
     def version(self) -> int:
-        """The oldest format version that holds this header: 4 once its chunks have BLAKE3 digests (every
-        pack written now), else its ``layout`` (a pack written before version 4, or a header not yet encoded)."""
+        """The oldest format version that holds this header: 5 when an engine computed it; 4 once its chunks have
+        BLAKE3 digests (every other pack written now), else its ``layout`` (a pack written before version 4, or a
+        header not yet encoded)."""
+        if self.engine is not None:
+            return 5
         return 4 if self.chunks and self.chunks[0].algorithm == "blake3" else self.layout
 
     @property
@@ -317,6 +340,8 @@ class PackHeader:
                 f"pack format version {version!r} is not supported (this build reads versions 1 to {FORMAT_VERSION})"
             )
         layout = version if version < 4 else _layout_of(record)
+        if (version == 5) != ("engine" in record):
+            raise _field_error("engine", "is in exactly the version-5 headers (packs an engine prefilled)")
         for name in _VERSION_FIELDS:
             if name not in _VERSION_FIELDS_OF[layout] and name in record:
                 kind = "" if layout == version else f" of a {record.get('kind')!s:.20} pack"
@@ -332,7 +357,7 @@ class PackHeader:
                 _refuse(name, "absent where unknown, never null", None)
             record.setdefault(name, None)
         if layout == 2 and record["composition"] == "exact":
-            if version == 4:
+            if version >= 4:
                 raise _field_error("composition", "must be absent for an exact pack (it is present for spliced compositions)")
             raise _field_error("version", "must be 1 for an exact pack (version 2 holds spliced compositions)")
         if (layout == 3) != (record.get("kind") not in PREFIX_KINDS):
@@ -354,7 +379,7 @@ class PackHeader:
             prefill_chunks=tuple(record["prefill_chunks"]) if record["prefill_chunks"] is not None else None,
         )
         derived = {
-            "version": header.version,  # 4 exactly when its chunks have BLAKE3 digests
+            "version": header.version,  # 5 with an engine, else 4 exactly when its chunks have BLAKE3 digests
             "tokens": header.tokens,
             "content_hash": header.content_hash,
             "source_sha256": facts_digest(header.facts),
@@ -422,7 +447,7 @@ def _tensor_names(kind: str, layer: int) -> tuple[str, str]:
         return "soft.header", "soft.trailer"
     return f"layers.{layer}.key", f"layers.{layer}.value"
 _SEQUENCE_FIELDS = ("token_ids", "facts", "parents", "chunks", "soft_tokens", "prefill_chunks")
-_OPTIONAL_FIELDS = ("prefill_chunks", "built_on")  # absent where unknown, in any version
+_OPTIONAL_FIELDS = ("prefill_chunks", "built_on", "engine")  # absent where unknown (engine: version 5 only)
 _DERIVED_FIELDS = ("tokens", "content_hash", "source_sha256")
 _BLOCK_FIELDS = ("first_position", "stop_position")  # a token block's entry has these two as well
 _CHUNK_FIELDS = ("first_layer", "stop_layer", "raw_bytes", "stored_bytes")  # and the digest, named by its algorithm
@@ -504,6 +529,7 @@ def _check_fields(record: Mapping[str, Any]) -> None:
     _check_soft_tokens(record)
     _check_prefill_chunks(record)
     _check_built_on(record.get("built_on"))
+    _check_engine(record)
     if record["kind"] == "steering":
         _check_steering(record)
     elif record["kind"] == "adapter":
@@ -569,6 +595,21 @@ def _check_built_on(built_on: Any) -> None:
     if type(device) is not str or not _DEVICE_TYPE.fullmatch(device):
         _refuse("built_on.device", 'a device type (lowercase letters, digits and _, at most 32 characters: "cpu", "cuda")', device)
     _check_choice("built_on.dtype", built_on["dtype"], DTYPES)
+
+
+def _check_engine(record: Mapping[str, Any]) -> None:
+    """An engine-built pack is an exact knowledge pack whose engine record names a known engine, a version and its
+    KV cache block size."""
+    engine = record.get("engine")
+    if engine is None:
+        return
+    if record["kind"] not in PREFIX_KINDS or record["composition"] != "exact":
+        _refuse("engine", "absent except for an exact knowledge pack (the prefill of its tokens)", engine)
+    if not isinstance(engine, Mapping) or sorted(engine) != list(ENGINE_FIELDS):
+        _refuse("engine", f"an object with exactly the fields {', '.join(ENGINE_FIELDS)}", engine)
+    _check_choice("engine.name", engine["name"], ENGINES)
+    _check_str("engine.version", engine["version"], MAX_CODEC_CHARS)
+    _check_int("engine.block_size", engine["block_size"], 1, MAX_BLOCK_SIZE)
 
 
 def _check_metrics(metrics: Any) -> None:

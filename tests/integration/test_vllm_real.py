@@ -179,3 +179,46 @@ def test_bfloat16_weights_exported_and_float32_identity_differ(served) -> None:
 
     with LmdbStore(served["store"], readonly=True) as store:
         assert directory_model_fingerprint(served["model_dir"], "bfloat16") == store.stat("harbour-bf16").header.model_fp
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def engine_built(request, served):
+    """A pack built with ``packctl build --engine vllm`` in ``dtype``, loaded by an engine with prefix caching on:
+    (0) the question with the pack, (reset) (1) the pack's own rendering alone (vLLM caches its blocks, as the build
+    prefilled them), (2) the question again with the pack opted out, answered from vLLM's own prefix cache."""
+    dtype = request.param
+    facts = served["tmp"] / "harbour.txt"
+    facts.write_text("\n".join(HARBOUR))
+    store = served["tmp"] / f"engine-{dtype}"
+    built = packctl("--store", str(store), "build", str(facts), "--model", str(served["model_dir"]), "--dtype", dtype,
+                    "--engine", "vllm", "--block-size", str(BLOCK), "--name", "harbour")
+    with LmdbStore(store, readonly=True) as opened:
+        header = opened.stat("harbour").header
+    question = served["prompts"]["harbour"]
+    batches = [
+        [{"prompt_token_ids": question, "kv_transfer_params": {"pack": "harbour"}}],
+        "reset",
+        [{"prompt_token_ids": list(header.token_ids), "kv_transfer_params": {"pack": False}, "max_tokens": 1}],
+        [{"prompt_token_ids": question, "kv_transfer_params": {"pack": False}}],
+    ]
+    spec = {"model": str(served["model_dir"]), "dtype": dtype, "block_size": BLOCK, "prefix_caching": True,
+            "connector": {"store": str(store), "automatic": False}, "batches": batches}
+    records = run_engine(spec, served["tmp"])
+    return built, header, records
+
+
+def test_an_engine_built_pack_records_the_engine_and_has_its_own_key(engine_built, served) -> None:
+    built, header, _ = engine_built
+    assert header.version == 5 and header.engine["name"] == "vllm" and header.engine["block_size"] == BLOCK
+    assert header.built_on == {"device": "cpu", "dtype": header.dtype} and header.prefill_chunks == (0, header.tokens)
+    with LmdbStore(served["store"], readonly=True) as store:
+        transformers_built = store.stat("harbour").header
+    assert header.token_ids == transformers_built.token_ids and built["key"] != transformers_built.key
+
+
+def test_an_engine_built_pack_answers_bit_for_bit_as_vllm_own_prefix_cache(engine_built) -> None:
+    _, header, records = engine_built
+    with_pack, _, from_cache = records
+    assert with_pack["kv"]["pack_applied"] is True and with_pack["kv"]["pack_tokens_loaded"] == (header.tokens // BLOCK) * BLOCK
+    assert with_pack["ids"] == from_cache["ids"]
+    assert with_pack["logprobs"] == from_cache["logprobs"]  # bit for bit, not approximately

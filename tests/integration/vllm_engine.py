@@ -4,7 +4,7 @@ its own (vLLM's in-process mode would pin the whole test process to one thread).
 Usage: ``python vllm_engine.py SPEC.json``; SPEC: ``model``, ``dtype``, ``block_size``, ``prefix_caching``, ``connector``
 (kv_connector_extra_config, or null for no connector) and ``batches`` (lists of requests: ``prompt_token_ids``,
 optional ``kv_transfer_params`` and ``max_tokens``). Each batch is one ``generate`` call: its requests are scheduled
-together; batches run one after another in the same engine.
+together; batches run one after another in the same engine. A batch ``"reset"`` empties vLLM's prefix cache.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ def main(spec_path: str) -> None:
     )
     print(json.dumps({"event": "ready"}), flush=True)
     for batch_index, batch in enumerate(spec["batches"]):
+        if batch == "reset":
+            assert llm.reset_prefix_cache()
+            continue
         params = [
             SamplingParams(
                 max_tokens=request.get("max_tokens", 16),
