@@ -15,9 +15,10 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from prometheus_client import Counter
 from safetensors.torch import save_file
 from vllm import __version__ as vllm_version
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -26,9 +27,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats, PromMetric, PromMetricT
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.metrics.utils import create_metric_per_engine
 
-from packstore.answering.paged import PackMatcher, PackPlan, ServedModel, blocks_of, slot_mapping
+from packstore.answering.paged import COUNTERS, PackMatcher, PackPlan, ServedModel, blocks_of, slot_mapping
 from packstore.kv.identity import directory_model_fingerprint, directory_template_fingerprint
 from packstore.packs.decoder import Decoder
 from packstore.packs.reader import PackReader
@@ -152,6 +155,52 @@ def served_model(vllm_config: VllmConfig) -> ServedModel:
     )
 
 
+@dataclass
+class PackstoreStats(KVConnectorStats):
+    """Increments of ``packstore.answering.paged.COUNTERS``: packs applied, refused, failed while loading; tokens loaded."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class PackstorePromMetrics(KVConnectorPromMetrics):
+    """``vllm:packstore_packs_applied``, ``..._packs_not_applied``, ``..._pack_load_failures`` and
+    ``..._pack_tokens_loaded`` counters on vLLM's own ``/metrics``, per engine."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {
+            name: create_metric_per_engine(
+                self._counter_cls(name=f"vllm:packstore_{name}", documentation=f"packstore connector: {name.replace('_', ' ')}",
+                                  labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            for name in COUNTERS
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            if name in self.counters and value:
+                cast(Counter, self.counters[name][engine_idx]).inc(value)  # made by metric_types[Counter] above
+
+
 @dataclass(frozen=True)
 class PackLoad:
     """One request's load this step: positions [start, stop) of pack ``key`` into the request's blocks."""
@@ -262,7 +311,7 @@ class PackstoreConnector(KVConnectorBase_V1):
         plan = self._to_load.pop(request_id)
         assert plan.key is not None and plan.pack_sha256 is not None  # only plans that apply are loaded
         start = plan.tokens - plan.loaded
-        self.matcher.counters.tokens_loaded += plan.loaded
+        self.matcher.counters.add("pack_tokens_loaded", plan.loaded)
         return PackLoad(request_id, plan.key, plan.namespace, plan.pack_sha256, start, plan.tokens, tuple(block_ids))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -270,7 +319,7 @@ class PackstoreConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, PackstoreWorkerMetadata):
             for request_id, reason in meta.failures.items():
-                self.matcher.counters.load_failures += 1
+                self.matcher.counters.add("pack_load_failures")
                 plan = self._plans.get(request_id)
                 if plan is not None:
                     plan.failure = f"loading the pack failed and vLLM recomputed its blocks: {reason}"
@@ -283,6 +332,27 @@ class PackstoreConnector(KVConnectorBase_V1):
         if plan is None or plan.mode == "none":
             return False, None
         return False, plan.report()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The scheduler half's counts since the last call (vLLM logs them and feeds ``PackstorePromMetrics``)."""
+        if self.role != KVConnectorRole.SCHEDULER:
+            return None
+        stats = PackstoreStats(data=self.matcher.counters.take())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return PackstoreStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return PackstorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- worker half ----------------------------------------------------------------------------------------------
 

@@ -177,23 +177,30 @@ def _token_problem(header: PackHeader, prompt: Sequence[int]) -> str | None:
     return None
 
 
+COUNTERS = ("packs_applied", "packs_not_applied", "pack_load_failures", "pack_tokens_loaded")
+
+
 @dataclass
 class MatcherCounters:
-    """How requests fared, by outcome: what the connector logs and reports."""
+    """How requests fared since the start (``COUNTERS``): what the connector logs and reports to vLLM's metrics."""
 
-    applied: int = 0
-    not_applied: int = 0
-    load_failures: int = 0
-    tokens_loaded: int = 0
-    reasons: dict[str, int] = field(default_factory=dict)
+    totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    _reported: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+
+    def add(self, name: str, amount: int = 1) -> None:
+        self.totals[name] += amount
 
     def count(self, plan: PackPlan) -> None:
         if plan.applies:
-            self.applied += 1
+            self.add("packs_applied")
         elif plan.reason is not None:
-            self.not_applied += 1
-            kind = plan.reason.split(":")[0][:60]
-            self.reasons[kind] = self.reasons.get(kind, 0) + 1
+            self.add("packs_not_applied")
+
+    def take(self) -> dict[str, int]:
+        """What was counted since the last ``take`` (vLLM collects connector stats as increments)."""
+        increments = {name: self.totals[name] - self._reported[name] for name in COUNTERS}
+        self._reported = dict(self.totals)
+        return increments
 
 
 class PackMatcher:

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -228,7 +229,6 @@ def test_an_engine_built_pack_answers_bit_for_bit_as_vllm_own_prefix_cache(engin
 def vllm_server(served):
     """vLLM's OpenAI server with the connector named by its plugin (no module path), as the README's section runs it."""
     import time
-    import urllib.request
 
     from service_helpers import free_port
 
@@ -282,3 +282,7 @@ def test_the_readme_flow_packctl_render_then_an_openai_client(vllm_server, serve
     assert named.choices[0].message.content == found.choices[0].message.content == plain.choices[0].message.content
     assert "Brandqvist" in named.choices[0].message.content
     assert named.usage.prompt_tokens == len(rendered["prompt_token_ids"])  # vLLM tokenized the messages as render did
+    with urllib.request.urlopen(vllm_server.removesuffix("/v1") + "/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    applied = [line for line in metrics.splitlines() if line.startswith("vllm:packstore_packs_applied_total")]
+    assert applied and float(applied[0].split()[-1]) >= 2, applied
