@@ -140,6 +140,12 @@ def _eval_exactness(out: Path) -> str:
     return _tool("eval_exactness").table([read_jsonl(path) for path in sorted(out.glob("*.json"))])
 
 
+def _eval_vllm(out: Path) -> str:
+    """One line per arm and dtype, from every records file OUT/<arm>-<dtype>.jsonl."""
+    tool = _tool("eval_vllm")
+    return tool.table(tool.read_records(out))
+
+
 def _steering_set(name: str) -> Callable[[ModuleType], Sequence[str]]:
     return lambda tool: tool.TABLE_SETS[name][1]
 
@@ -165,6 +171,7 @@ GENERATORS: dict[str, Generator] = {
         for index, name in enumerate(("quality", "paired", "cost", "training"))
     },
     "eval_exactness": Generator(("*.json",), _eval_exactness),
+    "eval_vllm": Generator(("*.jsonl",), _eval_vllm),
 }
 
 
