@@ -452,6 +452,8 @@ def plot(records: Sequence[dict], path: Path) -> Path:
     positions.set_title("Where the differing answers part", fontsize=10)
     if any(s["first_differences"] for s in summaries):
         positions.legend(fontsize=8)
+    else:
+        positions.text(0.5, 0.5, "no answer differs", ha="center", va="center", transform=positions.transAxes)
     model = records[0]["model"] if records else ""
     figure.suptitle(f"{model} on held-out ckc questions, greedy, {longest} tokens, vLLM CPU, block size {records[0]['block_size']}", fontsize=11)
     figure.tight_layout()
