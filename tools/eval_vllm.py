@@ -40,10 +40,12 @@ import gc
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -82,7 +84,7 @@ def wilson(count: int, total: int, z: float = Z95) -> Interval:
     denominator = 1 + z * z / total
     centre = (p + z * z / (2 * total)) / denominator
     half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / denominator
-    return Interval(p, max(0.0, centre - half), min(1.0, centre + half))
+    return Interval(p, min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half)))  # p lies inside: not rounded out
 
 
 def first_difference(first: Sequence[int], second: Sequence[int]) -> int | None:
@@ -355,7 +357,7 @@ def summarize(records: Sequence[dict]) -> list[dict]:
             "model": mine[0]["model"],
             "questions": len(mine),
             "applied": n,
-            "reasons": sorted({r.get("reason", "") for r in mine if not r["pack_applied"]}),
+            "reasons": Counter(re.sub(r"\d+", "N", r.get("reason", "")) for r in mine if not r["pack_applied"]),
             "identical": identical,
             "logprobs_identical": sum(r["logprobs_identical"] for r in applied),
             "contains_agree": agree,
@@ -412,7 +414,7 @@ def table(records: Sequence[dict]) -> str:
                 f"logprobs bit-identical in {s['cache_logprobs_identical']} of {n}"
             )
         if s["reasons"]:
-            note += f"; not applied: {'; '.join(s['reasons'])}"
+            note += "; not applied: " + "; ".join(f"{count} x {reason!r}" for reason, count in sorted(s["reasons"].items()))
         notes.append(note)
     return markdown_table(headers, lines, left=3) + "\n\n" + "\n".join(notes)
 
@@ -492,6 +494,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="redo the table and figure from OUT's records")
     parser.add_argument("--fresh", action="store_true", help="discard OUT's records instead of resuming them")
     args = parser.parse_args(argv)
+    if args.report_only and not args.out.is_dir():
+        parser.error(f"--report-only: no records directory {args.out}")
     if not args.report_only:
         rows = held_out_rows(args.limit)
         settings = {"model": args.model, "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "prompt": args.prompt}
