@@ -389,6 +389,16 @@ def _count(count: int, total: int, interval: Interval | None = None) -> str:
     return f"{count}/{total} ({interval.percent()})"
 
 
+def _positions(first: Sequence[int]) -> str:
+    """Where differing answers first differ: every position when few, else the median, quartiles and first-token count."""
+    if not first:
+        return "no answer differs"
+    if len(first) <= 8:
+        return f"first differing token at {', '.join(map(str, first))}"
+    q1, median, q3 = (first[round(f * (len(first) - 1))] for f in (0.25, 0.5, 0.75))
+    return f"first differing token: median {median} (quartiles {q1}, {q3}), {first.count(0)} at the first token"
+
+
 def table(records: Sequence[dict]) -> str:
     """The markdown table, one line per arm and dtype, and a note line per arm and dtype under it."""
     summaries = summarize(records)
@@ -404,10 +414,8 @@ def table(records: Sequence[dict]) -> str:
             _count(s["identical"], n, s.get("identical_interval")), _count(s["contains_agree"], n, s.get("agree_interval")),
             f"{s['different_both_contain']}/{s['different']}", f"{s['pack_contains']}/{n}", f"{s['text_contains']}/{n}",
         ])
-        note = (
-            f"{ARMS[s['arm']]}, {s['dtype']}: logprobs bit-identical in {s['logprobs_identical']} of {n}; "
-            f"first differing token at {s['first_differences'] or 'none'}; mean pack {s['pack_tokens']:.0f} tokens"
-        )
+        note = f"{ARMS[s['arm']]}, {s['dtype']}: logprobs bit-identical in {s['logprobs_identical']} of {n}; {_positions(s['first_differences'])}"
+        note += f"; mean pack {s['pack_tokens']:.0f} tokens"
         if "cache_identical" in s:
             note += (
                 f"; against vLLM's own prefix cache: ids identical in {_count(s['cache_identical'], n, s['cache_interval'])}, "
@@ -430,7 +438,7 @@ def plot(records: Sequence[dict], path: Path) -> Path:
     summaries = [s for s in summarize(records) if s["applied"]]
     figure, (bars, positions) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1.3, 1]})
     labels = [f"{'transformers' if s['arm'] == 'transformers' else 'vLLM'}-built\n{s['dtype']} (n={s['applied']})" for s in summaries]
-    measures = [("identical token ids", "identical_interval"), ("contains agrees", "agree_interval")]
+    measures = [("identical token ids", "identical_interval"), ("contains agrees (both or neither hold the gold answer)", "agree_interval")]
     if any("cache_interval" in s for s in summaries):
         measures.append(("vLLM-built: ids = own prefix cache", "cache_interval"))
     width = 0.8 / len(measures)
@@ -446,10 +454,10 @@ def plot(records: Sequence[dict], path: Path) -> Path:
     bars.set_title("vLLM with the pack vs vLLM prefilling the text", fontsize=10)
     bars.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=len(measures), frameon=False)
     longest = max((r["max_tokens"] for r in records), default=32)
-    for s, label in zip(summaries, labels):
-        if s["first_differences"]:
-            positions.hist(s["first_differences"], bins=range(0, longest + 2), alpha=0.6, label=label.replace("\n", " "))
-    positions.set_xlabel("first differing generated token (0 = the first)")
+    differing = [(s["first_differences"], label.replace("\n", " ")) for s, label in zip(summaries, labels) if s["first_differences"]]
+    if differing:  # side by side per bin of 2 positions
+        positions.hist([d for d, _ in differing], bins=range(0, longest + 2, 2), label=[name for _, name in differing])
+    positions.set_xlabel("first differing generated token (0 = the first; bins of 2)")
     positions.set_ylabel("questions")
     positions.set_title("Where the differing answers part", fontsize=10)
     if any(s["first_differences"] for s in summaries):
