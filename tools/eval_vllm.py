@@ -14,11 +14,12 @@ every question twice, greedy, ``--max-new-tokens`` tokens, each request alone in
 
 Arm ``transformers`` (always): packs built by packstore's normal build (transformers) in the engine's dtype. Their K/V
 are another computation than vLLM's joint prefill: transformers' kernels, and the pack's tokens prefilled alone (other
-GEMM and attention shapes than the whole prompt). Arm ``vllm`` (``--engine-packs N``, the first N rows): packs built
-with vLLM's own prefill (``packctl build --engine vllm``; one engine start per pack), answered in an engine with
-prefix caching on, and compared with vLLM's own prefix cache for the same prompt (the pack's tokens prefilled alone,
-then the question reusing their blocks: must be identical, ids and logprobs) as well as with the text prefilled in one
-pass: where this arm differs from the text, the split alone (same kernels) makes the difference.
+GEMM and attention shapes than the whole prompt). Arm ``vllm`` (``--engine-packs N``: the first N rows whose pack fills
+a cache block): packs built with vLLM's own prefill (``packctl build --engine vllm``; one engine start per pack),
+answered in an engine with prefix caching on, and compared with vLLM's own prefix cache for the same prompt (the pack's
+tokens prefilled alone, then the question reusing their blocks: must be identical, ids and logprobs) as well as with
+the text prefilled in one pass: where this arm differs from the text, the split alone (same kernels) makes the
+difference.
 
 Per question a record says whether the pack applied (``pack_applied`` from the response's kv_transfer_params, else the
 ``reason``), whether the two answers have identical token ids (and bit-identical logprobs), the first position where
@@ -99,6 +100,16 @@ def held_out_rows(limit: int | None) -> list[Row]:
     """The held-out half of ckc_dev (tools/ckc_split.json), in the split's order, the first ``limit`` when given."""
     _, held_out = frozen_split(load_rows())
     return held_out[:limit] if limit is not None else held_out
+
+
+def block_filling_rows(model: str, rows: Sequence[Row], block_size: int, count: int) -> list[Row]:
+    """The first ``count`` rows whose pack fills at least one cache block (a shorter pack cannot apply in vLLM, and
+    each vLLM-built pack costs an engine start)."""
+    from packstore.kv.models import load_tokenizer
+    from packstore.kv.render import pack_prefix_ids
+
+    tokenizer = load_tokenizer(model)
+    return [row for row in rows if len(pack_prefix_ids(tokenizer, [row.context])) >= block_size][:count]
 
 
 def pack_name(row: Row) -> str:
@@ -492,7 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m", help="model name or directory (exported with packctl model export)")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
     parser.add_argument("--limit", type=int, default=None, help="only the first N held-out questions")
-    parser.add_argument("--engine-packs", type=int, default=0, help="arm vllm: packs built by vLLM for the first N held-out rows (0: none)")
+    parser.add_argument("--engine-packs", type=int, default=0, help="arm vllm: packs built by vLLM for the first N held-out rows that fill a block (0: none)")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "eval_vllm", help="results directory")
     parser.add_argument("--figures", type=Path, default=REPO / "docs" / "figures", help="where eval_vllm.png goes")
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -508,7 +519,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = held_out_rows(args.limit)
         settings = {"model": args.model, "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "prompt": args.prompt}
         plan = [("transformers", dtype, rows) for dtype in args.dtypes]
-        plan += [("vllm", dtype, rows[: args.engine_packs]) for dtype in args.dtypes if args.engine_packs > 0]
+        if args.engine_packs > 0:
+            engine_rows = block_filling_rows(args.model, rows, args.block_size, args.engine_packs)
+            plan += [("vllm", dtype, engine_rows) for dtype in args.dtypes]
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="eval-vllm-") as scratch:
             context = Context(args, Path(scratch))
