@@ -40,6 +40,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -303,12 +304,17 @@ def run_engine(
     spec = {**spec, "steps": [{"requests": s.requests, "max_tokens": s.max_tokens, "ignore_eos": s.ignore_eos} for s in steps]}
     spec_path, log_path = workdir / f"engine-{name}.json", workdir / f"engine-{name}.log"
     spec_path.write_text(json.dumps(spec))
-    log(f"engine {name}: starting ({len(steps)} steps)")
-    ready: dict[str, Any] = {}
+    others = other_vllm_processes()
+    if others:
+        log(f"WARNING: {len(others)} vLLM process(es) of another program are running ({', '.join(map(str, others))}): "
+            "both engines spin on the same cores, so these figures are contended")
+    log(f"engine {name}: starting ({len(steps)} steps; load average {os.getloadavg()[0]:.1f})")
+    ready: dict[str, Any] = {"others_at_start": len(others), "load_at_start": os.getloadavg()[0]}
     with log_path.open("w") as err:
+        # A session of its own: vLLM's engine and worker processes are its children, and all of them go when it ends.
         process = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--engine", str(spec_path)],
-            stdout=subprocess.PIPE, stderr=err, text=True, env=engine_env(args), cwd=workdir,
+            stdout=subprocess.PIPE, stderr=err, text=True, env=engine_env(args), cwd=workdir, start_new_session=True,
         )
         try:
             assert process.stdout is not None
@@ -317,19 +323,57 @@ def run_engine(
                     continue
                 message = json.loads(line)
                 if message.get("event") == "ready":
-                    ready = message
+                    ready.update(message, load_at_ready=os.getloadavg()[0])
                     log(f"engine {name}: ready in {message['start_s']:.0f} s (block size {message['block_size']}, "
                         f"max_num_batched_tokens {message['max_num_batched_tokens']})")
                 elif "step" in message:
                     on_step(steps[message["step"]], message)
             process.wait(timeout=120)
         finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+            end_session(process)
     if process.returncode != 0:
         raise SystemExit(f"engine {name} exited with {process.returncode}:\n{log_path.read_text(errors='replace')[-4000:]}")
+    ready.update(load_at_end=os.getloadavg()[0], others_at_end=len(other_vllm_processes()))
     return ready
+
+
+def end_session(process: subprocess.Popen) -> None:
+    """Terminate what is left of the engine's session (the engine, and vLLM's processes it started), then kill it."""
+    for signal_number in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, signal_number)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and session_alive(process.pid):
+            time.sleep(0.2)
+    if process.poll() is None:
+        process.wait()
+
+
+def session_alive(session: int) -> bool:
+    """Whether any process of session ``session`` (not a zombie) is still running."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == session and fields[0] != "Z":  # fields after the name: state, ppid, pgrp, session
+            return True
+    return False
+
+
+def other_vllm_processes() -> list[int]:
+    """The pids of vLLM engine and worker processes running on this machine outside this run's engines (called when
+    none of ours runs): another engine on the same cores makes every figure a contended one."""
+    found = []
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            if comm.read_text().startswith("VLLM::"):
+                found.append(int(comm.parent.name))
+        except (OSError, ValueError):
+            continue
+    return sorted(found)
 
 
 @contextmanager
@@ -523,6 +567,12 @@ def summarize(args: argparse.Namespace, cases: dict[int, Case], batch: Sequence[
           "on loopback); (d) no connector, vLLM's prefix cache warm. \"from pack\": tokens the pack loads, in whole blocks of prompt[:-1] "
           "(in (d), the tokens vLLM found cached: the same, checked). \"read s\": the pack read alone (PackReader.fetch: read, verify, "
           "decode; median, in this script's process before the engines), for scale.")
+    engines = measured.engines
+    print("   engines (start, and the 1-minute load average when ready and at the end): " + "; ".join(
+        f"{name} {e['start_s']:.0f} s, {e['load_at_ready']:.1f} to {e['load_at_end']:.1f}" for name, e in engines.items()))
+    contended = [name for name, e in engines.items() if e["others_at_start"] or e["others_at_end"]]
+    if contended:
+        print(f"   CONTENDED: another program's vLLM engine ran beside engine(s) {', '.join(contended)}: their figures are not clean")
     targets = []
     for target in sorted(cases):
         med = summary[target]["median_s"]
