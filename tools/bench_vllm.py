@@ -135,13 +135,16 @@ def engine_main(spec_path: Path) -> None:
             for request in step["requests"]
         ]
         inputs = [{"prompt_token_ids": prompts[request["prompt"]]} for request in step["requests"]]
+        waited = wait_quiet(spec["wait_quiet_s"])
+        others = other_vllm_processes(os.getsid(0))
         gc.collect()
         seconds, outputs = timed(lambda inputs=inputs, params=params: llm.generate(inputs, params, use_tqdm=False))
+        others += other_vllm_processes(os.getsid(0))
         answers = [
             {"ids": list(o.outputs[0].token_ids), "kv": o.kv_transfer_params, "cached": o.num_cached_tokens, "prompt_tokens": len(o.prompt_token_ids or [])}
             for o in outputs
         ]
-        print(json.dumps({"step": index, "seconds": seconds, "answers": answers}), flush=True)
+        print(json.dumps({"step": index, "seconds": seconds, "answers": answers, "contended": bool(others), "waited_s": waited}), flush=True)
     print(json.dumps({"event": "done"}), flush=True)
 
 
@@ -363,17 +366,25 @@ def session_alive(session: int) -> bool:
     return False
 
 
-def other_vllm_processes() -> list[int]:
-    """The pids of vLLM engine and worker processes running on this machine outside this run's engines (called when
-    none of ours runs): another engine on the same cores makes every figure a contended one."""
+def other_vllm_processes(own_session: int | None = None) -> list[int]:
+    """The pids of vLLM engine and worker processes on this machine outside session ``own_session`` (an engine's own;
+    the parent asks when none of its engines runs): another engine on the same cores makes every figure a contended one."""
     found = []
     for comm in Path("/proc").glob("[0-9]*/comm"):
         try:
-            if comm.read_text().startswith("VLLM::"):
+            if comm.read_text().startswith("VLLM::") and (own_session is None or os.getsid(int(comm.parent.name)) != own_session):
                 found.append(int(comm.parent.name))
         except (OSError, ValueError):
             continue
     return sorted(found)
+
+
+def wait_quiet(limit_s: float) -> float:
+    """Wait up to ``limit_s`` seconds for other programs' vLLM engines to end; the seconds waited."""
+    started = time.monotonic()
+    while time.monotonic() - started < limit_s and other_vllm_processes(os.getsid(0)):
+        time.sleep(1)
+    return time.monotonic() - started
 
 
 @contextmanager
@@ -447,6 +458,7 @@ class Measured:
     batch_tokens: dict[str, list[int]] = field(default_factory=dict)
     batch_answers: dict[str, list[list[list[int]]]] = field(default_factory=dict)
     engines: dict[str, dict[str, Any]] = field(default_factory=dict)
+    contended: dict[tuple[int | str, str], int] = field(default_factory=dict)  # timed steps with another vLLM engine running
 
 
 def check_answer(step: Step, answer: dict, case: Case, block: int, checks: Checks) -> int:
@@ -476,6 +488,7 @@ def measure(args: argparse.Namespace, workdir: Path, model_dir: Path, store_path
     base = {
         "model": str(model_dir), "dtype": DTYPE, "block_size": args.block_size, "memory": args.memory,
         "max_model_len": min(MAX_CONTEXT, -(-longest // args.block_size) * args.block_size), "prompts": prompts,
+        "wait_quiet_s": args.wait_quiet,
     }
     measured = Measured()
     plans = plan(args, cases, batch)
@@ -493,7 +506,8 @@ def measure(args: argparse.Namespace, workdir: Path, model_dir: Path, store_path
                 measured.batch_tokens.setdefault(step.mode, []).append(tokens)
                 measured.batch_answers.setdefault(step.mode, []).append([a["ids"] for a in answers])
                 results.record("batch_run", engine=engine, mode=step.mode, repeat=step.repeat, requests=len(answers), seconds=seconds,
-                               output_tokens=tokens, kv=[a["kv"] for a in answers])
+                               output_tokens=tokens, kv=[a["kv"] for a in answers], contended=message["contended"], waited_s=message["waited_s"])
+                measured.contended["batch", step.mode] = measured.contended.get(("batch", step.mode), 0) + message["contended"]
                 log(f"  batch {step.mode}, repeat {step.repeat + 1}: {len(answers)} requests, {tokens} tokens in {seconds:.2f} s")
                 return
             answer = answers[0]
@@ -506,7 +520,9 @@ def measure(args: argparse.Namespace, workdir: Path, model_dir: Path, store_path
             measured.ttft.setdefault((case.target, step.mode), []).append(seconds)
             measured.loaded.setdefault((case.target, step.mode), set()).add(tokens)
             results.record("ttft_run", engine=engine, target=case.target, mode=step.mode, repeat=step.repeat, seconds=seconds,
-                           ids=answer["ids"], kv=answer["kv"], cached=answer["cached"], prompt_tokens=answer["prompt_tokens"])
+                           ids=answer["ids"], kv=answer["kv"], cached=answer["cached"], prompt_tokens=answer["prompt_tokens"],
+                           contended=message["contended"], waited_s=message["waited_s"])
+            measured.contended[case.target, step.mode] = measured.contended.get((case.target, step.mode), 0) + message["contended"]
             log(f"  {case.name} {MODE_LETTERS[step.mode]} {step.mode}, repeat {step.repeat + 1}: {seconds:.3f} s")
 
         return handle
@@ -551,6 +567,7 @@ def summarize(args: argparse.Namespace, cases: dict[int, Case], batch: Sequence[
             repeats=args.repeats, **{f"{m}_median_s": med[m] for m in MODES}, **{f"{m}_min_s": low[m] for m in MODES},
             read_s=case.read_s, local_over_floor=med["local"] / med["floor"], grpc_over_floor=med["grpc"] / med["floor"],
             prefill_over_local=med["prefill"] / med["local"], same_ids=same, loaded_or_cached=loaded,
+            contended_repeats={m: measured.contended.get((target, m), 0) for m in MODES},
         )
         rows.append([
             str(target), str(case.pack_tokens), str(case.used(args.block_size)),
@@ -570,9 +587,12 @@ def summarize(args: argparse.Namespace, cases: dict[int, Case], batch: Sequence[
     engines = measured.engines
     print("   engines (start, and the 1-minute load average when ready and at the end): " + "; ".join(
         f"{name} {e['start_s']:.0f} s, {e['load_at_ready']:.1f} to {e['load_at_end']:.1f}" for name, e in engines.items()))
-    contended = [name for name, e in engines.items() if e["others_at_start"] or e["others_at_end"]]
+    contended = {key: n for key, n in measured.contended.items() if n}
     if contended:
-        print(f"   CONTENDED: another program's vLLM engine ran beside engine(s) {', '.join(contended)}: their figures are not clean")
+        print("   CONTENDED: another program's vLLM engine ran during timed steps (their figures are not clean): " + ", ".join(
+            f"{size} {mode} {n}/{args.batch_repeats if size == 'batch' else args.repeats}" for (size, mode), n in sorted(contended.items(), key=str)))
+    else:
+        print("   no other program's vLLM engine ran during any timed step")
     targets = []
     for target in sorted(cases):
         med = summary[target]["median_s"]
@@ -603,7 +623,8 @@ def summarize(args: argparse.Namespace, cases: dict[int, Case], batch: Sequence[
         speedup = throughput["pack"]["tokens_per_s"] / throughput["prefill"]["tokens_per_s"]
         results.record("batch", requests=len(batch), pack_tokens=[c.pack_tokens for c in batch], max_tokens=args.batch_max_tokens,
                        repeats=args.batch_repeats, **{f"{m}_{k}": v for m, t in throughput.items() for k, v in t.items()},
-                       pack_over_prefill_tokens_per_s=speedup, same_ids=same)
+                       pack_over_prefill_tokens_per_s=speedup, same_ids=same,
+                       contended_repeats={m: measured.contended.get(("batch", m), 0) for m in ("pack", "prefill")})
         print_table(
             f"2. {len(batch)} concurrent requests, each with its own pack, {args.batch_max_tokens} new tokens each (one generate call, "
             f"ignore_eos; median of {args.batch_repeats}): packs through the connector (local store) vs the same prompts prefilled",
@@ -674,6 +695,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=128, help="vLLM's KV block size (its CPU default: 128)")
     parser.add_argument("--kv-space-gib", type=float, default=2, help="VLLM_CPU_KVCACHE_SPACE: the KV cache, GiB")
     parser.add_argument("--memory", type=float, default=0.2, help="vLLM's gpu_memory_utilization")
+    parser.add_argument("--wait-quiet", type=float, default=0, metavar="S",
+                        help="before each step, wait up to S seconds for other programs' vLLM engines on this machine to end")
     parser.add_argument("--quick", action="store_true", help="a smoke run: sizes 256 and 512, one repetition, a batch of 512-token packs")
     parser.add_argument("--data", type=Path, default=data_path(), help="JSON lines with 'context' and 'question' (ckc)")
     parser.add_argument("--workdir", type=Path, help="where the model, store and logs go (default: a temporary directory, removed after)")
