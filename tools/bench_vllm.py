@@ -744,7 +744,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         measured = measure(args, workdir, workdir / "model", store_path, cases, batch, results, checks)
     figures = summarize(args, cases, batch, measured, results, checks)
     if args.plot is not None:
-        plot(args.plot, figures, f"PackstoreConnector on vLLM {vllm.__version__} (CPU, 2 cores), {MODEL} {DTYPE}, commit {args.commit}")
+        plot(args.plot, figures, f"PackstoreConnector on vLLM {vllm.__version__} (CPU, {os.cpu_count()} cores), {MODEL} {DTYPE}, commit {args.commit}")
         print(f"Plot: {args.plot}")
     total = time.perf_counter() - started
     results.record("checks", failures=checks.failures, passed=not checks.failures)
