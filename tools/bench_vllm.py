@@ -25,10 +25,11 @@ tables, and the script exits 1.
 
 vLLM runs on CPU only here: the GPU figures are unmeasured (the GPU machine has no vLLM and cannot carry it), which
 the output and the records say. Modes measured in different engines ran at different times; on a shared machine
-the ratios of one run are what count. From the repository root (about 15-20 minutes on a 2-core CPU; ``--quick``: a
-smoke run of small sizes and one repetition, 3-4 minutes):
+the ratios of one run are what count, and every timed step records whether another program's vLLM engine ran beside
+it (``--wait-quiet``). From the repository root (about 9 minutes on a quiet 2-core CPU, 20-30 under load; ``--quick``:
+a smoke run of small sizes and one repetition, 2-5 minutes):
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_vllm.py [--plot docs/figures/bench_vllm_ttft.png]
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_vllm.py [--wait-quiet 900] [--plot docs/figures/bench_vllm_ttft.png]
 
 Records go to ``--out`` (default ``results/bench_vllm/<commit>-cpu.jsonl``), one JSON line each; progress to stderr,
 the tables to stdout.
