@@ -32,6 +32,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from packstore.answering.paged import COUNTERS, PackMatcher, PackPlan, ServedModel, blocks_of, slot_mapping
+from packstore.answering.tiers import ReadyCache
 from packstore.kv.identity import directory_model_fingerprint, directory_template_fingerprint
 from packstore.packs.decoder import Decoder
 from packstore.packs.reader import PackReader
@@ -50,13 +51,15 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from packstore.packs.tensors import ArrivingPack
+    from packstore.packs.tensors import ArrivingPack, Pack
 
 log = logging.getLogger("packstore.vllm")
 
 SETTINGS = (
-    "store", "namespace", "namespaces", "token_file", "tls_ca", "s3_endpoint", "trusted_keys", "automatic", "index_refresh_s", "capture_dir"
+    "store", "namespace", "namespaces", "token_file", "tls_ca", "s3_endpoint", "trusted_keys", "automatic", "index_refresh_s",
+    "cache_bytes", "capture_dir",
 )
+DEFAULT_CACHE_BYTES = 1 << 30  # decoded packs the worker half keeps in host memory between requests
 CAPTURE_FILE = "kv.safetensors"  # what a capture run writes in its capture_dir (packstore.kv.engine_build reads it)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -74,6 +77,7 @@ class ConnectorSettings:
     trusted_keys: str | None = None
     automatic: bool = True
     index_refresh_s: float = 10.0
+    cache_bytes: int = DEFAULT_CACHE_BYTES
     capture_dir: str | None = None  # packctl build --engine vllm: write the K/V the engine computes here
 
     @classmethod
@@ -86,6 +90,9 @@ class ConnectorSettings:
         others = extra.get("namespaces") or ()
         if isinstance(others, str) or not all(isinstance(n, str) for n in others):
             raise ValueError("PackstoreConnector: kv_connector_extra_config 'namespaces' must be a list of namespace names")
+        cache_bytes = extra.get("cache_bytes", DEFAULT_CACHE_BYTES)
+        if type(cache_bytes) is not int or cache_bytes < 0:
+            raise ValueError("PackstoreConnector: kv_connector_extra_config 'cache_bytes' must be a whole number of bytes, 0 or more")
         refresh = extra.get("index_refresh_s", 10.0)
         if not isinstance(refresh, int | float) or refresh <= 0:
             raise ValueError("PackstoreConnector: kv_connector_extra_config 'index_refresh_s' must be a positive number of seconds")
@@ -99,6 +106,7 @@ class ConnectorSettings:
             trusted_keys=extra.get("trusted_keys"),
             automatic=bool(extra.get("automatic", True)),
             index_refresh_s=float(refresh),
+            cache_bytes=cache_bytes,
             capture_dir=extra.get("capture_dir"),
         )
 
@@ -237,7 +245,7 @@ class _ActiveLoad:
     """A load in flight on the worker: the arriving pack, its slots, the layers written, and the first failure."""
 
     load: PackLoad
-    pack: ArrivingPack | None
+    pack: ArrivingPack | Pack | None
     slots: torch.Tensor
     written: set[str] = field(default_factory=set)
     failure: str | None = None
@@ -269,6 +277,7 @@ class PackstoreConnector(KVConnectorBase_V1):
         else:
             self._decoder = Decoder()
             self._packs: dict[str, PackReader] = {}
+            self._ready = ReadyCache(self.settings.cache_bytes)  # decoded packs, by namespace and key
             self._kv_caches: dict[str, torch.Tensor] = {}
             self._layers: dict[str, Any] = {}
             self._active: list[_ActiveLoad] = []
@@ -408,12 +417,22 @@ class PackstoreConnector(KVConnectorBase_V1):
             slots = torch.tensor(slot_mapping(load.block_ids, self.block_size, load.start, load.stop), dtype=torch.long)
             active = _ActiveLoad(load, None, slots)
             try:
-                active.pack = self._reader(load.namespace).start_fetch(load.key)
+                active.pack = self._pack_for(load)
                 if active.pack.header.pack_sha256 != load.pack_sha256:
                     active.failure = f"pack {load.key[-12:]} changed in the store after it was planned"
             except Exception as exc:
                 active.failure = f"{type(exc).__name__}: {exc}"
             self._active.append(active)
+
+    def _pack_for(self, load: PackLoad) -> ArrivingPack | Pack:
+        """The pack ``load`` needs: decoded already (kept from an earlier request), or arriving from the store layer by
+        layer and kept once whole and verified."""
+        ready = self._ready.peek(load.key, load.namespace)
+        if ready is not None:
+            return ready
+        arriving = self._reader(load.namespace).start_fetch(load.key)
+        arriving.when_complete(lambda pack: self._ready.put(load.key, pack, load.namespace))
+        return arriving
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Write layer ``layer_name`` of every pack in flight into vLLM's cache before the layer runs."""

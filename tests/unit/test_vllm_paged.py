@@ -208,6 +208,7 @@ def test_connector_settings_are_checked() -> None:
         ({"stroe": "/x"}, "unknown kv_connector_extra_config key 'stroe'"),
         ({"namespaces": "b"}, "must be a list"),
         ({"index_refresh_s": 0}, "positive number"),
+        ({"cache_bytes": -1}, "whole number of bytes"),
     ):
         with pytest.raises(ValueError, match=message):
             ConnectorSettings.from_extra_config(bad)
