@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shlex
 import shutil
@@ -92,7 +91,7 @@ from packstore.worker.client import WorkerClient  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_pack as bp  # noqa: E402
-from benchlib import logger, machine_description, median, print_table, source_description, timed  # noqa: E402
+from benchlib import JsonlRecords, logger, machine_description, median, print_table, source_description, timed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_POSITIONS = 40960
@@ -135,20 +134,10 @@ def free_device() -> None:
 
 
 @dataclass
-class Results:
+class Results(JsonlRecords):
     """JSON lines written as they come, and the table rows printed at the end."""
 
-    out: Path
-    common: dict[str, str]
     tables: dict[str, list[list[str]]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.out.write_text("")
-
-    def record(self, part: str, **fields: Any) -> None:
-        with self.out.open("a") as f:
-            f.write(json.dumps({"part": part, **self.common, **fields}) + "\n")
 
     def row(self, table: str, cells: Sequence[str]) -> None:
         self.tables.setdefault(table, []).append(list(cells))

@@ -59,7 +59,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tools"), str(ROOT)]
-from benchlib import logger, print_table, source_commit, source_description, timed  # noqa: E402
+from benchlib import JsonlRecords, logger, print_table, source_commit, source_description, timed  # noqa: E402
 
 MODEL = "smollm2-135m"
 DTYPE = "float32"
@@ -153,22 +153,6 @@ def engine_main(spec_path: Path) -> None:
 
 
 @dataclass
-class Results:
-    """JSON lines written as they come."""
-
-    out: Path
-    common: dict[str, Any]
-
-    def __post_init__(self) -> None:
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.out.write_text("")
-
-    def record(self, part: str, **fields: Any) -> None:
-        with self.out.open("a") as f:
-            f.write(json.dumps({"part": part, **self.common, **fields}) + "\n")
-
-
-@dataclass
 class Case:
     """One pack: its name in the store, its tokens, and the prompts asked of it (by question index)."""
 
@@ -243,7 +227,7 @@ def same_length_questions(tokenizer: Any, facts: Sequence[str], base: str, count
     return list(found.values())[:count]
 
 
-def prepare(args: argparse.Namespace, workdir: Path, results: Results) -> tuple[Path, dict[str, Any], dict[int, Case], list[Case]]:
+def prepare(args: argparse.Namespace, workdir: Path, results: JsonlRecords) -> tuple[Path, dict[str, Any], dict[int, Case], list[Case]]:
     """The exported model, a store of every pack, the TTFT cases by size and the batch's cases."""
     import bench_pack as bp
     from packstore.answering.api import build_and_store
@@ -482,7 +466,7 @@ def check_answer(step: Step, answer: dict, case: Case, block: int, checks: Check
 
 
 def measure(args: argparse.Namespace, workdir: Path, model_dir: Path, store_path: Path, cases: dict[int, Case], batch: Sequence[Case],
-            results: Results, checks: Checks) -> Measured:
+            results: JsonlRecords, checks: Checks) -> Measured:
     prompts = {f"{c.name}/{i}": ids for c in [*cases.values(), *batch] for i, ids in enumerate(c.prompts)}
     by_name = {c.name: c for c in [*cases.values(), *batch]}
     longest = max(len(ids) for ids in prompts.values()) + max(args.batch_max_tokens, 1)
@@ -550,7 +534,7 @@ def ratio(numerator: float, denominator: float) -> str:
     return f"{numerator / denominator:.2f}x"
 
 
-def summarize(args: argparse.Namespace, cases: dict[int, Case], batch: Sequence[Case], measured: Measured, results: Results,
+def summarize(args: argparse.Namespace, cases: dict[int, Case], batch: Sequence[Case], measured: Measured, results: JsonlRecords,
               checks: Checks) -> dict[str, Any]:
     """Print the tables and targets; record the summaries. The figures the plot draws."""
     rows, summary = [], {}
@@ -731,7 +715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     about = machine_description({"vllm": vllm.__version__})
     print(f"Machine: {about}\nGPU: none ({GPU_UNMEASURED})")
     print(f"Source: {source_description()}; model {MODEL} ({DTYPE}) exported with packctl model export; data {args.data.name}", flush=True)
-    results = Results(args.out, {"commit": args.commit, "device": "cpu", "dtype": DTYPE, "model": MODEL})
+    results = JsonlRecords(args.out, {"commit": args.commit, "device": "cpu", "dtype": DTYPE, "model": MODEL})
     settings = {k: v for k, v in vars(args).items() if k not in ("engine", "out", "plot", "workdir", "data")}
     results.record("machine", machine=about, source=source_description(), vllm=vllm.__version__, data=args.data.name, settings=settings,
                    env={k: v for k, v in engine_env(args).items() if k.startswith("VLLM_")})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import platform
 import statistics
@@ -10,8 +11,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -119,3 +121,19 @@ def source_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return commit + ("+dirty" if dirty else "")
+
+
+@dataclass
+class JsonlRecords:
+    """A benchmark's records: JSON lines written to ``out`` as they come, each with the ``common`` fields."""
+
+    out: Path
+    common: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text("")
+
+    def record(self, part: str, **fields: Any) -> None:
+        with self.out.open("a") as f:
+            f.write(json.dumps({"part": part, **self.common, **fields}) + "\n")
