@@ -8,6 +8,7 @@ from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["VLLM_NO_USAGE_STATS"] = "1"  # vLLM engines the tests start send no usage report (no network here)
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "unit"))
 sys.path.insert(0, str(Path(__file__).parent / "integration"))

@@ -279,6 +279,7 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
     """The environment of the processes this script starts: offline, vLLM's KV cache size, and this checkout's packstore."""
     return os.environ | {
         "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
         "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib),
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),

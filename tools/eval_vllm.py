@@ -123,7 +123,7 @@ def engine_answers(spec: dict, work: Path) -> Iterator[dict]:
     """Run tools/vllm_answers.py on ``spec`` and yield its answers as they come (its log in WORK/vllm.log; a failed
     run raises with the log's end)."""
     (work / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     log_path = work / "vllm.log"
     with log_path.open("w") as engine_log:
         process = subprocess.Popen(

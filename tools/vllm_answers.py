@@ -21,6 +21,7 @@ import os
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 

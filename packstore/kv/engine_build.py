@@ -59,7 +59,7 @@ def _capture(model_dir: Path, token_ids: Sequence[int], dtype: str, block_size: 
     }
     (work / "spec.json").write_text(json.dumps(spec))
     command = [sys.executable, "-m", "packstore.vllm_plugin", "capture", str(work / "spec.json")]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}  # offline: no hub, no usage report
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=CAPTURE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
