@@ -465,7 +465,11 @@ def plot(records: Sequence[dict], path: Path) -> Path:
     bars.set_title("vLLM with the pack vs vLLM prefilling the text", fontsize=10)
     bars.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=len(measures), frameon=False)
     longest = max((r["max_tokens"] for r in records), default=32)
-    differing = [(s["first_differences"], label.replace("\n", " ")) for s, label in zip(summaries, labels) if s["first_differences"]]
+    differing = [
+        (s["first_differences"], f"{label.split(' (n=')[0].replace(chr(10), ' ')} ({len(s['first_differences'])} differing)")
+        for s, label in zip(summaries, labels)
+        if s["first_differences"]
+    ]
     if differing:  # side by side per bin of 2 positions
         positions.hist([d for d, _ in differing], bins=range(0, longest + 2, 2), label=[name for _, name in differing])
     positions.set_xlabel("first differing generated token (0 = the first; bins of 2)")
