@@ -33,6 +33,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 from packstore.answering.paged import COUNTERS, PackMatcher, PackPlan, ServedModel, blocks_of, slot_mapping
 from packstore.answering.tiers import ReadyCache
+from packstore.kv.engine_build import CAPTURE_FILE
 from packstore.kv.identity import directory_model_fingerprint, directory_template_fingerprint
 from packstore.packs.decoder import Decoder
 from packstore.packs.reader import PackReader
@@ -60,7 +61,6 @@ SETTINGS = (
     "cache_bytes", "capture_dir",
 )
 DEFAULT_CACHE_BYTES = 1 << 30  # decoded packs the worker half keeps in host memory between requests
-CAPTURE_FILE = "kv.safetensors"  # what a capture run writes in its capture_dir (packstore.kv.engine_build reads it)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 

@@ -24,16 +24,15 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from packstore.errors import InvalidInput
-from packstore.format.header import PackHeader
+from packstore.format.header import ENGINES, PackHeader
 from packstore.kv.build import clean_facts
 from packstore.kv.identity import directory_model_fingerprint, template_fingerprint
 from packstore.kv.models import load_tokenizer, resolve_model_dir
 from packstore.kv.render import pack_prefix_ids
 from packstore.packs.tensors import Pack
 
-ENGINES = ("vllm",)
 DEFAULT_BLOCK_SIZE = 128  # vLLM's own default on CPU (a multiple of 32 there)
-CAPTURE_FILE = "kv.safetensors"  # what the connector's capture writes (packstore.vllm.CAPTURE_FILE)
+CAPTURE_FILE = "kv.safetensors"  # what the connector's capture writes in its capture_dir (packstore.vllm)
 CAPTURE_TIMEOUT_S = 1800
 
 
