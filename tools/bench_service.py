@@ -520,7 +520,7 @@ def bench_ttft(lm: LoadedModel, worker_address: str, cases: dict[int, list[tuple
         rows,
     )
     print("   cold: a pack not yet in the worker's LRU (cache_hit false, asserted), uploaded beforehand, so hot in the service:")
-    print("         mapped over the local bulk socket + decode + inject + question")
+    print("         sent from the service's memory over the local bulk socket + decode + inject + question")
     print("   cold, store: another such pack written straight into the service's store, so not hot there either: read,")
     print("         verified and sent by the service over the local socket + decode + inject + question")
     print("   warm: the cold pack again, from the LRU (cache_hit true, asserted); prefill: facts as prompt text, in this process")

@@ -50,9 +50,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "listen",
         "bulk_listen",
         "bulk_local",
-        "bulk_per_peer",
+        "bulk_per_principal",
         "hot_bytes",
         "upload_seconds",
+        "stream_seconds",
         "metrics",
         "workers",
         "max_message_bytes",
@@ -174,27 +175,34 @@ def build_cli() -> CommandLine:
     )
     p.add_argument(
         "--bulk-local", choices=("on", "off"),
-        help="a local bulk socket too, where clients on this host map hot packs instead of reading them (default on)",
+        help="a local bulk socket too, which clients on this host read packs from without TCP (default on)",
     )
     p.add_argument(
-        "--bulk-per-peer",
+        "--bulk-per-principal",
         type=int,
         metavar="N",
-        help="bulk transfers one peer (address, or local process) may run at once (default: half of 4 x workers)",
+        help="bulk transfers one token (without --auth, one address) may run at once (default: half of 4 x workers)",
     )
     p.add_argument(
         "--hot-bytes",
         type=int,
         metavar="N",
-        help="memory for packs kept hot for bulk reads, per service, all namespaces (default 1 GiB; 0: none)",
+        help="memory for packs kept hot for bulk reads, per namespace (default 1 GiB; 0: none)",
     )
-    p.add_argument("--upload-seconds", type=float, metavar="S", help="cancel a PutPack still running after this (default 600)")
+    p.add_argument(
+        "--upload-seconds", type=float, metavar="S",
+        help="cancel an upload (PutPack, BuildBank, AddFacts) still running after this (default 600)",
+    )
+    p.add_argument(
+        "--stream-seconds", type=float, metavar="S",
+        help="cancel a stream or bulk transfer whose reader took longer than this plus 1 s per 16 MiB sent (default 60)",
+    )
     p.add_argument(
         "--metrics", metavar="HOST:PORT",
         help="serve Prometheus metrics here (:PORT or PORT: on loopback; with --auth, a scrape needs a bearer token) ($PACKSTORE_METRICS)",
     )
     p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings (see docs/operations.md)")
-    p.add_argument("--workers", type=int, help="concurrent RPCs (default 16)")
+    p.add_argument("--workers", type=int, help="transfer slots: streams, uploads, bank builds at once, shared per token (default 16)")
     p.add_argument("--max-message-bytes", type=int, help="gRPC message size limit (default 4 MiB)")
     p.add_argument("--max-pack-bytes", type=int, help="largest pack accepted by PutPack, in stored bytes (default 4 GiB)")
     p.add_argument(
@@ -246,12 +254,13 @@ def build_cli() -> CommandLine:
     )
     p.add_argument(
         "--http", metavar="HOST:PORT",
-        help="serve the OpenAI-compatible API (/v1/chat/completions, /v1/models) here too (:PORT or PORT: on loopback; "
+        help="serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) here too (:PORT or PORT: on loopback; "
         "HTTPS with the TLS flags; with --auth, callers send 'Authorization: Bearer TOKEN')",
     )
     p.add_argument(
         "--max-concurrent", type=int, default=16, metavar="N",
-        help="requests in flight on each port (gRPC, HTTP) beyond which callers are refused: RESOURCE_EXHAUSTED, HTTP 429 (default 16)",
+        help="the worker's generation slots, gRPC Generate and HTTP completions together, shared fairly among callers (tokens, "
+        "or hosts without --auth); a caller refused one gets RESOURCE_EXHAUSTED, HTTP 429 (default 16)",
     )
     _listener_options(p)
     p.add_argument("--token-file", metavar="FILE", help="the worker's own token for the store (default: $PACKSTORE_TOKEN)")

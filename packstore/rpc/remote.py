@@ -43,8 +43,9 @@ class RemoteStore(GrpcClient):
 
     ``bulk``: read GetPack's chunks over the service's bulk port when it offers one (protocol.md, "Bulk
     transfer"); False keeps them on the gRPC stream. ``local_bulk``: on the service's host, read them over its local
-    bulk socket, where a pack it holds hot is mapped rather than received. ``receive_buffer_bytes``: how much of the buffers bulk reads
-    received into the client keeps for the next fetch (0: none)."""
+    bulk socket instead of TCP (the same frames; a hot pack is sent from the service's memory).
+    ``receive_buffer_bytes``: how much of the buffers bulk reads received into the client keeps for the next fetch
+    (0: none)."""
 
     what = "pack service"
 

@@ -24,6 +24,21 @@ from packstore.security.auth import Auth
 # Python runs signal handlers on the main thread only, between bytecodes; a signal the kernel delivers to another
 # thread (gRPC's, boto3's) does not wake a main thread blocked on a lock, so it waits with a timeout and looks again.
 SIGNAL_POLL_SECONDS = 0.5
+CHEAP_THREADS = 8  # threads beyond ``workers`` that only cheap calls (stats, lists, status, health) find free
+# Keepalive: the server pings a connection idle for KEEPALIVE_SECONDS and drops it if no answer comes within
+# KEEPALIVE_TIMEOUT_SECONDS, so a peer that vanished (a host gone, a cable pulled) frees its streams; clients
+# may ping as often as every MIN_CLIENT_PING_SECONDS, also between calls.
+KEEPALIVE_SECONDS = 60
+KEEPALIVE_TIMEOUT_SECONDS = 20
+MIN_CLIENT_PING_SECONDS = 10
+KEEPALIVE_OPTIONS = (
+    ("grpc.keepalive_time_ms", KEEPALIVE_SECONDS * 1000),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_SECONDS * 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_CLIENT_PING_SECONDS * 1000),
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_SECONDS * 1000),
+)
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -43,9 +58,11 @@ def log_as_json(level: str) -> None:
 
 
 class Server:
-    """A gRPC server on a pool of ``workers`` threads with one packstore service (``service_name``, registered by
-    ``add_service``), the standard health service and reflection (both open to callers without a token: they reveal
-    no data), bound to ``listen``: TLS with ``tls_cert``/``tls_key`` (mutual with ``tls_client_ca``), else plain.
+    """A gRPC server on a pool of ``workers`` threads, and CHEAP_THREADS more that calls holding no transfer share
+    always find (the services' share rules keep transfers to ``workers``), with keepalive, one packstore service
+    (``service_name``, registered by ``add_service``), the standard health service and reflection (both open to
+    callers without a token: they reveal no data), bound to ``listen``: TLS with ``tls_cert``/``tls_key`` (mutual
+    with ``tls_client_ca``), else plain.
     ``log``: the server's own logger, for its start, reloads and shutdown."""
 
     def __init__(
@@ -64,7 +81,9 @@ class Server:
     ) -> None:
         self.service_name, self.log = service_name, log
         self.grpc = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers), options=options, maximum_concurrent_rpcs=max_concurrent_rpcs
+            futures.ThreadPoolExecutor(max_workers=workers + CHEAP_THREADS),
+            options=[*KEEPALIVE_OPTIONS, *options],
+            maximum_concurrent_rpcs=max_concurrent_rpcs,
         )
         add_service(self.grpc)
         self.health = health.HealthServicer()

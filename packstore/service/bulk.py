@@ -12,8 +12,11 @@ unless the pack is hot).
 
 Nobody without a ticket holds anything for long: one thread waits on every new connection at once until it has
 finished any TLS handshake and presented a valid ticket, within HELLO_SECONDS, and only then does the connection
-take one of ``max_connections`` transfer slots (at most ``per_peer`` of them for one peer: an address for TCP, a
-process (uid and pid) for the local socket). Connections awaiting their ticket are bounded per peer and in all.
+take one of ``max_connections`` transfer slots, shared among principals by the rule of ``security/shares.py``: the
+principal is the GetPack caller the ticket was issued to (its token; without tokens, its address), whatever address
+or process presents the ticket. Connections awaiting their ticket are bounded per peer (an address for TCP, a process
+for the local socket; no principal is known yet) and in all. A transfer must end within ``transfer_seconds`` plus its
+bytes at TRANSFER_RATE, or it is cut off.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from packstore.format import PackHeader
 from packstore.format.chunks import Buffer
 from packstore.packs.reader import verified_chunks
 from packstore.rpc.bulk import HELLO, HELLO_SECONDS, MAGIC, TICKET_BYTES, chunk_frame, end_frame, error_frame
+from packstore.rpc.pacing import STREAM_RATE, STREAM_SECONDS
+from packstore.security.shares import ShareRule, Shares
 from packstore.service.hot import HotPacks
 from packstore.service.metrics import ServiceMetrics
 from packstore.store.protocol import ServedStore
@@ -48,8 +53,7 @@ TICKET_SECONDS = 30.0  # how long an issued ticket may wait to be used
 MAX_TICKETS = 4096  # outstanding at once; past it GetPack streams instead
 PEER_PENDING = 16  # connections one peer may have awaiting their ticket at once; more are closed on accept
 MAX_PENDING = 1024  # connections awaiting their ticket, all peers together
-TRANSFER_SECONDS = 60.0  # a transfer must end within this plus its bytes at TRANSFER_RATE, or it is cut off
-TRANSFER_RATE = 16 << 20  # bytes per second: the slowest reader a transfer waits for
+TRANSFER_RATE = STREAM_RATE  # bytes per second: the slowest reader a transfer waits for, as for gRPC streams
 METHOD = "GetPack.bulk"  # how transfers appear in logs and metrics
 _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
@@ -63,6 +67,7 @@ class Transfer:
     header: PackHeader
     indices: tuple[int, ...]
     fields: dict[str, object]  # the GetPack call's log fields (token, namespace, key), repeated in the transfer's log line
+    principal: str  # whose bulk share it takes (security/shares.principal_key of the GetPack call)
     expires: float  # time.monotonic()
 
 
@@ -75,7 +80,13 @@ class Tickets:
         self._lock = threading.Lock()
 
     def issue(
-        self, store: ServedStore, namespace: str, header: PackHeader, indices: Sequence[int], fields: dict[str, object]
+        self,
+        store: ServedStore,
+        namespace: str,
+        header: PackHeader,
+        indices: Sequence[int],
+        fields: dict[str, object],
+        principal: str,
     ) -> bytes | None:
         """A new ticket for the transfer, or None when MAX_TICKETS are outstanding (the caller streams instead)."""
         now = time.monotonic()
@@ -85,7 +96,7 @@ class Tickets:
             if len(self._transfers) >= self.limit:
                 return None
             ticket = secrets.token_bytes(TICKET_BYTES)
-            self._transfers[ticket] = Transfer(store, namespace, header, tuple(indices), dict(fields), now + self.lifetime)
+            self._transfers[ticket] = Transfer(store, namespace, header, tuple(indices), dict(fields), principal, now + self.lifetime)
             return ticket
 
     def take(self, ticket: bytes) -> Transfer:
@@ -143,7 +154,8 @@ class Pending:
 class BulkServer:
     """The bulk port (TCP, and with ``local`` an abstract unix socket that only clients on this host and in this
     network namespace reach). One thread accepts connections and waits for each one's ticket; each admitted
-    transfer runs on a thread of its own, at most ``max_connections`` at once and ``per_peer`` for one peer.
+    transfer runs on a thread of its own, at most ``max_connections`` at once, shared among principals (at most
+    ``per_principal`` each; 0: ``ShareRule.default``'s).
     ``hot``: the service's hot packs, which transfers read from and add to."""
 
     def __init__(
@@ -154,11 +166,11 @@ class BulkServer:
         *,
         tls: ssl.SSLContext | None,
         max_connections: int,
-        per_peer: int = 0,
+        per_principal: int = 0,
         hot: HotPacks | None = None,
         local: bool = False,
+        transfer_seconds: float = STREAM_SECONDS,
     ) -> None:
-        """``per_peer``: transfers one peer may run at once; 0: half of ``max_connections`` (at least 1)."""
         host, port = address
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
@@ -173,13 +185,12 @@ class BulkServer:
             self._local.bind("\0" + self.local_name)
             self._local.listen(128)
         self.tickets, self.metrics, self.tls, self.hot = tickets, metrics, tls, hot
-        self.max_connections, self.per_peer = max_connections, per_peer or max(1, max_connections // 2)
+        self.shares = Shares("bulk transfers", ShareRule.default(max_connections, per_principal))
+        self.transfer_seconds = transfer_seconds
         self._selector = selectors.DefaultSelector()
         self._wake_read, self._wake = socket.socketpair()
         self._pending: set[Pending] = set()
         self._pending_by_peer: Counter[str] = Counter()
-        self._active_by_peer: Counter[str] = Counter()
-        self._lock = threading.Lock()  # guards the active counts (transfer threads end on their own)
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -329,19 +340,15 @@ class BulkServer:
                 self._refused(peer, "ticket")
                 raise
             fields |= transfer.fields
-            with self._lock:
-                if sum(self._active_by_peer.values()) >= self.max_connections or self._active_by_peer[peer.key] >= self.per_peer:
-                    full = "too many bulk transfers at once" + (
-                        " from this peer" if self._active_by_peer[peer.key] >= self.per_peer else ""
-                    )
-                    raise LimitExceeded(f"{full}; try again, or read the pack on the gRPC stream")
-                self._active_by_peer[peer.key] += 1
+            if not self.shares.try_take(transfer.principal):
+                why = self.shares.refusal(transfer.principal, "bulk transfer")
+                raise LimitExceeded(f"{why}, or read the pack on the gRPC stream")
         except PackstoreError as exc:
             self._send_error(conn, exc)
             conn.close()
             self.metrics.record(METHOD, exc.grpc_status, 0.0, fields | {"error": str(exc)})
             return
-        threading.Thread(target=self._serve, args=(conn, pending, transfer, fields), name="packstore-bulk-conn", daemon=True).start()
+        threading.Thread(target=self._serve, args=(conn, transfer, fields), name="packstore-bulk-conn", daemon=True).start()
 
     def _refused(self, peer: Peer, reason: str) -> None:
         """Count a connection turned away before it showed a valid ticket (logged at debug only: no caller is known)."""
@@ -350,11 +357,11 @@ class BulkServer:
 
     # -- transfers ----------------------------------------------------------------------------
 
-    def _serve(self, conn: socket.socket, pending: Pending, transfer: Transfer, fields: dict[str, object]) -> None:
+    def _serve(self, conn: socket.socket, transfer: Transfer, fields: dict[str, object]) -> None:
         """One admitted transfer, then the connection closes (one ticket per connection)."""
         start, sent, code = time.perf_counter(), 0, "OK"
         size = sum(transfer.header.chunks[index].stored_bytes for index in transfer.indices)
-        deadline = time.monotonic() + TRANSFER_SECONDS + size / TRANSFER_RATE
+        deadline = time.monotonic() + self.transfer_seconds + size / TRANSFER_RATE
         try:
             conn.setblocking(True)
             with self.hot.lease(transfer.namespace, transfer.header) if self.hot is not None else nullcontext() as segment:
@@ -377,10 +384,7 @@ class BulkServer:
             self._send_error(conn, PackstoreError(f"internal error: {exc}"))
         finally:
             conn.close()
-            with self._lock:
-                self._active_by_peer[pending.peer.key] -= 1
-                if self._active_by_peer[pending.peer.key] <= 0:
-                    del self._active_by_peer[pending.peer.key]
+            self.shares.give_back(transfer.principal)
             self.metrics.record(METHOD, code, time.perf_counter() - start, {"bytes": sent, **fields})
 
     def _send_chunk(self, conn: socket.socket, transfer: Transfer, index: int, data: Buffer, deadline: float) -> int:
@@ -428,5 +432,5 @@ def _send(conn: socket.socket, data: Buffer, deadline: float) -> None:
         conn.settimeout(remaining)
         conn.sendall(data)
     except TimeoutError:
-        limit = f"a transfer may take {TRANSFER_SECONDS:g} s plus 1 s per {TRANSFER_RATE >> 20} MiB"
+        limit = f"a transfer may take stream_seconds plus 1 s per {TRANSFER_RATE >> 20} MiB"
         raise LimitExceeded(f"the bulk transfer was read too slowly ({limit})") from None

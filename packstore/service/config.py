@@ -20,12 +20,13 @@ class ServiceConfig:
     data: str = ""  # the store directory; with ``objects``, only the caches of the object store
     listen: str = "127.0.0.1:50551"
     bulk_listen: str = ""  # HOST:PORT of the bulk port GetPack hands tickets for; empty: listen's host, any free port; off: none
-    bulk_local: str = "on"  # on: also a local bulk socket, where clients on this host map hot packs; off: none
-    bulk_per_peer: int = 0  # bulk transfers one peer (an address; a process on the local socket) may run at once; 0: half the slots
-    hot_bytes: int = 1 << 30  # memory for packs kept hot for the bulk port (kept, being written, being sent); 0: none
+    bulk_local: str = "on"  # on: also a local bulk socket, for clients on this host (no TCP); off: none
+    bulk_per_principal: int = 0  # bulk transfers one principal (token; without auth, address) may run at once; 0: half the slots
+    hot_bytes: int = 1 << 30  # per namespace: memory for packs kept hot for the bulk port (kept, being written, being sent); 0: none
+    stream_seconds: float = 60.0  # what a stream or bulk transfer may wait for its reader, plus 1 s per 16 MiB it sends
     upload_seconds: float = 600.0  # a PutPack still running after this is cancelled (gRPC sets no deadline of its own)
     metrics: str = ""  # HOST:PORT for Prometheus (no host: loopback); empty disables
-    workers: int = 16  # concurrent RPCs served
+    workers: int = 16  # transfer slots (streams, uploads, bank builds and routes), shared among principals
     max_message_bytes: int = 4 << 20  # per gRPC message, both directions
     max_pack_bytes: int = 4 << 30  # stored bytes of one uploaded pack
     max_chunk_bytes: int = 64 << 20  # stored bytes of one chunk: what one upload holds in memory at a time
@@ -41,6 +42,12 @@ class ServiceConfig:
     objects: str = ""  # s3://BUCKET/PREFIX to serve from (docs/operations.md, "Object store tier"); empty: the local store
     s3_endpoint: str = ""  # the object store's URL; empty: $AWS_ENDPOINT_URL_S3, else AWS S3
     cache_bytes: int = DEFAULT_CACHE_BYTES  # with objects: the local cache of each namespace
+
+
+# Settings that no longer exist, and what took their place (a config that still names one is refused, not ignored).
+REPLACED = {
+    "bulk_per_peer": "was replaced by bulk_per_principal: bulk slots are now shared per token (without auth, per address)",
+}
 
 
 def _coerce(field: dataclasses.Field[Any], value: Any, source: str) -> Any:
@@ -61,9 +68,14 @@ def load_config(config_file: str | None = None, overrides: dict[str, Any] | None
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise InvalidInput(f"config file {config_file}: {exc}") from None
         for name, value in table.items():
+            if name in REPLACED:
+                raise InvalidInput(f"config file {config_file}: {name} {REPLACED[name]}")
             if name not in known:
                 raise InvalidInput(f"config file {config_file}: unknown setting {name!r}")
             values[name] = _coerce(known[name], value, config_file)
+    for name, why in REPLACED.items():
+        if f"PACKSTORE_{name.upper()}" in os.environ:
+            raise InvalidInput(f"$PACKSTORE_{name.upper()}: {name} {why}")
     for name, field in known.items():
         env = os.environ.get(f"PACKSTORE_{name.upper()}")
         if env is not None:
@@ -80,10 +92,11 @@ def load_config(config_file: str | None = None, overrides: dict[str, Any] | None
         raise InvalidInput("workers must be >= 1 and max_message_bytes at least 1 MiB + 4 KiB (chunk pieces are 1 MiB)")
     if config.objects and config.max_store_bytes:
         raise InvalidInput("max_store_bytes bounds a local store; with objects, bound the bucket with the object store's own quota")
-    if config.cache_bytes < 0 or config.hot_bytes < 0 or config.bulk_per_peer < 0:
-        raise InvalidInput("cache_bytes, hot_bytes and bulk_per_peer must be >= 0")
-    if not 0 < config.upload_seconds <= 86400:  # also refuses NaN
-        raise InvalidInput(f"upload_seconds must be from 0 to 86400, got {config.upload_seconds}")
+    if config.cache_bytes < 0 or config.hot_bytes < 0 or config.bulk_per_principal < 0:
+        raise InvalidInput("cache_bytes, hot_bytes and bulk_per_principal must be >= 0")
+    for name in ("upload_seconds", "stream_seconds"):
+        if not 0 < getattr(config, name) <= 86400:  # also refuses NaN
+            raise InvalidInput(f"{name} must be from 0 to 86400, got {getattr(config, name)}")
     if config.bulk_local not in ("on", "off"):
         raise InvalidInput(f"bulk_local must be on or off, got {config.bulk_local!r}")
     return config

@@ -6,16 +6,20 @@ reading the store or hashing them again (the chunks crossed no hop since they we
 
 Tenants share nothing here: a hot pack is keyed by its namespace and its header's digest, so a pack one namespace
 holds is never a hit for another, even for the same content, and deleting it in one namespace touches no other.
-Memory is bounded: packs kept, packs being written (an upload or a whole-pack read in flight) and packs evicted
-while a transfer still sends them all count against ``max_bytes`` until their memory is unmapped. No buffer ever
-leaves the process (clients receive copies of the bytes), so nothing a client does can keep one alive.
+Each namespace has a budget of its own: packs kept, packs being written (an upload or a whole-pack read in flight)
+and packs evicted while a transfer still sends them all count against their namespace's ``max_bytes`` until their
+memory is unmapped, and a pack is only ever evicted to make room in its own namespace. So nothing one tenant reads or
+uploads changes which of another tenant's packs are hot, or anything that tenant can see (its metrics, its read
+times from hot copies); the service's memory is bounded by ``max_bytes`` times the namespaces in use. The memory is
+private anonymous memory (counted as the process's ``RssAnon``). No buffer ever leaves the process (clients receive
+copies of the bytes), so nothing a client does can keep one alive.
 """
 
 from __future__ import annotations
 
 import mmap
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -69,7 +73,7 @@ class SegmentWriter:
         self.owner, self.namespace, self.header = owner, namespace, header
         self.offsets = chunk_offsets(header)
         self.size = stored_size(header)
-        self._map: mmap.mmap | None = mmap.mmap(-1, self.size)
+        self._map: mmap.mmap | None = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE)  # anonymous: RssAnon, not shared memory
         self._written: set[int] = set()
 
     def add(self, index: int, data: Buffer) -> None:
@@ -96,22 +100,29 @@ class SegmentWriter:
         if self._map is not None:
             self._map.close()
             self._map = None
-            self.owner._release(self.size)
+            self.owner._release(self.namespace, self.size)
 
 
 class HotPacks:
-    """The service's hot packs, by (namespace, header digest), at most ``max_bytes`` of memory in all (0: none kept)."""
+    """The service's hot packs, by (namespace, header digest), at most ``max_bytes`` of memory per namespace (0: none
+    kept)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._segments: OrderedDict[tuple[str, str], Segment] = OrderedDict()  # least recently used first
-        self._bytes = 0  # memory mapped: kept, being written, or evicted but still sent by a transfer
+        self._bytes: Counter[str] = Counter()  # per namespace, memory mapped: kept, being written, or evicted but still sent
         self._lock = threading.Lock()
 
     @property
     def bytes(self) -> int:
-        """Memory the hot packs hold now (never more than ``max_bytes``)."""
-        return self._bytes
+        """Memory the hot packs of every namespace hold now (at most ``max_bytes`` each)."""
+        with self._lock:
+            return sum(self._bytes.values())
+
+    def namespace_bytes(self, namespace: str) -> int:
+        """Memory ``namespace``'s hot packs hold now, counted against its ``max_bytes``."""
+        with self._lock:
+            return self._bytes[namespace]
 
     def __len__(self) -> int:
         return len(self._segments)
@@ -144,22 +155,23 @@ class HotPacks:
                         self._unmap(segment)
 
     def writer(self, namespace: str, header: PackHeader) -> SegmentWriter | None:
-        """A writer for the namespace's hot copy of the pack, its memory reserved now (evicting the least recently used
-        packs to make room); None when it cannot be kept (larger than ``max_bytes``, or the room is taken by writes and
-        transfers in flight)."""
+        """A writer for the namespace's hot copy of the pack, its memory reserved now (evicting the namespace's least
+        recently used packs to make room, never another namespace's); None when it cannot be kept (larger than
+        ``max_bytes``, or the namespace's room is taken by its writes and transfers in flight)."""
         size = stored_size(header)
         if not 0 < size <= self.max_bytes:
             return None
         with self._lock:
-            while self._bytes + size > self.max_bytes and self._segments:
-                self._drop(self._segments.popitem(last=False)[1])
-            if self._bytes + size > self.max_bytes:
+            mine = [key for key in self._segments if key[0] == namespace]  # least recently used first
+            while self._bytes[namespace] + size > self.max_bytes and mine:
+                self._drop(self._segments.pop(mine.pop(0)))
+            if self._bytes[namespace] + size > self.max_bytes:
                 return None
-            self._bytes += size
+            self._bytes[namespace] += size
         try:
             return SegmentWriter(self, namespace, header)
         except BaseException:
-            self._release(size)
+            self._release(namespace, size)
             raise
 
     def add(self, writer: SegmentWriter) -> None:
@@ -187,8 +199,8 @@ class HotPacks:
     def _unmap(self, segment: Segment) -> None:
         """(lock held)"""
         segment._close()
-        self._bytes -= segment.size
+        self._bytes[segment.namespace] -= segment.size
 
-    def _release(self, size: int) -> None:
+    def _release(self, namespace: str, size: int) -> None:
         with self._lock:
-            self._bytes -= size
+            self._bytes[namespace] -= size

@@ -64,7 +64,7 @@ class ServiceMetrics:
         self.hot_bytes = NamespaceGauge("packstore_hot_bytes", "Stored bytes of the packs held hot, by namespace", registry)
         self.hot_memory = Gauge(
             "packstore_hot_memory_bytes",
-            "Memory of the hot packs, writes and transfers in flight included (bounded by --hot-bytes)",
+            "Memory of the hot packs, writes and transfers in flight included (bounded by --hot-bytes per namespace)",
             registry=registry,
         )
         self.hot_reads = Counter(

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import grpc
 
@@ -20,10 +20,12 @@ from packstore.packs.reader import PackReader, verified_chunks
 from packstore.rpc.listen import server_ssl_context
 from packstore.rpc.messages import ChunkAssembler, bank_info, pack_info, signatures_of, summary_info
 from packstore.rpc.metrics_http import serve_metrics
+from packstore.rpc.pacing import StreamWatch
 from packstore.rpc.serving import Server, log_as_json
 from packstore.rpc.status import abort_with_error, status_for
 from packstore.rpc.wire import chunk_responses, serialize_get_pack_response
 from packstore.security.auth import Auth, Principal
+from packstore.security.shares import ShareRule, Shares, principal_key
 from packstore.service.bulk import BulkServer, Tickets, bulk_address
 from packstore.service.config import ServiceConfig
 from packstore.service.hot import HotPacks
@@ -45,6 +47,10 @@ ROLE_OF = {
     "BuildBank": "write", "AddFacts": "write", "DeleteBank": "write", "SignBank": "write",
     "CollectGarbage": "admin",
 }
+# The calls that may hold a thread for long (streams, uploads, bank builds and routes, verification, GC): each takes
+# one of the ``workers`` transfer slots, shared among principals (security/shares.py). Every other call is cheap and
+# finds one of the server's CHEAP_THREADS, never queueing behind transfers.
+TRANSFERS = frozenset({"GetPack", "VerifyPacks", "PutPack", "BuildBank", "AddFacts", "RouteQuery", "CollectGarbage"})
 
 
 class Call(dict[str, object]):
@@ -52,6 +58,7 @@ class Call(dict[str, object]):
 
     store: ServedStore
     principal: Principal
+    share_key: str  # whom its shares are counted for (security/shares.py)
 
 
 class PackStoreService(store_pb2_grpc.PackStoreServicer):
@@ -75,26 +82,37 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
         self.config = config
         self.metrics = metrics
         self.bulk = bulk  # the bulk port GetPack hands tickets for; None: GetPack always streams
-        self.hot = hot  # packs kept in sealed shared memory for the bulk port; uploads join it, deletions leave it
+        self.hot = hot  # packs kept in the service's memory for the bulk port, per namespace; uploads join, deletions leave
+        self.transfers = Shares("transfer slots", ShareRule.default(config.workers))
+        self.watch = StreamWatch(log, seconds=config.stream_seconds)
 
     @contextmanager
     def _call(self, method: str, context: grpc.ServicerContext, **fields: object) -> Iterator[Call]:
-        """Authenticate, time, count and log one RPC (by its token's name, never the token); turn
-        packstore errors into a status with a clear message. Only a write or admin call creates its namespace's
-        store: a read of a namespace without one reads an empty store, so reading creates nothing."""
+        """Authenticate, time, count and log one RPC (by its token's name, never the token); hold a transfer slot
+        for the TRANSFERS; turn packstore errors into a status with a clear message. Only a write or admin call
+        creates its namespace's store: a read of a namespace without one reads an empty store, so reading creates
+        nothing."""
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         info = Call(fields)
         try:
-            info.principal = principal = self.auth.authenticate(context.invocation_metadata(), method, ROLE_OF[method])
-            info.update(token=principal.token, namespace=principal.namespace)
-            reads = ROLE_OF[method] == "read"
-            info.store = self.stores.for_reading(principal.namespace) if reads else self.stores.get(principal.namespace)
-            yield info
+            with ExitStack() as held:
+                info.principal = principal = self.auth.authenticate(context.invocation_metadata(), method, ROLE_OF[method])
+                info.update(token=principal.token, namespace=principal.namespace)
+                info.share_key = principal_key(principal.token, self.auth.enabled, context.peer())
+                if method in TRANSFERS:
+                    held.enter_context(self.transfers.slot(info.share_key, method))
+                reads = ROLE_OF[method] == "read"
+                info.store = self.stores.for_reading(principal.namespace) if reads else self.stores.get(principal.namespace)
+                yield info
         except PackstoreError as exc:
             code = status_for(exc)
             info["error"] = str(exc)
             abort_with_error(context, exc)
+        except GeneratorExit:  # a stream whose client went away, or that StreamWatch cancelled
+            code = grpc.StatusCode.CANCELLED
+            info.setdefault("error", "the client went away" if not info.get("slow_reader") else self.watch.rule())
+            raise
         except Exception as exc:  # an unexpected failure: report INTERNAL, keep serving
             if isinstance(exc, grpc.RpcError) or type(exc).__name__ == "_AbortionError":
                 raise
@@ -102,6 +120,8 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             log.exception("internal error", extra={"fields": {"method": method}})
             abort_with_error(context, PackstoreError(f"internal error: {exc}"))
         finally:
+            if info.get("slow_reader") or info.get("cancelled"):
+                code = grpc.StatusCode.CANCELLED
             self.metrics.record(method, code.name, time.perf_counter() - start, {"peer": context.peer(), **info})
 
     def _track_store_gauges(self) -> None:
@@ -193,26 +213,32 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
 
     def GetPack(self, request: store_pb2.GetPackRequest, context: grpc.ServicerContext) -> Iterator[store_pb2.GetPackResponse | bytes]:
         with self._call("GetPack", context, ref=request.ref) as call:
-            stored = call.store.stat(request.ref, model_fp=request.model_fp or None)
-            header = stored.header
-            call["key"] = header.key
-            header.check_identities(request.model_fp, request.template_fp)
-            span = (request.layers.first, request.layers.last) if request.HasField("layers") else None
-            indices = chunks_for(header, span, request.prefix or None)
-            yield store_pb2.GetPackResponse(header=pack_info(stored))
-            if request.bulk and self.bulk is not None:
-                fields = {k: call[k] for k in ("token", "namespace", "key")}
-                ticket = self.bulk.tickets.issue(call.store, call.principal.namespace, header, indices, fields)
-                if ticket is not None:
-                    call["bulk"] = True
-                    yield store_pb2.GetPackResponse(bulk=self.bulk.ticket_message(ticket))
-                    return
-            for index, data in verified_chunks(header, zip(indices, call.store.read_chunks(header, indices))):
-                if not context.is_active():
-                    call["cancelled"] = True
-                    return
-                yield from chunk_responses(index, data, header.chunks[index].digest)
-                self.metrics.bytes_sent.labels(call.principal.namespace).inc(len(data))
+            yield from self.watch.paced(context, self._get_pack(request, context, call), call, _message_size)
+
+    def _get_pack(
+        self, request: store_pb2.GetPackRequest, context: grpc.ServicerContext, call: Call
+    ) -> Iterator[store_pb2.GetPackResponse | bytes]:
+        """GetPack's messages: the pack's info, then a bulk ticket or the chunks."""
+        stored = call.store.stat(request.ref, model_fp=request.model_fp or None)
+        header = stored.header
+        call["key"] = header.key
+        header.check_identities(request.model_fp, request.template_fp)
+        span = (request.layers.first, request.layers.last) if request.HasField("layers") else None
+        indices = chunks_for(header, span, request.prefix or None)
+        yield store_pb2.GetPackResponse(header=pack_info(stored))
+        if request.bulk and self.bulk is not None:
+            fields = {k: call[k] for k in ("token", "namespace", "key")}
+            ticket = self.bulk.tickets.issue(call.store, call.principal.namespace, header, indices, fields, call.share_key)
+            if ticket is not None:
+                call["bulk"] = True
+                yield store_pb2.GetPackResponse(bulk=self.bulk.ticket_message(ticket))
+                return
+        for index, data in verified_chunks(header, zip(indices, call.store.read_chunks(header, indices))):
+            if not context.is_active():
+                call["cancelled"] = True
+                return
+            yield from chunk_responses(index, data, header.chunks[index].digest)
+            self.metrics.bytes_sent.labels(call.principal.namespace).inc(len(data))
 
     def StatPack(self, request: store_pb2.StatPackRequest, context: grpc.ServicerContext) -> store_pb2.PackInfo:
         with self._call("StatPack", context, ref=request.ref) as call:
@@ -272,9 +298,9 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
         with self._call("VerifyPacks", context) as call:
             keys = [call.store.resolve(ref) for ref in request.refs] if request.refs else call.store.keys()
             reader = PackReader(call.store)  # verifying decodes without torch: no decoder needed
-            for key in keys:
-                result = reader.verify(key)
-                yield store_pb2.VerifyResult(key=result.key, ok=result.ok, error=result.error or "")
+            results = (reader.verify(key) for key in keys)
+            messages = (store_pb2.VerifyResult(key=r.key, ok=r.ok, error=r.error or "") for r in results)
+            yield from self.watch.paced(context, messages, call, _message_size)
 
 
     def StoreStats(self, request: store_pb2.StoreStatsRequest, context: grpc.ServicerContext) -> store_pb2.StoreStatsResponse:
@@ -318,14 +344,14 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
 
 
     def BuildBank(self, request_iterator: Iterator[store_pb2.BankFacts], context: grpc.ServicerContext) -> store_pb2.BankInfo:
-        with self._call("BuildBank", context) as call:
+        with self._call("BuildBank", context) as call, upload_deadline(context, self.config.upload_seconds):
             name, embedder, vectors, facts = self._bank_stream(request_iterator)
             call["bank"] = name
             meta = self._banks(call.store).build(name, facts, embedder or DEFAULT_EMBEDDER, vectors=vectors or DEFAULT_VECTORS)
             return bank_info(meta, call.store.bank_stored_bytes(name))
 
     def AddFacts(self, request_iterator: Iterator[store_pb2.BankFacts], context: grpc.ServicerContext) -> store_pb2.BankInfo:
-        with self._call("AddFacts", context) as call:
+        with self._call("AddFacts", context) as call, upload_deadline(context, self.config.upload_seconds):
             name, embedder, _, facts = self._bank_stream(request_iterator)
             call["bank"] = name
             meta = self._banks(call.store).add(name, facts, embedder)
@@ -379,10 +405,16 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             return self._bank_status(call.store, request.name)
 
 
+def _message_size(message: store_pb2.GetPackResponse | store_pb2.VerifyResult | bytes) -> int:
+    """A response's size on the wire (GetPack's chunk pieces come serialized already)."""
+    return len(message) if isinstance(message, bytes) else message.ByteSize()
+
+
 @contextmanager
 def upload_deadline(context: grpc.ServicerContext, seconds: float) -> Iterator[None]:
-    """Cancel the call if it is still running after ``seconds``: a stalled upload holds a worker thread, staged chunks
-    and the room reserved for its hot copy, and gRPC gives a call no deadline unless its client sets one."""
+    """Cancel the call if it is still running after ``seconds``: a stalled upload (a pack's chunks, a bank's facts)
+    holds a transfer slot, what it staged and the room reserved for its hot copy, and gRPC gives a call no deadline
+    unless its client sets one."""
     timer = threading.Timer(seconds, context.cancel)
     timer.daemon = True
     timer.start()
@@ -431,7 +463,8 @@ def build_server(config: ServiceConfig, stores: NamespaceStores, metrics: Servic
         tls = server_ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca)
         local = config.bulk_local == "on"
         bulk = BulkServer(
-            address, Tickets(), metrics, tls=tls, max_connections=config.workers * 4, per_peer=config.bulk_per_peer, hot=hot, local=local
+            address, Tickets(), metrics, tls=tls, max_connections=config.workers * 4, per_principal=config.bulk_per_principal,
+            hot=hot, local=local, transfer_seconds=config.stream_seconds,
         )
     service = PackStoreService(stores, config, metrics, auth, bulk, hot)
     service._track_store_gauges()

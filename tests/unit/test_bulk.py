@@ -6,6 +6,7 @@ descriptors."""
 from __future__ import annotations
 
 import array
+import dataclasses
 import logging
 import socket
 import struct
@@ -158,10 +159,11 @@ def big_pack():
     return make_pack(layers=8, tokens=4000, dim=64)
 
 
-def test_a_peer_past_its_share_of_slots_gets_limit_exceeded_and_the_client_streams_instead(server, caplog) -> None:
-    """--workers 1: 4 slots, 2 per peer. Two transfers nobody reads hold this peer's share; a third connection of the
-    same peer gets LIMIT_EXCEEDED, a RemoteStore on it streams the pack instead and says so once in its log; a client
-    at another address still reads over the bulk port."""
+def test_a_principal_past_its_share_of_slots_gets_limit_exceeded_from_any_address_and_the_client_streams_instead(server, caplog) -> None:
+    """--workers 1: 4 slots, 2 per principal (without tokens: the address GetPack was called from). Two transfers
+    nobody reads hold this principal's share; a third of its tickets gets LIMIT_EXCEEDED, presented from the same
+    address or another; a RemoteStore of the same principal streams the pack instead and says so once in its log.
+    (Another principal still gets a slot: test_fair_shares.py.)"""
     pack = big_pack()
     with RemoteStore(server.url) as remote:
         key, _ = remote.put(encode_pack(pack))
@@ -171,16 +173,13 @@ def test_a_peer_past_its_share_of_slots_gets_limit_exceeded_and_the_client_strea
             _, ticket = ticket_for(server, key)
             stalled.append(connect("127.0.0.1", ticket.port, ticket.ticket, timeout=10, tls=None))
             read_frame(stalled[-1])  # admitted: its first chunk is on its way
-        _, ticket = ticket_for(server, key)
-        with connect("127.0.0.1", ticket.port, ticket.ticket, timeout=10, tls=None) as third:
-            kind, _, length = read_frame(third)
-            body = bytes(recv_exact(third, length))
-            assert kind == 3 and b"LIMIT_EXCEEDED" in body and b"from this peer" in body
-        info, ticket = ticket_for(server, key)
-        with socket.create_connection(("127.0.0.1", ticket.port), timeout=10, source_address=("127.0.0.2", 0)) as other:
-            other.sendall(MAGIC + ticket.ticket)
-            header = stored_pack(info).header
-            assert len(list(bulk_chunks(other, header, range(len(header.chunks)), "other peer"))) == len(header.chunks)
+        for source in ("127.0.0.1", "127.0.0.2"):
+            _, ticket = ticket_for(server, key)
+            with socket.create_connection(("127.0.0.1", ticket.port), timeout=10, source_address=(source, 0)) as third:
+                third.sendall(MAGIC + ticket.ticket)
+                kind, _, length = read_frame(third)
+                body = bytes(recv_exact(third, length))
+                assert kind == 3 and b"LIMIT_EXCEEDED" in body and b"already holds its share of 2 bulk transfers" in body
         caplog.set_level(logging.WARNING, logger="packstore.remote")
         with RemoteStore(server.url, local_bulk=False) as remote:
             before = requests_counted(server, "GetPack", "OK")
@@ -210,14 +209,14 @@ def test_with_the_bulk_port_off_or_out_of_reach_a_fetch_streams(tmp_path: Path, 
 def test_tickets_lapse_and_are_bounded() -> None:
     tickets = Tickets(lifetime=0.05, limit=2)
     header = encode_pack(make_pack(tokens=4, dim=4)).header
-    first = tickets.issue(None, "default", header, [0], {})
-    second = tickets.issue(None, "default", header, [0], {})
-    assert first != second and tickets.issue(None, "default", header, [0], {}) is None  # at the limit: the caller streams
+    first = tickets.issue(None, "default", header, [0], {}, "token:a")
+    second = tickets.issue(None, "default", header, [0], {}, "token:a")
+    assert first != second and tickets.issue(None, "default", header, [0], {}, "token:a") is None  # at the limit: the caller streams
     assert tickets.take(second).indices == (0,)
     time.sleep(0.1)
     with pytest.raises(Unauthenticated, match="lapsed"):
         tickets.take(first)
-    assert tickets.issue(None, "default", header, [0], {}) is not None  # lapsed ones make room
+    assert tickets.issue(None, "default", header, [0], {}, "token:a") is not None  # lapsed ones make room
 
 
 def test_the_bulk_address_follows_the_grpc_one_unless_told() -> None:
@@ -348,28 +347,37 @@ def test_without_a_local_socket_or_hot_packs_fetches_go_over_tcp(tmp_path: Path)
         assert metric(server, "packstore_hot_packs") == 0 and requests_counted(server, "GetPack.bulk", "OK") == 2
 
 
-def test_hot_packs_count_writes_in_flight_and_copies_still_being_sent_against_their_bound() -> None:
-    """Every byte of memory the hot packs map counts: a pack being written reserves its size first (none is made when
-    the room is taken), and an evicted pack a transfer still sends counts until that transfer ends."""
-    encoded = encode_pack(make_pack(layers=2, tokens=100, dim=16))
-    size = sum(c.stored_bytes for c in encoded.header.chunks)
+def test_hot_packs_count_writes_in_flight_and_copies_still_being_sent_against_their_namespaces_bound() -> None:
+    """Every byte of memory the hot packs map counts against its namespace's bound: a pack being written reserves its
+    size first (none is made when the room is taken), and an evicted pack a transfer still sends counts until that
+    transfer ends. Another namespace's packs neither take that room nor are evicted for it."""
+    base = make_pack(layers=2, tokens=100, dim=16)
+    packs = [encode_pack(dataclasses.replace(base, header=dataclasses.replace(base.header, facts=(f"fact {i}",)))) for i in range(4)]
+    size = sum(c.stored_bytes for c in packs[0].header.chunks)
+    assert all(sum(c.stored_bytes for c in p.header.chunks) == size for p in packs)
     hot = HotPacks(int(size * 2.5))
-    first, second = hot.writer("a", encoded.header), hot.writer("b", encoded.header)
-    assert hot.bytes == 2 * size and hot.writer("c", encoded.header) is None  # two in flight: no room for a third
+
+    def keep(namespace: str, encoded) -> None:
+        writer = hot.writer(namespace, encoded.header)
+        for index, chunk in enumerate(encoded.chunks):
+            writer.add(index, chunk)
+        hot.add(writer)
+
+    keep("other", packs[3])  # another tenant's pack: it stays hot whatever "a" does
+    first, second = hot.writer("a", packs[0].header), hot.writer("a", packs[1].header)
+    assert hot.namespace_bytes("a") == 2 * size and hot.writer("a", packs[2].header) is None  # two in flight: no room
     second.discard()
-    for index, chunk in enumerate(encoded.chunks):
+    for index, chunk in enumerate(packs[0].chunks):
         first.add(index, chunk)
     hot.add(first)
-    with hot.lease("a", encoded.header) as segment:
-        assert segment is not None and bytes(segment.chunk(0)) == encoded.chunks[0]
-        for namespace in ("b", "c"):  # each new one evicts the least recently used; "a" is still being sent
-            writer = hot.writer(namespace, encoded.header)
-            for index, chunk in enumerate(encoded.chunks):
-                writer.add(index, chunk)
-            hot.add(writer)
-            assert hot.bytes <= hot.max_bytes
-        assert hot.bytes == 2 * size and len(hot) == 1  # c kept; a evicted for it but still mapped (b evicted, unmapped)
-    assert hot.bytes == size and hot.stats_by_namespace() == {"c": (1, size)}
+    with hot.lease("a", packs[0].header) as segment:
+        assert segment is not None and bytes(segment.chunk(0)) == packs[0].chunks[0]
+        for encoded in packs[1:3]:  # each new one evicts a's least recently used; packs[0] is still being sent
+            keep("a", encoded)
+            assert hot.namespace_bytes("a") <= hot.max_bytes
+        assert hot.namespace_bytes("a") == 2 * size  # packs[2] kept; packs[0] evicted for it but still mapped
+    assert hot.namespace_bytes("a") == size and hot.bytes == 2 * size
+    assert hot.stats_by_namespace() == {"a": (1, size), "other": (1, size)}
 
 
 def test_a_stalled_upload_is_cancelled_after_upload_seconds_and_gives_its_hot_room_back(tmp_path: Path) -> None:

@@ -66,7 +66,9 @@ print(json.dumps({"opened": opened, "closed_by_server": closed}))
 @pytest.mark.parametrize("seconds", [8, pytest.param(120, marks=pytest.mark.long)], ids=["short", "long"])
 def test_two_hundred_idle_or_garbage_connections_do_not_stop_authorised_fetches(tmp_path, robustness_report, seconds) -> None:
     pack = make_pack(layers=4, tokens=600, dim=64)
-    with running_server(tmp_path / "data", "--workers", "1") as server:
+    # --workers 4: 16 bulk slots, and 2 transfer slots for this principal (this host's address), whose two clients
+    # fetch one after the other
+    with running_server(tmp_path / "data", "--workers", "4") as server:
         with RemoteStore(server.url) as local, RemoteStore(server.url, local_bulk=False) as tcp:
             key, _ = local.put(encode_pack(pack))
             assert torch.equal(PackReader(local).fetch(key).keys[0], pack.keys[0])

@@ -274,9 +274,10 @@ def test_sigterm_lets_in_flight_streams_finish(tmp_path: Path) -> None:
 
 
 def test_many_concurrent_large_reads_keep_server_memory_bounded(tmp_path: Path) -> None:
-    """16 slow readers of a ~100 MB pack: the server holds chunks, never whole packs, per stream."""
+    """16 slow readers of a ~100 MB pack: the server holds chunks, never whole packs, per stream. (One principal, this
+    host's address, holds at most half the transfer slots: --workers 32 lets it hold 16.)"""
     pack = make_pack(layers=24, tokens=16000, dim=64)
-    with running_server(tmp_path / "data") as server:
+    with running_server(tmp_path / "data", "--workers", "32") as server:
         with RemoteStore(server.url) as remote:
             key, _ = remote.put(encode_pack(pack))
             stored = remote.stat(key).stored_bytes
