@@ -1,6 +1,7 @@
-"""OpenAI chat-completions bodies <-> the worker's records: a request body becomes the Worker's ``GenerateRequest``
-(then a ``Question`` through ``messages.question_of``, the one mapping gRPC uses too), and an ``AnswerResult``
-becomes the ``chat.completion`` (or last ``chat.completion.chunk``) fields a client reads.
+"""OpenAI chat-completions and completions bodies <-> the worker's records: a request body becomes the Worker's
+``GenerateRequest`` (then a ``Question`` through ``messages.question_of``, the one mapping gRPC uses too), and an
+``AnswerResult`` becomes the ``chat.completion`` or ``text_completion`` fields a client reads. A completion's
+``prompt`` is asked exactly as a chat's one user message is (``completion_request``).
 
 Kept apart from the HTTP server so the mapping is plain functions of dicts, tested without a socket.
 """
@@ -14,6 +15,7 @@ from google.protobuf import json_format
 
 from packstore.answering.records import AnswerResult
 from packstore.errors import InvalidInput, PackNotFound
+from packstore.kv.inject import MAX_NEW_TOKENS, MAX_TEMPERATURE
 from packstore.v1 import worker_pb2
 from packstore.worker.messages import question_of
 
@@ -26,13 +28,20 @@ EXTRA_FIELDS |= {"adapter": "adapter", "steer_on": "steer_on", "compare_rag": "c
 EXTRA_FIELDS |= {"rerank_weight": "rerank_weight"}
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 SAMPLING |= {"seed": "seed", "stop": "stop"}
-IGNORED = {"model", "messages", "stream", "stream_options", "user", "steer", "steer_layers"}  # read apart, or (user) not used
+READ_APART = {"model", "stream", "stream_options", "user", "steer", "steer_layers"}  # read apart, or (user) not used
 # OpenAI fields this API does not implement, and the values that mean they are not asked for
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "n": (None, 1), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}), "frequency_penalty": (None, 0),
     "presence_penalty": (None, 0), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
 }
+# /v1/completions: its own unsupported fields (``logprobs`` is a count there), no ``messages`` and no ``max_completion_tokens``
+COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "logprobs": (None,), "logit_bias": (None, {}),
+    "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
+}
+CHAT_FIELDS = READ_APART | {"messages"} | set(EXTRA_FIELDS) | set(SAMPLING)
+COMPLETION_FIELDS = READ_APART | {"prompt"} | set(EXTRA_FIELDS) | (set(SAMPLING) - {"max_completion_tokens"})
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # OpenAI's -> the template's
 
 
@@ -79,20 +88,74 @@ def chat_request(body: object, model: str) -> ChatRequest:
     """The ChatRequest a chat-completions ``body`` makes for the worker serving ``model``: PackNotFound with OpenAI's
     ``model_not_found`` code for another model, InvalidInput for anything else it cannot run (their ``param`` field
     naming the request field)."""
+    fields = _checked_fields(body, model, CHAT_FIELDS, UNSUPPORTED)
+    history, question = _conversation(fields.get("messages"))
+    return _generate_request(fields, question, history)
+
+
+def completion_request(body: object, model: str) -> ChatRequest:
+    """The ChatRequest a completions ``body`` makes: its ``prompt`` (a string, or a list of exactly one) asked as a
+    chat's one user message with the same packs, bank, steering and sampling, so it is rendered after the pack by the
+    model's template and checked token for token as chat is; errors as ``chat_request``'s."""
+    fields = _checked_fields(body, model, COMPLETION_FIELDS, COMPLETION_UNSUPPORTED)
+    prompt = fields.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise _refuse("prompt must be a non-empty string (or a list of exactly one): one completion per request", "prompt")
+    return _generate_request(fields, prompt, ())
+
+
+def _checked_fields(body: object, model: str, known: set[str], unsupported: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
+    """``body`` as a dict, refused unless it asks ``model``, its fields are ``known`` and the ``unsupported`` ones keep
+    the values that mean they are not asked for."""
     if not isinstance(body, dict):
         raise _refuse("the body must be a JSON object", "body")
     if body.get("model") != model:
         message = f"the model {body.get('model')!r} does not exist here: this worker serves {model!r}"
         raise PackNotFound(message, param="model", code="model_not_found")
     for name, value in body.items():
-        if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+        if name in unsupported and value not in unsupported[name]:
             raise _refuse(f"{name} is not supported by packstore's worker (one greedy or sampled text answer per request)", name)
-        if name not in UNSUPPORTED and name not in IGNORED and name not in EXTRA_FIELDS and name not in SAMPLING:
+        if name not in unsupported and name not in known:
             raise _refuse(f"unknown field {name!r}", name)
-    fields: dict[str, Any] = {target: body[name] for name, target in EXTRA_FIELDS.items() if body.get(name) is not None}
+    return body
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # (JSON's true is no 1)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The Sampling message fields of ``body``'s OpenAI sampling fields, each checked for its type and range (a 400
+    naming it): ``max_tokens`` an integer from 1, never 0 read as the default nor "5" as 5."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None and not (_is_int(value) and 1 <= value <= MAX_NEW_TOKENS):
+            raise _refuse(f"{name} must be an integer from 1 to {MAX_NEW_TOKENS}, got {value!r}", name)
+    if (value := body.get("temperature")) is not None and not (_is_number(value) and 0 <= value <= MAX_TEMPERATURE):
+        raise _refuse(f"temperature must be a number from 0 to {MAX_TEMPERATURE:g}, got {value!r}", "temperature")
+    if (value := body.get("top_p")) is not None and not (_is_number(value) and 0 < value <= 1):
+        raise _refuse(f"top_p must be a number in (0, 1], got {value!r}", "top_p")
+    if (value := body.get("seed")) is not None and not (_is_int(value) and 0 <= value < 1 << 64):
+        raise _refuse(f"seed must be an integer from 0 to 2**64 - 1, got {value!r}", "seed")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(text, str) for text in stop)):
+        raise _refuse("stop must be a string or a list of strings", "stop")
     sampling = {target: body[name] for name, target in SAMPLING.items() if body.get(name) is not None}
-    if isinstance(sampling.get("stop"), str):
-        sampling["stop"] = [sampling["stop"]]
+    return sampling | ({"stop": stop} if stop is not None else {})
+
+
+def _generate_request(body: dict[str, Any], question: str, history: tuple[tuple[str, str], ...]) -> ChatRequest:
+    """The ChatRequest asking ``question`` after ``history`` with ``body``'s packstore, sampling and stream fields."""
+    fields: dict[str, Any] = {target: body[name] for name, target in EXTRA_FIELDS.items() if body.get(name) is not None}
+    sampling = _sampling(body)
     steer = body.get("steer") or []
     if not isinstance(steer, list) or not all(isinstance(entry, dict) and set(entry) <= {"pack", "alpha"} for entry in steer):
         raise _refuse('steer must be a list of {"pack": REF, "alpha": A}', "steer")
@@ -101,7 +164,6 @@ def chat_request(body: object, model: str) -> ChatRequest:
         if not isinstance(layers, list) or len(layers) != 2:
             raise _refuse("steer_layers must be [FIRST, LAST]", "steer_layers")
         fields["steer_layers"] = {"first": layers[0], "last": layers[1]}
-    history, question = _conversation(body.get("messages"))
     fields |= {"question": question, "sampling": sampling, "history": [{"role": role, "content": text} for role, text in history]}
     try:
         request = json_format.ParseDict(fields, worker_pb2.GenerateRequest())
