@@ -2,14 +2,19 @@
 worker process beside its gRPC server, answering through the same ``WorkerService`` Answerers, so an answer here is
 the worker's answer (text and tokens) to the same pack, question and sampling.
 
-``POST /v1/chat/completions`` (whole, or as server-sent events ending ``data: [DONE]``), ``GET /v1/models``,
-``GET /health``. Generation runs in Starlette's thread pool; callers, tokens and namespaces are the gRPC ones
-(``Auth.authenticate`` over the HTTP headers); errors are OpenAI's ``{"error": {...}}`` with the status of
-``HTTP_STATUS``. docs/protocol.md, "OpenAI-compatible HTTP API", is the reference.
+``POST /v1/chat/completions`` and ``POST /v1/completions`` (whole, or as server-sent events ending ``data: [DONE]``),
+``GET /v1/models``, ``GET /health``. Callers, tokens and namespaces are the gRPC ones (``Auth.authenticate`` over the
+HTTP headers); a completion holds one of the worker's generation slots (``WorkerService.slots``, shared with gRPC
+``Generate`` and fair among principals: security/shares.py), taken only once its caller is authenticated and its
+body has arrived. Slow or stalled clients are cut off: headers (``HEADER_SECONDS``), bodies (``BODY_SECONDS``, 408)
+and readers of a response (``SEND_SECONDS``) each have a deadline, and a client gone midway stops its generation
+within one token. Errors are OpenAI's ``{"error": {...}}`` with the status of ``HTTP_STATUS``, unknown paths and
+methods included. docs/protocol.md, "OpenAI-compatible HTTP API", is the reference.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
@@ -17,49 +22,61 @@ import ssl
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Generator, Iterator
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import anyio
 import uvicorn
 from anyio import CancelScope
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from packstore.answering.records import AnswerResult
 from packstore.errors import InvalidInput, LimitExceeded, PackstoreError
 from packstore.kv.inject import TextDeltas
 from packstore.rpc.metrics_http import metrics_address
-from packstore.security.auth import Auth
-from packstore.worker.chat import ChatRequest, chat_request, packstore_fields, usage
+from packstore.security.auth import Auth, Principal
+from packstore.security.shares import Shares, principal_key
+from packstore.worker.chat import ChatRequest, chat_request, completion_request, packstore_fields, usage
 from packstore.worker.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
     from packstore.answering.answer import Answerer
     from packstore.kv.models import LoadedModel
 
-DEFAULT_MAX_CONCURRENT = 16
+DEFAULT_MAX_CONCURRENT = 16  # the worker's generation slots, gRPC and HTTP together (--max-concurrent)
 MAX_BODY_BYTES = 8 << 20  # a request body past this is refused (413) before it is read whole
+MAX_HEADER_BYTES = 64 << 10  # a request line and headers past this close the connection
+BODY_SECONDS = 30.0  # a request body must arrive within this, once its headers have (else 408)
+HEADER_SECONDS = 30.0  # a request's line and headers must arrive within this of the connection or of the last response
+SEND_SECONDS = 60.0  # the longest one piece of a response waits for its client to read (else the connection closes)
 STARTUP_SECONDS = 10.0
 HTTP_STATUS = {  # a PackstoreError's gRPC status -> the HTTP status it answers with
     "INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404,
-    "RESOURCE_EXHAUSTED": 429, "INTERNAL": 500, "DATA_LOSS": 500, "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 408, "RESOURCE_EXHAUSTED": 429, "INTERNAL": 500, "DATA_LOSS": 500, "UNAVAILABLE": 503,
 }
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "invalid_request_error"}
-ERROR_TYPE |= {413: "invalid_request_error", 429: "rate_limit_error"}  # every other status: server_error
+ERROR_TYPE |= {405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+# (every other status: server_error)
+CANCELLED_STATUS = 499  # the response to a client that has gone (nobody reads it): nginx's "client closed request"
 log = logging.getLogger("packstore.worker")
 
 
 class WorkerService(Protocol):
     """What the HTTP API needs of the worker (``server.WorkerService``, which starts it): its model, callers' tokens,
-    metrics, and the Answerer of a namespace."""
+    metrics, generation slots, and the Answerer of a namespace."""
 
     lm: LoadedModel
     auth: Auth
     metrics: WorkerMetrics
+    slots: Shares
 
     def answerer(self, namespace: str) -> Answerer: ...
 
@@ -67,33 +84,51 @@ class WorkerService(Protocol):
 class BodyTooLarge(InvalidInput):
     """A request body longer than MAX_BODY_BYTES: HTTP 413."""
 
+    http_status = 413
+
+
+class BodyTimeout(PackstoreError):
+    """A request body that did not arrive within its deadline: HTTP 408."""
+
+    code = "REQUEST_TIMEOUT"
+    grpc_status = "DEADLINE_EXCEEDED"
+
+
+class SlowReader(Exception):
+    """A client that took no part of its response for SEND_SECONDS: the connection is closed, the call cancelled."""
+
 
 def http_status(exc: PackstoreError) -> int:
     """The HTTP status ``exc`` answers with."""
-    return 413 if isinstance(exc, BodyTooLarge) else HTTP_STATUS.get(exc.grpc_status, 500)
+    return getattr(exc, "http_status", None) or HTTP_STATUS.get(exc.grpc_status, 500)
 
 
 def error_body(exc: PackstoreError) -> dict[str, Any]:
     """OpenAI's error object for ``exc``: its message, type, the request field at fault (``param``) and its code."""
     status = http_status(exc)
     code = exc.fields.get("code", exc.code.lower())
-    kind = ERROR_TYPE.get(status, "server_error")
-    return {"error": {"message": exc.message, "type": kind, "param": exc.fields.get("param"), "code": code}}
+    return _error(exc.message, status, code, exc.fields.get("param"))
+
+
+def _error(message: str, status: int, code: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": ERROR_TYPE.get(status, "server_error"), "param": param, "code": code}}
 
 
 def error_response(exc: PackstoreError) -> JSONResponse:
-    headers = {"WWW-Authenticate": 'Bearer realm="packstore"'} if exc.grpc_status == "UNAUTHENTICATED" else None
-    return JSONResponse(error_body(exc), status_code=http_status(exc), headers=headers)
+    headers = {"WWW-Authenticate": 'Bearer realm="packstore"'} if exc.grpc_status == "UNAUTHENTICATED" else {}
+    if isinstance(exc, BodyTimeout):
+        headers["Connection"] = "close"  # (the rest of the body may still come: it must not be read as a request)
+    return JSONResponse(error_body(exc), status_code=http_status(exc), headers=headers or None)
 
 
 class Generation:
     """One answer being generated, as text pieces: the answerer's tokens decoded (``TextDeltas``: up to the first
     stop string), with the whitespace the answer's text is stripped of held back, so the pieces join to the answer."""
 
-    def __init__(self, service: WorkerService, namespace: str, chat: ChatRequest) -> None:
-        self.tokens = service.answerer(namespace).stream(chat.question)
+    def __init__(self, service: WorkerService, namespace: str, asked: ChatRequest) -> None:
+        self.tokens = service.answerer(namespace).stream(asked.question)
         self.stop_ids = service.lm.stop_token_ids
-        self.deltas = TextDeltas(service.lm.tokenizer, chat.question.sampling.stop)
+        self.deltas = TextDeltas(service.lm.tokenizer, asked.question.sampling.stop)
         self.result: AnswerResult | None = None
         self.stop_token = False
         self._pieces = self._text_pieces()
@@ -103,11 +138,6 @@ class Generation:
         """The next piece of text (blocking: generation runs here), or None once the answer is whole."""
         with self._turn:
             return next(self._pieces, None)
-
-    def run_to_end(self) -> None:
-        """Generate the whole answer (``result`` is set after)."""
-        while self.next_piece() is not None:
-            pass
 
     def close(self) -> None:
         """Stop generating (waiting for a piece another thread is computing), freeing the model for the next request."""
@@ -148,52 +178,153 @@ class Generation:
         return usage(self.result, len(self.deltas.ids))
 
 
-SLOT_SCOPE_KEY = "packstore.slot"
+@dataclass(frozen=True)
+class Shape:
+    """How one generating endpoint reads its body and writes its answer: ``method`` (as logged and counted),
+    ``parse`` (body, model -> ChatRequest), the ``id`` prefix and the ``object`` of a whole answer and of a chunk."""
+
+    method: str
+    parse: Callable[[object, str], ChatRequest]
+    prefix: str
+    whole: str
+    chunk: str
+
+    def envelope(self, model: str, streamed: bool) -> dict[str, Any]:
+        kind = self.chunk if streamed else self.whole
+        return {"id": f"{self.prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model}
+
+    def answer(self, text: str, finish: str) -> dict[str, Any]:
+        """The one choice of a whole answer."""
+        if self.whole == "chat.completion":
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+
+    def piece(self, text: str | None, finish: str | None = None) -> dict[str, Any]:
+        """The choice of one chunk: ``text`` (None: none, as in the finish chunk)."""
+        if self.whole == "chat.completion":
+            return {"index": 0, "delta": {"content": text} if text is not None else {}, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+    @property
+    def opening(self) -> dict[str, Any] | None:
+        """The choice of the chunk that opens a stream, if this shape has one (chat's role)."""
+        if self.whole == "chat.completion":
+            return {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        return None
 
 
-class Slot:
-    """One of an ``OpenAIApp``'s ``max_concurrent`` chat-completion slots, taken when made; ``release`` frees it
-    once, however often it is called (when the answer is whole, and again when the response ends)."""
+CHAT = Shape("ChatCompletions", chat_request, "chatcmpl", "chat.completion", "chat.completion.chunk")
+COMPLETION = Shape("Completions", completion_request, "cmpl", "text_completion", "text_completion")
+GENERATING = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION}  # POST paths that take a generation slot
+CALL_SCOPE_KEY = "packstore.call"
 
-    def __init__(self, app: OpenAIApp) -> None:
-        self.app, self.held = app, True
-        app.in_flight += 1
+
+class Call:
+    """One generating request (a chat completion or a completion): its log fields, the generation slot it holds for
+    its principal (``share``), its Generation; logged and counted once however it ends (``finish``)."""
+
+    def __init__(self, service: WorkerService, shape: Shape) -> None:
+        self.service, self.shape = service, shape
+        self.start = time.perf_counter()
+        self.fields: dict[str, Any] = {"method": shape.method, "protocol": "http"}
+        self.share: str | None = None
+        self.generation: Generation | None = None
+        self.events: AsyncGenerator[str, None] | None = None  # a streamed answer's events, once the response streams them
+        self.logged = False
+
+    def take_slot(self, share: str) -> None:
+        """Take a generation slot for the principal ``share``: LimitExceeded (429) when the rule refuses it."""
+        if not self.service.slots.try_take(share):
+            raise LimitExceeded(self.service.slots.refusal(share, self.shape.method))
+        self.share = share
 
     def release(self) -> None:
-        if self.held:
-            self.held = False
-            self.app.in_flight -= 1
+        """Free the slot (once, however often called): when the answer is whole, or the generation has stopped."""
+        if self.share is not None:
+            self.service.slots.give_back(self.share)
+            self.share = None
+
+    async def stop(self) -> None:
+        """Stop the generation (waiting for a token being computed: within one token), then free the slot."""
+        if self.generation is not None:
+            with CancelScope(shield=True):  # (also when cancelled because the client went: the clean-up must run)
+                await run_in_threadpool(self.generation.close)
+        self.release()
+
+    async def end(self) -> None:
+        """Once the response has ended, however it ended: its events closed (a stream left midway by a client that
+        stopped reading is never closed by Starlette), the generation stopped, the slot free, the call logged."""
+        if self.events is not None:
+            with CancelScope(shield=True):
+                await self.events.aclose()
+        await self.stop()
+        self.finish()
+
+    def finish(self, failure: PackstoreError | None = None) -> None:
+        """Log and count the call, once (as the gRPC Generate is): ``failure``'s code, OK with a whole answer, else
+        CANCELLED (the client went first) with the tokens generated until then."""
+        if self.logged:
+            return
+        self.logged = True
+        seconds = time.perf_counter() - self.start
+        fields, generation = self.fields, self.generation
+        fields["ms"] = round(seconds * 1000, 2)
+        if failure is not None:
+            fields |= {"code": failure.grpc_status, "error": str(failure)}
+        elif generation is not None and generation.result is not None:
+            result = generation.result
+            fields |= {"code": "OK", "key": result.pack, "cache_hit": result.cache_hit, "tokens": len(generation.deltas.ids)}
+        else:
+            fields |= {"code": "CANCELLED", "tokens": len(generation.deltas.ids) if generation is not None else 0}
+        log.info(self.shape.method, extra={"fields": fields})
+        self.service.metrics.record(fields.get("namespace", ""), self.shape.method, fields["code"], seconds)
+
+    def failed(self, failure: PackstoreError) -> JSONResponse:
+        self.finish(failure)
+        return error_response(failure)
 
 
 class OpenAIApp:
-    """The API over ``service`` (``app``, an ASGI app), answering at most ``max_concurrent`` chat completions at once
-    (a 429 beyond)."""
+    """The API over ``service`` (``app``, an ASGI app). A request body must arrive within ``body_seconds`` and each
+    piece of a response be taken by its client within ``send_seconds``."""
 
-    def __init__(self, service: WorkerService, max_concurrent: int = DEFAULT_MAX_CONCURRENT) -> None:
-        self.service, self.max_concurrent, self.in_flight = service, max_concurrent, 0
+    def __init__(self, service: WorkerService, *, body_seconds: float = BODY_SECONDS, send_seconds: float = SEND_SECONDS) -> None:
+        self.service, self.body_seconds, self.send_seconds = service, body_seconds, send_seconds
         self.routes = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
-            ]
+            ],
+            exception_handlers={404: self.unknown_path, 405: self.wrong_method},
         )
 
     async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The ASGI app: ``routes``, a chat completion holding one of the ``max_concurrent`` slots until its answer is
-        whole (before its last bytes are sent, so a client that has read them can ask again at once) or its client has
-        gone (and its generation has stopped); none free: 429 at once."""
-        if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
+        """The ASGI app: ``routes``, each response's sends under ``send_seconds``; a generating request as a ``Call``,
+        whose generation is stopped, slot freed and line logged once its response has ended, however it ended."""
+        if scope["type"] != "http":
             return await self.routes(scope, receive, send)
-        if self.in_flight >= self.max_concurrent:
-            busy = LimitExceeded(f"more than {self.max_concurrent} requests in flight: retry later")
-            return await self._done({"method": "ChatCompletions", "protocol": "http"}, time.perf_counter(), busy)(scope, receive, send)
-        slot = Slot(self)
-        scope[SLOT_SCOPE_KEY] = slot
+        shape = GENERATING.get(scope["path"]) if scope["method"] == "POST" else None
+        call = scope[CALL_SCOPE_KEY] = Call(self.service, shape) if shape is not None else None
         try:
-            await self.routes(scope, receive, send)
+            await self.routes(scope, receive, self._within(send))
+        except SlowReader:  # the response is left unfinished: uvicorn closes the connection
+            log.info("client not reading its response: connection closed", extra={"fields": {"path": scope["path"]}})
         finally:
-            slot.release()
+            if call is not None:
+                await call.end()
+
+    def _within(self, send: Send) -> Send:
+        """``send``, raising SlowReader when the client leaves a message untaken (its connection full) for send_seconds."""
+
+        async def timed(message: Message) -> None:
+            with anyio.move_on_after(self.send_seconds) as waited:
+                await send(message)
+            if waited.cancelled_caught:
+                raise SlowReader
+
+        return timed
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -206,109 +337,173 @@ class OpenAIApp:
         model = {"id": self.service.lm.name, "object": "model", "created": 0, "owned_by": "packstore"}
         return JSONResponse({"object": "list", "data": [model]})
 
+    async def unknown_path(self, request: Request, exc: Exception) -> Response:
+        endpoints = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health"
+        return JSONResponse(_error(f"unknown path {request.url.path}: this worker serves {endpoints}", 404, "not_found"), 404)
+
+    async def wrong_method(self, request: Request, exc: Exception) -> Response:
+        allowed = exc.headers.get("Allow", "") if isinstance(exc, HTTPException) and exc.headers else ""
+        message = f"{request.method} is not allowed on {request.url.path}: use {allowed}"
+        return JSONResponse(_error(message, 405, "method_not_allowed"), 405, headers={"Allow": allowed} if allowed else None)
+
     async def chat_completions(self, request: Request) -> Response:
-        start, fields = time.perf_counter(), {"method": "ChatCompletions", "protocol": "http"}
+        return await self._generate(request)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request)
+
+    async def _generate(self, request: Request) -> Response:
+        """One answer, in the order that keeps slots for callers that can use them: authenticate, read the body (under
+        its deadline), parse it, and only then take a slot; whole (the client checked for between tokens) or streamed."""
+        call: Call = request.scope[CALL_SCOPE_KEY]
         try:
-            principal = self.service.auth.authenticate(request.headers.items(), "ChatCompletions", "read")
-            fields |= {"token": principal.token, "namespace": principal.namespace}
-            chat = chat_request(await _json(request), self.service.lm.name)
-            generation = Generation(self.service, principal.namespace, chat)
-            slot: Slot = request.scope[SLOT_SCOPE_KEY]
-            if not chat.stream:
-                await run_in_threadpool(generation.run_to_end)
-                slot.release()
-                return self._done(fields, start, None, generation, self._completion(generation))
+            principal = self.service.auth.authenticate(request.headers.items(), call.shape.method, "read")
+            call.fields |= {"token": principal.token, "namespace": principal.namespace}
+            asked = call.shape.parse(await _json(request, self.body_seconds), self.service.lm.name)
+            call.take_slot(self._share(request, principal))
+            generation = call.generation = Generation(self.service, principal.namespace, asked)
+            if not asked.stream:
+                return await self._whole(request, call, generation)
             first = await run_in_threadpool(generation.next_piece)  # a refusal (unknown pack, mismatch) comes here, as a status
-            return StreamingResponse(self._events(generation, slot, first, chat, fields, start), media_type="text/event-stream")
+            call.events = self._events(call, generation, first, asked)
+            return StreamingResponse(call.events, media_type="text/event-stream")
+        except ClientDisconnect:  # the client went while sending its body
+            call.finish()
+            return Response(status_code=CANCELLED_STATUS)
         except PackstoreError as exc:
-            return self._done(fields, start, exc)
+            await call.stop()  # (the slot frees before the client reads the error, and may ask again at once)
+            return call.failed(exc)
         except Exception as exc:  # an unexpected failure: a 500 with a message, the server keeps serving
-            log.exception("internal error", extra={"fields": {"method": "ChatCompletions"}})
-            return self._done(fields, start, PackstoreError(f"internal error: {exc}"))
+            log.exception("internal error", extra={"fields": {"method": call.shape.method}})
+            await call.stop()
+            return call.failed(PackstoreError(f"internal error: {exc}"))
 
-    def _completion(self, generation: Generation) -> dict[str, Any]:
-        assert generation.result is not None
-        message = {"role": "assistant", "content": generation.result.answer}
-        choice = {"index": 0, "message": message, "finish_reason": generation.finish_reason}
-        body = _envelope("chat.completion", self.service.lm.name) | {"choices": [choice], "usage": generation.usage()}
-        return body | {"packstore": packstore_fields(generation.result)}
+    def _share(self, request: Request, principal: Principal) -> str:
+        """Whom the call's slot counts for: the token's name with tokens, else the client's host, written as a gRPC
+        peer is, so that one host is one principal on both ports."""
+        host, port = request.client or ("", 0)
+        peer = (f"ipv6:%5B{host}%5D:{port}" if ":" in host else f"ipv4:{host}:{port}") if host else ""
+        return principal_key(principal.token, self.service.auth.enabled, peer)
 
-    async def _events(
-        self, generation: Generation, slot: Slot, first: str | None, chat: ChatRequest, fields: dict, start: float
-    ) -> AsyncIterator[str]:
-        """The answer as server-sent events: a role chunk, the text chunks, the finish chunk (with the ``packstore``
-        object), with ``include_usage`` a chunk of usage and packstore, then ``[DONE]``; a failure midway is an error
-        event. The slot frees once the answer is whole, before those last chunks; a client gone midway cancels this
-        (Starlette): generation stops before the slot frees."""
-        envelope = _envelope("chat.completion.chunk", self.service.lm.name)
+    async def _whole(self, request: Request, call: Call, generation: Generation) -> Response:
+        """The whole answer, generated piece by piece; between pieces, a client gone stops it (within one token),
+        frees its slot and logs it CANCELLED. The slot frees when the answer is whole, before it is sent."""
+        while (await run_in_threadpool(generation.next_piece)) is not None:
+            if await request.is_disconnected():
+                await call.stop()
+                call.finish()
+                return Response(status_code=CANCELLED_STATUS)
+        call.release()
+        call.finish()
+        result = generation.result
+        assert result is not None
+        choice = call.shape.answer(result.answer, generation.finish_reason)
+        body = call.shape.envelope(self.service.lm.name, False) | {"choices": [choice], "usage": generation.usage()}
+        return JSONResponse(body | {"packstore": packstore_fields(result)})
 
-        def chunk(delta: dict[str, str], finish: str | None = None, **extra: Any) -> str:
-            return _event(envelope | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]} | extra)
-
+    async def _events(self, call: Call, generation: Generation, first: str | None, asked: ChatRequest) -> AsyncGenerator[str, None]:
+        """The answer as server-sent events: chat's role chunk, the text chunks, the finish chunk (with the
+        ``packstore`` object), with ``include_usage`` a chunk of usage and packstore, then ``[DONE]``; a failure midway is
+        an error event. The slot frees once the answer is whole, before those last chunks; a client gone midway cancels
+        this (Starlette): generation stops before the slot frees."""
+        shape, envelope = call.shape, call.shape.envelope(self.service.lm.name, True)
         failure: PackstoreError | None = None
         try:
-            yield chunk({"role": "assistant", "content": ""})
+            if shape.opening is not None:
+                yield _event(envelope | {"choices": [shape.opening]})
             piece = first
             while piece is not None:
                 if piece:
-                    yield chunk({"content": piece})
+                    yield _event(envelope | {"choices": [shape.piece(piece)]})
                 piece = await run_in_threadpool(generation.next_piece)
             assert generation.result is not None
-            slot.release()
+            call.release()
             summary = packstore_fields(generation.result)
-            yield chunk({}, generation.finish_reason, packstore=summary)
-            if chat.include_usage:
+            yield _event(envelope | {"choices": [shape.piece(None, generation.finish_reason)], "packstore": summary})
+            if asked.include_usage:
                 yield _event(envelope | {"choices": [], "usage": generation.usage(), "packstore": summary})
             yield "data: [DONE]\n\n"
         except PackstoreError as exc:
             failure = exc
             yield _event(error_body(exc))
         finally:
-            with CancelScope(shield=True):  # (cancelled when the client goes: the clean-up must still run)
-                await run_in_threadpool(generation.close)
-            slot.release()
-            self._done(fields, start, failure, generation)
-
-    def _done(
-        self, fields: dict, start: float, failure: PackstoreError | None, generation: Generation | None = None, body: dict | None = None
-    ) -> JSONResponse:
-        """Log and count a finished request (as the gRPC Generate is); its response: ``body``, or ``failure``'s error."""
-        seconds = time.perf_counter() - start
-        fields["ms"] = round(seconds * 1000, 2)
-        if failure is not None:
-            fields |= {"code": failure.grpc_status, "error": str(failure)}
-        elif generation is not None and generation.result is not None:
-            result = generation.result
-            fields |= {"code": "OK", "key": result.pack, "cache_hit": result.cache_hit, "tokens": len(generation.deltas.ids)}
-        else:  # the client went before the answer was whole
-            fields |= {"code": "CANCELLED", "tokens": len(generation.deltas.ids) if generation is not None else 0}
-        log.info("ChatCompletions", extra={"fields": fields})
-        self.service.metrics.record(fields.get("namespace", ""), "ChatCompletions", fields["code"], seconds)
-        return error_response(failure) if failure is not None else JSONResponse(body)
+            await call.stop()
+            call.finish(failure)
 
 
-async def _json(request: Request) -> object:
-    """The request's JSON body, read up to MAX_BODY_BYTES (BodyTooLarge past it, InvalidInput when it is not JSON)."""
+async def _json(request: Request, seconds: float) -> object:
+    """The request's JSON body, read up to MAX_BODY_BYTES within ``seconds`` (BodyTooLarge past it, BodyTimeout when it
+    has not all come by then, InvalidInput when it is not JSON)."""
     too_large = BodyTooLarge(f"the request body is over {MAX_BODY_BYTES} bytes", param="body", code="request_too_large")
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
         raise too_large
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > MAX_BODY_BYTES:
-            raise too_large
+    with anyio.move_on_after(seconds) as waited:
+        async for part in request.stream():
+            body += part
+            if len(body) > MAX_BODY_BYTES:
+                raise too_large
+    if waited.cancelled_caught:
+        raise BodyTimeout(f"the request body did not arrive within {seconds:g} s", param="body", code="request_timeout")
     try:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"the body is not JSON: {exc}", param="body") from None
 
 
-def _envelope(kind: str, model: str) -> dict[str, Any]:
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model}
-
-
 def _event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class HeaderDeadline(asyncio.Protocol):
+    """Mixed into uvicorn's HTTP protocol (``header_deadline_protocol``): a connection whose request line and headers
+    have not all arrived ``header_seconds`` after it opened, or after the first byte that follows its last response,
+    is closed, and so is one whose headers pass MAX_HEADER_BYTES. uvicorn has neither bound: without them a client
+    sending its headers a byte at a time keeps its connection (and the worker's memory) as long as it likes."""
+
+    header_seconds = HEADER_SECONDS
+    # uvicorn's protocol's own (H11Protocol and HttpToolsProtocol alike)
+    cycle: Any
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    _deadline: asyncio.TimerHandle | None = None
+    _after: object = None  # the request cycle the headers awaited follow (None: the connection's first)
+    _header_bytes = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        waiting = self.cycle is None or self.cycle.response_complete  # these bytes begin (or continue) a request's head
+        if waiting and (self._deadline is None or self._after is not self.cycle):
+            self._arm()
+        super().data_received(data)
+        if waiting and self.cycle is self._after:  # all of them headers: the request has not begun
+            self._header_bytes += len(data)
+            if self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
+                self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._after, self._header_bytes = self.cycle, 0
+        self._deadline = self.loop.call_later(self.header_seconds, self._expire)
+
+    def _expire(self) -> None:
+        self._deadline = None
+        if self.cycle is self._after and not self.transport.is_closing():  # no request began since: its head is late
+            self.transport.close()
+
+
+def header_deadline_protocol(header_seconds: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (httptools, else h11) with ``HeaderDeadline``'s bounds, for ``uvicorn.Config(http=...)``."""
+    return type("HeaderDeadlineProtocol", (HeaderDeadline, AutoHTTPProtocol), {"header_seconds": header_seconds})
 
 
 class HttpServer:
@@ -325,14 +520,17 @@ class HttpServer:
 
 
 def serve_http(
-    address: str, app: OpenAIApp, *, tls_cert: str = "", tls_key: str = "", tls_client_ca: str = "", grace_seconds: float = 30.0
+    address: str, app: OpenAIApp, *, tls_cert: str = "", tls_key: str = "", tls_client_ca: str = "", grace_seconds: float = 30.0,
+    header_seconds: float = HEADER_SECONDS,
 ) -> HttpServer:
     """Serve ``app`` at ``address`` (by the metrics port's rules: no host means loopback) on a thread, HTTPS with
-    ``tls_cert``/``tls_key`` (client certificates signed by ``tls_client_ca`` required with it); returns once it
-    takes requests. InvalidInput when the address or the TLS files are unusable."""
+    ``tls_cert``/``tls_key`` (client certificates signed by ``tls_client_ca`` required with it), closing connections
+    whose headers take over ``header_seconds`` (``HeaderDeadline``); returns once it takes requests. InvalidInput when
+    the address or the TLS files are unusable."""
     host, port = metrics_address(address, "http")
     config = uvicorn.Config(
         app.app, interface="asgi3", log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=int(grace_seconds),
+        http=header_deadline_protocol(header_seconds),
         ssl_certfile=tls_cert or None, ssl_keyfile=tls_key or None, ssl_ca_certs=tls_client_ca or None,
         ssl_cert_reqs=ssl.CERT_REQUIRED if tls_client_ca else ssl.CERT_NONE,
     )

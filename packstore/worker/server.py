@@ -5,24 +5,27 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
 from packstore.answering.answer import REF_TTL_SECONDS, Answerer
+from packstore.answering.records import AnswerResult
 from packstore.answering.tiers import ReadyCache
 from packstore.bank.bank import BankCache
-from packstore.errors import PackstoreError
+from packstore.errors import LimitExceeded, PackstoreError
 from packstore.kv.inject import TextDeltas
 from packstore.kv.models import LoadedModel
 from packstore.packs.decoder import Decoder
 from packstore.rpc.listen import server_ssl_context
 from packstore.rpc.metrics_http import serve_metrics
-from packstore.rpc.serving import Server, log_as_json
+from packstore.rpc.pacing import STREAM_SECONDS, StreamWatch
+from packstore.rpc.serving import CHEAP_THREADS, Server, log_as_json
 from packstore.rpc.status import abort_with_error
-from packstore.security.auth import Auth
+from packstore.security.auth import Auth, Principal
+from packstore.security.shares import ShareRule, Shares, principal_key
 from packstore.store.protocol import PackStore
 from packstore.v1 import worker_pb2, worker_pb2_grpc
 from packstore.worker.http import DEFAULT_MAX_CONCURRENT, OpenAIApp, serve_http
@@ -33,6 +36,8 @@ if TYPE_CHECKING:
     from packstore.security.trust import TrustedKeys
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+# gRPC calls beyond the thread pool's (max_concurrent + CHEAP_THREADS) that may wait for a thread before one is refused
+QUEUED_RPCS = 16
 log = logging.getLogger("packstore.worker")
 
 
@@ -42,7 +47,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     tenants never share ready packs).
 
     ``store_for(namespace)`` gives the store a namespace reads; ``auth`` (the worker's own tokens file)
-    decides each caller's namespace; without one every caller is in ``default``."""
+    decides each caller's namespace; without one every caller is in ``default``.
+
+    ``slots``: the worker's ``max_concurrent`` generation slots, taken by gRPC ``Generate`` and the HTTP API's
+    completions alike, per principal (a token's name; without tokens, the caller's host) by ``ShareRule.default``:
+    at most ``per_principal`` each, and the last ``reserve`` free only to principals holding none. ``watch``
+    cancels a ``Generate`` whose client stops taking its tokens (``stream_seconds``, ``rpc/pacing.py``)."""
 
     def __init__(
         self,
@@ -55,8 +65,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         auth: Auth | None = None,
         ref_ttl: float = REF_TTL_SECONDS,
         decoder: Decoder | None = None,
+        max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+        stream_seconds: float = STREAM_SECONDS,
     ) -> None:
         self.lm = lm
+        self.slots = Shares("generation slots", ShareRule.default(max_concurrent))
+        self.watch = StreamWatch(log, seconds=stream_seconds)
         self.decoder = decoder if decoder is not None else Decoder()  # one pool and buffer provider for every namespace
         self.bank_cache = BankCache()
         self.ref_ttl = ref_ttl
@@ -85,14 +99,31 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         with self._lock:
             return {namespace: answerer.store_reads for namespace, answerer in self._answerers.items()}
 
+    def share(self, principal: Principal, peer: str) -> str:
+        """Whom a call from ``peer`` (a gRPC peer, or an HTTP client's address written as one) by ``principal`` holds
+        its generation slot for."""
+        return principal_key(principal.token, self.auth.enabled, peer)
+
     def Generate(self, request, context):
-        start = time.perf_counter()
+        """The answer's tokens, then its summary; a client that leaves the stream untaken longer than the watch allows
+        (``StreamWatch``: ``stream_seconds`` plus 1 s per 16 MiB) is cancelled, as a store stream is."""
         fields: dict = {"method": "Generate"}
+        yield from self.watch.paced(context, self._generate(request, context, fields), fields, lambda message: message.ByteSize())
+
+    def _generate(self, request, context, fields: dict) -> Iterator[worker_pb2.GenerateResponse]:
+        start = time.perf_counter()
+        share: str | None = None  # the principal holding a generation slot, while this call holds one
+        tokens: Generator[int, None, AnswerResult] | None = None
+        deltas: TextDeltas | None = None
         try:
             principal = self.auth.authenticate(context.invocation_metadata(), "Generate", "read")
             fields.update(token=principal.token, namespace=principal.namespace)
             answerer = self.answerer(principal.namespace)
             question = question_of(request)
+            asking = self.share(principal, context.peer())
+            if not self.slots.try_take(asking):
+                raise LimitExceeded(self.slots.refusal(asking, "Generate"))
+            share = asking
             tokens = answerer.stream(question)
             deltas = TextDeltas(self.lm.tokenizer, question.sampling.stop)
             held: worker_pb2.Token | None = None  # with stop strings, each token goes out one late: see _flush
@@ -111,6 +142,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             except StopIteration as finished:
                 result = finished.value
             yield from self._flush(held, deltas)
+            self.slots.give_back(share)  # before the summary goes: a client that has read it may ask again at once
+            share = None
             fields.update(code="OK", key=result.pack, cache_hit=result.cache_hit, tokens=len(deltas.ids))
             yield worker_pb2.GenerateResponse(done=generate_done(result, len(deltas.ids)))
         except PackstoreError as exc:
@@ -123,10 +156,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             log.exception("internal error", extra={"fields": {"method": "Generate"}})
             abort_with_error(context, PackstoreError(f"internal error: {exc}"))
         finally:
+            if tokens is not None:
+                tokens.close()  # (a client gone: gRPC dropped this generator; its generation stops before the slot frees)
+            if share is not None:
+                self.slots.give_back(share)
             seconds = time.perf_counter() - start
             fields["ms"] = round(seconds * 1000, 2)
+            if "code" not in fields:  # the client went first: the tokens generated until then
+                fields.update(code="CANCELLED", tokens=len(deltas.ids) if deltas is not None else 0)
             log.info("Generate", extra={"fields": fields})
-            self.metrics.record(fields.get("namespace", ""), "Generate", fields.get("code", "CANCELLED"), seconds)
+            self.metrics.record(fields.get("namespace", ""), "Generate", fields["code"], seconds)
 
     @staticmethod
     def _flush(held: worker_pb2.Token | None, deltas: TextDeltas | None) -> Iterator[worker_pb2.GenerateResponse]:
@@ -166,6 +205,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         )
 
 
+def worker_server(service: WorkerService, listen: str, *, tls_cert: str = "", tls_key: str = "", tls_client_ca: str = "") -> Server:
+    """The gRPC server of ``service`` on ``listen`` (not started): a thread for each of its generation slots, and the
+    server's CHEAP_THREADS more that ``Status`` and health always find free, however many generations run or wait
+    for the device; up to QUEUED_RPCS more calls may wait for a thread before gRPC refuses them."""
+    slots = service.slots.rule.capacity
+    return Server(
+        SERVICE_NAME, lambda grpc_server: worker_pb2_grpc.add_WorkerServicer_to_server(service, grpc_server), listen, log=log,
+        workers=slots, max_concurrent_rpcs=slots + CHEAP_THREADS + QUEUED_RPCS, tls_cert=tls_cert, tls_key=tls_key,
+        tls_client_ca=tls_client_ca,
+    )
+
+
 def serve_worker(
     lm: LoadedModel,
     store_for: Callable[[str], PackStore],
@@ -190,23 +241,24 @@ def serve_worker(
     trusted key are injected; with ``auth``, callers need a token (SIGHUP reloads the file); ``ref_ttl``: see ``Answerer``;
     ``decoder``: the chunk decoder packs are fetched with (its threads, its buffers); ``host_cache_bytes``: the host
     tier (0: none); ``metrics``: where to serve Prometheus metrics (HOST:PORT; by the rules of rpc/metrics_http.py); ``http``:
-    where to serve the OpenAI-compatible API (same rules and TLS; ``worker/http.py``); ``max_concurrent``: requests in
-    flight on each port beyond which a caller is refused (RESOURCE_EXHAUSTED, HTTP 429)."""
+    where to serve the OpenAI-compatible API (same rules and TLS; ``worker/http.py``); ``max_concurrent``: the
+    worker's generation slots, both ports together, shared among callers (``WorkerService.slots``); a caller refused
+    one gets RESOURCE_EXHAUSTED, HTTP 429."""
     log_as_json("INFO")
     service = WorkerService(
         lm, store_for, cache_bytes=cache_bytes, host_cache_bytes=host_cache_bytes, trusted=trusted, auth=auth, ref_ttl=ref_ttl,
-        decoder=decoder,
+        decoder=decoder, max_concurrent=max_concurrent,
     )
-    server = Server(
-        SERVICE_NAME, lambda grpc_server: worker_pb2_grpc.add_WorkerServicer_to_server(service, grpc_server), listen, log=log,
-        workers=8, max_concurrent_rpcs=max_concurrent, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
-    )
+    server = worker_server(service, listen, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca)
     metrics_at = None  # where the metrics port listens (loopback unless ``metrics`` names a host)
     if metrics:
         tls = server_ssl_context(tls_cert, tls_key, tls_client_ca)
         metrics_at = serve_metrics(metrics, service.metrics.registry, service.auth, tls=tls).listening
-    tls_files = {"tls_cert": tls_cert, "tls_key": tls_key, "tls_client_ca": tls_client_ca}
-    api = serve_http(http, OpenAIApp(service, max_concurrent), grace_seconds=grace_seconds, **tls_files) if http else None
+    api = None
+    if http:
+        api = serve_http(
+            http, OpenAIApp(service), grace_seconds=grace_seconds, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca
+        )
     fields: dict[str, object] = {"listen": listen, "model": lm.name, "model_fp": lm.model_fp, "device": str(lm.device)}
     fields |= {"cache_bytes": cache_bytes, "host_cache_bytes": host_cache_bytes, "metrics": metrics_at}
     fields |= {"http": api.listening if api else None, "max_concurrent": max_concurrent}
