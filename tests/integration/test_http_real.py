@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API of a real ``packstore worker`` process on smollm2-135m, with the ``openai`` client:
 answers equal the gRPC port's and the facts' as prompt text, a conversation included; a second request past
-``--max-concurrent`` while one streams gets 429; SIGTERM closes both ports. Conversations on gemma3-270m, whose
-template has no system role, render after its packs exactly too."""
+``--max-concurrent`` while one streams gets 429; SIGTERM closes both ports. ``/v1/completions`` answers a prompt as chat
+answers it as one user message, exactly after the pack. Conversations on gemma3-270m, whose template has no system
+role, render after its packs exactly too."""
 
 from __future__ import annotations
 
@@ -78,6 +79,27 @@ def test_the_http_api_answers_as_the_grpc_port_and_as_text_on_smollm2(tmp_path: 
                 host, port = address.rsplit(":", 1)
                 with pytest.raises(OSError), socket.create_connection((host, int(port)), timeout=5):
                     pass
+
+
+def test_a_completion_is_the_chat_answer_to_its_prompt_after_the_pack_on_smollm2(tmp_path: Path) -> None:
+    lm = load_model("smollm2-135m", progress=False)
+    facts, rows = fact_sets(lm.tokenizer, eval_rows())[0]
+    question = rows[0]["question"]
+    with LmdbStore(tmp_path / "store") as store:
+        store.put(encode_pack(build_pack(lm, facts)), name="ckc")
+    http = f"127.0.0.1:{free_port()}"
+    with running_worker(str(tmp_path / "store"), "smollm2-135m", tmp_path, "--http", http):
+        client = openai.OpenAI(base_url=f"http://{http}/v1", api_key="unused", max_retries=0, timeout=300)
+        extra = {"packs": ["ckc"], "compare_rag": True}
+        chat = client.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": question}], max_tokens=24, extra_body=extra
+        )
+        completion = client.completions.create(model="smollm2-135m", prompt=question, max_tokens=24, extra_body=extra)
+        assert completion.choices[0].text == chat.choices[0].message.content and completion.usage == chat.usage
+        summary = completion.model_extra["packstore"]
+        assert summary["identical"] is True and summary["prompt_tokens_saved"] >= 500  # the prompt rendered exactly after the pack
+        streamed = client.completions.create(model="smollm2-135m", prompt=question, max_tokens=24, stream=True, extra_body={"packs": ["ckc"]})
+        assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == completion.choices[0].text
 
 
 def test_a_conversation_renders_after_a_gemma_pack_exactly(tmp_path: Path) -> None:

@@ -1,5 +1,7 @@
 """The worker's OpenAI-compatible HTTP API on the tiny model, with the real ``openai`` client on loopback: answers equal
-the local answering path's (``packctl ask``'s), streamed or not, with packs, a bank and steering; every error status."""
+the local answering path's (``packctl ask``'s), streamed or not, with packs, a bank and steering; ``/v1/completions``
+answers as chat does; every error status, strict fields, unknown paths and methods. Attacks on its slots and
+deadlines: tests/unit/test_worker_fairness.py."""
 
 from __future__ import annotations
 
@@ -42,11 +44,12 @@ def world(tmp_path_factory, tiny_lm):
     store = LmdbStore(root / "store")
     store.put(encode_pack(build_pack(tiny_lm, FACTS)), name="wexley")
     store.put(encode_pack(build_pack(tiny_lm, ["Bob lives in Oslo."])), name="bob")
+    store.put(encode_pack(build_pack(tiny_lm, FACTS, raw=True)), name="wexley-raw")
     store.put(encode_pack(build_steering(tiny_lm, [Pair("Alice lives in Paris and works as a baker.", "Bob lives in Oslo.")])), name="joy")
     cases = synthetic_facts(40)
     open_banks(store, TEST_BANK_CACHE).build("wbank", [case.fact for case in cases])
-    service = WorkerService(tiny_lm, lambda namespace: store, cache_bytes=1 << 30)
-    app = OpenAIApp(service, max_concurrent=4)
+    service = WorkerService(tiny_lm, lambda namespace: store, cache_bytes=1 << 30, max_concurrent=4)
+    app = OpenAIApp(service)
     server = serve_http("127.0.0.1:0", app)
     client = openai.OpenAI(base_url=f"http://{server.listening}/v1", api_key="unused", max_retries=0)
     yield store, app, server, client, cases
@@ -207,14 +210,17 @@ def test_a_conversation_renders_after_the_pack_and_answers_as_the_local_path_and
     assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices) == expected.answer
 
 
-def test_more_requests_in_flight_than_allowed_get_429_and_a_damaged_pack_500_naming_it(world, tiny_lm) -> None:
+def test_a_request_finding_no_generation_slot_gets_429_and_a_damaged_pack_500_naming_it(world, tiny_lm) -> None:
     store, app, _, client, _ = world
-    app.in_flight = app.max_concurrent  # (as if that many were generating; the real race: tests/integration/test_http_real.py)
+    slots = app.service.slots
+    others = [f"ipv4:10.0.0.{n}" for n in range(slots.rule.capacity)]  # (as if other hosts were generating on them all)
+    assert all(slots.try_take(other) for other in others)
     try:
-        with pytest.raises(openai.RateLimitError):
+        with pytest.raises(openai.RateLimitError, match="all 4 generation slots are in use"):
             ask(client, tiny_lm, packs=["wexley"])
     finally:
-        app.in_flight = 0
+        for other in others:
+            slots.give_back(other)
     key, _ = store.put(encode_pack(build_pack(tiny_lm, ["Carol lives in Lima."])), name="broken")
     last = len(store.stat(key).header.chunks) - 1
 
@@ -251,14 +257,14 @@ def test_a_slot_is_free_before_the_last_bytes_of_its_answer_are_sent(world, tiny
 
         async def send(message: dict) -> None:
             if message["type"] == "http.response.body" and (b"[DONE]" in message.get("body", b"") or not stream):
-                seen.append(app.in_flight)
+                seen.append(app.service.slots.in_use)
 
         await app.app(scope, receive, send)
         return seen
 
     for stream in (False, True):
         assert anyio.run(in_flight_while_sending_the_end, stream)[:1] == [0], f"stream={stream}"
-    assert app.in_flight == 0
+    assert app.service.slots.in_use == 0
 
 
 def test_a_body_over_the_limit_is_refused_with_413(world, tiny_lm) -> None:
@@ -385,3 +391,147 @@ def test_with_a_client_ca_the_https_port_answers_only_clients_with_a_certificate
             assert json.loads(response.read())["choices"][0]["message"]["content"]
     finally:
         server.stop(1)
+
+
+def complete(client, tiny_lm, prompt: str | list = QUESTION, stream: bool = False, **extra):
+    return client.completions.create(model=tiny_lm.name, prompt=prompt, max_tokens=GREEDY.max_new_tokens, stream=stream, extra_body=extra)
+
+
+@pytest.mark.parametrize("pack", ["wexley", "wexley-raw"])
+def test_a_completion_is_the_chat_answer_to_its_prompt_as_one_user_message(world, tiny_lm, pack) -> None:
+    """With a pack the prompt is the user turn after it (a raw pack's: after its bare text), checked and answered as
+    chat's one user message: the same text, usage and packstore fields, whole or streamed."""
+    store, _, _, client, _ = world
+    expected = local(store, tiny_lm, Question(QUESTION, refs=(pack,), sampling=GREEDY))
+    chat = ask(client, tiny_lm, packs=[pack])
+    completion = complete(client, tiny_lm, packs=[pack])
+    assert completion.object == "text_completion" and completion.id.startswith("cmpl-") and completion.model == tiny_lm.name
+    choice = completion.choices[0]
+    assert choice.text == chat.choices[0].message.content == expected.answer and choice.index == 0 and choice.logprobs is None
+    assert choice.finish_reason == chat.choices[0].finish_reason
+    assert completion.usage.prompt_tokens == chat.usage.prompt_tokens == expected.kv_prompt_tokens
+    assert completion.usage.completion_tokens == chat.usage.completion_tokens
+    assert completion.model_extra["packstore"]["pack"] == expected.pack == store.resolve(pack)
+    assert complete(client, tiny_lm, prompt=[QUESTION], packs=[pack]).choices[0].text == expected.answer  # a list of one
+    chunks = list(
+        client.completions.create(
+            model=tiny_lm.name, prompt=QUESTION, max_tokens=12, stream=True, stream_options={"include_usage": True}, extra_body={"packs": [pack]}
+        )
+    )
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == expected.answer
+    assert all(chunk.object == "text_completion" for chunk in chunks) and chunks[-2].choices[0].finish_reason == choice.finish_reason
+    assert chunks[-2].model_extra["packstore"]["pack"] == expected.pack
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == expected.kv_prompt_tokens
+
+
+def test_a_completion_takes_chats_bank_steering_and_sampling_fields(world, tiny_lm) -> None:
+    store, _, _, client, cases = world
+    banked = client.completions.create(model=tiny_lm.name, prompt=cases[3].query, max_tokens=12, extra_body={"bank": "wbank", "top_k": 2})
+    expected = local(store, tiny_lm, Question(cases[3].query, bank="wbank", top_k=2, sampling=GREEDY))
+    assert banked.choices[0].text == expected.answer and banked.model_extra["packstore"]["facts"] == expected.facts
+    steered = complete(client, tiny_lm, packs=["wexley"], steer=[{"pack": "joy", "alpha": 4.0}], steer_layers=[0, 2])
+    question = Question(QUESTION, refs=("wexley",), sampling=GREEDY, steering=(("joy", 4.0),), steer_layers=(0, 2))
+    assert steered.choices[0].text == local(store, tiny_lm, question).answer
+    sampled = client.completions.create(
+        model=tiny_lm.name, prompt=QUESTION, max_tokens=12, temperature=0.5, top_p=0.9, seed=7, extra_body={"packs": ["wexley"]}
+    )
+    sampling = Sampling(max_new_tokens=12, temperature=0.5, top_p=0.9, seed=7)
+    assert sampled.choices[0].text == local(store, tiny_lm, Question(QUESTION, refs=("wexley",), sampling=sampling)).answer
+    free = complete(client, tiny_lm, packs=["wexley"]).choices[0].text
+    cut = client.completions.create(model=tiny_lm.name, prompt=QUESTION, max_tokens=12, stop=free[3:6], extra_body={"packs": ["wexley"]})
+    assert cut.choices[0].text == free[: free.find(free[3:6])].strip() and cut.choices[0].finish_reason == "stop"
+
+
+def test_raw_sse_framing_of_a_streamed_completion(world, tiny_lm) -> None:
+    *_, server, _, _ = world
+    body = {"model": tiny_lm.name, "prompt": QUESTION, "stream": True, "packs": ["wexley"], "max_tokens": 6}
+    status, kind, raw = http(f"http://{server.listening}/v1/completions", body)
+    assert status == 200 and kind.startswith("text/event-stream")
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]" and all(event.startswith("data: ") for event in events[:-1])
+    chunks = [json.loads(event[len("data: ") :]) for event in events[:-2]]
+    assert all(set(chunk["choices"][0]) == {"index", "text", "finish_reason", "logprobs"} for chunk in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] is not None and "packstore" in chunks[-1]
+
+
+@pytest.mark.parametrize(
+    ("extra", "status", "param", "message"),
+    [
+        ({"prompt": ["one", "two"]}, 400, "prompt", "exactly one"),
+        ({"prompt": ""}, 400, "prompt", "non-empty string"),
+        ({"prompt": 5}, 400, "prompt", "non-empty string"),
+        ({"prompt": None}, 400, "prompt", "non-empty string"),
+        ({"echo": True}, 400, "echo", "echo is not supported"),
+        ({"best_of": 2}, 400, "best_of", "best_of is not supported"),
+        ({"logprobs": 2}, 400, "logprobs", "logprobs is not supported"),
+        ({"suffix": "!"}, 400, "suffix", "suffix is not supported"),
+        ({"messages": [{"role": "user", "content": "Hi"}]}, 400, "messages", "unknown field 'messages'"),
+        ({"max_completion_tokens": 4}, 400, "max_completion_tokens", "unknown field"),
+        ({"packs": ["nothing"]}, 404, None, "nothing"),
+        ({"model": "gpt-3.5-turbo-instruct"}, 404, "model", "does not exist here"),
+    ],
+)
+def test_bad_completion_requests_get_openai_errors(world, tiny_lm, extra, status, param, message) -> None:
+    *_, server, _, _ = world
+    body = {"model": tiny_lm.name, "prompt": QUESTION, "packs": ["wexley"], "max_tokens": 4} | extra
+    got, _, text = http(f"http://{server.listening}/v1/completions", body)
+    error = json.loads(text)["error"]
+    assert got == status and error["param"] == param and message in error["message"], text
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", "5"), ("max_tokens", 1.5), ("max_tokens", 4.0), ("max_tokens", True),
+        ("max_tokens", 10**9), ("max_tokens", [4]), ("max_completion_tokens", 0), ("temperature", "hot"), ("temperature", True),
+        ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("top_p", "1"), ("seed", -1), ("seed", "7"), ("seed", 1.5),
+        ("seed", False), ("stop", 5), ("stop", ["\n", 3]),
+    ],
+)
+def test_sampling_fields_must_be_numbers_of_their_kind_and_range(world, tiny_lm, path, field, value) -> None:
+    """max_tokens 0 used to be read as unset (64 tokens), and -5 refused by the protobuf parser naming ``body``: each
+    is now a 400 naming the field, as a JSON bool, a string of digits or a float is (max_completion_tokens on
+    /v1/completions: an unknown field, named alike)."""
+    *_, server, _, _ = world
+    body = {"model": tiny_lm.name, "packs": ["wexley"], field: value}
+    body |= {"prompt": QUESTION} if path == "/v1/completions" else {"messages": [{"role": "user", "content": QUESTION}]}
+    got, _, text = http(f"http://{server.listening}{path}", body)
+    error = json.loads(text)["error"]
+    assert got == 400 and error["param"] == field and error["code"] == "invalid_input" and error["type"] == "invalid_request_error", text
+    assert field in error["message"]
+
+
+def test_max_tokens_of_one_and_the_limit_are_taken(world, tiny_lm) -> None:
+    *_, client, _ = world
+    one = client.chat.completions.create(
+        model=tiny_lm.name, messages=[{"role": "user", "content": QUESTION}], max_completion_tokens=1, extra_body={"packs": ["wexley"]}
+    )
+    assert one.usage.completion_tokens == 1
+    assert complete(client, tiny_lm, packs=["wexley"]).usage.completion_tokens <= GREEDY.max_new_tokens
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "code", "allow"),
+    [
+        ("GET", "/v1/nothing", 404, "not_found", None),
+        ("POST", "/v2/chat/completions", 404, "not_found", None),
+        ("GET", "/", 404, "not_found", None),
+        ("GET", "/v1/chat/completions", 405, "method_not_allowed", "POST"),
+        ("GET", "/v1/completions", 405, "method_not_allowed", "POST"),
+        ("DELETE", "/v1/completions", 405, "method_not_allowed", "POST"),
+        ("POST", "/v1/models", 405, "method_not_allowed", "GET, HEAD"),
+        ("POST", "/health", 405, "method_not_allowed", "GET, HEAD"),
+    ],
+)
+def test_unknown_paths_and_wrong_methods_answer_openai_json_errors(world, method, path, status, code, allow) -> None:
+    *_, server, _, _ = world
+    host, port = server.listening.rsplit(":", 1)
+    connection = HTTPConnection(host, int(port), timeout=60)
+    connection.request(method, path, body=b"{}" if method == "POST" else None, headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    body = json.loads(response.read())
+    connection.close()
+    assert response.status == status and response.headers["Content-Type"] == "application/json", body
+    assert body["error"]["code"] == code and body["error"]["type"] == "invalid_request_error" and set(body["error"]) == {"message", "type", "param", "code"}
+    assert path in body["error"]["message"] and response.headers.get("Allow") == allow
