@@ -159,10 +159,11 @@ def _bulk_hold(server, name: str, key: str, how: str, stack: ExitStack) -> int:
     return kind
 
 
-def test_one_tenant_with_tickets_from_several_addresses_and_processes_leaves_bulk_slots_for_others(tmp_path: Path) -> None:
+@pytest.mark.parametrize("seconds", [0, pytest.param(45, marks=pytest.mark.long)], ids=["short", "long"])
+def test_one_tenant_with_tickets_from_several_addresses_and_processes_leaves_bulk_slots_for_others(tmp_path: Path, seconds: int) -> None:
     """--workers 1: 4 bulk slots, 2 per principal, 2 kept for principals holding none. B presents four tickets from
     two addresses and another process and reads none: two are admitted, two refused however they come. C takes one.
-    A still reads over the bulk port, exactly."""
+    A still reads over the bulk port, exactly, over TCP and the local socket, for as long as B and C hold on."""
     auth = tokens_file(tmp_path / "tokens.toml", TENANTS)
     with running_server(tmp_path / "data", "--auth", str(auth), "--workers", "1") as server:
         keys, packs = _upload_each(server)
@@ -170,12 +171,15 @@ def test_one_tenant_with_tickets_from_several_addresses_and_processes_leaves_bul
             kinds_b = [_bulk_hold(server, "b", keys["b"], how, stack) for how in ("127.0.0.2", "127.0.0.3", "process", "127.0.0.1")]
             kinds_c = [_bulk_hold(server, "c", keys["c"], how, stack) for how in ("127.0.0.4", "process")]
             assert kinds_b == [CHUNK, CHUNK, ERROR, ERROR] and kinds_c == [CHUNK, ERROR]
+            fetches, end = 0, time.monotonic() + seconds
             with store(server, "a", local_bulk=False) as tcp, store(server, "a") as local:
-                assert torch.equal(PackReader(tcp).fetch(keys["a"]).keys[1], packs["a"].keys[1])
-                assert torch.equal(PackReader(local).fetch(keys["a"]).keys[2], packs["a"].keys[2])
+                while not fetches or time.monotonic() < end:
+                    assert torch.equal(PackReader(tcp).fetch(keys["a"]).keys[1], packs["a"].keys[1])
+                    assert torch.equal(PackReader(local).fetch(keys["a"]).keys[2], packs["a"].keys[2])
+                    fetches += 2
         lines = server.log_lines()
     bulk_a = [line for line in lines if line.get("method") == "GetPack.bulk" and line.get("token") == "a"]
-    assert [line["code"] for line in bulk_a] == ["OK", "OK"]  # both over the bulk port, not streamed after a refusal
+    assert [line["code"] for line in bulk_a] == ["OK"] * fetches  # all over the bulk port, none streamed after a refusal
     refused = [line for line in lines if line.get("method") == "GetPack.bulk" and line.get("code") == "RESOURCE_EXHAUSTED"]
     assert sorted(line["token"] for line in refused) == ["b", "b", "c"]
     assert sum("already holds its share" in line["error"] for line in refused) == 2  # B's

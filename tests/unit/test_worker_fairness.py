@@ -204,7 +204,14 @@ def test_a_caller_without_a_token_gets_401_while_every_slot_is_busy_and_never_ho
     assert post(fair, "carol", chat_body(fair))[1]["choices"][0]["message"]["content"] == fair.expected
 
 
-def test_slow_headers_and_half_sent_bodies_hold_no_slot_and_stop_no_one_else(fair) -> None:
+@pytest.mark.parametrize("rounds", [1, pytest.param(20, marks=pytest.mark.long)], ids=["short", "long"])
+def test_slow_headers_and_half_sent_bodies_hold_no_slot_and_stop_no_one_else(fair, rounds: int) -> None:
+    for _ in range(rounds):
+        _slow_headers_and_half_sent_bodies(fair)
+
+
+def _slow_headers_and_half_sent_bodies(fair) -> None:
+    """One round of the attack: every kind of late or oversized request at once, while others are answered."""
     host, port = fair.http.rsplit(":", 1)
     body = json.dumps(chat_body(fair)).encode()
     head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: worker\r\nContent-Type: application/json\r\nAuthorization: Bearer secret-alice\r\n"
