@@ -587,9 +587,8 @@ def report_latency(
         b_gens = [line for line in worker if line.get("token") == "b-writer" and line.get("method") in ("Generate", "ChatCompletions")]
         b_codes = Counter(line.get("code") for line in b_gens)
         b_tokens = sum(line.get("tokens", 0) for line in b_gens if line.get("code") in ("OK", "CANCELLED"))
-        a_calls = Counter(
-            line.get("code") for line in service + worker if line.get("token") == "a-writer" and line.get("method") not in (None, "PutPack")
-        )
+        a_lines = [line for line in service + worker if line.get("token") == "a-writer" and line.get("method") not in (None, "PutPack")]
+        a_calls = Counter(line.get("code") for line in a_lines)
         b_store, a_errors = phase["b_store"], sum(phase["a_errors"].values())
         held = f"none ({sum(b_gets.values())} calls logged)" if phase["condition"] == "quiet" else (
             f"{b_store.get('streams held', 0)}/{b_store.get('streams refused', 0)} streams, "
@@ -602,7 +601,7 @@ def report_latency(
         ])
         records.record(
             "phase", **phase, service_b_getpack=dict(b_gets), worker_b_codes=dict(b_codes),
-            worker_b_tokens=b_tokens, a_codes_logged=dict(a_calls),
+            worker_b_tokens=b_tokens, a_codes_logged=dict(a_calls), a_not_ok_logged=[line for line in a_lines if line.get("code") != "OK"],
         )
     print_table(
         "Phases: A's requests and errors; A's calls as the service and worker logged them; what B held / was refused "
