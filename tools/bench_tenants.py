@@ -517,6 +517,7 @@ def bench_latency(args: argparse.Namespace, records: JsonlRecords) -> None:
                             time.sleep(SETTLE_SECONDS)
                         phase["start"] = time.time()
                         phase_errors: Counter[str] = Counter()
+                        loads: list[float] = []  # the 1-minute load average at each of A's requests: how shared the cores were
                         for kind in spread(counts):
                             gc.collect()
                             started = time.time()
@@ -535,11 +536,13 @@ def bench_latency(args: argparse.Namespace, records: JsonlRecords) -> None:
                                 "latency", round=round_index, phase=phase_index, condition=condition, kind=kind,
                                 seconds=seconds, ok=ok, error=error, at=started, load1=os.getloadavg()[0],
                             )
+                            loads.append(os.getloadavg()[0])
                         phase["end"] = time.time()
                         if condition == "hostile":
                             hostile_store.stop()
                             hostile_worker.stop()
                         phase["a_requests"], phase["a_errors"] = dict(counts), dict(phase_errors)
+                        phase["load1"] = [min(loads), max(loads)]
                         phase["b_store"] = dict(hostile_store.counts - store_before)
                         phase["b_worker"] = dict(hostile_worker.counts - worker_before)
                         phases.append(phase)
@@ -596,7 +599,8 @@ def report_latency(
         )
         generations = f"{b_codes.get('OK', 0) + b_codes.get('CANCELLED', 0)}/{b_codes.get('RESOURCE_EXHAUSTED', 0)}, {b_tokens} tokens"
         phase_rows.append([
-            f"{phase['round'] + 1} {phase['condition']}", f"{end - start:.0f}", str(sum(phase["a_requests"].values())), str(a_errors),
+            f"{phase['round'] + 1} {phase['condition']}", f"{end - start:.0f}", "{:.1f}-{:.1f}".format(*phase["load1"]),
+            str(sum(phase["a_requests"].values())), str(a_errors),
             ",".join(f"{code} {n}" for code, n in sorted(a_calls.items())), held, generations,
         ])
         records.record(
@@ -606,8 +610,9 @@ def report_latency(
     print_table(
         "Phases: A's requests and errors; A's calls as the service and worker logged them; what B held / was refused "
         "(service: held / refused, summed over its hold cycles, as B saw them; worker: generations run / refused and the tokens "
-        "B generated, as the worker logged them, the end of the last hostile phase's included)",
-        ["phase", "s", "A reqs", "A errors", "A's calls logged", "B on the service", "B on the worker"], phase_rows,
+        "B generated, as the worker logged them, the end of the last hostile phase's included; load: the 1-minute load "
+        "average over A's requests, other programs' included)",
+        ["phase", "s", "load", "A reqs", "A errors", "A's calls logged", "B on the service", "B on the worker"], phase_rows,
     )
 
 
