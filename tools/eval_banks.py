@@ -201,7 +201,7 @@ def sweep(weights: Sequence[float], scratch: Path, questions: int, keep: Callabl
         for index, dataset in enumerate(datasets):
             meta = build_bank(store, f"s{index}", dataset.facts, embedder)
             for weight in weights:
-                bank_module.LEXICAL_WEIGHT = weight
+                bank_module.FUSION = Additive(weight)
                 result, records = measure(store, f"s{index}", dataset, embedder, "hybrid", meta.clusters)
                 for record in records:
                     keep({"dataset": dataset.name, "lexical_weight": weight} | record)

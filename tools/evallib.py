@@ -175,6 +175,17 @@ def mean_interval(values: Sequence[float], *, resamples: int = 2000, seed: int =
     return Interval(float(data.mean()), float(low), float(high))
 
 
+def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
+    """The Wilson score interval of a proportion (95 % by default): unlike a percentile bootstrap, it does not
+    collapse to a point at 0 % or 100 % (0 of 600 is [0, 0.6 %], not [0, 0])."""
+    if trials <= 0:
+        return (0.0, 1.0)
+    share = successes / trials
+    centre = (share + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * ((share * (1 - share) / trials + z * z / (4 * trials * trials)) ** 0.5) / (1 + z * z / trials)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
 def paired_difference(first: Sequence[float], second: Sequence[float], *, resamples: int = 2000, seed: int = 0) -> Interval:
     """The mean of ``first - second`` over the same questions, with a 95% paired bootstrap interval: questions are
     resampled together, so question-to-question variance common to both cancels (an interval excluding 0 is a

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from packstore.bank.embedder import Embedder, load_embedder
+from packstore.bank.fusion import Additive, Candidates, Fusion
 from packstore.bank.lexical import LEXICAL_KIND, LexicalIndex
 from packstore.errors import InvalidInput, PackMismatch, StoreBusy
 from packstore.format.bank import DEFAULT_VECTORS, VECTOR_KINDS, BankMeta, Cluster, quantize
@@ -34,7 +35,7 @@ from packstore.store.records import Route
 
 FACTS_PER_CLUSTER = 20
 MAX_QUERY_CHARS = 100_000
-LEXICAL_WEIGHT = 0.2  # x BM25 / the query's best BM25, added to the cosine; tuned on the tuning data (docs/evaluation.md)
+FUSION: Fusion = Additive(0.2)  # how hybrid routes fuse cosine and BM25 (bank/fusion.py; chosen in docs/evaluation.md)
 ADD_ATTEMPTS = 8  # times an add is computed again when concurrent writers keep changing the bank
 LEXICAL_CANDIDATES = 20  # best BM25 facts whose clusters are ranked besides the probed ones
 _Cached = TypeVar("_Cached")
@@ -343,31 +344,64 @@ def _rank(
 ) -> Route:
     """Score the facts of the probed clusters and of the clusters holding the best BM25 hits; keep ``top_k``."""
     started = time.perf_counter()
-    bm25 = lexical.scores(query) if lexical is not None else None
-    hits = _lexical_candidates(bm25, LEXICAL_CANDIDATES) if bm25 is not None else np.zeros(0, dtype=np.int64)
-    pool = list(dict.fromkeys(probed + [cluster for cluster, _ in lexical.locate(hits)])) if lexical is not None else probed
+    pool, texts, candidates = _candidates(store, name, query, vector if mode != "lexical" else None, probed, lexical)
     searched = time.perf_counter()
-    found = [(cluster_id, c) for cluster_id, c in store.bank_clusters(name, pool).items() if c is not None and c.texts]
-    texts = [t for _, c in found for t in c.texts]
-    scores = np.zeros(len(texts), dtype=np.float32)
-    if found and mode != "lexical":
-        embeddings = torch.from_numpy(np.concatenate([c.vectors() for _, c in found]))
-        scores += (embeddings @ torch.from_numpy(vector)).numpy()
-    if found and lexical is not None and bm25 is not None and len(hits):
-        documents = np.concatenate([_fact_documents(lexical, cluster_id, len(c.texts)) for cluster_id, c in found])
-        share = np.where(documents >= 0, bm25[np.maximum(documents, 0)], 0) / float(bm25[hits].max())
-        scores += share if mode == "lexical" else LEXICAL_WEIGHT * share
-    best = np.argsort(-scores, kind="stable")
+    if mode == "dense" or not len(texts):
+        scores = candidates.cosine
+    elif mode == "lexical":
+        best = float(candidates.bm25.max())
+        scores = candidates.bm25 / best if best > 0 else candidates.bm25
+    else:
+        scores = FUSION(candidates) if candidates.bm25.any() else candidates.cosine
+    best_first = np.argsort(-scores, kind="stable")
     if mode == "lexical":
-        best = best[scores[best] > 0]  # facts that only share a cluster with a hit do not count
-    best = best[:top_k]
+        best_first = best_first[scores[best_first] > 0]  # facts that only share a cluster with a hit do not count
+    best_first = best_first[:top_k]
     finished = time.perf_counter()
     return Route(
         query=query,
         clusters=pool,
-        facts=[(texts[i], float(scores[i])) for i in best],
+        facts=[(texts[i], float(scores[i])) for i in best_first],
         seconds=seconds | {"lexical": searched - started, "rank": finished - searched},
     )
+
+
+def _candidates(
+    store: BankTables, name: str, query: str, vector: np.ndarray | None, probed: list[int], lexical: LexicalIndex | None
+) -> tuple[list[int], list[str], Candidates]:
+    """The clusters ranked (the probed ones, then those holding the best BM25 hits), their facts, and each fact's
+    cosine with ``vector`` (zeros without one) and BM25 (zeros without an index)."""
+    bm25 = lexical.scores(query) if lexical is not None else None
+    hits = _lexical_candidates(bm25, LEXICAL_CANDIDATES) if bm25 is not None else np.zeros(0, dtype=np.int64)
+    pool = list(dict.fromkeys(probed + [cluster for cluster, _ in lexical.locate(hits)])) if lexical is not None else probed
+    found = [(cluster_id, c) for cluster_id, c in store.bank_clusters(name, pool).items() if c is not None and c.texts]
+    texts = [t for _, c in found for t in c.texts]
+    cosine = np.zeros(len(texts), dtype=np.float32)
+    if found and vector is not None:
+        embeddings = torch.from_numpy(np.concatenate([c.vectors() for _, c in found]))
+        cosine = (embeddings @ torch.from_numpy(vector)).numpy()
+    shared = np.zeros(len(texts), dtype=np.float32)
+    if found and lexical is not None and bm25 is not None and len(hits):
+        documents = np.concatenate([_fact_documents(lexical, cluster_id, len(c.texts)) for cluster_id, c in found])
+        shared = np.where(documents >= 0, bm25[np.maximum(documents, 0)], 0).astype(np.float32)
+    return pool, texts, Candidates(cosine=cosine, bm25=shared)
+
+
+def route_candidates(
+    store: BankTables, name: str, queries: Sequence[str], embedder: Embedder, *, probe: int | None = None, cache: BankCache | None = None
+) -> list[tuple[list[str], Candidates]]:
+    """Per query, every fact a hybrid route ranks and its evidence (cosine, BM25) before fusion: what
+    ``tools/eval_fusion.py`` compares fusion rules on, exactly as ``route`` would rank them."""
+    meta = store.bank(name)
+    _check_embedder(meta, embedder)
+    lexical = lexical_index_of(store, name, cache)
+    vectors = embedder.embed([q.strip() for q in queries])
+    nearest = nearest_centroids(vectors, centroids_of(store, name, cache), probe or default_probe(meta.clusters)).tolist()
+    found = []
+    for query, vector, probed in zip(queries, vectors, nearest):
+        _, texts, candidates = _candidates(store, name, query, vector, probed, lexical)
+        found.append((texts, candidates))
+    return found
 
 
 class LocalBanks(StoredBanks):
