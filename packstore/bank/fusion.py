@@ -54,7 +54,7 @@ class RankFusion:
 
     def __call__(self, c: Candidates) -> np.ndarray:
         dense = 1.0 / (self.k + ranks(c.cosine))
-        lexical = np.where(c.bm25 > 0, self.lexical / (self.k + ranks(c.bm25)), 0.0)
+        lexical: np.ndarray = np.where(c.bm25 > 0, self.lexical / (self.k + ranks(c.bm25)), 0.0)
         return dense + lexical
 
     @property
