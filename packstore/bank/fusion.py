@@ -53,7 +53,7 @@ class RankFusion:
     lexical: float = 1.0
 
     def __call__(self, c: Candidates) -> np.ndarray:
-        dense = 1.0 / (self.k + ranks(c.cosine))
+        dense: np.ndarray = 1.0 / (self.k + ranks(c.cosine))
         lexical: np.ndarray = np.where(c.bm25 > 0, self.lexical / (self.k + ranks(c.bm25)), 0.0)
         return dense + lexical
 
