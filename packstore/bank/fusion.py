@@ -55,7 +55,8 @@ class RankFusion:
     def __call__(self, c: Candidates) -> np.ndarray:
         dense: np.ndarray = 1.0 / (self.k + ranks(c.cosine))
         lexical: np.ndarray = np.where(c.bm25 > 0, self.lexical / (self.k + ranks(c.bm25)), 0.0)
-        return dense + lexical
+        fused: np.ndarray = dense + lexical
+        return fused
 
     @property
     def name(self) -> str:
