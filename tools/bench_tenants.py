@@ -65,6 +65,7 @@ import http.client
 import io
 import json
 import os
+import signal
 import socket
 import statistics
 import sys
@@ -636,6 +637,7 @@ def main() -> None:
     parser.add_argument("--hold-seconds", type=float, default=20.0, help="latency: how long B holds its transfers before retaking them")
     parser.add_argument("--out", type=Path, help="where the records and output go (default results/bench_tenants/COMMIT.{jsonl,txt})")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: the service and worker it started stop too
     commit = source_commit()
     name = commit.replace("+dirty", "-dirty")
     out = args.out or RESULTS / name
