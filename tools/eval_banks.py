@@ -27,6 +27,7 @@ OUT/table.md, and PNGs in ``--figures``. Torch runs one thread (``--threads``), 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -44,6 +45,8 @@ import torch  # noqa: E402
 
 import packstore.bank.bank as bank_module  # noqa: E402
 from packstore.bank.bank import BankCache, build_bank, route  # noqa: E402
+from packstore.bank.fusion import Additive  # noqa: E402
+from packstore.errors import PackstoreError  # noqa: E402
 from packstore.format.bank import DEFAULT_VECTORS, VECTOR_KINDS  # noqa: E402
 from packstore.kv.synthetic import synthetic_facts  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
@@ -142,40 +145,60 @@ def summarize(records: Sequence[dict]) -> dict:
     }
 
 
+def kept_bank(store: LmdbStore, facts: Sequence[str], spec: str, vectors: str) -> tuple[str, dict]:
+    """The bank of ``facts`` (embedder ``spec``, ``vectors``) in ``store``, built unless an earlier run kept it there:
+    its name and what was measured of its build (``BANK_FIELDS``). Banks of 100k facts take 10-20 minutes to embed on
+    two cores; ``--banks DIR`` keeps them for the next run (tools/eval_fusion.py shares them)."""
+    digest = hashlib.sha256("\n".join(facts).encode()).hexdigest()[:20]
+    name = f"b{digest}-{spec}-{vectors}"
+    built = Path(store.path) / f"{name}.json"
+    if built.exists():
+        try:
+            meta = store.bank(name)
+            return name, json.loads(built.read_text()) | {"facts": meta.facts, "clusters": meta.clusters}
+        except PackstoreError:  # (the record of a bank that is gone)
+            pass
+    started = time.perf_counter()
+    meta = build_bank(store, name, list(facts), BANK_CACHE.embedder(spec), vectors=vectors)
+    about = {
+        "vectors": vectors,
+        "facts": meta.facts,
+        "clusters": meta.clusters,
+        "build_s": time.perf_counter() - started,
+        "bytes_per_fact": store.bank_stored_bytes(name) / meta.facts,
+    }
+    built.write_text(json.dumps(about))
+    return name, about
+
+
 def evaluate(
     datasets: Sequence[Dataset], embedders: Sequence[str], modes: Sequence[str], scratch: Path, vector_kinds: Sequence[str] = ("fp16",),
-    keep: Callable[[dict], None] = lambda record: None,
+    keep: Callable[[dict], None] = lambda record: None, banks: Path | None = None,
 ) -> list[dict]:
-    """One row per dataset x embedder x vector storage x mode; a bank is built once per fact set, embedder and storage.
-    Each question's record (``measure``), with its configuration and the commit, goes to ``keep``."""
+    """One row per dataset x embedder x vector storage x mode; a bank is built once per fact set, embedder and storage
+    (in ``banks``, kept for later runs, when given; else in ``scratch``). Each question's record (``measure``), with
+    its configuration and the commit, goes to ``keep``."""
     groups: dict[tuple[str, ...], list[Dataset]] = {}
     for dataset in datasets:
         groups.setdefault(tuple(dataset.facts), []).append(dataset)
     rows = []
     commit = source_commit()
-    for spec, vectors in ((spec, vectors) for spec in embedders for vectors in vector_kinds):
-        embedder = BANK_CACHE.embedder(spec)
-        with LmdbStore(scratch / f"{spec}-{vectors}") as store:
+    with LmdbStore(banks if banks is not None else scratch / "banks") as store:
+        for spec, vectors in ((spec, vectors) for spec in embedders for vectors in vector_kinds):
+            embedder = BANK_CACHE.embedder(spec)
             for facts, members in groups.items():
-                started = time.perf_counter()
-                meta = build_bank(store, "eval", list(facts), embedder, vectors=vectors)
-                about = {
-                    "vectors": vectors,
-                    "facts": meta.facts,
-                    "clusters": meta.clusters,
-                    "build_s": time.perf_counter() - started,
-                    "bytes_per_fact": store.bank_stored_bytes("eval") / meta.facts,
-                }
-                log(f"{spec} {vectors}: built {members[0].name} ({meta.facts} facts) in {about['build_s']:.1f} s")
+                name, about = kept_bank(store, facts, spec, vectors)
+                log(f"{spec} {vectors}: {members[0].name} ({about['facts']} facts) built in {about['build_s']:.1f} s")
                 for dataset in members:
                     for mode in modes:
-                        result, records = measure(store, "eval", dataset, embedder, mode, meta.clusters)
+                        result, records = measure(store, name, dataset, embedder, mode, about["clusters"])
                         configuration = {"dataset": dataset.name, "embedder": spec, "mode": mode} | about
                         rows.append(configuration | result)
                         for record in records:
                             keep({"commit": commit} | configuration | record)
                         log(f"{spec} {vectors} {dataset.name} {mode}: top1 {result['top1']:.3f} top5 {result['top5']:.3f} p95 {result['p95_ms']:.1f} ms")
-                store.delete_bank("eval")
+                if banks is None:
+                    store.delete_bank(name)
     return rows
 
 
@@ -326,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "results" / "eval_banks")
     parser.add_argument("--figures", type=Path, default=REPO / "docs" / "figures")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--banks", type=Path, help="keep built banks here and reuse those kept (default: build each run)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -354,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             datasets += ckc_datasets()
         records = args.out / "questions.jsonl"
         records.unlink(missing_ok=True)  # a run's records are all of one commit
-        rows = evaluate(datasets, args.embedders, args.modes, Path(scratch), args.vectors, jsonl_appender(records))
+        rows = evaluate(datasets, args.embedders, args.modes, Path(scratch), args.vectors, jsonl_appender(records), args.banks)
     text = table(rows)
     (args.out / "summary.json").write_text(json.dumps(about | {"rows": rows}, indent=2) + "\n")
     (args.out / "table.md").write_text(text + "\n")

@@ -23,11 +23,8 @@ tools/eval_banks.py, after the choice.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,21 +33,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from packstore.bank.bank import BankCache, build_bank, route_candidates  # noqa: E402
+from packstore.bank.bank import route_candidates  # noqa: E402
 from packstore.bank.fusion import Additive, Candidates, Fusion, LexicalLead, RankFusion  # noqa: E402
-from packstore.errors import PackstoreError  # noqa: E402
 from packstore.format.bank import DEFAULT_VECTORS  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, source_commit  # noqa: E402
-from eval_banks import Dataset, ckc_datasets, own_dataset, second_dataset, third_dataset  # noqa: E402
+from eval_banks import BANK_CACHE, Dataset, ckc_datasets, kept_bank, own_dataset, second_dataset, third_dataset  # noqa: E402
 from evallib import REPO, jsonl_appender, markdown_table, read_jsonl, wilson_interval  # noqa: E402
 
 EMBEDDER = "all-minilm-l6-v2"
 SCRATCH = Path(os.environ.get("PACKSTORE_EVAL_SCRATCH", "/tmp/packstore-eval"))
 log = logger("eval_fusion")
-BANK_CACHE = BankCache()
 
 RULES: list[Fusion] = (
     [Additive(w) for w in (0.0, 0.1, 0.2, 0.3, 0.5, 0.8, 1.2, 2.0)]
@@ -66,24 +61,6 @@ def tuning_datasets(sizes: Sequence[int], questions: int) -> list[Dataset]:
     return found + [ckc_datasets()[0]]
 
 
-def kept_bank(store: LmdbStore, facts: Sequence[str], vectors: str = DEFAULT_VECTORS) -> tuple[str, float]:
-    """The bank of ``facts`` in ``store`` (MiniLM), built unless an earlier run kept it: its name and build seconds."""
-    digest = hashlib.sha256("\n".join(facts).encode()).hexdigest()[:20]
-    name = f"b{digest}-{vectors}"
-    built = store.path / f"{name}.json"
-    if built.exists():
-        try:
-            store.bank(name)
-            return name, json.loads(built.read_text())["build_s"]
-        except PackstoreError:  # (the record of a bank that is gone)
-            pass
-    started = time.perf_counter()
-    build_bank(store, name, list(facts), BANK_CACHE.embedder(EMBEDDER), vectors=vectors)
-    seconds = time.perf_counter() - started
-    built.write_text(json.dumps({"build_s": seconds, "facts": len(facts)}))
-    return name, seconds
-
-
 def dump(datasets: Sequence[Dataset], banks: Path, out: Path) -> None:
     """Each data set's candidates, per question: cosine, BM25 and the answering fact's index among them (-1: absent)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -93,8 +70,8 @@ def dump(datasets: Sequence[Dataset], banks: Path, out: Path) -> None:
             if target.exists():
                 log(f"{dataset.name}: candidates kept from an earlier run")
                 continue
-            name, seconds = kept_bank(store, dataset.facts)
-            log(f"{dataset.name}: bank ready ({seconds:.0f} s to build)")
+            name, about = kept_bank(store, dataset.facts, EMBEDDER, DEFAULT_VECTORS)
+            log(f"{dataset.name}: bank ready ({about['build_s']:.0f} s to build)")
             embedder = BANK_CACHE.embedder(EMBEDDER)
             cosine, bm25, gold, sizes = [], [], [], []
             for question, fact in dataset.questions:
