@@ -8,6 +8,10 @@ Four kinds of data, each a bank of facts and questions whose one answering fact 
 - ``third`` (only with ``--data third``): tools/third_facts.py, a third independent generator (other
   domains and question forms again), committed with its digest (tools/third_facts.sha256) before any
   routing was measured on it; never tuned on;
+- ``fourth`` (only with ``--data fourth``): tools/fourth_facts.py, a fourth independent generator (near-namesakes,
+  questions that describe a fact without its name), committed with its digest (tools/fourth_facts.sha256) before
+  any routing was measured on it; the unseen one since issue 54 (the third became tuning data), measured once,
+  after the fusion was chosen;
 - ``ckc-tuning`` / ``ckc-held-out``: one bank of all 600 ckc_dev paragraphs, asked the questions of
   the tuning half or of the held-out half (tools/ckc_split.json, frozen before tuning).
 
@@ -54,6 +58,7 @@ from packstore.store import LmdbStore  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, source_commit, source_description  # noqa: E402
 from evallib import REPO, frozen_split, grouped_bars, jsonl_appender, load_rows, markdown_table, mean_interval, read_jsonl  # noqa: E402
+from fourth_facts import FOURTH_SEED, fourth_facts  # noqa: E402
 from second_facts import second_facts  # noqa: E402
 from third_facts import THIRD_SEED, third_facts  # noqa: E402
 
@@ -94,6 +99,14 @@ def third_dataset(size: int, questions: int, seed: int = THIRD_SEED) -> Dataset:
     cases = third_facts(size, seed=seed)
     asked = random.Random(size).sample(cases, min(questions, size))
     label = f"third {size:,}" + ("" if seed == THIRD_SEED else f" seed {seed}")
+    return Dataset(label, [c.fact for c in cases], [(c.question, c.fact) for c in asked])
+
+
+def fourth_dataset(size: int, questions: int, seed: int = FOURTH_SEED) -> Dataset:
+    """The fourth generator's facts (tools/fourth_facts.sha256 pins them): unseen by every choice of issue 54."""
+    cases = fourth_facts(size, seed=seed)
+    asked = random.Random(size).sample(cases, min(questions, size))
+    label = f"fourth {size:,}" + ("" if seed == FOURTH_SEED else f" seed {seed}")
     return Dataset(label, [c.fact for c in cases], [(c.question, c.fact) for c in asked])
 
 
@@ -342,9 +355,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="redo table and plots from the records, OUT/questions.jsonl")
     parser.add_argument("--also", type=Path, nargs="*", default=[], metavar="DIR", help="report-only: add these runs' records (one table)")
     parser.add_argument("--no-ckc", action="store_true", help="only the generated banks")
-    parser.add_argument("--data", nargs="+", choices=("own", "second", "third"), default=["own", "second"], help="generated data sets")
+    parser.add_argument("--data", nargs="+", choices=("own", "second", "third", "fourth"), default=["own", "second"], help="generated data sets")
     parser.add_argument("--second-seed", type=int, default=SECOND_SEED, help="seed of the second generator's facts")
     parser.add_argument("--third-seed", type=int, default=THIRD_SEED, help="seed of the third generator's facts")
+    parser.add_argument("--fourth-seed", type=int, default=FOURTH_SEED, help="seed of the fourth generator's facts")
     parser.add_argument("--sweep", nargs="*", type=float, metavar="W", help="tune: hybrid top-1/top-5 per lexical weight")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "eval_banks")
     parser.add_argument("--figures", type=Path, default=REPO / "docs" / "figures")
@@ -372,6 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "own": own_dataset,
             "second": lambda size, n: second_dataset(size, n, args.second_seed),
             "third": lambda size, n: third_dataset(size, n, args.third_seed),
+            "fourth": lambda size, n: fourth_dataset(size, n, args.fourth_seed),
         }
         datasets = [makers[kind](size, args.questions) for size in args.sizes for kind in args.data]
         if not args.no_ckc:
