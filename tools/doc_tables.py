@@ -9,10 +9,25 @@ table (and any note lines its tool prints under it) between them and nothing els
 
 KIND names a generator (``GENERATORS``), DIR a results directory relative to the repository root (or
 several joined by ``+``, for a table gathered from several runs); the generator makes the table from DIR's
-records with the evaluation tool's own table function, as the tool's ``--report-only`` does. Run from the repository root:
+records with the evaluation tool's own table function, as the tool's ``--report-only`` does.
 
-    .venv/bin/python tools/doc_tables.py --check [FILE]   # exit 1, with a diff per table, when the doc differs
-    .venv/bin/python tools/doc_tables.py --write [FILE]   # rewrite the marked tables from the records
+Figures in prose are checked against the same records. A paragraph or list that quotes results is marked
+by a comment line before it and one after it, naming the records its figures come from (one or more KIND
+DIR pairs, the tables those generators make, whether or not the doc shows them) and, after ``quoted:``,
+any figure it quotes from elsewhere (the paper, an issue, a one-off check), as written:
+
+    <!-- figures: KIND DIR [KIND DIR ...] [quoted: 6.4 0.0003 ...] -->
+    Prose citing 52.2 % [48.2, 56.0] and +3.0 points ...
+    <!-- /figures -->
+
+Every figure in the block must be one of the named records' values, to the precision it is written in
+(``figure_matches``: 0.058 matches a table's -0.0582 when unsigned, +0.058 only a positive value), or be
+quoted. A figure is a number written with a decimal point, a percent sign or a sign (+/-); plain integers
+(counts, k, alpha, issue numbers) are not checked, nor anything in `code spans`. An unmatched figure is
+reported with its line, like a table that differs. Run from the repository root:
+
+    .venv/bin/python tools/doc_tables.py --check [FILE]   # exit 1, with a diff per table and the prose figures not in the records
+    .venv/bin/python tools/doc_tables.py --write [FILE]   # rewrite the marked tables from the records (prose is reported, not rewritten)
 
 FILE defaults to docs/evaluation.md. An unknown KIND, a missing DIR or records file, or a malformed or
 unclosed marker is an error (exit 2). tests/unit/test_doc_tables.py runs ``--check`` on the repository's doc.
@@ -37,6 +52,15 @@ from evallib import REPO, read_jsonl  # noqa: E402
 DEFAULT_FILE = REPO / "docs" / "evaluation.md"
 OPEN = re.compile(r"<!-- table: (?P<kind>\S+) (?P<dir>\S+) -->")
 CLOSE = "<!-- /table -->"
+FIGURES_OPEN = re.compile(r"<!-- figures: (?P<records>\S+ \S+(?: \S+ \S+)*?)(?: quoted: (?P<quoted>[^>]*?))? -->")
+FIGURES_CLOSE = "<!-- /figures -->"
+# A number in text: an optional sign, digits (with thousands commas), an optional decimal part, an optional "x" (times)
+# or percent sign. Not inside a word or a dotted name (gemma3-270m, 2k, v1.2, §4.3, 1.1e-5): nothing alphanumeric,
+# '.', '§' or '/' before it, nothing alphanumeric or further decimals after it.
+NUMBER = re.compile(
+    r"(?<![\w.§/])(?P<sign>[+-]|−)?(?P<digits>\d{1,3}(?:,\d{3})+|\d+)(?P<decimals>\.\d+)?(?P<times>x)?(?!\w|\.\d)(?P<percent>\s?%)?"
+)
+CODE_SPAN = re.compile(r"`[^`]*`")
 
 
 class DocTableError(Exception):
@@ -125,12 +149,14 @@ def _steering_dual(out: Path) -> str:
 
 
 def _eval_packet(index: int) -> Callable[[Path], str]:
-    """tools/eval_packet.py prints four tables (quality, paired, cost, training) separated by blank lines: the INDEXth."""
+    """tools/eval_packet.py makes five tables (quality, paired, cost, training, adapters; ``table_texts``): the INDEXth
+    (the adapters' needs answer-token KL in the records: empty for the first run's)."""
 
     def make(out: Path) -> str:
         tool = _tool("eval_packet")
         summary = tool.summarize(read_jsonl(out / "answers.jsonl"), read_jsonl(out / "timing.jsonl"), read_jsonl(out / "training.jsonl"))
-        return tool.tables(summary).split("\n\n")[index]
+        texts = tool.table_texts(summary)
+        return texts[index] if index < len(texts) else ""
 
     return make
 
@@ -168,7 +194,7 @@ GENERATORS: dict[str, Generator] = {
     "eval_steering-dual": Generator(("dual.jsonl",), _steering_dual),
     **{
         f"eval_packet-{name}": Generator(("answers.jsonl", "timing.jsonl", "training.jsonl"), _eval_packet(index))
-        for index, name in enumerate(("quality", "paired", "cost", "training"))
+        for index, name in enumerate(("quality", "paired", "cost", "training", "adapters"))
     },
     "eval_exactness": Generator(("*.json",), _eval_exactness),
     "eval_vllm": Generator(("*.jsonl",), _eval_vllm),
@@ -211,6 +237,82 @@ def marked_tables(lines: Sequence[str], where: str = "") -> list[Marked]:
     return found
 
 
+@dataclass(frozen=True)
+class Figures:
+    """One marked prose block: its marker line (1-based), the (KIND, DIR) records it cites, the figures it quotes from
+    elsewhere, and its lines (0-based, end excluded)."""
+
+    marker: str
+    line: int
+    records: tuple[tuple[str, str], ...]
+    quoted: tuple[str, ...]
+    start: int
+    end: int
+
+
+def marked_figures(lines: Sequence[str], where: str = "") -> list[Figures]:
+    """The marked prose blocks of a markdown file's lines; a malformed, unclosed or unopened marker, or a table marker
+    inside a block, raises DocTableError."""
+    found: list[Figures] = []
+    opened: tuple[int, re.Match] | None = None
+    for index, line in enumerate(lines):
+        text = line.strip()
+        if text.startswith("<!-- figures:"):
+            match = FIGURES_OPEN.fullmatch(text)
+            if match is None:
+                raise DocTableError(f"{where}:{index + 1}: malformed marker {text!r}: write <!-- figures: KIND DIR [KIND DIR ...] [quoted: N ...] -->")
+            if opened is not None:
+                raise DocTableError(f"{where}:{opened[0] + 1}: marker {opened[1].group(0)!r} is not closed before line {index + 1}")
+            opened = (index, match)
+        elif text == FIGURES_CLOSE:
+            if opened is None:
+                raise DocTableError(f"{where}:{index + 1}: {FIGURES_CLOSE} without an opening <!-- figures: ... -->")
+            start, match = opened
+            words = match["records"].split()
+            records = tuple(zip(words[::2], words[1::2]))
+            quoted = tuple((match["quoted"] or "").split())
+            found.append(Figures(match.group(0), start + 1, records, quoted, start + 1, index))
+            opened = None
+        elif opened is not None and (text.startswith("<!-- table:") or text == CLOSE):
+            raise DocTableError(f"{where}:{index + 1}: a table marker inside the figures block opened at line {opened[0] + 1}")
+    if opened is not None:
+        raise DocTableError(f"{where}:{opened[0] + 1}: marker {opened[1].group(0)!r} is not closed ({FIGURES_CLOSE} missing)")
+    return found
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A number as written in text: its value, whether it has a sign, and how many decimals it is written to."""
+
+    text: str
+    value: float
+    signed: bool
+    decimals: int
+
+
+def figures_in(text: str, *, checked_only: bool = True) -> list[Figure]:
+    """The numbers in ``text`` outside `code spans`; with ``checked_only``, only those a prose check covers: with a
+    decimal point, a percent sign or a sign."""
+    found = []
+    for match in NUMBER.finditer(CODE_SPAN.sub(" ", text)):
+        sign = match["sign"] or ""
+        if checked_only and not (sign or match["decimals"] or match["percent"]):
+            continue
+        number = match["digits"].replace(",", "") + (match["decimals"] or "")
+        value = float(number) * (-1 if sign in ("-", "−") else 1)
+        found.append(Figure(match.group(0).strip(), value, bool(sign), len(match["decimals"] or ".") - 1))
+    return found
+
+
+def figure_matches(figure: Figure, values: Sequence[float]) -> bool:
+    """Whether ``figure`` is one of ``values`` to the precision it is written in: within half a unit of its last
+    digit; a signed figure against the signed values, an unsigned one against their magnitudes."""
+    tolerance = 0.5 * 10 ** -figure.decimals + 1e-9
+    if figure.signed:
+        return any(abs(value - figure.value) <= tolerance for value in values)
+    return any(abs(abs(value) - figure.value) <= tolerance for value in values)
+
+
 def generate(kind: str, directory: str, root: Path = REPO) -> str:
     """The table KIND makes from ROOT/DIRECTORY's records (no trailing newline)."""
     generator = GENERATORS.get(kind)
@@ -230,21 +332,49 @@ def generate(kind: str, directory: str, root: Path = REPO) -> str:
     return generator.make(outs if generator.several else outs[0]).rstrip("\n")  # type: ignore[arg-type]
 
 
-def _generated(path: Path, root: Path) -> tuple[list[str], list[tuple[Marked, list[str]]]]:
+def _generated(path: Path, root: Path, made: dict[tuple[str, str], str] | None = None) -> tuple[list[str], list[tuple[Marked, list[str]]]]:
+    """The file's lines and each marked table with the lines its records give; ``made`` caches generated texts."""
+    made = {} if made is None else made
     lines = path.read_text().split("\n")
     tables = []
     for marked in marked_tables(lines, str(path)):
-        try:
-            text = generate(marked.kind, marked.directory, root)
-        except DocTableError as error:
-            raise DocTableError(f"{path}:{marked.line}: {error}") from None
-        tables.append((marked, text.split("\n")))
+        tables.append((marked, _made(made, marked.kind, marked.directory, root, f"{path}:{marked.line}").split("\n")))
     return lines, tables
 
 
+def _made(made: dict[tuple[str, str], str], kind: str, directory: str, root: Path, where: str) -> str:
+    if (kind, directory) not in made:
+        try:
+            made[kind, directory] = generate(kind, directory, root)
+        except DocTableError as error:
+            raise DocTableError(f"{where}: {error}") from None
+    return made[kind, directory]
+
+
+def check_figures(path: Path, root: Path = REPO, made: dict[tuple[str, str], str] | None = None) -> list[str]:
+    """One report per marked prose block with figures that are neither among its records' values nor quoted: the
+    marker and each such figure with its line."""
+    made = {} if made is None else made
+    lines = path.read_text().split("\n")
+    reports = []
+    for block in marked_figures(lines, str(path)):
+        values = [f.value for kind, directory in block.records
+                  for f in figures_in(_made(made, kind, directory, root, f"{path}:{block.line}"), checked_only=False)]
+        missing = []
+        for number in range(block.start, block.end):
+            for figure in figures_in(lines[number]):
+                if figure.text.rstrip(" %") not in block.quoted and figure.text not in block.quoted and not figure_matches(figure, values):
+                    missing.append(f"  line {number + 1}: {figure.text}")
+        if missing:
+            reports.append(f"{path}:{block.line}: {block.marker}: figures not in its records (nor quoted):\n" + "\n".join(missing))
+    return reports
+
+
 def check(path: Path, root: Path = REPO) -> list[str]:
-    """One report per marked table that differs from its records: the marker and a unified diff (doc, then records)."""
-    lines, tables = _generated(path, root)
+    """One report per marked table that differs from its records (the marker and a unified diff, doc then records),
+    then one per marked prose block with figures its records do not hold (``check_figures``)."""
+    made: dict[tuple[str, str], str] = {}
+    lines, tables = _generated(path, root, made)
     reports = []
     for marked, wanted in tables:
         present = lines[marked.start : marked.end]
@@ -253,7 +383,7 @@ def check(path: Path, root: Path = REPO) -> list[str]:
                 present, wanted, f"{path}:{marked.line + 1} (doc)", f"{marked.directory} ({marked.kind}, records)", lineterm=""
             )
             reports.append(f"{path}:{marked.line}: {marked.marker} differs from its records\n" + "\n".join(diff))
-    return reports
+    return reports + check_figures(path, root, made)
 
 
 def write(path: Path, root: Path = REPO) -> list[str]:
@@ -283,12 +413,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             for report in reports:
                 print(report + "\n")
             if reports:
-                print(f"{len(reports)} table(s) in {args.file} differ from their records: `tools/doc_tables.py --write` regenerates them")
+                print(f"{len(reports)} table(s) or prose block(s) in {args.file} differ from their records: `tools/doc_tables.py --write` "
+                      "regenerates the tables; prose figures are edited by hand")
                 return 1
             return 0
         for marker in write(args.file, args.root):
             print(f"rewrote {marker}")
-        return 0
+        prose = check_figures(args.file, args.root)
+        for report in prose:
+            print(report + "\n")
+        return 1 if prose else 0
     except (DocTableError, OSError, ValueError) as error:  # ValueError: a records line that is not JSON
         print(f"doc_tables: error: {error}", file=sys.stderr)
         return 2

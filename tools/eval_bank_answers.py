@@ -12,7 +12,7 @@ Each question is answered four ways, greedy, ``--max-new-tokens`` tokens:
 Prompt tokens count the tokens prefilled per question: (e) prefills only the question's turn.
 The retrieval share (gold paragraph among the routed ones) is reported too. By default the
 held-out half of the frozen split is asked (tools/ckc_split.json); ``--rows all`` asks all 600.
-``--prompt`` and the three metrics are as in tools/eval_packs.py. Outputs: OUT/questions.jsonl (one
+``--prompt`` and the metrics are as in tools/eval_packs.py. Outputs: OUT/questions.jsonl (one
 record per question, appended as it is scored, so a stopped run resumes; ``--fresh`` starts over),
 OUT/summary.json, OUT/table.md, and a PNG in ``--figures``; ``--report-only`` redoes the last three.
 
@@ -159,7 +159,7 @@ def write_report(records: Sequence[dict], out: Path, figures: Path, about: dict)
             name: {m: {CONDITIONS[c]: r["conditions"][c][metric] for c in CONDITIONS} for m, r in summary.items()}
             for metric, name in METRICS.items()
         },
-        title=f"ckc answers with a bank of all 600 paragraphs, top {about['top_k']} routed ({counts})",
+        title=f"ckc answers with a bank of all 600 paragraphs, top {about['top_k']} routed ({counts}; Wilson / bootstrap 95% intervals)",
         ylabel="score (0-1)",
     )
     return text

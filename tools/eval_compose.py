@@ -77,9 +77,11 @@ from evallib import (  # noqa: E402
     Row,
     answer_scores,
     contains_answer,
+    format_p,
     frozen_split,
     gold_answers,
     grouped_bars,
+    holm,
     jsonl_appender,
     load_rows,
     markdown_table,
@@ -89,6 +91,7 @@ from evallib import (  # noqa: E402
     normalize,
     paired_difference,
     parts_type,
+    proportion_interval,
     read_jsonl,
     resumed_records,
 )
@@ -249,8 +252,8 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def fraction(values: Iterable[bool]) -> Interval:
-    """The share of true values, with its 95% interval."""
-    return mean_interval([float(v) for v in values])
+    """The share of true values, with its Wilson 95% interval."""
+    return proportion_interval(values)
 
 
 # ---- results directory: one jsonl per part, resumable ----
@@ -598,7 +601,7 @@ def summarize_diagnosis(records: Sequence[dict]) -> dict:
             same = [float(a[name]["same_first_token"]) for a in have]
             summary[model][name] = {
                 "questions": len(have),
-                "same_first_token": mean_interval(same),
+                "same_first_token": proportion_interval(same),
                 "answer_kl": mean_interval([a[name]["answer_kl"] for a in have]),
                 "answer_top1": mean_interval([a[name]["answer_top1"] for a in have]),
                 "same_first_minus_splice": paired_difference(same, [float(a["none"]["same_first_token"]) for a in have]),
@@ -611,18 +614,26 @@ def diagnosis_table(summary: dict) -> str:
     """One line per model and patch."""
     headers = ["model", "RoPE splice", "questions", "same 1st token as exact % [95% CI]", "KL to exact, answer tokens (nats)"]
     headers += ["top-1 agrees, answer tokens %", "same 1st token - splice (paired)", "KL - splice (paired)"]
+    tested = [s[key] for patches in summary.values() for name, s in patches.items() if name != "none"
+              for key in ("same_first_minus_splice", "kl_minus_splice")]
+    adjusted = dict(zip(map(id, tested), holm([t.p for t in tested])))
     lines = []
     for model, patches in summary.items():
         for name, s in patches.items():
             kl, gain = s["answer_kl"], s["kl_minus_splice"]
-            paired = ["-", "-"] if name == "none" else [_signed(s["same_first_minus_splice"]), f"{gain.mean:+.4f} [{gain.low:+.4f}, {gain.high:+.4f}]"]
+            paired = ["-", "-"]
+            if name != "none":
+                first = s["same_first_minus_splice"]
+                paired = [_with_p(_signed(first), first, adjusted), _with_p(f"{gain.mean:+.4f} [{gain.low:+.4f}, {gain.high:+.4f}]", gain, adjusted)]
             lines.append(
                 [model, PATCHES[name], str(s["questions"]), s["same_first_token"].percent(), f"{kl.mean:.4f} [{kl.low:.4f}, {kl.high:.4f}]"]
                 + [s["answer_top1"].percent(), *paired]
             )
     note = (
         "each patch puts the exact composition's K/V back into the RoPE splice at one place; paired differences on the questions "
-        "it applies to (the gold and other-paragraph patches skip paragraphs in first place, which a splice keeps exact)"
+        "it applies to (the gold and other-paragraph patches skip paragraphs in first place, which a splice keeps exact); same 1st "
+        f"token: Wilson interval; paired: 95% paired bootstrap, p two-sided from it, Holm over the family of all {len(tested)} paired "
+        "differences in this table"
     )
     return markdown_table(headers, lines, left=2) + "\n\n" + note
 
@@ -680,6 +691,10 @@ def modes_table(summary: dict) -> str:
     headers = ["model", "mode", "questions", *metric_headers(), "prefilled / total tokens"]
     headers += ["KL to exact, answer tokens (nats)", "top-1 agrees, answer tokens %", "same 1st token %", "same answer ids %"]
     headers += ["contains - exact (paired)", "F1 - exact (paired)", "prob. cosine 1st token", "logit cosine 1st token"]
+    tested = [s["agreement"][mode][key] for s in summary.values() for mode in SPLICED if mode in s["agreement"]
+              for key in ("contains_minus_exact", "f1_minus_exact")]
+    tested += [s["agreement"]["naive_minus_rope_kl"] for s in summary.values() if "naive_minus_rope_kl" in s["agreement"]]
+    adjusted = dict(zip(map(id, tested), holm([t.p for t in tested])))
     lines = []
     for model, s in summary.items():
         for mode, label in MODES.items():
@@ -691,24 +706,31 @@ def modes_table(summary: dict) -> str:
                 versus = [f"{kl.mean:.4f} [{kl.low:.4f}, {kl.high:.4f}]" if kl else "-"]
                 versus += [agreement["answer_top1"].percent() if "answer_top1" in agreement else "-"]
                 versus += [agreement["same_first_token"].percent(), agreement["same_tokens"].percent()]
-                versus += [_signed(agreement["contains_minus_exact"]), _signed(agreement["f1_minus_exact"])]
+                versus += [_with_p(_signed(agreement[key]), agreement[key], adjusted) for key in ("contains_minus_exact", "f1_minus_exact")]
                 versus += [f"{agreement['prob_cosine'].mean:.4f}", f"{agreement['logit_cosine'].mean:.4f}"]
             lines.append([model, label, str(s["questions"]), *(scores[m].percent() for m in METRICS), tokens, *versus])
     notes = []
     for model, s in summary.items():
         note = (
             f"{model}: k = {s['k']} paragraphs (gold + {s['k'] - 1} distractors); KL and top-1 are teacher-forced on exact's "
-            "answer tokens, means over questions; paired differences are in points with 95% paired bootstrap intervals"
+            "answer tokens, means over questions; contains, same 1st token and same answer ids: Wilson intervals; paired "
+            "differences are in points with 95% paired bootstrap intervals"
         )
         if gap := s["agreement"].get("naive_minus_rope_kl"):
-            note += f"; naive - rope KL: {gap.mean:+.4f} [{gap.low:+.4f}, {gap.high:+.4f}] nats"
+            note += "; naive - rope KL: " + _with_p(f"{gap.mean:+.4f} [{gap.low:+.4f}, {gap.high:+.4f}] nats", gap, adjusted)
         notes.append(note)
+    notes.append(f"p: two-sided, from the paired bootstrap; Holm: over the family of all {len(tested)} paired differences in this table")
     return markdown_table(headers, lines, left=2) + "\n\n" + "\n".join(notes)
 
 
 def _signed(interval: Interval) -> str:
     """A paired difference of shares in points: ``+1.0 [-2.0, +4.0]``."""
     return f"{100 * interval.mean:+.1f} [{100 * interval.low:+.1f}, {100 * interval.high:+.1f}]"
+
+
+def _with_p(cell: str, interval: Interval, adjusted: dict[int, float]) -> str:
+    """A paired difference's cell with its p-value and its Holm-adjusted p (``adjusted``: by the interval's id)."""
+    return f"{cell}, p {format_p(interval.p)} (Holm {format_p(adjusted[id(interval)])})" if interval.p is not None else cell
 
 
 def timing_table(summary: dict) -> str:

@@ -56,7 +56,7 @@ from packstore.store import LmdbStore  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, source_commit, source_description  # noqa: E402
-from evallib import REPO, Row, data_path, frozen_split, jsonl_appender, load_rows, markdown_table  # noqa: E402
+from evallib import REPO, Row, data_path, frozen_split, jsonl_appender, load_rows, markdown_table, wilson_interval  # noqa: E402
 
 MEASURES = ("identical", "chunked_identical", "text_chunking_identical", "kv_bit_equal", "repeat_identical")
 log = logger("eval_exactness")
@@ -131,15 +131,16 @@ def evaluate(
 
 
 def summary_row(records: Sequence[dict]) -> list[str]:
-    """A table row: model, device, dtype, questions, and each measure's rate as ``count/total (percent)`` (n/a for a
-    measure the records predate)."""
+    """A table row: model, device, dtype, questions, and each measure's rate as ``count/total (percent [Wilson 95 %
+    interval])`` (n/a for a measure the records predate)."""
     first = records[0]
 
     def rate(measure: str) -> str:
         if not all(measure in r for r in records):
             return "n/a"
         count = sum(bool(r[measure]) for r in records)
-        return f"{count}/{len(records)} ({100 * count / len(records):.1f} %)"
+        low, high = wilson_interval(count, len(records))
+        return f"{count}/{len(records)} ({100 * count / len(records):.1f} % [{100 * low:.1f}, {100 * high:.1f}])"
 
     return [first["model"], first["device"], first["dtype"], str(len(records)), *(rate(m) for m in MEASURES)]
 
@@ -150,7 +151,8 @@ def table(runs: Sequence[Sequence[dict]]) -> str:
     grouped: dict[tuple[str, str, str], list[dict]] = {}
     for record in (record for records in runs for record in records):
         grouped.setdefault((record["model"], record["device"], record["dtype"]), []).append(record)
-    return markdown_table(["model", "device", "dtype", "questions", *MEASURES], [summary_row(records) for records in grouped.values()], left=3)
+    rows = [summary_row(records) for records in grouped.values()]
+    return markdown_table(["model", "device", "dtype", "questions", *MEASURES], rows, left=3) + "\n\nrates: count / questions (percent [Wilson 95 % interval])"
 
 
 def shard(text: str) -> tuple[int, int]:

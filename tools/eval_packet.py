@@ -22,12 +22,20 @@ Methods, all from the same independently built parts:
   selective  selective recompute (the CacheBlend idea, packstore.kv.blend): the splice, with the
              ``--share`` (15 %) of tokens whose values deviate most after two layers recomputed;
   packet     the splice with the adapter's soft tokens around each part (packstore.kv.packet).
-Per method: contains, strict EM and F1 of the greedy answer; against full recompute, teacher-forced on
+Per method: contains and F1 of the greedy answer; against full recompute, teacher-forced on
 full's answer tokens, the mean KL (nats) and the share of tokens whose top-1 agrees, the first token's
 agreement and logit cosine, and whether the whole answer equals full's; and the FLOPs of composing (analytic: 2 x non-embedding parameters + 4 x layers x
 attention width x context per computed position; the probe's share for selective). Time to first
 token (composing from parts in memory, the question's prefill and the first token) is timed on a
 subset (``--timing``), each method in turn per question, median of ``--repeats``.
+
+Intervals: for a method asked once per question, Wilson for contains and a bootstrap over questions for
+the rest; for KV Packet, whose answers come from several adapters, a two-level bootstrap resampling the
+adapters (seeds) as well as the questions (``evallib.two_level_interval``), in its paired differences
+too, each with its p-value, Holm-adjusted over every paired difference of the table (both models, every
+comparison and measure). The adapters table sets each adapter's "gap closed" (1 - its KL / the plain
+splice's) on its 16 synthetic held-out examples beside the same ratio on the ckc questions, with an
+interval over the questions (and the adapters, for all of them together).
 
 Outputs in ``--out``: training.jsonl (one line per adapter: time, memory, held-out KL), adapters/
 (the adapter packs, as pack files), answers.jsonl, timing.jsonl (appended as made; a rerun resumes),
@@ -77,16 +85,18 @@ from evallib import (  # noqa: E402
     Interval,
     Row,
     answer_scores,
+    format_p,
     frozen_split,
     gold_answers,
     grouped_bars,
+    holm,
     jsonl_appender,
     load_rows,
     markdown_table,
-    mean_interval,
-    paired_difference,
+    metric_interval,
     parts_type,
     read_jsonl,
+    two_level_interval,
 )
 from second_facts import second_facts  # noqa: E402
 
@@ -305,62 +315,105 @@ def _scored(entry: dict, answers: Sequence[str]) -> dict:
 
 AGREEMENT = ("answer_kl", "answer_top1")  # with full recompute, over its answer tokens (records from issue 39 on)
 AVERAGED = (*METRICS, *AGREEMENT, "logit_cosine", "same_first_token", "same_answer", "computed", "flops")
+RESAMPLES = 10000  # two-level bootstrap draws: p-values down to 2e-4, small enough for Holm over a table's comparisons
+
+
+def _value(by_seed: dict, method: str, seed, question: str, key: str) -> float | None:
+    """``method``'s ``key`` for ``question`` as adapter ``seed`` saw it: a seedless method's own record (seed None),
+    or, in the first run where each seed asked its own questions with every method, the record of that seed."""
+    entries = by_seed[method].get(seed if seed in by_seed[method] else None, {})
+    entry = entries.get(question)
+    return None if entry is None else entry.get(key)
+
+
+def gap_closed(packet_kl: dict, splice_kl: dict, *, resamples: int = RESAMPLES, seed: int = 0) -> Interval:
+    """1 - (KV Packet's mean KL to full recompute) / (the plain splice's), over the same questions, with a 95 %
+    two-level bootstrap interval: adapters (``packet_kl``'s seeds) and questions resampled (one adapter: questions
+    only), the splice's mean over the same drawn questions. Negative: the adapters widen the splice's gap."""
+    seeds, questions = list(packet_kl), list(splice_kl)
+    trained = np.array([[packet_kl[s][q] for q in questions] for s in seeds])
+    plain = np.array([splice_kl[q] for q in questions])
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(seeds), size=(resamples, len(seeds)))
+    drawn = rng.integers(0, len(questions), size=(resamples, len(questions)))
+    per_seed = np.stack([row[drawn].mean(axis=1) for row in trained])
+    gaps = 1 - per_seed[picks, np.arange(resamples)[:, None]].mean(axis=1) / plain[drawn].mean(axis=1)
+    low, high = np.percentile(gaps, [2.5, 97.5])
+    return Interval(float(1 - trained.mean() / plain.mean()), float(low), float(high))
 
 
 def summarize(answers: Sequence[dict], timing: Sequence[dict], training: Sequence[dict]) -> dict:
     """Per model and method, over the questions it was asked: ``METRICS`` recomputed from the answers (a question's
-    score is its mean over the adapter seeds that asked it), per-seed means, agreement with full recompute and cost;
-    the paired differences of ``COMPARISONS`` on the questions both methods were asked; median TTFT; the adapters'
-    training records."""
+    score is its mean over the adapter seeds that asked it), per-seed means, agreement with full recompute and cost,
+    with intervals (module docstring); the paired differences of ``COMPARISONS`` on the questions both methods were
+    asked, their p-values Holm-adjusted over the whole table (``holm``: comparison -> measure -> adjusted p); each
+    adapter's gap closed on ckc against its synthetic one (``adapters``); median TTFT; the training records."""
     summary: dict = {}
     golds = gold_answers()
     for model in dict.fromkeys(r["model"] for r in [*answers, *training]):  # an adapter trained before any answer counts
-        by_question: dict[str, dict[str, list[dict]]] = {}  # method -> question -> its entries, one per seed
-        by_seed: dict[str, dict] = {}  # method -> seed (None for a seedless method) -> entries
+        by_seed: dict[str, dict] = {}  # method -> seed (None for a seedless method) -> question -> scored entry
         for record in (r for r in answers if r["model"] == model):
             for method in METHODS:
                 if method in record:
                     entry = _scored(record[method], golds[record["id"]])
-                    by_question.setdefault(method, {}).setdefault(record["id"], []).append(entry)
-                    by_seed.setdefault(method, {}).setdefault(record.get("seed"), []).append(entry)
-        means = {
-            method: {
-                question: {key: float(np.mean([e[key] for e in entries])) for key in AVERAGED if entries[0].get(key) is not None}
-                for question, entries in questions_.items()
-            }
-            for method, questions_ in by_question.items()
-        }
-        entry: dict = {"methods": {}, "paired": {}}
-        for method, per_question in means.items():
-            values = list(per_question.values())
-            measured = {key for value in values for key in value}
+                    by_seed.setdefault(method, {}).setdefault(record.get("seed"), {})[record["id"]] = entry
+        entry: dict = {"methods": {}, "paired": {}, "adapters": []}
+        for method, seeds in by_seed.items():
+            rows = [e for questions_ in seeds.values() for e in questions_.values()]
+            measured = {key for e in rows for key in AVERAGED if e.get(key) is not None}
+            if method in SEEDLESS:  # asked once per question (the first run's seeds only split the questions)
+                intervals = {key: metric_interval(key, [e[key] for e in rows]) for key in (*METRICS, *AGREEMENT) if key in measured}
+            else:
+                intervals = {
+                    key: two_level_interval({s: {q: e[key] for q, e in qs.items()} for s, qs in seeds.items()}, resamples=RESAMPLES)
+                    for key in (*METRICS, *AGREEMENT) if key in measured
+                }
             entry["methods"][method] = {
-                "questions": len(values),
-                "seeds": sorted(seed for seed in by_seed[method] if seed is not None),
-                **{key: mean_interval([v[key] for v in values]) for key in (*METRICS, *AGREEMENT) if key in measured},
-                **{
-                    f"{metric}_by_seed": [float(np.mean([e[metric] for e in entries])) for entries in by_seed[method].values()]
-                    for metric in METRICS
-                },
-                **{key: float(np.mean([v[key] for v in values])) for key in ("logit_cosine", "same_first_token", "same_answer", "computed")},
-                "gflops": float(np.mean([v["flops"] for v in values])) / 1e9,
+                "questions": len({q for qs in seeds.values() for q in qs}),
+                "seeds": sorted(seed for seed in seeds if seed is not None),
+                "interval": "Wilson / bootstrap over questions" if method in SEEDLESS else "two-level bootstrap over adapters and questions",
+                **intervals,
+                **{f"{metric}_by_seed": [float(np.mean([e[metric] for e in qs.values()])) for qs in seeds.values()] for metric in METRICS},
+                **{key: float(np.mean([e[key] for e in rows])) for key in ("logit_cosine", "same_first_token", "same_answer", "computed")},
+                "gflops": float(np.mean([e["flops"] for e in rows])) / 1e9,
             }
         for first, second in COMPARISONS:
-            if first in means and second in means:
-                common = [q for q in means[first] if q in means[second]]
-                measured = [m for m in (*METRICS, *AGREEMENT) if all(m in means[method][q] for method in (first, second) for q in common)]
-                entry["paired"][f"{first} - {second}"] = {"questions": len(common)} | {
-                    metric: paired_difference([means[first][q][metric] for q in common], [means[second][q][metric] for q in common])
-                    for metric in measured
-                }
-        asked = [r["tokens"] for r in answers if r["model"] == model]
-        entry["tokens"] = float(np.mean(asked)) if asked else None
+            if first not in by_seed or second not in by_seed:
+                continue
+            trained = "packet" if "packet" in (first, second) else None
+            seeds = list(by_seed[trained]) if trained else [None]
+            differences: dict[str, dict] = {}
+            for metric in (*METRICS, *AGREEMENT):
+                by = {}
+                for seed in seeds:
+                    questions_ = by_seed[trained or first][seed] if trained else by_seed[first][None]
+                    values = {q: (_value(by_seed, first, seed, q, metric), _value(by_seed, second, seed, q, metric)) for q in questions_}
+                    by[seed] = {q: a - b for q, (a, b) in values.items() if a is not None and b is not None}
+                if all(by.values()) and all(len(v) == len(by_seed[trained or first][s]) for s, v in by.items()):  # measured on every question
+                    differences[metric] = two_level_interval(by, resamples=RESAMPLES)
+            asked = {q for qs in by_seed[trained or first].values() for q in qs}
+            entry["paired"][f"{first} - {second}"] = {"questions": len(asked)} | differences
+        if "packet" in by_seed and "none" in by_seed and None in by_seed["none"]:  # the crossed design: every adapter, the same questions
+            splice = {q: e.get("answer_kl") for q, e in by_seed["none"][None].items()}
+            packet = {s: {q: e.get("answer_kl") for q, e in qs.items()} for s, qs in by_seed["packet"].items()}
+            measured = all(v is not None for v in splice.values()) and all(v is not None for qs in packet.values() for v in qs.values())
+            if measured and all(set(qs) == set(splice) for qs in packet.values()):
+                for seed, kls in packet.items():
+                    trained_on = next((t for t in training if t["model"] == model and t["seed"] == seed and not t.get("ablation")), None)
+                    entry["adapters"].append({"seed": seed, "training": trained_on, "questions": len(kls), "ckc_gap_closed": gap_closed({seed: kls}, splice)})
+                entry["adapters"].append({"seed": "all", "training": None, "questions": len(splice), "ckc_gap_closed": gap_closed(packet, splice)})
+        asked_tokens = [r["tokens"] for r in answers if r["model"] == model]
+        entry["tokens"] = float(np.mean(asked_tokens)) if asked_tokens else None
         timed = [r for r in timing if r["model"] == model]
         if timed:
             entry["ttft"] = {m: median([r[m] for r in timed]) for m in METHODS}
             entry["ttft_questions"] = len(timed)
         entry["training"] = [t for t in training if t["model"] == model]
         summary[model] = entry
+    family = [(model, comparison, metric) for model, e in summary.items() for comparison, d in e["paired"].items() for metric in d if metric != "questions"]
+    adjusted = holm([summary[m]["paired"][c][k].p for m, c, k in family])
+    for (model, comparison, metric), p in zip(family, adjusted):
+        summary[model]["paired"][comparison].setdefault("holm", {})[metric] = p
     return summary
 
 
@@ -375,16 +428,24 @@ def _points(interval: Interval) -> str:
     return f"{100 * interval.mean:+.1f} [{100 * interval.low:+.1f}, {100 * interval.high:+.1f}]"
 
 
-def tables(summary: dict) -> str:
-    """Four tables, blank-line separated: quality, paired differences, cost, adapter training."""
-    rows, paired, costs, trained = [], [], [], []
+def _tested(cell: str, interval: Interval, adjusted: float | None) -> str:
+    """A paired difference's cell with its p-value and the Holm-adjusted one."""
+    if interval.p is None or adjusted is None:
+        return cell
+    return f"{cell}, p {format_p(interval.p)} (Holm {format_p(adjusted)})"
+
+
+def table_texts(summary: dict) -> list[str]:
+    """Five tables (each with any note lines under it): quality, paired differences, cost, adapter training, and the
+    adapters' gap closed on synthetic examples and on ckc."""
+    rows, paired, costs, trained, adapters = [], [], [], [], []
     for model, entry in summary.items():
         full = entry["methods"].get("full")
         for method, m in entry["methods"].items():
             kl = m.get("answer_kl")
             rows.append(
                 [model, LABELS[method], str(m["questions"]), str(len(m["seeds"]) or 1), m["contains"].percent(), _pm(m["contains_by_seed"]),
-                 m["em"].percent(), m["f1"].percent(), _pm(m["f1_by_seed"]), f"{kl.mean:.4f} [{kl.low:.4f}, {kl.high:.4f}]" if kl else "-",
+                 m["f1"].percent(), _pm(m["f1_by_seed"]), f"{kl.mean:.4f} [{kl.low:.4f}, {kl.high:.4f}]" if kl else "-",
                  m["answer_top1"].percent() if "answer_top1" in m else "-", f"{100 * m['same_first_token']:.1f}",
                  f"{100 * m['same_answer']:.1f}", f"{m['logit_cosine']:.4f}"]
             )
@@ -395,9 +456,12 @@ def tables(summary: dict) -> str:
             )
         for comparison, differences in entry["paired"].items():
             first, second = comparison.split(" - ")
+            holms = differences.get("holm", {})
+            cells = [_tested(_points(differences[m]), differences[m], holms.get(m)) if m in differences else "-" for m in METRICS]
             kl, top1 = differences.get("answer_kl"), differences.get("answer_top1")
-            paired.append([model, f"{LABELS[first]} - {LABELS[second]}", str(differences["questions"]), *(_points(differences[m]) for m in METRICS),
-                           f"{kl.mean:+.4f} [{kl.low:+.4f}, {kl.high:+.4f}]" if kl else "-", _points(top1) if top1 else "-"])
+            cells.append(_tested(f"{kl.mean:+.4f} [{kl.low:+.4f}, {kl.high:+.4f}]", kl, holms.get("answer_kl")) if kl else "-")
+            cells.append(_tested(_points(top1), top1, holms.get("answer_top1")) if top1 else "-")
+            paired.append([model, f"{LABELS[first]} - {LABELS[second]}", str(differences["questions"]), *cells])
         for t in entry["training"]:
             closed = 1 - t["holdout_kl_after"] / t["holdout_kl_no_adapter"]  # full recompute is the teacher: its KL is 0
             trained.append(
@@ -405,25 +469,59 @@ def tables(summary: dict) -> str:
                  t.get("shape", "-") + (" (ablation)" if t.get("ablation") else ""),
                  str(t["steps"]), str(t["examples"]), f"{t['train_seconds'] / 60:.1f}", f"{t['peak_rss_mb']:.0f}",
                  f"{t['holdout_kl_no_adapter']:.4f}", f"{t['holdout_kl_before']:.4f}", f"{t['holdout_kl_after']:.4f}",
-                 f"{closed:+.0%}", "yes" if closed >= 0.5 else "no"]
+                 f"{t['train_kl_last_50']:.4f}" if "train_kl_last_50" in t else "-", f"{closed:+.0%}", "yes" if closed >= 0.5 else "no"]
             )
+        for a in entry["adapters"]:
+            t, gap = a["training"], a["ckc_gap_closed"]
+            synthetic = ["-", "-", "-", "-"]
+            if t is not None:
+                closed = 1 - t["holdout_kl_after"] / t["holdout_kl_no_adapter"]
+                synthetic = [str(t.get("holdout_examples", "-")), f"{t['holdout_kl_no_adapter']:.4f}", f"{t['holdout_kl_after']:.4f}", f"{closed:+.0%}"]
+            adapters.append([model, "all (mean)" if a["seed"] == "all" else str(a["seed"]), *synthetic, str(a["questions"]),
+                             f"{gap.mean:+.0%} [{gap.low:+.0%}, {gap.high:+.0%}]"])
     quality = markdown_table(
-        ["model", "method", "questions", "seeds", "contains % [95% CI]", "contains by seed (mean ± sd)", "strict EM % [95% CI]", "F1 % [95% CI]",
+        ["model", "method", "questions", "seeds", "contains % [95% CI]", "contains by seed (mean ± sd)", "F1 % [95% CI]",
          "F1 by seed", "KL to full, answer tokens (nats)",
          "top-1 agrees with full, answer tokens %", "same first token %", "same answer as full %", "first-token logit cosine"],
         rows, left=2,
     )
+    if rows:
+        quality += ("\n\nintervals: full, no and selective recompute (asked once per question): Wilson for contains, a bootstrap over "
+                    "questions for the rest; KV Packet (every adapter seed): a two-level bootstrap resampling the adapters and the questions")
     differences = markdown_table(
         ["model", "paired difference (same questions)", "questions", *(f"{name} points [95% CI]" for name in METRICS.values()),
          "KL to full, answer tokens (nats) [95% CI]", "top-1 agrees with full, points [95% CI]"], paired, left=2,
     )
+    if paired:
+        count = sum(len(d.get("holm", {})) for e in summary.values() for d in e["paired"].values())
+        differences += (f"\n\nKV Packet's differences resample the adapters and the questions (two-level bootstrap); p: two-sided, from the same "
+                        f"bootstrap; Holm: adjusted over the family of all {count} paired differences in this table (both models, every "
+                        "comparison and measure)")
     cost = markdown_table(["model", "method", "positions computed", "GFLOPs to compose", "vs full", "TTFT ms (median)", "vs full"], costs, left=2)
     training = markdown_table(
         ["model", "seed", "soft tokens a side", "learning rate", "training data", "steps", "examples", "minutes", "peak RSS MB",
-         "held-out KL: RoPE splice, no adapter", "soft tokens at init", "trained", "gap to full recompute closed", "half closed"],
+         "held-out KL: RoPE splice, no adapter", "soft tokens at init", "trained", "training KL, last 50 steps", "gap to full recompute closed",
+         "half closed"],
         trained, left=1,
     )
-    return "\n\n".join([quality, differences, cost, training])
+    texts = [quality, differences, cost, training]
+    if adapters:
+        texts.append(
+            markdown_table(
+                ["model", "adapter (seed)", "synthetic held-out examples", "their KL: RoPE splice", "trained", "gap closed (synthetic)",
+                 "ckc questions", "gap closed on ckc [95% CI]"],
+                adapters, left=2,
+            )
+            + "\n\ngap closed: 1 - trained KL / plain splice KL, to full recompute (KL 0) over its answer tokens; synthetic: the adapter's own "
+            "held-out examples of its training distribution (each seed draws its own; per-example KLs not recorded, so no interval); ckc: "
+            "the held-out questions every adapter answered, interval by bootstrap over the questions (all: over the adapters too)"
+        )
+    return texts
+
+
+def tables(summary: dict) -> str:
+    """``table_texts`` blank-line separated: quality, paired differences, cost, adapter training[, adapters]."""
+    return "\n\n".join(table_texts(summary))
 
 
 def plot(summary: dict, figures: Path) -> None:

@@ -10,9 +10,10 @@ question is answered four ways, greedy, ``--max-new-tokens`` tokens:
 (c) pack: the paragraph's pack, built with the chat template, injected through ``Answerer``;
 (d) raw pack: the pack built without the chat template (``raw=True``), injected the same way.
 
-``--prompt short`` (the default) asks each question with ``evallib.SHORT_ANSWER`` after it, so that strict
-exact match means something; ``--prompt open`` asks the bare question (the models answer in sentences).
-Every answer is scored three ways (``evallib.METRICS``: contains, strict EM, token F1).
+``--prompt short`` (the default) asks each question with ``evallib.SHORT_ANSWER`` after it; ``--prompt open``
+asks the bare question. The models answer in sentences either way. Every answer is scored two ways
+(``evallib.METRICS``: contains, with a Wilson interval, and token F1, with a bootstrap one); strict exact
+match is not reported (evallib's docstring says why).
 
 (b) and (c) come from one ``Answerer.ask(compare_rag=True)``, which compares their generated token
 ids: every difference is a divergence, and there must be none. Packs live in a scratch store in a
@@ -144,7 +145,7 @@ def evaluate(
 
 
 def summarize(records: Sequence[dict]) -> dict:
-    """Per model and condition: each of ``METRICS`` (mean with 95% bootstrap interval, recomputed from the answers),
+    """Per model and condition: each of ``METRICS`` (mean with its 95% interval, recomputed from the answers),
     mean prompt tokens; and divergences."""
     summary: dict = {}
     for model in dict.fromkeys(r["model"] for r in records):
@@ -197,7 +198,7 @@ def plot(summary: dict, figures: Path) -> list[Path]:
             name: {m: {CONDITIONS[c]: r["conditions"][c][metric] for c in CONDITIONS} for m, r in summary.items()}
             for metric, name in METRICS.items()
         },
-        title=f"ckc_dev accuracy per condition (95% bootstrap intervals; {counts})",
+        title=f"ckc_dev accuracy per condition (95% intervals: Wilson for contains, bootstrap for F1; {counts})",
         ylabel="score (0-1)",
     )
     grouped_bars(

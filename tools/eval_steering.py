@@ -75,15 +75,19 @@ from evallib import (  # noqa: E402
     REPO,
     Interval,
     answer_scores,
+    format_p,
     frozen_split,
     gold_answers,
     grouped_bars,
+    holm,
     jsonl_appender,
     load_rows,
     markdown_table,
     mean_interval,
+    metric_headers,
     metric_intervals,
     parts_type,
+    proportion_interval,
     read_jsonl,
 )
 
@@ -98,6 +102,11 @@ SUBSET_PAIRS = 5
 SWEEP_ALPHAS = (-2.0, -1.0, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0)
 DUAL_ALPHAS = (0.0, 0.35, 0.7, 1.0, 1.5, 2.0)
 CKC_ASK = "What do you think about this?"
+# Records in results/eval_steering without a commit were made before records named theirs (f9fd0fb): by this tool as of
+# its first commit 055c0ed, up to 4647cb5, which committed them (git log -- tools/eval_steering.py results/eval_steering).
+LEGACY = "legacy"
+LEGACY_NOTE = ("legacy: records without a commit, made by the tool at commits 055c0ed..4647cb5 (2026-11-24), before records "
+               "named their commit; the steering arithmetic did not change in that range")
 INSTRUCTIONS = {"happy": "Answer in a very happy and positive tone.", "angry": "Answer in a very angry and negative tone."}
 # Food words for the topic scorer (singular and plural forms listed where both are common).
 FOOD_WORDS = frozenset(
@@ -468,13 +477,19 @@ def summarize_generations(records: Sequence[dict]) -> dict:
             "part": mine[0]["part"],
             "sentiment": mean_interval([r["sentiment"] for r in mine]),
             "positive": float(np.mean([r["sentiment"] > 0.05 for r in mine])),
-            "food_any": mean_interval([float(r["food_any"]) for r in mine]),
+            "food_any": proportion_interval(r["food_any"] for r in mine),
             "food_share": float(np.mean([r["food_share"] for r in mine])),
             "ppl": _median(r["ppl"] for r in mine),
             "repetition": float(np.mean([r["repetition"] for r in mine])),
             "empty": float(np.mean([r["tokens"] == 0 for r in mine])),
+            "commits": _commits(mine),
         }
     return summary
+
+
+def _commits(records: Sequence[dict]) -> list[str]:
+    """The commits the records name, in order of first appearance; ``LEGACY`` for records that name none."""
+    return list(dict.fromkeys(r.get("commit") or LEGACY for r in records))
 
 
 def summarize_dual(records: Sequence[dict]) -> dict:
@@ -494,6 +509,7 @@ def summarize_dual(records: Sequence[dict]) -> dict:
                 "repetition": float(np.mean([repetition(r["answer"]) for r in mine])),
                 "compared": len(compared),
                 "divergences": sum(not r["identical"] for r in compared),
+                "commits": _commits(mine),
             }
     return summary
 
@@ -528,10 +544,16 @@ def generation_table(summary: dict, names: Sequence[str], effect: str = "sentime
                 delta = f"{all_sets['sentiment'].mean - base['all']['sentiment'].mean:+.2f}"
             elif base.get("all"):
                 delta = f"{all_sets['food_any'].mean - base['all']['food_any'].mean:+.2f}"
-            rows.append([model, name, *effect_cells, delta, _f(all_sets["ppl"], 1), _f(all_sets["repetition"]), _f(all_sets["empty"])])
-    label = "sentiment (VADER compound)" if effect == "sentiment" else "outputs naming food"
-    headers = ["model", "condition", f"{label}: own", "second", "ckc", "change vs alpha 0 (all)", "median PPL", "repetition", "empty"]
-    return markdown_table(headers, rows, left=2)
+            commits = all_sets.get("commits", [])
+            rows.append([model, name, *effect_cells, delta, _f(all_sets["ppl"], 1), _f(all_sets["repetition"]), _f(all_sets["empty"]), ", ".join(commits)])
+    label = "sentiment (VADER compound)" if effect == "sentiment" else "outputs naming food (share, Wilson 95%)"
+    headers = ["model", "condition", f"{label}: own", "second", "ckc", "change vs alpha 0 (all)", "median PPL", "repetition", "empty", "records' commit"]
+    return _with_legacy_note(markdown_table(headers, rows, left=2), rows)
+
+
+def _with_legacy_note(table: str, rows: Sequence[Sequence[str]]) -> str:
+    """``table`` with ``LEGACY_NOTE`` under it when some row's records name no commit."""
+    return table + "\n\n" + LEGACY_NOTE if any(LEGACY in row[-1].split(", ") for row in rows) else table
 
 
 def retained_table(summary: dict) -> str:
@@ -565,16 +587,28 @@ def retained_table(summary: dict) -> str:
 
 def cosine_table(cosines: Sequence[dict]) -> str:
     """One row per model and pair of directions: the cosine over layers, and the label-shuffled null where recorded."""
+    tested = [(entry["model"], label, _null_p(null)) for entry in cosines for label, null in entry.get("null", {}).items()]
+    adjusted = {(model, label): p for (model, label, _), p in zip(tested, holm([p for _, _, p in tested]))}
     rows = []
     for entry in cosines:
         for label, values in entry["cosines"].items():
             null = entry.get("null", {}).get(label)
-            shuffled = ["-", "-"] if null is None else [f"{null['quantiles'][0]:+.4f} .. {null['quantiles'][2]:+.4f}", f"{null['p_two_sided']:.3f}"]
+            shuffled = ["-", "-", "-"]
+            if null is not None:
+                shuffled = [f"{null['quantiles'][0]:+.4f} .. {null['quantiles'][2]:+.4f}", format_p(_null_p(null)), format_p(adjusted[entry["model"], label])]
             rows.append(
                 [entry["model"], label, f"{np.mean(values):+.4f}", f"{np.std(values):.4f}", f"{np.mean(np.abs(values)):.4f}", str(entry["dimension"]), *shuffled]
             )
-    headers = ["model", "value deltas of", "mean cosine", "sd over layers", "mean abs", "dimension", "label-shuffled null, 95 %", "p (two-sided)"]
-    return markdown_table(headers, rows, left=2)
+    headers = ["model", "value deltas of", "mean cosine", "sd over layers", "mean abs", "dimension", "label-shuffled null, 95 %", "p (two-sided)", "p, Holm"]
+    note = (f"p: (draws at least as far from 0 as the observed cosine + 1) / (draws + 1); Holm: over the family of the {len(tested)} "
+            "comparisons with a null in this table")
+    return markdown_table(headers, rows, left=2) + ("\n\n" + note if tested else "")
+
+
+def _null_p(null: dict) -> float:
+    """The label-shuffled null's two-sided p-value with the add-one rule (never 0 from a finite number of draws)."""
+    extreme = round(null["p_two_sided"] * null["shuffles"])
+    return (extreme + 1) / (null["shuffles"] + 1)
 
 
 def dual_table(summary: dict) -> str:
@@ -582,10 +616,11 @@ def dual_table(summary: dict) -> str:
     for model, by_alpha in summary.items():
         for alpha, s in by_alpha.items():
             rows.append(
-                [model, alpha, str(s["n"]), *(s[m].percent() for m in METRICS), _ci(s["sentiment"]), _f(s["repetition"]), f"{s['divergences']} / {s['compared']}"]
+                [model, alpha, str(s["n"]), *(s[m].percent() for m in METRICS), _ci(s["sentiment"]), _f(s["repetition"]),
+                 f"{s['divergences']} / {s['compared']}", ", ".join(s.get("commits", []))]
             )
-    headers = ["model", "alpha", "questions", *(f"{name} %" for name in METRICS.values()), "answer sentiment", "repetition", "divergences pack vs text (steered)"]
-    return markdown_table(headers, rows, left=2)
+    headers = ["model", "alpha", "questions", *metric_headers(), "answer sentiment", "repetition", "divergences pack vs text (steered)", "records' commit"]
+    return _with_legacy_note(markdown_table(headers, rows, left=2), rows)
 
 
 def plot(summary: dict, dual: dict, cosines: Sequence[dict], figures: Path) -> None:

@@ -1,10 +1,19 @@
 """Shared evaluation helpers for tools/eval_*.py: ckc rows, answer scoring, intervals, and report output.
 
 Scoring follows SQuAD's answer normalisation (lowercase, drop punctuation and the articles a/an/the,
-collapse whitespace), with three metrics, each under its own name in every table (``METRICS``):
-``contains`` (lenient: a normalised gold answer occurs in the normalised prediction as whole words, so
-that "5" does not match "15"), ``em`` (strict exact match: the normalised prediction equals a normalised
-gold answer) and ``f1`` (SQuAD's bag-of-tokens F1); each is the best over the gold answers.
+collapse whitespace), with two metrics, each under its own name in every table (``METRICS``):
+``contains`` (a normalised gold answer occurs in the normalised prediction as whole words, so that "5"
+does not match "15") and ``f1`` (SQuAD's bag-of-tokens F1); each is the best over the gold answers.
+There is no strict exact match: the models answer in sentences whatever they are asked, and no answer
+extraction was built or validated, so an exact match of the whole answer was 0 everywhere and said
+nothing (issue 54); records made before keep an ``em`` field that no table reads.
+
+Intervals: a proportion (a share of 0/1 outcomes, such as contains) gets the Wilson score interval
+(``proportion_interval``), which does not collapse to a point at 0 % or 100 % as a percentile bootstrap
+does; other means get a seeded percentile bootstrap over questions (``mean_interval``); paired
+differences a paired bootstrap with its two-sided p-value (``paired_difference``), adjusted for the
+comparisons a table makes with ``holm``; results of several trained adapters (seeds) a two-level
+bootstrap that resamples the seeds as well as the questions (``two_level_interval``).
 """
 
 from __future__ import annotations
@@ -106,12 +115,6 @@ def contains_answer(prediction: str, answers: Iterable[str]) -> bool:
     return any(gold and f" {gold} " in padded for gold in map(normalize, answers))
 
 
-def strict_match(prediction: str, answers: Iterable[str]) -> bool:
-    """Strict exact match: whether the normalised prediction equals some normalised gold answer."""
-    predicted = normalize(prediction)
-    return any(predicted == gold for gold in map(normalize, answers) if gold)
-
-
 def token_f1(prediction: str, answers: Iterable[str]) -> float:
     """SQuAD token F1 between the prediction and the best-matching gold answer."""
     predicted = normalize(prediction).split()
@@ -125,12 +128,13 @@ def token_f1(prediction: str, answers: Iterable[str]) -> float:
     return best
 
 
-METRICS = {"contains": "contains", "em": "strict EM", "f1": "F1"}  # record key -> column name, in table order
+METRICS = {"contains": "contains", "f1": "F1"}  # record key -> column name, in table order
+PROPORTIONS = ("contains",)  # the metrics that are 0/1 per answer: Wilson intervals
 
 # Chosen on 25 rows of the tuning half against four other wordings (a few words, a one-line answer, two worked
 # examples, ...): none got either model to answer with the bare answer; this one kept the most answers right.
 SHORT_ANSWER = "\n\nAnswer with only the answer (a name, date or number)."
-PROMPTS = {"short": SHORT_ANSWER, "open": ""}  # --prompt: what follows each question (strict EM needs "short")
+PROMPTS = {"short": SHORT_ANSWER, "open": ""}  # --prompt: what follows each question
 
 
 def asked(question: str, prompt: str) -> str:
@@ -138,23 +142,29 @@ def asked(question: str, prompt: str) -> str:
     return question.strip() + PROMPTS[prompt]
 
 
+def bare_question(text: str) -> str:
+    """``text`` without the instruction any of ``PROMPTS`` appended (``asked``'s inverse): what a bank routes. The
+    instruction is for the model; routing it too let its words (answer, name, date, number) move the route."""
+    for suffix in PROMPTS.values():
+        if suffix and text.endswith(suffix):
+            return text[: -len(suffix)]
+    return text
+
+
 def answer_scores(prediction: str, answers: Iterable[str]) -> dict[str, float]:
-    """Every metric of ``METRICS`` for one answer: ``contains`` and ``em`` as 0/1, ``f1`` in [0, 1]."""
+    """Every metric of ``METRICS`` for one answer: ``contains`` as 0/1, ``f1`` in [0, 1]."""
     answers = list(answers)
-    return {
-        "contains": float(contains_answer(prediction, answers)),
-        "em": float(strict_match(prediction, answers)),
-        "f1": token_f1(prediction, answers),
-    }
+    return {"contains": float(contains_answer(prediction, answers)), "f1": token_f1(prediction, answers)}
 
 
 @dataclass(frozen=True)
 class Interval:
-    """A mean and its 95% bootstrap interval."""
+    """A mean and its 95% interval; for a difference, ``p``: the two-sided p-value of no difference (else None)."""
 
     mean: float
     low: float
     high: float
+    p: float | None = None
 
     def percent(self) -> str:
         """``mean [low, high]`` in percent, one decimal."""
@@ -162,17 +172,42 @@ class Interval:
 
     def scaled(self, factor: float) -> Interval:
         """The same interval in other units (``100``: percent), for plotting."""
-        return Interval(factor * self.mean, factor * self.low, factor * self.high)
+        return Interval(factor * self.mean, factor * self.low, factor * self.high, self.p)
+
+
+def _bootstrap_p(means: np.ndarray) -> float:
+    """The two-sided p-value of a zero mean from bootstrap means: twice the smaller share of them on either side of 0
+    (0 included), with the add-one rule so that it is never 0. Below 0.05 exactly when the 95 % percentile interval
+    excludes 0 (up to the add-one rule)."""
+    below, above = int(np.count_nonzero(means <= 0)), int(np.count_nonzero(means >= 0))
+    return min(1.0, 2 * (min(below, above) + 1) / (means.size + 1))
+
+
+def _bootstrap_means(values: Sequence[float], resamples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    data = np.asarray(values, dtype=float)
+    if data.size == 0:
+        raise ValueError("no values to average")
+    return data, np.random.default_rng(seed).choice(data, size=(resamples, data.size)).mean(axis=1)
 
 
 def mean_interval(values: Sequence[float], *, resamples: int = 2000, seed: int = 0) -> Interval:
     """The mean of ``values`` with a 95% percentile-bootstrap interval (seeded, so reruns agree)."""
-    data = np.asarray(values, dtype=float)
-    if data.size == 0:
-        raise ValueError("no values to average")
-    means = np.random.default_rng(seed).choice(data, size=(resamples, data.size)).mean(axis=1)
+    data, means = _bootstrap_means(values, resamples, seed)
     low, high = np.percentile(means, [2.5, 97.5])
     return Interval(float(data.mean()), float(low), float(high))
+
+
+def proportion_interval(values: Iterable[float | bool]) -> Interval:
+    """The share of true (1) values among 0/1 ``values``, with its Wilson 95 % interval."""
+    data = [float(v) for v in values]
+    if not data:
+        raise ValueError("no values to average")
+    if any(v not in (0.0, 1.0) for v in data):
+        raise ValueError("a proportion is made of 0/1 values")
+    successes = int(sum(data))
+    low, high = wilson_interval(successes, len(data))
+    share = successes / len(data)
+    return Interval(share, min(low, share), max(high, share))
 
 
 def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
@@ -187,25 +222,86 @@ def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[f
 
 
 def paired_difference(first: Sequence[float], second: Sequence[float], *, resamples: int = 2000, seed: int = 0) -> Interval:
-    """The mean of ``first - second`` over the same questions, with a 95% paired bootstrap interval: questions are
-    resampled together, so question-to-question variance common to both cancels (an interval excluding 0 is a
-    difference at the 5% level)."""
-    return mean_interval([a - b for a, b in zip(first, second, strict=True)], resamples=resamples, seed=seed)
+    """The mean of ``first - second`` over the same questions, with a 95% paired bootstrap interval and its two-sided
+    p-value (``p``): questions are resampled together, so question-to-question variance common to both cancels (an
+    interval excluding 0 is a difference at the 5% level, before any correction for the other comparisons made)."""
+    data, means = _bootstrap_means([a - b for a, b in zip(first, second, strict=True)], resamples, seed)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return Interval(float(data.mean()), float(low), float(high), _bootstrap_p(means))
+
+
+def two_level_interval(by_seed: Mapping[object, Mapping[str, float]], *, resamples: int = 10000, seed: int = 0) -> Interval:
+    """The mean over seeds of each seed's mean over its questions, with a 95 % two-level bootstrap interval and the
+    two-sided p-value of a zero mean (``p``, for differences): each resample draws the seeds (adapters) with
+    replacement and the questions with replacement, so that the interval holds for another adapter trained the same
+    way as well as for other questions. ``by_seed[seed][question]`` is one value; when every seed has the same
+    questions (the seeds asked the same questions) one draw of the questions serves every drawn seed, so question
+    effects shared by the seeds are kept; otherwise (each seed its own questions) each drawn seed's questions are
+    drawn from its own. One seed reduces to the plain bootstrap over questions."""
+    seeds = list(by_seed)
+    if not seeds or not all(by_seed[s] for s in seeds):
+        raise ValueError("no values to average")
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(seeds), size=(resamples, len(seeds)))  # the seeds drawn, one row per resample
+    crossed = all(set(by_seed[s]) == set(by_seed[seeds[0]]) for s in seeds)
+    if crossed:
+        questions = list(by_seed[seeds[0]])
+        matrix = np.array([[by_seed[s][q] for q in questions] for s in seeds], dtype=float)  # seeds x questions
+        drawn = rng.integers(0, len(questions), size=(resamples, len(questions)))
+        per_seed = np.stack([row[drawn].mean(axis=1) for row in matrix])  # seeds x resamples
+        means = per_seed[picks, np.arange(resamples)[:, None]].mean(axis=1)
+        estimate = float(matrix.mean())
+    else:  # each seed drawn in a resample gets its own draw of its questions
+        slots = np.empty((resamples, len(seeds)))
+        for slot in range(len(seeds)):
+            for index, s in enumerate(seeds):
+                values = np.fromiter(by_seed[s].values(), dtype=float)
+                chosen = picks[:, slot] == index
+                if chosen.any():
+                    slots[chosen, slot] = values[rng.integers(0, values.size, size=(int(chosen.sum()), values.size))].mean(axis=1)
+        means = slots.mean(axis=1)
+        estimate = float(np.mean([np.mean(list(by_seed[s].values())) for s in seeds]))
+    low, high = np.percentile(means, [2.5, 97.5])
+    return Interval(estimate, float(low), float(high), _bootstrap_p(means))
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment of a family of p-values (same order): the i-th smallest times (m - i), made
+    monotone and at most 1. A comparison is significant at 5 % over the whole family when its adjusted p < 0.05."""
+    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+    adjusted = [1.0] * len(pvalues)
+    running = 0.0
+    for rank, index in enumerate(order):
+        running = max(running, min(1.0, (len(pvalues) - rank) * pvalues[index]))
+        adjusted[index] = running
+    return adjusted
+
+
+def format_p(p: float) -> str:
+    """A p-value for a table: three decimals, ``<0.001`` below that."""
+    return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def metric_interval(metric: str, values: Sequence[float]) -> Interval:
+    """One metric's mean with its 95 % interval: Wilson for a proportion (``PROPORTIONS``), else the bootstrap."""
+    return proportion_interval(values) if metric in PROPORTIONS else mean_interval(values)
 
 
 def metric_intervals(predictions: Sequence[str], answers: Sequence[Sequence[str]]) -> dict[str, Interval]:
-    """Each metric of ``METRICS`` over paired predictions and gold answers, with its 95% interval.
+    """Each metric of ``METRICS`` over paired predictions and gold answers, with its 95% interval (``metric_interval``).
 
     Tables recompute the scores from the answers' text rather than read stored flags, so records made
     before a metric existed (or when ``em`` still meant containment) give the same columns.
     """
     scores = [answer_scores(p, a) for p, a in zip(predictions, answers, strict=True)]
-    return {metric: mean_interval([s[metric] for s in scores]) for metric in METRICS}
+    if not scores:
+        raise ValueError("no answers to score")
+    return {metric: metric_interval(metric, [s[metric] for s in scores]) for metric in METRICS}
 
 
 def metric_headers() -> list[str]:
-    """The table columns for ``metric_intervals``: ``contains % [95% CI]``, ``strict EM % [95% CI]``, ``F1 % [95% CI]``."""
-    return [f"{name} % [95% CI]" for name in METRICS.values()]
+    """The table columns for ``metric_intervals``: ``contains % [Wilson 95%]``, ``F1 % [95% CI]``."""
+    return [f"{name} % [{'Wilson 95%' if metric in PROPORTIONS else '95% CI'}]" for metric, name in METRICS.items()]
 
 
 def write_jsonl(path: Path, records: Iterable[Mapping]) -> None:

@@ -30,7 +30,7 @@ def test_eval_packs_on_smollm2(tmp_path: Path, capsys) -> None:
     # The paragraphs hold the (substituted) answers: text in the prompt must answer some of them (smollm2-135m
     # answers in sentences, so the lenient metric; with the bare question, as the first rows' answers were checked).
     assert sum(r["conditions"]["text"]["contains"] for r in records) >= 1
-    assert all(r["prompt"] == "open" and set(r["conditions"]["text"]) >= {"contains", "em", "f1"} for r in records)
+    assert all(r["prompt"] == "open" and set(r["conditions"]["text"]) >= {"contains", "f1"} for r in records)
     assert {p.name for p in figures.iterdir()} == {"eval_packs_accuracy.png", "eval_packs_prompt_tokens.png"}
 
 
@@ -89,7 +89,8 @@ def test_eval_exactness_quick_on_cpu(tmp_path: Path, capsys) -> None:
     import eval_exactness
 
     assert eval_exactness.main(["--quick", "--device", "cpu", "--dtypes", "float32", "--out", str(tmp_path), "--rev", "abc1234"]) == 0
-    assert "| smollm2-135m | cpu | float32 | 4 | 4/4 (100.0 %) | 4/4 (100.0 %) | 4/4 (100.0 %) | 4/4 (100.0 %) | 4/4 (100.0 %) |" in capsys.readouterr().out
+    exact = "4/4 (100.0 % [51.0, 100.0])"  # with its Wilson interval
+    assert f"| smollm2-135m | cpu | float32 | 4 | {exact} | {exact} | {exact} | {exact} | {exact} |" in capsys.readouterr().out
     records = [json.loads(line) for line in (tmp_path / "cpu-float32.json").read_text().splitlines()]
     assert len(records) == 4 and all(r["chunked_identical"] is True and r["prefill_chunks"][-1] == r["pack_tokens"] for r in records)
     assert all(r["kv_bit_equal"] is True and r["repeat_identical"] is True and r["commit"] == "abc1234" for r in records)

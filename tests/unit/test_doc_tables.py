@@ -123,3 +123,54 @@ def test_the_lexical_weight_sweep_table_comes_from_its_question_records(tmp_path
     table = doc_tables.generate("eval_banks-sweep", "sweep", tmp_path)
     assert table == eval_banks.sweep_table(eval_banks.sweep_rows_from_records(records))
     assert "| ckc tuning | 0 | 2 | 50.0 [" in table and "| ckc tuning | 0.2 | 2 | 100.0 [100.0, 100.0] |" in table
+
+
+def test_figures_in_prose_are_read_as_written() -> None:
+    text = "contains 52.2 % [48.2, 56.0], +3.0 points, -0.058 nats, 14.6x, 1,020 answers, k = 3, `0.5 in code`, gemma3-270m, §4.3, 1.1e-5"
+    assert [(f.text, f.value, f.signed, f.decimals) for f in doc_tables.figures_in(text)] == [
+        ("52.2 %", 52.2, False, 1), ("48.2", 48.2, False, 1), ("56.0", 56.0, False, 1), ("+3.0", 3.0, True, 1), ("-0.058", -0.058, True, 3),
+        ("14.6x", 14.6, False, 1),
+    ]  # integers without a sign or % (1,020; 3) are not checked, nor code spans, names, section numbers or 1.1e-5
+    assert [f.value for f in doc_tables.figures_in("1,020 answers, 17 %", checked_only=False)] == [1020.0, 17.0]
+    values = [-0.0582, 52.0, 0.0461]
+    assert doc_tables.figure_matches(doc_tables.figures_in("-0.058")[0], values)  # to the precision written
+    assert doc_tables.figure_matches(doc_tables.figures_in("0.058")[0], values)  # unsigned: the magnitude
+    assert not doc_tables.figure_matches(doc_tables.figures_in("+0.058")[0], values)  # signed: the sign too
+    assert doc_tables.figure_matches(doc_tables.figures_in("52 %")[0], values) and doc_tables.figure_matches(doc_tables.figures_in("0.05")[0], values)
+    assert not doc_tables.figure_matches(doc_tables.figures_in("52.4 %")[0], values)  # more precision than the records give
+
+
+def test_a_prose_figure_not_in_its_records_fails_the_check_unless_quoted(tmp_path: Path, capsys) -> None:
+    records = "results/eval_compose"
+    table = doc_tables.generate(SECTION_KIND, records)
+    ratio = next(cell for cell in table.split(" | ") if cell.endswith("x"))  # a figure the timing table holds, e.g. 14.6x
+    doc = tmp_path / "doc.md"
+    good = f"Text.\n\n<!-- figures: {SECTION_KIND} {records} quoted: 6.5 -->\n- exact is {ratio} slower (the paper: 6.5 %).\n<!-- /figures -->\n"
+    doc.write_text(good)
+    assert doc_tables.main(["--check", str(doc)]) == 0
+    doc.write_text(good.replace(ratio, "99.9x"))
+    assert doc_tables.main(["--check", str(doc)]) == 1
+    out = capsys.readouterr().out
+    assert f"{doc}:3: <!-- figures: {SECTION_KIND} {records} quoted: 6.5 -->: figures not in its records" in out and "line 4: 99.9" in out
+    assert doc_tables.main(["--write", str(doc)]) == 1  # tables are rewritten; prose is only reported
+    doc.write_text(good.replace(" quoted: 6.5", ""))
+    assert doc_tables.main(["--check", str(doc)]) == 1 and "line 4: 6.5 %" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("<!-- figures: eval_compose-timing -->\n- 1.5\n<!-- /figures -->\n", "malformed marker"),
+        ("<!-- figures: eval_compose-timing results/eval_compose -->\n- 1.5\n", "is not closed"),
+        ("- 1.5\n<!-- /figures -->\n", "without an opening"),
+        ("<!-- figures: no_such_kind results/eval_compose -->\n- 1.5\n<!-- /figures -->\n", "unknown table kind 'no_such_kind'"),
+        ("<!-- figures: eval_compose-timing results/eval_compose -->\n<!-- table: eval_compose-timing results/eval_compose -->\n<!-- /table -->\n"
+         "<!-- /figures -->\n", "a table marker inside the figures block"),
+    ],
+)
+def test_figures_marker_errors(tmp_path: Path, capsys, text: str, message: str) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text("Text.\n\n" + text)
+    assert doc_tables.main(["--check", str(doc)]) == 2
+    assert message in capsys.readouterr().err
+

@@ -17,18 +17,23 @@ from evallib import (  # noqa: E402
     Row,
     answer_scores,
     asked,
+    bare_question,
     contains_answer,
     frozen_split,
+    holm,
     jsonl_appender,
     load_rows,
     mean_interval,
+    metric_headers,
     metric_intervals,
     normalize,
+    paired_difference,
+    proportion_interval,
     read_jsonl,
     resumed_records,
     split_rows,
-    strict_match,
     token_f1,
+    two_level_interval,
 )
 from packstore.bank.bank import open_banks
 from packstore.kv.inject import Sampling  # noqa: E402
@@ -63,33 +68,57 @@ def test_contains_is_whole_word_containment(prediction: str, answers: list[str],
     assert contains_answer(prediction, answers) is expected
 
 
-@pytest.mark.parametrize(
-    ("prediction", "answers", "expected"),
-    [
-        ("Zayed Khan.", ["Zayed Khan"], True),
-        ("the Zayed Khan", ["Zayed Khan"], True),
-        ("Neal Schon", ["Brick", "Neal Schon"], True),
-        ("It was played by Zayed Khan.", ["Zayed Khan"], False),
-        ("Zayed", ["Zayed Khan"], False),
-        ("", ["the"], False),
-    ],
-)
-def test_strict_em_is_equality_after_normalisation(prediction: str, answers: list[str], expected: bool) -> None:
-    assert strict_match(prediction, answers) is expected
-
-
 def test_every_metric_is_scored_and_recomputed_from_the_answers() -> None:
-    assert answer_scores("It was Zayed Khan", ["Zayed Khan"]) == {"contains": 1.0, "em": 0.0, "f1": pytest.approx(2 / 3)}
-    assert list(answer_scores("x", ["y"])) == list(METRICS)
+    """contains and F1; no strict exact match (answers are sentences and no extraction was validated, issue 54)."""
+    assert answer_scores("It was Zayed Khan", ["Zayed Khan"]) == {"contains": 1.0, "f1": pytest.approx(2 / 3)}
+    assert list(answer_scores("x", ["y"])) == list(METRICS) == ["contains", "f1"]
     intervals = metric_intervals(["Zayed Khan", "no idea"], [["Zayed Khan"], ["Brick"]])
-    assert {m: i.mean for m, i in intervals.items()} == {"contains": 0.5, "em": 0.5, "f1": 0.5}
+    assert {m: i.mean for m, i in intervals.items()} == {"contains": 0.5, "f1": 0.5}
+    assert metric_headers() == ["contains % [Wilson 95%]", "F1 % [95% CI]"]
     with pytest.raises(ValueError):
         metric_intervals(["one"], [])
 
 
-def test_the_short_prompt_follows_the_question() -> None:
+def test_the_short_prompt_follows_the_question_and_routing_takes_it_off() -> None:
     assert asked(" who? ", "open") == "who?"
     assert asked("who?", "short").startswith("who?\n\nAnswer with only the answer")
+    assert bare_question(asked(" who sang? ", "short")) == bare_question(asked("who sang?", "open")) == "who sang?"
+
+
+def test_proportions_get_wilson_intervals_that_do_not_collapse_at_the_extremes() -> None:
+    """Issue 54: a percentile bootstrap gave 0.0 [0.0, 0.0] on 600 answers; Wilson gives [0, 0.6 %]."""
+    none = proportion_interval([0] * 600)
+    assert none.mean == none.low == 0.0 and none.high == pytest.approx(0.00636, abs=1e-5)
+    every = proportion_interval([True] * 1000)
+    assert every.mean == every.high == 1.0 and every.low == pytest.approx(0.99617, abs=1e-5)
+    half = proportion_interval([1, 0] * 50)
+    assert half.low < 0.5 < half.high
+    with pytest.raises(ValueError):
+        proportion_interval([0.5])
+
+
+def test_paired_differences_carry_a_p_value_and_holm_adjusts_a_family() -> None:
+    same = paired_difference([1, 0, 1, 0], [1, 0, 1, 0])
+    assert same.mean == 0.0 and same.p == 1.0
+    better = paired_difference([1.0] * 40, [0.0] * 30 + [1.0] * 10)
+    assert better.low > 0 and better.p < 0.01
+    assert holm([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
+    assert holm([0.001, 0.9]) == pytest.approx([0.002, 0.9]) and holm([]) == []
+
+
+def test_the_two_level_interval_resamples_seeds_as_well_as_questions() -> None:
+    """Three adapters that disagree: the interval over seeds and questions is wider than the one over questions of
+    their pooled means; one seed is the plain bootstrap over questions; each seed its own questions works too."""
+    questions = [f"q{i}" for i in range(60)]
+    by_seed = {seed: {q: float(i % 4 == 0) + offset for i, q in enumerate(questions)} for seed, offset in ((0, -0.2), (1, 0.0), (2, 0.2))}
+    two_level = two_level_interval(by_seed, resamples=4000)
+    pooled = mean_interval([sum(by_seed[s][q] for s in by_seed) / 3 for q in questions], resamples=4000)
+    assert two_level.mean == pytest.approx(pooled.mean) and two_level.high - two_level.low > 1.5 * (pooled.high - pooled.low)
+    assert two_level.p is not None and 0 < two_level.p <= 1
+    one = two_level_interval({0: by_seed[1]}, resamples=4000)
+    assert one.low < one.mean < one.high
+    nested = two_level_interval({s: {f"{s}-{q}": v for q, v in values.items()} for s, values in by_seed.items()}, resamples=2000)
+    assert nested.mean == pytest.approx(two_level.mean) and nested.low < nested.mean < nested.high
 
 
 def test_token_f1_is_the_best_over_gold_answers() -> None:
@@ -133,7 +162,7 @@ def test_eval_packs_on_the_tiny_model(tiny_lm, tmp_path: Path) -> None:
     assert "divergences (b) vs (c): 0 of 3" in table
     assert len((tmp_path / "out" / "questions.jsonl").read_text().splitlines()) == 3
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["models"][tiny_lm.name]["conditions"]["pack"]["em"].keys() == {"mean", "low", "high"}
+    assert summary["models"][tiny_lm.name]["conditions"]["pack"]["contains"].keys() == {"mean", "low", "high", "p"}
     for png in ("eval_packs_accuracy.png", "eval_packs_prompt_tokens.png"):
         assert (tmp_path / "figures" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     redrawn = tmp_path / "redrawn"
