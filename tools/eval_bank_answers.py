@@ -9,6 +9,10 @@ Each question is answered four ways, greedy, ``--max-new-tokens`` tokens:
 (f) bank facts as text: the same routed paragraphs, in the same order, in the prompt; (e) and (f)
     must generate the same tokens (``divergences``), as for single packs.
 
+The bank routes the bare question (``evallib.bare_question``): the short-answer instruction is for the model,
+and routing it too let its words move the route (records from before issue 54 routed the question with the
+instruction; they carry no ``routing`` field, and the table says which way its records routed).
+
 Prompt tokens count the tokens prefilled per question: (e) prefills only the question's turn.
 The retrieval share (gold paragraph among the routed ones) is reported too. By default the
 held-out half of the frozen split is asked (tools/ckc_split.json); ``--rows all`` asks all 600.
@@ -48,6 +52,7 @@ from evallib import (  # noqa: E402
     PROMPTS,
     REPO,
     asked,
+    bare_question,
     frozen_split,
     grouped_bars,
     jsonl_appender,
@@ -66,7 +71,16 @@ CONDITIONS = {
     "bank": "(e) bank pack (routed)",
     "bank_text": "(f) routed paragraphs as text",
 }
+ROUTING = "bare question"  # what the bank routes: the question without the --prompt instruction (records from issue 54 on)
 log = logger("eval_bank_answers")
+
+
+class BareQuestionRouting(Answerer):
+    """An Answerer whose bank routes the bare question (``bare_question``) while the model is asked the question as
+    given, the short-answer instruction included."""
+
+    def route(self, bank: str, question: str, **options) -> list[str]:
+        return super().route(bank, bare_question(question), **options)
 
 
 def evaluate(
@@ -75,7 +89,7 @@ def evaluate(
     """One record per row: the four conditions' answers and scores, the routed paragraphs, divergence.
 
     ``on_record`` sees each record as soon as its row is scored (the CLI appends it to questions.jsonl)."""
-    answerer = Answerer(lm, store)
+    answerer = BareQuestionRouting(lm, store)
     records = []
     started = time.perf_counter()
     for index, row in enumerate(rows, 1):
@@ -88,6 +102,7 @@ def evaluate(
                 "model": lm.name,
                 "id": row.id,
                 "prompt": prompt,
+                "routing": ROUTING,
                 "question": row.question,
                 "answers": list(row.answers),
                 "gold_routed": row.context.strip() in banked.facts,
@@ -116,6 +131,8 @@ def summarize(records: Sequence[dict]) -> dict:
             "questions": len(mine),
             "divergences": sum(r["divergent"] for r in mine),
             "gold_routed": sum(r["gold_routed"] for r in mine) / len(mine),
+            "routing": sorted({r.get("routing", "question with the short-answer instruction") if r.get("prompt") == "short" else "bare question"
+                               for r in mine}),
             "conditions": {
                 c: metric_intervals([r["conditions"][c]["answer"] for r in mine], [r["answers"] for r in mine])
                 | {"prompt_tokens": sum(r["conditions"][c]["prompt_tokens"] for r in mine) / len(mine)}
@@ -139,7 +156,7 @@ def table(summary: dict, top_k: int) -> str:
     ]
     notes = [
         f"{model}: gold paragraph among the {top_k} routed: {100 * r['gold_routed']:.1f} %; "
-        f"divergences (e) vs (f): {r['divergences']} of {r['questions']}"
+        f"divergences (e) vs (f): {r['divergences']} of {r['questions']}; the bank routed the {' / '.join(r['routing'])}"
         for model, r in summary.items()
     ]
     headers = ["model", "condition", "questions", *metric_headers(), "prompt tokens / question"]
@@ -188,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = load_rows()
     chosen = (rows if args.rows == "all" else frozen_split(rows)[1])[: args.limit]
     sampling = Sampling(max_new_tokens=args.max_new_tokens)
-    settings = {"rows": args.rows, "top_k": args.top_k, "max_new_tokens": args.max_new_tokens, "prompt": args.prompt}
+    settings = {"rows": args.rows, "top_k": args.top_k, "max_new_tokens": args.max_new_tokens, "prompt": args.prompt, "routing": ROUTING}
     records = resumed_records(args.out, "questions", settings, fresh=args.fresh)
     keep = jsonl_appender(args.out / "questions.jsonl")
     started = time.perf_counter()

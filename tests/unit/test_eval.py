@@ -214,5 +214,6 @@ def test_eval_bank_answers_on_the_tiny_model(tiny_lm, tmp_path: Path) -> None:
         assert set(conditions) == set(eval_bank_answers.CONDITIONS)
         assert conditions["bank"]["answer"] == conditions["bank_text"]["answer"]
         assert conditions["bank"]["prompt_tokens"] < conditions["none"]["prompt_tokens"] < conditions["gold_text"]["prompt_tokens"]
+    assert all(r["routing"] == eval_bank_answers.ROUTING for r in records)
     summary = eval_bank_answers.summarize(records)
-    assert "divergences (e) vs (f): 0 of 3" in eval_bank_answers.table(summary, 2)
+    assert "divergences (e) vs (f): 0 of 3; the bank routed the bare question" in eval_bank_answers.table(summary, 2)
