@@ -148,17 +148,23 @@ def _steering_dual(out: Path) -> str:
     return tool.dual_table(tool.summarize_dual(read_jsonl(out / "dual.jsonl")))
 
 
-def _eval_packet(index: int) -> Callable[[Path], str]:
-    """tools/eval_packet.py makes five tables (quality, paired, cost, training, adapters; ``table_texts``): the INDEXth
-    (the adapters' needs answer-token KL in the records: empty for the first run's)."""
+def _eval_packet(name: str) -> Callable[[Path], str]:
+    """One of tools/eval_packet.py's tables by name (``TABLES``: quality, paired, cost, training, adapters, curve; the
+    last two empty where the records hold no answer-token KL or no learning curve). The summary is made once per
+    directory: its two-level bootstraps take a few seconds."""
 
     def make(out: Path) -> str:
         tool = _tool("eval_packet")
-        summary = tool.summarize(read_jsonl(out / "answers.jsonl"), read_jsonl(out / "timing.jsonl"), read_jsonl(out / "training.jsonl"))
-        texts = tool.table_texts(summary)
-        return texts[index] if index < len(texts) else ""
+        key = str(out.resolve())
+        if key not in _PACKET_TEXTS:
+            summary = tool.summarize(read_jsonl(out / "answers.jsonl"), read_jsonl(out / "timing.jsonl"), read_jsonl(out / "training.jsonl"))
+            _PACKET_TEXTS[key] = tool.table_texts(summary)
+        return _PACKET_TEXTS[key][name]
 
     return make
+
+
+_PACKET_TEXTS: dict[str, dict[str, str]] = {}
 
 
 def _eval_exactness(out: Path) -> str:
@@ -193,8 +199,8 @@ GENERATORS: dict[str, Generator] = {
     "eval_steering-cosines": Generator(("cosines.json",), _steering_cosines),
     "eval_steering-dual": Generator(("dual.jsonl",), _steering_dual),
     **{
-        f"eval_packet-{name}": Generator(("answers.jsonl", "timing.jsonl", "training.jsonl"), _eval_packet(index))
-        for index, name in enumerate(("quality", "paired", "cost", "training", "adapters"))
+        f"eval_packet-{name}": Generator(("answers.jsonl", "timing.jsonl", "training.jsonl"), _eval_packet(name))
+        for name in ("quality", "paired", "cost", "training", "adapters", "curve")
     },
     "eval_exactness": Generator(("*.json",), _eval_exactness),
     "eval_vllm": Generator(("*.jsonl",), _eval_vllm),

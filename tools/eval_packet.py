@@ -398,10 +398,13 @@ def summarize(answers: Sequence[dict], timing: Sequence[dict], training: Sequenc
             packet = {s: {q: e.get("answer_kl") for q, e in qs.items()} for s, qs in by_seed["packet"].items()}
             measured = all(v is not None for v in splice.values()) and all(v is not None for qs in packet.values() for v in qs.values())
             if measured and all(set(qs) == set(splice) for qs in packet.values()):
+                contains = {seed: float(np.mean([e["contains"] for e in qs.values()])) for seed, qs in by_seed["packet"].items()}
                 for seed, kls in packet.items():
                     trained_on = next((t for t in training if t["model"] == model and t["seed"] == seed and not t.get("ablation")), None)
-                    entry["adapters"].append({"seed": seed, "training": trained_on, "questions": len(kls), "ckc_gap_closed": gap_closed({seed: kls}, splice)})
-                entry["adapters"].append({"seed": "all", "training": None, "questions": len(splice), "ckc_gap_closed": gap_closed(packet, splice)})
+                    entry["adapters"].append({"seed": seed, "training": trained_on, "questions": len(kls), "ckc_gap_closed": gap_closed({seed: kls}, splice),
+                                              "contains": contains[seed]})
+                entry["adapters"].append({"seed": "all", "training": None, "questions": len(splice), "ckc_gap_closed": gap_closed(packet, splice),
+                                          "contains": float(np.mean(list(contains.values())))})
         asked_tokens = [r["tokens"] for r in answers if r["model"] == model]
         entry["tokens"] = float(np.mean(asked_tokens)) if asked_tokens else None
         timed = [r for r in timing if r["model"] == model]
@@ -435,10 +438,14 @@ def _tested(cell: str, interval: Interval, adjusted: float | None) -> str:
     return f"{cell}, p {format_p(interval.p)} (Holm {format_p(adjusted)})"
 
 
-def table_texts(summary: dict) -> list[str]:
-    """Five tables (each with any note lines under it): quality, paired differences, cost, adapter training, and the
-    adapters' gap closed on synthetic examples and on ckc."""
-    rows, paired, costs, trained, adapters = [], [], [], [], []
+TABLES = ("quality", "paired", "cost", "training", "adapters", "curve")
+
+
+def table_texts(summary: dict) -> dict[str, str]:
+    """The tables of ``TABLES`` by name, each with any note lines under it: quality, paired differences, cost, adapter
+    training, the adapters' gap closed on synthetic examples and on ckc, and their learning curves ("" where the
+    records hold nothing for one: answer-token KL, curves)."""
+    rows, paired, costs, trained, adapters, curves = [], [], [], [], [], []
     for model, entry in summary.items():
         full = entry["methods"].get("full")
         for method, m in entry["methods"].items():
@@ -471,6 +478,10 @@ def table_texts(summary: dict) -> list[str]:
                  f"{t['holdout_kl_no_adapter']:.4f}", f"{t['holdout_kl_before']:.4f}", f"{t['holdout_kl_after']:.4f}",
                  f"{t['train_kl_last_50']:.4f}" if "train_kl_last_50" in t else "-", f"{closed:+.0%}", "yes" if closed >= 0.5 else "no"]
             )
+        for t in entry["training"]:
+            if t.get("curve"):
+                shares = {step: kl / t["holdout_kl_no_adapter"] for step, kl in t["curve"]}
+                curves.append((model, t, shares))
         for a in entry["adapters"]:
             t, gap = a["training"], a["ckc_gap_closed"]
             synthetic = ["-", "-", "-", "-"]
@@ -478,7 +489,7 @@ def table_texts(summary: dict) -> list[str]:
                 closed = 1 - t["holdout_kl_after"] / t["holdout_kl_no_adapter"]
                 synthetic = [str(t.get("holdout_examples", "-")), f"{t['holdout_kl_no_adapter']:.4f}", f"{t['holdout_kl_after']:.4f}", f"{closed:+.0%}"]
             adapters.append([model, "all (mean)" if a["seed"] == "all" else str(a["seed"]), *synthetic, str(a["questions"]),
-                             f"{gap.mean:+.0%} [{gap.low:+.0%}, {gap.high:+.0%}]"])
+                             f"{gap.mean:+.0%} [{gap.low:+.0%}, {gap.high:+.0%}]", f"{100 * a['contains']:.1f}"])
     quality = markdown_table(
         ["model", "method", "questions", "seeds", "contains % [95% CI]", "contains by seed (mean ± sd)", "F1 % [95% CI]",
          "F1 by seed", "KL to full, answer tokens (nats)",
@@ -504,24 +515,33 @@ def table_texts(summary: dict) -> list[str]:
          "half closed"],
         trained, left=1,
     )
-    texts = [quality, differences, cost, training]
+    texts = {"quality": quality, "paired": differences, "cost": cost, "training": training, "adapters": "", "curve": ""}
     if adapters:
-        texts.append(
+        texts["adapters"] = (
             markdown_table(
                 ["model", "adapter (seed)", "synthetic held-out examples", "their KL: RoPE splice", "trained", "gap closed (synthetic)",
-                 "ckc questions", "gap closed on ckc [95% CI]"],
+                 "ckc questions", "gap closed on ckc [95% CI]", "contains on ckc %"],
                 adapters, left=2,
             )
             + "\n\ngap closed: 1 - trained KL / plain splice KL, to full recompute (KL 0) over its answer tokens; synthetic: the adapter's own "
             "held-out examples of its training distribution (each seed draws its own; per-example KLs not recorded, so no interval); ckc: "
             "the held-out questions every adapter answered, interval by bootstrap over the questions (all: over the adapters too)"
         )
+    if curves:
+        steps = sorted({step for _, _, shares in curves for step in shares})
+        texts["curve"] = markdown_table(
+            ["model", "seed", "soft tokens a side", "learning rate", "steps", *(f"step {step}" for step in steps)],
+            [[model, str(t["seed"]), str(t.get("tokens", "-")), f"{t['learning_rate']:g}" if "learning_rate" in t else "-",
+              str(t["steps"]) + (" (ablation)" if t.get("ablation") else ""), *(f"{shares[step]:.2f}" if step in shares else "-" for step in steps)]
+             for model, t, shares in curves],
+            left=1,
+        ) + "\n\neach adapter's held-out KL to full recompute during training, as a share of its own held-out examples' plain-splice KL (1: no better than the splice; 0: full recompute; 0.5: half the gap closed)"
     return texts
 
 
 def tables(summary: dict) -> str:
-    """``table_texts`` blank-line separated: quality, paired differences, cost, adapter training[, adapters]."""
-    return "\n\n".join(table_texts(summary))
+    """The tables of ``table_texts`` that hold something, blank-line separated, in ``TABLES`` order."""
+    return "\n\n".join(text for text in table_texts(summary).values() if text)
 
 
 def plot(summary: dict, figures: Path) -> None:

@@ -67,9 +67,10 @@ def test_a_whole_run_on_the_tiny_model(tmp_path: Path, tiny_model_dir: Path, cap
     assert (out / "adapters" / f"{tiny_model_dir.name}-seed0-t4-lr0.01.pack").exists()
     assert (out / "adapters" / f"{tiny_model_dir.name}-seed0-t4-s3.pack").exists()
     assert {p.name for p in figures.iterdir()} == {"eval_packet_quality.png", "eval_packet_cost.png", "eval_packet_curve.png"}
-    assert len(eval_packet.table_texts(eval_packet.summarize(records, [], []))) == 5  # with the adapters' gap closed on ckc
-    assert [a["seed"] for a in entry["adapters"]] == [0, 1, "all"]
-    paired = eval_packet.table_texts(eval_packet.summarize(records, [], trained))[1]
+    texts = eval_packet.table_texts(eval_packet.summarize(records, [], trained))
+    assert list(texts) == list(eval_packet.TABLES) and all(texts.values())  # with the adapters' gap closed on ckc, and the curves
+    assert [a["seed"] for a in entry["adapters"]] == [0, 1, "all"] and "| all (mean) |" in texts["adapters"]
+    paired = texts["paired"]
     assert "p " in paired and "(Holm " in paired and "family of all 12 paired differences" in paired
 
 
@@ -79,6 +80,6 @@ def test_an_adapter_trained_before_any_answer_has_its_training_row(tmp_path: Pat
                "holdout_kl_after": 0.03, "curve": [[50, 0.06]]}
     summary = eval_packet.summarize([], [], [trained])
     assert summary["m"]["methods"] == {} and summary["m"]["tokens"] is None
-    training = eval_packet.table_texts(summary)[3]
+    training = eval_packet.table_texts(summary)["training"]
     assert "| m | 0 | 4 | - | paragraphs | 300 | 96 | 10.0 | 900 | 0.0800 | 0.0900 | 0.0300 | - | +62% | yes |" in training
     eval_packet.plot(summary, tmp_path)  # nothing to draw for a model without answers, and no error
