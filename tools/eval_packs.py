@@ -61,11 +61,13 @@ from evallib import (  # noqa: E402
     Row,
     answer_scores,
     asked,
+    contains_answer,
     grouped_bars,
     load_rows,
     markdown_table,
     metric_headers,
     metric_intervals,
+    paired_difference,
     resumed_records,
     write_jsonl,
 )
@@ -156,11 +158,13 @@ def summarize(records: Sequence[dict]) -> dict:
             conditions[condition] = metric_intervals([s["answer"] for s in scores], [r["answers"] for r in mine]) | {
                 "prompt_tokens": sum(s["prompt_tokens"] for s in scores) / len(scores),
             }
+        contains = {c: [float(contains_answer(r["conditions"][c]["answer"], r["answers"])) for r in mine] for c in ("pack", "raw")}
         summary[model] = {
             "questions": len(mine),
             "divergences": sum(r["divergent"] for r in mine),
             "pack_tokens": sum(r["pack_tokens"] for r in mine) / len(mine),
             "conditions": conditions,
+            "raw_minus_pack": paired_difference(contains["raw"], contains["pack"]),  # what the chat template is worth
         }
     return summary
 
@@ -182,10 +186,16 @@ def table(summary: dict) -> str:
             )
     headers = ["model", "condition", "questions", *metric_headers(), "prompt tokens / question"]
     notes = [
-        f"{model}: divergences (b) vs (c): {r['divergences']} of {r['questions']} questions; mean pack size {r['pack_tokens']:.1f} tokens"
+        f"{model}: divergences (b) vs (c): {r['divergences']} of {r['questions']} questions; mean pack size {r['pack_tokens']:.1f} tokens; "
+        f"(d) - (c) contains, paired: {_points(r['raw_minus_pack'])} points"
         for model, r in summary.items()
     ]
     return markdown_table(headers, lines, left=2) + "\n\n" + "\n".join(notes)
+
+
+def _points(interval) -> str:
+    """A paired difference of shares in points with its 95 % paired bootstrap interval."""
+    return f"{100 * interval.mean:+.1f} [{100 * interval.low:+.1f}, {100 * interval.high:+.1f}]"
 
 
 def plot(summary: dict, figures: Path) -> list[Path]:

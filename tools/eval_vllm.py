@@ -380,6 +380,11 @@ def summarize(records: Sequence[dict]) -> list[dict]:
             "text_contains": sum(r["text"]["contains"] for r in applied),
             "pack_tokens": sum(r["pack_tokens"] for r in mine) / len(mine),
             "commits": sorted({r.get("commit", "unknown") for r in mine}),
+            # identical answers: each one's largest |logprob difference| between the pack's and the text's
+            "logprob_gaps": sorted(max((abs(x - y) for x, y in zip(r["pack"]["logprobs"], r["text"]["logprobs"], strict=True)), default=0.0)
+                                   for r in applied if r["identical"]),
+            "pack_only": sum(r["pack"]["contains"] and not r["text"]["contains"] for r in applied),
+            "text_only": sum(r["text"]["contains"] and not r["pack"]["contains"] for r in applied),
         }
         if n:
             summary["identical_interval"] = wilson(identical, n)
@@ -391,6 +396,12 @@ def summarize(records: Sequence[dict]) -> list[dict]:
             summary["cache_interval"] = wilson(summary["cache_identical"], len(cached))
         summaries.append(summary)
     return summaries
+
+
+def mcnemar_exact(first_only: int, second_only: int) -> float:
+    """The exact (binomial) two-sided McNemar p-value of discordant pairs: whether one side is right alone more often."""
+    n, k = first_only + second_only, min(first_only, second_only)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
 
 
 def _count(count: int, total: int, interval: Interval | None = None) -> str:
@@ -426,6 +437,12 @@ def table(records: Sequence[dict]) -> str:
             f"{s['different_both_contain']}/{s['different']}", f"{s['pack_contains']}/{n}", f"{s['text_contains']}/{n}",
         ])
         note = f"{ARMS[s['arm']]}, {s['dtype']}: logprobs bit-identical in {s['logprobs_identical']} of {n}; {_positions(s['first_differences'])}"
+        if s["logprob_gaps"]:
+            gaps = s["logprob_gaps"]
+            note += f"; identical answers' largest logprob difference: median {gaps[(len(gaps) - 1) // 2]:.2g}, max {gaps[-1]:.2g}"
+        if s["pack_only"] or s["text_only"]:
+            note += (f"; contains with the pack only / the text only: {s['pack_only']} / {s['text_only']} "
+                     f"(exact McNemar p {mcnemar_exact(s['pack_only'], s['text_only']):.3f})")
         note += f"; mean pack {s['pack_tokens']:.0f} tokens"
         if "cache_identical" in s:
             note += (

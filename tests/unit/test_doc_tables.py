@@ -174,3 +174,10 @@ def test_figures_marker_errors(tmp_path: Path, capsys, text: str, message: str) 
     assert doc_tables.main(["--check", str(doc)]) == 2
     assert message in capsys.readouterr().err
 
+
+
+def test_the_repository_doc_checks_figures_in_the_prose_of_every_section_it_marks() -> None:
+    """issue 54: prose figures are checked like tables in the sections outside bank retrieval."""
+    blocks = doc_tables.marked_figures(doc_tables.DEFAULT_FILE.read_text().split("\n"))
+    kinds = {kind.split("-")[0] for block in blocks for kind, _ in block.records}
+    assert kinds >= {"eval_packs", "eval_bank_answers", "eval_compose", "eval_steering", "eval_packet", "eval_exactness", "eval_vllm"}
