@@ -25,6 +25,7 @@ from packstore.errors import InvalidInput, PackNotFound, Untrusted
 from packstore.format import PackHeader, pack_key, parse_key
 from packstore.kv.build import build_pack, clean_facts
 from packstore.kv.compose import check_parts, extend
+from packstore.kv.device import DeviceLock
 from packstore.kv.inject import (
     Sampling,
     answer_with_chunked_text,
@@ -152,8 +153,10 @@ class Answerer:
     """Answers questions on one model with packs from one store, keeping ready packs in an LRU (and, given a host
     tier, the packs it fetched in host memory too: ``tiers``).
 
-    Safe to share between threads: lookups and fetches run concurrently, while device work
-    (building a bank's facts pack, generating) runs one request at a time.
+    Safe to share between threads: lookups and fetches run concurrently, and the device is shared through one fair
+    lock (``DeviceLock``, FIFO): generations hold it one decode step at a time, so the generations running now take
+    steps in turn (a short answer interleaves with long ones), while other device work (composing, building a
+    bank's facts pack, the prefills of ``compare_rag``'s comparisons) holds it for its whole, short, duration.
     """
 
     def __init__(
@@ -165,7 +168,7 @@ class Answerer:
         trusted: TrustedKeys | None = None,
         ready: ReadyCache | ReadyPartition | None = None,
         host: ReadyCache | ReadyPartition | None = None,
-        device_lock: threading.Lock | None = None,
+        device_lock: DeviceLock | None = None,
         ref_ttl: float = REF_TTL_SECONDS,
         decoder: Decoder | None = None,
         bank_cache: BankCache | None = None,
@@ -187,7 +190,7 @@ class Answerer:
         self.host = host
         self.store_reads = 0  # packs fetched from the store (each read counted once, whole or streamed)
         self._reads_lock = threading.Lock()
-        self._device_lock = device_lock if device_lock is not None else threading.Lock()
+        self._device_lock = device_lock if device_lock is not None else DeviceLock()
         self.refs = RefCache(ref_ttl)
 
     def lookup(self, ref: str) -> StoredPack:
@@ -496,17 +499,17 @@ class Answerer:
             return cache_from_pack(held, self.lm.device, cache=empty) if held is not None else empty
 
         ids = cache_aligned_ids(pack.header, rendering.token_ids, self.lm.stop_token_ids[0]) if pack is not None else rendering.token_ids
-        with self._device_lock:
-            answer = yield from generate_stream(self.lm, ids, question.sampling, cache(filled=True))
-            if isinstance(pack, ArrivingPack):
-                pack = pack.result()  # whole by now (the model took every layer), and ready for the next request
-            rag = chunked = None
-            if question.compare_rag and pack is not None:  # (compare_rag comes with refs or a bank: Question checks)
-                rag = answer_with_text(
-                    self.lm, pack.header.facts, question.text, raw=pack.header.raw, sampling=question.sampling,
-                    cache=cache(filled=False), history=question.history,
-                )
-                chunked = answer_with_chunked_text(self.lm, pack.header, ids, question.sampling, cache(filled=False))
+        device = self._device_lock  # taken for each prefill, then one step at a time: in turn with other generations
+        answer = yield from generate_stream(self.lm, ids, question.sampling, cache(filled=True), device=device)
+        if isinstance(pack, ArrivingPack):
+            pack = pack.result()  # whole by now (the model took every layer), and ready for the next request
+        rag = chunked = None
+        if question.compare_rag and pack is not None:  # (compare_rag comes with refs or a bank: Question checks)
+            rag = answer_with_text(
+                self.lm, pack.header.facts, question.text, raw=pack.header.raw, sampling=question.sampling,
+                cache=cache(filled=False), history=question.history, device=device,
+            )
+            chunked = answer_with_chunked_text(self.lm, pack.header, ids, question.sampling, cache(filled=False), device=device)
         return AnswerResult(
             question=question.text,
             answer=answer.text,

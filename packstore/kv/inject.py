@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import weakref
+from collections.abc import Callable, Generator, Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from queue import Queue
+from queue import Queue, SimpleQueue
 from typing import TypeVar
 
 import torch
@@ -18,6 +20,7 @@ from transformers.generation.streamers import BaseStreamer
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.format import PackHeader
 from packstore.kv.build import cache_tensors, prefill
+from packstore.kv.device import DeviceLock, Left, Seat
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import Rendering, Turn, check_prefix, render
 from packstore.packs.tensors import ArrivingPack, Pack
@@ -272,29 +275,155 @@ def check_context(lm: LoadedModel, tokens: int) -> None:
         raise InvalidInput(f"the prompt has {tokens} tokens, more than the {context} of {lm.name}'s context: shorten the question")
 
 
-def generate(lm: LoadedModel, token_ids: Sequence[int], sampling: Sampling, cache: DynamicCache | None = None) -> Answer:
-    """Generate after ``token_ids``; with ``cache`` the model prefills only the ids the cache lacks."""
+def generate(
+    lm: LoadedModel, token_ids: Sequence[int], sampling: Sampling, cache: DynamicCache | None = None, *, device: DeviceLock | None = None
+) -> Answer:
+    """Generate after ``token_ids``; with ``cache`` the model prefills only the ids the cache lacks. ``device``: the
+    lock shared with other generations, taken for the prefill and then one step at a time (``_taking_turns``)."""
     check_context(lm, len(token_ids))
     cached = cache.get_seq_length() if cache is not None else 0
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=lm.device)
-    out = _run_generate(lm, ids, sampling, cache)
+    if device is None:
+        out = _run_generate(lm, ids, sampling, cache)
+    else:
+        seat = device.seat()
+        seat.take()
+        try:
+            with _taking_turns(lm, seat, sampling):
+                out = _run_generate(lm, ids, sampling, cache)
+        finally:
+            seat.release()
     return _answer(lm, out[0, ids.shape[1] :].tolist(), ids.shape[1] - cached, sampling.stop)
 
 
-_generator_lock = threading.Lock()
-_generator: tuple[int, ThreadPoolExecutor] | None = None  # (the process id it was made in, the executor)
+@dataclass
+class _Turns:
+    """A generation taking turns at the device on this thread: ``seat`` holds it, ``saving`` keeps its random
+    generator's state across the others' turns (a seeded sampled generation), ``stepped`` once its prefill ran."""
+
+    seat: Seat
+    saving: Callable[[], Callable[[], None]] | None
+    stepped: bool = False
 
 
-def _generation_executor() -> ThreadPoolExecutor:
-    """The process's generation thread, made on first use (importing this module starts nothing) and made anew in a
-    forked child, which inherits the parent's executor but not its thread. Streamed generation runs on this one
-    long-lived thread, not on a fresh thread per request: a fresh thread gets a fresh malloc arena whose pages
+_turns = threading.local()  # .current: the _Turns of the generation running on this thread, if it takes turns
+_hooked: weakref.WeakSet = weakref.WeakSet()  # the models ``_between_steps`` is registered on
+_hooked_lock = threading.Lock()
+
+
+def _between_steps(module: torch.nn.Module, args: tuple) -> None:
+    """The model's forward pre-hook: a generation taking turns (``_turns.current``) that ran a step before this
+    one passes the device to those waiting and waits for its turn again (``Seat.pass_on``) before it runs the next.
+    So the device passes between a token's step and the next, never within one: the token of the step before has
+    been chosen and streamed, and a generation that has ended runs no next step and passes nothing. Left while it
+    waited (its reader went away): ``Left`` ends its ``generate`` before the step."""
+    turns: _Turns | None = getattr(_turns, "current", None)
+    if turns is not None:
+        if turns.stepped:
+            turns.seat.pass_on(turns.saving)
+        turns.stepped = True
+
+
+def _random_state(device: torch.device) -> Callable[[], Callable[[], None]]:
+    """What saves the random generators a sampled step draws from (the CPU's, and ``device``'s) and gives back what
+    restores them: so a seeded generation draws the same numbers whatever ran between its steps."""
+
+    def save() -> Callable[[], None]:
+        cpu = torch.get_rng_state()
+        accelerator = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        mps = torch.mps.get_rng_state() if device.type == "mps" else None
+
+        def restore() -> None:
+            torch.set_rng_state(cpu)
+            if accelerator is not None:
+                torch.cuda.set_rng_state(accelerator, device)
+            if mps is not None:
+                torch.mps.set_rng_state(mps)
+
+        return restore
+
+    return save
+
+
+@contextmanager
+def _taking_turns(lm: LoadedModel, seat: Seat, sampling: Sampling) -> Iterator[None]:
+    """While it runs, the ``generate`` on this thread (its prefill run with the device ``seat`` holds) takes one
+    step at a time, passing the device between steps to the generations and holders waiting (``_between_steps``).
+    Its own cache keeps its positions meanwhile, so its tokens are those it would choose alone (greedy; and
+    sampled with a seed, whose generator state is kept across the others' turns)."""
+    with _hooked_lock:
+        if lm.model not in _hooked:
+            lm.model.register_forward_pre_hook(_between_steps)
+            _hooked.add(lm.model)
+    previous = getattr(_turns, "current", None)
+    keeping = _random_state(lm.device) if not sampling.greedy and sampling.seed is not None else None
+    _turns.current = _Turns(seat, keeping)
+    try:
+        yield
+    finally:
+        _turns.current = previous
+
+
+class _GenerationThreads:
+    """Long-lived threads that streamed generations run on. A generation goes to an idle thread (the one that ran
+    last) or, when every one is busy, to a new one, which then stays: so there are as many as generations ever ran
+    at once, which on the worker its generation slots bound (each request runs one generation at a time), and a
+    generation never waits for a thread (a ``compare_rag`` comparison, say, while other generations wait for the
+    device it holds). A thread is idle again before its generation's future is done, so a caller that waits for
+    one generation and starts the next finds that same thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[SimpleQueue] = []
+        self.threads = 0  # started (none ends)
+        self.busy = 0
+
+    def submit(self, fn: Callable[[], None]) -> Future:
+        future: Future = Future()
+        with self._lock:
+            self.busy += 1
+            if self._idle:
+                tasks = self._idle.pop()
+            else:
+                tasks = SimpleQueue()
+                self.threads += 1
+                name = f"packstore-generate-{self.threads}"
+                threading.Thread(target=self._serve, args=(tasks,), name=name, daemon=True).start()
+        tasks.put((fn, future))
+        return future
+
+    def _serve(self, tasks: SimpleQueue) -> None:
+        while True:
+            fn, future = tasks.get()
+            result, error = None, None
+            try:
+                result = fn()
+            except BaseException as exc:  # handed to the future's waiter
+                error = exc
+            with self._lock:
+                self.busy -= 1
+                self._idle.append(tasks)
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+            del fn, future, result, error
+
+
+_generators_lock = threading.Lock()
+_generators: tuple[int, _GenerationThreads] | None = None  # (the process id they were made in, the threads)
+
+
+def _generation_threads() -> _GenerationThreads:
+    """The process's generation threads, made on first use (importing this module starts nothing) and made anew in a
+    forked child, which inherits the parent's threads' state but not the threads. Streamed generation runs on these
+    long-lived threads, not on a fresh thread per request: a fresh thread gets a fresh malloc arena whose pages
     fault in on first touch, a cost per request that grows with the positions (docs/benchmarks.md)."""
-    global _generator
-    with _generator_lock:
-        if _generator is None or _generator[0] != os.getpid():
-            _generator = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="packstore-generate"))
-        return _generator[1]
+    global _generators
+    with _generators_lock:
+        if _generators is None or _generators[0] != os.getpid():
+            _generators = (os.getpid(), _GenerationThreads())
+        return _generators[1]
 
 
 class _TokenQueue(BaseStreamer):
@@ -316,13 +445,16 @@ class _TokenQueue(BaseStreamer):
 
 
 def generate_stream(
-    lm: LoadedModel, token_ids: Sequence[int], sampling: Sampling, cache: DynamicCache | None = None
+    lm: LoadedModel, token_ids: Sequence[int], sampling: Sampling, cache: DynamicCache | None = None, *, device: DeviceLock | None = None
 ) -> Generator[int, None, Answer]:
     """Like ``generate``, yielding each new token id as soon as it exists, the stop token that ends the answer
-    included (it is not part of the answer, but a caller timing the first token sees it come).
+    included (it is not part of the answer, but a caller timing the first token sees it come). It runs on one of the
+    generation threads (``_generation_threads``); with ``device``, it holds that lock for its prefill and then one
+    step at a time, in turn with the other generations running (``_taking_turns``).
 
     The generator's return value is the final Answer. Closing the generator early (a cancelled
-    stream) stops generation at the next token and waits for it, so the device is free on return.
+    stream) stops generation at the next token (or, waiting for its turn at the device, at once) and waits for it,
+    so the device is free of it on return.
     """
     check_context(lm, len(token_ids))
     cached = cache.get_seq_length() if cache is not None else 0
@@ -330,15 +462,27 @@ def generate_stream(
     streamer = _TokenQueue()
     failure: list[BaseException] = []
     stop = threading.Event()
+    seat = device.seat() if device is not None else None
 
     def run() -> None:
         try:
-            _run_generate(lm, ids, sampling, cache, streamer, stop)
+            if seat is None:
+                _run_generate(lm, ids, sampling, cache, streamer, stop)
+            elif seat.take():
+                try:
+                    with _taking_turns(lm, seat, sampling):
+                        _run_generate(lm, ids, sampling, cache, streamer, stop)
+                finally:
+                    seat.release()
+            else:  # its reader went away before its turn came
+                streamer.end()
+        except Left:  # its reader went away while it waited for its next turn
+            streamer.end()
         except BaseException as exc:  # surfaced to the reader below
             failure.append(exc)
             streamer.end()
 
-    done = _generation_executor().submit(run)
+    done = _generation_threads().submit(run)
     new: list[int] = []
     try:
         while (token := streamer.queue.get()) is not None:
@@ -346,6 +490,8 @@ def generate_stream(
             yield token
     finally:
         stop.set()
+        if seat is not None:
+            seat.leave()
         done.result()
     if failure:
         raise failure[0]
@@ -412,11 +558,13 @@ def answer_with_text(
     sampling: Sampling = Sampling(),
     cache: DynamicCache | None = None,
     history: Sequence[Turn] = (),
+    device: DeviceLock | None = None,
 ) -> Answer:
     """The RAG baseline: the same facts rendered into the prompt as text, before the ``history`` turns and the question
-    (``cache``: an empty cache to generate with, e.g. one steering the tokens after the facts)."""
+    (``cache``: an empty cache to generate with, e.g. one steering the tokens after the facts; ``device``: see
+    ``generate``)."""
     rendering = render(lm.tokenizer, facts, question.strip(), raw=raw, history=history)
-    return generate(lm, rendering.token_ids, sampling, cache)
+    return generate(lm, rendering.token_ids, sampling, cache, device=device)
 
 
 def finish(stream: Generator[int, None, R]) -> R:
@@ -429,17 +577,28 @@ def finish(stream: Generator[int, None, R]) -> R:
 
 
 def answer_with_chunked_text(
-    lm: LoadedModel, header: PackHeader, token_ids: Sequence[int], sampling: Sampling, cache: DynamicCache | None = None
+    lm: LoadedModel,
+    header: PackHeader,
+    token_ids: Sequence[int],
+    sampling: Sampling,
+    cache: DynamicCache | None = None,
+    *,
+    device: DeviceLock | None = None,
 ) -> Answer | None:
     """The reference a pack's answer must equal bit for bit: the pack's tokens prefilled as text in the passes its
     header records (``prefill_chunks``), then ``token_ids`` (the rendering the pack answered, which starts with
-    them) generated exactly as with the pack, through ``generate_stream`` on the generation thread. Only the cache's
+    them) generated exactly as with the pack, through ``generate_stream`` on a generation thread. Only the cache's
     origin differs. ``cache``: an empty cache to fill (a steered one); None where the header records no prefill
-    (a pack written before it was recorded, a spliced composition)."""
+    (a pack written before it was recorded, a spliced composition). ``device``: the lock held for the prefill, and
+    taken turns at for the generation (``generate_stream``)."""
     if header.prefill_chunks is None:
         return None
-    filled = prefill(lm, header.token_ids, cache=cache, boundaries=header.prefill_chunks)
-    return finish(generate_stream(lm, token_ids, sampling, filled))
+    if device is None:
+        filled = prefill(lm, header.token_ids, cache=cache, boundaries=header.prefill_chunks)
+    else:
+        with device:
+            filled = prefill(lm, header.token_ids, cache=cache, boundaries=header.prefill_chunks)
+    return finish(generate_stream(lm, token_ids, sampling, filled, device=device))
 
 
 def prefill_divergence(lm: LoadedModel, pack: Pack, question: str) -> tuple[float, float]:

@@ -16,6 +16,7 @@ from packstore.answering.records import AnswerResult
 from packstore.answering.tiers import ReadyCache
 from packstore.bank.bank import BankCache
 from packstore.errors import LimitExceeded, PackstoreError
+from packstore.kv.device import DeviceLock
 from packstore.kv.inject import TextDeltas
 from packstore.kv.models import LoadedModel
 from packstore.packs.decoder import Decoder
@@ -51,7 +52,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     ``slots``: the worker's ``max_concurrent`` generation slots, taken by gRPC ``Generate`` and the HTTP API's
     completions alike, per principal (a token's name; without tokens, the caller's host) by ``ShareRule.default``:
-    at most ``per_principal`` each, and the last ``reserve`` free only to principals holding none. ``watch``
+    at most ``per_principal`` each, and the last ``reserve`` free only to principals holding none. The generations
+    holding them share the device per token (one ``DeviceLock`` for every namespace's Answerer: each takes one decode
+    step at a time, in turn with the others running; ``kv/device.py``). ``watch``
     cancels a ``Generate`` whose client stops taking its tokens (``stream_seconds``, ``rpc/pacing.py``)."""
 
     def __init__(
@@ -80,7 +83,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.host = ReadyCache(host_cache_bytes) if host_cache_bytes > 0 else None
         self.ready = ReadyCache(cache_bytes, below=self.host)
         self.metrics = WorkerMetrics({"device": self.ready} | ({"host": self.host} if self.host else {}), self.store_reads)
-        self._device_lock = threading.Lock()
+        self._device_lock = DeviceLock()  # every namespace's Answerer's: generations take steps in turn (kv/device.py)
         self._answerers: dict[str, Answerer] = {}
         self._lock = threading.Lock()
 

@@ -4,8 +4,8 @@ generations; and the HTTP port's deadlines, each met by the attack it stops: hea
 half sent, clients gone midway or no longer reading, callers without a token while every slot is busy.
 
 Every generation here is held at the device (the test holds ``WorkerService._device_lock``, which a generation takes
-while it runs) or cut short by its client, so the tests wait on states, not on times; only the deadlines
-themselves (1-2 s here) are times."""
+for its prefill and then for each token's step, in turn with the others running) or cut short by its client, so the
+tests wait on states, not on times; only the deadlines themselves (1-2 s here) are times."""
 
 from __future__ import annotations
 
@@ -179,6 +179,43 @@ def test_two_tenants_holding_all_they_can_leave_a_third_a_slot_over_grpc_and_htt
     status, completion = results["carol over HTTP"]
     assert status == 200 and completion["choices"][0]["text"] == fair.expected
     assert slots.in_use == 0
+
+
+def test_a_short_answer_takes_its_steps_between_a_hostile_tenants_long_generations(fair, caplog) -> None:
+    """B holds its share of the slots with long generations; A's short answer takes the device a step at a time in
+    turn with them, so it is whole while each of B's has produced a few of its tokens, not after B's end."""
+    caplog.set_level(logging.INFO, logger="packstore.worker")
+    device, slots = fair.service._device_lock, fair.service.slots
+    steps: list[str] = []  # the model's forward passes in the order they ran, by thread (each holding the device)
+    hook = fair.service.lm.model.register_forward_pre_hook(lambda module, args: steps.append(threading.current_thread().name))
+    asking = Asking()
+    with grpc.insecure_channel(fair.grpc) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        try:
+            with device:  # B's generations and A's answer wait for the device, then share it from the same start
+                calls = [
+                    stub.Generate(generate_request(Question(LONG_PROMPT, refs=("wexley",), sampling=LONG)), metadata=[("authorization", "Bearer secret-bob")])
+                    for _ in range(2)
+                ]
+                wait_for(lambda: slots.held(share("bob")) == 2 and device.waiting == 2, "bob's two generations wait for the device")
+                asking.start("alice", lambda: post(fair, "alice", chat_body(fair)))
+                wait_for(lambda: device.waiting == 3, "alice's answer waits behind them")
+            status, chat = asking.join()["alice"]  # type: ignore[misc]
+            assert status == 200 and chat["choices"][0]["message"]["content"] == fair.expected
+            for call in calls:  # (bob's generations may still be running: each would run to its 1500 tokens)
+                call.cancel()
+            wait_for(lambda: slots.in_use == 0, "bob's slots freed")
+        finally:
+            hook.remove()
+    bob_first, bob_second, alice = list(dict.fromkeys(steps))[:3]  # first steps in the order they asked: B, B, then A
+    alice_steps = steps.count(alice)
+    assert alice_steps == chat["usage"]["completion_tokens"] + (chat["choices"][0]["finish_reason"] == "stop")  # a step a token
+    whole = max(index for index, name in enumerate(steps) if name == alice)  # A's last step: its answer is whole
+    before = steps[: whole + 1]
+    # while A's answer was generated, each of B's took one step per step of A's (a round each), far short of its length
+    assert before.count(bob_first) == before.count(bob_second) == alice_steps < LONG.max_new_tokens
+    assert before == [bob_first, bob_second, alice] * alice_steps
+    assert not logged(caplog, "Generate", "INTERNAL")
 
 
 def test_a_caller_without_a_token_gets_401_while_every_slot_is_busy_and_never_holds_one(fair) -> None:
