@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import logger  # noqa: E402
 from eval_banks import BANK_CACHE, EMBEDDERS, Dataset, ckc_datasets, own_dataset, second_dataset  # noqa: E402
-from evallib import REPO, jsonl_appender, markdown_table, mean_interval, read_jsonl  # noqa: E402
+from evallib import REPO, jsonl_appender, markdown_table, proportion_interval, read_jsonl  # noqa: E402
 from packstore.bank.bank import build_bank, route  # noqa: E402
 from packstore.bank.rerank import CANDIDATES, late_scorer, lm_scorer  # noqa: E402
 from packstore.kv.models import load_model  # noqa: E402
@@ -81,10 +81,10 @@ def table(records: Sequence[dict]) -> str:
         timed = all("route_ms" in r for r in members)
         total = f"{np.percentile([r['route_ms'] + r['ms'] for r in members], 95):.0f}" if timed else ""
         columns = [("hybrid", [r["rank_before"] for r in members])]
-        columns += [(f"+{w}x", [r["rank_after"][w] for r in members]) for w in (f"{weight:g}" for weight in WEIGHTS)]
+        columns += [(f"+{w}x", [r["rank_after"][w] for r in members]) for w in members[0]["rank_after"]]  # the run's weights
         for label, ranks in columns:
-            top1 = mean_interval([float(rank == 0) for rank in ranks])
-            top5 = mean_interval([float(rank is not None and rank < 5) for rank in ranks])
+            top1 = proportion_interval([rank == 0 for rank in ranks])
+            top5 = proportion_interval([rank is not None and rank < 5 for rank in ranks])
             stage_ms = "" if label == "hybrid" else f"{np.median(ms):.0f} / {np.percentile(ms, 95):.0f}"
             row = [dataset, stage, str(candidates), str(len(members)), label, top1.percent(), top5.percent(), stage_ms]
             lines.append(row + ([] if not timed else ["" if label == "hybrid" else total]))
