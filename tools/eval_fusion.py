@@ -48,9 +48,9 @@ SCRATCH = Path(os.environ.get("PACKSTORE_EVAL_SCRATCH", "/tmp/packstore-eval"))
 log = logger("eval_fusion")
 
 RULES: list[Fusion] = (
-    [Additive(w) for w in (0.0, 0.1, 0.2, 0.3, 0.5, 0.6, 0.8, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0)]
+    [Additive(w) for w in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0)]
     + [RankFusion(k, lexical) for k in (1, 3, 10, 30, 60) for lexical in (0.5, 1.0, 1.5, 2.0, 3.0)]
-    + [LexicalLead(Additive(w), ratio) for w in (0.2, 0.5, 0.8) for ratio in (1.2, 1.5, 2.0, 3.0)]
+    + [LexicalLead(Additive(w), ratio) for w in (0.2, 0.3, 0.4, 0.5, 0.8) for ratio in (1.1, 1.2, 1.3, 1.5, 2.0, 3.0)]
     + [LexicalLead(RankFusion(k, 1.0), ratio) for k in (3, 10, 60) for ratio in (1.2, 1.5, 2.0, 3.0)]
 )
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from packstore.bank.embedder import Embedder, load_embedder
-from packstore.bank.fusion import Additive, Candidates, Fusion
+from packstore.bank.fusion import Additive, Candidates, Fusion, LexicalLead
 from packstore.bank.lexical import LEXICAL_KIND, LexicalIndex
 from packstore.errors import InvalidInput, PackMismatch, StoreBusy
 from packstore.format.bank import DEFAULT_VECTORS, VECTOR_KINDS, BankMeta, Cluster, quantize
@@ -35,7 +35,11 @@ from packstore.store.records import Route
 
 FACTS_PER_CLUSTER = 20
 MAX_QUERY_CHARS = 100_000
-FUSION: Fusion = Additive(0.2)  # how hybrid routes fuse cosine and BM25 (bank/fusion.py; chosen in docs/evaluation.md)
+# How hybrid routes fuse cosine and BM25 (bank/fusion.py): cosine + 0.4 x BM25 / the query's best BM25, and a fact whose
+# BM25 is at least 1.5 x every other's first. Chosen by its worst shortfall over the tuning data only (issue 54;
+# docs/evaluation.md, tools/eval_fusion.py); cosine + 0.2 x the share before, which let a fact 0.2 higher in cosine
+# beat an exact match on a rare name.
+FUSION: Fusion = LexicalLead(Additive(0.4), 1.5)
 ADD_ATTEMPTS = 8  # times an add is computed again when concurrent writers keep changing the bank
 LEXICAL_CANDIDATES = 20  # best BM25 facts whose clusters are ranked besides the probed ones
 _Cached = TypeVar("_Cached")
@@ -296,8 +300,8 @@ def route(
 ) -> list[Route]:
     """Per query, the ``top_k`` best facts: the facts of the ``probe`` nearest clusters and of the best BM25 hits.
 
-    ``mode`` "hybrid" scores cosine + ``LEXICAL_WEIGHT`` x BM25 / the query's best BM25, so a fact
-    whose rare words the query shares can win without its cluster being probed; "dense" ranks the
+    ``mode`` "hybrid" scores by ``FUSION`` (cosine + 0.4 x BM25 / the query's best BM25, a decisive BM25 lead
+    first), so a fact whose rare words the query shares can win without its cluster being probed; "dense" ranks the
     probed clusters by cosine alone, "lexical" the BM25 hits by BM25 alone. ``probe`` None probes
     ``default_probe`` of the bank's cluster count.
     """

@@ -66,7 +66,8 @@ class RankFusion:
 @dataclass(frozen=True)
 class LexicalLead:
     """``base``, except that when the best BM25 leads the second by at least ``ratio`` (one fact holds the query's
-    rare terms and no other does), that fact goes first."""
+    rare terms and no other does), that fact goes first, its score 1 above the highest: no cosine can drown a
+    decisive lexical match."""
 
     base: Additive | RankFusion
     ratio: float
