@@ -41,7 +41,7 @@ from packstore.bank.rerank import CANDIDATES, late_scorer, lm_scorer  # noqa: E4
 from packstore.kv.models import load_model  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 
-WEIGHTS = (0.25, 0.5, 1.0, 2.0, 1000.0)
+WEIGHTS = (0.25, 0.5, 1.0, 2.0, 4.0, 1000.0)
 log = logger("eval_rerank")
 
 
