@@ -343,6 +343,7 @@ class OpenAIApp:
 
     async def wrong_method(self, request: Request, exc: Exception) -> Response:
         allowed = exc.headers.get("Allow", "") if isinstance(exc, HTTPException) and exc.headers else ""
+        allowed = ", ".join(sorted(method.strip() for method in allowed.split(",") if method.strip()))  # (Starlette's order is a set's)
         message = f"{request.method} is not allowed on {request.url.path}: use {allowed}"
         return JSONResponse(_error(message, 405, "method_not_allowed"), 405, headers={"Allow": allowed} if allowed else None)
 
