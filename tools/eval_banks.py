@@ -23,8 +23,8 @@ exact nearest neighbours), ``lexical`` (BM25 alone). Run from the repository roo
     HF_HUB_OFFLINE=1 .venv/bin/python tools/eval_banks.py [--sizes 5000 100000] [--embedders ...]
 
 ``--sweep`` instead routes the tuning data (own generator, ckc tuning half) with several lexical
-weights: how LEXICAL_WEIGHT was chosen (records OUT/sweep.jsonl, table OUT/sweep.md). Outputs:
-OUT/questions.jsonl (one record per question and configuration, with the commit), OUT/summary.json,
+weights: how the weight before issue 54 was chosen (records OUT/sweep.jsonl, table OUT/sweep.md; since issue 54
+tools/eval_fusion.py chooses the fusion rule). Outputs: OUT/questions.jsonl (one record per question and configuration, with the commit), OUT/summary.json,
 OUT/table.md, and PNGs in ``--figures``. Torch runs one thread (``--threads``), as in tools/eval_packs.py.
 """
 
