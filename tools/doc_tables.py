@@ -94,6 +94,10 @@ def _eval_banks_targets_54(outs: list[Path]) -> str:
     return eval_banks.targets_table(rows, eval_banks.TARGETS_54)
 
 
+def _eval_banks_fourth_forms(outs: list[Path]) -> str:
+    return _tool("eval_banks").fourth_forms_table([record for out in outs for record in read_jsonl(out / "questions.jsonl")])
+
+
 def _eval_banks_targets(outs: list[Path]) -> str:
     eval_banks = _tool("eval_banks")
     return eval_banks.targets_table([row for out in outs for row in eval_banks.rows_from_records(read_jsonl(out / "questions.jsonl"))])
@@ -196,6 +200,7 @@ GENERATORS: dict[str, Generator] = {
     "eval_banks": Generator(("questions.jsonl",), _eval_banks, several=True),
     "eval_banks-sweep": Generator(("sweep.jsonl",), _eval_banks_sweep),
     "eval_fusion": Generator(("sweep.jsonl",), _eval_fusion),
+    "eval_banks-fourth-forms": Generator(("questions.jsonl",), _eval_banks_fourth_forms, several=True),
     "eval_banks-targets-54": Generator(("questions.jsonl",), _eval_banks_targets_54, several=True),
     "eval_banks-targets": Generator(("questions.jsonl",), _eval_banks_targets, several=True),
     "eval_rerank": Generator(("questions.jsonl",), _eval_rerank),

@@ -31,6 +31,7 @@ OUT/table.md, and PNGs in ``--figures``. Torch runs one thread (``--threads``), 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -315,6 +316,31 @@ def targets_table(rows: Sequence[dict], targets: Sequence[Target] = TARGETS) -> 
             shown = f"{value:.1f} ms" if target.field == "p95_ms" else f"{value:,.0f} B"
         lines.append([target.label, target.dataset, shown, row["commit"], "yes" if met else "**no**"])
     return markdown_table(["target", "data", "measured [95% CI]", "commit", "met"], lines, left=2)
+
+
+def fourth_forms_table(records: Sequence[dict]) -> str:
+    """The fourth generator's hybrid top-1 / top-5 by question form (named, or described without its name) and by
+    whether the fact has near-namesakes: the cases are made again from the data set's size and seed, and each
+    record's question index picks its case as the run did (``fourth_dataset``)."""
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    for record in records:
+        if not record["dataset"].startswith("fourth ") or record["mode"] != "hybrid" or " seed " in record["dataset"]:
+            continue
+        size = int(record["dataset"].split()[1].replace(",", ""))
+        case = _fourth_asked(size)[record["question"]]
+        kind = "with near-namesakes" if case.namesakes > 1 else "no namesake"
+        groups.setdefault((record["dataset"], case.form, kind), []).append(record)
+    lines = []
+    for (dataset, form, kind), members in sorted(groups.items(), key=lambda item: (int(item[0][0].split()[1].replace(",", "")), item[0][1:])):
+        row = summarize(members)
+        lines.append([dataset, form, kind, f"{row['questions']:,}", _share(row["top1"], row["top1_ci"]), _share(row["top5"], row["top5_ci"])])
+    return markdown_table(["data", "question", "fact", "questions", "top-1 % [95% CI]", "top-5 % [95% CI]"], lines, left=3)
+
+
+@functools.cache
+def _fourth_asked(size: int) -> list:
+    cases = fourth_facts(size, seed=FOURTH_SEED)
+    return random.Random(size).sample(cases, min(1000, size))
 
 
 def sweep_rows_from_records(records: Sequence[dict]) -> list[dict]:
