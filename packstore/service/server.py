@@ -59,6 +59,7 @@ class Call(dict[str, object]):
     store: ServedStore
     principal: Principal
     share_key: str  # whom its shares are counted for (security/shares.py)
+    complete = False  # a stream's last message was handed over: its client may close it without cancelling anything
 
 
 class PackStoreService(store_pb2_grpc.PackStoreServicer):
@@ -109,9 +110,10 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             code = status_for(exc)
             info["error"] = str(exc)
             abort_with_error(context, exc)
-        except GeneratorExit:  # a stream whose client went away, or that StreamWatch cancelled
-            code = grpc.StatusCode.CANCELLED
-            info.setdefault("error", "the client went away" if not info.get("slow_reader") else self.watch.rule())
+        except GeneratorExit:  # a stream closed early: its client went away, or StreamWatch cancelled it
+            if not info.complete:  # (a client may close once it has the last message, e.g. a bulk ticket)
+                code = grpc.StatusCode.CANCELLED
+                info.setdefault("error", "the client went away" if not info.get("slow_reader") else self.watch.rule())
             raise
         except Exception as exc:  # an unexpected failure: report INTERNAL, keep serving
             if isinstance(exc, grpc.RpcError) or type(exc).__name__ == "_AbortionError":
@@ -231,6 +233,7 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             ticket = self.bulk.tickets.issue(call.store, call.principal.namespace, header, indices, fields, call.share_key)
             if ticket is not None:
                 call["bulk"] = True
+                call.complete = True  # the ticket is the call's last message
                 yield store_pb2.GetPackResponse(bulk=self.bulk.ticket_message(ticket))
                 return
         for index, data in verified_chunks(header, zip(indices, call.store.read_chunks(header, indices))):
