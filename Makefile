@@ -64,25 +64,22 @@ doc-tables: install
 eval-packs: install
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packs.py --models smollm2-135m gemma3-270m --out results/eval_packs-38
 
-# Bank retrieval, one records directory per run: the lexical-weight sweep on the tuning data; MiniLM (int8
-# and fp16) and mpnet (fp16) on the own / second generator at 5,000 facts and the ckc halves; MiniLM int8 at
-# 100,000 facts; a second draw of the second generator (seed 11); the third generator (never tuned on) at
-# 5,000 and 100,000.
+# Bank retrieval (issue 54): the fusion chosen on the tuning data alone (tools/eval_fusion.py: dump the candidates of
+# own, second and third at 5,000 and 100,000 facts and of the ckc tuning half, then sweep the rules), then one run on
+# every data set, the unseen fourth generator and ckc held-out included, at 5,000 and at 100,000 facts. Banks are
+# kept in $(EVAL_SCRATCH)/banks and reused (a 100,000-fact bank takes 10-20 minutes to embed on two cores). The older
+# results/eval_banks-* directories hold runs of the rule before issue 54; their records name their commits.
+EVAL_SCRATCH ?= /tmp/packstore-eval
 eval-banks: install
-	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --sweep --questions 1000 --out results/eval_banks-sweep-38
-	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --sizes 5000 --embedders all-minilm-l6-v2 --vectors int8 fp16 \
-		--out results/eval_banks-5k-minilm --figures docs/figures/eval_banks_5k_minilm
-	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --sizes 5000 --embedders all-mpnet-base-v2 --vectors fp16 \
-		--out results/eval_banks-5k-mpnet --figures docs/figures/eval_banks_5k_mpnet
-	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --data second --second-seed 11 --sizes 5000 --no-ckc \
-		--embedders all-minilm-l6-v2 --modes hybrid dense lexical --vectors int8 --out results/eval_banks-seed11-38 \
-		--figures docs/figures/eval_banks_seed11
-	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --sizes 100000 --questions 1000 --no-ckc \
-		--embedders all-minilm-l6-v2 --modes hybrid dense lexical --vectors int8 \
-		--out results/eval_banks-100k-38 --figures docs/figures/eval_banks_100k
-	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --data third --sizes 5000 100000 --no-ckc \
-		--embedders all-minilm-l6-v2 --modes hybrid --vectors int8 fp16 --out results/eval_banks-third \
-		--figures docs/figures/eval_banks_third
+	HF_HUB_OFFLINE=1 PACKSTORE_EVAL_SCRATCH=$(EVAL_SCRATCH) $(BIN)/python tools/eval_fusion.py dump --sizes 5000 100000
+	HF_HUB_OFFLINE=1 PACKSTORE_EVAL_SCRATCH=$(EVAL_SCRATCH) $(BIN)/python tools/eval_fusion.py sweep
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --data own second third fourth --sizes 5000 --questions 1000 \
+		--embedders all-minilm-l6-v2 --vectors int8 --modes hybrid --banks $(EVAL_SCRATCH)/banks \
+		--out results/eval_banks-54 --figures docs/figures/eval_banks_54
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --data own second third fourth --sizes 100000 --questions 1000 --no-ckc \
+		--embedders all-minilm-l6-v2 --vectors int8 --modes hybrid --banks $(EVAL_SCRATCH)/banks \
+		--out results/eval_banks-54-100k --figures docs/figures/eval_banks_54_100k
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_rerank.py --questions 200 --lm-questions 40 --out results/eval_rerank-54
 
 # The paper's Table 4: ckc answers through one bank of every paragraph (held-out half, both models),
 # short-answer prompt, into results/eval_bank_answers-38/ (resumed from questions.jsonl).
@@ -116,8 +113,8 @@ EVAL_SMALL_ROWS ?= 20
 eval-small: install
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_packs.py --models smollm2-135m --limit $(EVAL_SMALL_ROWS) \
 		--out results/eval_packs-small --figures results/eval_packs-small
-	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --sizes 500 --questions 100 --embedders all-minilm-l6-v2 \
-		--out results/eval_banks-small --figures results/eval_banks-small
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_banks.py --data own second third fourth --sizes 500 --questions 100 \
+		--embedders all-minilm-l6-v2 --out results/eval_banks-small --figures results/eval_banks-small
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_bank_answers.py --limit $(EVAL_SMALL_ROWS) \
 		--out results/eval_bank_answers-small --figures results/eval_bank_answers-small
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/eval_compose.py --models smollm2-135m --limit $(EVAL_SMALL_ROWS) --acc-limit 5 \
