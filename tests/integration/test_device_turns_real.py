@@ -5,11 +5,11 @@ while others generate still finds its answers identical."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
+from device_helpers import take_turns
 from packstore.answering.answer import Answerer, Question
 from packstore.answering.api import build_and_store
 from packstore.kv import inject
@@ -38,13 +38,6 @@ def smol() -> LoadedModel:
     return load_model(MODEL, device="cpu", progress=False)
 
 
-def wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + WAIT_SECONDS
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.005)
-
-
 def run(answerer: Answerer, question: Question) -> tuple[list[int], object]:
     stream, tokens = answerer.stream(question), []
     try:
@@ -62,20 +55,11 @@ def test_generations_taking_turns_on_smollm2_choose_the_tokens_they_choose_alone
         device = DeviceLock()
         answerer = Answerer(smol, store, device_lock=device)
         answerer.pack("wexley")
-        results: dict[int, tuple[list[int], object]] = {}
-        threads: list[threading.Thread] = []
         steps: list[str] = []
         assert smol.model in inject._hooked  # (the turns' hook runs before this one: each step is recorded holding the device)
         hook = smol.model.register_forward_pre_hook(lambda module, args: steps.append(threading.current_thread().name))
         try:
-            with device:
-                for index, question in enumerate(questions):
-                    thread = threading.Thread(target=lambda index=index, question=question: results.__setitem__(index, run(answerer, question)))
-                    thread.start()
-                    threads.append(thread)
-                    wait_for(lambda: device.waiting == len(threads), f"generation {index} waits for the device")
-            for thread in threads:
-                thread.join(WAIT_SECONDS)
+            results = take_turns(device, [lambda question=question: run(answerer, question) for question in questions], WAIT_SECONDS)
         finally:
             hook.remove()
     for index, (tokens, result) in enumerate(alone):

@@ -8,12 +8,13 @@ the same start; they wait on states (who waits for the device), never on times."
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+import device_helpers
+from device_helpers import take_turns
 from packstore.answering.answer import Answerer, Question
 from packstore.kv import inject
 from packstore.kv.build import build_pack
@@ -34,10 +35,7 @@ ASKED = [
 
 
 def wait_for(condition: Callable[[], object], what: str) -> None:
-    deadline = time.monotonic() + WAIT_SECONDS
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.002)
+    device_helpers.wait_for(condition, what, WAIT_SECONDS)
 
 
 @pytest.fixture
@@ -126,18 +124,9 @@ def test_generations_taking_turns_choose_the_tokens_they_choose_alone(tiny_lm, s
     device = DeviceLock()
     answerer = Answerer(tiny_lm, store, device_lock=device)
     answerer.pack("wexley")  # ready: the generations do nothing else with the device
-    results: dict[int, object] = {}
-    threads = []
     steps = Steps(tiny_lm.model)
-    try:
-        with device:  # each generation waits for the device; then they share it from the same start
-            for index, question in enumerate(questions):
-                thread = threading.Thread(target=lambda index=index, question=question: results.__setitem__(index, list(answerer.stream(question))))
-                thread.start()
-                threads.append(thread)
-                wait_for(lambda: device.waiting == len(threads), f"generation {index} waits for the device")
-        for thread in threads:
-            thread.join(WAIT_SECONDS)
+    try:  # each generation waits for the device; then they share it from the same start
+        results = take_turns(device, [lambda question=question: list(answerer.stream(question)) for question in questions], WAIT_SECONDS)
     finally:
         steps.remove()
     assert [results[index] for index in range(3)] == alone  # greedy and seeded sampled: the tokens they chose alone
