@@ -10,21 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_format import make_pack
 
-from packstore.packs.admin import export_pack
-from packstore.packs.tensors import encode_pack
-from packstore.store import LmdbStore
+from tools.lib.packs import NAME, make_store
 
-NAME = "light"
-
-
-def make_store(root: Path) -> tuple[Path, str, Path]:
-    """A store under ``root`` holding one named pack, and that pack as a pack file: (store, key, file)."""
-    with LmdbStore(root / "store") as store:
-        key, _ = store.put(encode_pack(make_pack(tokens=24)), name=NAME)
-        export_pack(store, key, root / "light.pack")
-    return root / "store", key, root / "light.pack"
+__all__ = ["COMMANDS", "NAME", "make_store", "output_of", "store_argv"]
 
 
 Check = Callable[[Any, str], bool]

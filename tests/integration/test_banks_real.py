@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ from packstore.kv.models import load_model
 from packstore.kv.synthetic import synthetic_facts
 from packstore.store import LmdbStore
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 pytestmark = pytest.mark.integration
 
 
@@ -35,7 +33,7 @@ def test_lazy_recompute_on_a_real_model(tmp_path: Path) -> None:
 
 def test_a_bank_on_the_mpnet_embedder_records_it_and_routes_with_it(tmp_path: Path) -> None:
     from packstore.errors import PackMismatch
-    from second_facts import second_facts
+    from tools.data.second_facts import second_facts
 
     cases = second_facts(200, seed=3)
     with LmdbStore(tmp_path / "store") as store:

@@ -1,4 +1,4 @@
-"""tools/bench_gpu.py end to end on CPU with the tiny shape (smollm2-135m's tokenizer): every part, every table, the JSON lines."""
+"""tools/bench/bench_gpu.py end to end on CPU with the tiny shape (smollm2-135m's tokenizer): every part, every table, the JSON lines."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_bench_gpu_tiny_on_cpu(tmp_path: Path) -> None:
     argv = ["--device", "cpu", "--shape", "tiny", "--sizes", "300", "600", "--repeats", "1",
             "--worker-sizes", "300", "--worker-repeats", "1", "--workdir", str(tmp_path), "--out", str(out)]
     env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_gpu.py"), *argv], capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "tools.bench.bench_gpu", *argv], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     for line in ("(a) Time to first token", "stored / floor", "(c) Fetch to the device", "(d) The worker over gRPC", "(e) Build",
                  "(f) Decoding the largest pack on the host",

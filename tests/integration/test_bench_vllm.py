@@ -1,4 +1,4 @@
-"""tools/bench_vllm.py --quick end to end on CPU: three real vLLM engines (local store, grpc://, prefix cache), every mode
+"""tools/bench/bench_vllm.py --quick end to end on CPU: three real vLLM engines (local store, grpc://, prefix cache), every mode
 measured, every pack applied and every answer the same, the tables and the JSON lines."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def test_bench_vllm_quick(tmp_path: Path) -> None:
     out, plot = tmp_path / "results.jsonl", tmp_path / "ttft.png"
     argv = ["--quick", "--workdir", str(tmp_path / "work"), "--out", str(out), "--plot", str(plot)]
     env = os.environ | {"HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_vllm.py"), *argv], capture_output=True, text=True, env=env, timeout=900)
+    done = subprocess.run([sys.executable, "-m", "tools.bench.bench_vllm", *argv], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for line in ("1. Time to first token", "b / d", "2. 8 concurrent requests", "output tokens/s", "Targets (issue 52)",
                  "GPU figures unmeasured", "Checks: every pack request reported pack_applied true", "Total run time"):

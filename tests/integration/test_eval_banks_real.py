@@ -1,16 +1,13 @@
-"""tools/eval_banks.py on small banks: the three kinds of data, every mode, the real MiniLM embedder."""
+"""tools/eval/eval_banks.py on small banks: the three kinds of data, every mode, the real MiniLM embedder."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
-import eval_banks  # noqa: E402
+from tools.eval import eval_banks  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

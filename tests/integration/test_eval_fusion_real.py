@@ -1,18 +1,17 @@
-"""tools/eval_fusion.py on small banks with the real MiniLM embedder: the dump and the sweep run, and the sweep's
+"""tools/eval/eval_fusion.py on small banks with the real MiniLM embedder: the dump and the sweep run, and the sweep's
 figures for the default rule are the route's own (eval_banks measuring the same banks with ``route``)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
-import eval_banks  # noqa: E402
-import eval_fusion  # noqa: E402
 from packstore.bank.bank import FUSION  # noqa: E402
+from tools.eval import (
+    eval_banks,  # noqa: E402
+    eval_fusion,  # noqa: E402
+)
 
 pytestmark = pytest.mark.integration
 

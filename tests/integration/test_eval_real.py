@@ -1,16 +1,13 @@
-"""tools/eval_packs.py end to end on smollm2-135m over the first ckc rows: outputs written, 0 divergences."""
+"""tools/eval/eval_packs.py end to end on smollm2-135m over the first ckc rows: outputs written, 0 divergences."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
-import eval_packs  # noqa: E402
+from tools.eval import eval_packs  # noqa: E402
 
 pytestmark = pytest.mark.integration
 ROWS = 5
@@ -36,7 +33,7 @@ def test_eval_packs_on_smollm2(tmp_path: Path, capsys) -> None:
 
 def test_eval_compose_on_smollm2(tmp_path: Path, capsys) -> None:
     """The short version of `make eval-compose`: every part on a few questions, 0 divergences."""
-    import eval_compose
+    from tools.eval import eval_compose
 
     out, figures = tmp_path / "out", tmp_path / "figures"
     argv = ["--models", "smollm2-135m", "--limit", "2", "--acc-limit", "2", "--acc-golds", "2", "--acc-distractors", "1", "--errata", "2"]
@@ -62,7 +59,7 @@ def test_eval_compose_on_smollm2(tmp_path: Path, capsys) -> None:
 
 def test_eval_steering_on_smollm2(tmp_path: Path, capsys) -> None:
     """The short version of `make eval-steering`: every part on one prompt a set, one dual-channel question."""
-    import eval_steering
+    from tools.eval import eval_steering
 
     out, figures = tmp_path / "out", tmp_path / "figures"
     argv = ["--models", "smollm2-135m", "--limit", "1", "--dual-limit", "1", "--compare", "1", "--batch", "3"]
@@ -84,9 +81,9 @@ def test_eval_steering_on_smollm2(tmp_path: Path, capsys) -> None:
 
 
 def test_eval_exactness_quick_on_cpu(tmp_path: Path, capsys) -> None:
-    """tools/eval_exactness.py --quick: 2 packs x 2 held-out questions in float32 on CPU, every measure exact; a shard
+    """tools/eval/eval_exactness.py --quick: 2 packs x 2 held-out questions in float32 on CPU, every measure exact; a shard
     asks its packs alone into a file of its own, and the table groups shards by dtype."""
-    import eval_exactness
+    from tools.eval import eval_exactness
 
     assert eval_exactness.main(["--quick", "--device", "cpu", "--dtypes", "float32", "--out", str(tmp_path), "--rev", "abc1234"]) == 0
     exact = "4/4 (100.0 % [51.0, 100.0])"  # with its Wilson interval

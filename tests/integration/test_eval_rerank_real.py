@@ -1,15 +1,12 @@
-"""tools/eval_rerank.py on small banks: both second stages run on the real embedder and smollm2-135m, records in, table out."""
+"""tools/eval/eval_rerank.py on small banks: both second stages run on the real embedder and smollm2-135m, records in, table out."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
-import eval_rerank  # noqa: E402
+from tools.eval import eval_rerank  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

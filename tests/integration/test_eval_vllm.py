@@ -1,4 +1,4 @@
-"""tools/eval_vllm.py end to end on CPU: smollm2-135m exported, three held-out ckc questions answered by a real vLLM
+"""tools/eval/eval_vllm.py end to end on CPU: smollm2-135m exported, three held-out ckc questions answered by a real vLLM
 engine with each transformers-built pack and with the pack opted out, and one vLLM-built pack against vLLM's own prefix
 cache; the records, the table, the figure, and a second run that resumes with nothing left to ask."""
 
@@ -21,7 +21,7 @@ BLOCK = 32
 
 def run_tool(argv: list[str]) -> subprocess.CompletedProcess:
     env = os.environ | {"HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "eval_vllm.py"), *argv], capture_output=True, text=True, env=env, timeout=900)
+    done = subprocess.run([sys.executable, "-m", "tools.eval.eval_vllm", *argv], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 

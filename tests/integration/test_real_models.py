@@ -17,8 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from evallib import data_path  # noqa: E402
 from packstore.errors import PackMismatch  # noqa: E402
 from packstore.format.body import BLOCK_POSITIONS
 from packstore.kv.build import build_pack, prefill
@@ -27,6 +25,7 @@ from packstore.kv.models import load_model
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import decode_pack, encode_pack
 from packstore.store import LmdbStore
+from tools.lib.evallib import data_path  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

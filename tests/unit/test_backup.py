@@ -22,8 +22,8 @@ from service_helpers import running_server
 
 WRITER = r"""
 import sys
-sys.path[:0] = [sys.argv[3], sys.argv[3] + "/unit"]
-from test_format import make_pack
+sys.path.insert(0, sys.argv[3])
+from tools.lib.packs import make_pack
 from packstore.store import LmdbStore
 from packstore.packs.tensors import encode_pack
 with LmdbStore(sys.argv[1]) as store, open(sys.argv[2], "a") as log:
@@ -40,8 +40,8 @@ def test_backup_is_a_consistent_copy_taken_while_a_writer_writes(tmp_path, capsy
         team.put(encode_pack(make_pack(tokens=20)), name="theirs")
     acked = tmp_path / "acked.log"
     acked.write_text("")
-    tests = str(Path(__file__).resolve().parents[1])
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(data), str(acked), tests], stderr=subprocess.PIPE)
+    root = str(Path(__file__).resolve().parents[2])
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(data), str(acked), root], stderr=subprocess.PIPE)
     try:
         while len(acked.read_text().splitlines()) < 15:
             assert writer.poll() is None, writer.stderr.read().decode()

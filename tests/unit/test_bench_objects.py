@@ -1,14 +1,10 @@
-"""tools/bench_objects.py end to end on a tiny pack: SeaweedFS, two replicas, every section (no timing asserted)."""
+"""tools/bench/bench_objects.py end to end on a tiny pack: SeaweedFS, two replicas, every section (no timing asserted)."""
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
-import bench_objects  # noqa: E402
+from tools.bench import bench_objects  # noqa: E402
 
 
 def test_the_benchmark_runs_tiny(tmp_path, capsys, monkeypatch) -> None:

@@ -1,16 +1,13 @@
-"""tools/doc_tables.py: docs/evaluation.md's marked tables are what the records under results/ give (no model runs)."""
+"""tools/eval/doc_tables.py: docs/evaluation.md's marked tables are what the records under results/ give (no model runs)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
-import doc_tables  # noqa: E402
+from tools.eval import doc_tables  # noqa: E402
 
 SECTION_KIND = "eval_compose-timing"  # a small records file: the section the edit tests copy
 
@@ -71,7 +68,7 @@ def test_marker_and_records_errors(tmp_path: Path, capsys, text: str, message: s
 
 def test_eval_banks_tables_come_from_question_records(tmp_path: Path) -> None:
     """eval_banks has no records in results/ yet: its generator on a few made-up records, through --root."""
-    import eval_banks
+    from tools.eval import eval_banks
 
     (tmp_path / "banks").mkdir()
     about = {"commit": "abc1234", "dataset": "own 10", "embedder": "all-minilm-l6-v2", "vectors": "fp16", "facts": 10, "clusters": 1,
@@ -90,7 +87,7 @@ def test_eval_banks_tables_come_from_question_records(tmp_path: Path) -> None:
 
 def test_the_targets_table_gathers_several_runs(tmp_path: Path) -> None:
     """issue 38's targets from two results directories joined by +: a met target, a miss, and one not measured."""
-    import eval_banks
+    from tools.eval import eval_banks
 
     default = {"embedder": "all-minilm-l6-v2", "vectors": "int8", "mode": "hybrid", "clusters": 1, "build_s": 0.5}
     runs = {
@@ -114,7 +111,7 @@ def test_the_targets_table_gathers_several_runs(tmp_path: Path) -> None:
 
 
 def test_the_lexical_weight_sweep_table_comes_from_its_question_records(tmp_path: Path) -> None:
-    import eval_banks
+    from tools.eval import eval_banks
 
     (tmp_path / "sweep").mkdir()
     records = [{"commit": "ccc3333", "dataset": "ckc tuning", "lexical_weight": w, "question": i, "rank": rank, "ms": 5.0}

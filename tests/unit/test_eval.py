@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
-import eval_packs  # noqa: E402
 from bank_helpers import TEST_BANK_CACHE
-from evallib import (  # noqa: E402
+from packstore.bank.bank import open_banks
+from packstore.kv.inject import Sampling  # noqa: E402
+from packstore.store import LmdbStore  # noqa: E402
+from tools.eval import eval_packs  # noqa: E402
+from tools.lib.evallib import (  # noqa: E402
     METRICS,
     Row,
     answer_scores,
@@ -35,9 +35,6 @@ from evallib import (  # noqa: E402
     token_f1,
     two_level_interval,
 )
-from packstore.bank.bank import open_banks
-from packstore.kv.inject import Sampling  # noqa: E402
-from packstore.store import LmdbStore  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -202,7 +199,7 @@ def test_appended_records_name_the_commit_that_made_them(tmp_path: Path) -> None
 
 
 def test_eval_bank_answers_on_the_tiny_model(tiny_lm, tmp_path: Path) -> None:
-    import eval_bank_answers
+    from tools.eval import eval_bank_answers
 
     rows = load_rows(limit=20)
     with LmdbStore(tmp_path / "store") as store:

@@ -1,18 +1,15 @@
-"""tools/eval_compose.py: row order, arrangements, errata cases, parts, report; answer-token agreement on the tiny model."""
+"""tools/eval/eval_compose.py: row order, arrangements, errata cases, parts, report; answer-token agreement on the tiny model."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
-import eval_compose  # noqa: E402
-from eval_compose import (  # noqa: E402
+from tools.eval import eval_compose  # noqa: E402
+from tools.eval.eval_compose import (  # noqa: E402
     ErratumCase,
     arrangement,
     cosine,
@@ -22,7 +19,7 @@ from eval_compose import (  # noqa: E402
     follows,
     question_order,
 )
-from evallib import Row, contains_answer, frozen_split, load_rows  # noqa: E402
+from tools.lib.evallib import Row, contains_answer, frozen_split, load_rows  # noqa: E402
 
 POOL = [Row(f"r{i}", f"question {i}?", f"Paragraph {i} names Person {i} here .", (f"Person {i}",)) for i in range(20)]
 

@@ -1,17 +1,14 @@
-"""tools/eval_packet.py: training data, the shared held-out questions, and a whole run on the tiny model (two seeds)."""
+"""tools/eval/eval_packet.py: training data, the shared held-out questions, and a whole run on the tiny model (two seeds)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
-import eval_packet  # noqa: E402
-from evallib import frozen_split, load_rows  # noqa: E402
+from tools.eval import eval_packet  # noqa: E402
+from tools.lib.evallib import frozen_split, load_rows  # noqa: E402
 
 
 def test_training_examples_mix_both_generators_and_never_ckc() -> None:

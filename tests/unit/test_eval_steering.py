@@ -1,16 +1,13 @@
-"""tools/eval_steering.py: its scorers, conditions and layer thirds, and a whole run on the tiny model."""
+"""tools/eval/eval_steering.py: its scorers, conditions and layer thirds, and a whole run on the tiny model."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
-import eval_steering  # noqa: E402
+from tools.eval import eval_steering  # noqa: E402
 
 
 def test_repetition_counts_repeated_word_trigrams() -> None:
@@ -66,7 +63,7 @@ def test_the_label_shuffled_null_centres_on_zero_and_rejects_a_shared_direction(
     import numpy as np
     import torch
 
-    from eval_steering import NULL_SHUFFLES, shuffled_null
+    from tools.eval.eval_steering import NULL_SHUFFLES, shuffled_null
 
     generator = torch.Generator().manual_seed(0)
     shared = [[torch.randn(3, 8, generator=generator) + 2.0 for _ in range(4)] for _ in range(12)]  # 12 pairs, 4 layers

@@ -1,4 +1,4 @@
-"""tools/fourth_facts.py: pinned digests, determinism, uniqueness, one answer per question, near-namesakes, described questions.
+"""tools/data/fourth_facts.py: pinned digests, determinism, uniqueness, one answer per question, near-namesakes, described questions.
 
 On 2,000 cases (seed 5), a named question's content words (four letters or more, the name left out) occur in
 its fact on average 3.2 % of the time, a described question's 13.1 % (the place it names, and family
@@ -12,23 +12,21 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
-sys.path.insert(0, str(TOOLS))
+TOOLS = Path(__file__).resolve().parents[2] / "tools" / "data"
 
-from fourth_facts import FAMILIES, FOURTH_SEED, _rows, fourth_facts, jsonl  # noqa: E402
+from tools.data.fourth_facts import FAMILIES, FOURTH_SEED, _rows, fourth_facts, jsonl  # noqa: E402
 
 NAMED_LIMIT, DESCRIBED_LIMIT = 0.08, 0.20
 FUNCTION_WORDS = {"a", "an", "the", "in", "on", "of", "at", "and", "by", "to", "for", "with"}
 
 
 def _pinned() -> dict[tuple[int, int], str]:
-    """(count, seed) -> hex digest, from tools/fourth_facts.sha256."""
+    """(count, seed) -> hex digest, from tools/data/fourth_facts.sha256."""
     pinned = {}
     for line in (TOOLS / "fourth_facts.sha256").read_text().splitlines():
         if line.strip() and not line.startswith("#"):

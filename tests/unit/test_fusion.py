@@ -1,6 +1,6 @@
 """How hybrid routes fuse cosine and BM25 (packstore.bank.fusion, issue 54): the rules on hand-made candidates, the
 default rule keeping a decisive lexical match first whatever the cosines, and ``route_candidates`` handing
-tools/eval_fusion.py exactly what ``route`` ranks (a rule applied to them gives the route's order and scores)."""
+tools/eval/eval_fusion.py exactly what ``route`` ranks (a rule applied to them gives the route's order and scores)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def synthetic_bank(tmp_path_factory):
 
 def test_route_candidates_are_exactly_what_route_ranks(synthetic_bank) -> None:
     """For each query, the default rule over ``route_candidates`` gives ``route``'s facts, in its order, with its
-    scores: what makes tools/eval_fusion.py's offline sweep the route's own figures."""
+    scores: what makes tools/eval/eval_fusion.py's offline sweep the route's own figures."""
     store, embedder = synthetic_bank
     cases = synthetic_facts(400)[::20]
     queries = [case.query for case in cases] + [f"Tell me about {case.fact.split()[2]}." for case in cases]

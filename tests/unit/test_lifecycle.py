@@ -168,8 +168,8 @@ WRITER = """
 import sys, torch
 from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
-sys.path.insert(0, {tests!r})
-from test_format import make_pack
+sys.path.insert(0, {root!r})
+from tools.lib.packs import make_pack
 store = LmdbStore({path!r})
 for i in range(1000):
     encoded = encode_pack(make_pack(layers=24, tokens=1000 + i, dim=64))
@@ -181,7 +181,7 @@ for i in range(1000):
 
 @pytest.mark.parametrize("delay", [0.0, 0.01, 0.03])
 def test_writer_killed_mid_put_leaves_no_partial_pack(store_path: Path, delay: float) -> None:
-    script = WRITER.format(tests=str(Path(__file__).parent), path=str(store_path))
+    script = WRITER.format(root=str(Path(__file__).resolve().parents[2]), path=str(store_path))
     writer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     begun = 0
     for line in writer.stdout:

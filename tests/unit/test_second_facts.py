@@ -1,14 +1,10 @@
-"""tools/second_facts.py: deterministic, unique entity names, answers in facts, every kind, paraphrased questions."""
+"""tools/data/second_facts.py: deterministic, unique entity names, answers in facts, every kind, paraphrased questions."""
 
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
-from second_facts import FAMILIES, _named_cases, second_facts  # noqa: E402
+from tools.data.second_facts import FAMILIES, _named_cases, second_facts  # noqa: E402
 
 
 def _content_words(text: str) -> set[str]:

@@ -1,4 +1,4 @@
-"""tools/third_facts.py: pinned digests, determinism, unique names, answers in facts, every family, reworded questions.
+"""tools/data/third_facts.py: pinned digests, determinism, unique names, answers in facts, every family, reworded questions.
 
 On 2,000 cases (seed 5) questions share on average 0.19 % of their content words (four letters or more,
 the entity's name left out) with their fact; the test allows up to 5 %.
@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import re
-import sys
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
-sys.path.insert(0, str(TOOLS))
+TOOLS = Path(__file__).resolve().parents[2] / "tools" / "data"
 
-from third_facts import FAMILIES, THIRD_SEED, _named_cases, jsonl, third_facts  # noqa: E402
+from tools.data.third_facts import FAMILIES, THIRD_SEED, _named_cases, jsonl, third_facts  # noqa: E402
 
 
 def _pinned() -> dict[tuple[int, int], str]:
-    """(count, seed) -> hex digest, from tools/third_facts.sha256."""
+    """(count, seed) -> hex digest, from tools/data/third_facts.sha256."""
     pinned = {}
     for line in (TOOLS / "third_facts.sha256").read_text().splitlines():
         if line.strip() and not line.startswith("#"):

