@@ -51,7 +51,9 @@ lint: install
 	$(BIN)/ruff check packstore tests tools
 	$(BIN)/python -m mypy
 
-# Every evaluation of docs/evaluation.md (hours on a 2-core CPU; each part resumes or can run alone).
+# Every evaluation of docs/evaluation.md (hours on a 2-core CPU; each part resumes or can run alone). Records under
+# results/ are kept gzip-compressed: a resumed run appends to NAME.jsonl beside NAME.jsonl.gz, and
+# `python -m tools.eval.compress_records DIR` folds them before they are committed (results/README.md).
 eval: eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-packet eval-vllm
 
 # Rewrite docs/evaluation.md's marked tables from the records under results/ (tests/unit/test_doc_tables.py
@@ -60,36 +62,36 @@ doc-tables: install
 	$(BIN)/python -m tools.eval.doc_tables --write
 
 # The paper's Tables 1 and 3 on ckc_dev: all 600 rows on both models (1,200 questions), short-answer prompt,
-# results in results/eval_packs-38/ (resumed from questions.jsonl) and plots in docs/figures/.
+# results in results/eval_packs/ (resumed from its questions records) and plots in docs/figures/.
 eval-packs: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_packs --models smollm2-135m gemma3-270m --out results/eval_packs-38
+	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_packs --models smollm2-135m gemma3-270m --out results/eval_packs
 
 # Bank retrieval (issue 54): the fusion chosen on the tuning data alone (tools/eval/eval_fusion.py: dump the candidates of
 # own, second and third at 5,000 and 100,000 facts and of the ckc tuning half, then sweep the rules), then one run on
 # every data set, the unseen fourth generator and ckc held-out included, at 5,000 and at 100,000 facts. Banks are
-# kept in $(EVAL_SCRATCH)/banks and reused (a 100,000-fact bank takes 10-20 minutes to embed on two cores). The older
-# results/eval_banks-* directories hold runs of the rule before issue 54; their records name their commits.
+# kept in $(EVAL_SCRATCH)/banks and reused (a 100,000-fact bank takes 10-20 minutes to embed on two cores). Runs of
+# the rule before issue 54 left results/ in issue 55; docs/evaluation.md reads their tables at a commit (DIR@COMMIT).
 EVAL_SCRATCH ?= /tmp/packstore-eval
 eval-banks: install
 	HF_HUB_OFFLINE=1 PACKSTORE_EVAL_SCRATCH=$(EVAL_SCRATCH) $(BIN)/python -m tools.eval.eval_fusion dump --sizes 5000 100000
 	HF_HUB_OFFLINE=1 PACKSTORE_EVAL_SCRATCH=$(EVAL_SCRATCH) $(BIN)/python -m tools.eval.eval_fusion sweep
 	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_banks --data own second third fourth --sizes 5000 --questions 1000 \
 		--embedders all-minilm-l6-v2 --vectors int8 --modes hybrid --banks $(EVAL_SCRATCH)/banks \
-		--out results/eval_banks-54 --figures docs/figures/eval_banks_54
+		--out results/eval_banks --figures docs/figures/eval_banks_54
 	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_banks --data own second third fourth --sizes 100000 --questions 1000 --no-ckc \
 		--embedders all-minilm-l6-v2 --vectors int8 --modes hybrid --banks $(EVAL_SCRATCH)/banks \
-		--out results/eval_banks-54-100k --figures docs/figures/eval_banks_54_100k
-	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_rerank --questions 200 --lm-questions 40 --out results/eval_rerank-54
+		--out results/eval_banks-100k --figures docs/figures/eval_banks_54_100k
+	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_rerank --questions 200 --lm-questions 40 --out results/eval_rerank
 
 # The paper's Table 4: ckc answers through one bank of every paragraph (held-out half, both models),
-# short-answer prompt, into results/eval_bank_answers-38/ (resumed from questions.jsonl).
+# short-answer prompt, into results/eval_bank_answers/ (resumed from its questions records).
 eval-bank-answers: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_bank_answers --models smollm2-135m gemma3-270m --out results/eval_bank_answers-38
+	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_bank_answers --models smollm2-135m gemma3-270m --out results/eval_bank_answers
 
 # Composition (Tables 2 and 5, compose time at 2k/8k tokens, errata, where the splice departs from exact) on
-# both models, into results/eval_compose-39/ (each part resumes) and docs/figures/eval_compose_*.png.
+# both models, into results/eval_compose/ (each part resumes) and docs/figures/eval_compose_*.png.
 eval-compose: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_compose --models smollm2-135m gemma3-270m --out results/eval_compose-39
+	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_compose --models smollm2-135m gemma3-270m --out results/eval_compose
 
 # Steering (Tables 6-10): alpha sweep, layer thirds, 5 vs 30 pairs, two directions, the key control and
 # the dual channel on ckc, both models, into results/eval_steering/ (resumes) and docs/figures/eval_steering_*.png.
@@ -98,10 +100,10 @@ eval-steering: install
 
 # KV Packet (the paper's comparison): per model, three seeds of a trained soft-token adapter against
 # plain RoPE composition, selective recompute and full recompute on unseen ckc contexts, with training
-# cost and TTFT, the ablations (soft tokens, learning rate, steps), into results/eval_packet-39/ (resumes) and docs/figures/eval_packet_*.png.
+# cost and TTFT, the ablations (soft tokens, learning rate, steps), into results/eval_packet/ (resumes) and docs/figures/eval_packet_*.png.
 eval-packet: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_packet --models smollm2-135m gemma3-270m --ablate-tokens 2 8 --ablate-learning-rates 0.01 --ablate-steps 600 \
-		--out results/eval_packet-39
+		--out results/eval_packet
 
 # vLLM with packs against vLLM prefilling the text (issue 52): smollm2-135m, float32 and bfloat16, all held-out ckc
 # questions plus 10 vLLM-built packs per dtype, into results/eval_vllm/ (resumes) and docs/figures/eval_vllm.png.

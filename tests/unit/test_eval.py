@@ -18,6 +18,8 @@ from tools.lib.evallib import (  # noqa: E402
     answer_scores,
     asked,
     bare_question,
+    compress_records,
+    compressed,
     contains_answer,
     frozen_split,
     holm,
@@ -30,6 +32,7 @@ from tools.lib.evallib import (  # noqa: E402
     paired_difference,
     proportion_interval,
     read_jsonl,
+    record_files,
     resumed_records,
     split_rows,
     token_f1,
@@ -196,6 +199,25 @@ def test_appended_records_name_the_commit_that_made_them(tmp_path: Path) -> None
     first, second = read_jsonl(tmp_path / "records.jsonl")
     assert first["id"] == "a" and first["commit"] and first["commit"] != "given"
     assert second["commit"] == "given"
+
+
+def test_compressed_records_resume_and_fold_back(tmp_path: Path) -> None:
+    """results/ keeps records gzip-compressed: a resumed run appends plain records beside them, readers see both in
+    order, folding makes one compressed file (the same bytes for the same records), and --fresh drops both."""
+    out = tmp_path / "out"
+    assert resumed_records(out, "questions", {"max_new_tokens": 24}, fresh=False) == []
+    path = out / "questions.jsonl"
+    path.write_text(json.dumps({"id": "a"}) + "\n")
+    assert compress_records(out) == [compressed(path)] and not path.exists()
+    first = compressed(path).read_bytes()
+    assert compress_records(out) == [compressed(path)] and compressed(path).read_bytes() == first
+    assert resumed_records(out, "questions", {"max_new_tokens": 24}, fresh=False) == [{"id": "a"}]
+    jsonl_appender(path)({"id": "b", "commit": "c"})
+    assert read_jsonl(path) == [{"id": "a"}, {"id": "b", "commit": "c"}] and record_files(out) == [path]
+    compress_records(out)
+    assert not path.exists() and read_jsonl(path) == [{"id": "a"}, {"id": "b", "commit": "c"}]
+    assert resumed_records(out, "questions", {"max_new_tokens": 24}, fresh=True) == []
+    assert not compressed(path).exists() and read_jsonl(path) == []
 
 
 def test_eval_bank_answers_on_the_tiny_model(tiny_lm, tmp_path: Path) -> None:

@@ -9,7 +9,11 @@ table (and any note lines its tool prints under it) between them and nothing els
 
 KIND names a generator (``GENERATORS``), DIR a results directory relative to the repository root (or
 several joined by ``+``, for a table gathered from several runs); the generator makes the table from DIR's
-records with the evaluation tool's own table function, as the tool's ``--report-only`` does.
+records with the evaluation tool's own table function, as the tool's ``--report-only`` does. Records may be
+kept compressed (``evallib.compressed``: questions.jsonl.gz for questions.jsonl). A superseded run whose
+directory was removed from results/ is cited at a commit that still holds it, DIR@COMMIT
+(``results/eval_packs-38@b486812``): its records are read from the git history (``git archive``), so the
+table and the prose that quote it stay checked without the records in the tree.
 
 Figures in prose are checked against the same records. A paragraph or list that quotes results is marked
 by a comment line before it and one after it, naming the records its figures come from (one or more KIND
@@ -38,9 +42,13 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import io
 import json
 import re
+import subprocess
 import sys
+import tarfile
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -335,19 +343,49 @@ def figure_matches(figure: Figure, values: Sequence[float]) -> bool:
     return any(abs(abs(value) - figure.value) <= tolerance for value in values)
 
 
+_ARCHIVED: dict[tuple[str, str, str], Path] = {}  # (root, commit, directory) -> where its records were extracted
+_SCRATCH: list[tempfile.TemporaryDirectory] = []  # made on the first DIR@COMMIT, removed when the process ends
+
+
+def archived(root: Path, name: str, commit: str) -> Path:
+    """ROOT/NAME as the commit COMMIT of ROOT's git repository holds it, extracted once per process into a scratch
+    directory; DocTableError when the history lacks it (a shallow clone, a wrong commit or path)."""
+    key = (str(root), commit, name)
+    if key not in _ARCHIVED:
+        if not _SCRATCH:
+            _SCRATCH.append(tempfile.TemporaryDirectory(prefix="doc-tables-"))
+        into = Path(_SCRATCH[0].name) / commit / name
+        archive = subprocess.run(["git", "archive", "--format=tar", commit, "--", name], cwd=root, capture_output=True)
+        if archive.returncode != 0:
+            why = archive.stderr.decode(errors="replace").strip()
+            raise DocTableError(f"{name}@{commit}: not in the git history here ({why}); a full clone holds it")
+        into.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(Path(_SCRATCH[0].name) / commit, filter="data")
+        _ARCHIVED[key] = into
+    return _ARCHIVED[key]
+
+
+def has_records(out: Path, pattern: str) -> bool:
+    """Whether ``out`` holds a records file matching ``pattern``, plain or compressed."""
+    return any(out.glob(pattern)) or any(out.glob(pattern + ".gz"))
+
+
 def generate(kind: str, directory: str, root: Path = REPO) -> str:
-    """The table KIND makes from ROOT/DIRECTORY's records (no trailing newline)."""
+    """The table KIND makes from ROOT/DIRECTORY's records (no trailing newline); a part NAME@COMMIT of DIRECTORY is
+    read at that commit (``archived``)."""
     generator = GENERATORS.get(kind)
     if generator is None:
         raise DocTableError(f"unknown table kind {kind!r}; known: {', '.join(GENERATORS)}")
     outs = []
-    for name in directory.split("+"):
-        out = root / name
+    for part in directory.split("+"):
+        name, _, commit = part.partition("@")
+        out = archived(root, name, commit) if commit else root / name
         if not out.is_dir():
-            raise DocTableError(f"{kind}: results directory {name} does not exist (under {root})")
+            raise DocTableError(f"{kind}: results directory {part} does not exist (under {root})")
         for pattern in generator.records:
-            if not any(out.glob(pattern)):
-                raise DocTableError(f"{kind}: no records file {name}/{pattern}")
+            if not has_records(out, pattern):
+                raise DocTableError(f"{kind}: no records file {part}/{pattern}")
         outs.append(out)
     if len(outs) > 1 and not generator.several:
         raise DocTableError(f"{kind} is made from one results directory, not {len(outs)} ({directory})")

@@ -59,7 +59,17 @@ from tools.data.fourth_facts import FOURTH_SEED, fourth_facts  # noqa: E402
 from tools.data.second_facts import second_facts  # noqa: E402
 from tools.data.third_facts import THIRD_SEED, third_facts  # noqa: E402
 from tools.lib.benchlib import logger, machine_description, source_commit, source_description  # noqa: E402
-from tools.lib.evallib import REPO, frozen_split, grouped_bars, jsonl_appender, load_rows, markdown_table, read_jsonl, wilson_interval  # noqa: E402
+from tools.lib.evallib import (  # noqa: E402
+    REPO,
+    discard_records,
+    frozen_split,
+    grouped_bars,
+    jsonl_appender,
+    load_rows,
+    markdown_table,
+    read_jsonl,
+    wilson_interval,
+)
 
 BANK_CACHE = BankCache()  # embedders and bank records (centroids, BM25 index) loaded once per run, as a server holds them
 
@@ -410,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="eval-banks-") as scratch:
         if args.sweep is not None:
             records = args.out / "sweep.jsonl"
-            records.unlink(missing_ok=True)  # a run's records are all of one commit
+            discard_records(records)  # a run's records are all of one commit
             sweep(args.sweep or [0.0, 0.1, 0.2, 0.3, 0.5, 0.8], Path(scratch), args.questions, jsonl_appender(records))
             text = sweep_table(sweep_rows_from_records(read_jsonl(records)))
             (args.out / "sweep.md").write_text(text + "\n")
@@ -426,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.no_ckc:
             datasets += ckc_datasets()
         records = args.out / "questions.jsonl"
-        records.unlink(missing_ok=True)  # a run's records are all of one commit
+        discard_records(records)  # a run's records are all of one commit
         rows = evaluate(datasets, args.embedders, args.modes, Path(scratch), args.vectors, jsonl_appender(records), args.banks)
     text = table(rows)
     (args.out / "summary.json").write_text(json.dumps(about | {"rows": rows}, indent=2) + "\n")

@@ -40,7 +40,7 @@ from packstore.format.bank import DEFAULT_VECTORS  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 from tools.eval.eval_banks import BANK_CACHE, Dataset, ckc_datasets, kept_bank, own_dataset, second_dataset, third_dataset  # noqa: E402
 from tools.lib.benchlib import logger, source_commit  # noqa: E402
-from tools.lib.evallib import REPO, jsonl_appender, markdown_table, read_jsonl, wilson_interval  # noqa: E402
+from tools.lib.evallib import REPO, discard_records, jsonl_appender, markdown_table, read_jsonl, wilson_interval  # noqa: E402
 
 EMBEDDER = "all-minilm-l6-v2"
 SCRATCH = Path(os.environ.get("PACKSTORE_EVAL_SCRATCH", "/tmp/packstore-eval"))
@@ -98,7 +98,7 @@ def rank_of_gold(rule: Fusion, cosine: np.ndarray, bm25: np.ndarray, gold: int) 
 def sweep(candidates: Path, out: Path) -> list[dict]:
     """Every rule on every dumped data set: one record per rule and data set."""
     records = out / "sweep.jsonl"
-    records.unlink(missing_ok=True)
+    discard_records(records)
     keep = jsonl_appender(records)
     commit = source_commit()
     for path in sorted(candidates.glob("*.npz")):

@@ -84,6 +84,7 @@ from tools.lib.evallib import (  # noqa: E402
     Interval,
     Row,
     answer_scores,
+    discard_records,
     format_p,
     frozen_split,
     gold_answers,
@@ -691,7 +692,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings_path = args.out / "settings.json"
     if args.fresh or not settings_path.exists():
         for name in ("training", "answers", "timing"):
-            (args.out / f"{name}.jsonl").write_text("")
+            discard_records(args.out / f"{name}.jsonl")
         for old in (args.out / "adapters").glob("*.pack") if (args.out / "adapters").exists() else []:
             old.unlink()
         settings_path.write_text(json.dumps(settings, indent=2) + "\n")

@@ -66,6 +66,7 @@ from tools.lib.evallib import (  # noqa: E402
     metric_headers,
     metric_intervals,
     paired_difference,
+    read_jsonl,
     resumed_records,
     write_jsonl,
 )
@@ -246,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (see the module docstring)")
     args = parser.parse_args(argv)
     if args.report_only:
-        records = [json.loads(line) for line in (args.out / "questions.jsonl").read_text().splitlines()]
+        records = read_jsonl(args.out / "questions.jsonl")
         about = json.loads((args.out / "summary.json").read_text())
         about.pop("models", None)
         print(write_report(records, args.out, args.figures, about))

@@ -37,7 +37,7 @@ from packstore.kv.models import load_model  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 from tools.eval.eval_banks import BANK_CACHE, EMBEDDERS, Dataset, ckc_datasets, own_dataset, second_dataset  # noqa: E402
 from tools.lib.benchlib import logger  # noqa: E402
-from tools.lib.evallib import REPO, jsonl_appender, markdown_table, proportion_interval, read_jsonl  # noqa: E402
+from tools.lib.evallib import REPO, discard_records, jsonl_appender, markdown_table, proportion_interval, read_jsonl  # noqa: E402
 
 WEIGHTS = (0.25, 0.5, 1.0, 2.0, 4.0, 1000.0)
 log = logger("eval_rerank")
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     records = args.out / "questions.jsonl"
     if not args.report_only:
         args.out.mkdir(parents=True, exist_ok=True)
-        records.unlink(missing_ok=True)
+        discard_records(records)
         keep = jsonl_appender(records)  # stamps each record with the commit, read once: a run's records are all of one tree
 
         embedder = BANK_CACHE.embedder(EMBEDDERS[0])

@@ -73,6 +73,7 @@ from tools.lib.evallib import (  # noqa: E402
     REPO,
     Interval,
     answer_scores,
+    discard_records,
     format_p,
     frozen_split,
     gold_answers,
@@ -807,7 +808,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings_path = args.out / "settings.json"
     if args.fresh or not settings_path.exists():
         for path in paths.values():
-            path.write_text("")
+            discard_records(path)
         (args.out / "cosines.json").write_text("[]\n")
         settings_path.write_text(json.dumps(settings, indent=2) + "\n")
     elif json.loads(settings_path.read_text()) != settings:

@@ -65,6 +65,7 @@ from tools.lib.evallib import (  # noqa: E402
     load_rows,
     markdown_table,
     read_jsonl,
+    record_files,
     resumed_records,
 )
 
@@ -505,8 +506,8 @@ def plot(records: Sequence[dict], path: Path) -> Path:
 
 
 def read_records(out: Path) -> list[dict]:
-    """Every record of OUT/<arm>-<dtype>.jsonl, in name order."""
-    return [record for path in sorted(out.glob("*.jsonl")) for record in read_jsonl(path)]
+    """Every record of OUT/<arm>-<dtype>.jsonl (compressed or not), in name order."""
+    return [record for path in record_files(out) for record in read_jsonl(path)]
 
 
 def write_report(out: Path, figures: Path) -> str:

@@ -18,6 +18,7 @@ bootstrap that resamples the seeds as well as the questions (``two_level_interva
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -304,17 +305,73 @@ def metric_headers() -> list[str]:
     return [f"{name} % [{'Wilson 95%' if metric in PROPORTIONS else '95% CI'}]" for metric, name in METRICS.items()]
 
 
-def write_jsonl(path: Path, records: Iterable[Mapping]) -> None:
-    """One JSON object a line (parent directories created)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as out:
-        for record in records:
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+def compressed(path: Path) -> Path:
+    """Where the records of OUT/NAME.jsonl are kept compressed: OUT/NAME.jsonl.gz.
+
+    A records file is one logical list in up to two files: what a finished run keeps, gzip-compressed (results/ holds
+    its records so: the large ones compress 6-10 times), then the records appended since, plain. ``read_jsonl`` reads
+    both in that order, an appender (``jsonl_appender``) adds to the plain one, so a compressed run resumes where it
+    stopped, and ``compress_records`` folds the plain file into the compressed one before the records are committed.
+    """
+    return path.with_name(path.name + ".gz")
+
+
+def _lines(path: Path) -> list[str]:
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8") as text:
+            return text.read().splitlines()
+    return path.read_text().splitlines()
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """A JSON-lines file as a list (empty when absent)."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    """The records of a JSON-lines file ``path`` (OUT/NAME.jsonl): those kept compressed beside it (``compressed``), then
+    its own; empty when neither exists."""
+    files = [f for f in (compressed(path), path) if f.exists()]
+    return [json.loads(line) for f in files for line in _lines(f) if line.strip()]
+
+
+def _write_gzip(path: Path, text: str) -> None:
+    """``text`` gzip-compressed into ``path``, the same bytes for the same text (no name or time in the header)."""
+    with path.open("wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=9, mtime=0) as sink:
+        sink.write(text.encode("utf-8"))
+
+
+def write_jsonl(path: Path, records: Iterable[Mapping]) -> None:
+    """Replace the records of ``path`` with ``records``, one JSON object a line (parent directories created): compressed
+    where they were kept compressed, else plain."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    if compressed(path).exists():
+        _write_gzip(compressed(path), text)
+        path.unlink(missing_ok=True)
+    else:
+        path.write_text(text)
+
+
+def discard_records(path: Path) -> None:
+    """Start the records of ``path`` over: the plain file emptied, the compressed one removed (``--fresh``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    compressed(path).unlink(missing_ok=True)
+    path.write_text("")
+
+
+def compress_records(directory: Path) -> list[Path]:
+    """Fold every plain records file of ``directory`` (``*.jsonl``) into its compressed one (``compressed``); the
+    compressed files written."""
+    written = []
+    for path in sorted(directory.glob("*.jsonl")):
+        records = read_jsonl(path)
+        compressed(path).touch()
+        write_jsonl(path, records)
+        written.append(compressed(path))
+    return written
+
+
+def record_files(directory: Path, pattern: str = "*.jsonl") -> list[Path]:
+    """The records files of ``directory`` matching ``pattern`` (a ``*.jsonl`` glob), each named by its plain path
+    whether it is kept plain, compressed or both, in name order: what ``read_jsonl`` takes."""
+    plain = set(directory.glob(pattern)) | {path.with_suffix("") for path in directory.glob(pattern + ".gz")}
+    return sorted(plain)
 
 
 def jsonl_appender(path: Path) -> Callable[[dict], None]:
@@ -333,7 +390,8 @@ def jsonl_appender(path: Path) -> Callable[[dict], None]:
 
 
 def resumed_records(out: Path, part: str, settings: Mapping, *, fresh: bool) -> list[dict]:
-    """The records a resumed run keeps of OUT/PART.jsonl: the file as it stands, unless ``fresh`` (then it is emptied).
+    """The records a resumed run keeps of OUT/PART.jsonl (compressed or not): as they stand, unless ``fresh`` (then they
+    are discarded).
 
     A part is only resumed under the ``settings`` it was made with (generation length, prompt, ...), which
     OUT/settings.json records per part; other settings are refused rather than mixed into one table.
@@ -342,8 +400,8 @@ def resumed_records(out: Path, part: str, settings: Mapping, *, fresh: bool) -> 
     path, settings_path = out / f"{part}.jsonl", out / "settings.json"
     recorded = json.loads(settings_path.read_text()) if settings_path.exists() else {}
     wanted = dict(settings)
-    if fresh or not path.exists():
-        path.write_text("")
+    if fresh or not (path.exists() or compressed(path).exists()):
+        discard_records(path)
         settings_path.write_text(json.dumps(recorded | {part: wanted}, indent=2) + "\n")
         return []
     if recorded.get(part) != wanted:
