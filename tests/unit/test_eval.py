@@ -210,12 +210,17 @@ def test_compressed_records_resume_and_fold_back(tmp_path: Path) -> None:
     path.write_text(json.dumps({"id": "a"}) + "\n")
     assert compress_records(out) == [compressed(path)] and not path.exists()
     first = compressed(path).read_bytes()
-    assert compress_records(out) == [compressed(path)] and compressed(path).read_bytes() == first
+    assert compress_records(out) == [] and compressed(path).read_bytes() == first  # nothing plain left to fold
     assert resumed_records(out, "questions", {"max_new_tokens": 24}, fresh=False) == [{"id": "a"}]
     jsonl_appender(path)({"id": "b", "commit": "c"})
     assert read_jsonl(path) == [{"id": "a"}, {"id": "b", "commit": "c"}] and record_files(out) == [path]
     compress_records(out)
     assert not path.exists() and read_jsonl(path) == [{"id": "a"}, {"id": "b", "commit": "c"}]
+    again = tmp_path / "again" / "questions.jsonl"
+    again.parent.mkdir()
+    again.write_text("".join(json.dumps(record) + "\n" for record in read_jsonl(path)))
+    compress_records(again.parent)
+    assert compressed(again).read_bytes() == compressed(path).read_bytes()  # the same records, the same bytes
     assert resumed_records(out, "questions", {"max_new_tokens": 24}, fresh=True) == []
     assert not compressed(path).exists() and read_jsonl(path) == []
 
