@@ -30,7 +30,7 @@ def bank(request, tmp_path_factory, embedder):
 
 
 def torch_nearest(vectors: np.ndarray, centroids: np.ndarray, count: int) -> np.ndarray:
-    scores = torch.from_numpy(vectors) @ torch.from_numpy(centroids).T
+    scores = torch.tensor(vectors) @ torch.tensor(centroids).T  # copies: the centroids are a read-only view of stored bytes
     return torch.topk(scores, min(count, centroids.shape[0]), dim=1).indices.numpy()
 
 
@@ -39,7 +39,7 @@ def torch_dense_route(store: LmdbStore, vector: np.ndarray, probe: int, top_k: i
     probed = torch_nearest(vector[None], np.asarray(store.bank_centroids("b"), dtype=np.float32), probe)[0].tolist()
     found = [c for c in store.bank_clusters("b", probed).values() if c is not None and c.texts]
     texts = [t for c in found for t in c.texts]
-    cosine = (torch.from_numpy(np.concatenate([c.vectors() for c in found])) @ torch.from_numpy(vector)).numpy()
+    cosine = (torch.from_numpy(np.concatenate([c.vectors() for c in found])) @ torch.tensor(vector)).numpy()
     best = np.argsort(-cosine, kind="stable")[:top_k]
     return [(texts[i], float(cosine[i])) for i in best]
 
