@@ -53,8 +53,9 @@ def _bm25s() -> ModuleType:
     JAX's GPU client, which reserves most of a GPU's memory (a worker next to its model would lose it). packstore scores
     with bm25s's NumPy code alone, so JAX is hidden while bm25s is imported, once, here."""
     with _IMPORTING:
-        if "bm25s" in sys.modules:
-            return sys.modules["bm25s"]
+        loaded = sys.modules.get("bm25s")  # None also where an import of it was refused
+        if loaded is not None:
+            return loaded
         with _jax_hidden():
             return require_extra("bm25s", "lexical")
 
