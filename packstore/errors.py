@@ -117,6 +117,14 @@ class StoreNotFound(PackstoreError):
     grpc_status = "FAILED_PRECONDITION"
 
 
+class MissingExtra(PackstoreError):
+    """A call needs an optional part of packstore this installation lacks (``extra``: the pip extra that adds it,
+    ``module``: the module found missing); nothing was done."""
+
+    code = "MISSING_EXTRA"
+    grpc_status = "FAILED_PRECONDITION"
+
+
 class Unavailable(PackstoreError):
     """A server could not be reached, or went away during the call."""
 
@@ -128,6 +136,6 @@ ERROR_CLASSES: dict[str, type[PackstoreError]] = {
     cls.code: cls
     for cls in (
         PackstoreError, PackNotFound, AmbiguousRef, PackMismatch, Untrusted, IntegrityError, InvalidInput, LimitExceeded, StoreBusy,
-        StoreNotFound, Unavailable, Unauthenticated, PermissionDenied,
+        StoreNotFound, Unavailable, Unauthenticated, PermissionDenied, MissingExtra,
     )
 }

@@ -11,12 +11,12 @@ from datetime import UTC, datetime
 from typing import TypeVar
 
 import numpy as np
-import torch
 
 from packstore.bank.embedder import Embedder, load_embedder
 from packstore.bank.fusion import Additive, Candidates, Fusion, LexicalLead
 from packstore.bank.lexical import LEXICAL_KIND, LexicalIndex
 from packstore.errors import InvalidInput, PackMismatch, StoreBusy
+from packstore.extras import require_extra
 from packstore.format.bank import DEFAULT_VECTORS, VECTOR_KINDS, BankMeta, Cluster, quantize
 from packstore.store.bank_records import StoredBanks
 from packstore.store.lmdb.banks import BankChanged
@@ -73,8 +73,7 @@ FLAT_KMEANS_MAX_CLUSTERS = 1024
 
 
 def _flat_kmeans(vectors: np.ndarray, clusters: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    import faiss
-
+    faiss = require_extra("faiss", "bank")
     if clusters == 1:
         centroid = vectors.mean(axis=0, keepdims=True)
         return centroid / max(float(np.linalg.norm(centroid)), 1e-12), np.zeros(len(vectors), dtype=np.int64)
@@ -194,10 +193,10 @@ def _kept(cache: BankCache | None, key: tuple[str | bytes, ...], load: Callable[
     return load() if cache is None else cache.record(key, load)
 
 
-def centroids_of(store: BankTables, name: str, cache: BankCache | None = None) -> torch.Tensor:
-    """A bank's centroid matrix, read and verified once per build when ``cache`` keeps it."""
+def centroids_of(store: BankTables, name: str, cache: BankCache | None = None) -> np.ndarray:
+    """A bank's centroid matrix (float32), read and verified once per build when ``cache`` keeps it."""
     key = (str(store.path), name, "centroids", store.bank_centroids_seal(name))
-    return _kept(cache, key, lambda: torch.tensor(store.bank_centroids(name)))
+    return _kept(cache, key, lambda: np.ascontiguousarray(store.bank_centroids(name), dtype=np.float32))
 
 
 def lexical_index_of(store: BankTables, name: str, cache: BankCache | None = None) -> LexicalIndex | None:
@@ -213,14 +212,15 @@ def lexical_index_of(store: BankTables, name: str, cache: BankCache | None = Non
     return _kept(cache, (str(store.path), name, "lexical", seal), load)
 
 
-def nearest_centroids(vectors: np.ndarray, centroids: torch.Tensor, count: int) -> np.ndarray:
+def nearest_centroids(vectors: np.ndarray, centroids: np.ndarray, count: int) -> np.ndarray:
     """Per vector, the indices of the ``count`` centroids of highest cosine, best first.
 
-    Torch, not NumPy: the matmul then runs on the embedder's thread pool, where a NumPy BLAS pool
-    beside it would oversubscribe the cores.
+    NumPy, so that a store service routes without torch; only the ``count`` best of each row are sorted.
     """
-    scores = torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32)) @ centroids.T
-    return torch.topk(scores, min(count, centroids.shape[0]), dim=1).indices.numpy()
+    scores = np.ascontiguousarray(vectors, dtype=np.float32) @ centroids.T
+    kept = np.argpartition(-scores, min(count, centroids.shape[0]) - 1, axis=1)[:, :count]
+    order = np.argsort(-np.take_along_axis(scores, kept, axis=1), axis=1, kind="stable")
+    return np.take_along_axis(kept, order, axis=1)
 
 
 def add_facts(
@@ -291,7 +291,7 @@ def route(
     store: BankTables,
     name: str,
     queries: Sequence[str],
-    embedder: Embedder,
+    embedder: Embedder | None,
     *,
     top_k: int = DEFAULT_TOP_K,
     probe: int | None = None,
@@ -302,8 +302,8 @@ def route(
 
     ``mode`` "hybrid" scores by ``FUSION`` (cosine + 0.4 x BM25 / the query's best BM25, a decisive BM25 lead
     first), so a fact whose rare words the query shares can win without its cluster being probed; "dense" ranks the
-    probed clusters by cosine alone, "lexical" the BM25 hits by BM25 alone. ``probe`` None probes
-    ``default_probe`` of the bank's cluster count.
+    probed clusters by cosine alone, "lexical" the BM25 hits by BM25 alone, without the embedder (None there: no
+    model stack needed). ``probe`` None probes ``default_probe`` of the bank's cluster count.
     """
     if not queries:
         raise InvalidInput("no queries: give at least one")
@@ -317,21 +317,25 @@ def route(
         if len(query) > MAX_QUERY_CHARS:
             raise InvalidInput(f"the query has {len(query)} characters; the limit is {MAX_QUERY_CHARS}")
     meta = store.bank(name)
-    _check_embedder(meta, embedder)
+    dense = mode != "lexical"
+    if dense:
+        if embedder is None:
+            raise InvalidInput(f"{mode} routing needs the bank's embedder")
+        _check_embedder(meta, embedder)
     lexical = lexical_index_of(store, name, cache) if mode != "dense" else None
     if mode == "lexical" and lexical is None:
         raise InvalidInput(f"bank {name!r} has no full-text index (built by an older version): add facts or rebuild it")
     if probe is None:
         probe = default_probe(meta.clusters)
     started = time.perf_counter()
-    vectors = embedder.embed([q.strip() for q in queries])
+    vectors = embedder.embed([q.strip() for q in queries]) if dense and embedder is not None else None
     embedded = time.perf_counter()
-    nearest = nearest_centroids(vectors, centroids_of(store, name, cache), probe).tolist() if mode != "lexical" else [[] for _ in queries]
+    nearest = nearest_centroids(vectors, centroids_of(store, name, cache), probe).tolist() if vectors is not None else [[] for _ in queries]
     routed = time.perf_counter()
-    per_query = (embedded - started) / len(queries), (routed - embedded) / len(queries)
+    per_query = {"embed": (embedded - started) / len(queries), "route": (routed - embedded) / len(queries)}
     return [
-        _rank(store, name, query, vector, probed, lexical, top_k, mode, {"embed": per_query[0], "route": per_query[1]})
-        for query, vector, probed in zip(queries, vectors, nearest)
+        _rank(store, name, query, None if vectors is None else vectors[i], nearest[i], lexical, top_k, mode, per_query)
+        for i, query in enumerate(queries)
     ]
 
 
@@ -339,7 +343,7 @@ def _rank(
     store: BankTables,
     name: str,
     query: str,
-    vector: np.ndarray,
+    vector: np.ndarray | None,
     probed: list[int],
     lexical: LexicalIndex | None,
     top_k: int,
@@ -348,7 +352,7 @@ def _rank(
 ) -> Route:
     """Score the facts of the probed clusters and of the clusters holding the best BM25 hits; keep ``top_k``."""
     started = time.perf_counter()
-    pool, texts, candidates = _candidates(store, name, query, vector if mode != "lexical" else None, probed, lexical)
+    pool, texts, candidates = _candidates(store, name, query, vector, probed, lexical)
     searched = time.perf_counter()
     if mode == "dense" or not len(texts):
         scores = candidates.cosine
@@ -382,8 +386,7 @@ def _candidates(
     texts = [t for _, c in found for t in c.texts]
     cosine = np.zeros(len(texts), dtype=np.float32)
     if found and vector is not None:
-        embeddings = torch.from_numpy(np.concatenate([c.vectors() for _, c in found]))
-        cosine = (embeddings @ torch.from_numpy(vector)).numpy()
+        cosine = np.concatenate([c.vectors() for _, c in found]) @ np.asarray(vector, dtype=np.float32)
     shared = np.zeros(len(texts), dtype=np.float32)
     if found and lexical is not None and bm25 is not None and len(hits):
         documents = np.concatenate([_fact_documents(lexical, cluster_id, len(c.texts)) for cluster_id, c in found])
@@ -435,7 +438,8 @@ class LocalBanks(StoredBanks):
         probe: int | None = None,
         mode: str = "hybrid",
     ) -> list[Route]:
-        return route(self.store, name, queries, self._embedder(name, embedder), top_k=top_k, probe=probe, mode=mode, cache=self.cache)
+        chosen = None if mode == "lexical" else self._embedder(name, embedder)  # BM25 alone: no embedder to load
+        return route(self.store, name, queries, chosen, top_k=top_k, probe=probe, mode=mode, cache=self.cache)
 
     def _embedder(self, name: str, spec: str | None) -> Embedder:
         """The named embedder, or the one the bank records when ``spec`` is None."""

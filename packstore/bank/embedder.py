@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
-import os
 import shutil
 import tempfile
 import zipfile
@@ -14,13 +13,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from packstore.errors import InvalidInput  # noqa: E402
-from packstore.format.header import canonical_json, sha256_hex  # noqa: E402
-from packstore.store.protocol import DEFAULT_EMBEDDER  # noqa: E402
+from packstore.errors import InvalidInput
+from packstore.extras import check_extra, require_extra
+from packstore.format.header import canonical_json, sha256_hex
+from packstore.store.protocol import DEFAULT_EMBEDDER
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -111,12 +109,11 @@ class Embedder:
 
     @cached_property
     def model(self) -> SentenceTransformer:
-        import transformers
-        from sentence_transformers import SentenceTransformer
-
-        transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
-
-        return SentenceTransformer(str(self.directory), device="cpu")
+        """The model, loaded from its directory alone (``local_files_only``: never the Hugging Face Hub)."""
+        sentence_transformers = require_extra("sentence_transformers", "bank")
+        require_extra("transformers", "bank").utils.logging.disable_progress_bar()
+        model: SentenceTransformer = sentence_transformers.SentenceTransformer(str(self.directory), device="cpu", local_files_only=True)
+        return model
 
     @property
     def dim(self) -> int:
@@ -142,4 +139,7 @@ class Embedder:
 
 
 def load_embedder(spec: str = DEFAULT_EMBEDDER) -> Embedder:
+    """The embedder ``spec`` names; MissingExtra first when the ``bank`` extra (sentence-transformers, torch) is not
+    installed, so that a missing extra is not reported as a missing embedder wheel."""
+    check_extra("bank")
     return Embedder(name=spec, directory=resolve_embedder_dir(spec))

@@ -11,53 +11,64 @@ from __future__ import annotations
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
-import Stemmer
 
+from packstore.extras import require_extra
 from packstore.format.bank import Cluster, encode_lexical
 
 if TYPE_CHECKING:
     import bm25s
-
-
-def _hide_jax_from_bm25s() -> None:
-    """Import bm25s without JAX: where JAX is installed, importing bm25s runs a JAX op that starts JAX's GPU client, which
-    reserves most of a GPU's memory (a worker next to its model would lose it). packstore scores with bm25s's NumPy
-    code alone, so JAX is hidden while bm25s is imported (a JAX the program already imported is left alone)."""
-    hide = "jax" not in sys.modules
-    if hide:
-        sys.modules["jax"] = None  # type: ignore[assignment]  # None in sys.modules makes ``import jax`` fail
-    try:
-        import bm25s  # noqa: F401  # imported once here, as the module-level name below
-    finally:
-        if hide:
-            del sys.modules["jax"]
-
-
-_hide_jax_from_bm25s()
-import bm25s  # noqa: E402  # already imported, without JAX
+    import Stemmer
 
 LEXICAL_KIND = "bm25s/en/snowball"  # recorded in BankMeta.lexical
 # Lucene StandardAnalyzer's habits: a number with inner dots or commas is one token ("14.19",
 # "81,080"), and one-character words count ("3-propyl..." keeps its "3"; English stopwords go).
 TOKEN_PATTERN = r"(?u)\d+(?:[.,]\d+)+|\w+"
 _STEMMERS = threading.local()  # PyStemmer objects are not safe to share between threads
+_IMPORTING = threading.Lock()
+
+
+@contextmanager
+def _jax_hidden() -> Iterator[None]:
+    """While it lasts, ``import jax`` fails (unless the program imported JAX already, which is left alone)."""
+    hide = "jax" not in sys.modules
+    if hide:
+        sys.modules["jax"] = None  # type: ignore[assignment]  # None in sys.modules makes ``import jax`` fail
+    try:
+        yield
+    finally:
+        if hide:
+            del sys.modules["jax"]
+
+
+def _bm25s() -> ModuleType:
+    """bm25s, imported on first use and without JAX: where JAX is installed, importing bm25s runs a JAX op that starts
+    JAX's GPU client, which reserves most of a GPU's memory (a worker next to its model would lose it). packstore scores
+    with bm25s's NumPy code alone, so JAX is hidden while bm25s is imported, once, here."""
+    with _IMPORTING:
+        loaded = sys.modules.get("bm25s")  # None also where an import of it was refused
+        if loaded is not None:
+            return loaded
+        with _jax_hidden():
+            return require_extra("bm25s", "lexical")
 
 
 def _stemmer() -> Stemmer.Stemmer:
     if not hasattr(_STEMMERS, "english"):
-        _STEMMERS.english = Stemmer.Stemmer("english")
+        _STEMMERS.english = require_extra("Stemmer", "lexical").Stemmer("english")
     return _STEMMERS.english
 
 
 def _tokens(texts: list[str], *, return_ids: bool) -> bm25s.tokenization.Tokenized | list[list[str]]:
     """bm25s's tokens of ``texts``: with ``return_ids`` as its ``Tokenized`` (ids and vocabulary), else as words."""
-    return bm25s.tokenize(
+    return _bm25s().tokenize(
         texts, token_pattern=TOKEN_PATTERN, stopwords="en", stemmer=_stemmer(), return_ids=return_ids, show_progress=False
     )
 
@@ -74,7 +85,7 @@ class LexicalIndex:
         """Index every fact of clusters ``0 .. cluster_count - 1`` in cluster order (missing clusters are empty)."""
         sizes = [len(c.texts) if (c := clusters.get(i)) is not None else 0 for i in range(cluster_count)]
         texts = [text for i in range(cluster_count) if (c := clusters.get(i)) is not None for text in c.texts]
-        retriever = bm25s.BM25()
+        retriever = _bm25s().BM25()
         retriever.index(_tokens(texts, return_ids=True), show_progress=False)
         return cls(retriever, np.concatenate([[0], np.cumsum(sizes)]).astype(np.uint32))
 
@@ -104,5 +115,5 @@ class LexicalIndex:
         with tempfile.TemporaryDirectory(prefix="packstore-bm25-") as folder:
             for name, data in members.items():
                 (Path(folder) / Path(name).name).write_bytes(data)
-            retriever = bm25s.BM25.load(folder, show_progress=False)
+            retriever = _bm25s().BM25.load(folder, show_progress=False)
         return cls(retriever, starts.copy())

@@ -38,8 +38,7 @@ def _route_reranker(args: argparse.Namespace, banks: Any) -> Any:
 
 
 def cmd_bank(args: argparse.Namespace) -> int:
-    from packstore.answering.api import sign_bank, verify_banks  # banks embed: the model stack loads only here
-    from packstore.bank.bank import open_banks
+    from packstore.bank.bank import open_banks  # the embedder loads only for what embeds (packstore.extras names a missing extra)
     from packstore.bank.rerank import reranked_route
 
     with store_of(args, readonly=args.bank_command in ("route", "ls", "verify")) as store:
@@ -73,12 +72,16 @@ def cmd_bank(args: argparse.Namespace) -> int:
                 for text, score in result.facts:
                     print(f"  {score:6.3f}  {text}")
         elif args.bank_command == "sign":
+            from packstore.answering.api import sign_bank
+
             signature = sign_bank(store, args.name, SigningKey.load(args.key))
             if args.json:
                 emit_json({"bank": args.name, "key_id": signature.key_id, "digest": signature.digest})
             else:
                 print(f"signed bank {args.name} (digest {signature.digest[:16]}) with key {signature.key_id}")
         elif args.bank_command == "verify":
+            from packstore.answering.api import verify_banks
+
             results = verify_banks(store, args.names, TrustedKeys.load(args.trusted_keys))
             if args.json:
                 emit_json([{"bank": r.key, "ok": r.ok, "error": r.error} for r in results])

@@ -12,6 +12,7 @@ from typing import Any
 
 from packstore import __version__
 from packstore.errors import PackstoreError
+from packstore.extras import missing_extra
 
 EXIT_ERROR = 1
 
@@ -101,11 +102,17 @@ def fail(program: str, message: str) -> int:
 
 
 def run_command(program: str, handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """Run a subcommand; a PackstoreError becomes one line on stderr and a non-zero exit."""
+    """Run a subcommand; a PackstoreError, or a missing module of an extra this installation lacks, becomes one line
+    on stderr and a non-zero exit."""
     try:
         return handler(args)
     except PackstoreError as exc:
         return fail(program, str(exc))
+    except ModuleNotFoundError as exc:
+        extra = missing_extra(exc)
+        if extra is None:
+            raise
+        return fail(program, str(extra))
     except KeyboardInterrupt:
         return fail(program, "interrupted")
     except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly

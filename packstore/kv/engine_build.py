@@ -39,7 +39,7 @@ CAPTURE_TIMEOUT_S = 1800
 def _cache_bytes(model_dir: Path, dtype: torch.dtype, tokens: int, block_size: int) -> int:
     """A KV cache for one request of ``tokens`` tokens with room to spare (vLLM on CPU otherwise reserves a share of
     all memory): layers x 2 x kv heads x head dim x element size, per token."""
-    config = AutoConfig.from_pretrained(model_dir).get_text_config(decoder=True)
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True).get_text_config(decoder=True)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
     return max(64 << 20, 2 * per_token * (tokens + 4 * block_size))

@@ -54,7 +54,7 @@ def export_model(
     directory = Path(target).expanduser()
     _check_target(source, directory, overwrite)
     template = chat_template or (wheel.chat_template if wheel else None)
-    if template is None and not AutoTokenizer.from_pretrained(source).chat_template:
+    if template is None and not AutoTokenizer.from_pretrained(source, local_files_only=True).chat_template:
         raise InvalidInput(f"the tokenizer of {spec!r} has no chat template, so no pack can be rendered for it: supply one")
     directory.mkdir(parents=True, exist_ok=True)
     for stale in _files(directory):
@@ -66,7 +66,7 @@ def export_model(
             shutil.copyfile(file, directory / file.name)
     if not has_safetensors:  # e.g. pytorch_model.bin only: re-saved in the checkpoint's own dtype, values unchanged
         try:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype="auto")
+            model = AutoModelForCausalLM.from_pretrained(source, dtype="auto", local_files_only=True)
         except OSError as exc:
             raise InvalidInput(f"cannot load the weights in {source}: {exc}") from None
         model.save_pretrained(directory)
@@ -99,9 +99,9 @@ def _check_target(source: Path, directory: Path, overwrite: bool) -> None:
 
 def _tokenizer_with_template(directory: Path, chat_template: str | None) -> Any:
     """The exported tokenizer, its files rewritten when ``chat_template`` is not already the template they hold."""
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     if chat_template is not None and tokenizer.chat_template != chat_template:
         tokenizer.chat_template = chat_template
         tokenizer.save_pretrained(directory)
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return tokenizer

@@ -142,7 +142,7 @@ def template_fingerprint(tokenizer: Any) -> str:
 
 def directory_template_fingerprint(path: str | Path, chat_template: str | None = None) -> str:
     """``template_fp`` of a Hugging Face directory's tokenizer (with ``chat_template`` in place of its own)."""
-    tokenizer = AutoTokenizer.from_pretrained(Path(path))
+    tokenizer = AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return template_fingerprint(tokenizer)
@@ -235,7 +235,7 @@ def _write_cached(entry: Path, key: dict[str, Any], identity: dict[str, Any]) ->
 def _meta_model(directory: Path, dtype: torch.dtype) -> PreTrainedModel:
     """The model ``from_pretrained(directory, dtype=dtype)`` builds, on the meta device: names, shapes, dtypes, ties."""
     try:
-        config = AutoConfig.from_pretrained(directory)
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise InvalidInput(f"cannot read the model config in {directory}: {exc}") from None
     if getattr(config, "quantization_config", None):

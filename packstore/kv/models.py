@@ -10,24 +10,20 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-import os
 import tempfile
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+import torch
+import transformers
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-from packstore.errors import InvalidInput  # noqa: E402
-from packstore.kv.identity import DTYPES, model_fingerprint, template_fingerprint  # noqa: E402
-from packstore.kv.model_cache import model_cache_dir  # noqa: E402
-from packstore.kv.templates import GEMMA3_CHAT_TEMPLATE  # noqa: E402
+from packstore.errors import InvalidInput
+from packstore.kv.identity import DTYPES, model_fingerprint, template_fingerprint
+from packstore.kv.model_cache import model_cache_dir
+from packstore.kv.templates import GEMMA3_CHAT_TEMPLATE
 
 transformers.utils.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
@@ -175,8 +171,8 @@ def _wheel_model_dir(wheel: WheelModel, bar: tqdm) -> Path:
         work = Path(tmp)
         gguf = wheel.source.materialize(work)
         bar.set_postfix_str("dequantizing GGUF (first load only)")
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True)
         # The dequantized weights are plain tensors; drop the GGUF marker so they save as safetensors.
         del model.config.quantization_config
         # nn.Module.__setattr__ is typed for Tensor | Module values; these are plain attributes transformers reads.
@@ -227,7 +223,7 @@ def resolve_model_dir(spec: str, bar: tqdm | None = None) -> tuple[Path, WheelMo
 def load_tokenizer(spec: str, *, chat_template: str | None = None) -> transformers.PreTrainedTokenizerBase:
     """The tokenizer ``load_model(spec, chat_template=...)`` loads, without the weights: for rendering prompts."""
     model_dir, _ = resolve_model_dir(spec)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
@@ -252,8 +248,8 @@ def load_model(
         model_dir, wheel = resolve_model_dir(spec, bar)
         bar.update(1)
         bar.set_postfix_str("weights")
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], local_files_only=True)
         model.to(target).eval()  # type: ignore[arg-type]  # PreTrainedModel.to's wrapper is typed as taking the model
         if chat_template is not None:
             tokenizer.chat_template = chat_template

@@ -26,6 +26,7 @@ SAMPLES: list[PackstoreError] = [
     errors.LimitExceeded("pack of 5 bytes exceeds the limit of 4"),
     errors.StoreBusy("store s is open in another process"),
     errors.Unavailable("server went away"),
+    errors.MissingExtra("torch is not installed: this needs packstore's 'model' extra", extra="model", module="torch"),
     PackstoreError("internal error: boom"),
 ]
 

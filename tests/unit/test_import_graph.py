@@ -28,11 +28,13 @@ GENERATED = "packstore.v1"
 # Each layer may import itself and the layers named here, nothing else in packstore. The design of
 # issue 35: format (pure bytes, no I/O) <- store (LMDB, object store) <- service (gRPC); format <- kv (model
 # side) <- worker; the CLI and the service are thin shells over library functions. rpc is the shared
-# server/client scaffold under service and worker; security (auth, trust) sits beside format.
-BASE = {"errors", "packstore"}
+# server/client scaffold under service and worker; security (auth, trust) sits beside format. extras (which optional
+# extra adds which module, and the error naming one that is missing) sits on errors, under everything.
+BASE = {"errors", "extras", "packstore"}
 ALLOWED: dict[str, set[str]] = {
     "packstore": set(),
     "errors": set(),
+    "extras": {"errors"},
     "format": BASE,
     "store": BASE | {"format"},  # backends in bytes: no torch, no packs/, no bank/ (the gRPC client tier is rpc.remote)
     "security": BASE | {"format", "store"},

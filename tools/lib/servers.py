@@ -97,11 +97,16 @@ class RunningServer:
 
 @contextmanager
 def running_server(
-    data: Path, *extra: str, tls: dict | None = None, env: dict | None = None, cgroup: Confinement | None = None
+    data: Path,
+    *extra: str,
+    tls: dict | None = None,
+    env: dict | None = None,
+    cgroup: Confinement | None = None,
+    packstore: Path = Path(sys.executable).parent / "packstore",
 ) -> Iterator[RunningServer]:
     """``packstore serve`` on ``data``; yields once its health reports SERVING. ``cgroup``: start it inside that memory
-    cgroup (``cgroup_helpers.memory_cgroup``), so what it holds can be read there."""
-    packstore = Path(sys.executable).parent / "packstore"
+    cgroup (``cgroup_helpers.memory_cgroup``), so what it holds can be read there; ``packstore``: the console script
+    to run (another install's)."""
     log_path = data.parent / f"{data.name}-server.log"
     for attempt in range(PORT_ATTEMPTS):
         # free_port's ports are free when asked, not when the server binds them: a lost race retries on fresh ones
