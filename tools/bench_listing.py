@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import logger, machine_description, median, print_table, source_description, timed  # noqa: E402
 from packstore.format import ChunkInfo, PackHeader  # noqa: E402
 from packstore.format.header import CODEC  # noqa: E402
-from packstore.rpc.remote import RemoteStore  # noqa: E402
 from packstore.store import LmdbStore, PackStore  # noqa: E402
+from packstore.store.remote.store import RemoteStore  # noqa: E402
 
 TOKENS, FACTS, LAYERS, BATCH = 2048, 20, 30, 1000
 MODEL_FP, TEMPLATE_FP = "5" * 64, "6" * 64

@@ -40,8 +40,8 @@ import torch
 
 from packstore.format import EncodedPack, PackHeader
 from packstore.packs.tensors import Pack, encode_pack
-from packstore.rpc.remote import RemoteStore
 from packstore.store.objects.store import ObjectStore
+from packstore.store.remote.store import RemoteStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from seaweed_helpers import Seaweed, running_seaweed  # noqa: E402

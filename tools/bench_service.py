@@ -78,8 +78,8 @@ from packstore.kv.build import build_pack  # noqa: E402
 from packstore.kv.inject import Sampling, answer_with_text  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model  # noqa: E402
 from packstore.packs.tensors import Pack, encode_pack, pack_from_chunks  # noqa: E402
-from packstore.rpc.remote import RemoteStore  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
+from packstore.store.remote.store import RemoteStore  # noqa: E402
 from packstore.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
