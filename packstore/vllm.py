@@ -39,6 +39,7 @@ from packstore.packs.decoder import Decoder
 from packstore.packs.reader import PackReader
 from packstore.rpc.channel import Connection
 from packstore.security.trust import TrustedKeys
+from packstore.store import StoreSpec
 from packstore.store.protocol import DEFAULT_NAMESPACE
 from packstore.worker.stores import NamespaceReaders
 
@@ -112,10 +113,9 @@ class ConnectorSettings:
 
     def readers(self) -> NamespaceReaders:
         """Each namespace's store, opened on first use with the token, TLS CA and S3 endpoint given."""
-        connection = Connection.from_env(
-            token_file=self.token_file, tls_ca=self.tls_ca, s3_endpoint=self.s3_endpoint, namespace=self.namespace
-        )
-        return NamespaceReaders(self.store, connection, per_caller=True)
+        connection = Connection.from_env(token_file=self.token_file, tls_ca=self.tls_ca, namespace=self.namespace)
+        spec = StoreSpec.of(self.store, connection=connection, s3_endpoint=self.s3_endpoint, namespace=self.namespace)
+        return NamespaceReaders(spec, per_caller=True)
 
 
 def check_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:

@@ -18,8 +18,7 @@ from packstore.bank.lexical import LEXICAL_KIND, LexicalIndex
 from packstore.errors import InvalidInput, PackMismatch, StoreBusy
 from packstore.extras import require_extra
 from packstore.format.bank import DEFAULT_VECTORS, VECTOR_KINDS, BankMeta, Cluster, quantize
-from packstore.store.bank_records import StoredBanks
-from packstore.store.lmdb.banks import BankChanged
+from packstore.store.bank_records import BankChanged, StoredBanks
 from packstore.store.protocol import (
     DEFAULT_EMBEDDER,
     DEFAULT_TOP_K,

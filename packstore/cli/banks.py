@@ -9,8 +9,8 @@ from typing import Any
 
 from packstore.answering.facts import read_facts, read_items
 from packstore.bank.rerank import CANDIDATES, DEFAULT_WEIGHT, RERANKERS
-from packstore.cli.common import EXIT_ERROR, CommandLine, emit_json, global_options
-from packstore.cli.shared import progress, store_of
+from packstore.cli.program import EXIT_ERROR, CommandLine, emit_json, global_options, progress
+from packstore.cli.store_options import store_of
 from packstore.errors import InvalidInput
 from packstore.format.bank import DEFAULT_VECTORS, VECTOR_KINDS
 from packstore.security.trust import SigningKey, TrustedKeys

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from packstore.cli.common import CommandLine, emit_json
+from packstore.cli.program import CommandLine, emit_json
 from packstore.security.trust import generate_key
 
 

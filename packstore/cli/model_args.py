@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from packstore.cli.banks import bank_options
-from packstore.cli.common import CommandLine, deferred, global_options
+from packstore.cli.program import CommandLine, deferred, global_options
 from packstore.format.header import COMPOSITIONS as COMPOSE_MODES
 from packstore.format.header import FRAMINGS, KEY_SPACES, POOLINGS
 from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_TOKENS, MAX_ALPHA, STEER_TARGETS

@@ -21,8 +21,8 @@ from packstore.answering.api import (
     train_adapter_and_store,
 )
 from packstore.answering.facts import read_examples, read_facts, read_pairs, read_questions
-from packstore.cli.common import EXIT_ERROR, connection_of, emit_json
-from packstore.cli.shared import human_bytes, progress, store_of
+from packstore.cli.program import EXIT_ERROR, emit_json, human_bytes, progress
+from packstore.cli.store_options import connection_of, store_of
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.kv.engine_build import build_pack_with_engine
 from packstore.kv.export import export_model

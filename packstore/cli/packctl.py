@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from packstore.cli import banks, keys, model_args, packs
-from packstore.cli.common import CommandLine
+from packstore.cli.program import CommandLine
 
 
 def build_cli() -> CommandLine:

@@ -4,19 +4,16 @@ migrate stores. None needs a model, so this module imports nothing heavy: no tor
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import asdict
 from typing import Any
 
-from packstore.cli.common import EXIT_ERROR, CommandLine, emit_json
-from packstore.cli.shared import human_bytes, store_of
+from packstore.cli.program import EXIT_ERROR, CommandLine, emit_json, human_bytes
+from packstore.cli.store_options import spec_of, store_of
 from packstore.errors import InvalidInput
 from packstore.packs.admin import export_pack, import_pack, pack_details, pack_summary, sign_pack, verify_packs
-from packstore.packs.stores import is_remote
+from packstore.packs.backup import backup
 from packstore.security.trust import SigningKey, TrustedKeys
-from packstore.store import default_store_path
-from packstore.store.namespaces import backup
 from packstore.store.protocol import DEFAULT_PAGE
 
 
@@ -132,12 +129,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_backup(args: argparse.Namespace) -> int:
-    source = args.store or os.environ.get("PACKSTORE_STORE") or str(default_store_path())
-    if is_remote(source):
+    spec = spec_of(args)
+    if not spec.is_directory:
         raise InvalidInput(
             "backup copies a store directory: run it on the service's host with --store DATA (it is safe while the service runs); "
             "copy an s3:// store with packctl migrate --to DIR"
         )
+    source = spec.location
     report = backup(source, args.destination)
     if args.json:
         emit_json({"destination": report.destination, "namespaces": report.namespaces})
@@ -185,7 +183,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     from packstore.packs.migrate import migrate
 
     show = None if args.json or args.quiet else lambda key, what: print(f"{what:<8} {key}", file=sys.stderr)
-    with store_of(args, readonly=True) as source, store_of(args, spec=args.to) as target:
+    with store_of(args, readonly=True) as source, store_of(args, location=args.to) as target:
         report = migrate(source, target, progress=show)
     if args.json:
         emit_json(asdict(report))

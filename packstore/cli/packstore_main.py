@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from packstore import __version__
-from packstore.cli.common import CommandLine, connection_of, connection_options, emit_json
+from packstore.cli.program import CommandLine, emit_json
+from packstore.cli.store_options import connection_options, spec_of
 from packstore.errors import InvalidInput
 
 DEFAULT_HOST_CACHE_BYTES = 8 << 30  # the host tier of a worker on an accelerator, unless --host-cache-bytes says otherwise
@@ -17,11 +18,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     import transformers
 
     from packstore.kv.models import WHEEL_MODELS, default_device, model_cache_dir
-    from packstore.store import default_store_path
+    from packstore.store import StoreSpec
 
     record = {
         "version": __version__,
-        "store": str(args.store or default_store_path()),
+        "store": StoreSpec.of(args.store).location,
         "model_cache": str(model_cache_dir()),
         "device": str(default_device()),
         "torch": torch.__version__,
@@ -115,7 +116,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from packstore.worker.stores import NamespaceReaders
 
     auth = Auth(args.auth) if args.auth else None
-    with NamespaceReaders(args.store, connection_of(args, prefix="store_"), per_caller=auth is not None) as stores:
+    with NamespaceReaders(spec_of(args, prefix="store_"), per_caller=auth is not None) as stores:
         serve_worker(
             lm,
             stores.get,

@@ -19,8 +19,7 @@ from collections.abc import Callable
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound
 from packstore.packs.reader import PackReader
-from packstore.store.bank_records import StoredBanks
-from packstore.store.lmdb.banks import BankChanged, digest_of
+from packstore.store.bank_records import BankChanged, StoredBanks, digest_of
 from packstore.store.protocol import BankRecordStore, BankTables, PackStore, ServesBanks
 from packstore.store.records import MigrateReport, StoredPack
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 import os
 import ssl
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import grpc
 
 from packstore.errors import InvalidInput, PackstoreError
+from packstore.rpc.fields import NAMESPACE_HEADER
 from packstore.rpc.status import error_from_rpc
-from packstore.security.auth import NAMESPACE_HEADER
 
 GRPC_SCHEME = "grpc://"
 GRPCS_SCHEME = "grpcs://"
@@ -33,18 +33,17 @@ def _read(path: str | None, what: str) -> bytes | None:
 
 @dataclass(frozen=True)
 class Connection:
-    """How a client reaches a store: TLS files (for ``grpcs://``) and the bearer token it sends, the
-    namespace, and the endpoint of an ``s3://`` object store (None: ``$AWS_ENDPOINT_URL_S3``, else AWS S3).
+    """How a client reaches a server: TLS files (for ``grpcs://``), the bearer token it sends and the namespace it
+    names.
 
     ``from_env`` fills what is not given from ``$PACKSTORE_TLS_CA``, ``$PACKSTORE_TLS_CLIENT_CERT``,
-    ``$PACKSTORE_TLS_CLIENT_KEY``, ``$PACKSTORE_TOKEN``, ``$PACKSTORE_NAMESPACE`` and ``$PACKSTORE_S3_ENDPOINT``."""
+    ``$PACKSTORE_TLS_CLIENT_KEY``, ``$PACKSTORE_TOKEN`` and ``$PACKSTORE_NAMESPACE``."""
 
     tls_ca: str | None = None
     tls_client_cert: str | None = None
     tls_client_key: str | None = None
     token: str | None = None
     namespace: str | None = None
-    s3_endpoint: str | None = None
 
     @classmethod
     def from_env(cls, *, token_file: str | None = None, **given: str | None) -> Connection:
@@ -56,9 +55,6 @@ class Connection:
                 raise InvalidInput(f"token file {token_file} is empty")
             values["token"] = token
         return cls(**values)
-
-    def with_token(self, token: str | None) -> Connection:
-        return replace(self, token=token)
 
     def metadata(self) -> list[tuple[str, str]]:
         """What every call sends: ``authorization: Bearer <token>`` and the namespace, when set."""

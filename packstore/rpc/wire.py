@@ -4,21 +4,24 @@ A chunk is most of what GetPack carries. Through protobuf its bytes were copied 
 (out of the store, into a Chunk, into a GetPackResponse, serialized) and twice on the client (parsed, then
 read from the field). Written by hand, a response is one join of the chunk with a few bytes of framing; read
 by hand, a piece's data is a view of the received message. The bytes on the wire are the same (a test checks
-them against protobuf both ways), so any gRPC client of ``packstore.v1`` reads them as before.
+them against protobuf both ways), so any gRPC client of ``packstore.v1`` reads them as before. Uploads send
+chunks as ordinary Chunk messages (``chunk_pieces``); ``ChunkAssembler`` joins pieces back into chunks on either end.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 
+from packstore.errors import InvalidInput
 from packstore.v1 import store_pb2
 
 if TYPE_CHECKING:
     from packstore.format.chunks import Buffer
+    from packstore.format.header import PackHeader
 
 PIECE_BYTES = 1 << 20  # chunks travel in pieces of at most 1 MiB, whatever the message-size limits
 GET_PACK = "/packstore.v1.PackStore/GetPack"
@@ -136,3 +139,50 @@ def get_pack_method(channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable:
     return channel.unary_stream(
         GET_PACK, request_serializer=store_pb2.GetPackRequest.SerializeToString, response_deserializer=parse_get_pack_response
     )
+
+
+def chunk_pieces(index: int, data: bytes, digest: str) -> Iterator[store_pb2.Chunk]:
+    """A chunk as consecutive Chunk messages with the same index (at least one, even when empty), made one at
+    a time as they are sent, so a stream holds one piece beyond the chunk itself (an upload's; GetPack writes
+    its chunk messages by hand: ``chunk_responses``)."""
+    for piece in piece_views(data):
+        yield store_pb2.Chunk(index=index, data=bytes(piece), digest=digest)
+
+
+class ChunkAssembler:
+    """Joins Chunk pieces back into whole chunks, using the header's stored sizes to know when each ends.
+    ``indices``: the chunks expected, in order (a partial read's, or every chunk when None)."""
+
+    def __init__(self, header: PackHeader, indices: Sequence[int] | None = None) -> None:
+        self.header = header
+        self.indices = tuple(indices) if indices is not None else tuple(range(len(header.chunks)))
+        self.received = 0  # whole chunks so far
+        self._parts: list[bytes | memoryview] = []
+        self._size = 0
+
+    def add(self, piece: store_pb2.Chunk | ChunkPiece) -> tuple[int, bytes | memoryview] | None:
+        """Add one piece; returns (chunk index, whole chunk) when this piece completes it (a chunk that came in
+        one piece is that piece's data, not copied)."""
+        if self.received >= len(self.indices):
+            raise InvalidInput(
+                f"chunk {piece.index} arrived after the last chunk expected ({self.indices[-1] if self.indices else 'none'})"
+            )
+        index = self.indices[self.received]
+        if piece.index != index:
+            raise InvalidInput(f"chunk {piece.index} arrived where chunk {index} was expected")
+        expected = self.header.chunks[index].stored_bytes
+        data = piece.data  # each access of a protobuf bytes field copies it
+        self._parts.append(data)
+        self._size += len(data)
+        if self._size > expected:
+            raise InvalidInput(f"chunk {piece.index} is longer than the {expected} bytes the header states")
+        if self._size < expected:
+            return None
+        data = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+        self._parts, self._size = [], 0
+        self.received += 1
+        return index, data
+
+    @property
+    def complete(self) -> bool:
+        return self.received == len(self.indices) and not self._parts

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from packstore.errors import InvalidInput, PermissionDenied, Unauthenticated
+from packstore.rpc.fields import NAMESPACE_HEADER
 from packstore.store.protocol import DEFAULT_NAMESPACE, check_name
-
-NAMESPACE_HEADER = "x-packstore-namespace"  # the metadata a caller names its namespace in
 
 ROLES = ("read", "write", "admin")  # each may do what the ones before it may
 ANY_NAMESPACE = "*"

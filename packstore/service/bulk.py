@@ -39,11 +39,11 @@ from packstore.errors import InvalidInput, LimitExceeded, PackstoreError, Unauth
 from packstore.format import PackHeader
 from packstore.format.chunks import Buffer
 from packstore.packs.reader import verified_chunks
-from packstore.rpc.bulk import HELLO, HELLO_SECONDS, MAGIC, TICKET_BYTES, chunk_frame, end_frame, error_frame
-from packstore.rpc.pacing import STREAM_RATE, STREAM_SECONDS
+from packstore.rpc.frames import HELLO, HELLO_SECONDS, MAGIC, TICKET_BYTES, chunk_frame, end_frame, error_frame
 from packstore.security.shares import ShareRule, Shares
 from packstore.service.hot import HotPacks
 from packstore.service.metrics import ServiceMetrics
+from packstore.serving.pacing import STREAM_RATE, STREAM_SECONDS
 from packstore.store.protocol import ServedStore
 from packstore.v1 import store_pb2
 

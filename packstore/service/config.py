@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from packstore.errors import InvalidInput
-from packstore.store.objects.cache import DEFAULT_CACHE_BYTES
+from packstore.store.spec import DEFAULT_OBJECT_CACHE_BYTES
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class ServiceConfig:
     tls_client_ca: str = ""  # PEM CA whose client certificates are required (mutual TLS)
     objects: str = ""  # s3://BUCKET/PREFIX to serve from (docs/operations.md, "Object store tier"); empty: the local store
     s3_endpoint: str = ""  # the object store's URL; empty: $AWS_ENDPOINT_URL_S3, else AWS S3
-    cache_bytes: int = DEFAULT_CACHE_BYTES  # with objects: the local cache of each namespace
+    cache_bytes: int = DEFAULT_OBJECT_CACHE_BYTES  # with objects: the local cache of each namespace
 
 
 # Settings that no longer exist, and what took their place (a config that still names one is refused, not ignored).

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the service, per namespace where a tenant's activity shows (served by rpc/metrics_http.py).
+"""Prometheus metrics of the service, per namespace where a tenant's activity shows (served by serving/metrics_http.py).
 
 Every series of a tenant's activity or holdings carries a ``namespace`` label: requests, latencies, pack bytes sent
 and received, bulk hot reads, and the store and hot-pack gauges (one series per open namespace). Series of the

@@ -17,20 +17,21 @@ from packstore.format.bank import DEFAULT_VECTORS
 from packstore.format.body import chunks_for
 from packstore.format.signature import Signature
 from packstore.packs.reader import PackReader, verified_chunks
-from packstore.rpc.listen import server_ssl_context
-from packstore.rpc.messages import ChunkAssembler, bank_info, pack_info, signatures_of, summary_info
-from packstore.rpc.metrics_http import serve_metrics
-from packstore.rpc.pacing import StreamWatch
-from packstore.rpc.serving import Server, log_as_json
+from packstore.rpc.fields import signatures_of
 from packstore.rpc.status import abort_with_error, status_for
-from packstore.rpc.wire import chunk_responses, serialize_get_pack_response
+from packstore.rpc.wire import ChunkAssembler, chunk_responses, serialize_get_pack_response
 from packstore.security.auth import Auth, Principal
 from packstore.security.shares import ShareRule, Shares, principal_key
 from packstore.service.bulk import BulkServer, Tickets, bulk_address
 from packstore.service.config import ServiceConfig
 from packstore.service.hot import HotPacks
 from packstore.service.metrics import ServiceMetrics
-from packstore.store.namespaces import NamespaceStores
+from packstore.service.namespaces import NamespaceStores
+from packstore.service.to_messages import bank_info, pack_info, summary_info
+from packstore.serving.listen import server_ssl_context
+from packstore.serving.metrics_http import serve_metrics
+from packstore.serving.pacing import StreamWatch
+from packstore.serving.scaffold import Server, log_as_json
 from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, BankStore, ServedStore, check_name
 from packstore.store.records import PackPage
 from packstore.v1 import store_pb2, store_pb2_grpc

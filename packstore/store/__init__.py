@@ -1,25 +1,39 @@
-"""Backends of packs and banks, in bytes: the protocols, the records, the LMDB tier and the S3 object tier (the gRPC
-client tier is ``packstore.rpc.remote``; ``packstore.packs.stores.open_store`` opens any of them by specifier)."""
+"""Backends of packs and banks, in bytes. The store core (protocols, records, bank records, namespaces, the
+store specifier) imports no tier; each tier has its folder and imports only the core: ``lmdb/`` (a directory),
+``objects/`` (``s3://``), ``remote/`` (``grpc://``, the service). ``open_store`` here is the one factory that opens
+them, and so the one place above the tiers that names them."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from packstore.store.protocol import BankStore, PackStore
 from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack, VerifyResult
+from packstore.store.spec import StoreSpec
 
 if TYPE_CHECKING:
     from packstore.store.lmdb.store import LmdbStore
 
 
-def default_store_path() -> Path:
-    """``$PACKSTORE_STORE``, else ``$XDG_DATA_HOME/packstore``, else ``~/.local/share/packstore``."""
-    if os.environ.get("PACKSTORE_STORE"):
-        return Path(os.environ["PACKSTORE_STORE"])
-    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
-    return Path(base) / "packstore"
+def open_store(spec: StoreSpec | str | os.PathLike[str] | None = None, *, readonly: bool = False) -> PackStore:
+    """The store ``spec`` names (a string or None is read by ``StoreSpec.of``), opened by its tier; each tier is
+    imported only when a store of it is opened. ``readonly`` opens a directory read-only."""
+    spec = spec if isinstance(spec, StoreSpec) else StoreSpec.of(spec)
+    if spec.tier == "s3":
+        from packstore.store.objects.store import ObjectStore
+
+        return ObjectStore(
+            spec.location, endpoint=spec.s3_endpoint, cache_dir=spec.cache_dir, cache_bytes=spec.cache_bytes, namespace=spec.namespace
+        )
+    if spec.tier == "grpc":
+        from packstore.store.remote.store import RemoteStore
+
+        return RemoteStore(spec.location, connection=spec.connection)
+    from packstore.store.lmdb.store import LmdbStore
+
+    sized = {} if spec.map_size is None else {"map_size": spec.map_size}
+    return LmdbStore(spec.location, readonly=readonly, max_bytes=spec.max_bytes, **sized)
 
 
 def __getattr__(name: str) -> Any:
@@ -40,6 +54,7 @@ __all__ = [
     "PackSummary",
     "StoreCounts",
     "StoredPack",
+    "StoreSpec",
     "VerifyResult",
-    "default_store_path",
+    "open_store",
 ]

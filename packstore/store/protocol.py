@@ -21,6 +21,8 @@ from packstore.format.chunks import Buffer, ChunkSource
 from packstore.store.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import numpy as np
 
     from packstore.format.bank import BankMeta, Cluster
@@ -227,6 +229,20 @@ class ServesBanks(Protocol):
     """A tier that serves banks itself (the service: routing runs where the bank is)."""
 
     def banks(self) -> BankStore: ...
+
+
+@runtime_checkable
+class HoldsNamespaces(Protocol):
+    """A tier whose namespaces share one place (the object tier's bucket): whether a namespace holds anything there."""
+
+    def holds_namespace(self, namespace: str) -> bool: ...
+
+
+@runtime_checkable
+class BacksUp(Protocol):
+    """A tier that copies itself hot (the LMDB tier): one read snapshot into an empty directory."""
+
+    def backup_into(self, directory: Path) -> None: ...
 
 
 class Upload(Protocol):

@@ -41,9 +41,9 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from packstore.answering.records import AnswerResult
 from packstore.errors import InvalidInput, LimitExceeded, PackstoreError
 from packstore.kv.inject import TextDeltas
-from packstore.rpc.metrics_http import metrics_address
 from packstore.security.auth import Auth, Principal
 from packstore.security.shares import Shares, principal_key
+from packstore.serving.metrics_http import metrics_address
 from packstore.worker.chat import ChatRequest, chat_request, completion_request, packstore_fields, usage
 from packstore.worker.metrics import WorkerMetrics
 

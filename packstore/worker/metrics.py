@@ -1,4 +1,4 @@
-"""Prometheus metrics of the worker, per namespace where a tenant's activity shows (served by rpc/metrics_http.py).
+"""Prometheus metrics of the worker, per namespace where a tenant's activity shows (served by serving/metrics_http.py).
 
 Series of a tenant carry a ``namespace`` label: its calls and their latency, where the packs its answers needed came
 from (``tier``: ``device`` LRU hits, ``host`` tier hits, ``store`` reads), and what it holds in each tier (packs,

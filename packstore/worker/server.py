@@ -20,13 +20,13 @@ from packstore.kv.device import DeviceLock
 from packstore.kv.inject import TextDeltas
 from packstore.kv.models import LoadedModel
 from packstore.packs.decoder import Decoder
-from packstore.rpc.listen import server_ssl_context
-from packstore.rpc.metrics_http import serve_metrics
-from packstore.rpc.pacing import STREAM_SECONDS, StreamWatch
-from packstore.rpc.serving import CHEAP_THREADS, Server, log_as_json
 from packstore.rpc.status import abort_with_error
 from packstore.security.auth import Auth, Principal
 from packstore.security.shares import ShareRule, Shares, principal_key
+from packstore.serving.listen import server_ssl_context
+from packstore.serving.metrics_http import serve_metrics
+from packstore.serving.pacing import STREAM_SECONDS, StreamWatch
+from packstore.serving.scaffold import CHEAP_THREADS, Server, log_as_json
 from packstore.store.protocol import PackStore
 from packstore.v1 import worker_pb2, worker_pb2_grpc
 from packstore.worker.http import DEFAULT_MAX_CONCURRENT, OpenAIApp, serve_http
@@ -55,7 +55,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     at most ``per_principal`` each, and the last ``reserve`` free only to principals holding none. The generations
     holding them share the device per token (one ``DeviceLock`` for every namespace's Answerer: each takes one decode
     step at a time, in turn with the others running; ``kv/device.py``). ``watch``
-    cancels a ``Generate`` whose client stops taking its tokens (``stream_seconds``, ``rpc/pacing.py``)."""
+    cancels a ``Generate`` whose client stops taking its tokens (``stream_seconds``, ``serving/pacing.py``)."""
 
     def __init__(
         self,
@@ -243,7 +243,7 @@ def serve_worker(
     until SIGTERM/SIGINT, then finish in-flight generations; with ``trusted``, only packs signed by a
     trusted key are injected; with ``auth``, callers need a token (SIGHUP reloads the file); ``ref_ttl``: see ``Answerer``;
     ``decoder``: the chunk decoder packs are fetched with (its threads, its buffers); ``host_cache_bytes``: the host
-    tier (0: none); ``metrics``: where to serve Prometheus metrics (HOST:PORT; by the rules of rpc/metrics_http.py); ``http``:
+    tier (0: none); ``metrics``: where to serve Prometheus metrics (HOST:PORT; by the rules of serving/metrics_http.py); ``http``:
     where to serve the OpenAI-compatible API (same rules and TLS; ``worker/http.py``); ``max_concurrent``: the
     worker's generation slots, both ports together, shared among callers (``WorkerService.slots``); a caller refused
     one gets RESOURCE_EXHAUSTED, HTTP 429."""

@@ -3,13 +3,11 @@ callers, that store seen through each caller's namespace (the worker's own token
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import threading
+from dataclasses import replace
 
-from packstore.packs.stores import is_remote, open_store
 from packstore.rpc.channel import Connection
-from packstore.store import PackStore, default_store_path
+from packstore.store import PackStore, StoreSpec, open_store
 from packstore.store.namespaces import namespace_path
 from packstore.store.protocol import DEFAULT_NAMESPACE
 
@@ -19,12 +17,11 @@ class NamespaceReaders:
 
     Without ``per_caller`` every caller reads the configured store (its token and namespace are the
     worker's own). With it, a remote store is reached with the worker's own token and the caller's
-    namespace (the service checks that the worker's token may read it), and a local one is opened at
-    that namespace's directory (docs/operations.md, "Tokens and namespaces")."""
+    namespace (the service checks that the worker's token may read it), an object store is read in the caller's
+    namespace, and a local one is opened at that namespace's directory (docs/operations.md, "Tokens and namespaces")."""
 
-    def __init__(self, spec: str | os.PathLike[str] | None, connection: Connection, *, per_caller: bool) -> None:
-        self.spec = str(spec or os.environ.get("PACKSTORE_STORE") or default_store_path())
-        self.connection, self.per_caller = connection, per_caller
+    def __init__(self, spec: StoreSpec, *, per_caller: bool) -> None:
+        self.spec, self.per_caller = spec, per_caller
         self._stores: dict[str, PackStore] = {}
         self._lock = threading.Lock()
         if not per_caller:
@@ -39,11 +36,13 @@ class NamespaceReaders:
 
     def _open(self, namespace: str) -> PackStore:
         if not self.per_caller:
-            return open_store(self.spec, readonly=True, connection=self.connection)
-        if is_remote(self.spec):
-            return open_store(self.spec, connection=dataclasses.replace(self.connection, namespace=namespace))
-        return open_store(namespace_path(self.spec, namespace), readonly=True)
-
+            return open_store(self.spec, readonly=True)
+        if self.spec.tier == "grpc":
+            connection = replace(self.spec.connection or Connection.from_env(), namespace=namespace)
+            return open_store(replace(self.spec, connection=connection))
+        if self.spec.tier == "s3":
+            return open_store(replace(self.spec, namespace=namespace))
+        return open_store(namespace_path(self.spec.location, namespace), readonly=True)
     def close(self) -> None:
         with self._lock:
             for store in self._stores.values():

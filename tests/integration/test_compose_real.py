@@ -20,8 +20,8 @@ from packstore.kv.rope import layer_frequencies
 from packstore.packs.admin import export_pack, import_pack
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
-from packstore.rpc.remote import RemoteStore
 from packstore.store import LmdbStore
+from packstore.store.remote.store import RemoteStore
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
 

@@ -21,8 +21,8 @@ from packstore.kv.inject import Sampling
 from packstore.kv.models import load_model
 from packstore.kv.render import pack_prefix_ids, render
 from packstore.packs.tensors import encode_pack
-from packstore.rpc.remote import RemoteStore
 from packstore.store import LmdbStore
+from packstore.store.remote.store import RemoteStore
 from packstore.worker.client import WorkerClient
 from service_helpers import free_port, running_server, running_worker
 

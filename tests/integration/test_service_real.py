@@ -17,7 +17,7 @@ from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling
 from packstore.kv.models import load_model
 from packstore.packs.tensors import encode_pack
-from packstore.rpc.remote import RemoteStore
+from packstore.store.remote.store import RemoteStore
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker
 

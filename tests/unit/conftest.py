@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from packstore.rpc.remote import RemoteStore
+from packstore.store.remote.store import RemoteStore
 from seaweed_helpers import Seaweed, running_seaweed
 from service_helpers import running_server
 

@@ -27,9 +27,9 @@ from packstore.kv.inject import Sampling
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
 from packstore.rpc.channel import Connection
-from packstore.rpc.remote import RemoteStore
 from packstore.security.auth import Auth, load_tokens
 from packstore.store.namespaces import namespace_path
+from packstore.store.remote.store import RemoteStore
 from packstore.worker.client import WorkerClient
 from service_helpers import free_port, running_server, running_worker
 

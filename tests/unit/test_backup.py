@@ -13,11 +13,12 @@ from test_format import make_pack
 
 from packstore.cli.packctl import main as packctl
 from packstore.errors import InvalidInput
+from packstore.packs.backup import backup
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
-from packstore.rpc.remote import RemoteStore
 from packstore.store import LmdbStore
-from packstore.store.namespaces import backup, namespace_path
+from packstore.store.namespaces import namespace_path
+from packstore.store.remote.store import RemoteStore
 from service_helpers import running_server
 
 WRITER = r"""

@@ -23,24 +23,13 @@ from test_format import make_pack
 from packstore.errors import IntegrityError, InvalidInput, LimitExceeded, PackNotFound, Unauthenticated, Unavailable
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
-from packstore.rpc.bulk import (
-    CHUNK,
-    END,
-    MAGIC,
-    TICKET_BYTES,
-    ReceiveBuffers,
-    bulk_chunks,
-    connect,
-    end_frame,
-    error_frame,
-    read_frame,
-    recv_exact,
-)
-from packstore.rpc.messages import stored_pack
-from packstore.rpc.remote import RemoteStore
+from packstore.rpc.frames import CHUNK, END, MAGIC, TICKET_BYTES, end_frame, error_frame, read_frame, recv_exact
 from packstore.service.bulk import Tickets, bulk_address
 from packstore.service.hot import HotPacks
 from packstore.store import LmdbStore
+from packstore.store.remote.bulk_reads import ReceiveBuffers, bulk_chunks, connect
+from packstore.store.remote.from_messages import stored_pack
+from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import free_port, running_server
 

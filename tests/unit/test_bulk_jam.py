@@ -18,7 +18,7 @@ from test_format import make_pack
 
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
-from packstore.rpc.remote import RemoteStore
+from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 

@@ -17,8 +17,8 @@ from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
-from packstore.rpc.remote import RemoteStore
 from packstore.store import LmdbStore
+from packstore.store.remote.store import RemoteStore
 from service_helpers import running_server
 
 DAMAGES = ("flip", "truncate", "zero-page")

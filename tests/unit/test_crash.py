@@ -22,8 +22,8 @@ from packstore.errors import PackstoreError
 from packstore.packs.admin import export_pack
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import Pack, encode_pack
-from packstore.rpc.remote import RemoteStore
 from packstore.store import LmdbStore
+from packstore.store.remote.store import RemoteStore
 from service_helpers import free_port, wait_serving
 
 UPLOADERS = 16

@@ -24,11 +24,11 @@ from test_format import make_pack
 from packstore.errors import InvalidInput
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import Pack, encode_pack
-from packstore.rpc.bulk import FRAME, MAGIC, recv_exact
 from packstore.rpc.channel import Connection
-from packstore.rpc.remote import RemoteStore
+from packstore.rpc.frames import FRAME, MAGIC, recv_exact
 from packstore.security.shares import ShareRule, Shares
 from packstore.service.config import load_config
+from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 

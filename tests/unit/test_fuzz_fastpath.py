@@ -49,10 +49,12 @@ from packstore.kv.packet import generated_examples, train_adapter
 from packstore.kv.steer import build_steering
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
-from packstore.rpc.bulk import CHUNK, END, ERROR, FRAME, HELLO, MAGIC, MAX_ERROR_BYTES, TICKET_BYTES, ReceiveBuffers, bulk_chunks
-from packstore.rpc.channel import NAMESPACE_HEADER, Connection
-from packstore.rpc.messages import stored_pack
-from packstore.rpc.remote import RemoteStore
+from packstore.rpc.channel import Connection
+from packstore.rpc.fields import NAMESPACE_HEADER
+from packstore.rpc.frames import CHUNK, END, ERROR, FRAME, HELLO, MAGIC, MAX_ERROR_BYTES, TICKET_BYTES
+from packstore.store.remote.bulk_reads import ReceiveBuffers, bulk_chunks
+from packstore.store.remote.from_messages import stored_pack
+from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc, worker_pb2, worker_pb2_grpc
 from raw_grpc import raw_unary
 from service_helpers import running_server, running_worker

@@ -25,8 +25,8 @@ from packstore.format.header import canonical_json, sha256_hex
 from packstore.format.packfile import FILE_MAGIC
 from packstore.packs.admin import export_pack, import_pack
 from packstore.packs.tensors import encode_pack
-from packstore.rpc.remote import RemoteStore
 from packstore.store import LmdbStore
+from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 

@@ -15,9 +15,9 @@ from test_format import make_pack
 from cgroup_helpers import memory_cgroup
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
-from packstore.rpc.bulk import FRAME, MAGIC, recv_exact
-from packstore.rpc.messages import chunk_pieces
-from packstore.rpc.remote import RemoteStore
+from packstore.rpc.frames import FRAME, MAGIC, recv_exact
+from packstore.rpc.wire import chunk_pieces
+from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 

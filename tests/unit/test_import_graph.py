@@ -25,32 +25,40 @@ GENERATED = "packstore.v1"
 
 # The layers: the second component of a module's name (packstore.store.lmdb.store is in "store",
 # packstore.errors is "errors"); the root package packstore/__init__.py (only __version__) is "packstore".
-# Each layer may import itself and the layers named here, nothing else in packstore. The design of
-# issue 35: format (pure bytes, no I/O) <- store (LMDB, object store) <- service (gRPC); format <- kv (model
-# side) <- worker; the CLI and the service are thin shells over library functions. rpc is the shared
-# server/client scaffold under service and worker; security (auth, trust) sits beside format. extras (which optional
-# extra adds which module, and the error naming one that is missing) sits on errors, under everything.
+# Each layer may import itself and the layers named here, nothing else in packstore (docs/architecture.md has the
+# same table): format (pure bytes, no I/O) <- rpc (the gRPC wire both ends speak, and the client's channel) <- store
+# (the core, its tiers, the factory) <- security <- serving (both servers' plumbing) <- service, worker; format <- kv
+# (model side) <- answering <- worker; the CLI and the servers are thin shells over library functions.
+# extras (which optional extra adds which module, and the error naming one that is missing) sits on errors, under
+# everything.
 BASE = {"errors", "extras", "packstore"}
 ALLOWED: dict[str, set[str]] = {
     "packstore": set(),
     "errors": set(),
     "extras": {"errors"},
     "format": BASE,
-    "store": BASE | {"format"},  # backends in bytes: no torch, no packs/, no bank/ (the gRPC client tier is rpc.remote)
-    "security": BASE | {"format", "store"},
-    "rpc": BASE | {"store", "format", "security"},
-    "packs": BASE | {"format", "store", "rpc", "security"},  # the reader over every tier; open_store names them all
+    "rpc": BASE | {"format"},  # frames, pieces, status codes, the client channel: no store, no server
+    "store": BASE | {"format", "rpc"},  # backends in bytes: no torch, no packs/, no bank/ (rpc: the grpc:// tier's wire)
+    "security": BASE | {"format", "store", "rpc"},  # rpc: the namespace metadata key
+    "serving": BASE | {"security"},  # (auth: who may scrape metrics, whose calls the scaffold admits)
+    "packs": BASE | {"format", "store", "security"},  # the reader over any tier, which the store's factory opens
     "kv": BASE | {"format", "packs"},
     "bank": BASE | {"store", "packs", "format", "kv"},  # kv: the embedder finds its model wheel through kv.models
-    "service": BASE | {"rpc", "store", "packs", "bank", "security", "format"},
+    "service": BASE | {"serving", "rpc", "store", "packs", "bank", "security", "format"},
     "answering": BASE | {"kv", "packs", "store", "bank", "security", "format"},
-    "worker": BASE | {"rpc", "answering", "kv", "packs", "bank", "store", "security", "format"},
+    "worker": BASE | {"serving", "rpc", "answering", "kv", "packs", "bank", "store", "security", "format"},
     # The vLLM connector (the only importer of vllm) over the answering path's engine-free planning, the pack reader and
     # the worker's per-namespace stores; its plugin entry point imports nothing (vLLM loads it in every process).
     "vllm": BASE | {"answering", "kv", "packs", "rpc", "security", "store", "worker"},
     "vllm_plugin": set(),
     "cli": {"*"},  # a shell over everything
 }
+
+# Inside the store layer: the core (protocols, records, bank records, namespaces, the specifier), one folder per tier,
+# and the factory (packstore/store/__init__.py: open_store). The core imports no tier and not the factory; a tier
+# imports the core and itself, never another tier or the factory; above the store only the factory opens a tier.
+STORE = "packstore.store"
+TIERS = ("lmdb", "objects", "remote")
 
 # Third-party packages a layer must not import at all (store backends speak bytes: no tensors).
 FORBIDDEN_EXTERNAL: dict[str, set[str]] = {
@@ -187,6 +195,33 @@ def _cycle_path(start: str, members: set[str], edges: dict[str, set[str]]) -> li
     raise AssertionError(f"no cycle through {start} in {sorted(members)}")
 
 
+def store_part(module: str) -> str | None:
+    """Where a module sits in the store layer: "factory", "core", a tier's name, or None outside the store."""
+    if module == STORE:
+        return "factory"
+    if not module.startswith(STORE + "."):
+        return None
+    part = module.split(".")[2]
+    return part if part in TIERS else "core"
+
+
+def store_breaches(edges: dict[str, set[str]]) -> list[str]:
+    """Imports against the store's sub-layers: the core importing a tier or the factory, a tier importing another tier
+    or the factory, and anything outside the store importing a tier (the factory alone opens them)."""
+    found = []
+    for source, targets in sorted(edges.items()):
+        mine = store_part(source)
+        for target in sorted(targets):
+            theirs = store_part(target)
+            if theirs is None or theirs == mine or theirs == "core":
+                continue
+            if (theirs == "factory" and mine is None) or (theirs in TIERS and mine == "factory"):
+                continue
+            what = "the factory" if theirs == "factory" else f"the {theirs} tier"
+            found.append(f"{source} -> {target} ({mine or 'above the store'} imports {what})")
+    return found
+
+
 def layer_edges() -> dict[tuple[str, str], list[str]]:
     """Every import from one layer to another, with the module edges behind it."""
     edges, _, _ = imports()
@@ -223,6 +258,35 @@ def test_layers_import_only_the_layers_below() -> None:
         if "*" not in ALLOWED[source] and target not in ALLOWED[source]
     ]
     assert not broken, "imports against the layering (tests/unit/test_import_graph.py ALLOWED):\n" + "\n".join(broken)
+
+
+def test_store_tiers_lean_only_on_the_core() -> None:
+    edges, _, _ = imports()
+    found = store_breaches(edges)
+    assert not found, "imports against the store's sub-layers (tests/unit/test_import_graph.py store_breaches):\n" + "\n".join(found)
+
+
+def test_store_breaches_are_caught() -> None:
+    """Planted violations of each sub-layer rule are found; the imports the rules allow are not."""
+    planted = {
+        "packstore.store.objects.banks": {"packstore.store.lmdb.banks", "packstore.store.bank_records"},
+        "packstore.store.lmdb.store": {"packstore.store.objects.cache", "packstore.store.lmdb.banks"},
+        "packstore.store.remote.store": {"packstore.store", "packstore.rpc.channel"},
+        "packstore.store.namespaces": {"packstore.store.lmdb.store", "packstore.store.protocol"},
+        "packstore.store.spec": {"packstore.store"},
+        "packstore.bank.bank": {"packstore.store.lmdb.banks", "packstore.store.bank_records"},
+        "packstore.service.namespaces": {"packstore.store", "packstore.store.objects.store"},
+        "packstore.store": {"packstore.store.lmdb.store", "packstore.store.remote.store", "packstore.store.spec"},
+    }
+    assert store_breaches(planted) == [
+        "packstore.bank.bank -> packstore.store.lmdb.banks (above the store imports the lmdb tier)",
+        "packstore.service.namespaces -> packstore.store.objects.store (above the store imports the objects tier)",
+        "packstore.store.lmdb.store -> packstore.store.objects.cache (lmdb imports the objects tier)",
+        "packstore.store.namespaces -> packstore.store.lmdb.store (core imports the lmdb tier)",
+        "packstore.store.objects.banks -> packstore.store.lmdb.banks (objects imports the lmdb tier)",
+        "packstore.store.remote.store -> packstore.store (remote imports the factory)",
+        "packstore.store.spec -> packstore.store (core imports the factory)",
+    ]
 
 
 def test_layers_avoid_heavy_dependencies() -> None:

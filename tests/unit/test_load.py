@@ -18,7 +18,7 @@ from packstore.bank.bank import open_banks
 from packstore.errors import LimitExceeded, PackstoreError
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
-from packstore.rpc.remote import RemoteStore
+from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 

@@ -33,11 +33,12 @@ from packstore.packs.migrate import migrate
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
 from packstore.rpc.channel import Connection
-from packstore.rpc.messages import chunk_pieces
-from packstore.rpc.remote import RemoteStore
+from packstore.rpc.wire import chunk_pieces
 from packstore.security.trust import SigningKey, generate_key
 from packstore.store import LmdbStore
-from packstore.store.objects.cache import DEFAULT_CACHE_BYTES, ObjectCache
+from packstore.store.objects.cache import ObjectCache
+from packstore.store.remote.store import RemoteStore
+from packstore.store.spec import DEFAULT_OBJECT_CACHE_BYTES
 from packstore.v1 import store_pb2, store_pb2_grpc
 from seaweed_helpers import Seaweed, running_seaweed
 from service_helpers import RunningServer, free_port, running_server
@@ -119,7 +120,7 @@ def test_getpack_of_a_layer_range_reads_only_its_chunk_objects(seaweed, url, tmp
         assert all(torch.equal(x, y) for x, y in zip(pack.keys[2:4] + pack.values[2:4], part.keys + part.values))
         with pytest.raises(InvalidInput, match="not within its layers 0-9"):
             PackReader(b).fetch_part(key, layers=(9, 10))
-    with closing(ObjectCache(tmp_path / "b" / "object-cache" / "default", DEFAULT_CACHE_BYTES)) as cache:
+    with closing(ObjectCache(tmp_path / "b" / "object-cache" / "default", DEFAULT_OBJECT_CACHE_BYTES)) as cache:
         cached = {name.rsplit("/", 1)[1] for name in cache.names() if "/chunks/" in name}
     assert cached == {c.address for c in encoded.header.chunks[2:4]}  # b got only these chunk objects from the bucket
 

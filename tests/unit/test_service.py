@@ -26,9 +26,9 @@ from packstore.bank.bank import open_banks
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch, PackNotFound, PackstoreError
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import decode_pack, encode_pack
-from packstore.rpc.metrics_http import metrics_address, serve_metrics
-from packstore.rpc.remote import RemoteStore
 from packstore.security.auth import Auth
+from packstore.serving.metrics_http import metrics_address, serve_metrics
+from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 

@@ -26,9 +26,9 @@ from packstore.kv.steer import build_steering
 from packstore.packs.admin import export_pack, import_pack, sign_pack, verify_packs
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
-from packstore.rpc.remote import RemoteStore
 from packstore.security.trust import SigningKey, TrustedKeys, generate_key
 from packstore.store import LmdbStore
+from packstore.store.remote.store import RemoteStore
 from service_helpers import running_server
 
 GREEDY = Sampling(max_new_tokens=6)

@@ -21,11 +21,11 @@ from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackMis
 from packstore.format.body import chunks_for
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import Pack, encode_pack
-from packstore.rpc.remote import RemoteStore
 from packstore.security.trust import SigningKey, generate_key
 from packstore.store import BankStore, LmdbStore, PackStore
 from packstore.store.objects.store import ObjectStore
 from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts
+from packstore.store.remote.store import RemoteStore
 from seaweed_helpers import running_seaweed
 from service_helpers import running_server
 

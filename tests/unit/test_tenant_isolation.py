@@ -16,12 +16,12 @@ from test_format import make_pack
 
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
-from packstore.rpc.bulk import FRAME, MAGIC, recv_exact
 from packstore.rpc.channel import Connection
-from packstore.rpc.messages import stored_pack
-from packstore.rpc.remote import RemoteStore
+from packstore.rpc.frames import FRAME, MAGIC, recv_exact
 from packstore.store import LmdbStore
 from packstore.store.namespaces import namespace_path
+from packstore.store.remote.from_messages import stored_pack
+from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc
 from service_helpers import running_server
 

@@ -17,9 +17,10 @@ from packstore.errors import Unavailable
 from packstore.kv.build import build_pack
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
-from packstore.rpc.bulk import MAGIC, connect, read_frame
 from packstore.rpc.channel import Connection
-from packstore.rpc.remote import RemoteStore
+from packstore.rpc.frames import MAGIC, read_frame
+from packstore.store.remote.bulk_reads import connect
+from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2
 from service_helpers import running_server, running_worker
 from tls_helpers import make_certificates

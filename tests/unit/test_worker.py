@@ -20,7 +20,7 @@ from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text
 from packstore.kv.models import load_model
 from packstore.packs.tensors import encode_pack
-from packstore.rpc.remote import RemoteStore
+from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2, worker_pb2, worker_pb2_grpc
 from packstore.worker.client import WorkerClient
 from service_helpers import running_server, running_worker

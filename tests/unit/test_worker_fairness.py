@@ -34,9 +34,9 @@ from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling
 from packstore.packs.tensors import encode_pack
 from packstore.rpc.channel import Connection
-from packstore.rpc.pacing import StreamWatch
 from packstore.security.auth import Auth, Principal
 from packstore.security.shares import principal_key
+from packstore.serving.pacing import StreamWatch
 from packstore.store import LmdbStore
 from packstore.v1 import worker_pb2_grpc
 from packstore.worker.client import WorkerClient

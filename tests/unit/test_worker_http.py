@@ -344,7 +344,7 @@ def test_with_tokens_a_bearer_token_and_its_namespace_are_required(tmp_path: Pat
 def test_packstore_worker_http_serves_https_with_the_tls_flags_and_answers_as_its_grpc_port(tiny_lm, tiny_model_dir, tmp_path, capsys) -> None:
     import ssl
 
-    from packstore.rpc.remote import RemoteStore
+    from packstore.store.remote.store import RemoteStore
     from service_helpers import free_port, running_server, running_worker
     from tls_helpers import make_certificates
 

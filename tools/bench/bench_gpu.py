@@ -85,8 +85,8 @@ from packstore.packs.decoder import WORKERS, Decoder  # noqa: E402
 from packstore.packs.memory import PackMemory  # noqa: E402
 from packstore.packs.reader import PackReader  # noqa: E402
 from packstore.packs.tensors import Pack, decode_pack, encode_pack, start_copy  # noqa: E402
-from packstore.rpc.remote import RemoteStore  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
+from packstore.store.remote.store import RemoteStore  # noqa: E402
 from packstore.worker.client import WorkerClient  # noqa: E402
 from tools.bench import bench_pack as bp  # noqa: E402
 from tools.lib.benchlib import JsonlRecords, logger, machine_description, median, print_table, source_description, timed  # noqa: E402

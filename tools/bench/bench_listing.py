@@ -25,8 +25,8 @@ import numpy as np
 
 from packstore.format import ChunkInfo, PackHeader  # noqa: E402
 from packstore.format.header import CODEC  # noqa: E402
-from packstore.rpc.remote import RemoteStore  # noqa: E402
 from packstore.store import LmdbStore, PackStore  # noqa: E402
+from packstore.store.remote.store import RemoteStore  # noqa: E402
 from tools.lib.benchlib import logger, machine_description, median, print_table, source_description, timed  # noqa: E402
 from tools.lib.servers import running_server  # noqa: E402
 

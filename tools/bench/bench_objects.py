@@ -41,8 +41,8 @@ from packstore.format import EncodedPack, PackHeader
 from packstore.packs.decoder import Decoder  # noqa: E402
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import Pack, encode_pack
-from packstore.rpc.remote import RemoteStore
 from packstore.store.objects.store import ObjectStore
+from packstore.store.remote.store import RemoteStore
 from tools.lib.benchlib import logger, machine_description, median, print_table, source_description, timed  # noqa: E402
 from tools.lib.seaweed import Seaweed, running_seaweed  # noqa: E402
 from tools.lib.servers import RunningServer, running_server  # noqa: E402

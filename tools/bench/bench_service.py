@@ -80,8 +80,8 @@ from packstore.kv.models import LoadedModel, load_model  # noqa: E402
 from packstore.packs.decoder import Decoder  # noqa: E402
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import Pack, encode_pack, pack_from_chunks  # noqa: E402
-from packstore.rpc.remote import RemoteStore  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
+from packstore.store.remote.store import RemoteStore  # noqa: E402
 from packstore.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 from tools.lib.benchlib import elapsed, logger, median, print_table, source_description, timed  # noqa: E402
 from tools.lib.benchlib import machine_description as describe_machine  # noqa: E402

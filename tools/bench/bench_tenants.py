@@ -90,11 +90,11 @@ from packstore.kv.inject import Sampling  # noqa: E402
 from packstore.packs.decoder import Decoder  # noqa: E402
 from packstore.packs.reader import PackReader  # noqa: E402
 from packstore.packs.tensors import Pack, encode_pack  # noqa: E402
-from packstore.rpc.bulk import FRAME, MAGIC, recv_exact  # noqa: E402
 from packstore.rpc.channel import Connection  # noqa: E402
-from packstore.rpc.remote import RemoteStore  # noqa: E402
+from packstore.rpc.frames import FRAME, MAGIC, recv_exact  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 from packstore.store.namespaces import namespace_path  # noqa: E402
+from packstore.store.remote.store import RemoteStore  # noqa: E402
 from packstore.v1 import store_pb2, store_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 from packstore.worker.client import WorkerClient  # noqa: E402
 from tools.lib.benchlib import (  # noqa: E402

@@ -1,13 +1,12 @@
-"""Bank tables of the LMDB store (metadata, centroids, full-text index and cluster records in the ``banks``
-database), and what every tier shares: record names and the digest a bank signature covers.
+"""Bank tables of the LMDB store: metadata, centroids, full-text index and cluster records in the ``banks``
+database, each bank write one transaction.
 
-The bank algorithms (``packstore/bank/bank.py``) work on any store with these ``bank*`` methods: the
-LMDB store here, and the object tier (``object_banks.py``), whose records are objects instead."""
+The bank algorithms (``packstore/bank/bank.py``) work on any store with these ``bank*`` methods: the LMDB store
+here, and the object tier (``store/objects/banks.py``), whose records are objects instead. What both share (record
+names, the digest a bank signature covers) is the store core's ``store/bank_records.py``."""
 
 from __future__ import annotations
 
-import hashlib
-import re
 import struct
 from collections.abc import Callable
 from typing import Protocol, TypeVar
@@ -16,18 +15,18 @@ import lmdb
 import numpy as np
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound
-from packstore.format.bank import (
-    BankMeta,
-    Cluster,
-    decode_centroids,
-    decode_cluster,
-    decode_lexical,
-    encode_centroids,
-    encode_cluster,
-)
-from packstore.format.header import canonical_json
+from packstore.format.bank import BankMeta, Cluster, decode_centroids, decode_cluster, decode_lexical, encode_cluster
 from packstore.format.signature import Signature
-from packstore.store.lmdb.environment import LmdbEnvironment
+from packstore.store.bank_records import (
+    BankChanged,
+    centroids_record,
+    check_records,
+    cluster_prefix,
+    digest_of,
+    encode_records,
+    lexical_record,
+)
+from packstore.store.lmdb_environment import LmdbEnvironment
 
 T = TypeVar("T")
 V = TypeVar("V", bound=bytes | memoryview)  # what a transaction hands out: bytes, or memoryviews with buffers
@@ -38,15 +37,15 @@ def _meta_key(name: str) -> bytes:
 
 
 def _centroids_key(name: str) -> bytes:
-    return b"centroids/" + name.encode()
+    return centroids_record(name).encode()
 
 
 def _lexical_key(name: str) -> bytes:
-    return b"lexical/" + name.encode()
+    return lexical_record(name).encode()
 
 
 def _cluster_prefix(name: str) -> bytes:
-    return b"cluster/" + name.encode() + b"/"
+    return cluster_prefix(name).encode()
 
 
 def _cluster_key(name: str, cluster: int) -> bytes:
@@ -57,60 +56,11 @@ def _signature_prefix(name: str) -> bytes:
     return b"signature/" + name.encode() + b"/"
 
 
-def record_names(name: str, cluster_ids: list[int]) -> tuple[str, str, list[str]]:
-    """How a bank's records are named in its digest (and in the object tier): centroids, lexical index, clusters."""
-    prefix = _cluster_prefix(name).decode()
-    return _centroids_key(name).decode(), _lexical_key(name).decode(), [prefix + struct.pack(">I", c).hex() for c in cluster_ids]
-
-
-def encode_records(name: str, centroids: np.ndarray, clusters: dict[int, Cluster], lexical: bytes) -> dict[str, bytes]:
-    """A whole bank's records by the names ``record_names`` gives them, in digest order: centroids, lexical index, clusters by id."""
-    centroids_name, lexical_name, cluster_names = record_names(name, sorted(clusters))
-    records = {centroids_name: encode_centroids(centroids), lexical_name: lexical}
-    return records | {record: encode_cluster(clusters[c]) for record, c in zip(cluster_names, sorted(clusters))}
-
-
-def check_records(name: str, meta: bytes, records: dict[str, bytes]) -> None:
-    """Refuse records that are not a whole, undamaged bank ``name`` (before a store takes a copied bank):
-    metadata of another bank, no centroids, a record of unknown name, or one that does not decode."""
-    if (found := BankMeta.from_json(meta).name) != name:
-        raise InvalidInput(f"bank {name!r}: the metadata record given names bank {found!r}")
-    centroids, lexical, _ = record_names(name, [])
-    if centroids not in records:
-        raise InvalidInput(f"bank {name!r}: the records hold no centroids")
-    cluster = re.compile(re.escape(_cluster_prefix(name).decode()) + "[0-9a-f]{8}")
-    decode: Callable[[bytes], object]
-    for record, data in records.items():
-        if record == centroids:
-            decode = decode_centroids
-        elif record == lexical:
-            decode = decode_lexical
-        elif cluster.fullmatch(record):
-            decode = decode_cluster
-        else:
-            raise InvalidInput(f"bank {name!r}: {record!r} is not a record of it")
-        try:
-            decode(data)
-        except IntegrityError as exc:
-            raise IntegrityError(f"bank {name!r}: record {record}: {exc}") from None
-
-
 def _record_key(name: str, record: str) -> bytes:
     """The LMDB key of a record named as ``record_names`` names it (cluster ids hex there, big-endian bytes here)."""
     prefix = _cluster_prefix(name)
     key = record.encode()
     return prefix + bytes.fromhex(key[len(prefix) :].decode()) if key.startswith(prefix) else key
-
-
-def digest_of(name: str, meta: bytes, records: list[tuple[str, bytes]]) -> str:
-    """The digest a bank signature covers (docs/format.md §8): its metadata record's sha256 and each
-    other record's name and closing sha256 (``records``: centroids, lexical, then clusters by id)."""
-    record = {"bank": name, "meta": hashlib.sha256(meta).hexdigest(), "records": [[key, seal.hex()] for key, seal in records]}
-    return hashlib.sha256(canonical_json(record)).hexdigest()
-
-
-class BankChanged(Exception):
-    """The bank changed between reading it and writing an update computed from it: compute again."""
 
 
 class _LmdbStoreParts(Protocol):
@@ -124,7 +74,7 @@ class _LmdbStoreParts(Protocol):
         ...
 
 
-class BankTables(_LmdbStoreParts):
+class LmdbBankTables(_LmdbStoreParts):
     """Mixed into LmdbStore: every bank write is one LMDB transaction, like every pack write."""
 
     def _bank_db(self, name: str) -> lmdb._Database:

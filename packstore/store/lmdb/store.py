@@ -21,9 +21,9 @@ from packstore.errors import IntegrityError, InvalidInput, PackNotFound, StoreBu
 from packstore.format import EncodedPack, PackHeader, parse_key
 from packstore.format.body import chunks_for, verify_chunk
 from packstore.format.signature import Signature
-from packstore.store.lmdb.banks import BankTables
-from packstore.store.lmdb.environment import DEFAULT_MAP_SIZE, LmdbEnvironment
+from packstore.store.lmdb.banks import LmdbBankTables
 from packstore.store.lmdb.integrity import check_structure
+from packstore.store.lmdb_environment import DEFAULT_MAP_SIZE, LmdbEnvironment
 from packstore.store.protocol import DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, OpenedPack, check_name, pick_match
 from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
@@ -85,7 +85,7 @@ def _names_at(cursor: lmdb.Cursor[bytes], key: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-class LmdbStore(BankTables):
+class LmdbStore(LmdbBankTables):
     """The embedded store: a directory holding one LMDB environment (databases in docs/format.md §2).
 
     Every write is one LMDB write transaction, so a pack is either fully present or absent.

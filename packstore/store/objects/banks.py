@@ -1,4 +1,4 @@
-"""Banks on the object tier: the same ``bank*`` methods as the LMDB store's ``BankTables``, over objects.
+"""Banks on the object tier: the same ``bank*`` methods as the LMDB store's ``LmdbBankTables``, over objects.
 
 A bank's records (centroids, full-text index, one per cluster) are immutable objects
 ``banks/NAME/records/WRITE/RECORD``, new for every write; its head is a register
@@ -23,7 +23,7 @@ import numpy as np
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, Unavailable
 from packstore.format.bank import BankMeta, Cluster, decode_centroids, decode_cluster, decode_lexical, encode_cluster
 from packstore.format.signature import Signature
-from packstore.store.lmdb.banks import BankChanged, check_records, digest_of, encode_records, record_names
+from packstore.store.bank_records import BankChanged, check_records, digest_of, encode_records, record_names
 from packstore.store.objects.bucket import Bucket
 from packstore.store.objects.registers import Registers, Version
 from packstore.store.protocol import check_name

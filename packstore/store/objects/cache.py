@@ -19,9 +19,8 @@ from pathlib import Path
 import lmdb
 
 from packstore.errors import LimitExceeded
-from packstore.store.lmdb.environment import LmdbEnvironment
+from packstore.store.lmdb_environment import LmdbEnvironment
 
-DEFAULT_CACHE_BYTES = 1 << 30  # what an object store keeps locally unless told otherwise
 _FILE_SLACK = 64 << 20  # LMDB's own pages (tree branches, free lists) beyond the items
 _U64 = struct.Struct(">Q")
 

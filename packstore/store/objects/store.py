@@ -31,10 +31,11 @@ from packstore.format.body import chunks_for, verify_chunk
 from packstore.format.signature import Signature
 from packstore.store.objects.banks import ObjectBankTables
 from packstore.store.objects.bucket import Bucket, Conflict, Listed
-from packstore.store.objects.cache import DEFAULT_CACHE_BYTES, ObjectCache
+from packstore.store.objects.cache import ObjectCache
 from packstore.store.objects.registers import UNCHANGED, Registers, Version
 from packstore.store.protocol import DEFAULT_NAMESPACE, DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, OpenedPack, check_name, pick_match
 from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack
+from packstore.store.spec import DEFAULT_OBJECT_CACHE_BYTES
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
 
 DEFAULT_GC_GRACE = 3600.0  # seconds an unreferenced object is kept (docs/operations.md, "Object store tier")
@@ -56,7 +57,7 @@ class ObjectStore(ObjectBankTables):
     """A namespace of packs under ``s3://BUCKET/PREFIX``, cached in a bounded local LMDB cache.
 
     Several processes and machines ("replicas") may open the same bucket, prefix and namespace:
-    what one commits, all list and serve. Banks are kept beside the packs (``object_banks.py``).
+    what one commits, all list and serve. Banks are kept beside the packs (``banks.py``).
     """
 
     def __init__(
@@ -65,7 +66,7 @@ class ObjectStore(ObjectBankTables):
         *,
         endpoint: str | None = None,
         cache_dir: str | Path | None = None,
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        cache_bytes: int = DEFAULT_OBJECT_CACHE_BYTES,
         namespace: str = DEFAULT_NAMESPACE,
         gc_grace: float = DEFAULT_GC_GRACE,
         retries: int = 5,

@@ -1,77 +1,24 @@
-"""GetPack's bulk transfer: a pack's chunks on a plain TCP (or TLS) connection beside the gRPC port, or on a
-local unix socket when client and service share a host.
-
-gRPC's Python stream costs more per byte than the rest of a fetch together (HTTP/2 framing, a copy out of
-each message, a thread hand-off per message). A GetPack that asks for ``bulk`` gets a single-use ticket
-instead of the chunks; the client presents it on the bulk port and reads each chunk straight into a
-buffer of its own. protocol.md ("Bulk transfer") is the specification; this module holds both ends'
-framing and the client's reader.
-
-    client -> server   MAGIC, ticket (TICKET_BYTES), within HELLO_SECONDS of connecting
-    server -> client   frames: FRAME (kind, index, length), then ``length`` bytes
-                       CHUNK (index, stored bytes), ..., END; or ERROR (a JSON error) instead
-"""
+"""The client's reader of GetPack's bulk transfer (the frames are ``rpc/frames.py``): gRPC's Python stream costs more
+per byte than the rest of a fetch together (HTTP/2 framing, a copy out of each message, a thread hand-off per
+message), so a GetPack that asks for ``bulk`` gets a single-use ticket instead of the chunks; the client presents it
+on the bulk port and reads each chunk straight into a buffer of its own."""
 
 from __future__ import annotations
 
-import json
 import socket
 import ssl
-import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
 
-from packstore.errors import ERROR_CLASSES, InvalidInput, PackstoreError, Unavailable
+from packstore.errors import InvalidInput, Unavailable
 from packstore.format import PackHeader
+from packstore.rpc.frames import CHUNK, END, MAGIC, next_frame, recv_exact
 
-MAGIC = b"PKB1"
-TICKET_BYTES = 32
-HELLO = len(MAGIC) + TICKET_BYTES
-FRAME = struct.Struct("<BIQ")  # kind, chunk index (0 for END and ERROR), length of what follows
-CHUNK, END, ERROR = 1, 2, 3  # (4 was SEGMENT, a shared-memory segment on the local socket; retired, never sent)
-HELLO_SECONDS = 1.0  # a connection must finish any TLS handshake and present its ticket within this, or it is closed
-MAX_ERROR_BYTES = 64 << 10
 START_SECONDS = 10.0  # a transfer whose first frame takes longer is given up: the client streams the pack instead
 STALL_SECONDS = 120.0  # a bulk read that receives nothing for this long fails (unless the client set a timeout)
-
-
-def chunk_frame(index: int, length: int) -> bytes:
-    return FRAME.pack(CHUNK, index, length)
-
-
-def end_frame() -> bytes:
-    return FRAME.pack(END, 0, 0)
-
-
-def error_frame(error: PackstoreError) -> bytes:
-    """An ERROR frame carrying the error as gRPC's rich status does: its code, message and fields."""
-    body = json.dumps({"code": error.code, "message": str(error), "fields": error.fields}).encode()[:MAX_ERROR_BYTES]
-    return FRAME.pack(ERROR, 0, len(body)) + body
-
-
-def error_from_frame(body: bytes | memoryview) -> PackstoreError:
-    """The packstore error an ERROR frame carries (the same class and fields as raised on the server)."""
-    try:
-        found = json.loads(bytes(body))
-        return ERROR_CLASSES.get(found["code"], PackstoreError).from_fields(found["message"], dict(found["fields"]))
-    except (ValueError, KeyError, TypeError, RecursionError):  # (JSON nested too deep for the parser)
-        return PackstoreError(f"the bulk transfer failed with an unreadable error: {bytes(body[:200])!r}")
-
-
-def recv_exact(sock: socket.socket, size: int, into: memoryview | None = None) -> memoryview:
-    """Exactly ``size`` bytes from ``sock``, into ``into`` (a view of that size) or a fresh buffer (not zero-filled
-    first); EOFError when the peer closes before they have all come."""
-    view = np.empty(size, np.uint8).data.cast("B") if into is None else into
-    got = 0
-    while got < size:
-        count = sock.recv_into(view[got:], size - got)
-        if not count:
-            raise EOFError(f"the connection closed after {got} of {size} bytes")
-        got += count
-    return view
 
 
 class ReceiveBuffers:
@@ -104,19 +51,6 @@ class ReceiveBuffers:
     def idle_bytes(self) -> int:
         with self._lock:
             return sum(b.nbytes for b in self._idle)
-
-
-def read_frame(sock: socket.socket) -> tuple[int, int, int]:
-    """The next frame's (kind, index, length)."""
-    return FRAME.unpack(recv_exact(sock, FRAME.size))
-
-
-def next_frame(sock: socket.socket) -> tuple[int, int, int]:
-    """The next frame's (kind, index, length), raising the error an ERROR frame carries."""
-    kind, index, length = read_frame(sock)
-    if kind == ERROR:
-        raise error_from_frame(recv_exact(sock, min(length, MAX_ERROR_BYTES)))
-    return kind, index, length
 
 
 def first_frame(sock: socket.socket, timeout: float | None) -> tuple[int, int, int]:

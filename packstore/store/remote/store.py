@@ -21,12 +21,13 @@ from packstore.errors import LimitExceeded, PackNotFound, PackstoreError, Unauth
 from packstore.format import EncodedPack, PackHeader
 from packstore.format.bank import DEFAULT_VECTORS
 from packstore.format.body import chunks_for
-from packstore.rpc.bulk import ReceiveBuffers, bulk_chunks, connect, connect_local, first_frame
 from packstore.rpc.channel import Connection, GrpcClient
-from packstore.rpc.messages import ChunkAssembler, bank_meta, chunk_pieces, pack_summary, signatures_of, stored_pack
-from packstore.rpc.wire import ChunkPiece, get_pack_method
+from packstore.rpc.fields import signatures_of
+from packstore.rpc.wire import ChunkAssembler, ChunkPiece, chunk_pieces, get_pack_method
 from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, MAX_PAGE, OpenedPack, check_name
 from packstore.store.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
+from packstore.store.remote.bulk_reads import ReceiveBuffers, bulk_chunks, connect, connect_local, first_frame
+from packstore.store.remote.from_messages import bank_meta, pack_summary, stored_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class RemoteStore(GrpcClient):
         receive_buffer_bytes: int = RECEIVE_BUFFER_BYTES,
     ) -> None:
         super().__init__(target, timeout=timeout, connection=connection)
-        self._stub = store_pb2_grpc.PackStoreStub(self._channel)
+        self._stub = store_pb2_grpc.PackStoreStub(self._channel)  # type: ignore[no-untyped-call]  # (generated, untyped)
         self._get_pack = get_pack_method(self._channel)  # chunk messages read without copying their bytes
         self.bulk = bulk  # ask GetPack for the bulk port (off after the port could not be reached once)
         self.local_bulk = bulk and local_bulk  # use the service's local bulk socket when offered (off once it could not be reached)
@@ -257,19 +258,23 @@ class RemoteStore(GrpcClient):
 
     def add_signature(self, ref: str, signature: Signature, *, model_fp: str | None = None) -> str:
         request = store_pb2.SignPackRequest(ref=ref, model_fp=model_fp or "", signature=signature.to_json().decode())
-        return self._call(lambda: self._stub.SignPack(request, timeout=self.timeout)).key
+        reply: store_pb2.SignPackResponse = self._call(lambda: self._stub.SignPack(request, timeout=self.timeout))
+        return reply.key
 
     def delete(self, ref: str, *, model_fp: str | None = None) -> str:
         request = store_pb2.DeletePackRequest(ref=ref, model_fp=model_fp or "")
-        return self._call(lambda: self._stub.DeletePack(request, timeout=self.timeout)).key
+        reply: store_pb2.DeletePackResponse = self._call(lambda: self._stub.DeletePack(request, timeout=self.timeout))
+        return reply.key
 
     def set_name(self, ref: str, name: str, *, model_fp: str | None = None) -> str:
         request = store_pb2.SetNameRequest(ref=ref, name=name, model_fp=model_fp or "")
-        return self._call(lambda: self._stub.SetName(request, timeout=self.timeout)).key
+        reply: store_pb2.SetNameResponse = self._call(lambda: self._stub.SetName(request, timeout=self.timeout))
+        return reply.key
 
     def delete_name(self, name: str, *, model_fp: str) -> str:
         request = store_pb2.DeleteNameRequest(name=name, model_fp=model_fp)
-        return self._call(lambda: self._stub.DeleteName(request, timeout=self.timeout)).key
+        reply: store_pb2.DeleteNameResponse = self._call(lambda: self._stub.DeleteName(request, timeout=self.timeout))
+        return reply.key
 
     def gc(self, *, compact: bool = False) -> GcReport:
         request = store_pb2.CollectGarbageRequest(compact=compact)
@@ -300,7 +305,7 @@ class RemoteBanks:
     def __init__(self, store: RemoteStore) -> None:
         self.store = store
 
-    def _upload(self, rpc: Callable, name: str, facts: list[str], embedder: str, vectors: str) -> BankMeta:
+    def _upload(self, rpc: Callable[..., store_pb2.BankInfo], name: str, facts: list[str], embedder: str, vectors: str) -> BankMeta:
         def batches() -> Iterator[store_pb2.BankFacts]:
             for start in range(0, max(len(facts), 1), FACT_BATCH):
                 yield store_pb2.BankFacts(name=name, embedder=embedder, vectors=vectors, facts=facts[start : start + FACT_BATCH])
@@ -309,10 +314,10 @@ class RemoteBanks:
 
     def build(
         self, name: str, facts: list[str], embedder: str = DEFAULT_EMBEDDER, *, vectors: str = DEFAULT_VECTORS, progress: bool = False
-    ):
+    ) -> BankMeta:
         return self._upload(self.store._stub.BuildBank, name, list(facts), embedder, vectors)
 
-    def add(self, name: str, facts: list[str], embedder: str | None = None, *, progress: bool = False):
+    def add(self, name: str, facts: list[str], embedder: str | None = None, *, progress: bool = False) -> BankMeta:
         return self._upload(self.store._stub.AddFacts, name, list(facts), embedder or "", "")
 
     def route(
@@ -347,7 +352,8 @@ class RemoteBanks:
 
     def _status(self, name: str) -> store_pb2.BankStatus:
         request = store_pb2.StatBankRequest(name=name)
-        return self.store._call(lambda: self.store._stub.StatBank(request, timeout=self.store.timeout))
+        reply: store_pb2.BankStatus = self.store._call(lambda: self.store._stub.StatBank(request, timeout=self.store.timeout))
+        return reply
 
     def digest(self, name: str) -> str:
         return self._status(name).digest

@@ -1,4 +1,5 @@
-"""What both console scripts share: global options, output, and turning errors into exit codes."""
+"""The frame of both console scripts: global options, running a subcommand (a PackstoreError becomes one line and an
+exit code), and output for machines and people."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from packstore import __version__
+from packstore.cli.store_options import connection_options
 from packstore.errors import PackstoreError
 from packstore.extras import missing_extra
 
@@ -39,49 +41,6 @@ def global_options(add_defaults: bool, *, client: bool = False) -> argparse.Argu
     return parser
 
 
-def connection_options(parser: argparse.ArgumentParser, *, default: Any = None, prefix: str = "") -> None:
-    """How a client reaches a service: TLS files, token file, namespace (each also from the environment)."""
-    what = "the store's" if prefix else "a grpcs:// server's"
-    parser.add_argument(
-        f"--{prefix}tls-ca", default=default, metavar="FILE", help=f"CA certificate to trust for {what} TLS ($PACKSTORE_TLS_CA)"
-    )
-    parser.add_argument(
-        f"--{prefix}tls-client-cert", default=default, metavar="FILE", help="client certificate for mutual TLS ($PACKSTORE_TLS_CLIENT_CERT)"
-    )
-    parser.add_argument(f"--{prefix}tls-client-key", default=default, metavar="FILE", help="its private key ($PACKSTORE_TLS_CLIENT_KEY)")
-    if not prefix:
-        parser.add_argument("--token-file", default=default, metavar="FILE", help="bearer token to send (default: $PACKSTORE_TOKEN)")
-        parser.add_argument(
-            "--namespace",
-            default=default,
-            metavar="NS",
-            help="namespace, when the token has several, or of an s3:// store ($PACKSTORE_NAMESPACE)",
-        )
-        parser.add_argument(
-            "--s3-endpoint",
-            default=default,
-            metavar="URL",
-            help="endpoint of an s3:// store ($PACKSTORE_S3_ENDPOINT, else $AWS_ENDPOINT_URL_S3, else AWS S3)",
-        )
-
-
-def connection_of(args: argparse.Namespace, prefix: str = ""):
-    """The Connection the parsed options (``prefix``: ``store_`` for the worker's own store) and the environment give."""
-    from packstore.rpc.channel import Connection
-
-    def given(name: str) -> str | None:
-        return getattr(args, f"{prefix}{name}", None)
-
-    return Connection.from_env(
-        token_file=getattr(args, "token_file", None),
-        tls_ca=given("tls_ca"),
-        tls_client_cert=given("tls_client_cert"),
-        tls_client_key=given("tls_client_key"),
-        namespace=getattr(args, "namespace", None),
-        s3_endpoint=getattr(args, "s3_endpoint", None),
-    )
-
-
 def deferred(module: str, name: str) -> Callable[[argparse.Namespace], int]:
     """The handler ``module.name``, imported only when its command runs: parsing, ``--help`` and the other
     commands never load what it needs (torch, the model side)."""
@@ -94,6 +53,20 @@ def deferred(module: str, name: str) -> Callable[[argparse.Namespace], int]:
 
 def emit_json(value: Any) -> None:
     print(json.dumps(value, ensure_ascii=False), flush=True)
+
+
+def progress(args: argparse.Namespace) -> bool:
+    """Whether to draw progress bars: not with ``--quiet``, and only for a person at a terminal."""
+    return not args.quiet and sys.stderr.isatty()
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes as a person reads them: B, KiB, MiB or GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
 
 
 def fail(program: str, message: str) -> int:

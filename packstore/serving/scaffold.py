@@ -18,8 +18,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from packstore.errors import PackstoreError
-from packstore.rpc.listen import bind
 from packstore.security.auth import Auth
+from packstore.serving.listen import bind
 
 # Python runs signal handlers on the main thread only, between bytecodes; a signal the kernel delivers to another
 # thread (gRPC's, boto3's) does not wake a main thread blocked on a lock, so it waits with a timeout and looks again.

@@ -1,0 +1,1 @@
+"""The gRPC client tier (``grpc://``, ``grpcs://``): ``RemoteStore``, a ``PackStore`` over ``packstore serve``."""
