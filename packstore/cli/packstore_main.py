@@ -75,12 +75,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def decode_modes(args: argparse.Namespace) -> tuple[bool, bool]:
+    """(decode on the device, join planes on the device) from ``--decode`` and the deprecated ``--plane-join``: device
+    by default when the model runs on CUDA and numba-cuda is installed, else host; ``--decode device`` elsewhere is an
+    error naming what is missing."""
+    import torch
+
+    from packstore.kv.models import default_device
+    from packstore.packs.device_decode import unavailable
+
+    device = torch.device(args.device) if args.device else default_device()
+    if args.plane_join is not None:
+        if args.decode is not None:
+            raise InvalidInput("give --decode alone: --plane-join is deprecated, and --decode device joins the planes on the device too")
+        print(
+            "packstore worker: --plane-join is deprecated and goes in the next release: use --decode device (GPU decode and "
+            "plane join) or --decode host",
+            file=sys.stderr,
+        )
+        return False, args.plane_join == "device"
+    missing = unavailable(device)
+    if args.decode == "device" and missing:
+        raise InvalidInput(f"--decode device: {missing} (use --decode host)")
+    if args.decode is None and device.type == "cuda" and missing:
+        print(f"packstore worker: decoding packs on the host ({missing})", file=sys.stderr)
+    return (args.decode or ("device" if device.type == "cuda" else "host")) == "device" and not missing, False
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from packstore.kv.models import load_model
     from packstore.worker.server import serve_worker
 
+    decode_on_device, join_on_device = decode_modes(args)
     if args.threads is not None:
         if args.threads < 1:
             raise InvalidInput("--threads must be at least 1")
@@ -111,7 +139,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     reserved = decoded_memory_bytes(args.cache_bytes, host_cache_bytes, lm.device.type) if args.reserve_memory == "on" else 0
     pinned = lm.device.type == "cuda"  # the host tier's packs cross to the GPU at link speed only from page-locked memory
     memory = PackMemory(reserved, background=True, pinned=pinned) if reserved else None
-    decoder = Decoder(buffers=HostBuffers(memory, join_on_device=args.plane_join == "device"))
+    decoder = Decoder(buffers=HostBuffers(memory, join_on_device=join_on_device, decode_on_device=decode_on_device))
     from packstore.security.auth import Auth
     from packstore.worker.stores import NamespaceReaders
 
@@ -235,9 +263,15 @@ def build_cli() -> CommandLine:
         "touch it in the background from the start, and decode packs into it (default on)",
     )
     p.add_argument(
-        "--plane-join", choices=("host", "device"), default="host",
-        help="where packs read from the store have their byte planes joined into elements: host (the decoding threads; "
-        "default) or device (the model's: the threads only check and entropy-decode, the copy carries the planes)",
+        "--decode", choices=("device", "host"), default=None,
+        help="where packs read from the store are decoded: device (on the model's CUDA device: the CPU threads check digests, "
+        "one copy per layer carries the stored bytes, a GPU kernel decodes and joins them; needs numba-cuda, the gpu extra) or "
+        "host (CPU threads decode into pinned memory); default: device on CUDA with numba-cuda installed, else host",
+    )
+    p.add_argument(
+        "--plane-join", choices=("host", "device"), default=None,
+        help="deprecated, goes in the next release (use --decode): device joins byte planes on the model's device after a "
+        "CPU entropy decode",
     )
     p.add_argument(
         "--ref-ttl", type=float, metavar="SECONDS",

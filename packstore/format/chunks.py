@@ -55,16 +55,35 @@ def as_3d(shape: tuple[int, ...]) -> tuple[int, int, int]:
 def open_chunk(header: PackHeader, index: int, data: Buffer, *, verified: bool = False) -> OpenedChunk:
     """Check chunk ``index`` against its digest (unless ``verified``), decode its planes and check its tensor table:
     IntegrityError if it is damaged or does not hold exactly its layers' tensors in the header's shape and dtype."""
-    if header.codec not in CODECS:
-        raise IntegrityError(f"pack {header.key}: unknown codec {header.codec!r}")
+    check_codec(header)
     info = header.chunks[index]
     if not verified:
         verify_chunk(header, index, data)
     try:
         planes = codec.decode_planes(data, max_plain_bytes(info), CODECS[header.codec])
-        entries = data_table(planes.header, planes.elements * planes.element_size)
     except IntegrityError as exc:
         raise IntegrityError(f"pack {header.key}: chunk {index} cannot be decoded: {exc}") from None
+    entries, positions, block = chunk_tensors(header, index, planes.header, planes.elements * planes.element_size)
+    return OpenedChunk(index, planes, entries, positions, block)
+
+
+def check_codec(header: PackHeader) -> None:
+    """IntegrityError unless the pack's codec is one this reader decodes."""
+    if header.codec not in CODECS:
+        raise IntegrityError(f"pack {header.key}: unknown codec {header.codec!r}")
+
+
+def chunk_tensors(
+    header: PackHeader, index: int, table: Buffer, data_bytes: int
+) -> tuple[tuple[TensorEntry, ...], range, tuple[int, int, int]]:
+    """Chunk ``index``'s tensors from its safetensors header ``table`` over ``data_bytes`` of tensor data, checked to be
+    exactly its layers' K and V in the header's shape and dtype (IntegrityError otherwise), with the positions it holds
+    and each tensor's ``[A, P, D]`` shape (``OpenedChunk``): the checks every decoder of a chunk makes on its table."""
+    try:
+        entries = data_table(table, data_bytes)
+    except IntegrityError as exc:
+        raise IntegrityError(f"pack {header.key}: chunk {index} cannot be decoded: {exc}") from None
+    info = header.chunks[index]
     if {entry.name for entry in entries} != chunk_tensor_names(header, info):
         raise IntegrityError(f"pack {header.key}: chunk {index} does not hold exactly the tensors of {describe_chunk(info)}")
     held = info.positions_held(header.positions)
@@ -75,7 +94,7 @@ def open_chunk(header: PackHeader, index: int, data: Buffer, *, verified: bool =
                 f"pack {header.key}: chunk {index} tensor {entry.name!r} is {entry.shape} {entry.dtype}, "
                 f"the header says {shape} {header.dtype}"
             )
-    return OpenedChunk(index, planes, entries, held if header.kind == "knowledge" else range(0, 1), as_3d(shape))
+    return tuple(entries), held if header.kind == "knowledge" else range(0, 1), as_3d(shape)
 
 
 def chunk_arrays(header: PackHeader, index: int, data: Buffer, *, verified: bool = False) -> dict[str, np.ndarray]:

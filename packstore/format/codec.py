@@ -17,6 +17,7 @@ parallel threads. Container versions 2 (``byteplane-zstd-2``: zstd frames only, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 import threading
@@ -290,8 +291,37 @@ def _planes_v1(stored: memoryview, max_plain_bytes: int) -> Planes:
     return Planes(header, [[np.frombuffer(plane, dtype=np.uint8)] for plane in planes], max(elements, 1), elements, width, NO_TRANSFORM)
 
 
-def _planes_segmented(stored: memoryview, max_plain_bytes: int, version: int) -> Planes:
-    """Container versions 2 and 3: planes in segments, every frame's plain length implied by the preamble."""
+@dataclass(frozen=True)
+class FrameTable:
+    """A container (version 2 or 3) read up to its frames: the preamble's fields, the safetensors header ``H`` (frame 0,
+    decoded), and per frame a row of ``table``: its method, its stored range in the container, its plain length, and
+    where a Huffman frame's plain bytes go when the Huffman frames are decoded end to end (0 for other methods). Every
+    check ``decode_planes`` makes is made, but a Huffman frame's streams are not decoded: its size, code lengths and
+    stream table are checked (``huffman.check_frame``), what its streams hold is left to the decoder that decodes them
+    (``packstore.format.huffman_cuda`` on a GPU). See ``frame_table``."""
+
+    version: int
+    element_size: int
+    transform: int
+    header: bytes | memoryview
+    elements: int
+    segment: int
+    per_plane: int
+    plane_count: int
+    table: np.ndarray  # [1 + plane_count * per_plane, 5] int64: method, start, stop, plain length, place
+
+    def plane_bytes(self, plane: int, segment: int | None = None) -> int:
+        """Plain bytes of ``segment`` of ``plane`` (the whole plane when None): its elements, or their packed bytes in
+        plane 2 of the float16 split."""
+        if segment is None:
+            return sum(self.plane_bytes(plane, k) for k in range(self.per_plane))
+        size = min(self.segment, self.elements - segment * self.segment)
+        return packed_length(size) if self.transform == SPLIT_FLOAT16 and plane == 2 else size
+
+
+def _segmented_table(stored: memoryview, max_plain_bytes: int, version: int, decode: bool) -> tuple[FrameTable, np.ndarray]:
+    """Container versions 2 and 3: the preamble and frame table, checked, every frame's plain length implied by the
+    preamble; with ``decode``, every Huffman frame decoded end to end into the returned buffer (a thread's scratch)."""
     _need(stored, _PREAMBLE.size)
     _, _, width, transform, header_len, elements, segment = _PREAMBLE.unpack_from(stored)
     valid = width in _UNSIGNED and transform in TRANSFORMS[version] and (transform != SPLIT_FLOAT16 or width == 2)
@@ -303,27 +333,54 @@ def _planes_segmented(stored: memoryview, max_plain_bytes: int, version: int) ->
     count = 1 + plane_count * per_plane
     _need(stored, _PREAMBLE.size + count * _ENTRY.size)
     source = np.frombuffer(stored, np.uint8)
-    table, decoded = _scratch_table(count), _scratch("huffman", elements * plane_count)  # no plane segment exceeds its N bytes
+    table = _scratch_table(count)
+    decoded = _scratch("huffman", elements * plane_count) if decode else np.empty(0, np.uint8)  # no plane segment exceeds its N bytes
     split = transform == SPLIT_FLOAT16
-    status = _read_frames(source, count, header_len, elements, segment, per_plane, split, max(METHODS[version]), table, decoded)
+    status = _read_frames(source, count, header_len, elements, segment, per_plane, split, max(METHODS[version]), table, decoded, decode)
     if status == _LENGTHS_DIFFER:
         raise IntegrityError("byte-plane container length does not match its frame table")
     if status == _UNKNOWN_METHOD:
         raise IntegrityError(f"unknown byte-plane frame method {int(table[:, 0].max())} (container version {version})")
     if status:
         raise IntegrityError(f"{huffman.ERRORS[status % 16]} (frame {status // 16 - 1})")
+    method, start, stop = (int(v) for v in table[0, :3])
+    header = _frame(method, stored[start:stop], header_len, _decompressor())
+    frames = FrameTable(version, width, transform, header, elements, segment, per_plane, plane_count, table)
+    return frames, decoded
+
+
+def frame_table(stored: bytes | bytearray | memoryview, max_plain_bytes: int, version: int) -> FrameTable:
+    """The frame table of a version 2 or 3 container (``version``, the pack's codec's), read and checked as
+    ``decode_planes`` does, without decoding a plane frame (IntegrityError on a malformed container). The table is a
+    new array; ``header`` may be a view of ``stored``."""
+    stored = memoryview(stored)
+    _need(stored, 5)
+    if bytes(stored[:4]) != MAGIC or stored[4] not in (2, 3):
+        raise IntegrityError("not a byte-plane container of a known version")
+    if stored[4] != version:
+        raise IntegrityError(f"byte-plane container version {stored[4]}, where the pack's codec has version {version}")
+    frames, _ = _segmented_table(stored, max_plain_bytes, version, decode=False)
+    return dataclasses.replace(frames, table=frames.table.copy())
+
+
+def frame_bytes(method: int, body: memoryview, plain_len: int) -> bytes | memoryview:
+    """The plain bytes of a raw or zstd frame (``body`` itself when raw), checked against ``plain_len``."""
+    return _frame(method, body, plain_len, _decompressor())
+
+
+def _planes_segmented(stored: memoryview, max_plain_bytes: int, version: int) -> Planes:
+    """Container versions 2 and 3: planes in segments, every frame's plain length implied by the preamble."""
+    frames, decoded = _segmented_table(stored, max_plain_bytes, version, decode=True)
     decompressor = _decompressor()
-    header: bytes | memoryview = b""
     parts: list[np.ndarray] = []  # the planes' segments, plane by plane
-    for i, (method, start, stop, plain, at) in enumerate(table.tolist()):
+    for method, start, stop, plain, at in frames.table[1:].tolist():
         if method == HUFFMAN:  # never frame 0, the header (_read_frames refuses it)
             parts.append(decoded[at : at + plain])
-        elif i == 0:
-            header = _frame(method, stored[start:stop], plain, decompressor)
         else:
             parts.append(np.frombuffer(_frame(method, stored[start:stop], plain, decompressor), dtype=np.uint8))
-    planes = [parts[j * per_plane : (j + 1) * per_plane] for j in range(plane_count)]
-    return Planes(header, planes, segment, elements, width, transform)
+    per_plane = frames.per_plane
+    planes = [parts[j * per_plane : (j + 1) * per_plane] for j in range(frames.plane_count)]
+    return Planes(frames.header, planes, frames.segment, frames.elements, frames.element_size, frames.transform)
 
 
 _LENGTHS_DIFFER, _UNKNOWN_METHOD = 1, 2
@@ -332,11 +389,12 @@ _LENGTHS_DIFFER, _UNKNOWN_METHOD = 1, 2
 @njit(nogil=True, cache=True)
 def _read_frames(
     source: np.ndarray, count: int, header_len: int, elements: int, segment: int, per_plane: int, split: bool, max_method: int,
-    table: np.ndarray, decoded: np.ndarray,
+    table: np.ndarray, decoded: np.ndarray, decode: bool,
 ) -> int:  # pragma: no cover - compiled
     """Read a version 2/3 container's frame table (the caller checked that it is there) into ``table``: per frame its
     method, stored range, plain length and, a Huffman frame, where its plain bytes go in ``decoded`` (end to end); then,
-    once every frame is known to lie in the container, decode every Huffman frame into ``decoded``. Returns 0,
+    once every frame is known to lie in the container, decode every Huffman frame into ``decoded`` (without ``decode``:
+    only check each one's size, code lengths and stream table, ``huffman.check_frame``). Returns 0,
     _LENGTHS_DIFFER, _UNKNOWN_METHOD, or 16 * (frame index + 1) + the Huffman error's code. One compiled call per chunk:
     its frames are read and decoded without a Python step each."""
     offset, at, status = np.int64(23 + 5 * count), 0, 0  # past the preamble and the table
@@ -368,7 +426,11 @@ def _read_frames(
     single_length = np.empty(huffman.TABLE, np.uint8)
     lookups = np.empty(huffman.TABLE, np.uint64)
     for i in range(count):
-        if table[i, 0] == HUFFMAN:
+        if table[i, 0] == HUFFMAN and not decode:
+            found = huffman.check_frame(source, table[i, 1], table[i, 2])
+            if found:
+                return 16 * (i + 1) + found
+        elif table[i, 0] == HUFFMAN:
             found = huffman.decode_frame(
                 source, table[i, 1], table[i, 2], decoded, table[i, 4], table[i, 3], single_symbol, single_length, lookups
             )

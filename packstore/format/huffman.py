@@ -402,6 +402,36 @@ def decode_frame(
 
 
 @njit(nogil=True, cache=True)
+def check_frame(src: np.ndarray, start: Int, stop: Int) -> int:  # pragma: no cover - compiled; tested against decode_frame
+    """``decode_frame``'s checks of the frame ``src[start:stop]`` short of decoding its streams: its size, that its code
+    lengths form a complete prefix code of at most MAX_LENGTH bits, and that its first three streams end within it; OK
+    or the error's code (ERRORS), the one ``decode_frame`` returns for such a frame. A decoder elsewhere (the GPU's,
+    ``packstore.format.huffman_cuda``) checks the streams themselves."""
+    if stop - start < _FRAME_FIXED or stop - start >= (1 << (SHIFT - 3)):
+        return TRUNCATED
+    first, used = np.int64(src[start]), np.int64(src[start + 1]) + 1
+    table_bytes = (used + 1) // 2
+    if first + used > 256 or stop - start < _FRAME_FIXED + table_bytes:
+        return TRUNCATED if first + used <= 256 else BAD_CODE
+    kraft = 0
+    for i in range(used):
+        packed = src[start + 2 + i // 2]
+        length = np.int64((packed >> 4) if i % 2 else (packed & 15))
+        if length > MAX_LENGTH:
+            return BAD_CODE
+        if length:
+            kraft += 1 << (MAX_LENGTH - length)
+    if kraft != TABLE:
+        return BAD_CODE
+    sizes = start + 2 + table_bytes
+    end = sizes + 4 * (STREAMS - 1)
+    for k in range(STREAMS - 1):
+        for b in range(4):
+            end += np.int64(src[sizes + 4 * k + b]) << (8 * b)
+    return TRUNCATED if end > stop else OK
+
+
+@njit(nogil=True, cache=True)
 def _decode_frames(
     src: np.ndarray, starts: np.ndarray, stops: np.ndarray, out: np.ndarray, ats: np.ndarray, counts: np.ndarray
 ) -> int:  # pragma: no cover - compiled

@@ -31,9 +31,12 @@ def _no_wait() -> None:
 @runtime_checkable
 class BufferProvider(Protocol):
     """Memory for decoded packs, and the copy from host staging to an accelerator. ``join_on_device``: chunks are
-    staged as byte planes, copied as such and joined into elements on the device (``upload``), not on the CPU."""
+    staged as byte planes, copied as such and joined into elements on the device (``upload``), not on the CPU.
+    ``decode_on_device``: chunks bound for a CUDA device are staged as stored, once checked, and decoded and joined on
+    the device (``packstore.packs.device_decode``); elsewhere they decode as the other flag says."""
 
     join_on_device: bool
+    decode_on_device: bool
 
     def layer_tensors(self, shape: tuple[int, ...], dtype: torch.dtype, count: int, device: torch.device) -> list[torch.Tensor]:
         """``count`` new (uninitialised) tensors of ``shape`` and ``dtype`` on ``device``: one K or V per layer."""
@@ -67,12 +70,23 @@ class HostBuffers:
     staging pool of ``staging_bytes`` (made on first use) on one copy stream per device, with an event per copy so
     that a staging block is reused as soon as its own copy is done. Other accelerators copy from pageable memory on
     their current stream. ``join_on_device``: chunks' byte planes are staged and joined on the device
-    (``packstore.packs.plane_join``), so the CPU threads only check and entropy-decode."""
+    (``packstore.packs.plane_join``), so the CPU threads only check and entropy-decode. ``decode_on_device``: chunks
+    bound for a CUDA device are staged as stored (compressed), one block and one copy per layer, and entropy-decoded
+    and joined there (``packstore.packs.device_decode``, numba-cuda: the ``gpu`` extra), so the CPU threads only check
+    digests and read frame tables; packs bound for the CPU decode on the host whatever the flag."""
 
-    def __init__(self, memory: PackMemory | None = None, *, staging_bytes: int = STAGING_BYTES, join_on_device: bool = False) -> None:
+    def __init__(
+        self,
+        memory: PackMemory | None = None,
+        *,
+        staging_bytes: int = STAGING_BYTES,
+        join_on_device: bool = False,
+        decode_on_device: bool = False,
+    ) -> None:
         self.memory = memory
         self.staging_bytes = staging_bytes
         self.join_on_device = join_on_device
+        self.decode_on_device = decode_on_device
         self._pool: PackMemory | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._in_flight: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()  # (copy done, its staging block)

@@ -24,6 +24,7 @@ from packstore.format import codec
 from packstore.format.body import BLOCK_POSITIONS, LAYERS_PER_CHUNK, EncodedPack, TensorEntry, chunk_digest
 from packstore.format.chunks import UNSIGNED, Buffer, ChunkSource, OpenedChunk, adapter_digest, as_3d, open_chunk
 from packstore.format.header import CHUNK_DIGEST, CODEC, ChunkInfo, PackHeader
+from packstore.packs import device_decode
 from packstore.packs.buffers import BufferProvider, Fence
 from packstore.packs.decoder import Decoder
 from packstore.packs.plane_join import join_planes_on
@@ -185,6 +186,9 @@ class BodyAssembler:
         self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> its host staging (not on the CPU)
         self._covered = [0] * len(layers)
         self._lock = threading.Lock()
+        self._device_decode = device_decode.decodes_on(buffers, self.device)
+        self._pending: list[device_decode.Planned] = []  # chunks planned for the device whose layers are not all in yet
+        self._statuses: list[torch.Tensor] = []  # the device decode's verdicts, read once the pack is in (``finish``)
 
     def _elements_of(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """Where chunks of layer ``slot`` decode to: the layer's own K and V on the CPU, else its host staging, taken
@@ -207,7 +211,10 @@ class BodyAssembler:
         """Open chunk ``index`` (``format.chunks.open_chunk``: its digest unless ``verified``, its planes, its table)
         and decode the tensors wanted of it into their places (those of other layers, and positions past those
         wanted, are not decoded). Returns the slots this chunk completed: every position wanted of their K and V is
-        in, and on a device, their copy is issued."""
+        in, and on a device, their copy is issued. When the pack is decoded on its device (``device_decode``), the
+        chunk is checked and planned here, and sent with the rest of its layer once the layer's last chunk is in."""
+        if self._device_decode:
+            return self._add_for_device(index, data, verified)
         header = self.header
         chunk = open_chunk(header, index, data, verified=verified)
         held = chunk.positions
@@ -234,6 +241,39 @@ class BodyAssembler:
             if staged is not None:
                 self.buffers.copy(staged[0], self.keys[slot])
                 self.buffers.copy(staged[1], self.values[slot])
+        return done
+
+    def _add_for_device(self, index: int, data: Buffer, verified: bool) -> list[int]:
+        """``add`` when the device decodes: check and plan the chunk (``device_decode.plan``), hold it until every chunk
+        of its layers is in, then issue them together (``device_decode.issue``: one copy, one kernel, the joins)."""
+        header = self.header
+        planned, opened = device_decode.plan(header, index, data, verified)
+        if planned is not None:
+            positions, block, entries = planned.positions, planned.block, [t.entry for t in planned.tensors]
+        else:
+            assert opened is not None  # a chunk the device path does not take is opened on the host
+            positions, block, entries = opened.positions, opened.block, list(opened.entries)
+        stop = positions.stop if self.positions is None else min(positions.stop, self.positions)
+        if self.positions is not None and stop <= positions.start:
+            return []  # a block past the positions wanted holds nothing of them
+        offset, count = (positions.start, stop - positions.start) if header.kind == "knowledge" else (0, block[1])
+        wanted = [(entry.name, *self._names[entry.name]) for entry in entries if entry.name in self._names]
+        places = [(name, (self.keys, self.values)[which][slot]) for name, which, slot in wanted]
+        places = [(name, place.view(as_3d(tuple(place.shape)))) for name, place in places]
+        host = {} if opened is None else device_decode.host_elements(opened, {name for name, _ in places})
+        written = frozenset(slot for _, _, slot in wanted)
+        item = device_decode.Planned(planned, host, places, offset, count, data, written)
+        whole, done = 1 if self.positions is None else self.positions, []
+        with self._lock:
+            self._pending.append(item)
+            for slot in sorted(written):
+                self._covered[slot] += 1 if self.positions is None else stop - positions.start
+                if self._covered[slot] == whole:
+                    done.append(slot)
+            batch = [held for held in self._pending if held.slots & set(done)]
+            self._pending = [held for held in self._pending if not held.slots & set(done)]
+        if batch:
+            device_decode.issue(batch, self.buffers, self.device, self._statuses)
         return done
 
     def _join_on_device(self, chunk: OpenedChunk, wanted: list[tuple[TensorEntry, torch.Tensor]], offset: int, count: int) -> None:
@@ -270,6 +310,7 @@ class BodyAssembler:
                     f"pack {self.header.key}: the chunks read hold {covered} of the {whole} positions of layer {self.layers[slot]}"
                 )
         self.buffers.synchronize(self.device)
+        device_decode.check(self._statuses, self.header.key)
         return self.keys, self.values
 
 
