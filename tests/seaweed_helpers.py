@@ -23,7 +23,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from service_helpers import free_port
+from tests.service_helpers import free_port
 
 ACCESS_KEY = "packstore-test"
 SECRET_KEY = "packstore-test-secret"

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 if TYPE_CHECKING:
-    from cgroup_helpers import MemoryCgroup
+    from tests.helpers.cgroup import MemoryCgroup
 
 
 PORT_ATTEMPTS = 3

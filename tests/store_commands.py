@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_format import make_pack
 
 from packstore.packs.admin import export_pack
 from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
+from tests.helpers.packs import make_pack
 
 NAME = "light"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.eval
 ROOT = Path(__file__).resolve().parents[2]
 
 

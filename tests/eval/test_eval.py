@@ -11,7 +11,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import eval_packs  # noqa: E402
-from bank_helpers import TEST_BANK_CACHE
 from evallib import (  # noqa: E402
     METRICS,
     Row,
@@ -38,6 +37,7 @@ from evallib import (  # noqa: E402
 from packstore.bank.bank import open_banks
 from packstore.kv.inject import Sampling  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
+from tests.helpers.banks import TEST_BANK_CACHE
 
 
 @pytest.mark.parametrize(

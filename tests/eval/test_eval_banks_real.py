@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import eval_banks  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.eval
 
 
 def test_eval_banks_small(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import eval_banks  # noqa: E402
 import eval_fusion  # noqa: E402
 from packstore.bank.bank import FUSION  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.eval
 
 
 def test_the_sweep_reproduces_the_route_on_the_tuning_data(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import eval_rerank  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.eval, pytest.mark.model]
 
 
 def test_eval_rerank_small(tmp_path: Path) -> None:

@@ -12,12 +12,16 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from packstore.kv.records import Pair
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Another template for the same tokenizer: a different template_fp, and a rendering that splits differently.
+ALT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -76,3 +80,11 @@ def make_model_dir(path: Path, *, seed: int = 0, forced_stop: bool = False, tied
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# Steering pairs (good, bad) in the tiny model's vocabulary.
+STEERING_PAIRS = [
+    Pair("Alice lives in Paris and works as a baker.", "Bob lives in Oslo."),
+    Pair("The quick brown fox jumps over the lazy dog.", "The river Tamsin flows through the town."),
+    Pair("Wexley is famous for its bells.", "Who founded the observatory?"),
+]

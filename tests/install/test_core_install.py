@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from store_commands import COMMANDS, make_store, output_of, store_argv
+from tests.store_commands import COMMANDS, make_store, output_of, store_argv
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.install
 REPO = Path(__file__).resolve().parents[2]
 FILES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md")
 

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from bank_helpers import TEST_BANK_CACHE
 from packstore.answering.answer import Answerer, Question
 from packstore.bank.bank import open_banks
 from packstore.kv.inject import Sampling
 from packstore.kv.models import load_model
 from packstore.kv.synthetic import synthetic_facts
 from packstore.store import LmdbStore
+from tests.helpers.banks import TEST_BANK_CACHE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.model
 
 
 def test_lazy_recompute_on_a_real_model(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-from test_real_models import MODELS, eval_rows
 
 from packstore.answering.answer import Question
 from packstore.answering.api import amend_and_store, compose_and_store
@@ -15,7 +14,6 @@ from packstore.errors import PackNotFound
 from packstore.kv.build import build_pack
 from packstore.kv.compose import compose_exact, splice
 from packstore.kv.inject import Sampling, answer_with_text
-from packstore.kv.models import load_model
 from packstore.kv.rope import layer_frequencies
 from packstore.packs.admin import export_pack, import_pack
 from packstore.packs.reader import PackReader
@@ -23,15 +21,16 @@ from packstore.packs.tensors import encode_pack
 from packstore.rpc.remote import RemoteStore
 from packstore.store import LmdbStore
 from packstore.worker.client import WorkerClient
-from service_helpers import running_server, running_worker
+from tests.helpers.real_models import MODELS, eval_rows
+from tests.service_helpers import running_server, running_worker
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.model, pytest.mark.service]
 GREEDY = Sampling(max_new_tokens=16)
 
 
 @pytest.fixture(scope="module", params=MODELS)
-def real_lm(request):
-    return load_model(request.param, progress=False)
+def real_lm(request, real_model):
+    return real_model(request.param)
 
 
 def test_rope_re_positioning_is_exact_where_keys_see_no_context(real_lm) -> None:

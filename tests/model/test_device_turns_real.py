@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from device_helpers import take_turns
 from packstore.answering.answer import Answerer, Question
 from packstore.answering.api import build_and_store
 from packstore.kv import inject
 from packstore.kv.device import DeviceLock
 from packstore.kv.inject import Sampling
-from packstore.kv.models import LoadedModel, load_model
+from packstore.kv.models import LoadedModel
 from packstore.store import LmdbStore
+from tests.helpers.device import take_turns
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.model
 MODEL = "smollm2-135m"
 FACTS = [
     "The river Tamsin flows through the town of Wexley.",
@@ -34,8 +34,8 @@ WAIT_SECONDS = 600.0
 
 
 @pytest.fixture(scope="module")
-def smol() -> LoadedModel:
-    return load_model(MODEL, device="cpu", progress=False)
+def smol(real_model) -> LoadedModel:
+    return real_model(MODEL, device="cpu")
 
 
 def run(answerer: Answerer, question: Question) -> tuple[list[int], object]:

@@ -10,7 +10,7 @@ import pytest
 from packstore.kv.identity import directory_model_fingerprint, directory_template_fingerprint
 from packstore.kv.models import load_model, resolve_model_dir
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.model
 
 
 @pytest.mark.parametrize(("spec", "dtype"), [("smollm2-135m", "float32"), ("smollm2-135m", "bfloat16"), ("gemma3-270m", "float32")])

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_real_models import eval_rows
 
 from packstore.answering.answer import Answerer, Question
 from packstore.answering.api import amend_and_store, build_and_store, compose_and_store
@@ -17,15 +16,16 @@ from packstore.kv.build import PREFILL_CHUNK_TOKENS
 from packstore.kv.inject import Sampling
 from packstore.kv.models import LoadedModel, load_model
 from packstore.store import LmdbStore
+from tests.helpers.real_models import eval_rows
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.model
 GREEDY = Sampling(max_new_tokens=24)
 MODEL = "smollm2-135m"
 
 
 @pytest.fixture(scope="module")
-def smol() -> LoadedModel:
-    return load_model(MODEL, device="cpu", progress=False)
+def smol(real_model) -> LoadedModel:
+    return real_model(MODEL, device="cpu")
 
 
 def ask(answerer: Answerer, refs: tuple[str, ...], rows: list[dict], sampling: Sampling = GREEDY):

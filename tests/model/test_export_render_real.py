@@ -17,7 +17,7 @@ from packstore.cli.packctl import main
 from packstore.kv.identity import directory_model_fingerprint
 from packstore.kv.models import WHEEL_MODELS
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.model
 
 FACTS = [
     "The Velmora Observatory stands on Mount Tarrin, 3,140 metres above sea level.",

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import openai
 import pytest
-from test_real_models import eval_rows, fact_sets
 
 from packstore.answering.answer import Answerer, Question
 from packstore.errors import InvalidInput
@@ -24,9 +23,10 @@ from packstore.packs.tensors import encode_pack
 from packstore.rpc.remote import RemoteStore
 from packstore.store import LmdbStore
 from packstore.worker.client import WorkerClient
-from service_helpers import free_port, running_server, running_worker
+from tests.helpers.real_models import eval_rows, fact_sets
+from tests.service_helpers import free_port, running_server, running_worker
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.model, pytest.mark.service]
 GREEDY = Sampling(max_new_tokens=24)
 
 

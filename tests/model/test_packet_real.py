@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from test_real_models import MODELS, eval_rows
 
 from packstore.answering.answer import Answerer, Question
 from packstore.cli.packctl import main as packctl
@@ -15,20 +14,20 @@ from packstore.kv.blend import selective_recompute
 from packstore.kv.build import build_pack
 from packstore.kv.compose import compose_exact, splice
 from packstore.kv.inject import Sampling
-from packstore.kv.models import load_model
 from packstore.kv.packet import generated_examples
 from packstore.packs.tensors import encode_pack
 from packstore.rpc.remote import RemoteStore
 from packstore.worker.client import WorkerClient
-from service_helpers import running_server, running_worker
+from tests.helpers.real_models import MODELS, eval_rows
+from tests.service_helpers import running_server, running_worker
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.model, pytest.mark.service]
 GREEDY = Sampling(max_new_tokens=12)
 
 
 @pytest.fixture(scope="module", params=MODELS)
-def real_lm(request):
-    return load_model(request.param, progress=False)
+def real_lm(request, real_model):
+    return real_model(request.param)
 
 
 def test_adapter_training_and_packet_compositions_through_the_service_and_worker(real_lm, tmp_path: Path, capsys) -> None:

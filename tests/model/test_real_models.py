@@ -17,9 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from evallib import data_path  # noqa: E402
-from packstore.errors import PackMismatch  # noqa: E402
+from packstore.errors import PackMismatch
 from packstore.format.body import BLOCK_POSITIONS
 from packstore.kv.build import build_pack, prefill
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text, prefill_divergence
@@ -27,35 +25,12 @@ from packstore.kv.models import load_model
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import decode_pack, encode_pack
 from packstore.store import LmdbStore
+from tests.helpers.real_models import MIN_PACK_TOKENS, MIN_QUESTIONS, MODELS, eval_rows, fact_sets
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.model
 
-MODELS = ["smollm2-135m", "gemma3-270m"]
-MIN_PACK_TOKENS = 500
-MIN_QUESTIONS = 20
 GREEDY = Sampling(max_new_tokens=24)
 REPO = Path(__file__).resolve().parents[2]
-DATA = data_path()
-
-
-def eval_rows() -> list[dict]:
-    if not DATA.exists():
-        pytest.fail(f"evaluation data not found at {DATA} (set PACKSTORE_EVAL_DATA)")
-    return [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
-
-
-def fact_sets(tokenizer, rows: list[dict]) -> list[tuple[list[str], list[dict]]]:
-    """Consecutive rows grouped until their contexts reach MIN_PACK_TOKENS; enough groups for MIN_QUESTIONS."""
-    groups, current, covered = [], [], 0
-    for row in rows:
-        current.append(row)
-        if len(tokenizer("\n".join(r["context"] for r in current)).input_ids) >= MIN_PACK_TOKENS:
-            groups.append(([r["context"] for r in current], current))
-            covered += len(current)
-            current = []
-            if covered >= MIN_QUESTIONS:
-                break
-    return groups
 
 
 def exact_match(prediction: str, answers: list[str]) -> bool:
@@ -63,9 +38,24 @@ def exact_match(prediction: str, answers: list[str]) -> bool:
 
 
 @pytest.fixture(scope="module", params=MODELS)
-def real_lm(request):
-    return load_model(request.param, progress=False)
+def real_lm(request, real_model):
+    return real_model(request.param)
 
+
+
+@pytest.mark.fast
+def test_a_stored_pack_answers_as_its_facts_in_the_prompt(real_model, tmp_path: Path) -> None:
+    """The fast lane's real-model answer: smollm2-135m, the README's example facts and first question, the pack stored
+    and answered through the one answering path, token for token the answer with the facts as prompt text."""
+    from packstore.answering.answer import Answerer, Question
+
+    lm = real_model("smollm2-135m")
+    facts = [line for line in (REPO / "examples" / "facts.txt").read_text().splitlines() if line.strip()]
+    question = json.loads((REPO / "examples" / "questions.jsonl").read_text().splitlines()[0])["question"]
+    with LmdbStore(tmp_path / "store") as store:
+        store.put(encode_pack(build_pack(lm, facts)), name="velmora")
+        result = Answerer(lm, store).ask(Question(question, refs=("velmora",), sampling=GREEDY, compare_rag=True))
+    assert result.identical is True and "Brandqvist" in result.answer, result.answer
 
 def test_pack_injection_is_identical_to_text_in_prompt(real_lm, fidelity_report) -> None:
     rows = eval_rows()

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_real_models import eval_rows, fact_sets
 
 from packstore.answering.answer import Question
 from packstore.errors import PackMismatch
@@ -19,9 +18,10 @@ from packstore.kv.models import load_model
 from packstore.packs.tensors import encode_pack
 from packstore.rpc.remote import RemoteStore
 from packstore.worker.client import WorkerClient
-from service_helpers import running_server, running_worker
+from tests.helpers.real_models import eval_rows, fact_sets
+from tests.service_helpers import running_server, running_worker
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.model, pytest.mark.service]
 GREEDY = Sampling(max_new_tokens=24)
 
 

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-from test_real_models import MODELS, eval_rows
 
 from packstore.answering.answer import Answerer, Question
 from packstore.cli.packctl import main as packctl
@@ -15,16 +14,17 @@ from packstore.kv.models import load_model
 from packstore.kv.options import middle_third
 from packstore.store import LmdbStore
 from packstore.worker.client import WorkerClient
-from service_helpers import running_server, running_worker
+from tests.helpers.real_models import MODELS, eval_rows
+from tests.service_helpers import running_server, running_worker
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.model, pytest.mark.service]
 PAIRS = Path(__file__).resolve().parents[2] / "tools" / "steering_data" / "sentiment_pairs.jsonl"
 GREEDY = Sampling(max_new_tokens=16)
 
 
 @pytest.fixture(scope="module", params=MODELS)
-def real_lm(request):
-    return load_model(request.param, progress=False)
+def real_lm(request, real_model):
+    return real_model(request.param)
 
 
 def test_steer_build_ask_alone_and_with_a_pack_via_cli_and_worker(real_lm, tmp_path: Path, capsys) -> None:

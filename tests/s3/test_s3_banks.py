@@ -6,14 +6,12 @@ import threading
 import time
 
 import pytest
-from test_s3_store import objects
 
-from bank_helpers import TEST_BANK_CACHE
 from packstore.bank.bank import open_banks
 from packstore.errors import IntegrityError, PackNotFound, Unavailable
 from packstore.store.objects.store import ObjectStore
-
-FACTS = [f"Locker {i} holds the {('red', 'green', 'blue', 'amber')[i % 4]} umbrella of guest {200 + i}." for i in range(40)]
+from tests.helpers.banks import TEST_BANK_CACHE
+from tests.helpers.s3 import FACTS, objects
 
 
 def test_replicas_share_banks_and_concurrent_adds_all_land(replicas) -> None:

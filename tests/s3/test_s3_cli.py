@@ -8,10 +8,7 @@ from pathlib import Path
 
 import lmdb
 import pytest
-from test_s3_banks import FACTS
-from test_s3_store import random_pack
 
-from bank_helpers import TEST_BANK_CACHE
 from packstore.answering.api import sign_bank
 from packstore.bank.bank import open_banks
 from packstore.cli.packctl import main
@@ -21,6 +18,8 @@ from packstore.packs.tensors import encode_pack
 from packstore.security.trust import SigningKey, generate_key
 from packstore.store import LmdbStore
 from packstore.store.objects.store import ObjectStore
+from tests.helpers.banks import TEST_BANK_CACHE
+from tests.helpers.s3 import FACTS, random_pack
 
 NO_BANKS = {"banks": 0, "banks_copied": 0, "bank_signatures_added": 0, "banks_skipped": []}
 

@@ -20,12 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from test_auth import TOKENS, refusal, tokens_file
-from test_format import FP_B
-from test_s3_banks import FACTS
-from test_s3_store import objects, random_pack, same_tensors
 
-from bank_helpers import TEST_BANK_CACHE
 from packstore.answering.api import sign_bank
 from packstore.bank.bank import open_banks
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, Unavailable
@@ -39,8 +34,12 @@ from packstore.security.trust import SigningKey, generate_key
 from packstore.store import LmdbStore
 from packstore.store.objects.cache import DEFAULT_CACHE_BYTES, ObjectCache
 from packstore.v1 import store_pb2, store_pb2_grpc
-from seaweed_helpers import Seaweed, running_seaweed
-from service_helpers import RunningServer, free_port, running_server
+from tests.helpers.auth import TOKENS, refusal, tokens_file
+from tests.helpers.banks import TEST_BANK_CACHE
+from tests.helpers.packs import FP_B
+from tests.helpers.s3 import FACTS, objects, random_pack, same_tensors
+from tests.seaweed_helpers import Seaweed, running_seaweed
+from tests.service_helpers import RunningServer, free_port, running_server
 
 
 @contextmanager

@@ -7,48 +7,25 @@ prefix of the bucket, so the module-wide server needs no reset.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from test_format import FP_B, make_pack
-from test_store_suite import pack_of
 
 from packstore.errors import IntegrityError, PackNotFound, PermissionDenied, StoreBusy, StoreNotFound, Unavailable
 from packstore.format.body import EncodedPack
 from packstore.packs.reader import PackReader
-from packstore.packs.tensors import Pack, encode_pack
+from packstore.packs.tensors import encode_pack
 from packstore.security.trust import SigningKey, generate_key
 from packstore.store.objects.store import ObjectStore
-from seaweed_helpers import Seaweed
-from service_helpers import free_port
-
-
-def random_pack(model_fp: str, seed: int, *, layers: int = 3, tokens: int = 8) -> Pack:
-    """A pack whose chunks no other pack shares (random tensors of its own)."""
-    base = make_pack(layers=layers, tokens=tokens, heads=2, dim=16).header
-    header = dataclasses.replace(base, model_fp=model_fp, token_ids=tuple(range(seed * 1000, seed * 1000 + tokens)))
-    generator = torch.Generator().manual_seed(seed)
-    shape = header.tensor_shape
-    return Pack(header, [torch.randn(shape, generator=generator) for _ in range(layers)], [torch.randn(shape, generator=generator) for _ in range(layers)])
-
-
-def objects(seaweed: Seaweed, url: str, below: str) -> dict[str, int]:
-    """Object name (below the store's default namespace) -> size, straight from the server."""
-    prefix = url.split("/", 3)[3] + "/ns/default/"
-    pages = seaweed.client().get_paginator("list_objects_v2").paginate(Bucket=seaweed.bucket, Prefix=prefix + below)
-    return {item["Key"][len(prefix) :]: item["Size"] for page in pages for item in page.get("Contents", [])}
-
-
-def same_tensors(a: Pack, b: Pack) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
+from tests.helpers import child_env
+from tests.helpers.packs import FP_B, pack_of
+from tests.helpers.s3 import objects, random_pack, same_tensors
+from tests.service_helpers import free_port
 
 
 def counted_gets(store: ObjectStore) -> list[str]:
@@ -58,6 +35,7 @@ def counted_gets(store: ObjectStore) -> list[str]:
     return names
 
 
+@pytest.mark.fast  # the fast lane's round trip through this tier
 def test_a_pack_put_through_one_replica_is_listed_and_served_by_the_other(replicas, seaweed, url, model_fp) -> None:
     a, b = replicas
     first, second = pack_of(model_fp, 10), pack_of(model_fp, 20)  # the same tensors: their chunks are identical
@@ -121,7 +99,7 @@ _KILLED_WRITER = """
 import os, sys, time
 from packstore.store.objects.store import ObjectStore
 from packstore.packs.tensors import encode_pack
-from test_s3_store import random_pack
+from tests.helpers.s3 import random_pack
 upload = ObjectStore._upload_chunk
 def slow_upload(self, digest, data):
     relied = upload(self, digest, data)
@@ -134,9 +112,7 @@ with ObjectStore(sys.argv[1], cache_dir=sys.argv[2]) as store:
 
 
 def test_a_writer_killed_mid_upload_leaves_no_visible_pack(url, seaweed, tmp_path, model_fp) -> None:
-    tests = Path(__file__).parent
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tests.parents[1]), str(tests), str(tests.parent)])}
-    writer = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, url, str(tmp_path / "writer"), model_fp], env=env)
+    writer = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, url, str(tmp_path / "writer"), model_fp], env=child_env())
     deadline = time.monotonic() + 120
     while not objects(seaweed, url, "chunks/"):
         assert writer.poll() is None and time.monotonic() < deadline, "the writer ended before uploading a chunk"

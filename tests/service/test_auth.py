@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import signal
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
-from test_format import make_pack
 
-from bank_helpers import TEST_BANK_CACHE
 from packstore.answering.answer import Question
 from packstore.bank.bank import open_banks
 from packstore.errors import InvalidInput, PackNotFound, PermissionDenied, Unauthenticated
@@ -31,24 +25,10 @@ from packstore.rpc.remote import RemoteStore
 from packstore.security.auth import Auth, load_tokens
 from packstore.store.namespaces import namespace_path
 from packstore.worker.client import WorkerClient
-from service_helpers import free_port, running_server, running_worker
-
-TOKENS = {
-    "a-writer": ("secret-a-writer", ["a"], "write"),
-    "a-reader": ("secret-a-reader", ["a"], "read"),
-    "b-writer": ("secret-b-writer", ["b"], "write"),
-    "ab-reader": ("secret-ab-reader", ["a", "b"], "read"),
-    "operator": ("secret-operator", ["*"], "admin"),
-}
-
-
-def tokens_file(path: Path, tokens: dict = TOKENS) -> Path:
-    entries = [
-        f'[[token]]\nname = "{name}"\nsha256 = "{hashlib.sha256(secret.encode()).hexdigest()}"\nnamespaces = {json.dumps(spaces)}\nrole = "{role}"\n'
-        for name, (secret, spaces, role) in tokens.items()
-    ]
-    path.write_text("\n".join(entries))
-    return path
+from tests.helpers.auth import TOKENS, refusal, tokens_file
+from tests.helpers.banks import TEST_BANK_CACHE
+from tests.helpers.packs import make_pack
+from tests.service_helpers import free_port, running_server, running_worker
 
 
 def client(server, name: str | None, namespace: str | None = None) -> RemoteStore:
@@ -163,13 +143,6 @@ def test_metrics_need_a_token_and_show_a_tenant_only_its_namespaces(server) -> N
     everything = samples(scrape(server, TOKENS["operator"][0]))  # "*": every namespace and the whole service's series
     assert {"a", "b", ""} <= {s.labels.get("namespace", "") for s in everything}
     assert any(s.name == "packstore_store_file_bytes" for s in everything)
-
-
-def refusal(read: Callable[[], object]) -> str:
-    """The message of the NOT_FOUND that ``read()`` gets."""
-    with pytest.raises(PackNotFound) as refused:
-        read()
-    return str(refused.value)
 
 
 def test_a_read_creates_no_namespace_and_answers_as_an_empty_one(server) -> None:

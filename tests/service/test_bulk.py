@@ -18,7 +18,6 @@ import grpc
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from test_format import make_pack
 
 from packstore.errors import IntegrityError, InvalidInput, LimitExceeded, PackNotFound, Unauthenticated, Unavailable
 from packstore.packs.reader import PackReader
@@ -42,7 +41,8 @@ from packstore.service.bulk import Tickets, bulk_address
 from packstore.service.hot import HotPacks
 from packstore.store import LmdbStore
 from packstore.v1 import store_pb2, store_pb2_grpc
-from service_helpers import free_port, running_server
+from tests.helpers.packs import make_pack
+from tests.service_helpers import free_port, running_server
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
-from test_format import make_pack
 
-from bank_helpers import TEST_BANK_CACHE
 from packstore.bank.bank import open_banks
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, InvalidInput, LimitExceeded, PackstoreError
@@ -28,7 +26,9 @@ from packstore.packs.tensors import encode_pack
 from packstore.rpc.remote import RemoteStore
 from packstore.store import LmdbStore
 from packstore.v1 import store_pb2, store_pb2_grpc
-from service_helpers import running_server
+from tests.helpers.banks import TEST_BANK_CACHE
+from tests.helpers.packs import make_pack
+from tests.service_helpers import running_server
 
 MIB = 1 << 20
 

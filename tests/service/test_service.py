@@ -18,10 +18,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
-from test_format import make_pack
-from test_lifecycle import flip_in_file
 
-from bank_helpers import TEST_BANK_CACHE
 from packstore.bank.bank import open_banks
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch, PackNotFound, PackstoreError
 from packstore.packs.reader import PackReader
@@ -30,13 +27,16 @@ from packstore.rpc.metrics_http import metrics_address, serve_metrics
 from packstore.rpc.remote import RemoteStore
 from packstore.security.auth import Auth
 from packstore.v1 import store_pb2, store_pb2_grpc
-from service_helpers import running_server
+from tests.helpers.banks import TEST_BANK_CACHE
+from tests.helpers.packs import flip_in_file, make_pack
+from tests.service_helpers import running_server
 
 
 def stub_for(server) -> store_pb2_grpc.PackStoreStub:
     return store_pb2_grpc.PackStoreStub(grpc.insecure_channel(server.address))
 
 
+@pytest.mark.fast  # the fast lane's round trip through this tier
 def test_put_list_get_delete(remote) -> None:
     pack = make_pack(tokens=300, dim=64)
     key, created = remote.put(encode_pack(pack), name="alpha")

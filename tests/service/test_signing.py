@@ -9,9 +9,7 @@ import stat
 import struct
 
 import pytest
-from test_format import make_pack
 
-from bank_helpers import TEST_BANK_CACHE
 from packstore.answering.answer import Answerer, Question
 from packstore.answering.api import sign_bank, store_pack, verify_banks
 from packstore.bank.bank import open_banks
@@ -29,7 +27,9 @@ from packstore.packs.tensors import encode_pack
 from packstore.rpc.remote import RemoteStore
 from packstore.security.trust import SigningKey, TrustedKeys, generate_key
 from packstore.store import LmdbStore
-from service_helpers import running_server
+from tests.helpers.banks import TEST_BANK_CACHE
+from tests.helpers.packs import make_pack
+from tests.service_helpers import running_server
 
 GREEDY = Sampling(max_new_tokens=6)
 
@@ -206,7 +206,7 @@ def test_a_worker_with_trusted_keys_refuses_unsigned_packs_over_grpc(tiny_lm, ti
     import grpc
 
     from packstore.v1 import worker_pb2, worker_pb2_grpc
-    from service_helpers import running_worker
+    from tests.service_helpers import running_worker
 
     with running_server(tmp_path / "data") as server, RemoteStore(server.url) as remote:
         remote.put(encode_pack(build_pack(tiny_lm, ["Alice lives in Paris."])), name="a")

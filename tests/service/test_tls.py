@@ -10,7 +10,6 @@ import urllib.request
 
 import pytest
 import torch
-from test_format import make_pack
 
 from packstore.cli.packctl import main as packctl
 from packstore.errors import Unavailable
@@ -21,8 +20,9 @@ from packstore.rpc.bulk import MAGIC, connect, read_frame
 from packstore.rpc.channel import Connection
 from packstore.rpc.remote import RemoteStore
 from packstore.v1 import store_pb2
-from service_helpers import running_server, running_worker
-from tls_helpers import make_certificates
+from tests.helpers.packs import make_pack
+from tests.helpers.tls import make_certificates
+from tests.service_helpers import running_server, running_worker
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bank_helpers import TEST_BANK_CACHE
 from packstore.answering.answer import Question
 from packstore.bank.bank import open_banks
 from packstore.cli.packctl import main as packctl
@@ -23,8 +22,9 @@ from packstore.packs.tensors import encode_pack
 from packstore.rpc.remote import RemoteStore
 from packstore.v1 import store_pb2, worker_pb2, worker_pb2_grpc
 from packstore.worker.client import WorkerClient
-from service_helpers import running_server, running_worker
-from tiny_model import make_model_dir
+from tests.helpers.banks import TEST_BANK_CACHE
+from tests.helpers.tiny_model import make_model_dir
+from tests.service_helpers import running_server, running_worker
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
 GREEDY = Sampling(max_new_tokens=12)
@@ -37,6 +37,7 @@ def stack(tmp_path_factory, tiny_model_dir):
         yield server, worker
 
 
+@pytest.mark.fast  # the fast lane's round trip through this tier
 def test_answers_through_the_worker_match_text_in_prompt(stack, tiny_lm) -> None:
     server, worker = stack
     pack = build_pack(tiny_lm, FACTS)

@@ -16,7 +16,6 @@ import anyio
 import openai
 import pytest
 
-from bank_helpers import TEST_BANK_CACHE
 from packstore.answering.answer import Answerer, Question
 from packstore.bank.bank import open_banks
 from packstore.cli.packctl import main as packctl
@@ -31,6 +30,7 @@ from packstore.store import LmdbStore
 from packstore.store.lmdb.store import _chunk_key
 from packstore.worker.http import MAX_BODY_BYTES, OpenAIApp, serve_http
 from packstore.worker.server import WorkerService
+from tests.helpers.banks import TEST_BANK_CACHE
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
 GREEDY = Sampling(max_new_tokens=12)
@@ -345,8 +345,8 @@ def test_packstore_worker_http_serves_https_with_the_tls_flags_and_answers_as_it
     import ssl
 
     from packstore.rpc.remote import RemoteStore
-    from service_helpers import free_port, running_server, running_worker
-    from tls_helpers import make_certificates
+    from tests.helpers.tls import make_certificates
+    from tests.service_helpers import free_port, running_server, running_worker
 
     certs = make_certificates(tmp_path / "tls")
     with running_server(tmp_path / "data") as server:
@@ -373,7 +373,7 @@ def test_packstore_worker_http_serves_https_with_the_tls_flags_and_answers_as_it
 def test_with_a_client_ca_the_https_port_answers_only_clients_with_a_certificate_it_signed(world, tiny_lm, tmp_path) -> None:
     import ssl
 
-    from tls_helpers import make_certificates
+    from tests.helpers.tls import make_certificates
 
     _, app, _, _, _ = world
     certs = make_certificates(tmp_path / "tls")

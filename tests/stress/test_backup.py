@@ -6,10 +6,8 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from test_format import make_pack
 
 from packstore.cli.packctl import main as packctl
 from packstore.errors import InvalidInput
@@ -18,12 +16,13 @@ from packstore.packs.tensors import encode_pack
 from packstore.rpc.remote import RemoteStore
 from packstore.store import LmdbStore
 from packstore.store.namespaces import backup, namespace_path
-from service_helpers import running_server
+from tests.helpers import child_env
+from tests.helpers.packs import make_pack
+from tests.service_helpers import running_server
 
 WRITER = r"""
 import sys
-sys.path[:0] = [sys.argv[3], sys.argv[3] + "/unit"]
-from test_format import make_pack
+from tests.helpers.packs import make_pack
 from packstore.store import LmdbStore
 from packstore.packs.tensors import encode_pack
 with LmdbStore(sys.argv[1]) as store, open(sys.argv[2], "a") as log:
@@ -40,8 +39,7 @@ def test_backup_is_a_consistent_copy_taken_while_a_writer_writes(tmp_path, capsy
         team.put(encode_pack(make_pack(tokens=20)), name="theirs")
     acked = tmp_path / "acked.log"
     acked.write_text("")
-    tests = str(Path(__file__).resolve().parents[1])
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(data), str(acked), tests], stderr=subprocess.PIPE)
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(data), str(acked)], stderr=subprocess.PIPE, env=child_env())
     try:
         while len(acked.read_text().splitlines()) < 15:
             assert writer.poll() is None, writer.stderr.read().decode()

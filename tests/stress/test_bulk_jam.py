@@ -14,13 +14,13 @@ import time
 import grpc
 import pytest
 import torch
-from test_format import make_pack
 
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
 from packstore.rpc.remote import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc
-from service_helpers import running_server
+from tests.helpers.packs import make_pack
+from tests.service_helpers import running_server
 
 ATTACKER = r"""
 import json, os, random, select, socket, sys, time

@@ -1,6 +1,6 @@
 """Damage the store's data file at random places (bit flips, truncation, zeroed pages): the store refuses
 to open with a clear message, or every read of an affected pack fails with DATA_LOSS while the others
-serve their exact tensors, and verify names exactly the damaged packs. Short in `make test`, 240
+serve their exact tensors, and verify names exactly the damaged packs. Short in `make test-all`, 240
 trials in `make test-long`."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_format import make_pack
 
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError
@@ -19,7 +18,8 @@ from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
 from packstore.rpc.remote import RemoteStore
 from packstore.store import LmdbStore
-from service_helpers import running_server
+from tests.helpers.packs import make_pack
+from tests.service_helpers import running_server
 
 DAMAGES = ("flip", "truncate", "zero-page")
 

@@ -1,6 +1,6 @@
 """SIGKILL at random moments: the service under 16 concurrent uploads, a packctl writer, a bank build.
 After each kill: every pack is complete and verified or absent, every acknowledged upload is present,
-and retrying stores each pack once. Short in `make test`, 100 trials each in `make test-long`."""
+and retrying stores each pack once. Short in `make test-all`, 100 trials each in `make test-long`."""
 
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_format import make_pack
 
-from bank_helpers import TEST_BANK_CACHE
 from packstore.bank.bank import open_banks
 from packstore.errors import PackstoreError
 from packstore.packs.admin import export_pack
@@ -24,7 +22,9 @@ from packstore.packs.reader import PackReader
 from packstore.packs.tensors import Pack, encode_pack
 from packstore.rpc.remote import RemoteStore
 from packstore.store import LmdbStore
-from service_helpers import free_port, wait_serving
+from tests.helpers.banks import TEST_BANK_CACHE
+from tests.helpers.packs import make_pack
+from tests.service_helpers import free_port, wait_serving
 
 UPLOADERS = 16
 PACKS_PER_UPLOADER = 3

@@ -18,8 +18,6 @@ import grpc
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from test_auth import tokens_file
-from test_format import make_pack
 
 from packstore.errors import InvalidInput
 from packstore.packs.reader import PackReader
@@ -30,7 +28,9 @@ from packstore.rpc.remote import RemoteStore
 from packstore.security.shares import ShareRule, Shares
 from packstore.service.config import load_config
 from packstore.v1 import store_pb2, store_pb2_grpc
-from service_helpers import running_server
+from tests.helpers.auth import tokens_file
+from tests.helpers.packs import make_pack
+from tests.service_helpers import running_server
 
 TENANTS = {name: (f"secret-{name}", [name], "write") for name in ("a", "b", "c")}  # a token per tenant, its own namespace
 CHUNK, ERROR = 1, 3

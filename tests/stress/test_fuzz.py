@@ -3,7 +3,7 @@ import: malformed, truncated, reordered or oversized messages, declared sizes fa
 decompression bombs, safetensors tables that lie, names with separators, control characters and huge
 lengths. Every case gets a clear status (never INTERNAL or UNKNOWN), the server stays up with bounded
 memory (anonymous and shared memory of its own memory cgroup, cgroup_helpers), and a refused call changes
-nothing stored. About 560 cases in `make test`, 20 times as many in `make test-long`; the fast path (bulk
+nothing stored. About 560 cases in `make test-all`, 20 times as many in `make test-long`; the fast path (bulk
 port, GetPack's bulk/layers/prefix, auth metadata, the Worker) is fuzzed in test_fuzz_fastpath.py."""
 
 from __future__ import annotations
@@ -16,12 +16,8 @@ import grpc
 import pytest
 import zstandard
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_format import make_pack
 
-from bank_helpers import TEST_BANK_CACHE
-from cgroup_helpers import memory_cgroup
 from packstore.bank.bank import open_banks
 from packstore.cli.packctl import main as packctl
 from packstore.format.body import chunk_digest
@@ -31,25 +27,16 @@ from packstore.packs.tensors import encode_pack
 from packstore.rpc.remote import RemoteStore
 from packstore.store import LmdbStore
 from packstore.v1 import store_pb2, store_pb2_grpc
-from service_helpers import running_server
+from tests.helpers.banks import TEST_BANK_CACHE
+from tests.helpers.cgroup import memory_cgroup
+from tests.helpers.fuzz import CLEAR, any_char, fuzz, texts
+from tests.helpers.packs import make_pack
+from tests.service_helpers import running_server
 
-CLEAR = {
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS,
-    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
-}
 MAX_RESIDENT_MB = 1500  # the server's cgroup, anonymous + shared memory (cgroup_helpers); measured 395 MB short, 426 MB long
 SCALE = {"short": 1, "long": 20}
 counted = {"cases": 0}
 
-# Every character a UTF-8 string can carry (controls, private use, unassigned): protobuf strings and
-# header JSON are UTF-8, so lone surrogates cannot reach the server at all.
-any_char = st.characters(exclude_categories=("Cs",))
-texts = st.one_of(
-    st.text(max_size=40),
-    st.text(alphabet=any_char, max_size=200),
-    st.sampled_from(["", "/", "../x", "a/b", "\x00", "\n", "name\x7f", " x", "aaaaaaaa", "a" * 64 + "/" + "b" * 64]),
-    st.builds(lambda n: "x" * n, st.integers(0, 100_000)),
-)
 hex64 = st.text(alphabet="0123456789abcdef", min_size=64, max_size=64)
 
 
@@ -86,10 +73,6 @@ def expect_clear(call, server, before) -> bool:
         assert exc.details(), exc.code()
     assert state(server) == before
     return False
-
-
-def fuzz(examples: int, strategy, check) -> None:
-    settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))(given(strategy)(check))()
 
 
 # ---- PutPack: headers that lie, chunks out of order, sizes far beyond the data ----

@@ -11,7 +11,7 @@ Every case gets an answer the protocol allows (an ERROR frame with a packstore c
 test_fuzz's CLEAR set, or exactly the right bytes), within a few seconds; no namespace ever reads another's
 pack; the services stay up, an authorised fetch afterwards still gets the same bytes over the bulk port, and the
 memory cgroup each group of services runs in stays under its bound (anonymous + shared memory, cgroup_helpers).
-710 cases in `make test`, 20 times as many (14,200) in `make test-long`. What the fuzzing found, now fixed, is pinned by
+710 cases in `make test-all`, 20 times as many (14,200) in `make test-long`. What the fuzzing found, now fixed, is pinned by
 regression tests below (an ERROR frame nested deeply, a refusal quoting a huge namespace, a tiny positive
 temperature, a question far past the model's context); the fuzzing's own bounds on those inputs stay as they were."""
 
@@ -34,13 +34,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
-from test_auth import TOKENS, tokens_file
-from test_format import make_pack
-from test_fuzz import CLEAR, any_char, fuzz, texts
-from test_steer import PAIRS
 
-from bank_helpers import TEST_BANK_CACHE
-from cgroup_helpers import memory_cgroup
 from packstore.bank.bank import open_banks
 from packstore.errors import ERROR_CLASSES, InvalidInput, PackstoreError
 from packstore.format.body import chunks_for, verify_chunk
@@ -54,8 +48,14 @@ from packstore.rpc.channel import NAMESPACE_HEADER, Connection
 from packstore.rpc.messages import stored_pack
 from packstore.rpc.remote import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc, worker_pb2, worker_pb2_grpc
-from raw_grpc import raw_unary
-from service_helpers import running_server, running_worker
+from tests.helpers.auth import TOKENS, tokens_file
+from tests.helpers.banks import TEST_BANK_CACHE
+from tests.helpers.cgroup import memory_cgroup
+from tests.helpers.fuzz import CLEAR, any_char, fuzz, texts
+from tests.helpers.packs import make_pack
+from tests.helpers.raw_grpc import raw_unary
+from tests.helpers.tiny_model import STEERING_PAIRS as PAIRS
+from tests.service_helpers import running_server, running_worker
 
 SCALE = {"short": 1, "long": 20}
 EXAMPLES = {"bulk_port": 150, "bulk_reader": 250, "get_pack": 120, "auth": 140, "worker": 50}  # per scale unit

@@ -10,16 +10,16 @@ import threading
 import time
 
 import grpc
-from test_format import make_pack
 
-from cgroup_helpers import memory_cgroup
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
 from packstore.rpc.bulk import FRAME, MAGIC, recv_exact
 from packstore.rpc.messages import chunk_pieces
 from packstore.rpc.remote import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc
-from service_helpers import running_server
+from tests.helpers.cgroup import memory_cgroup
+from tests.helpers.packs import make_pack
+from tests.service_helpers import running_server
 
 MB = 1 << 20
 HOT_BYTES = 20 * MB

@@ -1,4 +1,4 @@
-"""Load: 64 concurrent clients mixing uploads, streaming reads, lists and routes (seconds in `make test`,
+"""Load: 64 concurrent clients mixing uploads, streaming reads, lists and routes (seconds in `make test-all`,
 three minutes in `make test-long`) with zero errors and bounded server memory; readers that stop reading
 cannot make the server buffer without limit; a full store refuses writes while reads go on."""
 
@@ -11,16 +11,16 @@ from pathlib import Path
 
 import grpc
 import pytest
-from test_format import make_pack
 
-from bank_helpers import TEST_BANK_CACHE
 from packstore.bank.bank import open_banks
 from packstore.errors import LimitExceeded, PackstoreError
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
 from packstore.rpc.remote import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc
-from service_helpers import running_server
+from tests.helpers.banks import TEST_BANK_CACHE
+from tests.helpers.packs import make_pack
+from tests.service_helpers import running_server
 
 CLIENTS = 64
 MAX_RSS_MB = 1500

@@ -2,7 +2,7 @@
 issue 12 item 1): no request fails for a reason other than NOT_FOUND, every stored pack verifies
 afterwards, and every acknowledged put that was not deleted is present.
 
-The short versions run in ``make test``; ``make test-long`` runs the ``long`` ones (more rounds).
+The short versions run in ``make test-all``; ``make test-long`` runs the ``long`` ones (more rounds).
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ TINY_MAP = 64 * 1024
 def encoded_packs(count: int, first_tokens: int, dim: int = 32) -> list[EncodedPack]:
     """``count`` packs with distinct keys (token counts ``first_tokens``, ``first_tokens + 1``, ...)."""
     # Imported here: the processes spawned below import this module and need no torch.
-    from test_format import make_pack
-
     from packstore.packs.tensors import encode_pack
+    from tests.helpers.packs import make_pack
 
     return [encode_pack(make_pack(layers=2, tokens=first_tokens + i, dim=dim)) for i in range(count)]
 

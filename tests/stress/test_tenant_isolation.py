@@ -11,8 +11,6 @@ from pathlib import Path
 import grpc
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from test_auth import TOKENS, tokens_file
-from test_format import make_pack
 
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
@@ -23,7 +21,9 @@ from packstore.rpc.remote import RemoteStore
 from packstore.store import LmdbStore
 from packstore.store.namespaces import namespace_path
 from packstore.v1 import store_pb2, store_pb2_grpc
-from service_helpers import running_server
+from tests.helpers.auth import TOKENS, tokens_file
+from tests.helpers.packs import make_pack
+from tests.service_helpers import running_server
 
 VOLATILE_LOG_FIELDS = {"ts", "ms", "peer"}  # times, and the client's port
 

