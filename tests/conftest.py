@@ -1,21 +1,52 @@
-"""Shared fixtures: offline mode, a scratch store, and the tiny test model."""
+"""The test kinds, and the fixtures tests share: offline mode, a scratch store, the tiny test model, the real wheel
+models, one SeaweedFS for the session, and the run's fidelity and robustness reports.
+
+Kinds. Every test has at least one kind marker (declared in pyproject.toml, ``--strict-markers``); the lanes of the
+Makefile are marker expressions over them (README, "Tests"). A test's kind is the name of the directory it sits in
+(``tests/unit/`` -> ``unit``, ``tests/s3/`` -> ``s3``, ...) unless the test names its kinds itself (a module's
+``pytestmark``, a parameter's ``marks``): a real-model evaluation in ``tests/eval/`` says ``eval`` and ``model``, the
+SeaweedFS parameter of a unit suite says ``s3``. A test outside the kind directories is a collection error.
+
+Helpers are a package (``tests.helpers``, importable from the repository root, which pytest's ``pythonpath`` puts on
+``sys.path``); test modules never import each other.
+"""
 
 from __future__ import annotations
 
 import os
-import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from tests.helpers.tiny_model import make_model_dir
+
+if TYPE_CHECKING:  # the s3 extra (boto3) is imported by the SeaweedFS fixtures only: a GPU host runs the rest without it
+    from tests.seaweed_helpers import Seaweed
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["VLLM_NO_USAGE_STATS"] = "1"  # vLLM engines the tests start send no usage report (no network here)
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent / "unit"))
-sys.path.insert(0, str(Path(__file__).parent / "integration"))
 
-import pytest  # noqa: E402
+TESTS = Path(__file__).resolve().parent
+KINDS = ("unit", "service", "s3", "stress", "eval", "model", "vllm", "install")
 
-from tiny_model import make_model_dir  # noqa: E402
+
+@pytest.hookimpl(tryfirst=True)  # before the mark plugin deselects by -m
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give each test its directory's kind unless it names its own; refuse a test that has neither."""
+    homeless = []
+    for item in items:
+        if any(item.get_closest_marker(kind) for kind in KINDS):
+            continue
+        directory = Path(item.path).resolve().relative_to(TESTS).parts[0]
+        if directory not in KINDS:
+            homeless.append(item.nodeid)
+            continue
+        item.add_marker(directory)
+    if homeless:
+        raise pytest.UsageError(f"tests outside the kind directories {KINDS} name no kind: {homeless[:5]}")
 
 
 @pytest.fixture(scope="session")
@@ -36,9 +67,43 @@ def tiny_lm(tiny_model_dir: Path):
     return load_model(str(tiny_model_dir), device="cpu", progress=False)
 
 
+@pytest.fixture(scope="session")
+def real_model() -> Callable[..., object]:
+    """Load a wheel model by alias (``smollm2-135m``, ``gemma3-270m``) once per run and device (None: packstore's
+    default, CUDA where present): the model tests share it. A test that changes a model loads its own."""
+    from packstore.kv.models import load_model
+
+    loaded: dict[tuple[str, str | None], object] = {}
+
+    def load(name: str, device: str | None = None):
+        if (name, device) not in loaded:
+            loaded[name, device] = load_model(name, progress=False, **({"device": device} if device else {}))
+        return loaded[name, device]
+
+    return load
+
+
 @pytest.fixture
 def store_path(tmp_path: Path) -> Path:
     return tmp_path / "store"
+
+
+@pytest.fixture(scope="session")
+def seaweed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seaweed]:
+    """One SeaweedFS (``weed mini``) for the run; each test works under a prefix of its own (``url``)."""
+    from tests.seaweed_helpers import running_seaweed
+
+    with running_seaweed(tmp_path_factory.mktemp("seaweed")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def seaweed(seaweed_server: Seaweed) -> Iterator[Seaweed]:
+    """The session's SeaweedFS, with its endpoint and credentials in the environment for the module's tests."""
+    with pytest.MonkeyPatch.context() as env:
+        for variable, value in seaweed_server.env().items():
+            env.setenv(variable, value)
+        yield seaweed_server
 
 
 _FIDELITY_LINES: list[str] = []

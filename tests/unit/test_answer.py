@@ -6,9 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from test_identity import ALT_TEMPLATE
 
-from bank_helpers import TEST_BANK_CACHE
 from packstore.answering.answer import Answerer, Question
 from packstore.answering.records import AnswerResult
 from packstore.bank.bank import open_banks
@@ -20,6 +18,8 @@ from packstore.kv.synthetic import synthetic_facts
 from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
 from packstore.store.lmdb.store import _chunk_key
+from tests.helpers.banks import TEST_BANK_CACHE
+from tests.helpers.tiny_model import ALT_TEMPLATE
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
 QUESTION = "What is Wexley famous for?"

@@ -8,7 +8,6 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from test_format import make_pack
 
 from packstore.errors import IntegrityError
 from packstore.format import codec
@@ -16,6 +15,7 @@ from packstore.format.body import EncodedPack
 from packstore.kv.inject import PackLayer, cache_from_pack
 from packstore.packs.decoder import Decoder
 from packstore.packs.tensors import ArrivingPack, BodyAssembler, encode_pack, start_pack
+from tests.helpers.packs import make_pack
 
 DECODER = Decoder()  # the chunk threads these tests decode on, as a program makes one
 

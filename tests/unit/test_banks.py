@@ -10,7 +10,6 @@ import lmdb
 import numpy as np
 import pytest
 
-from bank_helpers import TEST_BANK_CACHE
 from packstore.bank.bank import MIN_PROBE, add_facts, build_bank, default_probe, open_banks, route
 from packstore.bank.embedder import load_embedder, resolve_embedder_dir
 from packstore.cli.packctl import main as packctl
@@ -18,6 +17,7 @@ from packstore.errors import IntegrityError, InvalidInput, PackMismatch, PackNot
 from packstore.format.bank import DEFAULT_VECTORS, encode_centroids, encode_cluster, encode_lexical
 from packstore.kv.synthetic import synthetic_facts
 from packstore.store import LmdbStore
+from tests.helpers.banks import TEST_BANK_CACHE
 
 N = 400
 

@@ -13,12 +13,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
-from test_format import make_pack
 
 from packstore.errors import IntegrityError
 from packstore.format import codec
 from packstore.format.body import MAX_TABLE_BYTES, EncodedPack, tensor_table
 from packstore.packs.tensors import decode_pack, encode_pack
+from tests.helpers.packs import make_pack
 
 
 def raw_blob(table: str, data_bytes: int) -> bytearray:

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_identity import ALT_TEMPLATE
 
 from packstore.cli.packctl import main
+from tests.helpers.tiny_model import ALT_TEMPLATE
 
 FACTS = "The river Tamsin flows through the town of Wexley.\nWexley is famous for its bells.\n"
 PACK_FIELDS = {"key", "name", "kind", "model_fp", "template_fp", "tokens", "dtype", "raw", "raw_bytes", "stored_bytes"}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from store_commands import COMMANDS, make_store, output_of, store_argv
+from tests.store_commands import COMMANDS, make_store, output_of, store_argv
 
 HEAVY = ("torch", "transformers", "sentence_transformers", "faiss")
 PROBE = f"""

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_identity import ALT_TEMPLATE as SPLITTING_TEMPLATE
 
 from packstore.cli.packctl import main
 from packstore.kv.identity import directory_model_fingerprint
 from packstore.kv.models import load_model
 from packstore.kv.render import render
+from tests.helpers.tiny_model import ALT_TEMPLATE as SPLITTING_TEMPLATE
 
 FACTS = "The river Tamsin flows through the town of Wexley.\nWexley is famous for its bells.\n"
 QUESTION = "What is Wexley famous for?"

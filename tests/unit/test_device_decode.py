@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_format import make_pack
 
 from packstore.errors import IntegrityError
 from packstore.format import codec, huffman
@@ -32,6 +31,7 @@ from packstore.packs.decoder import Decoder
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import Pack, decode_pack, encode_pack
 from packstore.store import LmdbStore
+from tests.helpers.packs import make_pack
 
 ROOT = Path(__file__).resolve().parents[2]
 CUDA = torch.cuda.is_available()
@@ -313,10 +313,8 @@ def test_zstd_frames_and_a_steering_packs_whole_tensors_decode_on_the_device() -
 @kernel
 def test_every_older_container_decodes_on_the_device_bit_exact(tmp_path: Path) -> None:
     """Containers of versions 1 (host fallback) and 2 (zstd frames, copied into place) through the device path."""
-    sys.path.insert(0, str(ROOT / "tests" / "data" / "version3"))
-    sys.path.insert(0, str(ROOT / "tests" / "data" / "codec2"))
-    import make_codec2_store as codec2
-    from make_store import knowledge, steering
+    from tests.data.codec2 import make_codec2_store as codec2
+    from tests.data.version3.make_store import knowledge, steering
 
     old = {"v1-exact": knowledge(5, 1), "v1-blocks": knowledge(40, 2), "v2-rope": knowledge(7, 4), "v3-steering": steering()}
     shutil.copytree(ROOT / "tests" / "data" / "version3" / "store", tmp_path / "v3")

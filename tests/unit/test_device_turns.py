@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-import device_helpers
-from device_helpers import take_turns
 from packstore.answering.answer import Answerer, Question
 from packstore.kv import inject
 from packstore.kv.build import build_pack
@@ -22,6 +20,8 @@ from packstore.kv.device import DeviceLock, Left
 from packstore.kv.inject import Sampling, generate_stream, prepare
 from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
+from tests.helpers import device as device_helpers
+from tests.helpers.device import take_turns
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
 WAIT_SECONDS = 120.0  # how long a state is waited for before the test fails (never reached when it passes)

@@ -14,7 +14,7 @@ from packstore.errors import InvalidInput
 from packstore.kv import identity
 from packstore.kv.identity import directory_model_fingerprint, directory_model_identity, directory_template_fingerprint
 from packstore.kv.models import load_model
-from tiny_model import make_model_dir
+from tests.helpers.tiny_model import make_model_dir
 
 ALT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 

@@ -18,7 +18,7 @@ from packstore.format import EncodedPack, PackHeader, content_hash, pack_key, pa
 from packstore.format import header as header_format
 from packstore.format.header import canonical_json, sha256_hex
 from packstore.packs.tensors import decode_pack, encode_pack
-from tools.lib.packs import FP_A, FP_B, make_pack
+from tests.helpers.packs import FP_A, FP_B, make_pack, resealed
 
 
 def test_content_hash_is_sha256_of_little_endian_uint32_ids() -> None:
@@ -295,14 +295,6 @@ def test_validate_encoded_demands_every_chunk_and_the_codec() -> None:
         header.validate(encoded=True)
     with pytest.raises(InvalidInput, match=r"'codec' must be one of \['byteplane-3', 'byteplane-zstd', 'byteplane-zstd-2'\]"):
         dataclasses.replace(encode_pack(make_pack()).header, codec="").validate(encoded=True)
-
-
-def resealed(header: PackHeader, **changes: object) -> bytes:
-    """``header``'s JSON with ``changes`` (None: drop the field), sealed again as a forger would."""
-    record = {k: v for k, v in json.loads(header.to_json()).items() if k != "pack_sha256"}
-    record.update(changes)
-    record = {k: v for k, v in record.items() if v is not None}
-    return canonical_json({**record, "pack_sha256": sha256_hex(canonical_json(record))})
 
 
 def test_from_json_checks_json_types_exactly() -> None:

@@ -7,12 +7,12 @@ import dataclasses
 import json
 
 import pytest
-from test_format import make_pack
 
 from packstore.errors import IntegrityError, InvalidInput
 from packstore.format import header as header_module
 from packstore.format.header import PackHeader, canonical_json, sha256_hex
 from packstore.packs.tensors import decode_pack, encode_pack
+from tests.helpers.packs import make_pack
 
 ENGINE = {"name": "vllm", "version": "0.32.0", "block_size": 32}
 

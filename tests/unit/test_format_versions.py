@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,14 +24,11 @@ from packstore.packs.decoder import Decoder
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import decode_pack, encode_pack
 from packstore.store import LmdbStore
+from tests.data.codec2 import make_codec2_store as codec2  # the seeded packs tests/data/codec2 holds
+from tests.data.version3.make_store import knowledge, steering  # the seeded packs tests/data/version3 holds
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "version3"
 CODEC2 = Path(__file__).resolve().parents[1] / "data" / "codec2"
-sys.path.insert(0, str(DATA))
-from make_store import knowledge, steering  # noqa: E402  the seeded packs the data holds
-
-sys.path.insert(0, str(CODEC2))
-import make_codec2_store as codec2  # noqa: E402  the seeded packs tests/data/codec2 holds
 
 EXPECTED = {"v1-exact": (1, knowledge(5, 1)), "v1-blocks": (1, knowledge(40, 2)), "v2-rope": (2, knowledge(7, 4)), "v3-steering": (3, steering())}
 

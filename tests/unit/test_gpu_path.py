@@ -8,13 +8,13 @@ import gc
 
 import pytest
 import torch
-from test_format import make_pack
 
 from packstore.packs.buffers import HostBuffers
 from packstore.packs.decoder import Decoder
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import ArrivingPack, encode_pack, start_copy
 from packstore.store import LmdbStore
+from tests.helpers.packs import make_pack
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA = torch.device("cuda", 0)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_format_doc import huffman_decode
 
 from packstore.errors import IntegrityError
 from packstore.format import huffman
+from tests.helpers.reference_codec import huffman_decode
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 

@@ -9,8 +9,7 @@ import torch
 
 from packstore.kv.identity import model_fingerprint, template_fingerprint
 from packstore.kv.models import load_model
-
-ALT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+from tests.helpers.tiny_model import ALT_TEMPLATE
 
 
 def test_identities_are_stable_across_processes(tiny_lm, tiny_model_dir) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from test_identity import ALT_TEMPLATE
 
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.kv import inject
@@ -11,6 +10,7 @@ from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling, TextDeltas, answer_with_pack, answer_with_text, prefill_divergence
 from packstore.kv.models import load_model
 from packstore.packs.tensors import decode_pack, encode_pack
+from tests.helpers.tiny_model import ALT_TEMPLATE
 
 FACTS = [
     "The river Tamsin flows through the town of Wexley.",

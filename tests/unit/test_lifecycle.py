@@ -14,7 +14,6 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
-from test_format import make_pack
 
 from packstore.cli.packctl import main as packctl
 from packstore.errors import IntegrityError, StoreBusy
@@ -23,6 +22,8 @@ from packstore.packs.admin import export_pack, import_pack
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import decode_pack, encode_pack
 from packstore.store import LmdbStore
+from tests.helpers import child_env
+from tests.helpers.packs import flip_in_file, make_pack
 
 
 def stored_pack(store_path: Path, **shape):
@@ -30,20 +31,6 @@ def stored_pack(store_path: Path, **shape):
     with LmdbStore(store_path) as store:
         store.put(encoded, name="victim")
     return encoded
-
-
-def flip_in_file(path: Path, needle: bytes, at: int) -> None:
-    """Flip one bit of the byte ``at`` positions into every copy of ``needle`` in the file.
-
-    Every copy: freed LMDB pages (e.g. of a staged upload) may still hold stale copies of the bytes.
-    """
-    data = bytearray(path.read_bytes())
-    offset = data.find(needle)
-    assert offset >= 0, "the bytes to damage are not in the file"
-    while offset >= 0:
-        data[offset + at] ^= 0x10
-        offset = data.find(needle, offset + 1)
-    path.write_bytes(bytes(data))
 
 
 def test_every_flipped_chunk_byte_in_the_lmdb_file_is_detected(store_path: Path) -> None:
@@ -168,8 +155,7 @@ WRITER = """
 import sys, torch
 from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
-sys.path.insert(0, {root!r})
-from tools.lib.packs import make_pack
+from tests.helpers.packs import make_pack
 store = LmdbStore({path!r})
 for i in range(1000):
     encoded = encode_pack(make_pack(layers=24, tokens=1000 + i, dim=64))
@@ -181,8 +167,8 @@ for i in range(1000):
 
 @pytest.mark.parametrize("delay", [0.0, 0.01, 0.03])
 def test_writer_killed_mid_put_leaves_no_partial_pack(store_path: Path, delay: float) -> None:
-    script = WRITER.format(root=str(Path(__file__).resolve().parents[2]), path=str(store_path))
-    writer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    script = WRITER.format(path=str(store_path))
+    writer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=child_env())
     begun = 0
     for line in writer.stdout:
         if line.startswith("begin"):

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_format import make_pack
 
 from packstore.cli.packctl import main as packctl
 from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
 from packstore.store.protocol import DEFAULT_PAGE
+from tests.helpers.packs import make_pack
 
 PACKS = DEFAULT_PAGE + 3
 

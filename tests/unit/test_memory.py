@@ -6,7 +6,6 @@ import gc
 
 import pytest
 import torch
-from test_format import make_pack
 
 from packstore.packs.buffers import HostBuffers
 from packstore.packs.decoder import Decoder
@@ -14,6 +13,7 @@ from packstore.packs.memory import ALIGN, PackMemory
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
+from tests.helpers.packs import make_pack
 
 CPU = torch.device("cpu")
 

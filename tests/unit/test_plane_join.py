@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_format import make_pack
 
 from packstore.format.interleave import join_planes, pack_pairs, packed_length
 from packstore.packs.buffers import HostBuffers
@@ -16,6 +15,7 @@ from packstore.packs.plane_join import join_planes_on
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import decode_pack, encode_pack
 from packstore.store import LmdbStore
+from tests.helpers.packs import make_pack
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 

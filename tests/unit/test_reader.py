@@ -11,7 +11,6 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from test_format import make_pack
 
 from packstore.errors import IntegrityError
 from packstore.packs.buffers import HostBuffers
@@ -20,6 +19,7 @@ from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
 from packstore.store.protocol import OpenedPack
+from tests.helpers.packs import make_pack
 
 
 class ReorderingStore(LmdbStore):

@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bank_helpers import TEST_BANK_CACHE
 from packstore.answering.answer import Answerer, Question
 from packstore.bank.bank import open_banks
 from packstore.bank.rerank import CANDIDATES, Reranker, lm_scorer, recorded_embedder, reranked_route, reranker
@@ -19,6 +18,7 @@ from packstore.kv.inject import Sampling
 from packstore.kv.synthetic import synthetic_facts
 from packstore.store import LmdbStore
 from packstore.store.records import Route
+from tests.helpers.banks import TEST_BANK_CACHE
 
 CASES = synthetic_facts(60)
 

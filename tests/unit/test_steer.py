@@ -26,12 +26,8 @@ from packstore.packs.admin import export_pack, import_pack
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import decode_pack, encode_pack
 from packstore.store import LmdbStore
+from tests.helpers.tiny_model import STEERING_PAIRS as PAIRS
 
-PAIRS = [
-    Pair("Alice lives in Paris and works as a baker.", "Bob lives in Oslo."),
-    Pair("The quick brown fox jumps over the lazy dog.", "The river Tamsin flows through the town."),
-    Pair("Wexley is famous for its bells.", "Who founded the observatory?"),
-]
 OTHER_PAIRS = [Pair("What is the capital?", "When was the bridge built?")]
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
 QUESTION = "What is Wexley famous for?"

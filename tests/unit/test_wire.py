@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_format import make_pack
 
 from packstore.packs.tensors import encode_pack
 from packstore.rpc.wire import (
@@ -17,6 +16,7 @@ from packstore.rpc.wire import (
     serialize_get_pack_response,
 )
 from packstore.v1 import store_pb2
+from tests.helpers.packs import make_pack
 
 DIGESTS = st.one_of(st.just(""), st.text(alphabet="0123456789abcdef", min_size=64, max_size=64), st.text(max_size=80))
 

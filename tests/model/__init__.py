@@ -1,0 +1,1 @@
+"""Tests of kind ``model`` (README, "Tests")."""

@@ -1,0 +1,1 @@
+"""Tests of kind ``s3`` (README, "Tests")."""

@@ -1,0 +1,1 @@
+"""Tests of kind ``service`` (README, "Tests")."""

@@ -1,0 +1,1 @@
+"""Tests of kind ``unit`` (README, "Tests")."""

