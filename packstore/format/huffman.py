@@ -413,7 +413,7 @@ def check_frame(src: np.ndarray, start: Int, stop: Int) -> int:  # pragma: no co
     table_bytes = (used + 1) // 2
     if first + used > 256 or stop - start < _FRAME_FIXED + table_bytes:
         return TRUNCATED if first + used <= 256 else BAD_CODE
-    kraft = 0
+    kraft = np.int64(0)
     for i in range(used):
         packed = src[start + 2 + i // 2]
         length = np.int64((packed >> 4) if i % 2 else (packed & 15))

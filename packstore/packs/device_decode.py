@@ -208,8 +208,8 @@ def launch(block: torch.Tensor, table: torch.Tensor, planes: torch.Tensor, statu
         return
     cuda = huffman_cuda.cuda_module()
     with cuda.gpus[block.device.index if block.device.index is not None else torch.cuda.current_device()]:
-        arrays = [cuda.as_cuda_array(t, sync=False) for t in (block, table, planes, status)]
-        huffman_cuda.decode_frames_on(*arrays, stream=_numba_stream(block.device))
+        src, frames, out, refused = (cuda.as_cuda_array(t, sync=False) for t in (block, table, planes, status))
+        huffman_cuda.decode_frames_on(src, frames, out, refused, stream=_numba_stream(block.device))
 
 
 def _numba_stream(device: torch.device) -> Any:
