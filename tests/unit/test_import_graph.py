@@ -15,6 +15,7 @@ a loop that only closes through such a re-export is not a cycle.
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from functools import cache
 from pathlib import Path
@@ -25,34 +26,59 @@ GENERATED = "packstore.v1"
 
 # The layers: the second component of a module's name (packstore.store.lmdb.store is in "store",
 # packstore.errors is "errors"); the root package packstore/__init__.py (only __version__) is "packstore".
-# Each layer may import itself and the layers named here, nothing else in packstore (docs/architecture.md has the
-# same table): format (pure bytes, no I/O) <- rpc (the gRPC wire both ends speak, and the client's channel) <- store
-# (the core, its tiers, the factory) <- security <- serving (both servers' plumbing) <- service, worker; format <- kv
-# (model side) <- answering <- worker; the CLI and the servers are thin shells over library functions.
-# extras (which optional extra adds which module, and the error naming one that is missing) sits on errors, under
-# everything.
+# The rules are docs/architecture.md's table "The layers and what each may import", read here (layer_rules): the doc is
+# the one place they are written, so it cannot drift from what this test holds. Each layer may import itself, the
+# layers its row names (in backquotes, outside parentheses) and BASE, except a row that says "nothing of packstore"
+# (no import of packstore at all) or "anything" (the CLI, a shell over everything).
+DOC = ROOT / "docs" / "architecture.md"
+TABLE_HEADER = "| Layer | Job | May import |"
 BASE = {"errors", "extras", "packstore"}
-ALLOWED: dict[str, set[str]] = {
-    "packstore": set(),
-    "errors": set(),
-    "extras": {"errors"},
-    "format": BASE,
-    "rpc": BASE | {"format"},  # frames, pieces, status codes, the client channel: no store, no server
-    "store": BASE | {"format", "rpc"},  # backends in bytes: no torch, no packs/, no bank/ (rpc: the grpc:// tier's wire)
-    "security": BASE | {"format", "store", "rpc"},  # rpc: the namespace metadata key
-    "serving": BASE | {"security"},  # (auth: who may scrape metrics, whose calls the scaffold admits)
-    "packs": BASE | {"format", "store", "security"},  # the reader over any tier, which the store's factory opens
-    "kv": BASE | {"format", "packs"},
-    "bank": BASE | {"store", "packs", "format", "kv"},  # kv: the embedder finds its model wheel through kv.models
-    "service": BASE | {"serving", "rpc", "store", "packs", "bank", "security", "format"},
-    "answering": BASE | {"kv", "packs", "store", "bank", "security", "format"},
-    "worker": BASE | {"serving", "rpc", "answering", "kv", "packs", "bank", "store", "security", "format"},
-    # The vLLM connector (the only importer of vllm) over the answering path's engine-free planning, the pack reader and
-    # the worker's per-namespace stores; its plugin entry point imports nothing (vLLM loads it in every process).
-    "vllm": BASE | {"answering", "kv", "packs", "rpc", "security", "store", "worker"},
-    "vllm_plugin": set(),
-    "cli": {"*"},  # a shell over everything
-}
+
+
+def layer_of_cell(cell: str) -> str:
+    """The layer a table row's first cell names: `store/` is "store", `vllm.py` "vllm", the root `__init__.py`
+    "packstore"."""
+    name = cell.strip().strip("`")
+    return "packstore" if name == "__init__.py" else name.removesuffix("/").removesuffix(".py")
+
+
+def table_rows(text: str) -> list[tuple[int, list[str]]]:
+    """The layer table's rows (line number, cells) in a Markdown text."""
+    lines = text.split("\n")
+    assert TABLE_HEADER in lines, f"{DOC.relative_to(ROOT)} has no table headed {TABLE_HEADER!r}"
+    start = lines.index(TABLE_HEADER) + 2  # past the header and the alignment line
+    rows = []
+    for number, line in enumerate(lines[start:], start + 1):
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        assert len(cells) == 3, f"{DOC.relative_to(ROOT)}:{number}: a layer row has 3 cells, not {len(cells)}"
+        rows.append((number, cells))
+    return rows
+
+
+def may_import(cell: str) -> set[str]:
+    """The layers a row's "May import" cell names: backquoted names outside parentheses (a parenthesis says why, or
+    what of the layer), "*" for "anything", nothing for "nothing of packstore"."""
+    if cell.startswith("anything"):
+        return {"*"}
+    if cell.startswith("nothing of packstore"):
+        return set()
+    while re.search(r"\([^()]*\)", cell):
+        cell = re.sub(r"\([^()]*\)", "", cell)
+    return set(re.findall(r"`([^`]+)`", cell)) | BASE
+
+
+def layer_rules(text: str) -> dict[str, set[str]]:
+    rules: dict[str, set[str]] = {}
+    for number, (name, _job, allowed) in table_rows(text):
+        layer = layer_of_cell(name)
+        assert layer not in rules, f"{DOC.relative_to(ROOT)}:{number}: layer {layer} has two rows"
+        rules[layer] = may_import(allowed)
+    return rules
+
+
+ALLOWED: dict[str, set[str]] = layer_rules(DOC.read_text())
 
 # Inside the store layer: the core (protocols, records, bank records, namespaces, the specifier), one folder per tier,
 # and the factory (packstore/store/__init__.py: open_store). The core imports no tier and not the factory; a tier
@@ -251,13 +277,13 @@ def test_layers_import_only_the_layers_below() -> None:
     for (source, target), behind in crossing.items():
         print(f"  {source} -> {target}: {', '.join(behind)}")
     unknown = sorted({layer(m) for m in modules()} - set(ALLOWED))
-    assert not unknown, f"layers missing from ALLOWED (decide what they may import): {unknown}"
+    assert not unknown, f"layers missing from {DOC.relative_to(ROOT)}'s table (decide what they may import): {unknown}"
     broken = [
         f"{source} -> {target}: {', '.join(behind)}"
         for (source, target), behind in crossing.items()
         if "*" not in ALLOWED[source] and target not in ALLOWED[source]
     ]
-    assert not broken, "imports against the layering (tests/unit/test_import_graph.py ALLOWED):\n" + "\n".join(broken)
+    assert not broken, f"imports against the layering ({DOC.relative_to(ROOT)}, the layer table):\n" + "\n".join(broken)
 
 
 def test_store_tiers_lean_only_on_the_core() -> None:
@@ -310,3 +336,55 @@ def test_cycle_finder_reports_a_path() -> None:
     assert cycles(graph) == [["a", "b", "c", "a"]]
     two_loops = {"s": {"b", "c"}, "b": {"s"}, "c": {"s"}, "d": {"s"}}
     assert cycles(two_loops) == [["b", "s", "b"], ["c", "s", "c"]]
+
+
+def test_the_doc_table_names_the_layers_of_the_code() -> None:
+    """Every row of docs/architecture.md's table is a layer of the code and every layer has a row; every name a row may
+    import is a layer with a row (a misspelt name is not silently no rule)."""
+    code = {layer(m) for m in modules()}
+    assert set(ALLOWED) == code, f"rows without a layer: {sorted(set(ALLOWED) - code)}; layers without a row: {sorted(code - set(ALLOWED))}"
+    named = {target for targets in ALLOWED.values() for target in targets} - {"*"}
+    assert named <= set(ALLOWED), f"names in the 'May import' column that are no layer: {sorted(named - set(ALLOWED))}"
+
+
+def test_the_doc_diagram_draws_every_layer() -> None:
+    """The diagram (the doc's first code block) draws each layer of the table, as `name/` (a package) or `name.py`."""
+    diagram = DOC.read_text().split("```")[1]
+    missing = [
+        name
+        for name in ALLOWED
+        if name != "packstore" and not re.search(rf"(?<![\w.]){re.escape(name)}(/|\.py)", diagram)
+    ]
+    assert not missing, f"layers the diagram of {DOC.relative_to(ROOT)} leaves out: {missing}"
+
+
+def test_the_doc_names_files_that_exist() -> None:
+    """Each `file.py` the doc names exists: a path with a slash from the repository root or from packstore/, a bare
+    name in a layer's row inside that layer, a bare name elsewhere somewhere in packstore/ (a rename that leaves the
+    doc behind fails here)."""
+    text = DOC.read_text()
+    in_rows = {number: layer_of_cell(cells[0]) for number, cells in table_rows(text)}
+    missing = []
+    for number, line in enumerate(text.split("\n"), 1):
+        for name in re.findall(r"`([\w/.]+\.py)`", line):
+            if "/" in name:
+                found = (ROOT / name).exists() or (PACKAGE / name).exists()
+            elif number in in_rows and (PACKAGE / in_rows[number]).is_dir():
+                found = any((PACKAGE / in_rows[number]).rglob(name))
+            else:
+                found = any(PACKAGE.rglob(name))
+            if not found:
+                missing.append(f"{DOC.relative_to(ROOT)}:{number}: {name}")
+    assert not missing, "files the doc names that do not exist:\n" + "\n".join(missing)
+
+
+def test_a_doc_row_is_read_as_its_rules() -> None:
+    """The 'May import' cell's names are the rule: parentheses explain and are skipped; "anything" and "nothing of
+    packstore" are the two words with a meaning of their own."""
+    assert may_import("`store` (names), `rpc` (the namespace key, `fields.py`), `errors`") == {"store", "rpc"} | BASE
+    assert may_import("`answering` (`paged.py`: which pack (engine-free)), `kv`") == {"answering", "kv"} | BASE
+    assert may_import("anything; store-only commands import no torch") == {"*"}
+    assert may_import("nothing of packstore") == set()
+    doc = f"text\n\n{TABLE_HEADER}\n|---|---|---|\n| `format/` | bytes | `errors` |\n| `kv/` | models | `format` |\n\nmore\n"
+    assert layer_rules(doc) == {"format": {"errors"} | BASE, "kv": {"format"} | BASE}
+    assert layer_rules(doc.replace("| `format` |", "| `format`, `packs` |"))["kv"] == {"format", "packs"} | BASE
