@@ -36,8 +36,8 @@ def _print_summary(record: dict[str, Any]) -> None:
 def cmd_ls(args: argparse.Namespace) -> int:
     """One page of packs in key order (``--limit``, default 100), or every pack with ``--all``.
 
-    A page by default because listing a large store whole takes seconds (4-6 s for ``ls --all`` at
-    100,000 packs, docs/benchmarks.md) while a page costs what one pack costs.
+    A page by default because listing a large store whole takes seconds (docs/benchmarks.md, "Listing") while a
+    page costs what one pack costs.
     """
     if args.all and (args.limit is not None or args.page_token is not None):
         raise InvalidInput("--all lists every pack: it takes neither --limit nor --page-token")

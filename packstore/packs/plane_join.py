@@ -1,10 +1,10 @@
 """Byte planes joined into elements by torch, on the device the elements are to live on.
 
-The CPU's join (``packstore.format.interleave``) is the reference and the default. On a GPU host the CPU threads
-are what caps delivery (docs/benchmarks.md, "GPU path": 16 threads decoded 7.9 GB/s against a 54 GB/s pinned
-copy), and the join is their largest pass after entropy decoding: with ``HostBuffers(join_on_device=True)`` the
-CPU only checks, entropy-decodes and stages a chunk's planes, the copy carries the planes, and the device puts the
-elements together here, bit for bit what the CPU's kernels write (tests/unit/test_plane_join.py).
+The CPU's join (``packstore.format.interleave``) is the reference and the default. On a GPU host the CPU threads are
+what caps delivery (the decoding threads are slower than the pinned copy: docs/benchmarks.md, "GPU path"), and the
+join is their largest pass after entropy decoding: with ``HostBuffers(join_on_device=True)`` the CPU only checks,
+entropy-decodes and stages a chunk's planes, the copy carries the planes, and the device puts the elements together
+here, bit for bit what the CPU's kernels write (tests/unit/test_plane_join.py).
 """
 
 from __future__ import annotations
