@@ -349,18 +349,14 @@ def _tail(
     return (position + 7) >> 3 == end
 
 
-def decode_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Work space for ``decode_frame``: the tables it builds for each frame (reused from frame to frame)."""
-    return np.empty(TABLE, np.uint8), np.empty(TABLE, np.uint8), np.empty(TABLE, np.uint64)
-
-
 @njit(nogil=True, cache=True)
 def decode_frame(
     src: np.ndarray, start: Int, stop: Int, out: np.ndarray, at: Int, count: Int, single_symbol: np.ndarray, single_length: np.ndarray,
     lookups: np.ndarray,
 ) -> int:  # pragma: no cover - compiled
     """Decode the frame ``src[start:stop]`` into ``out[at : at + count]`` (the caller guarantees both lie in their
-    arrays), with ``decode_tables`` as work space; OK or the error's code (ERRORS). Compiled code calls it directly."""
+    arrays), with ``single_symbol``, ``single_length`` and ``lookups`` (``TABLE`` entries each, uint8, uint8, uint64)
+    as work space for the tables it builds, reused from frame to frame; OK or the error's code (ERRORS). Compiled code calls it directly."""
     if stop - start < _FRAME_FIXED or stop - start >= (1 << (SHIFT - 3)):
         return TRUNCATED
     first, used = np.int64(src[start]), np.int64(src[start + 1]) + 1
