@@ -69,7 +69,7 @@ CANCELLED_STATUS = 499  # the response to a client that has gone (nobody reads i
 log = logging.getLogger("packstore.worker")
 
 
-class WorkerService(Protocol):
+class HttpBackend(Protocol):
     """What the HTTP API needs of the worker (``server.WorkerService``, which starts it): its model, callers' tokens,
     metrics, generation slots, and the Answerer of a namespace."""
 
@@ -125,7 +125,7 @@ class Generation:
     """One answer being generated, as text pieces: the answerer's tokens decoded (``TextDeltas``: up to the first
     stop string), with the whitespace the answer's text is stripped of held back, so the pieces join to the answer."""
 
-    def __init__(self, service: WorkerService, namespace: str, asked: ChatRequest) -> None:
+    def __init__(self, service: HttpBackend, namespace: str, asked: ChatRequest) -> None:
         self.tokens = service.answerer(namespace).stream(asked.question)
         self.stop_ids = service.lm.stop_token_ids
         self.deltas = TextDeltas(service.lm.tokenizer, asked.question.sampling.stop)
@@ -219,11 +219,11 @@ GENERATING = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION}  # PO
 CALL_SCOPE_KEY = "packstore.call"
 
 
-class Call:
+class GeneratingRequest:
     """One generating request (a chat completion or a completion): its log fields, the generation slot it holds for
     its principal (``share``), its Generation; logged and counted once however it ends (``finish``)."""
 
-    def __init__(self, service: WorkerService, shape: Shape) -> None:
+    def __init__(self, service: HttpBackend, shape: Shape) -> None:
         self.service, self.shape = service, shape
         self.start = time.perf_counter()
         self.fields: dict[str, Any] = {"method": shape.method, "protocol": "http"}
@@ -288,7 +288,7 @@ class OpenAIApp:
     """The API over ``service`` (``app``, an ASGI app). A request body must arrive within ``body_seconds`` and each
     piece of a response be taken by its client within ``send_seconds``."""
 
-    def __init__(self, service: WorkerService, *, body_seconds: float = BODY_SECONDS, send_seconds: float = SEND_SECONDS) -> None:
+    def __init__(self, service: HttpBackend, *, body_seconds: float = BODY_SECONDS, send_seconds: float = SEND_SECONDS) -> None:
         self.service, self.body_seconds, self.send_seconds = service, body_seconds, send_seconds
         self.routes = Starlette(
             routes=[
@@ -301,12 +301,12 @@ class OpenAIApp:
         )
 
     async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The ASGI app: ``routes``, each response's sends under ``send_seconds``; a generating request as a ``Call``,
+        """The ASGI app: ``routes``, each response's sends under ``send_seconds``; each generating request a ``GeneratingRequest``,
         whose generation is stopped, slot freed and line logged once its response has ended, however it ended."""
         if scope["type"] != "http":
             return await self.routes(scope, receive, send)
         shape = GENERATING.get(scope["path"]) if scope["method"] == "POST" else None
-        call = scope[CALL_SCOPE_KEY] = Call(self.service, shape) if shape is not None else None
+        call = scope[CALL_SCOPE_KEY] = GeneratingRequest(self.service, shape) if shape is not None else None
         try:
             await self.routes(scope, receive, self._within(send))
         except SlowReader:  # the response is left unfinished: uvicorn closes the connection
@@ -356,7 +356,7 @@ class OpenAIApp:
     async def _generate(self, request: Request) -> Response:
         """One answer, in the order that keeps slots for callers that can use them: authenticate, read the body (under
         its deadline), parse it, and only then take a slot; whole (the client checked for between tokens) or streamed."""
-        call: Call = request.scope[CALL_SCOPE_KEY]
+        call: GeneratingRequest = request.scope[CALL_SCOPE_KEY]
         try:
             principal = self.service.auth.authenticate(request.headers.items(), call.shape.method, "read")
             call.fields |= {"token": principal.token, "namespace": principal.namespace}
@@ -386,7 +386,7 @@ class OpenAIApp:
         peer = (f"ipv6:%5B{host}%5D:{port}" if ":" in host else f"ipv4:{host}:{port}") if host else ""
         return principal_key(principal.token, self.service.auth.enabled, peer)
 
-    async def _whole(self, request: Request, call: Call, generation: Generation) -> Response:
+    async def _whole(self, request: Request, call: GeneratingRequest, generation: Generation) -> Response:
         """The whole answer, generated piece by piece; between pieces, a client gone stops it (within one token),
         frees its slot and logs it CANCELLED. The slot frees when the answer is whole, before it is sent."""
         while (await run_in_threadpool(generation.next_piece)) is not None:
@@ -402,7 +402,9 @@ class OpenAIApp:
         body = call.shape.envelope(self.service.lm.name, False) | {"choices": [choice], "usage": generation.usage()}
         return JSONResponse(body | {"packstore": packstore_fields(result)})
 
-    async def _events(self, call: Call, generation: Generation, first: str | None, asked: ChatRequest) -> AsyncGenerator[str, None]:
+    async def _events(
+        self, call: GeneratingRequest, generation: Generation, first: str | None, asked: ChatRequest
+    ) -> AsyncGenerator[str, None]:
         """The answer as server-sent events: chat's role chunk, the text chunks, the finish chunk (with the
         ``packstore`` object), with ``include_usage`` a chunk of usage and packstore, then ``[DONE]``; a failure midway is
         an error event. The slot frees once the answer is whole, before those last chunks; a client gone midway cancels

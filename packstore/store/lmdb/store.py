@@ -500,10 +500,10 @@ class LmdbStore(LmdbBankTables):
                 raise PackNotFound(f"pack {header.key}: chunk {index} is gone (was the pack deleted during the transfer?)")
             yield data
 
-    def begin_upload(self, header: PackHeader) -> Upload:
+    def begin_upload(self, header: PackHeader) -> LmdbUpload:
         """Start a staged upload: chunks land in ``staging`` one transaction each, then commit atomically."""
         header.validate(encoded=True)
-        return Upload(self, header)
+        return LmdbUpload(self, header)
 
     def keys(self) -> builtins.list[str]:
         """Every stored key, whether or not its header still parses, and any key the listing index
@@ -567,7 +567,7 @@ class LmdbStore(LmdbBankTables):
             fcntl.flock(self._lock, fcntl.LOCK_SH)
 
 
-class Upload:
+class LmdbUpload:
     """A pack arriving chunk by chunk. Each chunk is verified and staged in its own transaction, so
     memory holds one chunk at a time; ``commit`` moves them into place in one transaction."""
 
