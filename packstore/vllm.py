@@ -32,7 +32,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from packstore.answering.paged import COUNTERS, PackMatcher, PackPlan, ServedModel, blocks_of, slot_mapping
-from packstore.answering.tiers import ReadyCache
+from packstore.answering.ready_caches import ReadyCache
 from packstore.kv.engine_build import CAPTURE_FILE
 from packstore.kv.identity import directory_model_fingerprint, directory_template_fingerprint
 from packstore.packs.decoder import Decoder
@@ -41,7 +41,7 @@ from packstore.rpc.channel import Connection
 from packstore.security.trust import TrustedKeys
 from packstore.store import StoreSpec
 from packstore.store.protocol import DEFAULT_NAMESPACE
-from packstore.worker.stores import NamespaceReaders
+from packstore.worker.namespace_readers import NamespaceReaders
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

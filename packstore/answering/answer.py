@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from packstore.answering.composing import check_composition, compose, composition_key
+from packstore.answering.ready_caches import ReadyCache, ReadyPartition, to_host
 from packstore.answering.records import AnswerResult
-from packstore.answering.tiers import ReadyCache, ReadyPartition, to_host
 from packstore.bank.bank import BankCache, open_banks
 from packstore.bank.rerank import DEFAULT_WEIGHT, RERANKERS, recorded_embedder, reranked_route, reranker
 from packstore.errors import InvalidInput, PackNotFound, Untrusted
@@ -151,7 +151,7 @@ class Question:
 
 class Answerer:
     """Answers questions on one model with packs from one store, keeping ready packs in an LRU (and, given a host
-    tier, the packs it fetched in host memory too: ``tiers``).
+    cache, the packs it fetched in host memory too: ``ready_caches``).
 
     Safe to share between threads: lookups and fetches run concurrently, and the device is shared through one fair
     lock (``DeviceLock``, FIFO): generations hold it one decode step at a time, so the generations running now take
@@ -176,7 +176,7 @@ class Answerer:
         """``trusted``: take from the store only packs a trusted key signed (docs/operations.md, "Signed
         packs"); what this Answerer derives from them in memory (compositions, a bank's fact packs) is
         trusted. ``ready`` and ``device_lock`` share an LRU (a partition of it) and the device with other
-        Answerers of the same model (a worker's namespaces); by default they are its own. ``host``: the host tier (a
+        Answerers of the same model (a worker's namespaces); by default they are its own. ``host``: the host cache (a
         partition of it) packs are fetched into and copied to the device from, under ``ready`` (whose ``below`` it is);
         None fetches straight to the device, and lets a pack stream in while the model runs (``arriving``). ``ref_ttl``: how long
         what the store said of a ref is used without asking again (``RefCache``; 0 asks every time). ``decoder``
@@ -232,8 +232,8 @@ class Answerer:
     def arriving(self, ref: str) -> tuple[Pack | ArrivingPack, bool]:
         """The knowledge pack ``ref`` names as answering takes it, and whether it was ready: the ready pack, or
         one still arriving from the store (``PackStore.start_fetch``) whose first layers the model can run while
-        the rest decode (from the host tier when it holds the pack, copied layer by layer; else from the store); it
-        becomes ready once whole, and a pack read from the store is copied into the host tier then. Refused as ``pack``
+        the rest decode (from the host cache when it holds the pack, copied layer by layer; else from the store); it
+        becomes ready once whole, and a pack read from the store is copied into the host cache then. Refused as ``pack``
         refuses, before anything is fetched."""
         stored = self.lookup(ref)
         check_identity(self.lm, stored.header)
@@ -248,8 +248,8 @@ class Answerer:
         return moving, False
 
     def _bring(self, stored: StoredPack) -> Pack | ArrivingPack:
-        """The pack ``stored`` describes, on its way to the device layer by layer: copied from the host tier when it
-        holds the pack, else fetched from the store and, once whole, copied into the host tier (when there is one)."""
+        """The pack ``stored`` describes, on its way to the device layer by layer: copied from the host cache when it
+        holds the pack, else fetched from the store and, once whole, copied into the host cache (when there is one)."""
         hosted = self.host.peek(stored.key) if self.host is not None else None
         if hosted is not None:
             return start_copy(hosted, self.lm.device, self.reader.decoder)
@@ -403,7 +403,7 @@ class Answerer:
     def facts_pack(self, facts: Sequence[str]) -> tuple[Pack, bool, bool]:
         """The ready pack of exactly ``facts`` (in order), whether it was already stored, and whether already ready.
 
-        Looked up by content key (then in the host tier and the store, as any pack); a pack not stored yet is built
+        Looked up by content key (then in the host cache and the store, as any pack); a pack not stored yet is built
         and written back (lazy recompute).
         """
         facts = clean_facts(facts)

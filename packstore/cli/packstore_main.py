@@ -10,7 +10,7 @@ from packstore.cli.program import CommandLine, emit_json
 from packstore.cli.store_options import connection_options, spec_of
 from packstore.errors import InvalidInput
 
-DEFAULT_HOST_CACHE_BYTES = 8 << 30  # the host tier of a worker on an accelerator, unless --host-cache-bytes says otherwise
+DEFAULT_HOST_CACHE_BYTES = 8 << 30  # the host cache of a worker on an accelerator, unless --host-cache-bytes says otherwise
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -135,13 +135,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from packstore.packs.decoder import Decoder
     from packstore.packs.memory import PackMemory
 
-    host_cache_bytes = host_tier_bytes(args.host_cache_bytes, lm.device.type)
+    host_cache_bytes = host_cache_bound(args.host_cache_bytes, lm.device.type)
     reserved = decoded_memory_bytes(args.cache_bytes, host_cache_bytes, lm.device.type) if args.reserve_memory == "on" else 0
-    pinned = lm.device.type == "cuda"  # the host tier's packs cross to the GPU at link speed only from page-locked memory
+    pinned = lm.device.type == "cuda"  # the host cache's packs cross to the GPU at link speed only from page-locked memory
     memory = PackMemory(reserved, background=True, pinned=pinned) if reserved else None
     decoder = Decoder(buffers=HostBuffers(memory, join_on_device=join_on_device, decode_on_device=decode_on_device))
     from packstore.security.auth import Auth
-    from packstore.worker.stores import NamespaceReaders
+    from packstore.worker.namespace_readers import NamespaceReaders
 
     auth = Auth(args.auth) if args.auth else None
     with NamespaceReaders(spec_of(args, prefix="store_"), per_caller=auth is not None) as stores:
@@ -165,8 +165,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def host_tier_bytes(asked: int | None, device_type: str) -> int:
-    """The host tier's bound: ``asked`` (``--host-cache-bytes``), else 8 GiB on an accelerator and none on a CPU device,
+def host_cache_bound(asked: int | None, device_type: str) -> int:
+    """The host cache's bound: ``asked`` (``--host-cache-bytes``), else 8 GiB on an accelerator and none on a CPU device,
     whose device LRU is host memory already."""
     if asked is None:
         return 0 if device_type == "cpu" else DEFAULT_HOST_CACHE_BYTES
@@ -174,8 +174,8 @@ def host_tier_bytes(asked: int | None, device_type: str) -> int:
 
 
 def decoded_memory_bytes(cache_bytes: int, host_cache_bytes: int, device_type: str) -> int:
-    """The host memory packs are decoded into (``PackMemory``): on a CPU device the LRU's, which the host tier's
-    packs share (both hold the same tensors there); on an accelerator the host tier's (0: none, packs are decoded
+    """The host memory packs are decoded into (``PackMemory``): on a CPU device the LRU's, which the host cache's
+    packs share (both hold the same tensors there); on an accelerator the host cache's (0: none, packs are decoded
     straight to the device)."""
     return max(cache_bytes, host_cache_bytes) if device_type == "cpu" else host_cache_bytes
 
@@ -254,12 +254,12 @@ def build_cli() -> CommandLine:
     p.add_argument("--cache-bytes", type=int, default=2 << 30, metavar="N", help="LRU of ready packs, in decoded KV bytes (default 2 GiB)")
     p.add_argument(
         "--host-cache-bytes", type=int, metavar="N",
-        help="host tier under the device LRU: packs fetched from the store are kept in host memory, in decoded KV bytes, so one "
+        help="host cache under the device LRU: packs fetched from the store are kept in host memory, in decoded KV bytes, so one "
         "the device LRU evicted comes back with a copy instead of a store read (default 8 GiB on an accelerator, 0 = none on a CPU)",
     )
     p.add_argument(
         "--reserve-memory", choices=("on", "off"), default="on",
-        help="reserve the host memory packs are decoded into (on a CPU device the LRU's, on an accelerator the host tier's), "
+        help="reserve the host memory packs are decoded into (on a CPU device the LRU's, on an accelerator the host cache's), "
         "touch it in the background from the start, and decode packs into it (default on)",
     )
     p.add_argument(

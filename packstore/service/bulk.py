@@ -42,7 +42,7 @@ from packstore.packs.reader import verified_chunks
 from packstore.rpc.frames import HELLO, HELLO_SECONDS, MAGIC, TICKET_BYTES, chunk_frame, end_frame, error_frame
 from packstore.security.shares import ShareRule, Shares
 from packstore.service.hot import HotPacks
-from packstore.service.metrics import ServiceMetrics
+from packstore.service.service_metrics import ServiceMetrics
 from packstore.serving.pacing import STREAM_RATE, STREAM_SECONDS
 from packstore.store.protocol import ServedStore
 from packstore.v1 import store_pb2

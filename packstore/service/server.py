@@ -25,8 +25,8 @@ from packstore.security.shares import ShareRule, Shares, principal_key
 from packstore.service.bulk import BulkServer, Tickets, bulk_address
 from packstore.service.config import ServiceConfig
 from packstore.service.hot import HotPacks
-from packstore.service.metrics import ServiceMetrics
-from packstore.service.namespaces import NamespaceStores
+from packstore.service.namespace_stores import NamespaceStores
+from packstore.service.service_metrics import ServiceMetrics
 from packstore.service.to_messages import bank_info, pack_info, summary_info
 from packstore.serving.listen import server_ssl_context
 from packstore.serving.metrics_http import serve_metrics

@@ -45,7 +45,7 @@ from packstore.security.auth import Auth, Principal
 from packstore.security.shares import Shares, principal_key
 from packstore.serving.metrics_http import metrics_address
 from packstore.worker.chat import ChatRequest, chat_request, completion_request, packstore_fields, usage
-from packstore.worker.metrics import WorkerMetrics
+from packstore.worker.worker_metrics import WorkerMetrics
 
 if TYPE_CHECKING:
     from packstore.answering.answer import Answerer

@@ -12,8 +12,8 @@ import grpc
 import torch
 
 from packstore.answering.answer import REF_TTL_SECONDS, Answerer
+from packstore.answering.ready_caches import ReadyCache
 from packstore.answering.records import AnswerResult
-from packstore.answering.tiers import ReadyCache
 from packstore.bank.bank import BankCache
 from packstore.errors import LimitExceeded, PackstoreError
 from packstore.kv.device import DeviceLock
@@ -31,7 +31,7 @@ from packstore.store.protocol import PackStore
 from packstore.v1 import worker_pb2, worker_pb2_grpc
 from packstore.worker.http import DEFAULT_MAX_CONCURRENT, OpenAIApp, serve_http
 from packstore.worker.messages import generate_done, question_of
-from packstore.worker.metrics import WorkerMetrics
+from packstore.worker.worker_metrics import WorkerMetrics
 
 if TYPE_CHECKING:
     from packstore.security.trust import TrustedKeys
@@ -44,7 +44,7 @@ log = logging.getLogger("packstore.worker")
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     """A thin gRPC shell over ``Answerer``s: one model, one device, one device LRU and (with ``host_cache_bytes``)
-    one host tier under it, and one Answerer per caller namespace (its store, and its partition of each tier, so
+    one host cache under it, and one Answerer per caller namespace (its store, and its partition of each tier, so
     tenants never share ready packs).
 
     ``store_for(namespace)`` gives the store a namespace reads; ``auth`` (the worker's own tokens file)
@@ -243,7 +243,7 @@ def serve_worker(
     until SIGTERM/SIGINT, then finish in-flight generations; with ``trusted``, only packs signed by a
     trusted key are injected; with ``auth``, callers need a token (SIGHUP reloads the file); ``ref_ttl``: see ``Answerer``;
     ``decoder``: the chunk decoder packs are fetched with (its threads, its buffers); ``host_cache_bytes``: the host
-    tier (0: none); ``metrics``: where to serve Prometheus metrics (HOST:PORT; by the rules of serving/metrics_http.py); ``http``:
+    cache (0: none); ``metrics``: where to serve Prometheus metrics (HOST:PORT; by the rules of serving/metrics_http.py); ``http``:
     where to serve the OpenAI-compatible API (same rules and TLS; ``worker/http.py``); ``max_concurrent``: the
     worker's generation slots, both ports together, shared among callers (``WorkerService.slots``); a caller refused
     one gets RESOURCE_EXHAUSTED, HTTP 429."""

@@ -226,7 +226,7 @@ def tier_reads(text: str) -> dict[tuple[str, str], float]:
 
 
 def test_the_worker_serves_evicted_packs_from_its_host_tier_and_meters_each_namespace_apart(server, tiny_lm, tiny_model_dir, tmp_path) -> None:
-    """A device LRU of one pack and a host tier: a pack the device LRU evicted comes back from the host tier, not the
+    """A device LRU of one pack and a host cache: a pack the device LRU evicted comes back from the host cache, not the
     store; each namespace's tiers never meet, and the metrics port shows a tenant its own series only."""
     facts = {"tier-x": "Xavier lives in Quito.", "tier-y": "Yolanda lives in Nairobi, Kenya."}
     packs = {name: encode_pack(build_pack(tiny_lm, [fact])) for name, fact in facts.items()}
@@ -247,7 +247,7 @@ def test_the_worker_serves_evicted_packs_from_its_host_tier_and_meters_each_name
             hits = [a_reader.ask(Question("Who?", refs=(name,), sampling=Sampling(max_new_tokens=2))).cache_hit
                     for name in ("tier-x", "tier-y", "tier-x", "tier-x")]
             status = a_reader.status()
-        assert hits == [False, False, False, True]  # tier-y evicted tier-x from the device; it came back from the host tier
+        assert hits == [False, False, False, True]  # tier-y evicted tier-x from the device; it came back from the host cache
         assert tier_reads(scrape(worker, TOKENS["a-reader"][0])) == {("a", "store"): 2, ("a", "host"): 1, ("a", "device"): 1}
         assert (status["host_cached_packs"], int(status["host_cached_bytes"])) == (2, sum(p.header.raw_bytes for p in packs.values()))
         assert int(status["host_cache_limit_bytes"]) == host_bytes and (status["cached_packs"], int(status["cache_limit_bytes"])) == (1, device_bytes)

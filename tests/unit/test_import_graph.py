@@ -301,12 +301,12 @@ def test_store_breaches_are_caught() -> None:
         "packstore.store.namespaces": {"packstore.store.lmdb.store", "packstore.store.protocol"},
         "packstore.store.spec": {"packstore.store"},
         "packstore.bank.bank": {"packstore.store.lmdb.banks", "packstore.store.bank_records"},
-        "packstore.service.namespaces": {"packstore.store", "packstore.store.objects.store"},
+        "packstore.service.namespace_stores": {"packstore.store", "packstore.store.objects.store"},
         "packstore.store": {"packstore.store.lmdb.store", "packstore.store.remote.store", "packstore.store.spec"},
     }
     assert store_breaches(planted) == [
         "packstore.bank.bank -> packstore.store.lmdb.banks (above the store imports the lmdb tier)",
-        "packstore.service.namespaces -> packstore.store.objects.store (above the store imports the objects tier)",
+        "packstore.service.namespace_stores -> packstore.store.objects.store (above the store imports the objects tier)",
         "packstore.store.lmdb.store -> packstore.store.objects.cache (lmdb imports the objects tier)",
         "packstore.store.namespaces -> packstore.store.lmdb.store (core imports the lmdb tier)",
         "packstore.store.objects.banks -> packstore.store.lmdb.banks (objects imports the lmdb tier)",

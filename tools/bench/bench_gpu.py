@@ -369,7 +369,7 @@ def bench_fetch(lm: LoadedModel, store: LmdbStore, label: str, cases: Sequence[b
 
 
 def host_pack(pack: Pack) -> Pack:
-    """``pack`` in pinned host memory, as the worker's host tier holds it."""
+    """``pack`` in pinned host memory, as the worker's host cache holds it."""
     return Pack(pack.header, [k.cpu().pin_memory() for k in pack.keys], [v.cpu().pin_memory() for v in pack.values])
 
 
@@ -467,8 +467,8 @@ def server_env() -> dict[str, str]:
     return os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
 
 
-def worker_has_host_tier(cwd: Path) -> bool:
-    """Whether this packstore's worker keeps a host tier that ``--host-cache-bytes 0`` turns off."""
+def worker_has_host_cache(cwd: Path) -> bool:
+    """Whether this packstore's worker keeps a host cache that ``--host-cache-bytes 0`` turns off."""
     done = subprocess.run(packstore_command("worker", "--help"), capture_output=True, text=True, env=server_env(), cwd=cwd)
     return "--host-cache-bytes" in done.stdout
 
@@ -625,10 +625,10 @@ TABLES = {
              ["model shape", "pack tokens", "stored ms", "floor ms", "prefill ms", "stored / floor", "prefill / stored", "same token"]),
     "fetch": ("(c) Fetch to the device: PackReader.fetch GB/s of decoded KV (joined on the host; and with the byte planes "
               "joined on the device), beside host-to-device copies of min(largest KV, 1 GiB) and a pinned host pack copied "
-              "layer by layer (start_copy, the host tier's path) in the same rounds (median of {repeats})",
+              "layer by layer (start_copy, the host cache's path) in the same rounds (median of {repeats})",
               ["model shape", "pack tokens", "KV MB", "fetch ms", "fetch GB/s", "joined on device GB/s", "pinned GB/s", "pageable GB/s",
                "fetch / pinned",
-               "host tier GB/s", "host tier / pinned"]),
+               "host cache GB/s", "host cache / pinned"]),
     "worker": ("(d) The worker over gRPC, one new token at the client (median of {worker_repeats} packs; cold: in no tier "
                "of the worker, warm: the same pack again)",
                ["model shape", "pack tokens (target)", "cold ms", "warm ms", "cold / warm"]),
@@ -649,7 +649,7 @@ def print_tables(results: Results, args: argparse.Namespace) -> None:
             title = title.format(repeats=args.repeats, worker_repeats=args.worker_repeats, decode_repeats=decode_repeats(args))
             print_table(title, headers, results.tables[part])
     if results.tables.get("worker") and args.tier_args:
-        print("   worker cold: run with --host-cache-bytes 0 (no host tier)")
+        print("   worker cold: run with --host-cache-bytes 0 (no host cache)")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -704,7 +704,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.workdir.mkdir(parents=True, exist_ok=True)
     try:
         with tempfile.TemporaryDirectory(prefix="packstore-bench-gpu-", dir=args.workdir) as tmp:
-            args.tier_args = ["--host-cache-bytes", "0"] if args.worker_sizes and worker_has_host_tier(Path(tmp)) else []
+            args.tier_args = ["--host-cache-bytes", "0"] if args.worker_sizes and worker_has_host_cache(Path(tmp)) else []
             for spec in args.specs:
                 log(f"model {spec.label}")
                 run_model(spec, args, tokenizer, Path(tmp), results)

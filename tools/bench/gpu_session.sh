@@ -64,7 +64,7 @@ run() {
         case $step in
             tests)
                 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/unit/test_gpu_path.py tests/unit/test_plane_join.py \
-                    tests/unit/test_tiers.py > "$r/tests.txt" 2>&1 || true ;;
+                    tests/unit/test_ready_caches.py > "$r/tests.txt" 2>&1 || true ;;
             bench)
                 # shellcheck disable=SC2086
                 timeout 330 python3 -m tools.bench.bench_gpu --rev "$rev" --tokenizer .gpu/tok --out "$r/bench_gpu.jsonl" \

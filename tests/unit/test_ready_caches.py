@@ -1,4 +1,4 @@
-"""The tiers of ready packs: LRUs bounded in bytes, per-namespace partitions, and a host tier under the device LRU."""
+"""The caches of ready packs: LRUs bounded in bytes, per-namespace partitions, and a host cache under the device LRU."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from packstore.answering.answer import Answerer, Question
-from packstore.answering.tiers import ReadyCache
-from packstore.cli.packstore_main import decoded_memory_bytes, host_tier_bytes
+from packstore.answering.ready_caches import ReadyCache
+from packstore.cli.packstore_main import decoded_memory_bytes, host_cache_bound
 from packstore.format import PackHeader
 from packstore.format.header import ChunkInfo
 from packstore.kv.build import build_pack
@@ -83,16 +83,16 @@ def test_a_hit_in_the_device_lru_refreshes_the_pack_in_the_host_tier_without_cou
     for key in ("x", "y"):
         host.put(key, fake_pack(key, 40))
     device.put("x", fake_pack("x", 40))
-    assert device.peek("x") is not None  # x is now the host tier's most recently used too
-    host.put("z", fake_pack("z", 40))  # so the host tier evicts y, not x
+    assert device.peek("x") is not None  # x is now the host cache's most recently used too
+    host.put("z", fake_pack("z", 40))  # so the host cache evicts y, not x
     assert host.peek("x") is not None and host.peek("y") is None
-    assert host.counts()[""].hits == 1 and device.counts()[""].hits == 1  # the refresh is no hit of the host tier
+    assert host.counts()[""].hits == 1 and device.counts()[""].hits == 1  # the refresh is no hit of the host cache
 
 
 @pytest.mark.parametrize("seed", range(10))
 def test_a_pack_the_device_lru_evicts_is_still_in_a_host_tier_at_least_as_large(seed: int) -> None:
-    """Every pack is fetched into the host tier and device hits refresh it there, so with host >= device bytes the
-    device LRU only ever holds packs the host tier holds too (random accesses, hot and cold packs, two namespaces)."""
+    """Every pack is fetched into the host cache and device hits refresh it there, so with host >= device bytes the
+    device LRU only ever holds packs the host cache holds too (random accesses, hot and cold packs, two namespaces)."""
     rng = random.Random(seed)
     sizes = {f"p{i}": rng.randint(5, 50) for i in range(12)}
     host = ReadyCache(limit_bytes=rng.randint(50, 200))
@@ -113,7 +113,7 @@ def test_a_pack_the_device_lru_evicts_is_still_in_a_host_tier_at_least_as_large(
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, tiny_lm):
-    with LmdbStore(tmp_path_factory.mktemp("tiers") / "store") as store:
+    with LmdbStore(tmp_path_factory.mktemp("ready") / "store") as store:
         for name, fact in (("alice", "Alice lives in Paris."), ("bob", "Bob lives in Oslo, Norway.")):
             store.put(encode_pack(build_pack(tiny_lm, [fact])), name=name)
         yield store
@@ -127,10 +127,10 @@ def test_a_pack_evicted_from_the_device_lru_comes_back_from_the_host_tier(tiny_l
     questions = {name: Question(f"Where does {name.title()} live?", refs=(name,), sampling=GREEDY) for name in sizes}
     answers = [answerer.ask(questions[name]) for name in ("alice", "bob", "alice", "alice")]
     assert [a.cache_hit for a in answers] == [False, False, False, True]  # bob evicted alice from the device LRU
-    assert answerer.store_reads == 2 and host.counts()[""].hits == 1  # ...and she came back from the host tier
+    assert answerer.store_reads == 2 and host.counts()[""].hits == 1  # ...and she came back from the host cache
     assert answerer.ready.stats == (1, sizes["alice"]) and host.stats == (2, sum(sizes.values()))
     assert answers[2].answer == answers[0].answer == plain.ask(questions["alice"]).answer
-    assert not isinstance(answerer.arriving("bob")[0], ArrivingPack)  # on the CPU the host tier's pack is the device's
+    assert not isinstance(answerer.arriving("bob")[0], ArrivingPack)  # on the CPU the host cache's pack is the device's
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -142,10 +142,10 @@ def test_on_cuda_a_pack_evicted_from_the_gpu_crosses_back_from_the_pinned_host_t
     with Decoder(buffers=HostBuffers(PackMemory(16 << 20, pinned=True))) as decoder:
         answerer = Answerer(lm, store, ready=ReadyCache(max(sizes.values()), below=host), host=host, decoder=decoder)
         answers = [answerer.ask(questions[name]) for name in ("alice", "bob", "alice")]
-        assert answerer.store_reads == 2 and host.counts()[""].hits == 1  # alice came back from the host tier
+        assert answerer.store_reads == 2 and host.counts()[""].hits == 1  # alice came back from the host cache
         hosted = host.peek(store.resolve("bob"))
         assert hosted is not None and hosted.keys[0].device.type == "cpu" and hosted.keys[0].is_pinned()
-        arriving, hit = answerer.arriving("bob")  # evicted from the GPU: copied from the host tier layer by layer
+        arriving, hit = answerer.arriving("bob")  # evicted from the GPU: copied from the host cache layer by layer
         assert isinstance(arriving, ArrivingPack) and not hit and arriving.result().keys[0].device.type == "cuda"
         assert answerer.store_reads == 2
     assert answers[2].answer == answers[0].answer == Answerer(lm, store).ask(questions["alice"]).answer
@@ -167,6 +167,6 @@ def test_a_bank_fact_pack_in_the_store_is_read_through_the_host_tier(tiny_lm, st
 
 
 def test_the_worker_has_a_host_tier_of_8_gib_on_an_accelerator_and_none_on_a_cpu_unless_told() -> None:
-    assert (host_tier_bytes(None, "cuda"), host_tier_bytes(None, "cpu"), host_tier_bytes(5 << 20, "cpu")) == (8 << 30, 0, 5 << 20)
-    # the memory packs are decoded into: the host tier's on an accelerator; on a CPU both tiers' tensors are the same
+    assert (host_cache_bound(None, "cuda"), host_cache_bound(None, "cpu"), host_cache_bound(5 << 20, "cpu")) == (8 << 30, 0, 5 << 20)
+    # the memory packs are decoded into: the host cache's on an accelerator; on a CPU both caches' tensors are the same
     assert (decoded_memory_bytes(2, 8, "cuda"), decoded_memory_bytes(2, 0, "cuda"), decoded_memory_bytes(4, 3, "cpu")) == (8, 0, 4)

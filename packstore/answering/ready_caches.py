@@ -1,12 +1,12 @@
 """Where ready packs are kept: LRUs of decoded packs bounded in bytes, partitioned per namespace.
 
 An ``Answerer`` keeps the packs it answers with in a device LRU (``ReadyCache`` on the model's device). A worker
-may put a host tier under it (another ``ReadyCache``, of packs in host memory): a pack the device LRU evicted then
-comes back with a copy to the device (``packs.tensors.start_copy``) instead of a read from the store. The host tier
+may put a host cache under it (another ``ReadyCache``, of packs in host memory): a pack the device LRU evicted then
+comes back with a copy to the device (``packs.tensors.start_copy``) instead of a read from the store. The host cache
 takes each pack as it is fetched from the store (into the decoder's host buffers, or copied there once it arrived on
 the device: ``to_host``), and every hit in the device LRU refreshes the
-pack in the host tier too, so both order packs by the same last use: with a host tier at least as large as the
-device LRU, a pack the device LRU evicts is still in the host tier (docs/architecture.md, "Threads and memory").
+pack in the host cache too, so both order packs by the same last use: with a host cache at least as large as the
+device LRU, a pack the device LRU evicts is still in the host cache (docs/architecture.md, "Threads and memory").
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from packstore.packs.tensors import Pack
 
 
 def to_host(pack: Pack, buffers: BufferProvider) -> Pack:
-    """``pack`` (on a device) copied into host memory from ``buffers`` (the worker's pinned host-tier memory), as the
-    host tier keeps it; a pack already in host memory is itself."""
+    """``pack`` (on a device) copied into host memory from ``buffers`` (the worker's pinned host-cache memory), as the
+    host cache keeps it; a pack already in host memory is itself."""
     if not pack.keys or pack.keys[0].device.type == "cpu":
         return pack
     shape, dtype, count = tuple(pack.keys[0].shape), pack.keys[0].dtype, len(pack.keys)
@@ -45,7 +45,7 @@ class PartitionCounts:
 
 
 class ReadyCache:
-    """An LRU of ready packs (decoded tensors, on the device or, for a host tier, in host memory), bounded by their
+    """An LRU of ready packs (decoded tensors, on the device or, for a host cache, in host memory), bounded by their
     decoded KV bytes.
 
     Keys live in partitions (one per namespace on a worker, ``partition``; the cache's own methods use the
@@ -53,7 +53,7 @@ class ReadyCache:
     order. Packs, bytes, hits and evictions are counted per partition too (``stats_of``, ``counts``), so each
     tenant can be told its own. A single pack larger than the limit is returned but not kept. ``get`` loads a
     missing pack with ``load(key)``; concurrent misses on one key may load it twice, which is harmless. ``below``:
-    the tier under this one (a host tier), where each hit here refreshes the same key as recently used.
+    the cache under this one (a host cache), where each hit here refreshes the same key as recently used.
     """
 
     def __init__(self, limit_bytes: int, *, below: ReadyCache | None = None) -> None:
@@ -104,7 +104,7 @@ class ReadyCache:
         return pack
 
     def touch(self, key: str, partition: str = "") -> None:
-        """Mark ``key`` recently used, if it is kept, without counting a hit (a hit in the tier above)."""
+        """Mark ``key`` recently used, if it is kept, without counting a hit (a hit in the cache above)."""
         with self._lock:
             if (partition, key) in self._packs:
                 self._packs.move_to_end((partition, key))

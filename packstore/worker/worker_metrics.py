@@ -1,9 +1,10 @@
 """Prometheus metrics of the worker, per namespace where a tenant's activity shows (served by serving/metrics_http.py).
 
 Series of a tenant carry a ``namespace`` label: its calls and their latency, where the packs its answers needed came
-from (``tier``: ``device`` LRU hits, ``host`` tier hits, ``store`` reads), and what it holds in each tier (packs,
-bytes, evictions). The tiers' limits are the whole worker's (the namespaces share them) and carry no ``namespace``,
-so only an operator's token reads them over the metrics port; each caller reads its own share in ``Status``.
+from (the label ``tier``: ``device`` LRU hits, ``host`` cache hits, ``store`` reads), and what it holds in each ready
+cache (packs, bytes, evictions; the label keeps its name, ``tier``, for dashboards). The caches' limits are the whole
+worker's (the namespaces share them) and carry no ``namespace``, so only an operator's token reads them over the
+metrics port; each caller reads its own share in ``Status``.
 """
 
 from __future__ import annotations
@@ -15,21 +16,21 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from packstore.answering.tiers import ReadyCache
+from packstore.answering.ready_caches import ReadyCache
 
 
-class TierCollector(Collector):
-    """The tiers' series, read at each scrape from the caches' own counts and the store reads per namespace."""
+class ReadyCacheCollector(Collector):
+    """The ready caches' series, read at each scrape from the caches' own counts and the store reads per namespace."""
 
-    def __init__(self, tiers: Mapping[str, ReadyCache], store_reads: Callable[[], Mapping[str, int]]) -> None:
-        self.tiers, self.store_reads = tiers, store_reads  # tiers: by tier name ("device", "host"), those in use
+    def __init__(self, caches: Mapping[str, ReadyCache], store_reads: Callable[[], Mapping[str, int]]) -> None:
+        self.caches, self.store_reads = caches, store_reads  # by the label's value ("device", "host"), those in use
 
     @staticmethod
     def _families() -> tuple[CounterMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily, GaugeMetricFamily]:
         labels = ["namespace", "tier"]
         return (
             CounterMetricFamily(
-                "packstore_worker_pack_reads", "Packs answers took, by namespace and where from: device LRU, host tier or store",
+                "packstore_worker_pack_reads", "Packs answers took, by namespace and where from: device LRU, host cache or store",
                 labels=labels,
             ),
             GaugeMetricFamily("packstore_worker_tier_packs", "Packs held in each tier, by namespace", labels=labels),
@@ -45,7 +46,7 @@ class TierCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         reads, packs, size, evictions, limits = self._families()
-        for tier, cache in self.tiers.items():
+        for tier, cache in self.caches.items():  # tier: the label's value
             limits.add_metric([tier], cache.limit_bytes)
             for namespace, counts in sorted(cache.counts().items()):
                 reads.add_metric([namespace, tier], counts.hits)
@@ -58,9 +59,9 @@ class TierCollector(Collector):
 
 
 class WorkerMetrics:
-    """The worker's registry: calls per namespace, method and code, their latency, and the tiers (``TierCollector``)."""
+    """The worker's registry: calls per namespace, method and code, their latency, and the ready caches (``ReadyCacheCollector``)."""
 
-    def __init__(self, tiers: Mapping[str, ReadyCache], store_reads: Callable[[], Mapping[str, int]]) -> None:
+    def __init__(self, caches: Mapping[str, ReadyCache], store_reads: Callable[[], Mapping[str, int]]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "packstore_worker_requests", "Worker calls finished, by namespace, method and status code", ["namespace", "method", "code"],
@@ -70,7 +71,7 @@ class WorkerMetrics:
             "packstore_worker_request_seconds", "Worker call latency (a whole generation for Generate), by namespace and method",
             ["namespace", "method"], registry=self.registry,
         )
-        self.registry.register(TierCollector(tiers, store_reads))
+        self.registry.register(ReadyCacheCollector(caches, store_reads))
 
     def record(self, namespace: str, method: str, code: str, seconds: float) -> None:
         """Count and time one finished call (``namespace`` empty when it was refused before it had one)."""
