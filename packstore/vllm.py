@@ -40,7 +40,7 @@ from packstore.packs.reader import PackReader
 from packstore.rpc.channel import Connection
 from packstore.security.trust import TrustedKeys
 from packstore.store import StoreSpec
-from packstore.store.protocol import DEFAULT_NAMESPACE
+from packstore.store.namespaces import DEFAULT_NAMESPACE
 from packstore.worker.namespace_readers import NamespaceReaders
 
 if TYPE_CHECKING:

@@ -20,7 +20,8 @@ from typing import Any
 from packstore.errors import PackNotFound, PackstoreError
 from packstore.format.header import PackHeader
 from packstore.security.trust import TrustedKeys
-from packstore.store.protocol import DEFAULT_NAMESPACE, PackStore
+from packstore.store.namespaces import DEFAULT_NAMESPACE
+from packstore.store.protocol import PackStore
 
 log = logging.getLogger("packstore.paged")
 

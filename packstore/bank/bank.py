@@ -22,9 +22,6 @@ from packstore.store.bank_records import BankChanged, StoredBanks
 from packstore.store.protocol import (
     DEFAULT_EMBEDDER,
     DEFAULT_TOP_K,
-    MIN_PROBE,
-    PROBED_SHARE,
-    ROUTE_MODES,
     BankStore,
     BankTables,
     ServesBanks,
@@ -33,6 +30,9 @@ from packstore.store.protocol import (
 from packstore.store.records import Route
 
 FACTS_PER_CLUSTER = 20
+ROUTE_MODES = ("hybrid", "dense", "lexical")  # how a bank ranks facts (route); the first is the default
+MIN_PROBE = 5  # clusters probed at least, when the caller names no probe count
+PROBED_SHARE = 0.002  # of a bank's clusters probed, when the caller names no probe count
 MAX_QUERY_CHARS = 100_000
 # How hybrid routes fuse cosine and BM25 (bank/fusion.py): cosine + 0.4 x BM25 / the query's best BM25, and a fact whose
 # BM25 is at least 1.5 x every other's first. Chosen by its worst shortfall over the tuning data only (issue 54;

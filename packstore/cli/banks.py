@@ -8,13 +8,14 @@ import sys
 from typing import Any
 
 from packstore.answering.facts import read_facts, read_items
+from packstore.bank.bank import MIN_PROBE, PROBED_SHARE, ROUTE_MODES
 from packstore.bank.rerank import CANDIDATES, DEFAULT_WEIGHT, RERANKERS
 from packstore.cli.program import EXIT_ERROR, CommandLine, emit_json, global_options, progress
 from packstore.cli.store_options import store_of
 from packstore.errors import InvalidInput
 from packstore.format.bank import DEFAULT_VECTORS, VECTOR_KINDS
 from packstore.security.trust import SigningKey, TrustedKeys
-from packstore.store.protocol import DEFAULT_TOP_K, MIN_PROBE, PROBED_SHARE, ROUTE_MODES
+from packstore.store.protocol import DEFAULT_TOP_K
 
 
 def _bank_record(meta: Any, stored_bytes: int) -> dict[str, Any]:

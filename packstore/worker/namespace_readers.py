@@ -8,8 +8,7 @@ from dataclasses import replace
 
 from packstore.rpc.channel import Connection
 from packstore.store import PackStore, StoreSpec, open_store
-from packstore.store.namespaces import namespace_path
-from packstore.store.protocol import DEFAULT_NAMESPACE
+from packstore.store.namespaces import DEFAULT_NAMESPACE, namespace_path
 
 
 class NamespaceReaders:

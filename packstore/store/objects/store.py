@@ -29,11 +29,12 @@ from packstore.errors import IntegrityError, InvalidInput, PackNotFound, StoreBu
 from packstore.format import EncodedPack, PackHeader, parse_key
 from packstore.format.body import chunks_for, verify_chunk
 from packstore.format.signature import Signature
+from packstore.store.namespaces import DEFAULT_NAMESPACE
 from packstore.store.objects.banks import ObjectBankTables
 from packstore.store.objects.bucket import Bucket, Conflict, Listed
 from packstore.store.objects.cache import ObjectCache
 from packstore.store.objects.registers import UNCHANGED, Registers, Version
-from packstore.store.protocol import DEFAULT_NAMESPACE, DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, OpenedPack, check_name, pick_match
+from packstore.store.protocol import DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, OpenedPack, check_name, pick_match
 from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack
 from packstore.store.spec import DEFAULT_OBJECT_CACHE_BYTES
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
