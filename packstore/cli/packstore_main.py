@@ -8,9 +8,7 @@ import sys
 from packstore import __version__
 from packstore.cli.program import CommandLine, emit_json
 from packstore.cli.store_options import connection_options, spec_of
-from packstore.errors import InvalidInput
-
-DEFAULT_HOST_CACHE_BYTES = 8 << 30  # the host cache of a worker on an accelerator, unless --host-cache-bytes says otherwise
+from packstore.worker.config import DEFAULT_CACHE_BYTES, DEFAULT_LISTEN, DEFAULT_MAX_CONCURRENT, WorkerConfig
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -75,109 +73,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def decode_modes(args: argparse.Namespace) -> tuple[bool, bool]:
-    """(decode on the device, join planes on the device) from ``--decode`` and the deprecated ``--plane-join``: device
-    by default when the model runs on CUDA and numba-cuda is installed, else host; ``--decode device`` elsewhere is an
-    error naming what is missing."""
-    import torch
-
-    from packstore.kv.models import default_device
-    from packstore.packs.device_decode import unavailable
-
-    device = torch.device(args.device) if args.device else default_device()
-    if args.plane_join is not None:
-        if args.decode is not None:
-            raise InvalidInput("give --decode alone: --plane-join is deprecated, and --decode device joins the planes on the device too")
-        print(
-            "packstore worker: --plane-join is deprecated and goes in the next release: use --decode device (GPU decode and "
-            "plane join) or --decode host",
-            file=sys.stderr,
-        )
-        return False, args.plane_join == "device"
-    missing = unavailable(device)
-    if args.decode == "device" and missing:
-        raise InvalidInput(f"--decode device: {missing} (use --decode host)")
-    if args.decode is None and device.type == "cuda" and missing:
-        print(f"packstore worker: decoding packs on the host ({missing})", file=sys.stderr)
-    return (args.decode or ("device" if device.type == "cuda" else "host")) == "device" and not missing, False
-
-
 def cmd_worker(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from packstore.worker.server import run_worker
 
-    from packstore.kv.models import load_model
-    from packstore.worker.server import serve_worker
-
-    decode_on_device, join_on_device = decode_modes(args)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise InvalidInput("--threads must be at least 1")
-        import torch
-
-        torch.set_num_threads(args.threads)
-    from packstore.security.trust import TrustedKeys
-
-    trusted = TrustedKeys.load(args.trusted_keys) if args.trusted_keys else None
-    from packstore.answering.answer import REF_TTL_SECONDS
-
-    ref_ttl = REF_TTL_SECONDS if args.ref_ttl is None else args.ref_ttl
-    if not 0 <= ref_ttl <= 86400:  # also refuses NaN
-        raise InvalidInput(f"--ref-ttl must be from 0 to 86400 seconds, got {args.ref_ttl}")
-    if args.max_concurrent < 1:
-        raise InvalidInput(f"--max-concurrent must be at least 1, got {args.max_concurrent}")
-    if args.host_cache_bytes is not None and args.host_cache_bytes < 0:
-        raise InvalidInput(f"--host-cache-bytes must be 0 or more, got {args.host_cache_bytes}")
-    template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
-    lm = load_model(
-        args.model, device=args.device, dtype=args.dtype, chat_template=template, progress=not args.quiet and sys.stderr.isatty()
+    config = WorkerConfig(
+        model=args.model,
+        store=spec_of(args, prefix="store_"),
+        listen=args.listen,
+        cache_bytes=args.cache_bytes,
+        host_cache_bytes=args.host_cache_bytes,
+        reserve_memory=args.reserve_memory == "on",
+        decode=args.decode,
+        plane_join=args.plane_join,
+        ref_ttl=args.ref_ttl,
+        device=args.device,
+        dtype=args.dtype,
+        chat_template=args.chat_template or "",
+        threads=args.threads,
+        metrics=args.metrics or "",
+        http=args.http or "",
+        max_concurrent=args.max_concurrent,
+        tls_cert=args.tls_cert or "",
+        tls_key=args.tls_key or "",
+        tls_client_ca=args.tls_client_ca or "",
+        auth=args.auth or "",
+        trusted_keys=args.trusted_keys or "",
+        progress=not args.quiet and sys.stderr.isatty(),
     )
-    from packstore.packs.buffers import HostBuffers
-    from packstore.packs.decoder import Decoder
-    from packstore.packs.memory import PackMemory
-
-    host_cache_bytes = host_cache_bound(args.host_cache_bytes, lm.device.type)
-    reserved = decoded_memory_bytes(args.cache_bytes, host_cache_bytes, lm.device.type) if args.reserve_memory == "on" else 0
-    pinned = lm.device.type == "cuda"  # the host cache's packs cross to the GPU at link speed only from page-locked memory
-    memory = PackMemory(reserved, background=True, pinned=pinned) if reserved else None
-    decoder = Decoder(buffers=HostBuffers(memory, join_on_device=join_on_device, decode_on_device=decode_on_device))
-    from packstore.security.auth import Auth
-    from packstore.worker.namespace_readers import NamespaceReaders
-
-    auth = Auth(args.auth) if args.auth else None
-    with NamespaceReaders(spec_of(args, prefix="store_"), per_caller=auth is not None) as stores:
-        serve_worker(
-            lm,
-            stores.get,
-            args.listen,
-            args.cache_bytes,
-            host_cache_bytes=host_cache_bytes,
-            metrics=args.metrics or "",
-            trusted=trusted,
-            auth=auth,
-            ref_ttl=ref_ttl,
-            decoder=decoder,
-            tls_cert=args.tls_cert or "",
-            tls_key=args.tls_key or "",
-            tls_client_ca=args.tls_client_ca or "",
-            http=args.http or "",
-            max_concurrent=args.max_concurrent,
-        )
+    run_worker(config)
     return 0
-
-
-def host_cache_bound(asked: int | None, device_type: str) -> int:
-    """The host cache's bound: ``asked`` (``--host-cache-bytes``), else 8 GiB on an accelerator and none on a CPU device,
-    whose device LRU is host memory already."""
-    if asked is None:
-        return 0 if device_type == "cpu" else DEFAULT_HOST_CACHE_BYTES
-    return asked
-
-
-def decoded_memory_bytes(cache_bytes: int, host_cache_bytes: int, device_type: str) -> int:
-    """The host memory packs are decoded into (``PackMemory``): on a CPU device the LRU's, which the host cache's
-    packs share (both hold the same tensors there); on an accelerator the host cache's (0: none, packs are decoded
-    straight to the device)."""
-    return max(cache_bytes, host_cache_bytes) if device_type == "cpu" else host_cache_bytes
 
 
 def _listener_options(parser) -> None:
@@ -250,8 +174,10 @@ def build_cli() -> CommandLine:
 
     p = cli.command("worker", cmd_worker, "load a model next to the accelerator and answer with packs from --store")
     p.add_argument("--model", required=True, metavar="M", help="smollm2-135m, gemma3-270m, or a local Hugging Face model directory")
-    p.add_argument("--listen", default="127.0.0.1:50552", metavar="HOST:PORT", help="gRPC address of the Worker service")
-    p.add_argument("--cache-bytes", type=int, default=2 << 30, metavar="N", help="LRU of ready packs, in decoded KV bytes (default 2 GiB)")
+    p.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT", help="gRPC address of the Worker service")
+    p.add_argument(
+        "--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES, metavar="N", help="LRU of ready packs, in decoded KV bytes (default 2 GiB)"
+    )
     p.add_argument(
         "--host-cache-bytes", type=int, metavar="N",
         help="host cache under the device LRU: packs fetched from the store are kept in host memory, in decoded KV bytes, so one "
@@ -293,7 +219,7 @@ def build_cli() -> CommandLine:
         "HTTPS with the TLS flags; with --auth, callers send 'Authorization: Bearer TOKEN')",
     )
     p.add_argument(
-        "--max-concurrent", type=int, default=16, metavar="N",
+        "--max-concurrent", type=int, default=DEFAULT_MAX_CONCURRENT, metavar="N",
         help="the worker's generation slots, gRPC Generate and HTTP completions together, shared fairly among callers (tokens, "
         "or hosts without --auth); a caller refused one gets RESOURCE_EXHAUSTED, HTTP 429 (default 16)",
     )

@@ -51,7 +51,6 @@ if TYPE_CHECKING:
     from packstore.answering.answer import Answerer
     from packstore.kv.models import LoadedModel
 
-DEFAULT_MAX_CONCURRENT = 16  # the worker's generation slots, gRPC and HTTP together (--max-concurrent)
 MAX_BODY_BYTES = 8 << 20  # a request body past this is refused (413) before it is read whole
 MAX_HEADER_BYTES = 64 << 10  # a request line and headers past this close the connection
 BODY_SECONDS = 30.0  # a request body must arrive within this, once its headers have (else 408)

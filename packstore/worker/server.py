@@ -1,4 +1,5 @@
-"""The Worker gRPC servicer: requests become ``Question``s for the caller's namespace's ``Answerer``; its tokens stream back."""
+"""The Worker gRPC servicer: requests become ``Question``s for the caller's namespace's ``Answerer``; its tokens stream back.
+``run_worker`` builds a whole worker from its settings (``worker/config.py``): model, decoder, stores, servers."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 import grpc
 import torch
@@ -15,26 +16,28 @@ from packstore.answering.answer import REF_TTL_SECONDS, Answerer
 from packstore.answering.ready_caches import ReadyCache
 from packstore.answering.records import AnswerResult
 from packstore.bank.bank import BankCache
-from packstore.errors import LimitExceeded, PackstoreError
+from packstore.errors import InvalidInput, LimitExceeded, PackstoreError
 from packstore.kv.device import DeviceLock
 from packstore.kv.inject import TextDeltas
-from packstore.kv.models import LoadedModel
+from packstore.kv.models import LoadedModel, load_model
+from packstore.packs.buffers import HostBuffers
 from packstore.packs.decoder import Decoder
+from packstore.packs.memory import PackMemory
 from packstore.rpc.status import abort_with_error
 from packstore.security.auth import Auth, Principal
 from packstore.security.shares import ShareRule, Shares, principal_key
+from packstore.security.trust import TrustedKeys
 from packstore.serving.listen import server_ssl_context
 from packstore.serving.metrics_http import serve_metrics
 from packstore.serving.pacing import STREAM_SECONDS, StreamWatch
 from packstore.serving.scaffold import CHEAP_THREADS, Server, log_as_json
 from packstore.store.protocol import PackStore
 from packstore.v1 import worker_pb2, worker_pb2_grpc
-from packstore.worker.http import DEFAULT_MAX_CONCURRENT, OpenAIApp, serve_http
+from packstore.worker.config import DEFAULT_MAX_CONCURRENT, MAX_REF_TTL, WorkerConfig, decode_modes, decoded_memory_bytes, host_cache_bound
+from packstore.worker.http import OpenAIApp, serve_http
 from packstore.worker.messages import generate_done, question_of
+from packstore.worker.namespace_readers import NamespaceReaders
 from packstore.worker.worker_metrics import WorkerMetrics
-
-if TYPE_CHECKING:
-    from packstore.security.trust import TrustedKeys
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 # gRPC calls beyond the thread pool's (max_concurrent + CHEAP_THREADS) that may wait for a thread before one is refused
@@ -268,3 +271,47 @@ def serve_worker(
     fields |= {"auth": f"callers need a token from {auth.path}" if auth and auth.enabled else "none: callers need no token"}
     fields |= {"tls": server.tls, "mutual_tls": bool(tls_client_ca), "trusted_keys": trusted.source if trusted else None}
     server.run(service.auth, grace_seconds, fields, stopping=(lambda: api.stop(grace_seconds)) if api else None)
+
+
+def run_worker(config: WorkerConfig) -> None:
+    """Check ``config``, load the model, build the decoder (its host memory, where it decodes) and the stores of the
+    callers' namespaces, and serve until stopped. Every check that needs no model runs before the model loads."""
+    decode_on_device, join_on_device = decode_modes(config)
+    if config.threads is not None:
+        if config.threads < 1:
+            raise InvalidInput("--threads must be at least 1")
+        torch.set_num_threads(config.threads)
+    trusted = TrustedKeys.load(config.trusted_keys) if config.trusted_keys else None
+    ref_ttl = REF_TTL_SECONDS if config.ref_ttl is None else config.ref_ttl
+    if not 0 <= ref_ttl <= MAX_REF_TTL:  # also refuses NaN
+        raise InvalidInput(f"--ref-ttl must be from 0 to {MAX_REF_TTL:g} seconds, got {config.ref_ttl}")
+    if config.max_concurrent < 1:
+        raise InvalidInput(f"--max-concurrent must be at least 1, got {config.max_concurrent}")
+    if config.host_cache_bytes is not None and config.host_cache_bytes < 0:
+        raise InvalidInput(f"--host-cache-bytes must be 0 or more, got {config.host_cache_bytes}")
+    template = Path(config.chat_template).read_text(encoding="utf-8") if config.chat_template else None
+    lm = load_model(config.model, device=config.device, dtype=config.dtype, chat_template=template, progress=config.progress)
+    host_cache_bytes = host_cache_bound(config.host_cache_bytes, lm.device.type)
+    reserved = decoded_memory_bytes(config.cache_bytes, host_cache_bytes, lm.device.type) if config.reserve_memory else 0
+    pinned = lm.device.type == "cuda"  # the host cache's packs cross to the GPU at link speed only from page-locked memory
+    memory = PackMemory(reserved, background=True, pinned=pinned) if reserved else None
+    decoder = Decoder(buffers=HostBuffers(memory, join_on_device=join_on_device, decode_on_device=decode_on_device))
+    auth = Auth(config.auth) if config.auth else None
+    with NamespaceReaders(config.store, per_caller=auth is not None) as stores:
+        serve_worker(
+            lm,
+            stores.get,
+            config.listen,
+            config.cache_bytes,
+            host_cache_bytes=host_cache_bytes,
+            metrics=config.metrics,
+            trusted=trusted,
+            auth=auth,
+            ref_ttl=ref_ttl,
+            decoder=decoder,
+            tls_cert=config.tls_cert,
+            tls_key=config.tls_key,
+            tls_client_ca=config.tls_client_ca,
+            http=config.http,
+            max_concurrent=config.max_concurrent,
+        )

@@ -401,7 +401,7 @@ def test_decode_device_without_cuda_is_an_error_naming_the_problem(tmp_path, cap
 def test_plane_join_is_deprecated_and_keeps_its_meaning(capsys) -> None:
     import argparse
 
-    from packstore.cli.packstore_main import decode_modes
+    from packstore.worker.config import decode_modes
 
     def modes(**given: object) -> tuple[bool, bool]:
         return decode_modes(argparse.Namespace(**{"device": "cpu", "decode": None, "plane_join": None, **given}))

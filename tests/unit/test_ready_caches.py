@@ -9,7 +9,6 @@ import torch
 
 from packstore.answering.answer import Answerer, Question
 from packstore.answering.ready_caches import ReadyCache
-from packstore.cli.packstore_main import decoded_memory_bytes, host_cache_bound
 from packstore.format import PackHeader
 from packstore.format.header import ChunkInfo
 from packstore.kv.build import build_pack
@@ -20,6 +19,7 @@ from packstore.packs.decoder import Decoder
 from packstore.packs.memory import PackMemory
 from packstore.packs.tensors import ArrivingPack, Pack, encode_pack
 from packstore.store import LmdbStore
+from packstore.worker.config import decoded_memory_bytes, host_cache_bound
 
 GREEDY = Sampling(max_new_tokens=6)
 
