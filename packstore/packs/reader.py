@@ -16,7 +16,7 @@ from packstore.format.body import EncodedPack, check_pack_signatures, verify_chu
 from packstore.format.chunks import Buffer, adapter_digest, chunk_arrays
 from packstore.format.header import PackHeader
 from packstore.format.signature import Signature
-from packstore.store.protocol import PackStore, VerifiesWhereStored
+from packstore.store.protocol import PackSource, VerifiesWhereStored
 from packstore.store.records import VerifyResult
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ def verified_chunks(header: PackHeader, chunks: Iterable[tuple[int, Buffer]]) ->
 class PackReader:
     """Packs read from ``store``, verified and decoded on ``decoder`` (made, and owned, on first decode when None)."""
 
-    def __init__(self, store: PackStore, decoder: Decoder | None = None) -> None:
+    def __init__(self, store: PackSource, decoder: Decoder | None = None) -> None:
         self.store, self._decoder, self._owns_decoder = store, decoder, False
 
     @property

@@ -1,10 +1,10 @@
 """The interfaces every storage tier implements (LMDB, the S3 object tier, the gRPC client), in bytes and records.
 
-A backend stores and hands out packs as bytes: headers, names, signatures and a source of stored chunks. It
-neither verifies nor decodes chunks: ``packstore.packs.reader.PackReader`` does, once, over any backend. Banks
-build on ``BankTables``; the service needs ``ServedStore``. ``tests/unit/test_store_suite.py`` runs one behaviour
-suite against every tier. Refs are a full key, a name, or a unique content-hash prefix (8+ hex digits);
-``model_fp`` scopes names and prefixes to one model's packs.
+A backend stores and hands out packs as bytes: headers, names, signatures and a source of stored chunks. It neither
+verifies nor decodes chunks: ``packstore.packs.reader.PackReader`` does, once, over any backend, needing only its
+``PackSource`` (resolve, keys, open_pack). Banks build on ``BankTables``; the service needs ``ServedStore``.
+``tests/unit/test_store_suite.py`` runs one behaviour suite against every tier. Refs are a full key, a name, or a
+unique content-hash prefix (8+ hex digits); ``model_fp`` scopes names and prefixes to one model's packs.
 """
 
 from __future__ import annotations
@@ -124,7 +124,40 @@ class OpenedPack:
 
 
 @runtime_checkable
-class PackStore(Protocol):
+class PackSource(Protocol):
+    """What the pack reader needs of a tier (``packstore.packs.reader.PackReader``): resolve a ref, list the stored
+    keys, open a pack's chunks. Read-only; ``PackStore`` is this and the rest."""
+
+    def resolve(self, ref: str, *, model_fp: str | None = None) -> str:
+        """The stored key ``ref`` names; PackNotFound or AmbiguousRef otherwise."""
+        ...
+
+    def keys(self) -> builtins.list[str]:
+        """Every stored key, whether or not its header still parses."""
+        ...
+
+    def open_pack(
+        self,
+        ref: str,
+        *,
+        model_fp: str | None = None,
+        template_fp: str | None = None,
+        layers: tuple[int, int] | None = None,
+        prefix: int | None = None,
+        keep: bool = False,
+        signatures: bool = False,
+        as_stored: bool = False,
+    ) -> OpenedPack:
+        """Open a pack for reading the chunks holding ``layers`` (first, last; None: all) for positions below ``prefix``
+        (None: all) (``format.body.chunks_for``; InvalidInput when out of range). A tier may refuse a pack whose
+        identities differ from those stated (PackMismatch); the reader checks them in any case. ``keep``: the chunk
+        bytes stay valid after the source's context (else they may be views good only inside it); ``signatures``:
+        read the pack's signatures too; ``as_stored``: bypass any cache, so damage in the stored copy shows."""
+        ...
+
+
+@runtime_checkable
+class PackStore(PackSource, Protocol):
     """Packs by key, with names, as bytes; every write is atomic and idempotent by key."""
 
     def close(self) -> None: ...
@@ -133,11 +166,7 @@ class PackStore(Protocol):
 
     def __exit__(self, *exc: object) -> None: ...
 
-    # -- reads -------------------------------------------------------------------------------
-
-    def resolve(self, ref: str, *, model_fp: str | None = None) -> str:
-        """The stored key ``ref`` names; PackNotFound or AmbiguousRef otherwise."""
-        ...
+    # -- reads (besides PackSource's) ---------------------------------------------------------
 
     def stat(self, ref: str, *, model_fp: str | None = None) -> StoredPack:
         """Full header, names, signatures and stored size of one pack, without its body."""
@@ -159,31 +188,8 @@ class PackStore(Protocol):
         """Every matching pack's summary, in key order."""
         ...
 
-    def keys(self) -> builtins.list[str]:
-        """Every stored key, whether or not its header still parses."""
-        ...
-
     def counts(self) -> StoreCounts:
         """Packs stored and their stored bytes, without scanning."""
-        ...
-
-    def open_pack(
-        self,
-        ref: str,
-        *,
-        model_fp: str | None = None,
-        template_fp: str | None = None,
-        layers: tuple[int, int] | None = None,
-        prefix: int | None = None,
-        keep: bool = False,
-        signatures: bool = False,
-        as_stored: bool = False,
-    ) -> OpenedPack:
-        """Open a pack for reading the chunks holding ``layers`` (first, last; None: all) for positions below ``prefix``
-        (None: all) (``format.body.chunks_for``; InvalidInput when out of range). A tier may refuse a pack whose
-        identities differ from those stated (PackMismatch); the reader checks them in any case. ``keep``: the chunk
-        bytes stay valid after the source's context (else they may be views good only inside it); ``signatures``:
-        read the pack's signatures too; ``as_stored``: bypass any cache, so damage in the stored copy shows."""
         ...
 
     # -- writes ------------------------------------------------------------------------------
