@@ -5,7 +5,7 @@ preflight, the tests collected, the host probe, bench_gpu's two steps, exactness
 and the records. It runs with an empty HOME, a minimal environment and an audit hook in every Python process it starts
 (``sitecustomize``): a file opened outside the repository, the interpreter's own installation and the test's
 temporary folder, or a connection to anything but loopback, is a failure: the session reads nothing the GPU machine
-would lack and downloads nothing.
+would lack and downloads nothing. The same sitecustomize hides boto3 (the s3 extra) and faiss, absent there too.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 AUDIT = textwrap.dedent(
     """
-    import os, socket, sys
+    import importlib.abc, importlib.machinery, os, socket, sys
 
     _ALLOWED = tuple(p for p in os.environ["GPU_SESSION_AUDIT_ALLOWED"].split(os.pathsep) if p)
     _LOG = os.environ["GPU_SESSION_AUDIT_LOG"]
@@ -53,6 +53,25 @@ AUDIT = textwrap.dedent(
             _note(f"getaddrinfo {args[0]}")
 
     sys.addaudithook(_hook)
+
+
+    class _Absent(importlib.abc.MetaPathFinder):  # what the GPU machine lacks and the session does not carry: not found
+        def __init__(self, inner):
+            self.inner = inner
+
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] in ("boto3", "botocore", "s3transfer", "faiss"):
+                return None
+            return self.inner.find_spec(name, path, target)
+
+        def find_distributions(self, *args, **kwargs):  # importlib.metadata asks the meta path finders
+            return self.inner.find_distributions(*args, **kwargs)
+
+        def invalidate_caches(self):
+            self.inner.invalidate_caches()
+
+
+    sys.meta_path[:] = [_Absent(f) if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
     """
 )
 
@@ -93,11 +112,13 @@ def test_the_session_runs_on_cpu_offline_into_one_archive(tmp_path: Path) -> Non
     }
     probe = subprocess.run([sys.executable, "-c", "open('/nonexistent-gpu-session-probe')"], env=env, capture_output=True, text=True)
     assert "FileNotFoundError" in probe.stderr and "open /nonexistent-gpu-session-probe" in log.read_text(), "the audit hook is not on"
+    blocked = subprocess.run([sys.executable, "-c", "import boto3"], env=env, capture_output=True, text=True)
+    assert "No module named 'boto3'" in blocked.stderr
     log.unlink()
     argv = ["bash", str(ROOT / "tools/bench/gpu_session.sh"), "run", "--dry-run", "--carried", str(carried),
             "--site", str(tmp_path / "site"), "--work", str(tmp_path / "work"), "--budget", "300"]
     done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert done.returncode == 0, done.stdout[:4000] + done.stderr[-2000:]
 
     archive = out / "gpu-session-dry-run.tar.gz"
     assert [p.name for p in out.iterdir()] == [archive.name]  # one file comes back
@@ -113,7 +134,8 @@ def test_the_session_runs_on_cpu_offline_into_one_archive(tmp_path: Path) -> Non
     assert manifest["rev"] == "dry+run" and manifest["dry_run"] and manifest["total_s"] < 300
     assert all(s["seconds"] <= s["timeout_s"] + 1 for s in steps.values())
     assert "gpu_session_dry_probe-0.1" in versions["installed_from_carried_wheels"]
-    for record in ("preflight.json", "decode_check.json", "tests.xml", "host_probe.jsonl", "exactness/cpu-float32.json"):
+    for record in ("preflight.json", "decode_check.json", "tests.xml", "host_probe.jsonl", "exactness/cpu-float32.json",
+                   "servers/tiny-worker.log", "servers/tiny-serve.log"):
         assert f"gpu-session-dry-run/{record}" in names, record
     assert {r["part"] for r in bench} >= {"machine", "build", "ttft", "fetch", "decode", "total"}
     assert [r["part"] for r in worker].count("worker") == 1

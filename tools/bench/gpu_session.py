@@ -156,14 +156,14 @@ def bench_commands(c: Context) -> list[list[str]]:
 def worker_commands(c: Context) -> list[list[str]]:
     sizes = ["--worker-sizes", "300", "--worker-repeats", "1"] if c.dry_run else ["--worker-sizes", "2048", "8000", "--worker-repeats", "2"]
     return [c.module("tools.bench.bench_gpu", *bench_common(c), "--no-ttft", "--no-fetch", "--no-build", "--no-decode", "--repeats", "1",
-                     *sizes, "--workdir", c.work / "bench_worker", "--out", c.records / "bench_worker.jsonl")]
+                     *sizes, "--workdir", c.work / "bench_worker", "--logs", c.records / "servers", "--out", c.records / "bench_worker.jsonl")]
 
 
 def exactness_commands(c: Context) -> list[list[str]]:
     shape, device = ("tiny", "cpu") if c.dry_run else ("1b", "cuda")
     model = c.models / f"exactness-{shape}-float32"
     asked = ["--dtypes", "float32", "--questions", "2", "--per-pack", "2", "--max-new-tokens", "4"] if c.dry_run else \
-        ["--dtypes", "bfloat16", "float32", "--questions", "12", "--per-pack", "4", "--max-new-tokens", "16"]
+        ["--dtypes", "bfloat16", "float32", "--questions", "8", "--per-pack", "4", "--max-new-tokens", "16"]
     return [
         c.module("tools.bench.gpu_session", "make-model", "--shape", shape, "--device", device, "--tokenizer", c.carried / "tok", "--out", model),
         c.module("tools.eval.eval_exactness", "--model", model, "--device", device, *asked, "--data", c.root / DATA,
@@ -192,6 +192,7 @@ class StepSkipped(Exception):
 class Outcome:
     name: str
     status: str  # ok | failed | timeout | skipped
+    started_s: float = 0.0  # since the session began
     seconds: float = 0.0
     timeout_s: float | None = None
     returncode: int | None = None
@@ -199,7 +200,7 @@ class Outcome:
     commands: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if v not in ("", None, [])}
+        return {k: v for k, v in self.__dict__.items() if v not in ("", None, []) or k == "seconds"}
 
 
 def step_env(c: Context) -> dict[str, str]:
@@ -315,6 +316,7 @@ def session(args: argparse.Namespace) -> int:
     print(f"{c.name}: {len(steps)} steps within {args.budget} s{' (dry run, CPU)' if c.dry_run else ''}", flush=True)
     stop = ""
     for index, step in enumerate(steps):
+        step_started = time.perf_counter()
         later_floors = sum(s.floor for s in steps[index + 1 :])
         timeout = min(step.timeout * (DRY_RUN_SLOWER if c.dry_run else 1), deadline - time.perf_counter() - later_floors - RESERVE_S)
         if stop:
@@ -324,6 +326,7 @@ def session(args: argparse.Namespace) -> int:
         else:
             outcome = run_step(step, c, timeout, env)
             keep_server_logs(step, c)
+        outcome.started_s = round(step_started - started, 1)
         if step.name == "bench_worker" or outcome.status != "ok" and step.name == "bench":
             shutil.rmtree(c.models / "llama-8b-bfloat16", ignore_errors=True)  # 16 GB; half written when bench was cut
             shutil.rmtree(c.models / "llama-tiny-float32", ignore_errors=True)
