@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CARRIED = ".gpu"  # the ignored folder prepare fills: whl/ (wheels), numba/ (numba-cuda, a fallback), tok/ (tokenizer), rev
 STUBS = "packstore/v1"  # the generated gRPC modules: ignored by git, so carried
 CARRY = (CARRIED, STUBS)
+ALWAYS = ("install", "machine", "preflight")  # --only adds its steps to these
 BUDGET_S = 540  # the whole session, install to archive; the `run` call's timeout_s is RUN_TIMEOUT_S
 RUN_TIMEOUT_S = 590
 RESERVE_S = 8  # kept back for the last archive
@@ -308,7 +309,7 @@ def session(args: argparse.Namespace) -> int:
     for folder in (c.records, c.out, c.site):
         folder.mkdir(parents=True, exist_ok=True)
     env = step_env(c)
-    steps = [s for s in STEPS if (not args.only or s.name in args.only) and s.name not in args.skip]
+    steps = [s for s in STEPS if (not args.only or s.name in args.only or s.name in ALWAYS) and s.name not in args.skip]
     manifest: dict = {
         "session": c.name, "rev": c.rev, "dry_run": c.dry_run, "budget_s": args.budget, "python": sys.version.split()[0],
         "started_unix": round(time.time()), "steps": [],
@@ -507,7 +508,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--work", default="/tmp/gpu-session", help="scratch: records, made models (16 GB for 8B), workdirs")
     run.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole session")
     run.add_argument("--rev", help="the commit measured (default: .gpu/rev, else git)")
-    run.add_argument("--only", nargs="+", default=[], choices=[s.name for s in STEPS], metavar="STEP")
+    run.add_argument("--only", nargs="+", default=[], choices=[s.name for s in STEPS], metavar="STEP",
+                     help=f"these steps only, after {', '.join(ALWAYS)} (which --skip can drop)")
     run.add_argument("--skip", nargs="+", default=[], choices=[s.name for s in STEPS], metavar="STEP")
     run.add_argument("--keep-going", action="store_true", help="run every step even when the install or the preflight failed")
     p = sub.add_parser("plan", help="here: what travels, against the limit, and the `run` call to make")
