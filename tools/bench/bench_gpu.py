@@ -614,6 +614,10 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, tokenizer: PreTrainedTo
     if args.device.type == "cuda":
         results.record("memory", shape=spec.label, peak_gb=torch.cuda.max_memory_allocated(args.device) / GB)
     free_device()
+    if args.logs is not None:  # the servers' logs outlive the scratch directory
+        args.logs.mkdir(parents=True, exist_ok=True)
+        for log_file in scratch.glob("*.log"):
+            shutil.copyfile(log_file, args.logs / f"{spec.label}-{log_file.name}")
     shutil.rmtree(scratch)  # a made 8b model is 16 GB
 
 
@@ -674,6 +678,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--data", type=Path, default=bp.DATA, help="JSON lines with 'context' and 'question'")
     parser.add_argument("--models", type=Path, help="where made shapes are saved and found again (default: the temporary workdir)")
     parser.add_argument("--workdir", type=Path, help="where stores and logs go (default: a temporary directory, removed after)")
+    parser.add_argument("--logs", type=Path, help="keep the servers' logs (serve, worker) here (default: removed with the workdir)")
     parser.add_argument("--rev", default=None, help="the revision measured (default: git rev-parse --short HEAD)")
     parser.add_argument("--out", type=Path, help="JSON lines of every result (default: results/bench_gpu/<rev>-<device>.jsonl)")
     args = parser.parse_args(argv)

