@@ -195,7 +195,9 @@ def _kept(cache: BankCache | None, key: tuple[str | bytes, ...], load: Callable[
 def centroids_of(store: BankTables, name: str, cache: BankCache | None = None) -> np.ndarray:
     """A bank's centroid matrix (float32), read and verified once per build when ``cache`` keeps it."""
     key = (str(store.path), name, "centroids", store.bank_centroids_seal(name))
-    return _kept(cache, key, lambda: np.ascontiguousarray(store.bank_centroids(name), dtype=np.float32))
+    # aligned as well as contiguous: a matrix read in place from a store record may start at any byte, and NumPy
+    # multiplies an unaligned one without BLAS (2.7 ms instead of 0.06 ms for 5,000 centroids)
+    return _kept(cache, key, lambda: np.require(store.bank_centroids(name), dtype=np.float32, requirements=("C", "A")))
 
 
 def lexical_index_of(store: BankTables, name: str, cache: BankCache | None = None) -> LexicalIndex | None:
