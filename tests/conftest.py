@@ -23,7 +23,7 @@ import pytest
 from tests.helpers.tiny_model import make_model_dir
 
 if TYPE_CHECKING:  # the s3 extra (boto3) is imported by the SeaweedFS fixtures only: a GPU host runs the rest without it
-    from tests.seaweed_helpers import Seaweed
+    from tools.lib.seaweed import Seaweed
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -91,7 +91,7 @@ def store_path(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def seaweed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seaweed]:
     """One SeaweedFS (``weed mini``) for the run; each test works under a prefix of its own (``url``)."""
-    from tests.seaweed_helpers import running_seaweed
+    from tools.lib.seaweed import running_seaweed
 
     with running_seaweed(tmp_path_factory.mktemp("seaweed")) as server:
         yield server

@@ -12,7 +12,7 @@ from packstore.packs.tensors import Pack
 from tests.helpers.packs import make_pack
 
 if TYPE_CHECKING:
-    from tests.seaweed_helpers import Seaweed
+    from tools.lib.seaweed import Seaweed
 
 FACTS = [f"Locker {i} holds the {('red', 'green', 'blue', 'amber')[i % 4]} umbrella of guest {200 + i}." for i in range(40)]
 

@@ -18,8 +18,8 @@ from packstore.bank.bank import build_bank, open_banks
 from packstore.bank.embedder import load_embedder
 from packstore.errors import MissingExtra
 from packstore.store import LmdbStore, open_store
-from tests.service_helpers import running_server
 from tests.store_commands import COMMANDS, NAME, make_store, output_of, store_argv
+from tools.lib.servers import running_server
 
 pytestmark = pytest.mark.install
 REPO = Path(__file__).resolve().parents[2]

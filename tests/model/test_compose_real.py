@@ -22,7 +22,7 @@ from packstore.store import LmdbStore
 from packstore.store.remote.store import RemoteStore
 from packstore.worker.client import WorkerClient
 from tests.helpers.real_models import MODELS, eval_rows
-from tests.service_helpers import running_server, running_worker
+from tools.lib.servers import running_server, running_worker
 
 pytestmark = [pytest.mark.model, pytest.mark.service]
 GREEDY = Sampling(max_new_tokens=16)

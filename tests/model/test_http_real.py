@@ -24,7 +24,7 @@ from packstore.store import LmdbStore
 from packstore.store.remote.store import RemoteStore
 from packstore.worker.client import WorkerClient
 from tests.helpers.real_models import eval_rows, fact_sets
-from tests.service_helpers import free_port, running_server, running_worker
+from tools.lib.servers import free_port, running_server, running_worker
 
 pytestmark = [pytest.mark.model, pytest.mark.service]
 GREEDY = Sampling(max_new_tokens=24)

@@ -15,7 +15,7 @@ from packstore.kv.options import middle_third
 from packstore.store import LmdbStore
 from packstore.worker.client import WorkerClient
 from tests.helpers.real_models import MODELS, eval_rows
-from tests.service_helpers import running_server, running_worker
+from tools.lib.servers import running_server, running_worker
 
 pytestmark = [pytest.mark.model, pytest.mark.service]
 PAIRS = Path(__file__).resolve().parents[2] / "tools" / "data" / "steering" / "sentiment_pairs.jsonl"

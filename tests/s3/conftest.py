@@ -13,7 +13,7 @@ import pytest
 
 if TYPE_CHECKING:  # the s3 extra (boto3): imported where used, so that collecting these tests needs no boto3
     from packstore.store.objects.store import ObjectStore
-    from tests.seaweed_helpers import Seaweed
+    from tools.lib.seaweed import Seaweed
 
 # boto3 (the s3 extra) is these tests' own need: a host without it (a GPU machine) collects none of them.
 collect_ignore_glob = [] if importlib.util.find_spec("boto3") else ["test_*.py"]

@@ -39,8 +39,8 @@ from tests.helpers.auth import TOKENS, refusal, tokens_file
 from tests.helpers.banks import TEST_BANK_CACHE
 from tests.helpers.packs import FP_B
 from tests.helpers.s3 import FACTS, objects, random_pack, same_tensors
-from tests.seaweed_helpers import Seaweed, running_seaweed
-from tests.service_helpers import RunningServer, free_port, running_server
+from tools.lib.seaweed import Seaweed, running_seaweed
+from tools.lib.servers import RunningServer, free_port, running_server
 
 
 @contextmanager

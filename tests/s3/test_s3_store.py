@@ -25,7 +25,7 @@ from packstore.store.objects.store import ObjectStore
 from tests.helpers import child_env
 from tests.helpers.packs import FP_B, pack_of
 from tests.helpers.s3 import objects, random_pack, same_tensors
-from tests.service_helpers import free_port
+from tools.lib.servers import free_port
 
 
 def counted_gets(store: ObjectStore) -> list[str]:

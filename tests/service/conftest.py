@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from packstore.store.remote.store import RemoteStore
-from tests.service_helpers import running_server
+from tools.lib.servers import running_server
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from packstore.worker.client import WorkerClient
 from tests.helpers.auth import TOKENS, refusal, tokens_file
 from tests.helpers.banks import TEST_BANK_CACHE
 from tests.helpers.packs import make_pack
-from tests.service_helpers import free_port, running_server, running_worker
+from tools.lib.servers import free_port, running_server, running_worker
 
 
 def client(server, name: str | None, namespace: str | None = None) -> RemoteStore:

@@ -31,7 +31,7 @@ from packstore.store.remote.from_messages import stored_pack
 from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc
 from tests.helpers.packs import make_pack
-from tests.service_helpers import free_port, running_server
+from tools.lib.servers import free_port, running_server
 
 
 @pytest.fixture(scope="module")

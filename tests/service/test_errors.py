@@ -14,7 +14,7 @@ from packstore import errors
 from packstore.errors import ERROR_CLASSES, PackMismatch, PackstoreError
 from packstore.rpc.channel import GrpcClient
 from packstore.rpc.status import abort_with_error, status_for
-from tests.service_helpers import free_port
+from tools.lib.servers import free_port
 
 SAMPLES: list[PackstoreError] = [
     errors.PackNotFound("no pack named 'x'", ref="x"),

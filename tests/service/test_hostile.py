@@ -28,7 +28,7 @@ from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc
 from tests.helpers.banks import TEST_BANK_CACHE
 from tests.helpers.packs import make_pack
-from tests.service_helpers import running_server
+from tools.lib.servers import running_server
 
 MIB = 1 << 20
 

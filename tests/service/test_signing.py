@@ -29,7 +29,7 @@ from packstore.store import LmdbStore
 from packstore.store.remote.store import RemoteStore
 from tests.helpers.banks import TEST_BANK_CACHE
 from tests.helpers.packs import make_pack
-from tests.service_helpers import running_server
+from tools.lib.servers import running_server
 
 GREEDY = Sampling(max_new_tokens=6)
 
@@ -206,7 +206,7 @@ def test_a_worker_with_trusted_keys_refuses_unsigned_packs_over_grpc(tiny_lm, ti
     import grpc
 
     from packstore.v1 import worker_pb2, worker_pb2_grpc
-    from tests.service_helpers import running_worker
+    from tools.lib.servers import running_worker
 
     with running_server(tmp_path / "data") as server, RemoteStore(server.url) as remote:
         remote.put(encode_pack(build_pack(tiny_lm, ["Alice lives in Paris."])), name="a")

@@ -23,7 +23,7 @@ from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2
 from tests.helpers.packs import make_pack
 from tests.helpers.tls import make_certificates
-from tests.service_helpers import running_server, running_worker
+from tools.lib.servers import running_server, running_worker
 
 
 @pytest.fixture(scope="module")

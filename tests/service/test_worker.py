@@ -24,7 +24,7 @@ from packstore.v1 import store_pb2, worker_pb2, worker_pb2_grpc
 from packstore.worker.client import WorkerClient
 from tests.helpers.banks import TEST_BANK_CACHE
 from tests.helpers.tiny_model import make_model_dir
-from tests.service_helpers import running_server, running_worker
+from tools.lib.servers import running_server, running_worker
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
 GREEDY = Sampling(max_new_tokens=12)

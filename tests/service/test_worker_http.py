@@ -346,7 +346,7 @@ def test_packstore_worker_http_serves_https_with_the_tls_flags_and_answers_as_it
 
     from packstore.store.remote.store import RemoteStore
     from tests.helpers.tls import make_certificates
-    from tests.service_helpers import free_port, running_server, running_worker
+    from tools.lib.servers import free_port, running_server, running_worker
 
     certs = make_certificates(tmp_path / "tls")
     with running_server(tmp_path / "data") as server:

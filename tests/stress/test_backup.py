@@ -19,7 +19,7 @@ from packstore.store.namespaces import namespace_path
 from packstore.store.remote.store import RemoteStore
 from tests.helpers import child_env
 from tests.helpers.packs import make_pack
-from tests.service_helpers import running_server
+from tools.lib.servers import running_server
 
 WRITER = r"""
 import sys

@@ -20,7 +20,7 @@ from packstore.packs.tensors import encode_pack
 from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc
 from tests.helpers.packs import make_pack
-from tests.service_helpers import running_server
+from tools.lib.servers import running_server
 
 ATTACKER = r"""
 import json, os, random, select, socket, sys, time

@@ -19,7 +19,7 @@ from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
 from packstore.store.remote.store import RemoteStore
 from tests.helpers.packs import make_pack
-from tests.service_helpers import running_server
+from tools.lib.servers import running_server
 
 DAMAGES = ("flip", "truncate", "zero-page")
 

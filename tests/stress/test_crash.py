@@ -24,7 +24,7 @@ from packstore.store import LmdbStore
 from packstore.store.remote.store import RemoteStore
 from tests.helpers.banks import TEST_BANK_CACHE
 from tests.helpers.packs import make_pack
-from tests.service_helpers import free_port, wait_serving
+from tools.lib.servers import free_port, wait_serving
 
 UPLOADERS = 16
 PACKS_PER_UPLOADER = 3

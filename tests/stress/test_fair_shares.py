@@ -30,7 +30,7 @@ from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc
 from tests.helpers.auth import tokens_file
 from tests.helpers.packs import make_pack
-from tests.service_helpers import running_server
+from tools.lib.servers import running_server
 
 TENANTS = {name: (f"secret-{name}", [name], "write") for name in ("a", "b", "c")}  # a token per tenant, its own namespace
 CHUNK, ERROR = 1, 3

@@ -31,7 +31,7 @@ from tests.helpers.banks import TEST_BANK_CACHE
 from tests.helpers.cgroup import memory_cgroup
 from tests.helpers.fuzz import CLEAR, any_char, fuzz, texts
 from tests.helpers.packs import make_pack
-from tests.service_helpers import running_server
+from tools.lib.servers import running_server
 
 MAX_RESIDENT_MB = 1500  # the server's cgroup, anonymous + shared memory (cgroup_helpers); measured 395 MB short, 426 MB long
 SCALE = {"short": 1, "long": 20}

@@ -57,7 +57,7 @@ from tests.helpers.fuzz import CLEAR, any_char, fuzz, texts
 from tests.helpers.packs import make_pack
 from tests.helpers.raw_grpc import raw_unary
 from tests.helpers.tiny_model import STEERING_PAIRS as PAIRS
-from tests.service_helpers import running_server, running_worker
+from tools.lib.servers import running_server, running_worker
 
 SCALE = {"short": 1, "long": 20}
 EXAMPLES = {"bulk_port": 150, "bulk_reader": 250, "get_pack": 120, "auth": 140, "worker": 50}  # per scale unit

@@ -19,7 +19,7 @@ from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc
 from tests.helpers.cgroup import memory_cgroup
 from tests.helpers.packs import make_pack
-from tests.service_helpers import running_server
+from tools.lib.servers import running_server
 
 MB = 1 << 20
 HOT_BYTES = 20 * MB

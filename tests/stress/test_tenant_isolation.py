@@ -23,7 +23,7 @@ from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc
 from tests.helpers.auth import TOKENS, tokens_file
 from tests.helpers.packs import make_pack
-from tests.service_helpers import running_server
+from tools.lib.servers import running_server
 
 VOLATILE_LOG_FIELDS = {"ts", "ms", "peer"}  # times, and the client's port
 

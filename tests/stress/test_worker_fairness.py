@@ -43,7 +43,7 @@ from packstore.worker.http import MAX_HEADER_BYTES, OpenAIApp, serve_http
 from packstore.worker.messages import generate_request
 from packstore.worker.server import WorkerService, worker_server
 from tests.helpers.auth import tokens_file
-from tests.service_helpers import free_port
+from tools.lib.servers import free_port
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
 QUESTION = "What is Wexley famous for?"

@@ -25,7 +25,7 @@ from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts
 from packstore.store.remote.store import RemoteStore
 from tests.helpers.banks import TEST_BANK_CACHE
 from tests.helpers.packs import FP_B, pack_of
-from tests.service_helpers import running_server
+from tools.lib.servers import running_server
 
 # The embedded store is a unit test; the others need a service on loopback or the session's SeaweedFS.
 TIERS = ["lmdb", pytest.param("grpc", marks=pytest.mark.service), pytest.param("s3", marks=pytest.mark.s3)]

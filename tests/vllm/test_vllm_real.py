@@ -219,7 +219,7 @@ def vllm_server(served):
     """vLLM's OpenAI server with the connector named by its plugin (no module path), as the README's section runs it."""
     import time
 
-    from tests.service_helpers import free_port
+    from tools.lib.servers import free_port
 
     port = free_port()
     config = {"kv_connector": "PackstoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
