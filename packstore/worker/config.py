@@ -78,7 +78,7 @@ def decode_modes(config: DecodeFlags) -> tuple[bool, bool]:
     device = torch.device(config.device) if config.device else default_device()
     if config.plane_join is not None:
         if config.decode is not None:
-            raise InvalidInput("give --decode alone: --plane-join is deprecated, and --decode device joins the planes on the device too")
+            raise InvalidInput("give decode alone: plane_join is deprecated, and decode='device' joins the planes on the device too")
         print(
             "packstore worker: --plane-join is deprecated and goes in the next release: use --decode device (GPU decode and "
             "plane join) or --decode host",
@@ -87,7 +87,7 @@ def decode_modes(config: DecodeFlags) -> tuple[bool, bool]:
         return False, config.plane_join == "device"
     missing = unavailable(device)
     if config.decode == "device" and missing:
-        raise InvalidInput(f"--decode device: {missing} (use --decode host)")
+        raise InvalidInput(f"decode='device': {missing} (decode on the host instead)")
     if config.decode is None and device.type == "cuda" and missing:
         print(f"packstore worker: decoding packs on the host ({missing})", file=sys.stderr)
     return (config.decode or ("device" if device.type == "cuda" else "host")) == "device" and not missing, False

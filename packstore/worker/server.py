@@ -279,16 +279,16 @@ def run_worker(config: WorkerConfig) -> None:
     decode_on_device, join_on_device = decode_modes(config)
     if config.threads is not None:
         if config.threads < 1:
-            raise InvalidInput("--threads must be at least 1")
+            raise InvalidInput(f"threads must be at least 1, got {config.threads}")
         torch.set_num_threads(config.threads)
     trusted = TrustedKeys.load(config.trusted_keys) if config.trusted_keys else None
     ref_ttl = REF_TTL_SECONDS if config.ref_ttl is None else config.ref_ttl
     if not 0 <= ref_ttl <= MAX_REF_TTL:  # also refuses NaN
-        raise InvalidInput(f"--ref-ttl must be from 0 to {MAX_REF_TTL:g} seconds, got {config.ref_ttl}")
+        raise InvalidInput(f"ref_ttl must be from 0 to {MAX_REF_TTL:g} seconds, got {config.ref_ttl}")
     if config.max_concurrent < 1:
-        raise InvalidInput(f"--max-concurrent must be at least 1, got {config.max_concurrent}")
+        raise InvalidInput(f"max_concurrent must be at least 1, got {config.max_concurrent}")
     if config.host_cache_bytes is not None and config.host_cache_bytes < 0:
-        raise InvalidInput(f"--host-cache-bytes must be 0 or more, got {config.host_cache_bytes}")
+        raise InvalidInput(f"host_cache_bytes must be 0 or more, got {config.host_cache_bytes}")
     template = Path(config.chat_template).read_text(encoding="utf-8") if config.chat_template else None
     lm = load_model(config.model, device=config.device, dtype=config.dtype, chat_template=template, progress=config.progress)
     host_cache_bytes = host_cache_bound(config.host_cache_bytes, lm.device.type)

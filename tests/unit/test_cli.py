@@ -165,10 +165,10 @@ def test_worker_refuses_a_thread_count_below_one_and_a_bad_ref_ttl(tmp_path: Pat
     from packstore.cli.packstore_main import main as packstore_main
 
     assert packstore_main(["--store", str(tmp_path / "s"), "worker", "--model", "smollm2-135m", "--threads", "0"]) != 0
-    assert "--threads must be at least 1" in capsys.readouterr().err
+    assert "threads must be at least 1" in capsys.readouterr().err
     for ttl in ("-1", "nan"):
         assert packstore_main(["--store", str(tmp_path / "s"), "worker", "--model", "smollm2-135m", "--ref-ttl", ttl]) != 0
-        assert "--ref-ttl must be from 0 to 86400 seconds" in capsys.readouterr().err
+        assert "ref_ttl must be from 0 to 86400 seconds" in capsys.readouterr().err
 
 
 def test_export_import_and_gc_commands(cli, facts_file: Path, tmp_path: Path) -> None:

@@ -393,9 +393,9 @@ def test_decode_device_without_cuda_is_an_error_naming_the_problem(tmp_path, cap
 
     base = ["--store", str(tmp_path / "s"), "worker", "--model", "smollm2-135m", "--device", "cpu"]
     assert packstore_main([*base, "--decode", "device"]) != 0
-    assert "--decode device: the model runs on cpu, not on a CUDA device" in capsys.readouterr().err
+    assert "decode='device': the model runs on cpu, not on a CUDA device" in capsys.readouterr().err
     assert packstore_main([*base, "--decode", "host", "--plane-join", "device"]) != 0
-    assert "give --decode alone" in capsys.readouterr().err
+    assert "give decode alone" in capsys.readouterr().err
 
 
 def test_plane_join_is_deprecated_and_keeps_its_meaning(capsys) -> None:
