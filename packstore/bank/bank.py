@@ -22,8 +22,10 @@ from packstore.store.bank_records import BankChanged, StoredBanks
 from packstore.store.protocol import (
     DEFAULT_EMBEDDER,
     DEFAULT_TOP_K,
+    BankReads,
     BankStore,
     BankTables,
+    BankWrites,
     ServesBanks,
     check_name,
 )
@@ -133,7 +135,7 @@ def _group(ids: np.ndarray, vectors: np.ndarray, texts: list[str], assignment: n
 
 
 def build_bank(
-    store: BankTables, name: str, facts: Sequence[str], embedder: Embedder, *, vectors: str = DEFAULT_VECTORS, progress: bool = False
+    store: BankWrites, name: str, facts: Sequence[str], embedder: Embedder, *, vectors: str = DEFAULT_VECTORS, progress: bool = False
 ) -> BankMeta:
     """Embed every fact, cluster into about N/20 clusters, and store the bank (replacing one of that name).
 
@@ -192,7 +194,7 @@ def _kept(cache: BankCache | None, key: tuple[str | bytes, ...], load: Callable[
     return load() if cache is None else cache.record(key, load)
 
 
-def centroids_of(store: BankTables, name: str, cache: BankCache | None = None) -> np.ndarray:
+def centroids_of(store: BankReads, name: str, cache: BankCache | None = None) -> np.ndarray:
     """A bank's centroid matrix (float32), read and verified once per build when ``cache`` keeps it."""
     key = (str(store.path), name, "centroids", store.bank_centroids_seal(name))
     # aligned as well as contiguous: a matrix read in place from a store record may start at any byte, and NumPy
@@ -200,7 +202,7 @@ def centroids_of(store: BankTables, name: str, cache: BankCache | None = None) -
     return _kept(cache, key, lambda: np.require(store.bank_centroids(name), dtype=np.float32, requirements=("C", "A")))
 
 
-def lexical_index_of(store: BankTables, name: str, cache: BankCache | None = None) -> LexicalIndex | None:
+def lexical_index_of(store: BankReads, name: str, cache: BankCache | None = None) -> LexicalIndex | None:
     """A bank's full-text index, read once per build or addition; None for a bank built without one."""
     seal = store.bank_lexical_seal(name)
     if seal is None:
@@ -225,7 +227,7 @@ def nearest_centroids(vectors: np.ndarray, centroids: np.ndarray, count: int) ->
 
 
 def add_facts(
-    store: BankTables, name: str, facts: Sequence[str], embedder: Embedder, *, progress: bool = False, cache: BankCache | None = None
+    store: BankWrites, name: str, facts: Sequence[str], embedder: Embedder, *, progress: bool = False, cache: BankCache | None = None
 ) -> BankMeta:
     """Add facts to an existing bank without re-clustering: each joins its nearest centroid's cluster.
 
@@ -250,7 +252,7 @@ def add_facts(
 
 
 def _additions(
-    store: BankTables, meta: BankMeta, facts: list[str], vectors: np.ndarray, cache: BankCache | None
+    store: BankReads, meta: BankMeta, facts: list[str], vectors: np.ndarray, cache: BankCache | None
 ) -> tuple[BankMeta, dict[int, Cluster], bytes]:
     """The metadata, changed clusters and full-text index record of ``meta``'s bank with ``facts`` added."""
     name = meta.name
@@ -289,7 +291,7 @@ def _fact_documents(index: LexicalIndex, cluster_id: int, rows: int) -> np.ndarr
 
 
 def route(
-    store: BankTables,
+    store: BankReads,
     name: str,
     queries: Sequence[str],
     embedder: Embedder | None,
@@ -341,7 +343,7 @@ def route(
 
 
 def _rank(
-    store: BankTables,
+    store: BankReads,
     name: str,
     query: str,
     vector: np.ndarray | None,
@@ -376,7 +378,7 @@ def _rank(
 
 
 def _candidates(
-    store: BankTables, name: str, query: str, vector: np.ndarray | None, probed: list[int], lexical: LexicalIndex | None
+    store: BankReads, name: str, query: str, vector: np.ndarray | None, probed: list[int], lexical: LexicalIndex | None
 ) -> tuple[list[int], list[str], Candidates]:
     """The clusters ranked (the probed ones, then those holding the best BM25 hits), their facts, and each fact's
     cosine with ``vector`` (zeros without one) and BM25 (zeros without an index)."""
@@ -396,7 +398,7 @@ def _candidates(
 
 
 def route_candidates(
-    store: BankTables, name: str, queries: Sequence[str], embedder: Embedder, *, probe: int | None = None, cache: BankCache | None = None
+    store: BankReads, name: str, queries: Sequence[str], embedder: Embedder, *, probe: int | None = None, cache: BankCache | None = None
 ) -> list[tuple[list[str], Candidates]]:
     """Per query, every fact a hybrid route ranks and its evidence (cosine, BM25) before fusion: what
     ``tools/eval_fusion.py`` compares fusion rules on, exactly as ``route`` would rank them."""
@@ -416,6 +418,8 @@ class LocalBanks(StoredBanks):
     """Bank operations on a store this process holds (LMDB or object tier): ``StoredBanks``' record operations, and
     building, adding and routing with embedders named by specifier (as over the service), loaded and kept in
     ``cache`` (a fresh one, for this object alone, when None)."""
+
+    store: BankTables  # StoredBanks needs only its BankAdmin; building and routing need the rest
 
     def __init__(self, store: BankTables, cache: BankCache | None = None) -> None:
         super().__init__(store)

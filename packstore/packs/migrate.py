@@ -20,7 +20,7 @@ from collections.abc import Callable
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound
 from packstore.packs.reader import PackReader
 from packstore.store.bank_records import BankChanged, StoredBanks, digest_of
-from packstore.store.protocol import BankRecordStore, BankTables, PackStore, ServesBanks
+from packstore.store.protocol import BankAdmin, BankRecords, BankRecordStore, PackStore, ServesBanks
 from packstore.store.records import MigrateReport, StoredPack
 
 Progress = Callable[[str, str], None]
@@ -75,7 +75,7 @@ def _copy_packs(source: PackStore, target: PackStore, progress: Progress | None)
 
 def _banks(store: PackStore) -> BankRecordStore:
     """The record side of a store's banks: its own tables where this process holds them, else the service's."""
-    if isinstance(store, BankTables):
+    if isinstance(store, BankAdmin):
         return StoredBanks(store)
     if isinstance(store, ServesBanks):
         return store.banks()
@@ -84,7 +84,7 @@ def _banks(store: PackStore) -> BankRecordStore:
 
 def _bank_names(store: PackStore) -> list[str]:
     """Every bank's name: from its metadata records where the store holds them (no size scan), else from the service."""
-    if isinstance(store, BankTables):
+    if isinstance(store, BankAdmin):
         return [meta.name for meta in store.bank_metas()]
     return [meta.name for meta, _ in _banks(store).list()]
 
@@ -116,7 +116,7 @@ def _copy_banks(
     for name, digest, present in plans:
         if present:
             state = "present"
-        elif isinstance(source, BankTables) and isinstance(target, BankTables):
+        elif isinstance(source, BankRecords) and isinstance(target, BankRecords):
             digest = _copy_bank(source, target, name)  # the source's bank may have changed since it was planned
             state, copied = "copied", copied + 1
         else:
@@ -129,7 +129,7 @@ def _copy_banks(
     return copied, signatures, tuple(skipped)
 
 
-def _copy_bank(source: BankTables, target: BankTables, name: str) -> str:
+def _copy_bank(source: BankRecords, target: BankRecords, name: str) -> str:
     """Copy bank ``name``'s records byte for byte (the target checks each as it takes them), then check the
     copy in the target: the same records, the same digest. Returns the digest copied."""
     meta, records = source.bank_records(name)

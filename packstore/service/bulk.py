@@ -44,7 +44,7 @@ from packstore.security.shares import ShareRule, Shares
 from packstore.service.hot import HotPacks
 from packstore.service.service_metrics import ServiceMetrics
 from packstore.serving.pacing import STREAM_RATE, STREAM_SECONDS
-from packstore.store.protocol import ServedStore
+from packstore.store.protocol import StreamsChunks
 from packstore.v1 import store_pb2
 
 log = logging.getLogger("packstore.service")
@@ -62,7 +62,7 @@ _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 class Transfer:
     """What one ticket entitles its bearer to: these chunks of this pack, from this namespace's store."""
 
-    store: ServedStore
+    store: StreamsChunks
     namespace: str
     header: PackHeader
     indices: tuple[int, ...]
@@ -81,7 +81,7 @@ class Tickets:
 
     def issue(
         self,
-        store: ServedStore,
+        store: StreamsChunks,
         namespace: str,
         header: PackHeader,
         indices: Sequence[int],

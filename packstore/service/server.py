@@ -32,7 +32,7 @@ from packstore.serving.listen import server_ssl_context
 from packstore.serving.metrics_http import serve_metrics
 from packstore.serving.pacing import StreamWatch
 from packstore.serving.scaffold import Server, log_as_json
-from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, BankStore, ServedStore, check_name
+from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, BankStore, BankTables, ServedStore, check_name
 from packstore.store.records import PackPage
 from packstore.v1 import store_pb2, store_pb2_grpc
 
@@ -387,11 +387,11 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             self._banks(call.store).delete(request.name)
             return store_pb2.DeleteBankResponse()
 
-    def _banks(self, store: ServedStore) -> BankStore:
+    def _banks(self, store: BankTables) -> BankStore:
         """The banks of a namespace's store, with the service's embedders and decoded records."""
         return LocalBanks(store, self.bank_cache)
 
-    def _bank_status(self, store: ServedStore, name: str) -> store_pb2.BankStatus:
+    def _bank_status(self, store: BankTables, name: str) -> store_pb2.BankStatus:
         banks = self._banks(store)
         return store_pb2.BankStatus(
             bank=bank_info(store.bank(name), store.bank_stored_bytes(name)),

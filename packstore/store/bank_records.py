@@ -19,7 +19,7 @@ from packstore.errors import IntegrityError, InvalidInput
 from packstore.format.bank import BankMeta, Cluster, decode_centroids, decode_cluster, decode_lexical, encode_centroids, encode_cluster
 from packstore.format.header import canonical_json
 from packstore.format.signature import Signature
-from packstore.store.protocol import BankTables
+from packstore.store.protocol import BankAdmin
 
 
 class BankChanged(Exception):
@@ -87,7 +87,7 @@ def digest_of(name: str, meta: bytes, records: list[tuple[str, bytes]]) -> str:
 class StoredBanks:
     """The banks kept in ``store``'s bank tables, as records."""
 
-    def __init__(self, store: BankTables) -> None:
+    def __init__(self, store: BankAdmin) -> None:
         self.store = store
 
     def list(self) -> list[tuple[BankMeta, int]]:

@@ -2,9 +2,11 @@
 
 A backend stores and hands out packs as bytes: headers, names, signatures and a source of stored chunks. It neither
 verifies nor decodes chunks: ``packstore.packs.reader.PackReader`` does, once, over any backend, needing only its
-``PackSource`` (resolve, keys, open_pack). Banks build on ``BankTables``; the service needs ``ServedStore``.
-``tests/unit/test_store_suite.py`` runs one behaviour suite against every tier. Refs are a full key, a name, or a
-unique content-hash prefix (8+ hex digits); ``model_fp`` scopes names and prefixes to one model's packs.
+``PackSource`` (resolve, keys, open_pack). A local tier's bank tables are declared per user: ``BankReads``
+(routing), ``BankWrites`` (building), ``BankAdmin`` (``StoredBanks``), ``BankRecords`` (migrate) and ``BankTables``
+(``LocalBanks``: all but the records); the service needs ``ServedStore`` (packs, ``BankTables``, ``StreamsChunks``,
+``TakesUploads``). ``tests/unit/test_store_suite.py`` runs one behaviour suite against every tier. Refs are a full key,
+a name, or a unique content-hash prefix (8+ hex digits); ``model_fp`` scopes names and prefixes to one model's packs.
 """
 
 from __future__ import annotations
@@ -259,20 +261,13 @@ class Upload(Protocol):
     def abort(self) -> None: ...
 
 
-@runtime_checkable
-class BankTables(Protocol):
-    """What the bank layer needs of a local tier: a bank's records (metadata, centroids, full-text index, clusters)
-    and signatures, written atomically; ``BankChanged`` when ``update_bank`` finds another writer came first.
-    ``path`` says where the tables live (decoded records are cached under it)."""
+class BankReads(Protocol):
+    """What routing reads of a bank (``bank.bank.route``): metadata, centroids, full-text index, clusters, seals."""
 
     @property
-    def path(self) -> object: ...
-
-    def put_bank(self, meta: BankMeta, centroids: np.ndarray, clusters: dict[int, Cluster], lexical: bytes) -> None: ...
-
-    def put_bank_records(self, name: str, meta: bytes, records: dict[str, bytes]) -> None: ...
-
-    def update_bank(self, meta: BankMeta, clusters: dict[int, Cluster], lexical: bytes, *, expected: BankMeta) -> None: ...
+    def path(self) -> object:
+        """Where the tables live: decoded records are cached under it and their seal, so a rebuilt bank misses."""
+        ...
 
     def bank(self, name: str) -> BankMeta: ...
 
@@ -280,34 +275,76 @@ class BankTables(Protocol):
 
     def bank_centroids_seal(self, name: str) -> bytes: ...
 
-    def bank_lexical_seal(self, name: str) -> bytes | None: ...
-
     def bank_lexical(self, name: str) -> tuple[np.ndarray, dict[str, bytes]] | None: ...
+
+    def bank_lexical_seal(self, name: str) -> bytes | None: ...
 
     def bank_clusters(self, name: str, cluster_ids: list[int]) -> dict[int, Cluster | None]: ...  # None: no record (no facts yet)
 
-    def bank_records(self, name: str) -> tuple[bytes, dict[str, bytes]]: ...
 
-    def bank_stored_bytes(self, name: str) -> int: ...
+class BankWrites(BankReads, Protocol):
+    """What building a bank and adding facts need (``bank.bank.build_bank``, ``add_facts``): its reads and writes."""
 
-    def bank_metas(self) -> list[BankMeta]: ...
+    def put_bank(self, meta: BankMeta, centroids: np.ndarray, clusters: dict[int, Cluster], lexical: bytes) -> None:
+        """Store (or replace) a whole bank atomically."""
+        ...
 
-    def bank_digest(self, name: str) -> str: ...
-
-    def sign_bank(self, name: str, signature: Signature) -> None: ...
-
-    def bank_signatures(self, name: str) -> tuple[Signature, ...]: ...
-
-    def delete_bank(self, name: str) -> None: ...
+    def update_bank(self, meta: BankMeta, clusters: dict[int, Cluster], lexical: bytes, *, expected: BankMeta) -> None:
+        """Write an update computed from bank ``expected`` as read; ``BankChanged`` when another writer came first."""
+        ...
 
 
 @runtime_checkable
-class ServedStore(PackStore, BankTables, Protocol):
-    """What the service needs of the store behind it: packs, bank tables, chunk-by-chunk reads for a stream (each
-    read when taken, so a slow client holds one chunk) and staged uploads."""
+class BankAdmin(Protocol):
+    """What ``bank_records.StoredBanks`` needs (no embedder): bank metadata, sizes, deletion, digest, signatures."""
 
-    def read_chunks(self, header: PackHeader, indices: Sequence[int]) -> Iterator[Buffer]:
-        """Chunks ``indices`` of a pack in order, as stored (the reader verifies them)."""
+    def bank(self, name: str) -> BankMeta: ...
+
+    def bank_metas(self) -> list[BankMeta]: ...
+
+    def bank_stored_bytes(self, name: str) -> int: ...
+
+    def delete_bank(self, name: str) -> None: ...
+
+    def bank_digest(self, name: str) -> str: ...
+
+    def bank_signatures(self, name: str) -> tuple[Signature, ...]: ...
+
+    def sign_bank(self, name: str, signature: Signature) -> None: ...
+
+
+@runtime_checkable
+class BankRecords(BankAdmin, Protocol):
+    """What ``packs.migrate`` needs of a tier whose banks it copies record for record: ``BankAdmin`` and the records."""
+
+    def bank_records(self, name: str) -> tuple[bytes, dict[str, bytes]]:
+        """A bank's metadata record and its other records, as stored."""
         ...
 
+    def put_bank_records(self, name: str, meta: bytes, records: dict[str, bytes]) -> None:
+        """Store a new bank from such records, after checking them; ``BankChanged`` if a bank ``name`` exists."""
+        ...
+
+
+@runtime_checkable
+class BankTables(BankWrites, BankAdmin, Protocol):
+    """What ``bank.bank.LocalBanks`` needs of a tier keeping its own banks (``open_banks`` checks): reads, writes, admin."""
+
+
+class StreamsChunks(Protocol):
+    """What the service's pack streams need (GetPack and the bulk port): a pack's chunks, each read when taken."""
+
+    def read_chunks(self, header: PackHeader, indices: Sequence[int]) -> Iterator[Buffer]:
+        """Chunks ``indices`` of a pack in order, as stored (the reader verifies them); a slow client holds one chunk."""
+        ...
+
+
+class TakesUploads(Protocol):
+    """What the service's PutPack needs: a pack staged chunk by chunk, then committed atomically."""
+
     def begin_upload(self, header: PackHeader) -> Upload: ...
+
+
+@runtime_checkable
+class ServedStore(PackStore, BankTables, StreamsChunks, TakesUploads, Protocol):
+    """What the service needs of each namespace's store (``namespace_stores`` checks): packs, banks, streams, uploads."""

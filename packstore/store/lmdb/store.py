@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import lmdb
 
@@ -24,7 +24,17 @@ from packstore.format.signature import Signature
 from packstore.store.lmdb.banks import LmdbBankTables
 from packstore.store.lmdb.integrity import check_structure
 from packstore.store.lmdb_environment import DEFAULT_MAP_SIZE, LmdbEnvironment
-from packstore.store.protocol import DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, OpenedPack, check_name, pick_match
+from packstore.store.protocol import (
+    DEFAULT_PAGE,
+    HASH_PREFIX,
+    MAX_PAGE,
+    BacksUp,
+    BankRecords,
+    OpenedPack,
+    ServedStore,
+    check_name,
+    pick_match,
+)
 from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
 
@@ -617,3 +627,9 @@ class LmdbUpload:
         """Drop whatever was staged (an unfinished upload leaves nothing behind)."""
         received, self._received = self._received, 0
         self.store._write(lambda txn: [txn.delete(self._staging_key(i), db=self.store._staging) for i in range(received)])
+
+
+if TYPE_CHECKING:  # mypy proves the tier is each interface its users take it as (isinstance checks only at run time)
+    _served: type[ServedStore] = LmdbStore
+    _migrated: type[BankRecords] = LmdbStore
+    _backed_up: type[BacksUp] = LmdbStore

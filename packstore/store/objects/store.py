@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, StoreBusy, Unavailable
 from packstore.format import EncodedPack, PackHeader, parse_key
@@ -34,7 +34,17 @@ from packstore.store.objects.banks import ObjectBankTables
 from packstore.store.objects.bucket import Bucket, Conflict, Listed
 from packstore.store.objects.cache import ObjectCache
 from packstore.store.objects.registers import UNCHANGED, Registers, Version
-from packstore.store.protocol import DEFAULT_PAGE, HASH_PREFIX, MAX_PAGE, OpenedPack, check_name, pick_match
+from packstore.store.protocol import (
+    DEFAULT_PAGE,
+    HASH_PREFIX,
+    MAX_PAGE,
+    BankRecords,
+    HoldsNamespaces,
+    OpenedPack,
+    ServedStore,
+    check_name,
+    pick_match,
+)
 from packstore.store.records import GcReport, PackPage, PackSummary, StoreCounts, StoredPack
 from packstore.store.spec import DEFAULT_OBJECT_CACHE_BYTES
 from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_record
@@ -695,3 +705,9 @@ def _is_name(ref: str) -> bool:
     except InvalidInput:
         return False
     return True
+
+
+if TYPE_CHECKING:  # mypy proves the tier is each interface its users take it as (isinstance checks only at run time)
+    _served: type[ServedStore] = ObjectStore
+    _migrated: type[BankRecords] = ObjectStore
+    _namespaces: type[HoldsNamespaces] = ObjectStore

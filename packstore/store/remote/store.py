@@ -10,7 +10,7 @@ import builtins
 import logging
 import socket
 import ssl
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from itertools import chain
 from typing import TYPE_CHECKING
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from packstore.format.bank import BankMeta
     from packstore.format.chunks import Buffer
     from packstore.format.signature import Signature
+    from packstore.store.protocol import BankStore, PackStore, ServesBanks, VerifiesWhereStored
 
 log = logging.getLogger("packstore.remote")
 RECEIVE_BUFFER_BYTES = 256 << 20
@@ -313,17 +314,17 @@ class RemoteBanks:
         return bank_meta(self.store._call(lambda: rpc(batches(), timeout=self.store.timeout)))[0]
 
     def build(
-        self, name: str, facts: list[str], embedder: str = DEFAULT_EMBEDDER, *, vectors: str = DEFAULT_VECTORS, progress: bool = False
+        self, name: str, facts: Sequence[str], embedder: str = DEFAULT_EMBEDDER, *, vectors: str = DEFAULT_VECTORS, progress: bool = False
     ) -> BankMeta:
         return self._upload(self.store._stub.BuildBank, name, list(facts), embedder, vectors)
 
-    def add(self, name: str, facts: list[str], embedder: str | None = None, *, progress: bool = False) -> BankMeta:
+    def add(self, name: str, facts: Sequence[str], embedder: str | None = None, *, progress: bool = False) -> BankMeta:
         return self._upload(self.store._stub.AddFacts, name, list(facts), embedder or "", "")
 
     def route(
         self,
         name: str,
-        queries: list[str],
+        queries: Sequence[str],
         embedder: str | None = None,
         *,
         top_k: int = DEFAULT_TOP_K,
@@ -364,3 +365,10 @@ class RemoteBanks:
     def sign(self, name: str, signature: Signature) -> None:
         request = store_pb2.SignBankRequest(name=name, signature=signature.to_json().decode())
         self.store._call(lambda: self.store._stub.SignBank(request, timeout=self.store.timeout))
+
+
+if TYPE_CHECKING:  # mypy proves the tier is each interface its users take it as (isinstance checks only at run time)
+    _packs: type[PackStore] = RemoteStore
+    _serves_banks: type[ServesBanks] = RemoteStore
+    _verifies: type[VerifiesWhereStored] = RemoteStore
+    _banks: type[BankStore] = RemoteBanks
