@@ -89,6 +89,14 @@ def store_path(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def kept_banks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One ``--banks`` folder for the run's bank evaluations (tools/eval/eval_banks.py, eval_fusion.py, eval_rerank.py
+    keep their banks there and reuse those kept): a bank of the same facts, embedder and vectors is embedded once,
+    above all the 600 ckc paragraphs (about 20 s on one core), by whichever test comes first."""
+    return tmp_path_factory.mktemp("kept-banks") / "banks"
+
+
+@pytest.fixture(scope="session")
 def seaweed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seaweed]:
     """One SeaweedFS (``weed mini``) for the run; each test works under a prefix of its own (``url``)."""
     from tools.lib.seaweed import running_seaweed
