@@ -34,12 +34,13 @@ def test_eval_packs_on_smollm2(tmp_path: Path, capsys) -> None:
 
 
 def test_eval_compose_on_smollm2(tmp_path: Path, capsys) -> None:
-    """The short version of `make eval-compose`: every part on a few questions (diagnosis on one), 6 new tokens, 0 divergences."""
+    """The short version of `make eval-compose`: every part on a few questions (modes and diagnosis on one, compose time at 256
+    tokens), 6 new tokens, 0 divergences."""
     from tools.eval import eval_compose
 
     out, figures = tmp_path / "out", tmp_path / "figures"
-    argv = ["--models", "smollm2-135m", "--limit", "2", "--acc-limit", "2", "--acc-golds", "2", "--acc-distractors", "1", "--errata", "2"]
-    argv += ["--diag-limit", "1", "--timing-tokens", "512", "--timing-repeats", "1", "--max-new-tokens", "6", "--out", str(out), "--figures", str(figures)]
+    argv = ["--models", "smollm2-135m", "--limit", "1", "--acc-limit", "2", "--acc-golds", "2", "--acc-distractors", "1", "--errata", "2"]
+    argv += ["--diag-limit", "1", "--timing-tokens", "256", "--timing-repeats", "1", "--max-new-tokens", "6", "--out", str(out), "--figures", str(figures)]
     assert eval_compose.main(argv) == 0
     capsys.readouterr()
     summary = json.loads((out / "summary.json").read_text())["parts"]
@@ -48,8 +49,8 @@ def test_eval_compose_on_smollm2(tmp_path: Path, capsys) -> None:
     assert accumulation["3"]["gold_included"] == 1.0 and accumulation["1"]["gold_included"] < 1.0  # 2 questions, 3 parts
     assert accumulation["3"]["savings"] > 0.8 and accumulation["3"]["prefilled_tokens"] < accumulation["3"]["composed_tokens"]
     modes = summary["modes"]["smollm2-135m"]
-    assert modes["questions"] == 2 and modes["agreement"]["rope"]["prob_cosine"]["mean"] > 0
-    timing = summary["timing"]["smollm2-135m"]["512"]
+    assert modes["questions"] == 1 and modes["agreement"]["rope"]["prob_cosine"]["mean"] > 0
+    timing = summary["timing"]["smollm2-135m"]["256"]
     assert timing["same_token_ids"] and timing["prefilled_tokens"]["rope"] < timing["prefilled_tokens"]["exact"]
     assert summary["errata"]["smollm2-135m"]["divergences"] == 0
     diagnosis = summary["diagnosis"]["smollm2-135m"]  # every layer of smollm2 has full attention: that patch is exact
