@@ -14,8 +14,9 @@ pytestmark = [pytest.mark.eval, pytest.mark.model]
 ROWS = 3
 
 
-def test_eval_packs_on_smollm2(tmp_path: Path, capsys) -> None:
+def test_eval_packs_on_smollm2(tmp_path: Path, capsys, shared_model) -> None:
     """The first ckc rows, 16 tokens each way (the first row's answer, with the paragraph in the prompt, is in its first 8)."""
+    shared_model(eval_packs)
     out, figures = tmp_path / "out", tmp_path / "figures"
     argv = ["--models", "smollm2-135m", "--limit", str(ROWS), "--max-new-tokens", "16", "--out", str(out), "--figures", str(figures), "--prompt", "open"]
     assert eval_packs.main(argv) == 0
@@ -33,11 +34,12 @@ def test_eval_packs_on_smollm2(tmp_path: Path, capsys) -> None:
     assert {p.name for p in figures.iterdir()} == {"eval_packs_accuracy.png", "eval_packs_prompt_tokens.png"}
 
 
-def test_eval_compose_on_smollm2(tmp_path: Path, capsys) -> None:
+def test_eval_compose_on_smollm2(tmp_path: Path, capsys, shared_model) -> None:
     """The short version of `make eval-compose`: every part on a few questions (modes and diagnosis on one, compose time at 256
     tokens), 6 new tokens, 0 divergences."""
     from tools.eval import eval_compose
 
+    shared_model(eval_compose)
     out, figures = tmp_path / "out", tmp_path / "figures"
     argv = ["--models", "smollm2-135m", "--limit", "1", "--acc-limit", "2", "--acc-golds", "2", "--acc-distractors", "1", "--errata", "2"]
     argv += ["--diag-limit", "1", "--timing-tokens", "256", "--timing-repeats", "1", "--max-new-tokens", "6", "--out", str(out), "--figures", str(figures)]
@@ -66,11 +68,12 @@ STEERING_CONDITIONS = ("instruction happy", "sentiment +1 early", "sentiment-5a 
                        "keys before RoPE +1", "sentiment mean-pooled +1", "sentiment chat-framed +1", "sentiment all layers +1")
 
 
-def test_eval_steering_on_smollm2(tmp_path: Path, capsys) -> None:
+def test_eval_steering_on_smollm2(tmp_path: Path, capsys, shared_model) -> None:
     """The short version of `make eval-steering`: every part on one prompt a set (a left-padded batch of two, then one),
     one condition of each kind, directions from 6 pairs each, one dual-channel question unsteered and steered."""
     from tools.eval import eval_steering
 
+    shared_model(eval_steering)
     out, figures = tmp_path / "out", tmp_path / "figures"
     argv = ["--models", "smollm2-135m", "--limit", "1", "--dual-limit", "1", "--compare", "1", "--batch", "2", "--pairs", "6"]
     argv += ["--conditions", ",".join(STEERING_CONDITIONS), "--dual-alphas", "0", "1"]

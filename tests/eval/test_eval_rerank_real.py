@@ -11,8 +11,9 @@ from tools.eval import eval_rerank  # noqa: E402
 pytestmark = [pytest.mark.eval, pytest.mark.model]
 
 
-def test_eval_rerank_small(tmp_path: Path, kept_banks: Path) -> None:
+def test_eval_rerank_small(tmp_path: Path, kept_banks: Path, shared_model) -> None:
     """The banks of tests/eval/test_eval_banks_real.py (500 facts, the ckc paragraphs), reused when that test ran first."""
+    shared_model(eval_rerank)
     argv = ["--size", "500", "--questions", "6", "--lm-questions", "2", "--banks", str(kept_banks), "--out", str(tmp_path)]
     assert eval_rerank.main(argv) == 0
     records = eval_rerank.read_jsonl(tmp_path / "questions.jsonl")
