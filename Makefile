@@ -89,7 +89,8 @@ eval-banks: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_banks --data own second third fourth --sizes 100000 --questions 1000 --no-ckc \
 		--embedders all-minilm-l6-v2 --vectors int8 --modes hybrid --banks $(EVAL_SCRATCH)/banks \
 		--out results/eval_banks-100k --figures docs/figures/eval_banks_54_100k
-	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_rerank --questions 200 --lm-questions 40 --out results/eval_rerank
+	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_rerank --questions 200 --lm-questions 40 --banks $(EVAL_SCRATCH)/banks \
+		--out results/eval_rerank
 
 # The paper's Table 4: ckc answers through one bank of every paragraph (held-out half, both models),
 # short-answer prompt, into results/eval_bank_answers/ (resumed from its questions records).

@@ -70,22 +70,45 @@ def tiny_lm(tiny_model_dir: Path):
 @pytest.fixture(scope="session")
 def real_model() -> Callable[..., object]:
     """Load a wheel model by alias (``smollm2-135m``, ``gemma3-270m``) once per run and device (None: packstore's
-    default, CUDA where present): the model tests share it. A test that changes a model loads its own."""
-    from packstore.kv.models import load_model
+    default, CUDA where present; "cpu" on a host without CUDA is the same load): the model tests and the real-model
+    evaluations (tests/eval/test_eval_real.py) share it. A test that changes a model loads its own."""
+    import torch
 
-    loaded: dict[tuple[str, str | None], object] = {}
+    from packstore.kv.models import default_device, load_model
+
+    loaded: dict[tuple[str, str], object] = {}
 
     def load(name: str, device: str | None = None):
-        if (name, device) not in loaded:
-            loaded[name, device] = load_model(name, progress=False, **({"device": device} if device else {}))
-        return loaded[name, device]
+        key = (name, str(torch.device(device) if device else default_device()))
+        if key not in loaded:
+            loaded[key] = load_model(name, progress=False, **({"device": device} if device else {}))
+        return loaded[key]
 
     return load
 
 
 @pytest.fixture
+def shared_model(monkeypatch: pytest.MonkeyPatch, real_model: Callable[..., object]) -> Callable[[object], None]:
+    """``shared_model(module)``: a tool module's ``load_model`` answered by the run's loaded models (``real_model``), so that
+    the evaluations of tools/eval/ load smollm2-135m once with the model tests, not once per tool (none changes it)."""
+
+    def share(module: object) -> None:
+        monkeypatch.setattr(module, "load_model", lambda name, device=None, progress=False: real_model(name, device))
+
+    return share
+
+
+@pytest.fixture
 def store_path(tmp_path: Path) -> Path:
     return tmp_path / "store"
+
+
+@pytest.fixture(scope="session")
+def kept_banks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One ``--banks`` folder for the run's bank evaluations (tools/eval/eval_banks.py, eval_fusion.py, eval_rerank.py
+    keep their banks there and reuse those kept): a bank of the same facts, embedder and vectors is embedded once,
+    above all the 600 ckc paragraphs (about 20 s on one core), by whichever test comes first."""
+    return tmp_path_factory.mktemp("kept-banks") / "banks"
 
 
 @pytest.fixture(scope="session")

@@ -61,8 +61,29 @@ def check_pairs(lm: LoadedModel, pairs: Sequence[Pair]) -> list[Pair]:
     return cleaned
 
 
+# Token ids -> each layer's (K, V) of their prefill (``pair_deltas``'s ``prefilled``), keyed by model and ids.
+Prefilled = dict[tuple[str, tuple[int, ...]], list[tuple[torch.Tensor, torch.Tensor]]]
+
+
+def _text_kv(lm: LoadedModel, ids: Sequence[int], prefilled: Prefilled | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's cached (K, V) after a prefill of ``ids`` alone, taken from ``prefilled`` when it holds them (and
+    kept there when given)."""
+    key = (lm.model_fp, tuple(ids))
+    if prefilled is not None and key in prefilled:
+        return prefilled[key]
+    layers = [layer_kv(layer) for layer in prefill(lm, ids).layers]
+    if prefilled is not None:
+        prefilled[key] = layers
+    return layers
+
+
 def _pooled(
-    lm: LoadedModel, text: str, pooling: str, frequencies: list[torch.Tensor] | None = None, framing: str = "text"
+    lm: LoadedModel,
+    text: str,
+    pooling: str,
+    frequencies: list[torch.Tensor] | None = None,
+    framing: str = "text",
+    prefilled: Prefilled | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer, the text's cached K and V pooled over its tokens, each ``[kv_heads, head_dim]`` float32; with each
     layer's RoPE ``frequencies``, every key is first rotated back to position 0 (its value before RoPE). ``framing``
@@ -72,9 +93,8 @@ def _pooled(
         ids, start = rendering.token_ids, rendering.prefix_tokens
     else:
         ids, start = lm.tokenizer(text).input_ids, 0  # the tokenizer's own special tokens (a BOS where it adds one)
-    cache = prefill(lm, ids)
     pool = (lambda t: t[:, -1]) if pooling == "last" else (lambda t: t[:, start:].mean(dim=1))
-    layers = [layer_kv(layer) for layer in cache.layers]
+    layers = _text_kv(lm, ids, prefilled)
     back = -torch.arange(len(ids))
     keys = [
         pool(rotate_keys(k[0].float().cpu(), frequencies[i], back) if frequencies is not None else k[0].float()).cpu()
@@ -113,15 +133,23 @@ def _summed(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
 
 
 def pair_deltas(
-    lm: LoadedModel, pairs: Sequence[Pair], *, pooling: str = "last", key_space: str = "rotated", framing: str = "text"
+    lm: LoadedModel,
+    pairs: Sequence[Pair],
+    *,
+    pooling: str = "last",
+    key_space: str = "rotated",
+    framing: str = "text",
+    prefilled: Prefilled | None = None,
 ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
     """Per pair (checked), per layer, the good text's pooled K and V minus the bad text's, float32 on CPU: what a
-    steering pack averages (and what a label-shuffled null flips the sign of)."""
+    steering pack averages (and what a label-shuffled null flips the sign of). ``prefilled``: a dict the caller keeps
+    across calls that pool the same texts (several directions, poolings or key spaces from one pair set): each distinct
+    text is then prefilled once, its K/V per layer kept there (the same numbers as prefilling it again)."""
     frequencies = layer_frequencies(lm) if key_space == "unrotated" else None
     differences = []
     for pair in pairs:
-        good_k, good_v = _pooled(lm, pair.good, pooling, frequencies, framing)
-        bad_k, bad_v = _pooled(lm, pair.bad, pooling, frequencies, framing)
+        good_k, good_v = _pooled(lm, pair.good, pooling, frequencies, framing, prefilled)
+        bad_k, bad_v = _pooled(lm, pair.bad, pooling, frequencies, framing, prefilled)
         differences.append(([g - b for g, b in zip(good_k, bad_k)], [g - b for g, b in zip(good_v, bad_v)]))
     return differences
 
@@ -134,11 +162,12 @@ def build_steering(
     pooling: str = "last",
     key_space: str = "rotated",
     framing: str = "text",
+    prefilled: Prefilled | None = None,
 ) -> Pack:
     """The steering pack of ``pairs`` on ``lm``: per layer of ``layers`` (default every layer), the mean
     over pairs of the good text's pooled K/V minus the bad text's, in the model's dtype; ``key_space`` "unrotated"
     pools each key as it was before RoPE (module docstring; needs a model whose RoPE is a pure rotation); ``framing``
-    "chat" pools each text as a user message in the chat template."""
+    "chat" pools each text as a user message in the chat template; ``prefilled`` as ``pair_deltas`` takes it."""
     pairs = check_pairs(lm, pairs)
     if pooling not in POOLINGS:
         raise InvalidInput(f"unknown pooling {pooling!r}: use one of {', '.join(POOLINGS)}")
@@ -148,7 +177,7 @@ def build_steering(
         raise InvalidInput(f"unknown framing {framing!r}: use one of {', '.join(FRAMINGS)}")
     count = model_layers(lm)
     first, last = build_span(lm, layers)
-    differences = pair_deltas(lm, pairs, pooling=pooling, key_space=key_space, framing=framing)
+    differences = pair_deltas(lm, pairs, pooling=pooling, key_space=key_space, framing=framing, prefilled=prefilled)
     span = range(first, last + 1)
     keys = [(_summed(dk[layer] for dk, _ in differences) / len(pairs)).to(lm.dtype).contiguous() for layer in span]
     values = [(_summed(dv[layer] for _, dv in differences) / len(pairs)).to(lm.dtype).contiguous() for layer in span]

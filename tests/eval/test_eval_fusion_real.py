@@ -16,8 +16,8 @@ from tools.eval import (
 pytestmark = pytest.mark.eval
 
 
-def test_the_sweep_reproduces_the_route_on_the_tuning_data(tmp_path: Path) -> None:
-    banks, candidates, out = tmp_path / "banks", tmp_path / "candidates", tmp_path / "out"
+def test_the_sweep_reproduces_the_route_on_the_tuning_data(tmp_path: Path, kept_banks: Path) -> None:
+    banks, candidates, out = kept_banks, tmp_path / "candidates", tmp_path / "out"  # the ckc bank of test_eval_banks_real.py
     assert eval_fusion.main(["dump", "--sizes", "300", "--questions", "40", "--banks", str(banks), "--candidates", str(candidates)]) == 0
     assert sorted(path.stem for path in candidates.glob("*.npz")) == ["ckc_tuning", "own_300", "second_300", "third_300"]
     assert eval_fusion.main(["sweep", "--candidates", str(candidates), "--out", str(out)]) == 0

@@ -1,4 +1,5 @@
-"""tools/eval/eval_packs.py end to end on smollm2-135m over the first ckc rows: outputs written, 0 divergences."""
+"""The evaluations of tools/eval/ end to end on smollm2-135m, each a short version of its `make eval-*` run: every part
+on few questions and few tokens, outputs written, 0 divergences."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import pytest
 from tools.eval import eval_packs  # noqa: E402
 
 pytestmark = [pytest.mark.eval, pytest.mark.model]
-ROWS = 5
+ROWS = 3
 
 
-def test_eval_packs_on_smollm2(tmp_path: Path, capsys) -> None:
+def test_eval_packs_on_smollm2(tmp_path: Path, capsys, shared_model) -> None:
+    """The first ckc rows, 16 tokens each way (the first row's answer, with the paragraph in the prompt, is in its first 8)."""
+    shared_model(eval_packs)
     out, figures = tmp_path / "out", tmp_path / "figures"
-    argv = ["--models", "smollm2-135m", "--limit", str(ROWS), "--out", str(out), "--figures", str(figures), "--prompt", "open"]
+    argv = ["--models", "smollm2-135m", "--limit", str(ROWS), "--max-new-tokens", "16", "--out", str(out), "--figures", str(figures), "--prompt", "open"]
     assert eval_packs.main(argv) == 0
     assert f"divergences (b) vs (c): 0 of {ROWS}" in capsys.readouterr().out
     records = [json.loads(line) for line in (out / "questions.jsonl").read_text().splitlines()]
@@ -31,13 +34,15 @@ def test_eval_packs_on_smollm2(tmp_path: Path, capsys) -> None:
     assert {p.name for p in figures.iterdir()} == {"eval_packs_accuracy.png", "eval_packs_prompt_tokens.png"}
 
 
-def test_eval_compose_on_smollm2(tmp_path: Path, capsys) -> None:
-    """The short version of `make eval-compose`: every part on a few questions, 0 divergences."""
+def test_eval_compose_on_smollm2(tmp_path: Path, capsys, shared_model) -> None:
+    """The short version of `make eval-compose`: every part on a few questions (modes and diagnosis on one, compose time at 256
+    tokens), 6 new tokens, 0 divergences."""
     from tools.eval import eval_compose
 
+    shared_model(eval_compose)
     out, figures = tmp_path / "out", tmp_path / "figures"
-    argv = ["--models", "smollm2-135m", "--limit", "2", "--acc-limit", "2", "--acc-golds", "2", "--acc-distractors", "1", "--errata", "2"]
-    argv += ["--diag-limit", "2", "--timing-tokens", "512", "--timing-repeats", "1", "--max-new-tokens", "12", "--out", str(out), "--figures", str(figures)]
+    argv = ["--models", "smollm2-135m", "--limit", "1", "--acc-limit", "2", "--acc-golds", "2", "--acc-distractors", "1", "--errata", "2"]
+    argv += ["--diag-limit", "1", "--timing-tokens", "256", "--timing-repeats", "1", "--max-new-tokens", "6", "--out", str(out), "--figures", str(figures)]
     assert eval_compose.main(argv) == 0
     capsys.readouterr()
     summary = json.loads((out / "summary.json").read_text())["parts"]
@@ -46,35 +51,52 @@ def test_eval_compose_on_smollm2(tmp_path: Path, capsys) -> None:
     assert accumulation["3"]["gold_included"] == 1.0 and accumulation["1"]["gold_included"] < 1.0  # 2 questions, 3 parts
     assert accumulation["3"]["savings"] > 0.8 and accumulation["3"]["prefilled_tokens"] < accumulation["3"]["composed_tokens"]
     modes = summary["modes"]["smollm2-135m"]
-    assert modes["questions"] == 2 and modes["agreement"]["rope"]["prob_cosine"]["mean"] > 0
-    timing = summary["timing"]["smollm2-135m"]["512"]
+    assert modes["questions"] == 1 and modes["agreement"]["rope"]["prob_cosine"]["mean"] > 0
+    timing = summary["timing"]["smollm2-135m"]["256"]
     assert timing["same_token_ids"] and timing["prefilled_tokens"]["rope"] < timing["prefilled_tokens"]["exact"]
     assert summary["errata"]["smollm2-135m"]["divergences"] == 0
     diagnosis = summary["diagnosis"]["smollm2-135m"]  # every layer of smollm2 has full attention: that patch is exact
-    assert diagnosis["none"]["questions"] == 2 and diagnosis["full"]["answer_kl"]["mean"] < 1e-6 and "sliding" not in diagnosis
+    assert diagnosis["none"]["questions"] == 1 and diagnosis["full"]["answer_kl"]["mean"] < 1e-6 and "sliding" not in diagnosis
     assert {p.name for p in figures.iterdir()} == {
         "eval_compose_accumulation.png", "eval_compose_modes.png", "eval_compose_errata.png"
     }
 
 
-def test_eval_steering_on_smollm2(tmp_path: Path, capsys) -> None:
-    """The short version of `make eval-steering`: every part on one prompt a set, one dual-channel question."""
+# One condition of each kind: every part, direction, layer range and target, and an instruction (the tiny-model run of
+# tests/eval/test_eval_steering.py asks all of them); the references the parts compare with run anyway.
+STEERING_CONDITIONS = ("instruction happy", "sentiment +1 early", "sentiment-5a +1", "food +1", "sentiment +1 food +1", "keys +1", "both +1",
+                       "keys before RoPE +1", "sentiment mean-pooled +1", "sentiment chat-framed +1", "sentiment all layers +1")
+
+
+def test_eval_steering_on_smollm2(tmp_path: Path, capsys, shared_model) -> None:
+    """The short version of `make eval-steering`: every part on one prompt a set (a left-padded batch of two, then one),
+    one condition of each kind, directions from 6 pairs each, one dual-channel question unsteered and steered."""
     from tools.eval import eval_steering
 
+    shared_model(eval_steering)
     out, figures = tmp_path / "out", tmp_path / "figures"
-    argv = ["--models", "smollm2-135m", "--limit", "1", "--dual-limit", "1", "--compare", "1", "--batch", "3"]
-    argv += ["--max-new-tokens", "10", "--dual-max-new-tokens", "10", "--out", str(out), "--figures", str(figures)]
+    argv = ["--models", "smollm2-135m", "--limit", "1", "--dual-limit", "1", "--compare", "1", "--batch", "2", "--pairs", "6"]
+    argv += ["--conditions", ",".join(STEERING_CONDITIONS), "--dual-alphas", "0", "1"]
+    argv += ["--max-new-tokens", "4", "--dual-max-new-tokens", "10", "--out", str(out), "--figures", str(figures)]
     assert eval_steering.main(argv) == 0
     capsys.readouterr()
     summary = json.loads((out / "summary.json").read_text())
     by_condition = summary["generations"]["smollm2-135m"]
-    assert {c.name for c in eval_steering.conditions()} <= set(by_condition)
+    assert set(by_condition) == set(STEERING_CONDITIONS) | set(eval_steering.REFERENCES)
     assert all(by_condition[c]["all"]["n"] == 3 for c in by_condition)  # 1 prompt x 3 sets
+
+    def kinds(found: list) -> tuple[set, ...]:  # the 5-pair subsets b and c take a's path, the late third the early one's
+        return ({c.part for c in found}, {n for c in found for n, _ in c.steer if n[-2:] not in ("5b", "5c")},
+                {c.layers for c in found if c.layers != "late"}, {c.target for c in found}, {bool(c.instruction) for c in found},
+                {len(c.steer) for c in found})
+
+    assert kinds([c for c in eval_steering.conditions() if c.name in by_condition]) == kinds(eval_steering.conditions())
     dual = summary["dual"]["smollm2-135m"]
-    assert sorted(map(float, dual)) == list(eval_steering.DUAL_ALPHAS)
+    assert sorted(map(float, dual)) == [0.0, 1.0]
     assert all(s["compared"] == 1 and s["divergences"] == 0 for s in dual.values())  # steered pack = steered text
     [cosines] = summary["cosines"]
     assert cosines["layers"] == 30 and len(cosines["cosines"]["sentiment vs food"]) == 30
+    assert all(null["shuffles"] == eval_steering.NULL_SHUFFLES for null in cosines["null"].values())
     assert {p.name for p in figures.iterdir()} == {
         "eval_steering_alpha.png", "eval_steering_layers_pairs.png", "eval_steering_directions.png", "eval_steering_dual.png"
     }

@@ -37,6 +37,10 @@ def test_conditions_are_unique_and_pair_sets_disjoint() -> None:
     assert len(sets["sentiment"]) == 30 and len(sets["food"]) == 30 and len(sets["sentiment-second"]) == 40
     subsets = [set(sets[f"sentiment-5{s}"]) for s in "abc"]
     assert all(len(s) == 5 for s in subsets) and not (subsets[0] & subsets[1] or subsets[1] & subsets[2])
+    short = eval_steering.direction_pairs(6)  # --pairs 6: the first 6 of each, three disjoint subsets of 2
+    assert {name: len(found) for name, found in short.items()} == dict.fromkeys(sets, 6) | dict.fromkeys(("sentiment-5a", "sentiment-5b", "sentiment-5c"), 2)
+    assert short["sentiment"] == sets["sentiment"][:6] and short["sentiment-5a"] + short["sentiment-5b"] + short["sentiment-5c"] == short["sentiment"]
+    assert eval_steering.direction_pairs(100) == sets
 
 
 def test_a_whole_run_on_the_tiny_model_resumes_and_reports(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:

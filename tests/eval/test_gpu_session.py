@@ -128,6 +128,7 @@ def test_the_session_runs_on_cpu_offline_into_one_archive(tmp_path: Path) -> Non
         versions = json.load(tar.extractfile("gpu-session-dry-run/versions.json"))  # type: ignore[arg-type]
         bench = [json.loads(line) for line in tar.extractfile("gpu-session-dry-run/bench_gpu.jsonl")]  # type: ignore[union-attr]
         worker = [json.loads(line) for line in tar.extractfile("gpu-session-dry-run/bench_worker.jsonl")]  # type: ignore[union-attr]
+        worker_log = tar.extractfile("gpu-session-dry-run/bench_worker.log").read().decode()  # type: ignore[union-attr]
     steps = {s["name"]: s for s in manifest["steps"]}
     assert list(steps) == [s.name for s in gpu_session.STEPS]
     assert {name: s["status"] for name, s in steps.items()} == dict.fromkeys(steps, "ok"), manifest
@@ -138,7 +139,9 @@ def test_the_session_runs_on_cpu_offline_into_one_archive(tmp_path: Path) -> Non
                    "servers/tiny-worker.log", "servers/tiny-serve.log"):
         assert f"gpu-session-dry-run/{record}" in names, record
     assert {r["part"] for r in bench} >= {"machine", "build", "ttft", "fetch", "decode", "total"}
-    assert [r["part"] for r in worker].count("worker") == 1
+    assert [r["part"] for r in worker].count("worker") == 1 and "(d) The worker over gRPC" in worker_log  # (tests/eval/test_bench_gpu.py leaves it here)
+    [served] = [r for r in worker if r["part"] == "worker"]
+    assert served["size"] == 300 and min(served["cold_ms"], served["warm_ms"]) > 0 and served["repeats"] == 1
     assert not (tmp_path / "work" / "models").exists()  # the made models went with the session
 
     assert not log.exists(), log.read_text()[:3000]  # nothing read outside, nothing fetched

@@ -77,6 +77,26 @@ def test_key_covers_pairs_pooling_and_layers_never_the_name_or_time(tiny_lm, joy
     assert len({pack.header.key for pack in others} | {joy.header.key}) == 5
 
 
+def test_a_kept_prefill_gives_the_same_packs_and_prefills_each_text_once(tiny_lm, joy, monkeypatch) -> None:
+    """``prefilled`` (what tools/eval/eval_steering.py keeps across its directions): every pooling, key space and subset
+    of the same texts is the pack built without it, bit for bit, and each distinct text is run through the model once."""
+    from packstore.kv import steer
+
+    runs = []
+    monkeypatch.setattr(steer, "prefill", lambda lm, ids: runs.append(tuple(ids)) or prefill(lm, ids))
+    prefilled: steer.Prefilled = {}
+    kinds = [{}, {"pooling": "mean"}, {"key_space": "unrotated"}, {"framing": "chat"}]
+    kept = [build_steering(tiny_lm, pairs, prefilled=prefilled, **kind) for kind in kinds for pairs in (PAIRS, PAIRS[:1])]
+    texts = {text for pair in PAIRS for text in (pair.good, pair.bad)}
+    assert len(runs) == len(set(runs)) == len(prefilled) == 2 * len(texts)  # plain and chat-framed, once each
+    monkeypatch.undo()
+    for pack, (kind, pairs) in zip(kept, [(kind, pairs) for kind in kinds for pairs in (PAIRS, PAIRS[:1])]):
+        fresh = build_steering(tiny_lm, pairs, **kind)
+        assert pack.header.key == fresh.header.key
+        assert all(torch.equal(a, b) for a, b in zip(pack.keys + pack.values, fresh.keys + fresh.values)), kind
+    assert all(torch.equal(a, b) for a, b in zip(kept[0].values, joy.values))
+
+
 def test_round_trips_through_the_format_in_one_chunk(tiny_lm) -> None:
     pack = build_steering(tiny_lm, PAIRS, layers=(1, 2), pooling="mean")
     encoded = encode_pack(pack)

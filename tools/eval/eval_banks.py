@@ -119,14 +119,15 @@ def fourth_dataset(size: int, questions: int, seed: int = FOURTH_SEED) -> Datase
     return Dataset(label, [c.fact for c in cases], [(c.question, c.fact) for c in asked])
 
 
-def ckc_datasets() -> list[Dataset]:
-    """One bank of all ckc paragraphs, asked the tuning half's questions, then the held-out half's."""
+def ckc_datasets(questions: int | None = None) -> list[Dataset]:
+    """One bank of all ckc paragraphs, asked the tuning half's questions, then the held-out half's (the first
+    ``questions`` of each half when given)."""
     rows = load_rows()
     tuning, held_out = frozen_split(rows)
     facts = [r.context for r in rows]
     return [
-        Dataset("ckc tuning", facts, [(r.question, r.context) for r in tuning]),
-        Dataset("ckc held-out", facts, [(r.question, r.context) for r in held_out]),
+        Dataset("ckc tuning", facts, [(r.question, r.context) for r in tuning[:questions]]),
+        Dataset("ckc held-out", facts, [(r.question, r.context) for r in held_out[:questions]]),
     ]
 
 
@@ -399,6 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="redo table and plots from the records, OUT/questions.jsonl")
     parser.add_argument("--also", type=Path, nargs="*", default=[], metavar="DIR", help="report-only: add these runs' records (one table)")
     parser.add_argument("--no-ckc", action="store_true", help="only the generated banks")
+    parser.add_argument("--ckc-questions", type=int, metavar="N", help="only the first N questions of each ckc half (default all: 312 and 288)")
     parser.add_argument("--data", nargs="+", choices=("own", "second", "third", "fourth"), default=["own", "second"], help="generated data sets")
     parser.add_argument("--second-seed", type=int, default=SECOND_SEED, help="seed of the second generator's facts")
     parser.add_argument("--third-seed", type=int, default=THIRD_SEED, help="seed of the third generator's facts")
@@ -434,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         datasets = [makers[kind](size, args.questions) for size in args.sizes for kind in args.data]
         if not args.no_ckc:
-            datasets += ckc_datasets()
+            datasets += ckc_datasets(args.ckc_questions)
         records = args.out / "questions.jsonl"
         discard_records(records)  # a run's records are all of one commit
         rows = evaluate(datasets, args.embedders, args.modes, Path(scratch), args.vectors, jsonl_appender(records), args.banks)

@@ -14,7 +14,8 @@ download their weights at run time), so the two second stages that load offline 
 Each stage's score is added to the route's hybrid score with a weight from ``WEIGHTS`` (a very large weight is the
 stage alone). Data (``--data``): the own generator's and the second generator's 5,000-fact banks and the ckc tuning half
 (never the held-out half, never the third generator). Records: OUT/questions.jsonl (per question and stage: the answering fact's
-rank before and after at each weight, the route's and the stage's ms), OUT/table.md.
+rank before and after at each weight, the route's and the stage's ms), OUT/table.md. ``--banks DIR`` keeps the banks
+(MiniLM, the default int8 vectors) and reuses those kept there, as tools/eval/eval_banks.py and eval_fusion.py do.
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m tools.eval.eval_rerank [--lm-questions 60] [--out results/eval_rerank]
 """
@@ -31,11 +32,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from packstore.bank.bank import build_bank, route  # noqa: E402
+from packstore.bank.bank import route  # noqa: E402
 from packstore.bank.rerank import CANDIDATES, late_scorer, lm_scorer  # noqa: E402
+from packstore.format.bank import DEFAULT_VECTORS  # noqa: E402
 from packstore.kv.models import load_model  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
-from tools.eval.eval_banks import BANK_CACHE, EMBEDDERS, Dataset, ckc_datasets, own_dataset, second_dataset  # noqa: E402
+from tools.eval.eval_banks import BANK_CACHE, EMBEDDERS, Dataset, ckc_datasets, kept_bank, own_dataset, second_dataset  # noqa: E402
 from tools.lib.benchlib import logger  # noqa: E402
 from tools.lib.evallib import REPO, discard_records, jsonl_appender, markdown_table, proportion_interval, read_jsonl  # noqa: E402
 
@@ -104,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="print the table from OUT/questions.jsonl")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "eval_rerank")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--banks", type=Path, help="keep built banks here and reuse those kept, as tools/eval/eval_banks.py (default: build each run)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     records = args.out / "questions.jsonl"
@@ -118,11 +121,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         stages.append(("lm", lm_scorer(lm.tokenizer, lm.model), args.lm_candidates, args.lm_questions))
         makers = {"own": own_dataset, "second": second_dataset, "ckc": lambda size, questions: ckc_datasets()[0]}
         datasets = [makers[name](args.size, args.questions) for name in args.data]
-        with tempfile.TemporaryDirectory(prefix="eval-rerank-") as scratch, LmdbStore(Path(scratch) / "store") as store:
-            for number, dataset in enumerate(datasets):
-                build_bank(store, f"b{number}", dataset.facts, embedder)
+        with tempfile.TemporaryDirectory(prefix="eval-rerank-") as scratch, LmdbStore(args.banks or Path(scratch) / "store") as store:
+            for dataset in datasets:
+                bank, _ = kept_bank(store, dataset.facts, EMBEDDERS[0], DEFAULT_VECTORS)
                 for stage, scorer, candidates, questions in stages:
-                    trial(store, f"b{number}", dataset, embedder, stage, scorer, candidates, questions, keep)
+                    trial(store, bank, dataset, embedder, stage, scorer, candidates, questions, keep)
                     log(f"{dataset.name} {stage}: done")
     text = table(read_jsonl(records))
     (args.out / "table.md").write_text(text + "\n")

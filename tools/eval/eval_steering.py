@@ -29,10 +29,16 @@ Parts:
 
 Generation is greedy, ``--max-new-tokens`` tokens, batched (left-padded, each row steered from its own
 question start) for the first five parts; the dual channel runs one question at a time, as a user's
-would. Records append to ``--out`` as made and a rerun resumes (``--fresh`` starts over); summary.json,
-table.md there, PNGs in ``--figures``. From the repository root:
+would. Every distinct pair text is prefilled once per model, for all the directions, poolings and the
+cosines' nulls that use it. Records append to ``--out`` as made and a rerun resumes (``--fresh`` starts
+over); summary.json, table.md there, PNGs in ``--figures``. From the repository root:
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m tools.eval.eval_steering [--models smollm2-135m gemma3-270m] [--parts sweep,dual]
+
+A short run (tests/eval/test_eval_real.py) narrows the same parts: ``--conditions`` names the conditions to run (the
+sweep's sentiment +0, +1 and +2, which the other parts compare with, run too), ``--pairs N`` builds each direction from
+its first N pairs (the three subsets from N // 3 each when that is fewer than 5; recorded in settings.json), and
+``--dual-alphas`` asks the dual channel at some of its alphas.
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ from packstore.kv.options import middle_third  # noqa: E402
 from packstore.kv.records import Pair  # noqa: E402
 from packstore.kv.render import render  # noqa: E402
 from packstore.kv.rope import layer_frequencies  # noqa: E402
-from packstore.kv.steer import Direction, SteeredCache, build_steering, model_layers, pair_deltas, steering_deltas  # noqa: E402
+from packstore.kv.steer import Direction, Prefilled, SteeredCache, build_steering, model_layers, pair_deltas, steering_deltas  # noqa: E402
 from packstore.packs.tensors import Pack, encode_pack  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 from tools.lib.benchlib import logger, machine_description, source_commit, source_description  # noqa: E402
@@ -101,6 +107,7 @@ SUBSET_PAIRS = 5
 SWEEP_ALPHAS = (-2.0, -1.0, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0)
 DUAL_ALPHAS = (0.0, 0.35, 0.7, 1.0, 1.5, 2.0)
 CKC_ASK = "What do you think about this?"
+REFERENCES = ("sentiment +0", "sentiment +1", "sentiment +2")  # the sweep's conditions the other parts compare with
 # Records in results/eval_steering without a commit were made before records named theirs (f9fd0fb): by this tool as of
 # its first commit 055c0ed, up to 4647cb5, which committed them (git log -- tools/eval/eval_steering.py results/eval_steering).
 LEGACY = "legacy"
@@ -221,13 +228,16 @@ def conditions() -> list[Condition]:
     return found
 
 
-def direction_pairs() -> dict[str, list[Pair]]:
-    """The pair sets each direction is built from."""
-    sentiment_pairs = read_pairs(DATA / "sentiment_pairs.jsonl")[:MAIN_PAIRS]
-    sets = {"sentiment": sentiment_pairs, "food": read_pairs(DATA / "topic_pairs.jsonl")[:MAIN_PAIRS]}
+def direction_pairs(limit: int | None = None) -> dict[str, list[Pair]]:
+    """The pair sets each direction is built from; with ``limit`` (``--pairs``, at least 3), at most that many pairs
+    each, and the three disjoint subsets ``limit // 3`` pairs each where that is fewer than ``SUBSET_PAIRS``."""
+    main = MAIN_PAIRS if limit is None else min(limit, MAIN_PAIRS)
+    subset = SUBSET_PAIRS if limit is None else min(SUBSET_PAIRS, limit // 3)
+    sentiment_pairs = read_pairs(DATA / "sentiment_pairs.jsonl")[:main]
+    sets = {"sentiment": sentiment_pairs, "food": read_pairs(DATA / "topic_pairs.jsonl")[:main]}
     for number, letter in enumerate("abc"):
-        sets[f"sentiment-5{letter}"] = sentiment_pairs[number * SUBSET_PAIRS : (number + 1) * SUBSET_PAIRS]
-    sets["sentiment-second"] = read_pairs(DATA / "second_sentiment_pairs.jsonl")
+        sets[f"sentiment-5{letter}"] = sentiment_pairs[number * subset : (number + 1) * subset]
+    sets["sentiment-second"] = read_pairs(DATA / "second_sentiment_pairs.jsonl")[:limit]
     return sets
 
 
@@ -336,14 +346,16 @@ def scored_outputs(lm: LoadedModel, batch: Batch, outputs: Sequence[Sequence[int
 # ---- the model-side runs ----
 
 
-def build_directions(lm: LoadedModel) -> dict[str, Pack]:
+def build_directions(lm: LoadedModel, prefilled: Prefilled | None = None, pair_limit: int | None = None) -> dict[str, Pack]:
     """Every direction's steering pack on ``lm`` (all layers, last-token pooling, the default), and the sentiment
-    direction again with its key deltas pooled before RoPE (``UNROTATED``), mean-pooled and chat-framed."""
-    pairs = direction_pairs()
-    return {name: build_steering(lm, found) for name, found in pairs.items()} | {
-        UNROTATED: build_steering(lm, pairs["sentiment"], key_space="unrotated"),
-        MEAN_POOLED: build_steering(lm, pairs["sentiment"], pooling="mean"),
-        CHAT_FRAMED: build_steering(lm, pairs["sentiment"], framing="chat"),
+    direction again with its key deltas pooled before RoPE (``UNROTATED``), mean-pooled and chat-framed, from
+    ``direction_pairs(pair_limit)``. With ``prefilled`` (``pair_deltas``), a text several directions pool (the 5-pair
+    subsets', the variants') is prefilled once."""
+    pairs = direction_pairs(pair_limit)
+    return {name: build_steering(lm, found, prefilled=prefilled) for name, found in pairs.items()} | {
+        UNROTATED: build_steering(lm, pairs["sentiment"], key_space="unrotated", prefilled=prefilled),
+        MEAN_POOLED: build_steering(lm, pairs["sentiment"], pooling="mean", prefilled=prefilled),
+        CHAT_FRAMED: build_steering(lm, pairs["sentiment"], framing="chat", prefilled=prefilled),
     }
 
 
@@ -381,17 +393,20 @@ def run_conditions(
 NULL_SHUFFLES = 1000  # label-shuffled draws per pair of directions
 
 
-def direction_cosines(lm: LoadedModel, packs: dict[str, Pack], seed: int) -> dict:
+def direction_cosines(
+    lm: LoadedModel, packs: dict[str, Pack], seed: int, prefilled: Prefilled | None = None, pair_limit: int | None = None
+) -> dict:
     """Per-layer cosine of the value deltas of two directions, of two authors' sentiment directions,
     and of two random vectors of the same size (what unrelated directions look like in this dimension);
-    and, per pair of directions, a label-shuffled null (``shuffled_null``)."""
+    and, per pair of directions, a label-shuffled null (``shuffled_null``); ``prefilled`` and ``pair_limit`` as
+    ``build_directions`` took them (the pairs' texts are then not prefilled again)."""
     generator = torch.Generator().manual_seed(seed)
     pairs = {"sentiment vs food": ("sentiment", "food"), "sentiment vs sentiment (other author)": ("sentiment", "sentiment-second")}
     found = {label: [cosine(packs[a].values[i], packs[b].values[i]) for i in range(len(packs[a].values))] for label, (a, b) in pairs.items()}
     size = packs["sentiment"].values[0].numel()
     found["random vectors"] = [cosine(torch.randn(size, generator=generator), torch.randn(size, generator=generator)) for _ in packs["sentiment"].values]
-    sets = direction_pairs()
-    differences = {name: [dv for _, dv in pair_deltas(lm, sets[name])] for name in {n for a_b in pairs.values() for n in a_b}}
+    sets = direction_pairs(pair_limit)
+    differences = {name: [dv for _, dv in pair_deltas(lm, sets[name], prefilled=prefilled)] for name in {n for a_b in pairs.values() for n in a_b}}
     null = {label: shuffled_null(differences[a], differences[b], float(np.mean(found[label])), seed) for label, (a, b) in pairs.items()}
     return {"model": lm.name, "commit": source_commit(), "layers": len(packs["sentiment"].values), "dimension": size, "cosines": found, "null": null}
 
@@ -419,15 +434,24 @@ def shuffled_null(first: Sequence[Sequence[torch.Tensor]], second: Sequence[Sequ
     }
 
 
-def run_dual(lm: LoadedModel, rows, packs: dict[str, Pack], max_new_tokens: int, compare: int, done: set, keep: Callable[[dict], None]) -> None:
-    """ckc questions with their paragraph as a knowledge pack, steered by sentiment at each alpha, via Answerer."""
+def run_dual(
+    lm: LoadedModel,
+    rows,
+    packs: dict[str, Pack],
+    max_new_tokens: int,
+    compare: int,
+    done: set,
+    keep: Callable[[dict], None],
+    alphas: Sequence[float] = DUAL_ALPHAS,
+) -> None:
+    """ckc questions with their paragraph as a knowledge pack, steered by sentiment at each of ``alphas``, via Answerer."""
     sampling = Sampling(max_new_tokens=max_new_tokens)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="eval-steering-") as tmp, LmdbStore(Path(tmp) / "store") as store:
         store_pack(store, packs["sentiment"], name="sentiment")
         answerer = Answerer(lm, store)
         for number, row in enumerate(rows):
-            todo = [a for a in DUAL_ALPHAS if (row.id, a) not in done]
+            todo = [a for a in alphas if (row.id, a) not in done]
             if not todo:
                 continue
             key, _ = store.put(encode_pack(build_pack(lm, [row.context])))
@@ -788,9 +812,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), help="model names or directories")
     parser.add_argument("--parts", type=parts_type(PARTS), default=list(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
+    parser.add_argument(
+        "--conditions",
+        type=parts_type([c.name for c in conditions()], "conditions"),
+        help="comma-separated condition names: only these of the parts' conditions, and the references the other parts "
+        f"compare with ({', '.join(REFERENCES)}); default every one",
+    )
     parser.add_argument("--limit", type=int, default=60, help="prompts per prompt set")
     parser.add_argument("--dual-limit", type=int, default=200, help="ckc questions for the dual channel")
     parser.add_argument("--compare", type=int, default=20, help="dual channel: questions also answered as steered text, to count divergences")
+    parser.add_argument(
+        "--dual-alphas", type=float, nargs="+", choices=DUAL_ALPHAS, default=list(DUAL_ALPHAS), metavar="ALPHA",
+        help=f"dual channel: these of its alphas ({' '.join(f'{a:g}' for a in DUAL_ALPHAS)}; default all)",
+    )
+    parser.add_argument(
+        "--pairs", type=int, metavar="N",
+        help=f"at most N pairs per direction, N >= 3 (default {MAIN_PAIRS}, and all of the second author's); the three subsets "
+        f"then hold N // 3 pairs each where that is fewer than {SUBSET_PAIRS} (a short run: tests/eval/test_eval_real.py)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--dual-max-new-tokens", type=int, default=24)
     parser.add_argument("--batch", type=int, default=32, help="prompts generated together")
@@ -801,10 +840,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="redo summary, table and plots from OUT's records")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     args = parser.parse_args(argv)
+    if args.pairs is not None and args.pairs < 3:
+        parser.error("--pairs: at least 3 (one pair in each of the three subsets)")
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     paths = {name: args.out / f"{name}.jsonl" for name in ("generations", "dual")}
     settings = {"limit": args.limit, "max_new_tokens": args.max_new_tokens, "dual_max_new_tokens": args.dual_max_new_tokens, "seed": args.seed}
+    settings |= {"pairs": args.pairs} if args.pairs is not None else {}  # the directions differ; the full run's settings name none
     settings_path = args.out / "settings.json"
     if args.fresh or not settings_path.exists():
         for path in paths.values():
@@ -822,23 +864,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in args.models:
             lm = load_model(name, device="cpu", progress=False)
             log(f"{name} loaded: {model_layers(lm)} layers, thirds {thirds(model_layers(lm))}")
-            packs = build_directions(lm)
+            prefilled: Prefilled = {}  # each pair text prefilled once, for every direction and the cosines' nulls
+            packs = build_directions(lm, prefilled, args.pairs)
             if "directions" in args.parts:
-                cosines = [c for c in cosines if c["model"] != lm.name] + [direction_cosines(lm, packs, args.seed)]
+                cosines = [c for c in cosines if c["model"] != lm.name] + [direction_cosines(lm, packs, args.seed, prefilled, args.pairs)]
                 (args.out / "cosines.json").write_text(json.dumps(cosines, indent=2) + "\n")
+            del prefilled
             done = {(r["condition"], r["set"], r["index"]) for r in read_jsonl(paths["generations"]) if r["model"] == lm.name}
             todo = []
             compared = set(args.parts) & {"layers", "pairs", "directions", "keys", "diagnosis"}
-            references = {"sentiment +0", "sentiment +1", "sentiment +2"} if compared else set()  # what those parts compare with
+            references = set(REFERENCES) if compared else set()  # what those parts compare with
             for condition in conditions():
-                if condition.part in args.parts or condition.name in references:
+                wanted = args.conditions is None or condition.name in args.conditions
+                if condition.part in args.parts and wanted or condition.name in references:
                     prompts = [p for prompts in sets.values() for p in prompts if (condition.name, p.set, p.index) not in done]
                     if prompts:
                         todo.append((condition, prompts))
             run_conditions(lm, todo, packs, args.max_new_tokens, args.batch, jsonl_appender(paths["generations"]))
             if "dual" in args.parts:
                 done_dual = {(r["id"], r["alpha"]) for r in read_jsonl(paths["dual"]) if r["model"] == lm.name}
-                run_dual(lm, dual_rows, packs, args.dual_max_new_tokens, args.compare, done_dual, jsonl_appender(paths["dual"]))
+                run_dual(lm, dual_rows, packs, args.dual_max_new_tokens, args.compare, done_dual, jsonl_appender(paths["dual"]), args.dual_alphas)
     about = {
         "settings": settings,
         "wall_seconds_last_run": round(time.perf_counter() - started, 1),

@@ -409,8 +409,8 @@ def resumed_records(out: Path, part: str, settings: Mapping, *, fresh: bool) -> 
     return read_jsonl(path)
 
 
-def parts_type(known: Sequence[str]) -> Callable[[str], list[str]]:
-    """An argparse type for a comma-separated list of parts of ``known``."""
+def parts_type(known: Sequence[str], what: str = "parts") -> Callable[[str], list[str]]:
+    """An argparse type for a comma-separated list of parts (or other names, ``what``) of ``known``."""
 
     def parse(text: str) -> list[str]:
         parts = [p.strip() for p in text.split(",") if p.strip()]
@@ -418,7 +418,7 @@ def parts_type(known: Sequence[str]) -> Callable[[str], list[str]]:
         if unknown:
             import argparse
 
-            raise argparse.ArgumentTypeError(f"unknown parts {', '.join(sorted(unknown))}: use {', '.join(known)}")
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(sorted(unknown))}: use {', '.join(known)}")
         return parts
 
     return parse
