@@ -3,16 +3,21 @@ subprocess of its own: explicit and automatic packs, two packs in one batch, a d
 refusals (another model, another dtype, a prompt that is not the pack's) returned with the answer.
 
 One engine serves every case (engine start costs 20-60 s on 2 cores); answers are compared with the same engine
-prefilling the same prompt with the pack opted out, which in float32 must give the same token ids.
+prefilling the same prompt with the pack opted out, which in float32 must give the same token ids. That engine and the
+engines of the two engine-built packs start one after another in one process of tools/eval/vllm_answers.py (``Engines``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -56,14 +61,65 @@ def packctl(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
-def run_engine(spec: dict, tmp: Path) -> dict[str, dict]:
-    """Run tools/eval/vllm_answers.py on ``spec``; its answer records by tag."""
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    result = subprocess.run([sys.executable, str(ENGINE), str(tmp / "spec.json")], capture_output=True, text=True, env=env, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    return {r["tag"]: r for r in records if "ids" in r}
+class Engines:
+    """One process of tools/eval/vllm_answers.py for the module, fed spec after spec on stdin (``-``): each spec's engine
+    starts in it once the previous one is down, so Python starts and vLLM is imported once for the module's engines
+    (about 10 CPU seconds each). A process that died is replaced by a new one for the next spec."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.log = tmp / "vllm-answers.log"
+        self.specs = 0
+        self.process: subprocess.Popen | None = None
+        self.lines: queue.Queue[str | None] = queue.Queue()
+
+    def _running(self) -> subprocess.Popen:
+        if self.process is None or self.process.poll() is not None:
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+            with self.log.open("a") as log:
+                self.process = subprocess.Popen([sys.executable, str(ENGINE), "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                stderr=log, text=True, env=env)
+            self.lines = queue.Queue()
+            threading.Thread(target=self._read, args=(self.process.stdout, self.lines), daemon=True).start()
+        return self.process
+
+    @staticmethod
+    def _read(stdout, lines: queue.Queue[str | None]) -> None:
+        for line in stdout:
+            lines.put(line)
+        lines.put(None)  # the process ended
+
+    def run(self, spec: dict) -> dict[str, dict]:
+        """Serve ``spec``; its answer records by tag."""
+        self.specs += 1
+        path = self.tmp / f"spec-{self.specs}.json"
+        path.write_text(json.dumps(spec))
+        process = self._running()
+        assert process.stdin is not None
+        process.stdin.write(f"{path}\n")
+        process.stdin.flush()
+        records, deadline = [], time.monotonic() + 900
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"no answer to {path.name} within 900 s:\n{self.log.read_text()[-4000:]}")
+            assert line is not None, f"vllm_answers exited serving {path.name}:\n{self.log.read_text()[-4000:]}"
+            if line.startswith("{"):
+                message = json.loads(line)
+                if message.get("event") == "done":
+                    return {r["tag"]: r for r in records if "ids" in r}
+                records.append(message)
+
+    def close(self) -> None:
+        if self.process is not None:
+            assert self.process.stdin is not None
+            self.process.stdin.close()  # the process ends once its last engine is down
+            try:
+                self.process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
 
 
 def ask(tag: str, prompt: list[int], pack=None, **more) -> dict:
@@ -112,7 +168,15 @@ def served(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def answers(served):
+def engines(tmp_path_factory) -> Iterator[Callable[[dict], dict[str, dict]]]:
+    """Serve a spec with an engine of its own, in the module's one process of tools/eval/vllm_answers.py."""
+    started = Engines(tmp_path_factory.mktemp("engines"))
+    yield started.run
+    started.close()
+
+
+@pytest.fixture(scope="module")
+def answers(served, engines):
     """One engine, these batches: explicit; automatic and an explicit pack together; a damaged pack; the refusals (another
     dtype, another model, a prompt that is not the pack's); the same prompts with the pack opted out: plain prefill."""
     p = served["prompts"]
@@ -124,7 +188,7 @@ def answers(served):
         [ask(f"plain/{name}", p[name], False) for name in ("velmora", "velmora2", "harbour", "orchard", "mills")],
     ]
     spec = {"model": str(served["model_dir"]), "block_size": BLOCK, "connector": {"store": str(served["store"])}, "requests": requests}
-    return run_engine(spec, served["tmp"])
+    return engines(spec)
 
 
 def test_the_exported_model_has_packstore_own_identity(served) -> None:
@@ -177,7 +241,7 @@ def test_bfloat16_weights_exported_and_float32_identity_differ(served) -> None:
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def engine_built(request, served):
+def engine_built(request, served, engines):
     """A pack built with ``packctl build --engine vllm`` in ``dtype``, loaded by an engine with prefix caching on:
     (0) the question with the pack, (reset) (1) the pack's own rendering alone (vLLM caches its blocks, as the build
     prefilled them), (2) the question again with the pack opted out, answered from vLLM's own prefix cache."""
@@ -193,7 +257,7 @@ def engine_built(request, served):
     requests = [ask("pack", question, "harbour"), "reset", ask("prime", list(header.token_ids), False, max_tokens=1), ask("cache", question, False)]
     spec = {"model": str(served["model_dir"]), "dtype": dtype, "block_size": BLOCK, "prefix_caching": True,
             "connector": {"store": str(store), "automatic": False}, "requests": requests}
-    records = run_engine(spec, served["tmp"])
+    records = engines(spec)
     return built, header, records
 
 
@@ -217,8 +281,6 @@ def test_an_engine_built_pack_answers_bit_for_bit_as_vllm_own_prefix_cache(engin
 @pytest.fixture(scope="module")
 def vllm_server(served):
     """vLLM's OpenAI server with the connector named by its plugin (no module path), as the README's section runs it."""
-    import time
-
     from tools.lib.servers import free_port
 
     port = free_port()

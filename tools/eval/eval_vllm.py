@@ -5,8 +5,9 @@ For every dtype (float32, bfloat16), over the held-out half of ckc_dev (tools/da
 ``packctl model export`` (``--model``, smollm2-135m), each row's paragraph becomes one pack (one fact, as
 tools/eval/eval_packs.py builds them), and the question, asked with ``evallib.SHORT_ANSWER`` after it, is rendered with
 the paragraph as the system message (``render``: the prompt begins with the pack's tokens). One vLLM engine per dtype
-(block size ``--block-size``, prefix caching off, enforce_eager; tools/eval/vllm_answers.py in a process of its own) answers
-every question twice, greedy, ``--max-new-tokens`` tokens, each request alone in its ``generate`` call:
+(block size ``--block-size``, prefix caching off, enforce_eager; tools/eval/vllm_answers.py in a process of its own, where
+the run's engines start one after another) answers every question twice, greedy, ``--max-new-tokens`` tokens, each
+request alone in its ``generate`` call:
 
 - ``pack``: ``kv_transfer_params {"pack": NAME}``: the connector loads the pack's whole blocks of the prompt and vLLM
   prefills the rest (the pack's last partial block and the question);
@@ -119,17 +120,30 @@ def pack_name(row: Row) -> str:
 # -- running the engine -------------------------------------------------------------------------------------------
 
 
-def engine_answers(spec: dict, work: Path) -> Iterator[dict]:
-    """Run tools/eval/vllm_answers.py on ``spec`` and yield its answers as they come (its log in WORK/vllm.log; a failed
-    run raises with the log's end)."""
-    (work / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    log_path = work / "vllm.log"
-    with log_path.open("w") as engine_log:
-        process = subprocess.Popen(
-            [sys.executable, str(DRIVER), str(work / "spec.json")], stdout=subprocess.PIPE, stderr=engine_log, text=True, env=env
-        )
-        assert process.stdout is not None
+class Engines:
+    """tools/eval/vllm_answers.py in one process for the run, fed spec after spec on stdin: every engine of the run (one
+    an arm and dtype) starts in it once the previous one is down, so Python starts and vLLM is imported once, not once
+    an engine (about 10 CPU seconds each). Its log goes to ``log_path``; a failed run raises with the log's end."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+
+    def answers(self, spec: dict, work: Path) -> Iterator[dict]:
+        """Serve ``spec`` (written to WORK/spec.json) with an engine of its own; its answers as they come."""
+        (work / "spec.json").write_text(json.dumps(spec))
+        if self.process is None or self.process.poll() is not None:
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                   "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+            with self.log_path.open("a") as engine_log:
+                self.process = subprocess.Popen(
+                    [sys.executable, str(DRIVER), "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=engine_log, text=True, env=env
+                )
+        process = self.process
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write(f"{work / 'spec.json'}\n")
+        process.stdin.flush()
+        finished = False
         try:
             for line in process.stdout:
                 if not line.startswith("{"):
@@ -137,15 +151,33 @@ def engine_answers(spec: dict, work: Path) -> Iterator[dict]:
                 message = json.loads(line)
                 if message.get("event") == "ready":
                     log("vLLM engine ready")
+                elif message.get("event") == "done":
+                    finished = True
+                    return
                 elif "tag" in message:
                     yield message
         finally:
-            if process.poll() is None:
-                process.terminate()
-            code = process.wait()
-    if code != 0:
-        tail = "\n".join(log_path.read_text().splitlines()[-30:])
-        raise RuntimeError(f"vLLM exited with {code}:\n{tail}")
+            if not finished:  # the engine failed, or the caller stopped reading: this process is not the next engine's
+                self.process = None
+                if process.poll() is None:
+                    process.terminate()
+                code = process.wait()
+                if code not in (0, -15):
+                    tail = "\n".join(self.log_path.read_text().splitlines()[-30:])
+                    raise RuntimeError(f"vLLM exited with {code}:\n{tail}")
+        raise RuntimeError(f"vLLM exited before answering every request:\n{self.log_path.read_text()[-3000:]}")
+
+    def close(self) -> None:
+        """End the process once its last engine is down."""
+        if self.process is not None:
+            assert self.process.stdin is not None
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                self.process.terminate()
+                self.process.wait()
+            self.process = None
 
 
 def paired(answers: Iterator[dict], parts: int) -> Iterator[tuple[str, dict[str, dict]]]:
@@ -189,12 +221,13 @@ def answer_part(answer: dict, answers: Sequence[str]) -> dict:
 
 class Context:
     """What a run shares between arms and dtypes: the exported model (made on first use), the scratch directory,
-    the settings."""
+    the settings, the process the engines run in."""
 
     def __init__(self, args: argparse.Namespace, scratch: Path) -> None:
         self.args = args
         self.scratch = scratch
         self._model_dir: Path | None = None
+        self.engines = Engines(scratch / "vllm.log")
 
     @property
     def model_dir(self) -> Path:
@@ -268,7 +301,7 @@ def run_transformers_arm(context: Context, dtype: str, rows: Sequence[Row], keep
     del lm
     gc.collect()
     spec = context.spec(dtype, work / "store", requests, prefix_caching=False)
-    return _collect(spec, work, prepared, keep, f"transformers {dtype}", lambda parts, _: parts["text"])
+    return _collect(spec, context.engines.answers(spec, work), prepared, keep, f"transformers {dtype}", lambda parts, _: parts["text"])
 
 
 def run_engine_arm(context: Context, dtype: str, rows: Sequence[Row], keep: Callable[[dict], None]) -> int:
@@ -309,12 +342,12 @@ def run_engine_arm(context: Context, dtype: str, rows: Sequence[Row], keep: Call
         record["cache"] = compared(parts["pack"], parts["cache"])
         return parts["text"]
 
-    return _collect(spec, work, prepared, keep, f"vllm-built {dtype}", extra, parts=4)
+    return _collect(spec, context.engines.answers(spec, work), prepared, keep, f"vllm-built {dtype}", extra, parts=4)
 
 
 def _collect(
     spec: dict,
-    work: Path,
+    engine: Iterator[dict],
     prepared: dict[str, tuple[Row, dict, list[int]]],
     keep: Callable[[dict], None],
     what: str,
@@ -322,9 +355,9 @@ def _collect(
     *,
     parts: int = 2,
 ) -> int:
-    """Run the engine on ``spec`` and keep one record per row as its answers arrive; the number kept."""
+    """Keep one record per row as the answers of ``spec``'s engine arrive; the number kept."""
     started, done = time.perf_counter(), 0
-    for row_id, answers in paired(engine_answers(spec, work), parts):
+    for row_id, answers in paired(engine, parts):
         row, record, expected = prepared[row_id]
         record = dict(record)
         pack, prompt = answers["pack"], spec_prompt(spec, row_id)
@@ -546,14 +579,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="eval-vllm-") as scratch:
             context = Context(args, Path(scratch))
-            for arm, dtype, wanted in plan:
-                part = f"{arm}-{dtype}"
-                done = {r["id"] for r in resumed_records(args.out, part, settings, fresh=args.fresh)}
-                todo = [row for row in wanted if row.id not in done]
-                log(f"{part}: {len(todo)} of {len(wanted)} questions to ask")
-                if todo:
-                    run = run_transformers_arm if arm == "transformers" else run_engine_arm
-                    run(context, dtype, todo, jsonl_appender(args.out / f"{part}.jsonl"))
+            try:
+                for arm, dtype, wanted in plan:
+                    part = f"{arm}-{dtype}"
+                    done = {r["id"] for r in resumed_records(args.out, part, settings, fresh=args.fresh)}
+                    todo = [row for row in wanted if row.id not in done]
+                    log(f"{part}: {len(todo)} of {len(wanted)} questions to ask")
+                    if todo:
+                        run = run_transformers_arm if arm == "transformers" else run_engine_arm
+                        run(context, dtype, todo, jsonl_appender(args.out / f"{part}.jsonl"))
+            finally:
+                context.engines.close()
         log(f"this run took {time.perf_counter() - started:.0f} s on {machine_description({})}; {source_description()}")
     print(write_report(args.out, args.figures))
     return 0
