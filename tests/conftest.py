@@ -70,15 +70,19 @@ def tiny_lm(tiny_model_dir: Path):
 @pytest.fixture(scope="session")
 def real_model() -> Callable[..., object]:
     """Load a wheel model by alias (``smollm2-135m``, ``gemma3-270m``) once per run and device (None: packstore's
-    default, CUDA where present): the model tests share it. A test that changes a model loads its own."""
-    from packstore.kv.models import load_model
+    default, CUDA where present; "cpu" on a host without one is that same device and model): the model tests share
+    it. A test that changes a model loads its own."""
+    import torch
 
-    loaded: dict[tuple[str, str | None], object] = {}
+    from packstore.kv.models import default_device, load_model
+
+    loaded: dict[tuple[str, torch.device], object] = {}
 
     def load(name: str, device: str | None = None):
-        if (name, device) not in loaded:
-            loaded[name, device] = load_model(name, progress=False, **({"device": device} if device else {}))
-        return loaded[name, device]
+        target = torch.device(device) if device else default_device()
+        if (name, target) not in loaded:
+            loaded[name, target] = load_model(name, device=target, progress=False)
+        return loaded[name, target]
 
     return load
 

@@ -9,7 +9,6 @@ import pytest
 from packstore.answering.answer import Answerer, Question
 from packstore.bank.bank import open_banks
 from packstore.kv.inject import Sampling
-from packstore.kv.models import load_model
 from packstore.kv.synthetic import synthetic_facts
 from packstore.store import LmdbStore
 from tests.helpers.banks import TEST_BANK_CACHE
@@ -17,8 +16,8 @@ from tests.helpers.banks import TEST_BANK_CACHE
 pytestmark = pytest.mark.model
 
 
-def test_lazy_recompute_on_a_real_model(tmp_path: Path) -> None:
-    lm = load_model("smollm2-135m", progress=False)
+def test_lazy_recompute_on_a_real_model(real_model, tmp_path: Path) -> None:
+    lm = real_model("smollm2-135m")
     cases = synthetic_facts(1000)
     with LmdbStore(tmp_path / "store") as store:
         open_banks(store, TEST_BANK_CACHE).build("synthetic", [c.fact for c in cases])

@@ -48,6 +48,7 @@ def test_rope_re_positioning_is_exact_where_keys_see_no_context(real_lm) -> None
     assert len(bases) == (2 if "gemma" in real_lm.name else 1)
 
 
+@pytest.mark.usefixtures("packctl_on_loaded_models")
 def test_compose_accumulate_amend_and_splice_through_the_service_and_worker(real_lm, tmp_path: Path, capsys) -> None:
     rows = eval_rows()[:3]
     names = [f"part{index}" for index in range(3)]

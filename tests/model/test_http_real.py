@@ -17,7 +17,6 @@ from packstore.answering.answer import Answerer, Question
 from packstore.errors import InvalidInput
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling
-from packstore.kv.models import load_model
 from packstore.kv.render import pack_prefix_ids, render
 from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
@@ -30,8 +29,8 @@ pytestmark = [pytest.mark.model, pytest.mark.service]
 GREEDY = Sampling(max_new_tokens=24)
 
 
-def test_the_http_api_answers_as_the_grpc_port_and_as_text_on_smollm2(tmp_path: Path) -> None:
-    lm = load_model("smollm2-135m", progress=False)
+def test_the_http_api_answers_as_the_grpc_port_and_as_text_on_smollm2(real_model, tmp_path: Path) -> None:
+    lm = real_model("smollm2-135m")
     facts, rows = fact_sets(lm.tokenizer, eval_rows())[0]
     question = rows[0]["question"]
     http = f"127.0.0.1:{free_port()}"
@@ -81,8 +80,8 @@ def test_the_http_api_answers_as_the_grpc_port_and_as_text_on_smollm2(tmp_path: 
                     pass
 
 
-def test_a_completion_is_the_chat_answer_to_its_prompt_after_the_pack_on_smollm2(tmp_path: Path) -> None:
-    lm = load_model("smollm2-135m", progress=False)
+def test_a_completion_is_the_chat_answer_to_its_prompt_after_the_pack_on_smollm2(real_model, tmp_path: Path) -> None:
+    lm = real_model("smollm2-135m")
     facts, rows = fact_sets(lm.tokenizer, eval_rows())[0]
     question = rows[0]["question"]
     with LmdbStore(tmp_path / "store") as store:
@@ -102,8 +101,8 @@ def test_a_completion_is_the_chat_answer_to_its_prompt_after_the_pack_on_smollm2
         assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == completion.choices[0].text
 
 
-def test_a_conversation_renders_after_a_gemma_pack_exactly(tmp_path: Path) -> None:
-    lm = load_model("gemma3-270m", progress=False)
+def test_a_conversation_renders_after_a_gemma_pack_exactly(real_model, tmp_path: Path) -> None:
+    lm = real_model("gemma3-270m")
     facts, rows = fact_sets(lm.tokenizer, eval_rows())[0]
     history = (("user", rows[0]["question"]), ("assistant", rows[0]["answers"][0]))
     rendering = render(lm.tokenizer, facts, rows[1]["question"], history=history)

@@ -30,6 +30,7 @@ def real_lm(request, real_model):
     return real_model(request.param)
 
 
+@pytest.mark.usefixtures("packctl_on_loaded_models")
 def test_adapter_training_and_packet_compositions_through_the_service_and_worker(real_lm, tmp_path: Path, capsys) -> None:
     data = tmp_path / "examples.jsonl"
     data.write_text("".join(json.dumps({"documents": ["\n".join(d) for d in e.documents], "question": e.question}) + "\n" for e in generated_examples(6)))

@@ -116,8 +116,8 @@ def test_raw_pack_is_exact_against_raw_text_and_flagged(real_lm) -> None:
     )
 
 
-def test_pack_of_one_model_is_refused_by_the_other() -> None:
-    smol, gemma = (load_model(name, progress=False) for name in MODELS)
+def test_pack_of_one_model_is_refused_by_the_other(real_model) -> None:
+    smol, gemma = (real_model(name) for name in MODELS)
     pack = build_pack(smol, ["The Velmora Observatory stands on Mount Tarrin."])
     with pytest.raises(PackMismatch, match="model mismatch"):
         answer_with_pack(gemma, pack, "Where is the observatory?", GREEDY)

@@ -14,7 +14,6 @@ from packstore.answering.answer import Question
 from packstore.errors import PackMismatch
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling
-from packstore.kv.models import load_model
 from packstore.packs.tensors import encode_pack
 from packstore.store.remote.store import RemoteStore
 from packstore.worker.client import WorkerClient
@@ -25,8 +24,8 @@ pytestmark = [pytest.mark.model, pytest.mark.service]
 GREEDY = Sampling(max_new_tokens=24)
 
 
-def test_upload_and_answer_through_the_worker(tmp_path: Path) -> None:
-    lm = load_model("smollm2-135m", progress=False)
+def test_upload_and_answer_through_the_worker(real_model, tmp_path: Path) -> None:
+    lm = real_model("smollm2-135m")
     facts, rows = fact_sets(lm.tokenizer, eval_rows())[0]
     with running_server(tmp_path / "data") as server, running_worker(server.url, "smollm2-135m", tmp_path) as worker:
         env = os.environ | {"PACKSTORE_STORE": server.url}
@@ -44,17 +43,17 @@ def test_upload_and_answer_through_the_worker(tmp_path: Path) -> None:
                 assert result.identical is True, row["question"]
                 assert result.rag_prompt_tokens - result.kv_prompt_tokens >= 500
 
-            gemma = load_model("gemma3-270m", progress=False)
+            gemma = real_model("gemma3-270m")
             with RemoteStore(server.url) as remote:
                 remote.put(encode_pack(build_pack(gemma, facts[:1])), name="gemma-pack")
             with pytest.raises(PackMismatch, match="model mismatch"):
                 client.ask(Question(rows[0]["question"], refs=("gemma-pack",), sampling=GREEDY))
 
 
-def test_a_worker_joining_planes_on_its_device_answers_the_same(tmp_path: Path) -> None:
+def test_a_worker_joining_planes_on_its_device_answers_the_same(real_model, tmp_path: Path) -> None:
     """``--plane-join device``: packs from the store are joined by torch on the model's device (here the CPU), and the
     answers are still token for token those with the facts as text."""
-    lm = load_model("smollm2-135m", progress=False)
+    lm = real_model("smollm2-135m")
     facts, rows = fact_sets(lm.tokenizer, eval_rows())[0]
     with running_server(tmp_path / "data") as server:
         with RemoteStore(server.url) as remote:

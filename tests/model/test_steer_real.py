@@ -10,7 +10,6 @@ import pytest
 from packstore.answering.answer import Answerer, Question
 from packstore.cli.packctl import main as packctl
 from packstore.kv.inject import Sampling
-from packstore.kv.models import load_model
 from packstore.kv.options import middle_third
 from packstore.store import LmdbStore
 from packstore.worker.client import WorkerClient
@@ -27,6 +26,7 @@ def real_lm(request, real_model):
     return real_model(request.param)
 
 
+@pytest.mark.usefixtures("packctl_on_loaded_models")
 def test_steer_build_ask_alone_and_with_a_pack_via_cli_and_worker(real_lm, tmp_path: Path, capsys) -> None:
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(PAIRS.read_text().splitlines(keepends=True)[:8]))
@@ -72,13 +72,13 @@ def test_steer_build_ask_alone_and_with_a_pack_via_cli_and_worker(real_lm, tmp_p
             assert client.status()["cached_packs"] == 2  # the knowledge pack and the steering pack
 
 
-def test_a_steering_pack_answers_only_its_own_model(tmp_path: Path) -> None:
+def test_a_steering_pack_answers_only_its_own_model(real_model, tmp_path: Path) -> None:
     """A steering pack built on one real model is refused by the other (model identity)."""
     from packstore.answering.api import build_steering_and_store
     from packstore.answering.facts import read_pairs
     from packstore.errors import PackMismatch
 
-    first, second = (load_model(name, progress=False) for name in MODELS)
+    first, second = (real_model(name) for name in MODELS)
     with LmdbStore(tmp_path / "store") as store:
         stored, _ = build_steering_and_store(store, first, read_pairs(PAIRS)[:3], name="joy")
         with pytest.raises(PackMismatch, match="model mismatch"):
