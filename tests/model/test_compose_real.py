@@ -21,7 +21,7 @@ from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
 from packstore.store.remote.store import RemoteStore
 from packstore.worker.client import WorkerClient
-from tests.helpers.real_models import MODELS, eval_rows
+from tests.helpers.real_models import MODELS, WORKER_FLAGS, eval_rows
 from tools.lib.servers import running_server, running_worker
 
 pytestmark = [pytest.mark.model, pytest.mark.service]
@@ -52,7 +52,7 @@ def test_rope_re_positioning_is_exact_where_keys_see_no_context(real_lm) -> None
 def test_compose_accumulate_amend_and_splice_through_the_service_and_worker(real_lm, tmp_path: Path, capsys) -> None:
     rows = eval_rows()[:3]
     names = [f"part{index}" for index in range(3)]
-    with running_server(tmp_path / "data") as server, running_worker(server.url, real_lm.name, tmp_path) as worker:
+    with running_server(tmp_path / "data") as server, running_worker(server.url, real_lm.name, tmp_path, *WORKER_FLAGS) as worker:
         with RemoteStore(server.url) as remote, WorkerClient(worker.address) as client:
             keys = [remote.put(encode_pack(build_pack(real_lm, [row["context"]])), name=name)[0] for row, name in zip(rows, names)]
             facts = [row["context"] for row in rows]

@@ -22,7 +22,7 @@ from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
 from packstore.store.remote.store import RemoteStore
 from packstore.worker.client import WorkerClient
-from tests.helpers.real_models import eval_rows, fact_sets
+from tests.helpers.real_models import WORKER_FLAGS, eval_rows, fact_sets
 from tools.lib.servers import free_port, running_server, running_worker
 
 pytestmark = [pytest.mark.model, pytest.mark.service]
@@ -37,7 +37,7 @@ def test_the_http_api_answers_as_the_grpc_port_and_as_text_on_smollm2(real_model
     with running_server(tmp_path / "data") as server:
         with RemoteStore(server.url) as remote:
             remote.put(encode_pack(build_pack(lm, facts)), name="ckc")
-        with running_worker(server.url, "smollm2-135m", tmp_path, "--http", http, "--max-concurrent", "1") as worker:
+        with running_worker(server.url, "smollm2-135m", tmp_path, *WORKER_FLAGS, "--http", http, "--max-concurrent", "1") as worker:
             client = openai.OpenAI(base_url=f"http://{http}/v1", api_key="unused", max_retries=0, timeout=300)
             with WorkerClient(worker.address) as grpc_client:
                 expected = grpc_client.ask(Question(question, refs=("ckc",), sampling=GREEDY))
@@ -87,7 +87,7 @@ def test_a_completion_is_the_chat_answer_to_its_prompt_after_the_pack_on_smollm2
     with LmdbStore(tmp_path / "store") as store:
         store.put(encode_pack(build_pack(lm, facts)), name="ckc")
     http = f"127.0.0.1:{free_port()}"
-    with running_worker(str(tmp_path / "store"), "smollm2-135m", tmp_path, "--http", http):
+    with running_worker(str(tmp_path / "store"), "smollm2-135m", tmp_path, *WORKER_FLAGS, "--http", http):
         client = openai.OpenAI(base_url=f"http://{http}/v1", api_key="unused", max_retries=0, timeout=300)
         extra = {"packs": ["ckc"], "compare_rag": True}
         chat = client.chat.completions.create(

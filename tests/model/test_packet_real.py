@@ -18,7 +18,7 @@ from packstore.kv.packet import generated_examples
 from packstore.packs.tensors import encode_pack
 from packstore.store.remote.store import RemoteStore
 from packstore.worker.client import WorkerClient
-from tests.helpers.real_models import MODELS, eval_rows
+from tests.helpers.real_models import MODELS, WORKER_FLAGS, eval_rows
 from tools.lib.servers import running_server, running_worker
 
 pytestmark = [pytest.mark.model, pytest.mark.service]
@@ -51,7 +51,7 @@ def test_adapter_training_and_packet_compositions_through_the_service_and_worker
         with RemoteStore(server.url) as remote:
             local = Answerer(real_lm, remote).ask(question)
         assert local.pack == composed["key"] and local.answer
-        with running_worker(server.url, real_lm.name, tmp_path) as worker, WorkerClient(worker.address) as client:
+        with running_worker(server.url, real_lm.name, tmp_path, *WORKER_FLAGS) as worker, WorkerClient(worker.address) as client:
             remote_result = client.ask(question)
             assert (remote_result.pack, remote_result.answer, remote_result.identical) == (local.pack, local.answer, local.identical)
             assert client.ask(Question(rows[1]["question"], refs=("pkt",), sampling=GREEDY)).answer == local.answer

@@ -17,7 +17,7 @@ from packstore.kv.inject import Sampling
 from packstore.packs.tensors import encode_pack
 from packstore.store.remote.store import RemoteStore
 from packstore.worker.client import WorkerClient
-from tests.helpers.real_models import eval_rows, fact_sets
+from tests.helpers.real_models import WORKER_FLAGS, eval_rows, fact_sets
 from tools.lib.servers import running_server, running_worker
 
 pytestmark = [pytest.mark.model, pytest.mark.service]
@@ -27,7 +27,7 @@ GREEDY = Sampling(max_new_tokens=24)
 def test_upload_and_answer_through_the_worker(real_model, tmp_path: Path) -> None:
     lm = real_model("smollm2-135m")
     facts, rows = fact_sets(lm.tokenizer, eval_rows())[0]
-    with running_server(tmp_path / "data") as server, running_worker(server.url, "smollm2-135m", tmp_path) as worker:
+    with running_server(tmp_path / "data") as server, running_worker(server.url, "smollm2-135m", tmp_path, *WORKER_FLAGS) as worker:
         env = os.environ | {"PACKSTORE_STORE": server.url}
         facts_file = tmp_path / "facts.jsonl"
         facts_file.write_text("".join(json.dumps({"text": f}) + "\n" for f in facts))
@@ -58,7 +58,7 @@ def test_a_worker_joining_planes_on_its_device_answers_the_same(real_model, tmp_
     with running_server(tmp_path / "data") as server:
         with RemoteStore(server.url) as remote:
             remote.put(encode_pack(build_pack(lm, facts)), name="ckc")
-        with running_worker(server.url, "smollm2-135m", tmp_path, "--plane-join", "device") as worker, WorkerClient(worker.address) as client:
+        with running_worker(server.url, "smollm2-135m", tmp_path, *WORKER_FLAGS, "--plane-join", "device") as worker, WorkerClient(worker.address) as client:
             for row in rows[:2]:
                 result = client.ask(Question(row["question"], refs=("ckc",), sampling=GREEDY, compare_rag=True))
                 assert result.identical is True, row["question"]

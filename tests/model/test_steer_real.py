@@ -13,7 +13,7 @@ from packstore.kv.inject import Sampling
 from packstore.kv.options import middle_third
 from packstore.store import LmdbStore
 from packstore.worker.client import WorkerClient
-from tests.helpers.real_models import MODELS, eval_rows
+from tests.helpers.real_models import MODELS, WORKER_FLAGS, eval_rows
 from tools.lib.servers import running_server, running_worker
 
 pytestmark = [pytest.mark.model, pytest.mark.service]
@@ -64,7 +64,7 @@ def test_steer_build_ask_alone_and_with_a_pack_via_cli_and_worker(real_lm, tmp_p
         alone = json.loads(capsys.readouterr().out)
         assert alone["pack"] is None and alone["answer"] != alone_plain["answer"]
 
-        with running_worker(server.url, real_lm.name, tmp_path) as worker, WorkerClient(worker.address) as client:
+        with running_worker(server.url, real_lm.name, tmp_path, *WORKER_FLAGS) as worker, WorkerClient(worker.address) as client:
             question = Question(row["question"], refs=("para",), sampling=GREEDY, steering=(("joy", 1.5),), compare_rag=True)
             remote = client.ask(question)
             assert remote.identical is True and remote.answer == steered["answer"] and remote.steering == steered["steering"]
