@@ -21,7 +21,7 @@ from tests.helpers.real_models import WORKER_FLAGS, eval_rows, fact_sets
 from tools.lib.servers import running_server, running_worker
 
 pytestmark = [pytest.mark.model, pytest.mark.service]
-GREEDY = Sampling(max_new_tokens=24)
+GREEDY = Sampling(max_new_tokens=12)  # token-for-token checks: a divergence shows within the first tokens
 
 
 def test_upload_and_answer_through_the_worker(real_model, tmp_path: Path) -> None:
