@@ -37,7 +37,7 @@ def test_adapter_training_and_packet_compositions_through_the_service_and_worker
     rows = eval_rows()[:3]
     with running_server(tmp_path / "data") as server:
         store = ["--store", server.url]
-        assert packctl([*store, "adapter", "train", "--model", real_lm.name, "--name", "pk", "--data", str(data), "--steps", "3", "--json"]) == 0
+        assert packctl([*store, "adapter", "train", "--model", real_lm.name, "--name", "pk", "--data", str(data), "--steps", "1", "--json"]) == 0
         trained = json.loads(capsys.readouterr().out)
         hidden = real_lm.model.get_input_embeddings().weight.shape[1]
         assert trained["kind"] == "adapter" and trained["recipe"]["hidden_size"] == hidden and trained["metrics"]["train_seconds"] > 0

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from packstore.cli.packctl import main as packctl_main
 from packstore.errors import PackMismatch
 from packstore.format.body import BLOCK_POSITIONS
 from packstore.kv.build import build_pack, prefill
@@ -125,10 +126,14 @@ def test_pack_of_one_model_is_refused_by_the_other(real_model) -> None:
         answer_with_pack(gemma, pack, "Where is the observatory?", GREEDY)
 
 
-def test_packctl_on_a_real_model(tmp_path: Path) -> None:
-    """The console script end to end on smollm2-135m with the bundled example facts."""
+@pytest.mark.usefixtures("packctl_on_loaded_models")
+def test_packctl_on_a_real_model(tmp_path: Path, capsys) -> None:
+    """The console script end to end on smollm2-135m with the bundled example facts: build, ask and inspect run as
+    processes of their own; the raw build and the refusal by the other model run the same commands through packctl's
+    main in this process, on the run's loaded models (a process of their own would load torch and a model again)."""
     bin_dir = Path(sys.executable).parent
-    env = os.environ | {"PACKSTORE_STORE": str(tmp_path / "store")}
+    store = tmp_path / "store"
+    env = os.environ | {"PACKSTORE_STORE": str(store)}
 
     def packctl(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(bin_dir / "packctl"), *argv], capture_output=True, text=True, env=env)
@@ -142,12 +147,13 @@ def test_packctl_on_a_real_model(tmp_path: Path) -> None:
     answers = [json.loads(line) for line in asked.stdout.splitlines()]
     assert len(answers) == 5 and all(a["identical"] for a in answers)
     assert any("Brandqvist" in a["answer"] for a in answers)
-    raw = packctl("build", str(REPO / "examples" / "facts.txt"), "--model", "smollm2-135m", "--raw", "--name", "velmora-raw")
-    assert raw.returncode == 0, raw.stderr
+    raw = packctl_main(["--store", str(store), "build", str(REPO / "examples" / "facts.txt"), "--model", "smollm2-135m", "--raw", "--name", "velmora-raw"])
+    assert raw == 0, capsys.readouterr().err
     inspected = json.loads(packctl("inspect", "velmora-raw", "--json").stdout)
     assert inspected["raw"] is True
-    wrong = packctl("ask", "velmora", "Who founded it?", "--model", "gemma3-270m")
-    assert wrong.returncode == 1 and "model mismatch" in wrong.stderr
+    capsys.readouterr()
+    wrong = packctl_main(["--store", str(store), "ask", "velmora", "Who founded it?", "--model", "gemma3-270m"])
+    assert wrong == 1 and "model mismatch" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from packstore.answering.answer import Question
+from packstore.cli.packctl import main as packctl
 from packstore.errors import PackMismatch
 from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling
@@ -24,19 +22,18 @@ pytestmark = [pytest.mark.model, pytest.mark.service]
 GREEDY = Sampling(max_new_tokens=12)  # token-for-token checks: a divergence shows within the first tokens
 
 
-def test_upload_and_answer_through_the_worker(real_model, tmp_path: Path) -> None:
+@pytest.mark.usefixtures("packctl_on_loaded_models")
+def test_upload_and_answer_through_the_worker(real_model, tmp_path: Path, monkeypatch, capsys) -> None:
+    """packctl (its main, in this process, on the run's loaded model) builds into the service named by $PACKSTORE_STORE;
+    the worker answers from it."""
     lm = real_model("smollm2-135m")
     facts, rows = fact_sets(lm.tokenizer, eval_rows())[0]
     with running_server(tmp_path / "data") as server, running_worker(server.url, "smollm2-135m", tmp_path, *WORKER_FLAGS) as worker:
-        env = os.environ | {"PACKSTORE_STORE": server.url}
+        monkeypatch.setenv("PACKSTORE_STORE", server.url)
         facts_file = tmp_path / "facts.jsonl"
         facts_file.write_text("".join(json.dumps({"text": f}) + "\n" for f in facts))
-        built = subprocess.run(
-            [str(Path(sys.executable).parent / "packctl"), "build", str(facts_file), "--model", "smollm2-135m", "--name", "ckc", "--json"],
-            capture_output=True, text=True, env=env,
-        )
-        assert built.returncode == 0, built.stderr
-        assert json.loads(built.stdout)["tokens"] >= 500
+        assert packctl(["build", str(facts_file), "--model", "smollm2-135m", "--name", "ckc", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["tokens"] >= 500
         with WorkerClient(worker.address) as client:
             for row in rows:
                 result = client.ask(Question(row["question"], refs=("ckc",), sampling=GREEDY, compare_rag=True))
