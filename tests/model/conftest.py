@@ -1,10 +1,15 @@
-"""Fixtures of the real-model tests: packctl run in this process on the run's loaded models."""
+"""Fixtures of the real-model tests: packctl run in this process on the run's loaded models, and one service (a
+``packstore serve`` and a ``packstore worker`` on it) per model that the tests answering through a worker share."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 
 import pytest
+
+from tests.helpers.real_models import WORKER_FLAGS
+from tools.lib.servers import RunningServer, running_server, running_worker
 
 
 @pytest.fixture
@@ -23,3 +28,26 @@ def packctl_on_loaded_models(monkeypatch: pytest.MonkeyPatch, real_model: Callab
         return load_model(spec, device=device, dtype=dtype, chat_template=chat_template, progress=progress)
 
     monkeypatch.setattr(packstore.cli.models, "load_model", load)
+
+
+@pytest.fixture(scope="package")
+def model_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], tuple[RunningServer, RunningServer]]]:
+    """``service(model)``: the (server, worker) of ``model``, a ``packstore serve`` and a ``packstore worker`` on it
+    (``WORKER_FLAGS``), started when a test first asks and stopped after the last test of tests/model. The tests
+    that answer through a worker with no flags of their own share it, as callers share a deployed worker: a worker
+    start loads torch and the model again, seconds of CPU each. Each of those tests names its packs with names no
+    other uses, and checks what its own requests did (a count of cached packs before and after, not the total)."""
+    with ExitStack() as stack:
+        services: dict[str, tuple[RunningServer, RunningServer]] = {}
+
+        def service(model: str) -> tuple[RunningServer, RunningServer]:
+            if model not in services:
+                root = tmp_path_factory.mktemp(f"service-{model}")
+                server = stack.enter_context(running_server(root / "data"))
+                services[model] = server, stack.enter_context(running_worker(server.url, model, root, *WORKER_FLAGS))
+            server, worker = services[model]
+            for process in (server, worker):  # a test that stopped one would fail the next ones obscurely
+                assert process.process.poll() is None, f"the shared {model} service exited with {process.process.returncode}"
+            return server, worker
+
+        yield service
