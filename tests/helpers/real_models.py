@@ -9,6 +9,10 @@ import pytest
 from tools.lib.evallib import data_path
 
 MODELS = ["smollm2-135m", "gemma3-270m"]
+# What the model tests start ``packstore worker`` with: a device LRU of ready packs (on a CPU, the host memory the
+# worker reserves and touches as it starts) of 512 MiB, ample for their packs of tens of MB, instead of the 2 GiB
+# default, whose touch keeps a core busy for seconds after every start.
+WORKER_FLAGS = ("--cache-bytes", str(512 << 20))
 MIN_PACK_TOKENS = 500
 MIN_QUESTIONS = 20
 DATA = data_path()

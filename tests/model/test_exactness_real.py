@@ -19,7 +19,7 @@ from packstore.store import LmdbStore
 from tests.helpers.real_models import eval_rows
 
 pytestmark = pytest.mark.model
-GREEDY = Sampling(max_new_tokens=24)
+GREEDY = Sampling(max_new_tokens=12)  # token-for-token checks: a divergence shows within the first tokens
 MODEL = "smollm2-135m"
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from packstore.cli.packctl import main as packctl_main
 from packstore.errors import PackMismatch
 from packstore.format.body import BLOCK_POSITIONS
 from packstore.kv.build import build_pack, prefill
@@ -29,7 +30,9 @@ from tests.helpers.real_models import MIN_PACK_TOKENS, MIN_QUESTIONS, MODELS, ev
 
 pytestmark = pytest.mark.model
 
-GREEDY = Sampling(max_new_tokens=24)
+# Identity is checked token for token: a divergence shows within the first tokens of an answer, and 12 of them take a
+# fraction of the time 24 took after prefills of 600 tokens (the fast lane's answer keeps 24, to reach the name).
+GREEDY = Sampling(max_new_tokens=12)
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -54,7 +57,7 @@ def test_a_stored_pack_answers_as_its_facts_in_the_prompt(real_model, tmp_path: 
     question = json.loads((REPO / "examples" / "questions.jsonl").read_text().splitlines()[0])["question"]
     with LmdbStore(tmp_path / "store") as store:
         store.put(encode_pack(build_pack(lm, facts)), name="velmora")
-        result = Answerer(lm, store).ask(Question(question, refs=("velmora",), sampling=GREEDY, compare_rag=True))
+        result = Answerer(lm, store).ask(Question(question, refs=("velmora",), sampling=Sampling(max_new_tokens=24), compare_rag=True))
     assert result.identical is True and "Brandqvist" in result.answer, result.answer
 
 def test_pack_injection_is_identical_to_text_in_prompt(real_lm, fidelity_report) -> None:
@@ -74,7 +77,7 @@ def test_pack_injection_is_identical_to_text_in_prompt(real_lm, fidelity_report)
         dk, dv = prefill_divergence(real_lm, pack, group[0]["question"])
         worst_dk, worst_dv = max(worst_dk, dk), max(worst_dv, dv)
     fidelity_report.append(
-        f"{real_lm.name}: {questions} questions, {divergences} divergences (greedy), "
+        f"{real_lm.name}: {questions} questions, {divergences} divergences (greedy, {GREEDY.max_new_tokens} new tokens), "
         f"max |dK| {worst_dk:.2e}, max |dV| {worst_dv:.2e}, exact match with pack {pack_correct}/{questions}"
     )
     assert questions >= MIN_QUESTIONS
@@ -116,17 +119,21 @@ def test_raw_pack_is_exact_against_raw_text_and_flagged(real_lm) -> None:
     )
 
 
-def test_pack_of_one_model_is_refused_by_the_other() -> None:
-    smol, gemma = (load_model(name, progress=False) for name in MODELS)
+def test_pack_of_one_model_is_refused_by_the_other(real_model) -> None:
+    smol, gemma = (real_model(name) for name in MODELS)
     pack = build_pack(smol, ["The Velmora Observatory stands on Mount Tarrin."])
     with pytest.raises(PackMismatch, match="model mismatch"):
         answer_with_pack(gemma, pack, "Where is the observatory?", GREEDY)
 
 
-def test_packctl_on_a_real_model(tmp_path: Path) -> None:
-    """The console script end to end on smollm2-135m with the bundled example facts."""
+@pytest.mark.usefixtures("packctl_on_loaded_models")
+def test_packctl_on_a_real_model(tmp_path: Path, capsys) -> None:
+    """The console script end to end on smollm2-135m with the bundled example facts: build, ask and inspect run as
+    processes of their own; the raw build and the refusal by the other model run the same commands through packctl's
+    main in this process, on the run's loaded models (a process of their own would load torch and a model again)."""
     bin_dir = Path(sys.executable).parent
-    env = os.environ | {"PACKSTORE_STORE": str(tmp_path / "store")}
+    store = tmp_path / "store"
+    env = os.environ | {"PACKSTORE_STORE": str(store)}
 
     def packctl(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(bin_dir / "packctl"), *argv], capture_output=True, text=True, env=env)
@@ -140,12 +147,13 @@ def test_packctl_on_a_real_model(tmp_path: Path) -> None:
     answers = [json.loads(line) for line in asked.stdout.splitlines()]
     assert len(answers) == 5 and all(a["identical"] for a in answers)
     assert any("Brandqvist" in a["answer"] for a in answers)
-    raw = packctl("build", str(REPO / "examples" / "facts.txt"), "--model", "smollm2-135m", "--raw", "--name", "velmora-raw")
-    assert raw.returncode == 0, raw.stderr
+    raw = packctl_main(["--store", str(store), "build", str(REPO / "examples" / "facts.txt"), "--model", "smollm2-135m", "--raw", "--name", "velmora-raw"])
+    assert raw == 0, capsys.readouterr().err
     inspected = json.loads(packctl("inspect", "velmora-raw", "--json").stdout)
     assert inspected["raw"] is True
-    wrong = packctl("ask", "velmora", "Who founded it?", "--model", "gemma3-270m")
-    assert wrong.returncode == 1 and "model mismatch" in wrong.stderr
+    capsys.readouterr()
+    wrong = packctl_main(["--store", str(store), "ask", "velmora", "Who founded it?", "--model", "gemma3-270m"])
+    assert wrong == 1 and "model mismatch" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

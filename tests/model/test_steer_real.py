@@ -10,12 +10,10 @@ import pytest
 from packstore.answering.answer import Answerer, Question
 from packstore.cli.packctl import main as packctl
 from packstore.kv.inject import Sampling
-from packstore.kv.models import load_model
 from packstore.kv.options import middle_third
 from packstore.store import LmdbStore
 from packstore.worker.client import WorkerClient
 from tests.helpers.real_models import MODELS, eval_rows
-from tools.lib.servers import running_server, running_worker
 
 pytestmark = [pytest.mark.model, pytest.mark.service]
 PAIRS = Path(__file__).resolve().parents[2] / "tools" / "data" / "steering" / "sentiment_pairs.jsonl"
@@ -27,58 +25,61 @@ def real_lm(request, real_model):
     return real_model(request.param)
 
 
-def test_steer_build_ask_alone_and_with_a_pack_via_cli_and_worker(real_lm, tmp_path: Path, capsys) -> None:
+@pytest.mark.usefixtures("packctl_on_loaded_models")
+def test_steer_build_ask_alone_and_with_a_pack_via_cli_and_worker(real_lm, model_service, tmp_path: Path, capsys) -> None:
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(PAIRS.read_text().splitlines(keepends=True)[:8]))
-    row = eval_rows()[0]
+    row = eval_rows()[5]  # no other test on the shared service builds this row's pack: both packs are new to its worker
     facts = tmp_path / "facts.txt"
     facts.write_text(row["context"] + "\n")
     model = ["--model", real_lm.name]
-    with running_server(tmp_path / "data") as server:
-        store = ["--store", server.url]
-        assert packctl([*store, "steer", "build", str(pairs), *model, "--name", "joy", "--json"]) == 0
-        built = json.loads(capsys.readouterr().out)
-        layers = real_lm.model.config.get_text_config().num_hidden_layers
-        assert built["kind"] == "steering" and built["tokens"] == 0 and built["pairs"] == 8
-        assert packctl([*store, "inspect", "joy", "--json"]) == 0
-        details = json.loads(capsys.readouterr().out)
-        assert details["steer_layers"] == [0, layers - 1] and details["default_layers"] == list(middle_third(layers))
-        # Layer 0's values depend on the last token alone, the same punctuation in both sides of
-        # every pair here, so its delta is zero; every later layer has seen the whole text.
-        assert details["norms"][0]["value_norm"] < 1e-3
-        assert all(norm["value_norm"] > 0 for norm in details["norms"][1:])
-        assert packctl([*store, "build", str(facts), *model, "--name", "para"]) == 0
-        capsys.readouterr()
+    server, worker = model_service(real_lm.name)
+    store = ["--store", server.url]
+    assert packctl([*store, "steer", "build", str(pairs), *model, "--name", "joy", "--json"]) == 0
+    built = json.loads(capsys.readouterr().out)
+    layers = real_lm.model.config.get_text_config().num_hidden_layers
+    assert built["kind"] == "steering" and built["tokens"] == 0 and built["pairs"] == 8
+    assert packctl([*store, "inspect", "joy", "--json"]) == 0
+    details = json.loads(capsys.readouterr().out)
+    assert details["steer_layers"] == [0, layers - 1] and details["default_layers"] == list(middle_third(layers))
+    # Layer 0's values depend on the last token alone, the same punctuation in both sides of
+    # every pair here, so its delta is zero; every later layer has seen the whole text.
+    assert details["norms"][0]["value_norm"] < 1e-3
+    assert all(norm["value_norm"] > 0 for norm in details["norms"][1:])
+    assert packctl([*store, "build", str(facts), *model, "--name", "para"]) == 0
+    capsys.readouterr()
 
-        def ask(*extra: str) -> dict:
-            assert packctl([*store, "ask", "para", row["question"], *model, "--json", "--max-new-tokens", "16", *extra]) == 0
-            return json.loads(capsys.readouterr().out)
+    def ask(*extra: str) -> dict:
+        assert packctl([*store, "ask", "para", row["question"], *model, "--json", "--max-new-tokens", "16", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
 
-        plain = ask()
-        assert ask("--steer", "joy:0")["answer"] == plain["answer"]  # alpha 0 is exactly unsteered
-        steered = ask("--steer", "joy:1.5", "--compare-rag")
-        assert steered["identical"] is True and steered["steering"][0]["layers"] == list(middle_third(layers))
-        assert packctl([*store, "ask", "--steer", "joy:0", "Tell me about your weekend.", *model, "--json", "--max-new-tokens", "16"]) == 0
-        alone_plain = json.loads(capsys.readouterr().out)
-        assert packctl([*store, "ask", "--steer", "joy:4", "--steer-on", "both", "Tell me about your weekend.", *model, "--json", "--max-new-tokens", "16"]) == 0
-        alone = json.loads(capsys.readouterr().out)
-        assert alone["pack"] is None and alone["answer"] != alone_plain["answer"]
+    plain = ask()
+    assert ask("--steer", "joy:0")["answer"] == plain["answer"]  # alpha 0 is exactly unsteered
+    steered = ask("--steer", "joy:1.5", "--compare-rag")
+    assert steered["identical"] is True and steered["steering"][0]["layers"] == list(middle_third(layers))
+    assert packctl([*store, "ask", "--steer", "joy:0", "Tell me about your weekend.", *model, "--json", "--max-new-tokens", "16"]) == 0
+    alone_plain = json.loads(capsys.readouterr().out)
+    assert packctl([*store, "ask", "--steer", "joy:4", "--steer-on", "both", "Tell me about your weekend.", *model, "--json", "--max-new-tokens", "16"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert alone["pack"] is None and alone["answer"] != alone_plain["answer"]
 
-        with running_worker(server.url, real_lm.name, tmp_path) as worker, WorkerClient(worker.address) as client:
-            question = Question(row["question"], refs=("para",), sampling=GREEDY, steering=(("joy", 1.5),), compare_rag=True)
-            remote = client.ask(question)
-            assert remote.identical is True and remote.answer == steered["answer"] and remote.steering == steered["steering"]
-            assert client.ask(Question(row["question"], refs=("para",), sampling=GREEDY)).answer == plain["answer"]
-            assert client.status()["cached_packs"] == 2  # the knowledge pack and the steering pack
+    with WorkerClient(worker.address) as client:  # the shared worker: it may hold other tests' packs
+        cached = client.status()["cached_packs"]
+        question = Question(row["question"], refs=("para",), sampling=GREEDY, steering=(("joy", 1.5),), compare_rag=True)
+        remote = client.ask(question)
+        assert remote.identical is True and remote.answer == steered["answer"] and remote.steering == steered["steering"]
+        assert client.ask(Question(row["question"], refs=("para",), sampling=GREEDY)).answer == plain["answer"]
+        status = client.status()
+        assert status["cached_packs"] == cached + 2, status  # the knowledge pack and the steering pack
 
 
-def test_a_steering_pack_answers_only_its_own_model(tmp_path: Path) -> None:
+def test_a_steering_pack_answers_only_its_own_model(real_model, tmp_path: Path) -> None:
     """A steering pack built on one real model is refused by the other (model identity)."""
     from packstore.answering.api import build_steering_and_store
     from packstore.answering.facts import read_pairs
     from packstore.errors import PackMismatch
 
-    first, second = (load_model(name, progress=False) for name in MODELS)
+    first, second = (real_model(name) for name in MODELS)
     with LmdbStore(tmp_path / "store") as store:
         stored, _ = build_steering_and_store(store, first, read_pairs(PAIRS)[:3], name="joy")
         with pytest.raises(PackMismatch, match="model mismatch"):
