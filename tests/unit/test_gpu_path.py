@@ -5,12 +5,14 @@ except the parts that hold on every device."""
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
 
 from packstore.packs.buffers import HostBuffers
 from packstore.packs.decoder import Decoder
+from packstore.packs.memory import PackMemory
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import ArrivingPack, encode_pack, start_copy
 from packstore.store import LmdbStore
@@ -34,6 +36,49 @@ def test_a_host_pack_started_on_the_cpu_is_the_pack_itself() -> None:
 def test_every_device_has_a_fence_and_the_cpus_waits_for_nothing() -> None:
     fence = HostBuffers().fence(torch.device("cpu"))
     assert fence() is None
+
+
+class CopyInFlight:
+    """Where a CUDA event stands for a copy in flight (the only stand-in here: CPU machines have no CUDA event): it
+    completes ``seconds`` after it is made, on a timer."""
+
+    def __init__(self, seconds: float) -> None:
+        self._done = threading.Event()
+        threading.Timer(seconds, self._done.set).start()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+
+def test_staging_counts_its_waits_for_the_pinned_pool_and_what_it_served_outside_it() -> None:
+    buffers = HostBuffers(staging_bytes=4096)
+    buffers._pool = PackMemory(4096)  # the pool as made on first use, unpinned here (pinning needs CUDA)
+    held = buffers.staging((1024,), torch.float32, CUDA)  # the whole pool, then handed to a copy still in flight
+    buffers._in_flight.append((CopyInFlight(0.05), held))  # type: ignore[arg-type]
+    del held
+    again = buffers.staging((1024,), torch.float32, CUDA)  # waits for that copy to give the block back
+    stats = buffers.stats()
+    assert (stats.pool_waits, stats.pool_fallbacks) == (1, 0) and stats.pool_wait_seconds >= 0.04
+    if not torch.cuda.is_available():  # a request the pool cannot serve, nothing in flight: a pinned allocation of its own
+        return
+    outside = buffers.staging((4096,), torch.float32, CUDA)
+    assert outside.is_pinned() and again.data_ptr() != outside.data_ptr()
+    assert (buffers.stats().pool_fallbacks, buffers.stats().pool_fallback_bytes) == (1, 16384)
+
+
+@cuda
+def test_a_fetch_through_a_small_pool_waits_for_it_and_counts_the_waits(tmp_path) -> None:
+    pack = make_pack(dtype="bfloat16", layers=4, tokens=300, heads=2, dim=32)
+    buffers = HostBuffers(staging_bytes=100 << 10)  # one layer's K and V (38,400 bytes each) and a little
+    with LmdbStore(tmp_path / "store") as store, Decoder(workers=1, buffers=buffers) as decoder:  # layers in turn
+        key, _ = store.put(encode_pack(pack, block_positions=64))
+        fetched = PackReader(store, decoder).fetch(key, device="cuda")
+    assert same(fetched.keys, pack.keys) and same(fetched.values, pack.values)
+    stats = buffers.stats()
+    assert stats.pool_waits > 0 and stats.pool_wait_seconds > 0 and stats.pool_fallbacks == 0 == stats.memory_fallbacks
 
 
 @cuda
