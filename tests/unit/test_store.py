@@ -113,6 +113,17 @@ def test_delete_removes_pack_chunks_and_names(store_path: Path) -> None:
     assert chunk_keys and all(k.startswith(keep.header.key.encode()) for k in chunk_keys)
 
 
+def test_gc_keeps_every_chunk_of_a_stored_pack_whatever_bytes_its_index_holds(store_path: Path) -> None:
+    """A chunk's key ends with its index in four bytes, and index 35 is the byte of ``#``: gc once took its key for
+    another pack's and removed it as an orphan."""
+    encoded = encode_pack(make_pack(layers=2, tokens=300, dim=4), block_positions=8)  # 2 x 38 chunks
+    assert len(encoded.chunks) > 36
+    with LmdbStore(store_path) as store:
+        key, _ = store.put(encoded)
+        assert store.gc().orphan_chunks == 0
+        assert PackReader(store).get(key).chunks == encoded.chunks
+
+
 def test_damaged_stored_chunk_is_refused_and_named(store_path: Path) -> None:
     pack = make_pack()
     with LmdbStore(store_path) as store:

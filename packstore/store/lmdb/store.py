@@ -39,6 +39,11 @@ def _chunk_key(key: str, index: int) -> bytes:
     return key.encode() + b"#" + struct.pack(">I", index)
 
 
+def _pack_of_chunk(chunk_key: bytes) -> str:
+    """The pack key of a ``_chunk_key``: all but the ``#`` and the four bytes of the index (which may hold a ``#``)."""
+    return chunk_key[:-5].decode(errors="replace")
+
+
 def _signature_key(key: str, signer: str) -> bytes:
     """``signatures`` entry: the pack key, then the signing key's id."""
     return f"{key}/{signer}".encode()
@@ -531,7 +536,7 @@ class LmdbStore(LmdbBankTables):
             for k in stale:
                 txn.delete(k, db=self._staging)
             live = {k.decode() for k, _ in txn.cursor(db=self._packs)}
-            orphans = [(k, len(v)) for k, v in txn.cursor(db=self._chunks) if k.rsplit(b"#", 1)[0].decode() not in live]
+            orphans = [(k, len(v)) for k, v in txn.cursor(db=self._chunks) if _pack_of_chunk(k) not in live]
             dangling = [k.decode().split("/", 1) for k, v in txn.cursor(db=self._names) if v.decode() not in live]
             for k, _ in orphans:
                 txn.delete(k, db=self._chunks)
