@@ -72,9 +72,11 @@ def test_staging_counts_its_waits_for_the_pinned_pool_and_what_it_served_outside
 @cuda
 def test_a_fetch_through_a_small_pool_waits_for_it_and_counts_the_waits(tmp_path) -> None:
     pack = make_pack(dtype="bfloat16", layers=4, tokens=300, heads=2, dim=32)
-    buffers = HostBuffers(staging_bytes=100 << 10)  # one layer's K and V (38,400 bytes each) and a little
+    buffers = HostBuffers(staging_bytes=100 << 10)  # one layer's K and V (38,400 bytes each) and a little: not two
     with LmdbStore(tmp_path / "store") as store, Decoder(workers=1, buffers=buffers) as decoder:  # layers in turn
         key, _ = store.put(encode_pack(pack, block_positions=64))
+        with torch.cuda.stream(buffers._stream(CUDA)):
+            torch.cuda._sleep(50_000_000)  # the copy stream kept busy: each layer's copies are still in flight for the next
         fetched = PackReader(store, decoder).fetch(key, device="cuda")
     assert same(fetched.keys, pack.keys) and same(fetched.values, pack.values)
     stats = buffers.stats()
