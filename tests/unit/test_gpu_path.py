@@ -147,3 +147,21 @@ def test_the_model_answers_the_same_with_a_pack_fetched_to_cuda(tmp_path) -> Non
         with torch.inference_mode():
             got = model(input_ids=ids[:, 280:], past_key_values=cache_from_pack(arriving, CUDA)).logits
     assert torch.equal(got, expected)
+
+
+@cuda
+def test_a_build_on_cuda_overlapped_with_its_prefill_stores_the_sequential_builds_bytes(tiny_model_dir, tmp_path) -> None:
+    """The blocks copied off the GPU on the model's stream while later passes run (``kv.build.block_tensors``) hold
+    what the whole cache copied after the prefill holds: the same chunks, byte for byte."""
+    from packstore.answering.building import BuildTimings, build_into
+    from packstore.kv.build import build_pack
+    from packstore.kv.models import load_model
+
+    lm = load_model(str(tiny_model_dir), device="cuda", progress=False)
+    facts = [f"Fact {i}: the observatory of Wexley counts {i} bells, and Alice lives in Paris with Bob." for i in range(40)]
+    sequential = encode_pack(build_pack(lm, facts), block_positions=64)
+    timings = BuildTimings()
+    with LmdbStore(tmp_path / "store") as store:
+        key, created = build_into(store, lm, facts, block_positions=64, timings=timings)
+        stored = PackReader(store).get(key)
+    assert created and timings.streamed and stored.chunks == sequential.chunks and stored.header.chunks == sequential.header.chunks
