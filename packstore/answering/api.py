@@ -10,13 +10,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from packstore.answering.answer import Answerer
+from packstore.answering.building import BuildTimings, build_into
 from packstore.answering.composing import check_composition, compose, composition_key
 from packstore.bank.bank import open_banks
 from packstore.errors import InvalidInput, PackNotFound
 from packstore.format import pack_key
 from packstore.format.body import ERRATUM_PREFIX
 from packstore.format.signature import Signature
-from packstore.kv.build import build_pack
 from packstore.kv.compose import Composition, amend, check_erratum
 from packstore.kv.models import LoadedModel
 from packstore.kv.options import ADAPTER_LEARNING_RATE, ADAPTER_STEPS, ADAPTER_TOKENS
@@ -33,6 +33,7 @@ from packstore.kv.steer import (
     key_space_of,
     steering_key,
 )
+from packstore.packs.decoder import Decoder
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import Pack, encode_pack
 from packstore.store import PackStore, StoredPack
@@ -80,9 +81,15 @@ def build_and_store(
     name: str | None = None,
     raw: bool = False,
     progress: bool = False,
+    decoder: Decoder | None = None,
+    timings: BuildTimings | None = None,
 ) -> tuple[StoredPack, bool]:
-    """Build the pack for ``facts`` on ``lm`` and store it (idempotent: same facts, same key)."""
-    return store_pack(store, build_pack(lm, facts, raw=raw, progress=progress), name=name)
+    """Build the pack for ``facts`` on ``lm`` and store it (idempotent: same facts, same key): its chunks are encoded on
+    ``decoder``'s threads (a pool of its own when None) while the prefill runs, and written as they come where the store
+    can (the LMDB tier), the same bytes as ``store_pack(store, build_pack(lm, facts))`` (``answering.building``;
+    ``timings``, if given, is filled with the seconds of each stage)."""
+    key, created = build_into(store, lm, facts, name=name, raw=raw, progress=progress, decoder=decoder, timings=timings)
+    return store.stat(key), created
 
 
 def _stored_or_none(store: PackStore, key: str, name: str | None) -> tuple[StoredPack, bool, None] | None:

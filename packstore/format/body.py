@@ -108,10 +108,15 @@ def chunk_digest(data: bytes | bytearray | memoryview, algorithm: str) -> str:
 
 def verify_chunk(header: PackHeader, index: int, data: bytes | bytearray | memoryview) -> None:
     """Raise IntegrityError if chunk ``index`` does not match its size and digest."""
-    info = header.chunks[index]
+    verify_chunk_info(header.key, index, header.chunks[index], data)
+
+
+def verify_chunk_info(key: str, index: int, info: ChunkInfo, data: bytes | bytearray | memoryview) -> None:
+    """Raise IntegrityError if chunk ``index`` of pack ``key`` does not match the size and digest of its record ``info``
+    (before the header listing it is made: a pack written as it is encoded)."""
     if len(data) != info.stored_bytes or chunk_digest(data, info.algorithm) != info.digest:
         raise IntegrityError(
-            f"pack {header.key}: chunk {index} ({describe_chunk(info)}) is damaged: checksum mismatch"
+            f"pack {key}: chunk {index} ({describe_chunk(info)}) is damaged: checksum mismatch"
         )
 
 

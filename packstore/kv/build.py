@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import torch
@@ -12,9 +14,10 @@ from transformers.cache_utils import CacheLayerMixin
 
 from packstore.errors import InvalidInput
 from packstore.format import PackHeader
+from packstore.format.body import BLOCK_POSITIONS
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import pack_prefix_ids
-from packstore.packs.tensors import Pack
+from packstore.packs.tensors import Pack, position_blocks
 
 PREFILL_CHUNK_TOKENS = 512
 # A fact an extension point is found with (``extension_point``): any line of text after the facts.
@@ -37,6 +40,7 @@ def prefill(
     cache: DynamicCache | None = None,
     boundaries: Sequence[int] | None = None,
     progress: bool = False,
+    after_pass: Callable[[DynamicCache, int], None] | None = None,
 ) -> DynamicCache:
     """Run ``token_ids`` through the model and return its KV cache; with ``cache`` they continue it (in place).
 
@@ -45,7 +49,7 @@ def prefill(
     activation memory and show progress for long packs, and the same boundaries reproduce a pack's recorded
     prefill (its header's ``prefill_chunks``) bit for bit. ``None`` runs one pass. Layers are plain full-length
     caches, also for sliding-window attention: the model's masks apply the window, and the stored pack keeps
-    every position.
+    every position. ``after_pass(cache, filled)`` runs after each pass is issued, with the cache positions filled so far.
     """
     cache = DynamicCache() if cache is None else cache
     first = cache.get_seq_length()
@@ -60,6 +64,8 @@ def prefill(
             piece = ids[:, start - first : stop - first]
             lm.model(input_ids=piece, use_cache=True, logits_to_keep=1, **{lm.cache_argument: cache})
             bar.update(piece.shape[1])
+            if after_pass is not None:
+                after_pass(cache, stop)
     return cache
 
 
@@ -119,6 +125,48 @@ def extension_point(lm: LoadedModel, facts: Sequence[str], token_ids: Sequence[i
     return common_prefix(token_ids, pack_prefix_ids(lm.tokenizer, [*facts, EXTENSION_PROBE], raw=raw))
 
 
+def knowledge_header(
+    lm: LoadedModel,
+    token_ids: Sequence[int],
+    facts: Sequence[str],
+    shape: tuple[int, int, int],
+    *,
+    raw: bool = False,
+    parents: Sequence[str] = (),
+    composition: str = "exact",
+    soft_tokens: Sequence[tuple[int, int]] = (),
+    prefill_chunks: Sequence[int] | None = None,
+    copied_from: Sequence[Mapping[str, str] | None] = (),
+) -> PackHeader:
+    """The header of a knowledge pack of ``lm`` holding K/V for ``token_ids`` (the rendering of ``facts``), and for any
+    ``soft_tokens`` between them (a packet composition), in ``shape``: (layers, KV heads, head dim).
+
+    ``prefill_chunks``: the passes that computed it, when it is the prefill of its tokens (None: unknown, or no
+    prefill). ``copied_from``: the ``built_on`` of the packs whose K/V it copies; its own ``built_on`` is ``lm``'s,
+    or unknown (None) when one of them was computed elsewhere or where unknown."""
+    here = built_on(lm)
+    header = PackHeader(
+        kind="knowledge",
+        model_fp=lm.model_fp,
+        template_fp=lm.template_fp,
+        model_name=lm.name,
+        token_ids=tuple(token_ids),
+        layers=shape[0],
+        kv_heads=shape[1],
+        head_dim=shape[2],
+        dtype=lm.dtype_name,
+        facts=tuple(facts),
+        raw=raw,
+        created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        parents=tuple(parents),
+        composition=composition,
+        soft_tokens=tuple((index, count) for index, count in soft_tokens),
+        prefill_chunks=tuple(prefill_chunks) if prefill_chunks is not None else None,
+        built_on=here if all(other == here for other in copied_from) else None,
+    )
+    return header
+
+
 def knowledge_pack(
     lm: LoadedModel,
     token_ids: Sequence[int],
@@ -132,32 +180,12 @@ def knowledge_pack(
     prefill_chunks: Sequence[int] | None = None,
     copied_from: Sequence[Mapping[str, str] | None] = (),
 ) -> Pack:
-    """A knowledge pack of ``lm`` holding ``cache``'s K/V for ``token_ids`` (the rendering of ``facts``),
-    and for any ``soft_tokens`` between them (a packet composition).
-
-    ``prefill_chunks``: the passes that computed it, when it is the prefill of its tokens (None: unknown, or no
-    prefill). ``copied_from``: the ``built_on`` of the packs whose K/V it copies; its own ``built_on`` is ``lm``'s,
-    or unknown (None) when one of them was computed elsewhere or where unknown."""
+    """A knowledge pack of ``lm`` holding ``cache``'s K/V for ``token_ids`` (the rendering of ``facts``), and for any
+    ``soft_tokens`` between them, with ``knowledge_header``'s header (the other arguments are its)."""
     keys, values = cache_tensors(cache)
-    here = built_on(lm)
-    header = PackHeader(
-        kind="knowledge",
-        model_fp=lm.model_fp,
-        template_fp=lm.template_fp,
-        model_name=lm.name,
-        token_ids=tuple(token_ids),
-        layers=len(keys),
-        kv_heads=keys[0].shape[0],
-        head_dim=keys[0].shape[2],
-        dtype=lm.dtype_name,
-        facts=tuple(facts),
-        raw=raw,
-        created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        parents=tuple(parents),
-        composition=composition,
-        soft_tokens=tuple((index, count) for index, count in soft_tokens),
-        prefill_chunks=tuple(prefill_chunks) if prefill_chunks is not None else None,
-        built_on=here if all(other == here for other in copied_from) else None,
+    header = knowledge_header(
+        lm, token_ids, facts, (len(keys), keys[0].shape[0], keys[0].shape[2]), raw=raw, parents=parents, composition=composition,
+        soft_tokens=soft_tokens, prefill_chunks=prefill_chunks, copied_from=copied_from,
     )
     return Pack(header=header, keys=keys, values=values)
 
@@ -167,8 +195,85 @@ def build_pack(lm: LoadedModel, facts: Sequence[str], *, raw: bool = False, prog
 
     The prefill runs in passes of PREFILL_CHUNK_TOKENS and ends one at ``extension_point``, and the header
     records them (``prefill_chunks``): answers with the pack are those of its text prefilled in these passes."""
-    facts = clean_facts(facts)
-    token_ids = pack_prefix_ids(lm.tokenizer, facts, raw=raw)
-    passes = prefill_boundaries(0, len(token_ids), cut=extension_point(lm, facts, token_ids, raw=raw))
+    facts, token_ids, passes = build_plan(lm, facts, raw=raw)
     cache = prefill(lm, token_ids, boundaries=passes, progress=progress)
     return knowledge_pack(lm, token_ids, facts, cache, raw=raw, prefill_chunks=passes)
+
+
+def build_plan(lm: LoadedModel, facts: Sequence[str], *, raw: bool = False) -> tuple[list[str], list[int], list[int]]:
+    """What ``build_pack`` prefills: the facts cleaned (``clean_facts``), their tokens, and the passes (PREFILL_CHUNK_TOKENS
+    each, one ending at ``extension_point``)."""
+    facts = clean_facts(facts)
+    token_ids = pack_prefix_ids(lm.tokenizer, facts, raw=raw)
+    return facts, token_ids, prefill_boundaries(0, len(token_ids), cut=extension_point(lm, facts, token_ids, raw=raw))
+
+
+@dataclass
+class KvBlock:
+    """K and V of every layer for the positions of one token block (``positions``; None: every position of a pack not
+    split into blocks), each ``[kv_heads, positions, head_dim]`` in host memory; ``ready()`` waits until their copy off
+    the device has landed (at once on the CPU)."""
+
+    positions: range | None
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    ready: Callable[[], None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+def _landed() -> None:
+    """The ``ready`` of host copies made synchronously."""
+
+
+def block_tensors(cache: DynamicCache, positions: range) -> tuple[list[torch.Tensor], list[torch.Tensor], Callable[[], None]]:
+    """K and V of every layer of ``cache`` at ``positions``, in host memory of their own (the cache's tensors are
+    replaced as it grows), and a wait for them: on CUDA copied into one pinned buffer on the current stream, after the
+    work issued on it so far and without waiting (the wait is an event's); elsewhere copied now."""
+    parts = [t[0, :, positions.start : positions.stop] for layer in cache.layers for t in layer_kv(layer)]
+    device = parts[0].device
+    if device.type == "cuda":
+        host = torch.empty(sum(part.numel() for part in parts), dtype=parts[0].dtype, pin_memory=True)
+        copies, at = [], 0
+        for part in parts:
+            copies.append(host[at : at + part.numel()].view(part.shape).copy_(part, non_blocking=True))
+            at += part.numel()
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        return copies[0::2], copies[1::2], done.synchronize
+    copies = [part.clone(memory_format=torch.contiguous_format) if device.type == "cpu" else part.to("cpu").contiguous() for part in parts]
+    return copies[0::2], copies[1::2], _landed
+
+
+def build_blocks(
+    lm: LoadedModel,
+    facts: Sequence[str],
+    take: Callable[[PackHeader, KvBlock], None],
+    *,
+    raw: bool = False,
+    progress: bool = False,
+    block_positions: int = BLOCK_POSITIONS,
+) -> PackHeader:
+    """``build_pack``, handing its K/V out as the prefill makes them: after each pass of the prefill (the same passes,
+    so the same K/V to the bit), ``take(header, block)`` is called on this thread for each token block of the pack
+    (``position_blocks`` of ``block_positions``, in order) that the passes so far have filled, its copy off the device
+    issued and not waited for (``KvBlock.ready``). The header (made at the first pass; its codec and chunks are the
+    encoder's to set) is returned once the last pass is issued."""
+    facts, token_ids, passes = build_plan(lm, facts, raw=raw)
+    waiting = deque(position_blocks(len(token_ids), block_positions))
+    made: list[PackHeader] = []
+
+    def after_pass(cache: DynamicCache, filled: int) -> None:
+        if not made:
+            first = layer_kv(cache.layers[0])[0]
+            made.append(knowledge_header(lm, token_ids, facts, (len(cache.layers), first.shape[1], first.shape[3]), raw=raw,
+                                         prefill_chunks=passes))
+        while waiting and (waiting[0].stop if waiting[0] is not None else len(token_ids)) <= filled:
+            block = waiting.popleft()
+            keys, values, ready = block_tensors(cache, block if block is not None else range(len(token_ids)))
+            take(made[0], KvBlock(block, keys, values, ready))
+
+    prefill(lm, token_ids, boundaries=passes, progress=progress, after_pass=after_pass)
+    return made[0]

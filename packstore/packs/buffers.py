@@ -6,13 +6,20 @@ of pinned host memory, reused for the life of the program (no pinned allocation 
 copy to the GPU is issued on a copy stream of its own as soon as its last chunk is in, so copies run at link speed
 while later layers still decode. A layer is handed to the model behind a fence: the model's stream waits for the
 copies issued until then, never for the whole device.
+
+``HostBuffers`` counts where it had to make do (``stats``; the worker's metrics export them): a staging request that
+waited for a copy in flight to give a pool block back, staging the pool could not hold (a pinned allocation of its
+own), and host tensors its ``PackMemory`` had no room for (ordinary pageable memory; in a CUDA worker's host cache,
+memory the GPU copies from at pageable speed).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -65,6 +72,24 @@ class BufferProvider(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class BufferStats:
+    """What a ``HostBuffers`` had to make do with since it was made. ``pool_waits``: staging requests that blocked until
+    a copy in flight gave a block of the pinned pool back, and ``pool_wait_seconds`` they blocked in all.
+    ``pool_fallbacks``: staging served outside the pool, because the pool had no room and no copy in flight would
+    give any back (a request larger than the pool, or every block held by layers still decoding): a pinned allocation
+    of its own, paid per request; and their bytes. ``memory_fallbacks``: host tensors (a pack decoded to the CPU, or
+    copied into the host cache) that the ``PackMemory`` had no room for, allocated in ordinary pageable memory
+    instead (untouched pages; in a pinned region's place, a copy to the GPU at pageable speed), and their bytes."""
+
+    pool_waits: int = 0
+    pool_wait_seconds: float = 0.0
+    pool_fallbacks: int = 0
+    pool_fallback_bytes: int = 0
+    memory_fallbacks: int = 0
+    memory_fallback_bytes: int = 0
+
+
 class HostBuffers:
     """CPU tensors from ``memory`` when it has room (else allocated as usual); CUDA tensors filled from a pinned
     staging pool of ``staging_bytes`` (made on first use) on one copy stream per device, with an event per copy so
@@ -73,7 +98,8 @@ class HostBuffers:
     (``packstore.packs.plane_join``), so the CPU threads only check and entropy-decode. ``decode_on_device``: chunks
     bound for a CUDA device are staged as stored (compressed), one block and one copy per layer, and entropy-decoded
     and joined there (``packstore.packs.device_decode``, numba-cuda: the ``gpu`` extra), so the CPU threads only check
-    digests and read frame tables; packs bound for the CPU decode on the host whatever the flag."""
+    digests and read frame tables; packs bound for the CPU decode on the host whatever the flag. ``stats()``: the
+    waits and fallbacks so far (``BufferStats``)."""
 
     def __init__(
         self,
@@ -91,6 +117,16 @@ class HostBuffers:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._in_flight: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()  # (copy done, its staging block)
         self._lock = threading.Lock()
+        self._stats = BufferStats()
+
+    def stats(self) -> BufferStats:
+        """The pool waits and the fallbacks so far."""
+        with self._lock:
+            return self._stats
+
+    def _count(self, **more: float) -> None:
+        with self._lock:
+            self._stats = BufferStats(**{name: value + more.get(name, 0) for name, value in vars(self._stats).items()})
 
     def layer_tensors(self, shape: tuple[int, ...], dtype: torch.dtype, count: int, device: torch.device) -> list[torch.Tensor]:
         if device.type == "cuda":
@@ -105,6 +141,7 @@ class HostBuffers:
         each = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
         block = self.memory.take(each * count)
         if block is None:
+            self._count(memory_fallbacks=1, memory_fallback_bytes=each * count)
             return [torch.empty(shape, dtype=dtype) for _ in range(count)]
         return [block[i * each : (i + 1) * each].view(dtype).view(shape) for i in range(count)]
 
@@ -112,10 +149,17 @@ class HostBuffers:
         if device.type != "cuda":
             return torch.empty(shape, dtype=dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-        while (block := self._staging_pool().take(nbytes)) is None:
-            if not self._wait_for_oldest_copy():  # nothing in flight to wait for: larger than the whole pool
-                return torch.empty(shape, dtype=dtype, pin_memory=True)
-        return block.view(dtype).view(shape)
+        started, waited = time.perf_counter(), False
+        try:
+            while (block := self._staging_pool().take(nbytes)) is None:
+                if not self._wait_for_oldest_copy():  # nothing in flight to wait for: no block will come back
+                    self._count(pool_fallbacks=1, pool_fallback_bytes=nbytes)
+                    return torch.empty(shape, dtype=dtype, pin_memory=True)
+                waited = True
+            return block.view(dtype).view(shape)
+        finally:
+            if waited:  # one wait per request, however many copies it waited for
+                self._count(pool_waits=1, pool_wait_seconds=time.perf_counter() - started)
 
     def copy(self, staged: torch.Tensor, place: torch.Tensor) -> None:
         if place.device.type != "cuda":

@@ -99,17 +99,41 @@ def check_tensor_digest(pack: Pack) -> None:
         raise IntegrityError(f"pack {pack.header.key}: the adapter's tensors do not match recipe.tensors_sha256")
 
 
-def _encode_chunk(pack: Pack, first: int, stop: int, block: range | None) -> tuple[bytes, ChunkInfo]:
-    """Code layers ``first`` to ``stop - 1`` (only the positions of ``block`` when given) as one chunk."""
+def position_blocks(positions: int, block_positions: int = BLOCK_POSITIONS) -> list[range | None]:
+    """The token blocks a knowledge pack of ``positions`` positions is split into, in order: blocks of
+    ``block_positions`` positions when it is longer than that, else one (None: every position)."""
+    if positions <= block_positions:
+        return [None]
+    return [range(p, min(p + block_positions, positions)) for p in range(0, positions, block_positions)]
+
+
+def token_blocks(header: PackHeader, block_positions: int = BLOCK_POSITIONS) -> list[range | None]:
+    """The position ranges a pack's layer runs are split into (``position_blocks`` of a knowledge pack; a steering
+    pack or an adapter is not split: None)."""
+    return position_blocks(header.positions, block_positions) if header.kind == "knowledge" else [None]
+
+
+def chunk_plan(header: PackHeader, block_positions: int = BLOCK_POSITIONS) -> list[tuple[int, int, range | None]]:
+    """The chunks ``encode_pack`` writes, in their order (a chunk's index is its place here): (first layer, stop layer,
+    positions or None) for each run of ``LAYERS_PER_CHUNK`` layers (a steering pack's or an adapter's layers in one
+    chunk), then each token block of the run."""
+    layers = header.body_layers
+    per_chunk = LAYERS_PER_CHUNK if header.kind == "knowledge" else len(layers)
+    blocks = token_blocks(header, block_positions)
+    runs = [(first, min(first + per_chunk, layers.stop)) for first in range(layers.start, layers.stop, per_chunk)]
+    return [(first, stop, block) for first, stop in runs for block in blocks]
+
+
+def encode_chunk(
+    header: PackHeader, first: int, stop: int, block: range | None, keys: list[torch.Tensor], values: list[torch.Tensor]
+) -> tuple[bytes, ChunkInfo]:
+    """Code layers ``first`` to ``stop - 1`` as one chunk: ``keys`` and ``values`` hold each of those layers' K and V,
+    of the positions of ``block`` alone when it is given (each ``[kv_heads, len(block), head_dim]``)."""
     tensors = {}
-    offset = pack.header.body_layers.start  # keys[i] holds body layer offset + i
-    for layer in range(first, stop):
-        k_name, v_name = pack.header.tensor_names(layer)
-        key, value = pack.keys[layer - offset], pack.values[layer - offset]
-        if block is not None:
-            key, value = key[:, block.start : block.stop], value[:, block.start : block.stop]
+    for layer, key, value in zip(range(first, stop), keys, values, strict=True):
+        k_name, v_name = header.tensor_names(layer)
         tensors[k_name], tensors[v_name] = key.contiguous(), value.contiguous()
-    stored = codec.encode(safetensors_save(tensors), pack.header.dtype)
+    stored = codec.encode(safetensors_save(tensors), header.dtype)
     info = ChunkInfo(
         first_layer=first,
         stop_layer=stop,
@@ -122,6 +146,20 @@ def _encode_chunk(pack: Pack, first: int, stop: int, block: range | None) -> tup
     return stored, info
 
 
+def _encode_chunk(pack: Pack, first: int, stop: int, block: range | None) -> tuple[bytes, ChunkInfo]:
+    """Code layers ``first`` to ``stop - 1`` of ``pack`` (only the positions of ``block`` when given) as one chunk."""
+    offset = pack.header.body_layers.start  # keys[i] holds body layer offset + i
+    keys, values = pack.keys[first - offset : stop - offset], pack.values[first - offset : stop - offset]
+    if block is not None:
+        keys, values = [k[:, block.start : block.stop] for k in keys], [v[:, block.start : block.stop] for v in values]
+    return encode_chunk(pack.header, first, stop, block, keys, values)
+
+
+def encoded_header(header: PackHeader, infos: Iterable[ChunkInfo]) -> PackHeader:
+    """``header`` as stored: the codec written, and its chunks' records in order."""
+    return dataclasses.replace(header, codec=CODEC, chunks=tuple(infos))
+
+
 def encode_pack(pack: Pack, *, block_positions: int = BLOCK_POSITIONS, decoder: Decoder | None = None) -> EncodedPack:
     """Serialize each run of ``LAYERS_PER_CHUNK`` layers as safetensors, compress and checksum it.
 
@@ -129,19 +167,10 @@ def encode_pack(pack: Pack, *, block_positions: int = BLOCK_POSITIONS, decoder: 
     many positions per layer run, so that a prefix can be read alone. A steering pack's deltas (a few KB)
     go in one chunk. Chunks are coded on ``decoder``'s threads (a short-lived pool of its own when None)."""
     pack.check_shapes()
-    header, layers = pack.header, pack.header.body_layers
-    per_chunk = LAYERS_PER_CHUNK if header.kind == "knowledge" else len(layers)
-    blocked = header.kind == "knowledge" and header.positions > block_positions
-    blocks = (
-        [range(p, min(p + block_positions, header.positions)) for p in range(0, header.positions, block_positions)] if blocked else [None]
-    )
-    plan = [
-        (first, min(first + per_chunk, layers.stop), block) for first in range(layers.start, layers.stop, per_chunk) for block in blocks
-    ]
+    plan = chunk_plan(pack.header, block_positions)
     with _using(decoder) as coder:
         results = coder.map(lambda chunk: _encode_chunk(pack, *chunk), plan)
-    header = dataclasses.replace(header, codec=CODEC, chunks=tuple(info for _, info in results))
-    return EncodedPack(header=header, chunks=[stored for stored, _ in results])
+    return EncodedPack(header=encoded_header(pack.header, (info for _, info in results)), chunks=[stored for stored, _ in results])
 
 
 @contextmanager

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from packstore.format.bank import BankMeta, Cluster
     from packstore.format.body import EncodedPack
-    from packstore.format.header import PackHeader
+    from packstore.format.header import ChunkInfo, PackHeader
     from packstore.format.signature import Signature
 
 DEFAULT_PAGE = 100
@@ -259,6 +259,28 @@ class Upload(Protocol):
     def commit(self, *, name: str | None = None, signatures: tuple[Signature, ...] = ()) -> tuple[str, bool]: ...
 
     def abort(self) -> None: ...
+
+
+class PackStream(Protocol):
+    """A pack written while it is made: its chunks with their records, in any order (from several threads), before
+    the header that lists them is known; then ``commit`` stores it whole (or ``abort`` leaves nothing). ``seconds``:
+    the time the stream spent by stage (``digest``, ``write``)."""
+
+    seconds: dict[str, float]
+
+    def add(self, index: int, data: bytes, info: ChunkInfo) -> None: ...
+
+    def commit(self, header: PackHeader, *, name: str | None = None, signatures: tuple[Signature, ...] = ()) -> tuple[str, bool]: ...
+
+    def abort(self) -> None: ...
+
+
+@runtime_checkable
+class StreamsPacks(Protocol):
+    """A tier that writes a pack while it is made (the LMDB tier: ``LmdbStream``); StoreBusy when another writer is
+    streaming the same key."""
+
+    def begin_stream(self, key: str) -> PackStream: ...
 
 
 class BankReads(Protocol):

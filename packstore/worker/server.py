@@ -85,7 +85,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.trusted = trusted
         self.host = ReadyCache(host_cache_bytes) if host_cache_bytes > 0 else None
         self.ready = ReadyCache(cache_bytes, below=self.host)
-        self.metrics = WorkerMetrics({"device": self.ready} | ({"host": self.host} if self.host else {}), self.store_reads)
+        buffers = self.decoder.buffers
+        self.metrics = WorkerMetrics(
+            {"device": self.ready} | ({"host": self.host} if self.host else {}), self.store_reads,
+            buffers.stats if isinstance(buffers, HostBuffers) else None,
+        )
         self._device_lock = DeviceLock()  # every namespace's Answerer's: generations take steps in turn (kv/device.py)
         self._answerers: dict[str, Answerer] = {}
         self._lock = threading.Lock()

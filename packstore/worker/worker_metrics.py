@@ -4,7 +4,8 @@ Series of a tenant carry a ``namespace`` label: its calls and their latency, whe
 from (the label ``tier``: ``device`` LRU hits, ``host`` cache hits, ``store`` reads), and what it holds in each ready
 cache (packs, bytes, evictions; the label keeps its name, ``tier``, for dashboards). The caches' limits are the whole
 worker's (the namespaces share them) and carry no ``namespace``, so only an operator's token reads them over the
-metrics port; each caller reads its own share in ``Status``.
+metrics port; each caller reads its own share in ``Status``. So are the decoder's host buffers' waits and fallbacks
+(``BufferCollector``: the pinned staging pool and the pack memory, shared by every namespace).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from packstore.answering.ready_caches import ReadyCache
+from packstore.packs.buffers import BufferStats
 
 
 class ReadyCacheCollector(Collector):
@@ -58,10 +60,53 @@ class ReadyCacheCollector(Collector):
         yield from (reads, packs, size, evictions, limits)
 
 
-class WorkerMetrics:
-    """The worker's registry: calls per namespace, method and code, their latency, and the ready caches (``ReadyCacheCollector``)."""
+class BufferCollector(Collector):
+    """The decoder's host buffers (``HostBuffers.stats``), read at each scrape: requests for pinned staging that waited
+    for a copy in flight to give a block back (count, seconds), and what was served outside the pinned pool or the
+    pack memory (``kind``: ``pool``, ``memory``; count, bytes). The whole worker's: no ``namespace``."""
 
-    def __init__(self, caches: Mapping[str, ReadyCache], store_reads: Callable[[], Mapping[str, int]]) -> None:
+    def __init__(self, stats: Callable[[], BufferStats]) -> None:
+        self.stats = stats
+
+    @staticmethod
+    def _families() -> tuple[CounterMetricFamily, CounterMetricFamily, CounterMetricFamily, CounterMetricFamily]:
+        return (
+            CounterMetricFamily("packstore_worker_buffer_pool_waits", "Staging requests that waited for a pinned pool block to come back"),
+            CounterMetricFamily("packstore_worker_buffer_pool_wait_seconds", "Seconds staging requests waited for a pinned pool block"),
+            CounterMetricFamily(
+                "packstore_worker_buffer_fallbacks",
+                "Host buffers served outside their pool (pool: a pinned allocation of its own; memory: pageable memory)", labels=["kind"],
+            ),
+            CounterMetricFamily(
+                "packstore_worker_buffer_fallback_bytes", "Bytes of host buffers served outside their pool", labels=["kind"]
+            ),
+        )
+
+    def describe(self) -> list[Metric]:
+        return list(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        waits, waited, fallbacks, fallback_bytes = self._families()
+        now = self.stats()
+        waits.add_metric([], now.pool_waits)
+        waited.add_metric([], now.pool_wait_seconds)
+        by_kind = (("pool", now.pool_fallbacks, now.pool_fallback_bytes), ("memory", now.memory_fallbacks, now.memory_fallback_bytes))
+        for kind, count, size in by_kind:
+            fallbacks.add_metric([kind], count)
+            fallback_bytes.add_metric([kind], size)
+        yield from (waits, waited, fallbacks, fallback_bytes)
+
+
+class WorkerMetrics:
+    """The worker's registry: calls per namespace, method and code, their latency, the ready caches (``ReadyCacheCollector``)
+    and, given ``buffers`` (the decoder's ``HostBuffers.stats``), its host buffers' waits and fallbacks (``BufferCollector``)."""
+
+    def __init__(
+        self,
+        caches: Mapping[str, ReadyCache],
+        store_reads: Callable[[], Mapping[str, int]],
+        buffers: Callable[[], BufferStats] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "packstore_worker_requests", "Worker calls finished, by namespace, method and status code", ["namespace", "method", "code"],
@@ -72,6 +117,8 @@ class WorkerMetrics:
             ["namespace", "method"], registry=self.registry,
         )
         self.registry.register(ReadyCacheCollector(caches, store_reads))
+        if buffers is not None:
+            self.registry.register(BufferCollector(buffers))
 
     def record(self, namespace: str, method: str, code: str, seconds: float) -> None:
         """Count and time one finished call (``namespace`` empty when it was refused before it had one)."""

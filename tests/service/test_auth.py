@@ -268,6 +268,9 @@ def test_the_worker_serves_evicted_packs_from_its_host_tier_and_meters_each_name
         limits = {s.labels["tier"]: s.value for s in everything if s.name == "packstore_worker_tier_limit_bytes"}
         assert limits == {"device": device_bytes, "host": host_bytes}
         assert any(s.name == "packstore_worker_requests_total" and s.labels["namespace"] == "b" for s in everything)
+        buffers = {(s.name, s.labels.get("kind")) for s in everything if s.name.startswith("packstore_worker_buffer_")}
+        assert ("packstore_worker_buffer_pool_waits_total", None) in buffers  # the decoder's buffers: the operator's alone
+        assert ("packstore_worker_buffer_fallbacks_total", "memory") in buffers
         for secret in (None, "not-a-token"):
             with pytest.raises(urllib.error.HTTPError) as refused:
                 scrape(worker, secret)

@@ -5,12 +5,14 @@ except the parts that hold on every device."""
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
 
 from packstore.packs.buffers import HostBuffers
 from packstore.packs.decoder import Decoder
+from packstore.packs.memory import PackMemory
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import ArrivingPack, encode_pack, start_copy
 from packstore.store import LmdbStore
@@ -34,6 +36,51 @@ def test_a_host_pack_started_on_the_cpu_is_the_pack_itself() -> None:
 def test_every_device_has_a_fence_and_the_cpus_waits_for_nothing() -> None:
     fence = HostBuffers().fence(torch.device("cpu"))
     assert fence() is None
+
+
+class CopyInFlight:
+    """Where a CUDA event stands for a copy in flight (the only stand-in here: CPU machines have no CUDA event): it
+    completes ``seconds`` after it is made, on a timer."""
+
+    def __init__(self, seconds: float) -> None:
+        self._done = threading.Event()
+        threading.Timer(seconds, self._done.set).start()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+
+def test_staging_counts_its_waits_for_the_pinned_pool_and_what_it_served_outside_it() -> None:
+    buffers = HostBuffers(staging_bytes=4096)
+    buffers._pool = PackMemory(4096)  # the pool as made on first use, unpinned here (pinning needs CUDA)
+    held = buffers.staging((1024,), torch.float32, CUDA)  # the whole pool, then handed to a copy still in flight
+    buffers._in_flight.append((CopyInFlight(0.05), held))  # type: ignore[arg-type]
+    del held
+    again = buffers.staging((1024,), torch.float32, CUDA)  # waits for that copy to give the block back
+    stats = buffers.stats()
+    assert (stats.pool_waits, stats.pool_fallbacks) == (1, 0) and stats.pool_wait_seconds >= 0.04
+    if not torch.cuda.is_available():  # a request the pool cannot serve, nothing in flight: a pinned allocation of its own
+        return
+    outside = buffers.staging((4096,), torch.float32, CUDA)
+    assert outside.is_pinned() and again.data_ptr() != outside.data_ptr()
+    assert (buffers.stats().pool_fallbacks, buffers.stats().pool_fallback_bytes) == (1, 16384)
+
+
+@cuda
+def test_a_fetch_through_a_small_pool_waits_for_it_and_counts_the_waits(tmp_path) -> None:
+    pack = make_pack(dtype="bfloat16", layers=4, tokens=300, heads=2, dim=32)
+    buffers = HostBuffers(staging_bytes=100 << 10)  # one layer's K and V (38,400 bytes each) and a little: not two
+    with LmdbStore(tmp_path / "store") as store, Decoder(workers=1, buffers=buffers) as decoder:  # layers in turn
+        key, _ = store.put(encode_pack(pack, block_positions=64))
+        with torch.cuda.stream(buffers._stream(CUDA)):
+            torch.cuda._sleep(50_000_000)  # the copy stream kept busy: each layer's copies are still in flight for the next
+        fetched = PackReader(store, decoder).fetch(key, device="cuda")
+    assert same(fetched.keys, pack.keys) and same(fetched.values, pack.values)
+    stats = buffers.stats()
+    assert stats.pool_waits > 0 and stats.pool_wait_seconds > 0 and stats.pool_fallbacks == 0 == stats.memory_fallbacks
 
 
 @cuda
@@ -100,3 +147,21 @@ def test_the_model_answers_the_same_with_a_pack_fetched_to_cuda(tmp_path) -> Non
         with torch.inference_mode():
             got = model(input_ids=ids[:, 280:], past_key_values=cache_from_pack(arriving, CUDA)).logits
     assert torch.equal(got, expected)
+
+
+@cuda
+def test_a_build_on_cuda_overlapped_with_its_prefill_stores_the_sequential_builds_bytes(tiny_model_dir, tmp_path) -> None:
+    """The blocks copied off the GPU on the model's stream while later passes run (``kv.build.block_tensors``) hold
+    what the whole cache copied after the prefill holds: the same chunks, byte for byte."""
+    from packstore.answering.building import BuildTimings, build_into
+    from packstore.kv.build import build_pack
+    from packstore.kv.models import load_model
+
+    lm = load_model(str(tiny_model_dir), device="cuda", progress=False)
+    facts = [f"Fact {i}: the observatory of Wexley counts {i} bells, and Alice lives in Paris with Bob." for i in range(40)]
+    sequential = encode_pack(build_pack(lm, facts), block_positions=64)
+    timings = BuildTimings()
+    with LmdbStore(tmp_path / "store") as store:
+        key, created = build_into(store, lm, facts, block_positions=64, timings=timings)
+        stored = PackReader(store).get(key)
+    assert created and timings.streamed and stored.chunks == sequential.chunks and stored.header.chunks == sequential.header.chunks

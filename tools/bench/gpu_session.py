@@ -156,7 +156,7 @@ def bench_commands(c: Context) -> list[list[str]]:
 
 def worker_commands(c: Context) -> list[list[str]]:
     sizes = ["--worker-sizes", "300", "--worker-repeats", "1"] if c.dry_run else ["--worker-sizes", "2048", "8000", "--worker-repeats", "2"]
-    return [c.module("tools.bench.bench_gpu", *bench_common(c), "--no-ttft", "--no-fetch", "--no-build", "--no-decode", "--repeats", "1",
+    return [c.module("tools.bench.bench_gpu", *bench_common(c), "--no-ttft", "--no-fetch", "--no-build", "--no-decode", "--no-convoy", "--repeats", "1",
                      *sizes, "--workdir", c.work / "bench_worker", "--logs", c.records / "servers", "--out", c.records / "bench_worker.jsonl")]
 
 
@@ -179,7 +179,8 @@ STEPS = (
     Step("decode_check", 40, 10, decode_commands, about="packstore.packs.device_decode.unavailable(cuda): the kernel compiles"),
     Step("tests", 75, 30, test_commands, about="the CUDA paths: " + " ".join(TEST_FILES)),
     Step("host_probe", 40, 15, probe_commands, about="memcpy and blake3 by threads, host-to-device on 1 and 2 streams"),
-    Step("bench", 200, 60, bench_commands, about="bench_gpu 8B at 2k/8k/32k: build, first token, fetch, decode by stage"),
+    Step("bench", 200, 60, bench_commands, about="bench_gpu 8B at 2k/8k/32k: build sequential and overlapped by stage, first token "
+         "(stored, hosted, floor, prefill), fetch and pool waits, decode by stage and the GIL convoy at 8k"),
     Step("bench_worker", 130, 60, worker_commands, about="bench_gpu 8B: packstore serve + worker over gRPC, cold and warm"),
     Step("exactness", 90, 40, exactness_commands, about="eval_exactness on the 1B random shape, bf16 and fp32"),
 )

@@ -8,6 +8,7 @@ import itertools
 import os
 import shutil
 import struct
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -19,7 +20,8 @@ import lmdb
 
 from packstore.errors import IntegrityError, InvalidInput, PackNotFound, StoreBusy, Unavailable
 from packstore.format import EncodedPack, PackHeader, parse_key
-from packstore.format.body import chunks_for, verify_chunk
+from packstore.format.body import chunks_for, verify_chunk, verify_chunk_info
+from packstore.format.header import ChunkInfo
 from packstore.format.signature import Signature
 from packstore.store.lmdb.banks import LmdbBankTables
 from packstore.store.lmdb.integrity import check_structure
@@ -41,6 +43,8 @@ from packstore.store.summaries import pack_stored_bytes, parse_summary, summary_
 STORE_LAYOUT_VERSION = b"2"  # 2 added summaries, key_names, by_name and the running counters
 LOCK_FILE = "packstore.lock"
 STALE_UPLOAD_SECONDS = 3600
+STREAM_BATCH_BYTES = 64 << 20  # chunks of a pack written as it is made (``LmdbStream``) go to disk this many bytes a transaction
+CLAIM = b"@claim"  # a ``staging`` key ending so is a stream's claim on a pack key (its value: "<unix time> <pack key>")
 T = TypeVar("T")
 V = TypeVar("V", bound=bytes | memoryview)  # what a transaction hands out: bytes, or memoryviews with buffers
 
@@ -84,6 +88,18 @@ def _prefix_scan(txn: lmdb.Transaction[V], db: lmdb._Database | None, prefix: by
         if not key.startswith(prefix):
             return
         yield key, value
+
+
+def _claims_in(txn: lmdb.Transaction[bytes], staging: lmdb._Database | None) -> Iterator[tuple[bytes, tuple[float, str]]]:
+    """Every stream's claim in ``staging``: (its staging key, (when it was last refreshed, the pack key it claims))."""
+    for found in txn.cursor(db=staging).iternext(values=False):
+        if found.endswith(CLAIM):
+            when, key = (txn.get(found, db=staging) or b"0 ").decode().split(" ", 1)
+            yield bytes(found), (float(when), key)
+
+
+def _claim_value(key: str) -> bytes:
+    return f"{time.time():.0f} {key}".encode()
 
 
 def _names_at(cursor: lmdb.Cursor[bytes], key: str) -> tuple[str, ...]:
@@ -237,16 +253,17 @@ class LmdbStore(LmdbBankTables):
         self,
         txn: lmdb.Transaction[bytes],
         header: PackHeader,
-        chunk: Callable[[int], bytes],
+        chunk: Callable[[int], bytes] | None,
         name: str | None,
         signatures: tuple[Signature, ...] = (),
     ) -> bool:
-        """Write chunks (``chunk(i)`` gives chunk i), header and name unless the key is stored, and any
-        (checked) signatures; True if new."""
+        """Write chunks (``chunk(i)`` gives chunk i; None: they are in place already), header and name unless the key
+        is stored, and any (checked) signatures; True if new."""
         key = header.key
         created = txn.get(key.encode(), db=self._packs) is None
         if created:
-            for index in range(len(header.chunks)):
+            for index in range(len(header.chunks) if chunk is not None else 0):
+                assert chunk is not None
                 txn.put(_chunk_key(key, index), chunk(index), db=self._chunks)
             header_json = header.to_json()
             size = pack_stored_bytes(header, header_json)
@@ -520,6 +537,13 @@ class LmdbStore(LmdbBankTables):
         header.validate(encoded=True)
         return LmdbUpload(self, header)
 
+    def begin_stream(self, key: str) -> LmdbStream:
+        """Start writing pack ``key`` as it is made (``LmdbStream``): its chunks before its header is known.
+        StoreBusy when another stream, in this process or another, is writing the same key."""
+        if not parse_key(key):
+            raise InvalidInput(f"not a pack key: {key!r}")
+        return LmdbStream(self, key)
+
     def keys(self) -> builtins.list[str]:
         """Every stored key, whether or not its header still parses, and any key the listing index
         holds without a header (only damage causes one), so that verify reports it."""
@@ -542,10 +566,11 @@ class LmdbStore(LmdbBankTables):
 
         def body(txn: lmdb.Transaction[bytes]) -> tuple[int, int, int]:
             cutoff = time.time() - STALE_UPLOAD_SECONDS
-            stale = [k for k, _ in txn.cursor(db=self._staging) if int(k.split(b"-", 1)[0]) < cutoff]
+            claims = dict(_claims_in(txn, self._staging))  # a stream's chunks are no orphans while its claim is fresh
+            stale = [k for k, _ in txn.cursor(db=self._staging) if (claims[k][0] if k in claims else int(k.split(b"-", 1)[0])) < cutoff]
             for k in stale:
                 txn.delete(k, db=self._staging)
-            live = {k.decode() for k, _ in txn.cursor(db=self._packs)}
+            live = {k.decode() for k, _ in txn.cursor(db=self._packs)} | {key for when, key in claims.values() if when >= cutoff}
             orphans = [(k, len(v)) for k, v in txn.cursor(db=self._chunks) if _pack_of_chunk(k) not in live]
             dangling = [k.decode().split("/", 1) for k, v in txn.cursor(db=self._names) if v.decode() not in live]
             for k, _ in orphans:
@@ -634,6 +659,137 @@ class LmdbUpload:
         self.store._write(lambda txn: [txn.delete(self._staging_key(i), db=self.store._staging) for i in range(received)])
 
 
+class LmdbStream:
+    """A pack written while it is made (``LmdbStore.begin_stream``; ``answering.building`` encodes a pack as its prefill
+    runs): its chunks come in any order, each checked against its own record (``ChunkInfo``, as ``put`` checks every
+    chunk) and written under its final key in a transaction of about ``STREAM_BATCH_BYTES`` with others (memory holds
+    one batch, never the pack, and the disk works while the pack is still being made); ``commit`` writes the rest and
+    the header in one transaction, so the pack is listed, read or named whole or not at all. ``add`` may be called from
+    several threads.
+
+    Meanwhile the stream claims the key (a record in ``staging``, refreshed with each batch): ``gc`` leaves the chunks
+    of a freshly claimed key alone, and a second stream of the same key is refused (StoreBusy). A ``put`` or an upload
+    of the same pack may still come first: every batch and the commit look for the header in their own transaction,
+    and once it is there the stream writes nothing more (its commit returns created False). ``abort`` removes what it
+    wrote; a process that dies mid-stream leaves chunks no header lists, which ``gc`` removes once the claim is
+    ``STALE_UPLOAD_SECONDS`` old. ``seconds``: time spent checking chunks (``digest``) and writing them as they came
+    (``write``; the commit's own is not counted).
+    ``stored``: the pack is stored already (by another writer), so nothing more is written."""
+
+    def __init__(self, store: LmdbStore, key: str) -> None:
+        self.store, self.key = store, key
+        self.seconds = {"digest": 0.0, "write": 0.0}
+        self._claim = f"{int(time.time())}-{uuid.uuid4().hex}".encode() + CLAIM
+        self._records: dict[int, ChunkInfo] = {}
+        self._written: set[int] = set()
+        self._batch: list[tuple[int, bytes]] = []
+        self._batch_bytes = 0
+        self._lock = threading.Lock()  # the records, the batch and the seconds
+        self._writing = threading.Lock()  # one write of this stream at a time
+        self._open = True
+        self.stored = store._write(self._claim_in)
+
+    def _claim_in(self, txn: lmdb.Transaction[bytes]) -> bool:
+        """Claim the key unless the pack is stored (True) or another stream claims it freshly (StoreBusy)."""
+        store = self.store
+        if txn.get(self.key.encode(), db=store._packs) is not None:
+            return True
+        cutoff = time.time() - STALE_UPLOAD_SECONDS
+        if any(key == self.key and when >= cutoff for _, (when, key) in _claims_in(txn, store._staging)):
+            raise StoreBusy(f"pack {self.key} is being written by another build; try again when it is done")
+        txn.put(self._claim, _claim_value(self.key), db=store._staging)
+        return False
+
+    def add(self, index: int, data: bytes, info: ChunkInfo) -> None:
+        """Chunk ``index``, its bytes and its record: checked against each other, then written with the next batch."""
+        started = time.perf_counter()
+        verify_chunk_info(self.key, index, info, data)
+        checked = time.perf_counter()
+        with self._lock:
+            if not self._open:
+                raise InvalidInput(f"pack {self.key}: the stream is closed")
+            if index < 0 or index in self._records:
+                raise InvalidInput(f"pack {self.key}: chunk {index} came {'twice' if index >= 0 else 'with a negative index'}")
+            self._records[index] = info
+            self.seconds["digest"] += checked - started
+            if self.stored:
+                return
+            self._batch.append((index, data))
+            self._batch_bytes += len(data)
+            if self._batch_bytes < STREAM_BATCH_BYTES:
+                return
+            batch, self._batch, self._batch_bytes = self._batch, [], 0
+        self._write(batch)
+
+    def _write(self, batch: list[tuple[int, bytes]]) -> None:
+        started = time.perf_counter()
+        with self._writing:
+            stored = self.store._write(lambda txn: self._write_in(txn, batch))
+        with self._lock:
+            self.seconds["write"] += time.perf_counter() - started
+            if stored:
+                self.stored = True
+            else:
+                self._written.update(index for index, _ in batch)
+
+    def _write_in(self, txn: lmdb.Transaction[bytes], batch: list[tuple[int, bytes]]) -> bool:
+        """Write ``batch`` and refresh the claim, unless the pack is stored by now (True: then nothing)."""
+        store = self.store
+        if txn.get(self.key.encode(), db=store._packs) is not None:
+            return True
+        for index, data in batch:
+            txn.put(_chunk_key(self.key, index), data, db=store._chunks)
+        txn.put(self._claim, _claim_value(self.key), db=store._staging)
+        return False
+
+    def commit(self, header: PackHeader, *, name: str | None = None, signatures: tuple[Signature, ...] = ()) -> tuple[str, bool]:
+        """Store the pack whose header is ``header`` (every chunk it lists added, each matching its record there), with
+        the chunks not yet written, its name and any signatures, in one transaction; returns ``(key, created)``."""
+        header.validate(encoded=True)
+        if header.key != self.key:
+            raise InvalidInput(f"the stream writes pack {self.key}, not {header.key}")
+        if name is not None:
+            check_name(name)
+        EncodedPack(header, [], tuple(signatures)).check_signatures()
+        with self._lock:
+            records = [self._records.get(index) for index in range(len(header.chunks))]
+            if len(self._records) != len(header.chunks) or records != list(header.chunks):
+                raise InvalidInput(f"pack {self.key}: the chunks added are not those its header lists")
+            self._open = False
+            batch, self._batch = self._batch, []
+        store = self.store
+
+        def body(txn: lmdb.Transaction[bytes]) -> bool:
+            if txn.get(self.key.encode(), db=store._packs) is None:
+                for index, data in batch:
+                    txn.put(_chunk_key(self.key, index), data, db=store._chunks)
+                cursor = txn.cursor(db=store._chunks)
+                for index in range(len(header.chunks)):
+                    if not cursor.set_key(_chunk_key(self.key, index)):
+                        raise Unavailable(f"pack {self.key}: chunk {index}, written while it was made, is gone; build it again")
+            created = store._commit_in(txn, header, None, name, signatures)
+            txn.delete(self._claim, db=store._staging)
+            return created
+
+        with self._writing:
+            created = store._write(body)
+        return self.key, created
+
+    def abort(self) -> None:
+        """Remove the chunks written and the claim (unless the pack was stored meanwhile: they are its own then)."""
+        with self._lock:
+            self._open = False
+            self._batch = []
+        store = self.store
+
+        def body(txn: lmdb.Transaction[bytes]) -> None:
+            if txn.get(self.key.encode(), db=store._packs) is None:
+                for index in sorted(self._written):
+                    txn.delete(_chunk_key(self.key, index), db=store._chunks)
+            txn.delete(self._claim, db=store._staging)
+
+        with self._writing:
+            store._write(body)
 if TYPE_CHECKING:  # mypy proves the tier is each interface its users take it as (isinstance checks only at run time)
     _served: type[ServedStore] = LmdbStore
     _migrated: type[BankRecords] = LmdbStore
