@@ -83,3 +83,13 @@ def test_a_pack_built_under_a_mode_records_it_and_answers_as_its_text_there(tiny
         assert answer.token_ids == answer_with_text(tiny_lm, facts, "Which river flows through Wexley?", sampling=greedy).token_ids
     assert "exactness" not in build_pack(tiny_lm, facts).header.built_on  # the default is written as its absence
 
+
+def test_a_worker_refuses_an_unknown_mode_before_loading_its_model(tmp_path, monkeypatch) -> None:
+    from packstore.store import StoreSpec
+    from packstore.worker import server
+    from packstore.worker.config import WorkerConfig
+    from packstore.worker.server import run_worker
+
+    monkeypatch.setattr(server, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(InvalidInput, match="unknown exactness mode 'fast'"):
+        run_worker(WorkerConfig(model="smollm2-135m", store=StoreSpec.of(tmp_path / "store"), exactness="fast", reserve_memory=False))
