@@ -179,3 +179,17 @@ def test_a_composition_records_the_machine_only_where_every_part_was_computed_al
         assert strict.header.built_on == {**here, "exactness": "deterministic"}
         assert compose_exact(tiny_lm, base, [later.header]).pack.header.built_on is None  # base was computed in the default mode
     assert strict.header.key == base.header.key  # the mode is not the key either
+
+
+def test_an_engine_capture_gives_the_machine_it_recorded() -> None:
+    """packstore.vllm writes ``exactness.machine`` of the vLLM process into the capture's metadata; a capture from
+    before it (or one whose record is not JSON) gives the device type alone, and the pack is then version 5."""
+    from packstore.kv.engine_build import machine_of
+
+    here = machine(torch.device("cpu"))
+    assert machine_of({"device": "cpu", "built_on": json.dumps(here)}) == here
+    assert machine_of({"device": "cuda"}) == {"device": "cuda"} and machine_of({}) == {"device": "cpu"}
+    assert machine_of({"device": "cpu", "built_on": "{not json"}) == {"device": "cpu"}
+    engine = {"name": "vllm", "version": "0.32.0", "block_size": 32}
+    assert recorded({**machine_of({"device": "cpu"}), "dtype": "float32"}, engine=engine).version == 5
+    assert recorded({**machine_of({"built_on": json.dumps(here)}), "dtype": "float32"}, engine=engine).version == 6
