@@ -11,6 +11,7 @@ fails while loading is reported as failed blocks, which vLLM recomputes; the rea
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 from packstore.answering.paged import COUNTERS, PackMatcher, PackPlan, ServedModel, blocks_of, slot_mapping
 from packstore.answering.ready_caches import ReadyCache
 from packstore.kv.engine_build import CAPTURE_FILE
+from packstore.kv.exactness import machine
 from packstore.kv.identity import directory_model_fingerprint, directory_template_fingerprint
 from packstore.packs.decoder import Decoder
 from packstore.packs.reader import PackReader
@@ -397,8 +399,9 @@ class PackstoreConnector(KVConnectorBase_V1):
             tensors[f"k.{index}"] = torch.cat([k for k, _ in rows])
             tensors[f"v.{index}"] = torch.cat([v for _, v in rows])
         target = Path(self.settings.capture_dir) / CAPTURE_FILE
-        device = next(iter(self._captured.values()))[0][0].device.type
-        save_file(tensors, target.with_suffix(".partial"), metadata={"engine": "vllm", "version": vllm_version, "device": device})
+        device = next(iter(self._captured.values()))[0][0].device
+        about = {"engine": "vllm", "version": vllm_version, "device": device.type, "built_on": json.dumps(machine(device))}
+        save_file(tensors, target.with_suffix(".partial"), metadata=about)
         os.replace(target.with_suffix(".partial"), target)
 
     def _reader(self, namespace: str) -> PackReader:

@@ -8,6 +8,7 @@ import sys
 from packstore import __version__
 from packstore.cli.program import CommandLine, emit_json
 from packstore.cli.store_options import connection_options, spec_of
+from packstore.format.header import EXACTNESS_MODES
 from packstore.worker.config import DEFAULT_CACHE_BYTES, DEFAULT_LISTEN, DEFAULT_MAX_CONCURRENT, WorkerConfig
 
 
@@ -90,6 +91,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         chat_template=args.chat_template or "",
         threads=args.threads,
+        exactness=args.exactness,
         metrics=args.metrics or "",
         http=args.http or "",
         max_concurrent=args.max_concurrent,
@@ -208,6 +210,12 @@ def build_cli() -> CommandLine:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--chat-template", metavar="FILE")
     p.add_argument("--threads", type=int, metavar="N", help="CPU threads for the model (default: torch's, one per core)")
+    p.add_argument(
+        "--exactness", default="default", choices=EXACTNESS_MODES,
+        help="the exactness mode the model runs under, packs built here included (recorded in their built_on): deterministic "
+        "(deterministic algorithms, reduced-precision reductions off), sdpa-B (one attention backend), or both; default: "
+        "torch as it comes",
+    )
     p.add_argument(
         "--metrics", metavar="HOST:PORT",
         help="serve Prometheus metrics here (:PORT or PORT: on loopback; with --auth, a scrape needs a bearer token, "

@@ -15,11 +15,11 @@ from typing import Any, NoReturn
 from packstore.errors import IntegrityError, InvalidInput, PackMismatch
 
 FORMAT_NAME = "packstore-pack"
-FORMAT_VERSION = 5  # the newest version this build reads and writes (docs/format.md §7)
-READ_VERSIONS = (1, 2, 3, 4, 5)
+FORMAT_VERSION = 6  # the newest version this build reads and writes (docs/format.md §7)
+READ_VERSIONS = (1, 2, 3, 4, 5, 6)
 # The chunk digest of each version (docs/format.md §1.3): sha256 up to version 3; BLAKE3-256, which hashes at
 # several times sha256's speed and is as cryptographic, from version 4. Headers and keys stay sha256.
-CHUNK_DIGESTS = {1: "sha256", 2: "sha256", 3: "sha256", 4: "blake3", 5: "blake3"}
+CHUNK_DIGESTS = {1: "sha256", 2: "sha256", 3: "sha256", 4: "blake3", 5: "blake3", 6: "blake3"}
 CHUNK_DIGEST = CHUNK_DIGESTS[FORMAT_VERSION]  # what writers use
 # "knowledge": the K/V of a prefix (versions 1 and 2); without prefix tokens (version 3): "steering",
 # per-layer K/V deltas made from contrastive pairs (docs/format.md §4.3), and "adapter", trained
@@ -64,6 +64,21 @@ MAX_CODEC_CHARS = 64
 MAX_CHUNK_STORED_BYTES = 1 << 40
 # A device type as torch names it ("cpu", "cuda", "mps", "xpu", ...): what ``built_on.device`` records.
 _DEVICE_TYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+# Version 6 (docs/format.md §1.1): ``built_on`` names the machine and software that computed the K/V, not only the device
+# type and dtype: torch's version on every device, and by device type what else decides the arithmetic's last bits.
+# CUDA: the GPU's name, compute capability ("9.0"), SM count and CUDA version ("hip X" on ROCm); CPU: the vector
+# instruction set torch's kernels dispatch to (torch.backends.cpu.get_cpu_capability: "AVX2", "AVX512", "NEON", ...).
+BUILT_ON_MACHINE = {"cuda": ("capability", "cuda", "gpu", "sms"), "cpu": ("capability",)}
+# The exactness mode the K/V was computed under (packstore.kv.exactness), when not the default: deterministic
+# algorithms (with reduced-precision reductions off) and/or one pinned attention (SDPA) backend.
+SDPA_BACKENDS = ("math", "efficient", "flash", "cudnn")
+EXACTNESS_MODES = (
+    "default", "deterministic", *(f"sdpa-{b}" for b in SDPA_BACKENDS), *(f"deterministic+sdpa-{b}" for b in SDPA_BACKENDS)
+)
+MAX_GPU_NAME_CHARS = 256
+MAX_SMS = 1 << 16
+_CUDA_CAPABILITY = re.compile(r"[0-9]{1,3}\.[0-9]{1,3}")
+_CPU_CAPABILITY = re.compile(r"[A-Za-z0-9_]{1,32}")
 # A serving engine that computed a pack's K/V with its own prefill (version 5, docs/format.md §1.1): its name, its
 # version and the KV cache block size it ran with. Packs built by packstore's own transformers path have none.
 ENGINES = ("vllm",)
@@ -206,11 +221,12 @@ class PackHeader:
     soft_tokens: tuple[tuple[int, int], ...] = ()  # packet compositions: (token index, count) of soft tokens before it
     # How the K/V was computed (docs/format.md §1.1), None where unknown (packs written before these fields):
     # an exact knowledge pack's prefill as the cache positions its forward passes started at, then ``tokens``;
-    # and the device type and compute dtype it ran on, ``{"device": "cuda", "dtype": "bfloat16"}``.
+    # and what it ran on: the device type and compute dtype, ``{"device": "cuda", "dtype": "bfloat16"}`` up to version 5,
+    # and from version 6 the machine and software too (``torch``, and on CUDA ``gpu``, ``capability``, ``sms``, ``cuda``).
     prefill_chunks: tuple[int, ...] | None = None
-    built_on: Mapping[str, str] | None = None
+    built_on: Mapping[str, Any] | None = None
     # The serving engine whose own prefill computed the K/V (``{"name": "vllm", "version": ..., "block_size": ...}``),
-    # None for packstore's own build: version 5, and part of the key's recipe.
+    # None for packstore's own build: version 5 (6 where built_on names the machine), and part of the key's recipe.
     engine: Mapping[str, Any] | None = None
 
     @property
@@ -264,9 +280,11 @@ class PackHeader:
 
     @property
     def version(self) -> int:
-        """The oldest format version that holds this header: 5 when an engine computed it; 4 once its chunks have
-        BLAKE3 digests (every other pack written now), else its ``layout`` (a pack written before version 4, or a
-        header not yet encoded)."""
+        """The oldest format version that holds this header: 6 when ``built_on`` names the machine (every pack
+        packstore builds now); 5 when an engine computed it; 4 once its chunks have BLAKE3 digests, else its ``layout``
+        (a pack written before version 4, or a header not yet encoded)."""
+        if _names_machine(self.built_on):
+            return 6
         if self.engine is not None:
             return 5
         return 4 if self.chunks and self.chunks[0].algorithm == "blake3" else self.layout
@@ -340,8 +358,10 @@ class PackHeader:
                 f"pack format version {version!r} is not supported (this build reads versions 1 to {FORMAT_VERSION})"
             )
         layout = version if version < 4 else _layout_of(record)
-        if (version == 5) != ("engine" in record):
-            raise _field_error("engine", "is in exactly the version-5 headers (packs an engine prefilled)")
+        if "engine" in record and version < 5 or version == 5 and "engine" not in record:
+            raise _field_error("engine", "is in exactly the version-5 headers (packs an engine prefilled), and in version-6 ones")
+        if (version >= 6) != _names_machine(record.get("built_on")):
+            raise _field_error("built_on", "names the machine (torch's version and more) in exactly the version-6 headers")
         for name in _VERSION_FIELDS:
             if name not in _VERSION_FIELDS_OF[layout] and name in record:
                 kind = "" if layout == version else f" of a {record.get('kind')!s:.20} pack"
@@ -379,7 +399,7 @@ class PackHeader:
             prefill_chunks=tuple(record["prefill_chunks"]) if record["prefill_chunks"] is not None else None,
         )
         derived = {
-            "version": header.version,  # 5 with an engine, else 4 exactly when its chunks have BLAKE3 digests
+            "version": header.version,  # 6 naming the machine, 5 with an engine, else 4 with BLAKE3 digests
             "tokens": header.tokens,
             "content_hash": header.content_hash,
             "source_sha256": facts_digest(header.facts),
@@ -447,7 +467,7 @@ def _tensor_names(kind: str, layer: int) -> tuple[str, str]:
         return "soft.header", "soft.trailer"
     return f"layers.{layer}.key", f"layers.{layer}.value"
 _SEQUENCE_FIELDS = ("token_ids", "facts", "parents", "chunks", "soft_tokens", "prefill_chunks")
-_OPTIONAL_FIELDS = ("prefill_chunks", "built_on", "engine")  # absent where unknown (engine: version 5 only)
+_OPTIONAL_FIELDS = ("prefill_chunks", "built_on", "engine")  # absent where unknown (engine: versions 5 and 6 only)
 _DERIVED_FIELDS = ("tokens", "content_hash", "source_sha256")
 _BLOCK_FIELDS = ("first_position", "stop_position")  # a token block's entry has these two as well
 _CHUNK_FIELDS = ("first_layer", "stop_layer", "raw_bytes", "stored_bytes")  # and the digest, named by its algorithm
@@ -486,6 +506,16 @@ def _check_str(name: str, value: Any, max_chars: int) -> None:
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if type(value) is not str or value not in choices:
         _refuse(name, f"one of {', '.join(map(repr, choices))}", value)
+
+
+def _check_name(name: str, value: Any, max_chars: int) -> None:
+    if type(value) is not str or not 1 <= len(value) <= max_chars:
+        _refuse(name, f"a string of 1 to {max_chars} characters", value)
+
+
+def _check_pattern(name: str, value: Any, pattern: re.Pattern[str], rule: str) -> None:
+    if type(value) is not str or not pattern.fullmatch(value):
+        _refuse(name, rule, value)
 
 
 def _check_hex64(name: str, value: Any) -> None:
@@ -528,7 +558,7 @@ def _check_fields(record: Mapping[str, Any]) -> None:
         _refuse("parents", f"the keys of at least 2 parts for a {record['composition']} composition", parents)
     _check_soft_tokens(record)
     _check_prefill_chunks(record)
-    _check_built_on(record.get("built_on"))
+    _check_built_on(record.get("built_on"), record["version"])
     _check_engine(record)
     if record["kind"] == "steering":
         _check_steering(record)
@@ -585,16 +615,43 @@ def _check_prefill_chunks(record: Mapping[str, Any]) -> None:
         previous = position
 
 
-def _check_built_on(built_on: Any) -> None:
-    """Where the K/V was computed: exactly a device type and a dtype."""
+def _names_machine(built_on: Any) -> bool:
+    """Whether ``built_on`` is version 6's: it records torch's version (and the machine)."""
+    return isinstance(built_on, Mapping) and "torch" in built_on
+
+
+def _check_built_on(built_on: Any, version: int) -> None:
+    """Where the K/V was computed: up to version 5 exactly a device type and a dtype; from version 6 also torch's
+    version and what the device type decides (``BUILT_ON_MACHINE``), and an exactness mode other than the default."""
     if built_on is None:
         return
-    if not isinstance(built_on, Mapping) or set(built_on) != {"device", "dtype"}:
-        _refuse("built_on", "an object with exactly the fields device, dtype", built_on)
-    device = built_on["device"]
+    if not isinstance(built_on, Mapping):
+        _refuse("built_on", "an object", built_on)
+    if version < 6 and set(built_on) != {"device", "dtype"}:
+        rule = f"an object with exactly the fields device, dtype in a version-{version} header (with torch: version 6)"
+        _refuse("built_on", rule, built_on)
+    device = built_on.get("device")
     if type(device) is not str or not _DEVICE_TYPE.fullmatch(device):
         _refuse("built_on.device", 'a device type (lowercase letters, digits and _, at most 32 characters: "cpu", "cuda")', device)
+    if version >= 6:
+        needed = {"device", "dtype", "torch", *BUILT_ON_MACHINE.get(device, ())}
+        if not needed <= set(built_on) <= needed | {"exactness"}:
+            fields_named = ", ".join(sorted(needed))
+            _refuse("built_on", f"an object with exactly the fields {fields_named} (and exactness) for a {device} device", built_on)
     _check_choice("built_on.dtype", built_on["dtype"], DTYPES)
+    if version < 6:
+        return
+    _check_name("built_on.torch", built_on["torch"], MAX_CODEC_CHARS)
+    if device == "cuda":
+        _check_name("built_on.gpu", built_on["gpu"], MAX_GPU_NAME_CHARS)
+        _check_pattern("built_on.capability", built_on["capability"], _CUDA_CAPABILITY, 'major.minor, "9.0"')
+        _check_int("built_on.sms", built_on["sms"], 1, MAX_SMS)
+        _check_name("built_on.cuda", built_on["cuda"], MAX_CODEC_CHARS)
+    elif device == "cpu":
+        instruction_set = 'a vector instruction set as torch names it, "AVX512"'
+        _check_pattern("built_on.capability", built_on["capability"], _CPU_CAPABILITY, instruction_set)
+    if "exactness" in built_on:
+        _check_choice("built_on.exactness", built_on["exactness"], EXACTNESS_MODES[1:])  # the default is written as absence
 
 
 def _check_engine(record: Mapping[str, Any]) -> None:

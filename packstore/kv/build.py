@@ -6,6 +6,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -15,6 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 from packstore.errors import InvalidInput
 from packstore.format import PackHeader
 from packstore.format.body import BLOCK_POSITIONS
+from packstore.kv.exactness import machine
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import pack_prefix_ids
 from packstore.packs.tensors import Pack, position_blocks
@@ -107,9 +109,11 @@ def clean_facts(facts: Sequence[str]) -> list[str]:
     return cleaned
 
 
-def built_on(lm: LoadedModel) -> dict[str, str]:
-    """Where ``lm`` computes: its device type and compute dtype, as a pack's header records them."""
-    return {"device": lm.device.type, "dtype": lm.dtype_name}
+def built_on(lm: LoadedModel) -> dict[str, Any]:
+    """Where ``lm`` computes, as a pack's header records it (format version 6): its device type and compute dtype, the
+    machine and software (``exactness.machine``: torch's version, on CUDA the GPU model, capability, SM count and CUDA
+    version) and the exactness mode when not the default. Two packs computed alike record equal ones."""
+    return {**machine(lm.device), "dtype": lm.dtype_name}
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -136,14 +140,16 @@ def knowledge_header(
     composition: str = "exact",
     soft_tokens: Sequence[tuple[int, int]] = (),
     prefill_chunks: Sequence[int] | None = None,
-    copied_from: Sequence[Mapping[str, str] | None] = (),
+    copied_from: Sequence[Mapping[str, Any] | None] = (),
 ) -> PackHeader:
     """The header of a knowledge pack of ``lm`` holding K/V for ``token_ids`` (the rendering of ``facts``), and for any
     ``soft_tokens`` between them (a packet composition), in ``shape``: (layers, KV heads, head dim).
 
     ``prefill_chunks``: the passes that computed it, when it is the prefill of its tokens (None: unknown, or no
     prefill). ``copied_from``: the ``built_on`` of the packs whose K/V it copies; its own ``built_on`` is ``lm``'s,
-    or unknown (None) when one of them was computed elsewhere or where unknown."""
+    or unknown (None) when one of them was computed elsewhere (another GPU model, SM count, torch or CUDA version, or
+    exactness mode: its ``built_on`` differs) or where unknown (none recorded, or only the device type and dtype, as
+    packs written before format version 6 record it)."""
     here = built_on(lm)
     header = PackHeader(
         kind="knowledge",
@@ -178,7 +184,7 @@ def knowledge_pack(
     composition: str = "exact",
     soft_tokens: Sequence[tuple[int, int]] = (),
     prefill_chunks: Sequence[int] | None = None,
-    copied_from: Sequence[Mapping[str, str] | None] = (),
+    copied_from: Sequence[Mapping[str, Any] | None] = (),
 ) -> Pack:
     """A knowledge pack of ``lm`` holding ``cache``'s K/V for ``token_ids`` (the rendering of ``facts``), and for any
     ``soft_tokens`` between them, with ``knowledge_header``'s header (the other arguments are its)."""

@@ -18,6 +18,7 @@ import tempfile
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -43,6 +44,19 @@ def _cache_bytes(model_dir: Path, dtype: torch.dtype, tokens: int, block_size: i
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
     return max(64 << 20, 2 * per_token * (tokens + 4 * block_size))
+
+
+def machine_of(metadata: dict[str, str]) -> dict[str, Any]:
+    """What the capture ran on, as it recorded it (``exactness.machine`` in the vLLM process: the device type, torch's
+    version, the GPU); a capture file without that record (an older connector's) gives the device type alone."""
+    if "built_on" in metadata:
+        try:
+            recorded = json.loads(metadata["built_on"])
+        except json.JSONDecodeError:
+            recorded = None
+        if isinstance(recorded, dict):
+            return recorded
+    return {"device": metadata.get("device", "cpu")}
 
 
 def _capture(model_dir: Path, token_ids: Sequence[int], dtype: str, block_size: int, work: Path) -> Path:
@@ -117,7 +131,7 @@ def build_pack_with_engine(
         raw=raw,
         created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         prefill_chunks=tuple(boundaries),
-        built_on={"device": metadata.get("device", "cpu"), "dtype": dtype},
+        built_on={**machine_of(metadata), "dtype": dtype},
         engine={"name": engine, "version": metadata.get("version", "unknown"), "block_size": block_size},
     )
     pack = Pack(header=header, keys=[k.transpose(0, 1).contiguous() for k in keys], values=[v.transpose(0, 1).contiguous() for v in values])

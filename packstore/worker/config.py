@@ -42,6 +42,10 @@ class WorkerConfig:
     dtype: str = "float32"
     chat_template: str = ""  # a file holding the model's chat template
     threads: int | None = None  # torch's intra-op threads; None: torch's own count
+    # The exactness mode the model runs under, packs built here included (packstore.kv.exactness.EXACTNESS_MODES:
+    # "deterministic", "sdpa-math", ...); "default" is torch as it comes. Which mode a worker on CUDA should default to
+    # awaits the GPU measurement of tools/eval/eval_exactness.py --variants (issue 56).
+    exactness: str = "default"
     metrics: str = ""  # HOST:PORT for Prometheus; empty: none
     http: str = ""  # HOST:PORT of the OpenAI-compatible API; empty: none
     max_concurrent: int = DEFAULT_MAX_CONCURRENT  # generation slots, gRPC and HTTP together, shared among callers

@@ -17,6 +17,7 @@ from packstore.answering.ready_caches import ReadyCache
 from packstore.answering.records import AnswerResult
 from packstore.bank.bank import BankCache
 from packstore.errors import InvalidInput, LimitExceeded, PackstoreError
+from packstore.kv import exactness
 from packstore.kv.device import DeviceLock
 from packstore.kv.inject import TextDeltas
 from packstore.kv.models import LoadedModel, load_model
@@ -294,6 +295,7 @@ def run_worker(config: WorkerConfig) -> None:
     if config.host_cache_bytes is not None and config.host_cache_bytes < 0:
         raise InvalidInput(f"host_cache_bytes must be 0 or more, got {config.host_cache_bytes}")
     template = Path(config.chat_template).read_text(encoding="utf-8") if config.chat_template else None
+    exactness.apply(config.exactness)  # before the model first runs (cuBLAS reads its workspace setting once); refuses an unknown mode
     lm = load_model(config.model, device=config.device, dtype=config.dtype, chat_template=template, progress=config.progress)
     host_cache_bytes = host_cache_bound(config.host_cache_bytes, lm.device.type)
     reserved = decoded_memory_bytes(config.cache_bytes, host_cache_bytes, lm.device.type) if config.reserve_memory else 0

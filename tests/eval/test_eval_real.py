@@ -103,19 +103,65 @@ def test_eval_steering_on_smollm2(tmp_path: Path, capsys, shared_model) -> None:
 
 
 def test_eval_exactness_quick_on_cpu(tmp_path: Path, capsys) -> None:
-    """tools/eval/eval_exactness.py --quick: 2 packs x 2 held-out questions in float32 on CPU, every measure exact; a shard
-    asks its packs alone into a file of its own, and the table groups shards by dtype."""
+    """tools/eval/eval_exactness.py --quick: 2 packs x 2 held-out questions in float32 on CPU, in the default exactness
+    mode and in deterministic algorithms with the math attention backend pinned (build and answers alike), every promised
+    measure exact; the K/V compared is the pack the answers ran with; a shard asks its packs alone into a file of its
+    own, and the table groups shards by dtype and variant."""
+    import torch
+
+    from packstore.kv.exactness import machine
     from tools.eval import eval_exactness
 
-    assert eval_exactness.main(["--quick", "--device", "cpu", "--dtypes", "float32", "--out", str(tmp_path), "--rev", "abc1234"]) == 0
+    argv = ["--quick", "--device", "cpu", "--dtypes", "float32", "--variants", "default,deterministic+sdpa-math"]
+    assert eval_exactness.main([*argv, "--out", str(tmp_path), "--rev", "abc1234"]) == 0
+    out = capsys.readouterr().out
     exact = "4/4 (100.0 % [51.0, 100.0])"  # with its Wilson interval
-    assert f"| smollm2-135m | cpu | float32 | 4 | {exact} | {exact} | {exact} | {exact} | {exact} |" in capsys.readouterr().out
+    assert f"| smollm2-135m | cpu | float32 | default | 4 | {exact} | {exact} | {exact} | {exact} | {exact} | - |" in out
+    assert "| smollm2-135m | cpu | float32 | deterministic+sdpa-math | 4 |" in out
     records = [json.loads(line) for line in (tmp_path / "cpu-float32.json").read_text().splitlines()]
     assert len(records) == 4 and all(r["chunked_identical"] is True and r["prefill_chunks"][-1] == r["pack_tokens"] for r in records)
     assert all(r["kv_bit_equal"] is True and r["repeat_identical"] is True and r["commit"] == "abc1234" for r in records)
+    assert all(r["kv_source"] == "answer" and r["kv_first_diff_layer"] is None and r["prefill_s"] > 0 for r in records)
+    assert all(r["variant"] == "default" and r["built_on"] == {**machine(torch.device("cpu")), "dtype": "float32"} for r in records)
+    strict = [json.loads(line) for line in (tmp_path / "cpu-float32-deterministic_sdpa-math.json").read_text().splitlines()]
+    assert len(strict) == 4 and all(r["variant"] == "deterministic+sdpa-math" and r["cublas_workspace_config"] == ":4096:8" for r in strict)
+    assert all(r["built_on"]["exactness"] == "deterministic+sdpa-math" for r in strict)  # the pack says how it was computed
+    assert all(r["chunked_identical"] is True and r["kv_bit_equal"] is True and r["kv_source"] == "answer" for r in strict)
+    assert not torch.are_deterministic_algorithms_enabled() and torch.backends.cuda.flash_sdp_enabled()  # restored after
     shards = tmp_path / "shards"
     assert eval_exactness.main(["--quick", "--device", "cpu", "--dtypes", "float32", "--out", str(shards), "--shard", "1/2"]) == 0
     second = [json.loads(line) for line in (shards / "cpu-float32.1of2.json").read_text().splitlines()]
     assert [r["id"] for r in second] == [r["id"] for r in records[2:]]
     grouped = eval_exactness.table([records[:2], second])
-    assert "| smollm2-135m | cpu | float32 | 4 |" in grouped
+    assert "| smollm2-135m | cpu | float32 | default | 4 |" in grouped
+
+
+def test_eval_exactness_on_a_random_shape_records_a_failing_variant(tmp_path: Path, capsys) -> None:
+    """--shape tiny: bench_gpu's tiny Llama geometry with random weights, made with smollm2's tokenizer; a variant that
+    cannot run here (the memory-efficient attention backend alone, which CPU attention lacks) is recorded with its
+    error and the run goes on."""
+    from tools.eval import eval_exactness
+
+    argv = ["--quick", "--shape", "tiny", "--models", str(tmp_path / "models"), "--device", "cpu", "--dtypes", "float32"]
+    assert eval_exactness.main([*argv, "--variants", "sdpa-math,sdpa-efficient", "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "| random-tiny | cpu | float32 | sdpa-math | 4 |" in out and "random-tiny cpu float32 sdpa-efficient: failed: RuntimeError" in out
+    [failure] = [json.loads(line) for line in (tmp_path / "out" / "cpu-float32-sdpa-efficient.json").read_text().splitlines()]
+    assert failure["variant"] == "sdpa-efficient" and failure["error"].startswith("RuntimeError")
+    records = [json.loads(line) for line in (tmp_path / "out" / "cpu-float32-sdpa-math.json").read_text().splitlines()]
+    assert len(records) == 4 and all(r["model"] == "random-tiny" and r["chunked_identical"] is True and r["kv_bit_equal"] for r in records)
+    assert (tmp_path / "models" / "exactness-tiny-float32" / "config.json").exists()
+
+
+def test_compare_kv_names_the_first_layer_whose_kv_differ(tiny_lm) -> None:
+    from packstore.kv.build import build_pack, prefill
+    from tools.eval.eval_exactness import compare_kv
+
+    pack = build_pack(tiny_lm, ["The river Tamsin flows through Wexley."])
+    reference = prefill(tiny_lm, pack.header.token_ids, boundaries=pack.header.prefill_chunks)
+    assert compare_kv(pack, reference).fields() == {"kv_bit_equal": True, "kv_first_diff_layer": None, "kv_first_diff": None, "kv_max_abs_diff": 0.0}
+    pack.values[1] = pack.values[1].clone()
+    pack.values[1][0, 2, 3] += 0.5
+    pack.keys[2] = pack.keys[2] * 1.001
+    compared = compare_kv(pack, reference)
+    assert (compared.bit_equal, compared.first_layer, compared.which) == (False, 1, "value") and 0.49 < compared.max_abs_diff < 1

@@ -13,6 +13,7 @@ import torch
 from packstore.answering.answer import Answerer, Question
 from packstore.answering.api import amend_and_store, build_and_store, compose_and_store
 from packstore.kv.build import PREFILL_CHUNK_TOKENS
+from packstore.kv.exactness import machine
 from packstore.kv.inject import Sampling
 from packstore.kv.models import LoadedModel, load_model
 from packstore.store import LmdbStore
@@ -39,7 +40,7 @@ def test_plain_and_exact_compositions_answer_as_their_text_prefilled_in_their_pa
         plain, _ = build_and_store(store, smol, [row["context"] for row in rows[:6]], name="plain")
         passes = plain.header.prefill_chunks
         assert plain.header.tokens > PREFILL_CHUNK_TOKENS and passes[:2] == (0, PREFILL_CHUNK_TOKENS) and passes[-1] == plain.header.tokens
-        assert plain.header.built_on == {"device": "cpu", "dtype": "float32"}
+        assert plain.header.built_on == {**machine(torch.device("cpu")), "dtype": "float32"} and plain.header.built_on["torch"]
         results = ask(answerer, ("plain",), rows[:3])
         assert all(r.chunked_identical is True and r.identical is True for r in results)  # CPU float32: one pass agrees too
 
@@ -64,6 +65,9 @@ def test_on_cuda_a_pack_answers_as_its_text_prefilled_in_its_passes(dtype: str, 
     rows = eval_rows()[:8]
     with LmdbStore(tmp_path / "store") as store:
         stored, _ = build_and_store(store, lm, [row["context"] for row in rows], name="plain")
-        assert stored.header.built_on == {"device": "cuda", "dtype": dtype} and len(stored.header.prefill_chunks) > 2
+        built_on = stored.header.built_on  # the GPU model, capability, SM count, torch and CUDA versions (format version 6)
+        assert built_on == {**machine(lm.device), "dtype": dtype} and built_on["gpu"] == torch.cuda.get_device_name(lm.device)
+        assert built_on["sms"] == torch.cuda.get_device_properties(lm.device).multi_processor_count and built_on["cuda"] == torch.version.cuda
+        assert len(stored.header.prefill_chunks) > 2
         results = ask(Answerer(lm, store), ("plain",), rows[:4], Sampling(max_new_tokens=64))
     assert [r.chunked_identical for r in results] == [True] * 4, [(r.answer, r.rag_answer) for r in results]

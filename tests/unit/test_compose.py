@@ -12,6 +12,7 @@ from packstore.format import PackHeader
 from packstore.format.body import ERRATUM_PREFIX
 from packstore.kv.build import build_pack, cache_tensors, extension_point, prefill
 from packstore.kv.compose import amend, compose_exact, splice
+from packstore.kv.exactness import machine
 from packstore.kv.inject import Sampling, answer_with_pack, answer_with_text
 from packstore.kv.models import load_model
 from packstore.kv.rope import rotate_keys
@@ -45,7 +46,7 @@ def test_builds_compositions_and_errata_are_their_text_prefilled_in_their_record
     base = build_pack(tiny_lm, PART_A)
     cut = extension_point(tiny_lm, PART_A, base.header.token_ids, raw=False)
     assert base.header.prefill_chunks == (*range(0, cut, 16), cut, base.header.tokens)
-    assert base.header.built_on == {"device": "cpu", "dtype": "float32"}
+    assert base.header.built_on == {**machine(torch.device("cpu")), "dtype": "float32"} and base.header.version == 6
     composed = compose_exact(tiny_lm, base, [parts[1].header, parts[2].header])
     amended = amend(tiny_lm, composed.pack, "The bells are silent on Sundays.")
     assert composed.reused_tokens == cut and amended.reused_tokens > composed.pack.header.tokens - 8  # all but the framing
@@ -136,7 +137,11 @@ def test_spliced_packs_never_share_the_exact_key(tiny_lm, parts) -> None:
     assert (rope.composition, naive.composition) == ("rope", "naive")
     assert rope.key == splice(tiny_lm, parts[:2], "rope").pack.header.key  # deterministic
     assert rope.key != splice(tiny_lm, [parts[1], parts[0]], "rope").pack.header.key
-    assert b'"version":2' in rope.to_json() and b'"version":1' in exact.to_json()
+    assert (rope.layout, exact.layout) == (2, 1)  # a spliced composition has the version-2 fields (composition)
+    assert b'"composition":"rope"' in rope.to_json() and b'"composition"' not in exact.to_json()
+    assert rope.version == exact.version == 6  # built here: built_on names this machine (format version 6)
+    unknown = dataclasses.replace(rope, built_on=None), dataclasses.replace(exact, built_on=None)
+    assert b'"version":2' in unknown[0].to_json() and b'"version":1' in unknown[1].to_json()  # else the oldest that holds it
 
 
 def test_exact_composition_refuses_a_spliced_first_part(tiny_lm, parts) -> None:

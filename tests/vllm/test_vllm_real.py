@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from packstore.answering.api import build_and_store
@@ -263,8 +264,9 @@ def engine_built(request, served, engines):
 
 def test_an_engine_built_pack_records_the_engine_and_has_its_own_key(engine_built, served) -> None:
     built, header, _ = engine_built
-    assert header.version == 5 and header.engine["name"] == "vllm" and header.engine["block_size"] == BLOCK
-    assert header.built_on == {"device": "cpu", "dtype": header.dtype} and header.prefill_chunks == (0, header.tokens)
+    assert header.version == 6 and header.engine["name"] == "vllm" and header.engine["block_size"] == BLOCK  # 6: built_on names the machine
+    assert (header.built_on["device"], header.built_on["torch"], header.built_on["dtype"]) == ("cpu", str(torch.__version__), header.dtype)
+    assert header.prefill_chunks == (0, header.tokens)
     with LmdbStore(served["store"], readonly=True) as store:
         transformers_built = store.stat("harbour").header
     assert header.token_ids == transformers_built.token_ids and built["key"] != transformers_built.key

@@ -17,8 +17,8 @@ Subcommands (from the repository root):
 
 ``tools/bench/gpu_session.sh prepare`` downloads the wheels and saves the tokenizer into ``.gpu/`` (ignored), then calls
 ``plan``; ``tools/bench/gpu_session.sh run`` calls ``run``. ``--dry-run`` is the same session on CPU with the tiny shape
-(seconds): tests/eval/test_gpu_session.py runs it. The helpers ``versions``, ``preflight``, ``decode-check``,
-``install-numba`` and ``make-model`` are the steps' own commands. docs/benchmarks.md ("The GPU session") says more.
+(seconds): tests/eval/test_gpu_session.py runs it. The helpers ``versions``, ``preflight``, ``decode-check``
+and ``install-numba`` are the steps' own commands (the exactness step makes its model with ``eval_exactness --shape``). docs/benchmarks.md ("The GPU session") says more.
 """
 
 from __future__ import annotations
@@ -160,15 +160,21 @@ def worker_commands(c: Context) -> list[list[str]]:
                      *sizes, "--workdir", c.work / "bench_worker", "--logs", c.records / "servers", "--out", c.records / "bench_worker.jsonl")]
 
 
+EXACTNESS_VARIANTS = "default,deterministic,sdpa-math,deterministic+sdpa-math"  # each builds and answers under its mode
+
+
 def exactness_commands(c: Context) -> list[list[str]]:
+    """eval_exactness on the 1B shape with random weights (made on the GPU in float32, with the carried tokenizer), every
+    exactness variant in bfloat16 first (where chunked_identical failed on the H100), then in float32: the records say
+    which variant makes chunked_identical hold, kv_bit_equal on the pack the answers used, and each variant's prefill cost."""
     shape, device = ("tiny", "cpu") if c.dry_run else ("1b", "cuda")
-    model = c.models / f"exactness-{shape}-float32"
-    asked = ["--dtypes", "float32", "--questions", "2", "--per-pack", "2", "--max-new-tokens", "4"] if c.dry_run else \
-        ["--dtypes", "bfloat16", "float32", "--questions", "8", "--per-pack", "4", "--max-new-tokens", "16"]
+    asked = ["--dtypes", "float32", "--variants", "default,deterministic+sdpa-math", "--questions", "2", "--per-pack", "2",
+             "--max-new-tokens", "4", "--timing-repeats", "1"] if c.dry_run else \
+        ["--dtypes", "bfloat16", "float32", "--variants", EXACTNESS_VARIANTS, "--questions", "8", "--per-pack", "4",
+         "--max-new-tokens", "12", "--timing-repeats", "3"]
     return [
-        c.module("tools.bench.gpu_session", "make-model", "--shape", shape, "--device", device, "--tokenizer", c.carried / "tok", "--out", model),
-        c.module("tools.eval.eval_exactness", "--model", model, "--device", device, *asked, "--data", c.root / DATA,
-                 "--out", c.records / "exactness", "--rev", c.rev),
+        c.module("tools.eval.eval_exactness", "--shape", shape, "--tokenizer", c.carried / "tok", "--models", c.models, "--device", device,
+                 *asked, "--data", c.root / DATA, "--out", c.records / "exactness", "--rev", c.rev),
     ]
 
 
@@ -182,7 +188,7 @@ STEPS = (
     Step("bench", 200, 60, bench_commands, about="bench_gpu 8B at 2k/8k/32k: build sequential and overlapped by stage, first token "
          "(stored, hosted, floor, prefill), fetch and pool waits, decode by stage and the GIL convoy at 8k"),
     Step("bench_worker", 130, 60, worker_commands, about="bench_gpu 8B: packstore serve + worker over gRPC, cold and warm"),
-    Step("exactness", 90, 40, exactness_commands, about="eval_exactness on the 1B random shape, bf16 and fp32"),
+    Step("exactness", 150, 60, exactness_commands, about="eval_exactness on the 1B random shape, bf16 then fp32, each exactness variant"),
 )
 
 
@@ -446,18 +452,6 @@ def decode_check(args: argparse.Namespace) -> int:
     return 0 if reason is None or args.cpu else 3
 
 
-def make_model(args: argparse.Namespace) -> int:
-    import torch
-
-    from tools.bench.bench_gpu import load_tokenizer
-    from tools.bench.bench_gpu import make_model as make
-
-    started = time.perf_counter()
-    path = make(args.shape, load_tokenizer(str(args.tokenizer)), args.dtype, torch.device(args.device), Path(args.out))
-    print(f"{args.shape} ({args.dtype}) made on {args.device} in {time.perf_counter() - started:.1f} s: {path}")
-    return 0
-
-
 # -- here: the sizes and the call to make -------------------------------------------------------
 
 
@@ -526,16 +520,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         q = sub.add_parser(name)
         q.add_argument("--out", required=True)
         q.add_argument("--cpu", action="store_true", help="the dry run: CUDA not required")
-    m = sub.add_parser("make-model", help="a Llama shape with random weights (bench_gpu.make_model), saved with a tokenizer")
-    m.add_argument("--shape", required=True)
-    m.add_argument("--dtype", default="float32")
-    m.add_argument("--device", default="cuda")
-    m.add_argument("--tokenizer", required=True)
-    m.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     command: dict[str, Callable[[argparse.Namespace], int]] = {
         "run": session, "plan": plan, "install-numba": install_numba, "versions": versions, "preflight": preflight,
-        "decode-check": decode_check, "make-model": make_model,
+        "decode-check": decode_check,
     }
     return command[args.command](args)
 
