@@ -53,12 +53,15 @@ def _dotted(node: ast.AST) -> str:
 
 def _run_at_import(tree: ast.Module) -> Iterator[ast.AST]:
     """Every node that runs when the module is imported: its statements and class bodies (not function bodies, but
-    their decorators and defaults), and the bodies of the module's own functions that this code calls by name."""
+    their decorators and defaults, nor an ``if __name__ == "__main__":`` block, which runs only as ``python -m``), and
+    the bodies of the module's own functions that this code calls by name."""
     functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)}
     pending: list[ast.AST] = list(tree.body)
     called: set[str] = set()
     while pending:
         node = pending.pop()
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("__name__ == '__main__'", "'__main__' == __name__"):
+            continue
         yield node
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
             arguments = node.args
@@ -118,6 +121,7 @@ class Holder:
         "writes os.environ (setdefault)", "writes os.environ", "writes sys.modules", "calls ThreadPoolExecutor", "calls threading.Thread"
     ]
     assert import_effects("import os\ndef later():\n    os.environ['B'] = '2'\n") == []
+    assert import_effects("import os\ndef main():\n    os.environ['B'] = '2'\nif __name__ == '__main__':\n    main()\n") == []
 
 
 PROBE = """
