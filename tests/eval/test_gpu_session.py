@@ -136,12 +136,13 @@ def test_the_session_runs_on_cpu_offline_into_one_archive(tmp_path: Path) -> Non
     assert all(s["seconds"] <= s["timeout_s"] + 1 for s in steps.values())
     assert "gpu_session_dry_probe-0.1" in versions["installed_from_carried_wheels"]
     for record in ("preflight.json", "decode_check.json", "tests.xml", "host_probe.jsonl", "exactness/cpu-float32.json",
-                   "servers/tiny-worker.log", "servers/tiny-serve.log"):
+                   "servers/tiny-worker.log", "servers/tiny-worker-local.log", "servers/tiny-serve.log"):
         assert f"gpu-session-dry-run/{record}" in names, record
     assert {r["part"] for r in bench} >= {"machine", "build", "ttft", "fetch", "buffers", "decode", "convoy", "total"}
-    assert [r["part"] for r in worker].count("worker") == 1 and "(d) The worker over gRPC" in worker_log  # (tests/eval/test_bench_gpu.py leaves it here)
-    [served] = [r for r in worker if r["part"] == "worker"]
-    assert served["size"] == 300 and min(served["cold_ms"], served["warm_ms"]) > 0 and served["repeats"] == 1
+    assert "(d) The worker, one new token" in worker_log  # (tests/eval/test_bench_gpu.py leaves it here)
+    served = [r for r in worker if r["part"] == "worker"]
+    assert [r["store"] for r in served] == ["grpc", "local"]  # over gRPC, then on the store's host reading its LMDB directory
+    assert all(r["size"] == 300 and min(r["cold_ms"], r["warm_ms"]) > 0 and r["repeats"] == 1 for r in served)
     assert not {"build", "ttft", "fetch", "decode", "convoy"} & {r["part"] for r in worker}  # the worker step builds no store parts
     assert not (tmp_path / "work" / "models").exists()  # the made models went with the session
 

@@ -709,8 +709,9 @@ def ask_worker(client: WorkerClient, key: str, question: str, hit: bool) -> floa
     return seconds
 
 
-def bench_worker(address: str, label: str, packs: dict[int, list[tuple[str, str]]], results: Results) -> None:
-    """The first pack of each size warms the worker up; each later one is asked cold, then warm."""
+def bench_worker(address: str, label: str, store: str, packs: dict[int, list[tuple[str, str]]], results: Results) -> None:
+    """The first pack of each size warms the worker up; each later one is asked cold, then warm. ``store``: how the
+    worker reaches the store (``grpc``: the service; ``local``: the service's LMDB directory, read-only)."""
     cold: dict[int, list[float]] = {s: [] for s in packs}
     warm: dict[int, list[float]] = {s: [] for s in packs}
     with WorkerClient(address) as client:
@@ -724,8 +725,8 @@ def bench_worker(address: str, label: str, packs: dict[int, list[tuple[str, str]
                 warm[size].append(ask_worker(client, *entries[r], hit=True))
     for size in packs:
         c, w = median(cold[size]), median(warm[size])
-        results.record("worker", shape=label, size=size, cold_ms=c * 1e3, warm_ms=w * 1e3, repeats=len(cold[size]))
-        results.row("worker", [label, str(size), f"{c * 1e3:.1f}", f"{w * 1e3:.1f}", ratio(c, w)])
+        results.record("worker", shape=label, store=store, size=size, cold_ms=c * 1e3, warm_ms=w * 1e3, repeats=len(cold[size]))
+        results.row("worker", [label, store, str(size), f"{c * 1e3:.1f}", f"{w * 1e3:.1f}", ratio(c, w)])
 
 
 # -- one model ----------------------------------------------------------------------------
@@ -777,21 +778,31 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, tokenizer: PreTrainedTo
         free_device()
     if args.worker_sizes:
         service_address, worker_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-        serve_argv = packstore_command("serve", "--data", str(scratch / "service"), "--listen", service_address)
+        data = scratch / "service"
+        serve_argv = packstore_command("serve", "--data", str(data), "--listen", service_address)
         cache_bytes = 4 * max(args.worker_sizes) * kv_bytes_per_token(lm)  # the ready packs of the run, with room
-        worker_argv = packstore_command(
-            "--store", f"grpc://{service_address}", "worker", "--model", str(path), "--device", str(args.device), "--dtype", args.dtype,
-            "--listen", worker_address, "--cache-bytes", str(cache_bytes), *args.tier_args, *args.worker_args,
-        )
+
+        def worker_argv(store: str) -> list[str]:
+            """A worker reading the service (grpc) or, on its host, the service's LMDB directory read-only (local)."""
+            where = f"grpc://{service_address}" if store == "grpc" else str(data)
+            return packstore_command(
+                "--store", where, "worker", "--model", str(path), "--device", str(args.device), "--dtype", args.dtype,
+                "--listen", worker_address, "--cache-bytes", str(cache_bytes), *args.tier_args, *args.worker_args,
+            )
+
         with running(serve_argv, service_address, scratch / "serve.log") as service:
             wait_healthy(service.address, service.process, service.log_file, 60)
-            with running(worker_argv, worker_address, scratch / "worker.log") as worker:  # it loads while the packs build
-                packs = worker_packs(lm, service.address, records, sorted(args.worker_sizes), args.worker_repeats + 1)
-                del lm
-                free_device()
-                wait_healthy(worker.address, worker.process, worker.log_file, 600)
-                log(f"{spec.label}: worker up; cold and warm")
-                bench_worker(worker.address, spec.label, packs, results)
+            packs: dict[int, list[tuple[str, str]]] = {}
+            for store in args.worker_stores:  # one worker after the other, each new to every pack
+                log_file = scratch / ("worker.log" if store == "grpc" else f"worker-{store}.log")
+                with running(worker_argv(store), worker_address, log_file) as worker:  # the first loads while the packs build
+                    if not packs:
+                        packs = worker_packs(lm, service.address, records, sorted(args.worker_sizes), args.worker_repeats + 1)
+                        del lm
+                        free_device()
+                    wait_healthy(worker.address, worker.process, worker.log_file, 600)
+                    log(f"{spec.label}: worker on the {store} store up; cold and warm")
+                    bench_worker(worker.address, spec.label, store, packs, results)
     if args.device.type == "cuda":
         results.record("memory", shape=spec.label, peak_gb=torch.cuda.max_memory_allocated(args.device) / GB)
     free_device()
@@ -820,9 +831,10 @@ TABLES = {
                 "and what was served outside it (pool: a pinned allocation of its own) or outside the pack memory (memory: pageable)",
                 ["model shape", "during", "decoder", "pool waits", "waited ms", "pool fallbacks", "pool fallback MB", "memory fallbacks",
                  "memory fallback MB"]),
-    "worker": ("(d) The worker over gRPC, one new token at the client (median of {worker_repeats} packs; cold: in no tier "
-               "of the worker, warm: the same pack again)",
-               ["model shape", "pack tokens (target)", "cold ms", "warm ms", "cold / warm"]),
+    "worker": ("(d) The worker, one new token at the client (median of {worker_repeats} packs; cold: in no tier of the worker, "
+               "warm: the same pack again); store grpc: `--store grpc://` the service, local: on the store's host, `--store DIR` the "
+               "service's LMDB directory read-only",
+               ["model shape", "store", "pack tokens (target)", "cold ms", "warm ms", "cold / warm"]),
     "build": ("(e) Build (facts -> pack in the LMDB store, once each way) against one single-pass prefill of the same tokens "
               "(median of {repeats}): sequential (each stage after the last, as before issue 56) and overlapped (build_and_store: "
               "encoding while the prefill runs, the LMDB writes as chunks come); same chunks: the two stored the same digests",
@@ -871,6 +883,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--worker-sizes", type=int, nargs="*", default=[2048, 8000], help="pack sizes for the worker (d)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions (a, c) and prefills (e)")
     parser.add_argument("--worker-repeats", type=int, default=3, help="distinct cold packs per size for the worker (d)")
+    parser.add_argument("--worker-stores", nargs="+", choices=["grpc", "local"], default=["grpc", "local"],
+                        help="how the worker (d) reads the store: grpc (the service) and local (its LMDB directory, on its host)")
     parser.add_argument("--worker-args", type=shlex.split, default=[], help="extra worker flags, e.g. --worker-args='--threads 8'")
     parser.add_argument("--no-ttft", action="store_true", help="skip (a)")
     parser.add_argument("--no-fetch", action="store_true", help="skip (c)")

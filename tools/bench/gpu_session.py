@@ -187,7 +187,7 @@ STEPS = (
     Step("host_probe", 40, 15, probe_commands, about="memcpy and blake3 by threads, host-to-device on 1 and 2 streams"),
     Step("bench", 200, 60, bench_commands, about="bench_gpu 8B at 2k/8k/32k: build sequential and overlapped by stage, first token "
          "(stored, hosted, floor, prefill), fetch and pool waits, decode by stage and the GIL convoy at 8k"),
-    Step("bench_worker", 130, 60, worker_commands, about="bench_gpu 8B: packstore serve + worker over gRPC, cold and warm"),
+    Step("bench_worker", 170, 60, worker_commands, about="bench_gpu 8B: packstore serve + a worker over gRPC, then one on its LMDB directory, cold and warm"),
     Step("exactness", 150, 60, exactness_commands, about="eval_exactness on the 1B random shape, bf16 then fp32, each exactness variant"),
 )
 
