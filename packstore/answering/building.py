@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -33,7 +32,7 @@ from packstore.format.header import ChunkInfo, PackHeader
 from packstore.kv.build import KvBlock, build_blocks
 from packstore.kv.models import LoadedModel
 from packstore.packs.decoder import Decoder
-from packstore.packs.tensors import chunk_plan, encode_chunk, encoded_header
+from packstore.packs.tensors import chunk_plan, encode_chunk, encoded_header, using_decoder
 from packstore.store import PackStore
 from packstore.store.protocol import PackStream, StreamsPacks, check_name
 
@@ -108,15 +107,6 @@ class _InFlight:
             self._changed.notify_all()
 
 
-@contextmanager
-def _coding(decoder: Decoder | None) -> Iterator[Decoder]:
-    if decoder is not None:
-        yield decoder
-        return
-    with Decoder() as own:
-        yield own
-
-
 def _pipeline(
     lm: LoadedModel,
     facts: Sequence[str],
@@ -158,7 +148,7 @@ def _pipeline(
         finally:
             done()
 
-    with _coding(decoder) as coder:
+    with using_decoder(decoder) as coder:
 
         def take(header: PackHeader, block: KvBlock) -> None:
             if failed:

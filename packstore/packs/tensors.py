@@ -168,13 +168,13 @@ def encode_pack(pack: Pack, *, block_positions: int = BLOCK_POSITIONS, decoder: 
     go in one chunk. Chunks are coded on ``decoder``'s threads (a short-lived pool of its own when None)."""
     pack.check_shapes()
     plan = chunk_plan(pack.header, block_positions)
-    with _using(decoder) as coder:
+    with using_decoder(decoder) as coder:
         results = coder.map(lambda chunk: _encode_chunk(pack, *chunk), plan)
     return EncodedPack(header=encoded_header(pack.header, (info for _, info in results)), chunks=[stored for stored, _ in results])
 
 
 @contextmanager
-def _using(decoder: Decoder | None) -> Iterator[Decoder]:
+def using_decoder(decoder: Decoder | None) -> Iterator[Decoder]:
     """``decoder``, or a short-lived one of the caller's own (closed on leaving) when None."""
     if decoder is not None:
         yield decoder
@@ -367,7 +367,7 @@ def decode_part(
     parallel on ``decoder``'s threads, into layers ``layers`` (first, last; None: all) for the first ``prefix``
     positions (None: all) on ``device``."""
     span = header.body_layers if layers is None else range(layers[0], layers[1] + 1)
-    with _using(decoder) as coder:
+    with using_decoder(decoder) as coder:
         assembler = BodyAssembler(header, span, prefix, device, coder.buffers)
         for future in [coder.submit(assembler.add, index, data, verified=verified) for index, data in chunks]:
             future.result()
@@ -538,7 +538,7 @@ def pack_from_chunks(
 ) -> Pack:
     """A whole pack from every chunk as (index, bytes), each verified (unless ``verified``) and decoded (in
     parallel, as they come) on ``device``: ``start_pack``'s reading and checks, run on the caller's thread."""
-    with _using(decoder) as coder:
+    with using_decoder(decoder) as coder:
         pack = ArrivingPack(header, coder, device)
         pack._feed(lambda: nullcontext(chunks), verified)
     return pack.result()
