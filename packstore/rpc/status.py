@@ -4,7 +4,7 @@ code and fields, so a client raises the same class, with the same fields, as the
 from __future__ import annotations
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -38,12 +38,19 @@ def status_for(error: PackstoreError) -> grpc.StatusCode:
 
 
 def rich_status(error: PackstoreError) -> grpc.Status:
-    """The status for ``error``: code, human message, and an ErrorInfo with its code and fields."""
-    info = error_details_pb2.ErrorInfo(reason=error.code, domain=ERROR_DOMAIN, metadata=error.fields)
-    detail = any_pb2.Any()
-    detail.Pack(info)
+    """The status for ``error``: code, human message, an ErrorInfo with its code and fields and, for a refusal that
+    says when to retry (``retry_after_seconds``), the standard RetryInfo that gRPC clients and proxies read."""
+    details = [error_details_pb2.ErrorInfo(reason=error.code, domain=ERROR_DOMAIN, metadata=error.fields)]
+    if "retry_after_seconds" in error.fields:
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(round(float(error.fields["retry_after_seconds"]) * 1e9))
+        details.append(error_details_pb2.RetryInfo(retry_delay=delay))
+    packed = []
+    for detail in details:
+        packed.append(any_pb2.Any())
+        packed[-1].Pack(detail)
     code = getattr(code_pb2, error.grpc_status)
-    return rpc_status.to_status(status_pb2.Status(code=code, message=str(error), details=[detail]))
+    return rpc_status.to_status(status_pb2.Status(code=code, message=str(error), details=packed))
 
 
 def abort_with_error(context: grpc.ServicerContext, error: PackstoreError) -> None:

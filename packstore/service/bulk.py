@@ -341,8 +341,8 @@ class BulkServer:
                 raise
             fields |= transfer.fields
             if not self.shares.try_take(transfer.principal):
-                why = self.shares.refusal(transfer.principal, "bulk transfer")
-                raise LimitExceeded(f"{why}, or read the pack on the gRPC stream")
+                refused = self.shares.refused(transfer.principal, "bulk transfer")
+                raise LimitExceeded(f"{refused}, or read the pack on the gRPC stream", **refused.fields)
         except PackstoreError as exc:
             self._send_error(conn, exc)
             conn.close()

@@ -39,7 +39,7 @@ from starlette.types import Message, Receive, Scope, Send
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from packstore.answering.records import AnswerResult
-from packstore.errors import InvalidInput, LimitExceeded, PackstoreError
+from packstore.errors import InvalidInput, PackstoreError
 from packstore.kv.inject import TextDeltas
 from packstore.security.auth import Auth, Principal
 from packstore.security.shares import Shares, principal_key
@@ -234,7 +234,7 @@ class GeneratingRequest:
     def take_slot(self, share: str) -> None:
         """Take a generation slot for the principal ``share``: LimitExceeded (429) when the rule refuses it."""
         if not self.service.slots.try_take(share):
-            raise LimitExceeded(self.service.slots.refusal(share, self.shape.method))
+            raise self.service.slots.refused(share, self.shape.method)
         self.share = share
 
     def release(self) -> None:

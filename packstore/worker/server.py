@@ -16,7 +16,7 @@ from packstore.answering.answer import REF_TTL_SECONDS, Answerer
 from packstore.answering.ready_caches import ReadyCache
 from packstore.answering.records import AnswerResult
 from packstore.bank.bank import BankCache
-from packstore.errors import InvalidInput, LimitExceeded, PackstoreError
+from packstore.errors import InvalidInput, PackstoreError
 from packstore.kv import exactness
 from packstore.kv.device import DeviceLock
 from packstore.kv.inject import TextDeltas
@@ -133,7 +133,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             question = question_of(request)
             asking = self.share(principal, context.peer())
             if not self.slots.try_take(asking):
-                raise LimitExceeded(self.slots.refusal(asking, "Generate"))
+                raise self.slots.refused(asking, "Generate")
             share = asking
             tokens = answerer.stream(question)
             deltas = TextDeltas(self.lm.tokenizer, question.sampling.stop)

@@ -149,8 +149,8 @@ def big_pack():
 
 
 def test_a_principal_past_its_share_of_slots_gets_limit_exceeded_from_any_address_and_the_client_streams_instead(server, caplog) -> None:
-    """--workers 1: 4 slots, 2 per principal (without tokens: the address GetPack was called from). Two transfers
-    nobody reads hold this principal's share; a third of its tickets gets LIMIT_EXCEEDED, presented from the same
+    """--workers 1: 4 slots, the last 2 kept for principals holding none (without tokens, a principal is the address
+    GetPack was called from). Two transfers nobody reads hold all this principal may; a third of its tickets gets LIMIT_EXCEEDED, presented from the same
     address or another; a RemoteStore of the same principal streams the pack instead and says so once in its log.
     (Another principal still gets a slot: test_fair_shares.py.)"""
     pack = big_pack()
@@ -168,7 +168,7 @@ def test_a_principal_past_its_share_of_slots_gets_limit_exceeded_from_any_addres
                 third.sendall(MAGIC + ticket.ticket)
                 kind, _, length = read_frame(third)
                 body = bytes(recv_exact(third, length))
-                assert kind == 3 and b"LIMIT_EXCEEDED" in body and b"already holds its share of 2 bulk transfers" in body
+                assert kind == 3 and b"LIMIT_EXCEEDED" in body and b"holds 2 of the bulk transfers" in body
         caplog.set_level(logging.WARNING, logger="packstore.remote")
         with RemoteStore(server.url, local_bulk=False) as remote:
             before = requests_counted(server, "GetPack", "OK")

@@ -24,7 +24,6 @@ from packstore.packs.reader import PackReader
 from packstore.packs.tensors import Pack, encode_pack
 from packstore.rpc.channel import Connection
 from packstore.rpc.frames import FRAME, MAGIC, recv_exact
-from packstore.security.shares import ShareRule, Shares
 from packstore.service.config import load_config
 from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc
@@ -47,24 +46,6 @@ def store(server, name: str, **options) -> RemoteStore:
 def big_pack() -> Pack:
     """About 50 MB stored: more than loopback socket buffers and HTTP/2 windows hold, so an unread transfer stalls."""
     return make_pack(layers=8, tokens=3072, heads=4, dim=64)
-
-
-def test_share_rule_leaves_a_reserve_that_no_two_principals_can_take() -> None:
-    """The rule itself: at most per_principal each; the last ``reserve`` slots only for principals holding none."""
-    for capacity in (1, 2, 3, 4, 8, 16, 64):
-        rule = ShareRule.default(capacity)
-        shares = Shares("slots", rule)
-        taken = {p: 0 for p in ("b", "c", "a")}
-        for principal in ("b", "c"):  # two hostile principals take all they can
-            while shares.try_take(principal):
-                taken[principal] += 1
-        assert max(taken.values()) <= rule.per_principal
-        while shares.try_take("a"):
-            taken["a"] += 1
-        if capacity >= 3:
-            assert taken["a"] >= 1, (capacity, rule, taken)  # a third principal is never starved
-        assert shares.in_use == sum(taken.values()) <= capacity
-    assert ShareRule.default(16) == ShareRule(16, 8, 4) and ShareRule.default(4) == ShareRule(4, 2, 2)
 
 
 def _upload_each(server) -> tuple[dict[str, str], dict[str, Pack]]:
@@ -161,7 +142,7 @@ def _bulk_hold(server, name: str, key: str, how: str, stack: ExitStack) -> int:
 
 @pytest.mark.parametrize("seconds", [0, pytest.param(45, marks=pytest.mark.long)], ids=["short", "long"])
 def test_one_tenant_with_tickets_from_several_addresses_and_processes_leaves_bulk_slots_for_others(tmp_path: Path, seconds: int) -> None:
-    """--workers 1: 4 bulk slots, 2 per principal, 2 kept for principals holding none. B presents four tickets from
+    """--workers 1: 4 bulk slots, the last 2 kept for principals holding none. B presents four tickets from
     two addresses and another process and reads none: two are admitted, two refused however they come. C takes one.
     A still reads over the bulk port, exactly, over TCP and the local socket, for as long as B and C hold on."""
     auth = tokens_file(tmp_path / "tokens.toml", TENANTS)
@@ -182,8 +163,7 @@ def test_one_tenant_with_tickets_from_several_addresses_and_processes_leaves_bul
     assert [line["code"] for line in bulk_a] == ["OK"] * fetches  # all over the bulk port, none streamed after a refusal
     refused = [line for line in lines if line.get("method") == "GetPack.bulk" and line.get("code") == "RESOURCE_EXHAUSTED"]
     assert sorted(line["token"] for line in refused) == ["b", "b", "c"]
-    assert sum("already holds its share" in line["error"] for line in refused) == 2  # B's
-    assert sum("kept for callers holding none" in line["error"] for line in refused) == 1  # C's second
+    assert all("kept for callers holding none" in line["error"] for line in refused)  # B's third and fourth, C's second
 
 
 def _hot_metrics(server, name: str) -> dict[str, float]:
