@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import socket
 import ssl
 import threading
@@ -117,6 +118,8 @@ def error_response(exc: PackstoreError) -> JSONResponse:
     headers = {"WWW-Authenticate": 'Bearer realm="packstore"'} if exc.grpc_status == "UNAUTHENTICATED" else {}
     if isinstance(exc, BodyTimeout):
         headers["Connection"] = "close"  # (the rest of the body may still come: it must not be read as a request)
+    if "retry_after_seconds" in exc.fields:  # a share refused: Retry-After counts whole seconds (RFC 9110 §10.2.3)
+        headers["Retry-After"] = str(math.ceil(float(exc.fields["retry_after_seconds"])))
     return JSONResponse(error_body(exc), status_code=http_status(exc), headers=headers or None)
 
 

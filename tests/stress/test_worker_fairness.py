@@ -103,7 +103,10 @@ def post(fair, tenant: str | None, body: dict, path: str = "/v1/chat/completions
         with urllib.request.urlopen(request, timeout=WAIT_SECONDS) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+        body = json.loads(exc.read())
+        if exc.code == 429:  # a share refused says when to ask again
+            assert exc.headers["Retry-After"] == "1", exc.headers
+        return exc.code, body
 
 
 def grpc_ask(fair, tenant: str, question: Question | None = None) -> str:
