@@ -28,10 +28,10 @@ from packstore.service.hot import HotPacks
 from packstore.service.namespace_stores import NamespaceStores
 from packstore.service.service_metrics import ServiceMetrics
 from packstore.service.to_messages import bank_info, pack_info, summary_info
+from packstore.serving.admission import Admission
 from packstore.serving.listen import server_ssl_context
 from packstore.serving.metrics_http import serve_metrics
 from packstore.serving.pacing import StreamWatch
-from packstore.serving.admission import Admission
 from packstore.serving.scaffold import Registrar, Server, log_as_json
 from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, BankStore, BankTables, ServedStore, check_name
 from packstore.store.records import PackPage

@@ -8,8 +8,8 @@ reading its request stream, which it does after its token and its transfer slot 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import concurrent.futures
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from typing import Any, NoReturn
@@ -75,11 +75,11 @@ class SyncContext:
 
     async def write(self, message: object) -> None:
         """Send ``message`` when the client takes it; asyncio.CancelledError if the call is cancelled meanwhile."""
-        self._waiting = asyncio.ensure_future(self.context.write(message))
+        self._waiting = writing = asyncio.ensure_future(self.context.write(message))
         if self.cancelled:
-            self._waiting.cancel()
+            writing.cancel()
         try:
-            await self._waiting
+            await writing
         finally:
             self._waiting = None
 
@@ -87,7 +87,7 @@ class SyncContext:
         """The request stream for a handler's thread: each message awaited on the event loop; Cancelled once the
         call is cancelled."""
         while True:
-            waiting = asyncio.run_coroutine_threadsafe(anext(messages, _END), self.loop)  # type: ignore[arg-type]
+            waiting = asyncio.run_coroutine_threadsafe(anext(messages, _END), self.loop)
             self._waiting = waiting
             if self.cancelled:
                 waiting.cancel()
@@ -182,6 +182,7 @@ def _behaviour(handler: grpc.RpcMethodHandler) -> tuple[str, Callable[..., Any]]
 async def _abort(context: grpc.aio.ServicerContext, status: grpc.Status) -> NoReturn:
     """End the call with ``status`` (raises, as the context's abort does)."""
     await context.abort(status.code, status.details, status.trailing_metadata)
+    raise AssertionError("a call's abort returned")  # (grpc.aio's abort raises; its stubs do not say so)
 
 
 async def _run(pool: Executor, handler: Callable[..., Any], *args: Any) -> Any:

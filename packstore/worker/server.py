@@ -28,10 +28,10 @@ from packstore.rpc.status import abort_with_error
 from packstore.security.auth import Auth, Principal
 from packstore.security.shares import ShareRule, Shares, principal_key
 from packstore.security.trust import TrustedKeys
+from packstore.serving.admission import CHEAP_THREADS, Admission
 from packstore.serving.listen import server_ssl_context
 from packstore.serving.metrics_http import serve_metrics
 from packstore.serving.pacing import STREAM_SECONDS, StreamWatch
-from packstore.serving.admission import CHEAP_THREADS, Admission
 from packstore.serving.scaffold import Server, log_as_json
 from packstore.store.protocol import PackStore
 from packstore.v1 import worker_pb2, worker_pb2_grpc

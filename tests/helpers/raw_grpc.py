@@ -115,17 +115,20 @@ def raw_unary(address: str, path: str, request: bytes, headers: list[tuple[bytes
 
 class IdleStreams:
     """``count`` gRPC calls to ``path`` at ``address`` whose request never comes: HEADERS without END_STREAM, then
-    nothing, ``per_connection`` streams on each connection, from the local address ``source`` (another loopback
-    address is another host to the server). The connections answer the server's SETTINGS and stay open until
+    nothing, with ``headers`` after gRPC's own, ``per_connection`` streams on each connection, from the local address
+    ``source`` (another loopback address is another host to the server). The connections answer the server's SETTINGS and stay open until
     ``close``; how the server answered each stream is not read."""
 
-    def __init__(self, address: str, path: str, count: int, *, per_connection: int = 8, source: str = "127.0.0.1", timeout: float = 10.0) -> None:
+    def __init__(
+        self, address: str, path: str, count: int, *, headers: tuple[tuple[bytes, bytes], ...] = (), per_connection: int = 8,
+        source: str = "127.0.0.1", timeout: float = 10.0,
+    ) -> None:
         host, port = address.rsplit(":", 1)
         block = b"".join(
             _literal(name, value)
             for name, value in [
                 (b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode()), (b":authority", address.encode()),
-                (b"content-type", b"application/grpc"), (b"te", b"trailers"),
+                (b"content-type", b"application/grpc"), (b"te", b"trailers"), *headers,
             ]
         )
         self.sockets: list[socket.socket] = []

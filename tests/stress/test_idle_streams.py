@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import grpc
 import pytest
@@ -113,10 +112,14 @@ def test_idle_anonymous_streams_do_not_stop_a_tenants_calls_on_the_service(servi
             answered_in_time(what, call)
 
 
-def test_a_principal_flooding_cheap_calls_leaves_anothers_answered(service) -> None:
-    """B keeps 32 threads calling StatPack and ListPacks without pause: more cheap calls than there are cheap-call
-    threads. Some of B's are refused RESOURCE_EXHAUSTED naming B's own share; A's are all answered."""
+def test_a_principal_flooding_cheap_calls_and_calls_in_flight_leaves_anothers_answered(service) -> None:
+    """B, with its token, holds 64 StatPack calls whose message never comes (as many calls as the service had in
+    flight at once, 4 x --workers) and keeps 32 threads calling StatPack without pause: more cheap calls than there
+    are cheap-call threads. Some of B's are refused RESOURCE_EXHAUSTED naming B's own share; A's calls are each
+    answered within a second."""
     address, key = service
+    token = (b"authorization", f"Bearer {TENANTS['b'][0]}".encode())
+    held = IdleStreams(address, SERVICE_UNARY[0], 64, headers=(token,))
     stop, refusals, errors = threading.Event(), [], []
 
     def flood() -> None:
@@ -142,6 +145,7 @@ def test_a_principal_flooding_cheap_calls_leaves_anothers_answered(service) -> N
         stop.set()
         for thread in threads:
             thread.join(CALL_SECONDS)
+        held.close()
     assert not errors, errors
     for message in refusals:
         assert "token:b" in message and "retry" in message and "token:a" not in message, message
