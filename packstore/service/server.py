@@ -28,10 +28,11 @@ from packstore.service.hot import HotPacks
 from packstore.service.namespace_stores import NamespaceStores
 from packstore.service.service_metrics import ServiceMetrics
 from packstore.service.to_messages import bank_info, pack_info, summary_info
+from packstore.serving.admission import Admission
 from packstore.serving.listen import server_ssl_context
 from packstore.serving.metrics_http import serve_metrics
 from packstore.serving.pacing import StreamWatch
-from packstore.serving.scaffold import Server, log_as_json
+from packstore.serving.scaffold import Registrar, Server, log_as_json
 from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, BankStore, BankTables, ServedStore, check_name
 from packstore.store.records import PackPage
 from packstore.v1 import store_pb2, store_pb2_grpc
@@ -48,10 +49,12 @@ ROLE_OF = {
     "BuildBank": "write", "AddFacts": "write", "DeleteBank": "write", "SignBank": "write",
     "CollectGarbage": "admin",
 }
-# The calls that may hold a thread for long (streams, uploads, bank builds and routes, verification, GC): each takes
-# one of the ``workers`` transfer slots, shared among principals (security/shares.py). Every other call is cheap and
-# finds one of the server's CHEAP_THREADS, never queueing behind transfers.
+# The calls that may hold a thread for long (streams, uploads, bank builds and routes, verification, GC): each runs on
+# the ``workers`` transfer threads and takes one of the ``workers`` transfer slots, shared among principals
+# (security/shares.py). Every other call is cheap and runs on the cheap-call threads, never queueing behind transfers
+# (serving/admission.py).
 TRANSFERS = frozenset({"GetPack", "VerifyPacks", "PutPack", "BuildBank", "AddFacts", "RouteQuery", "CollectGarbage"})
+IN_FLIGHT_PER_WORKER = 4  # calls of every kind in flight at once, shared among principals: 4 per transfer slot
 
 
 class Call(dict[str, object]):
@@ -126,6 +129,10 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
             if info.get("slow_reader") or info.get("cancelled"):
                 code = grpc.StatusCode.CANCELLED
             self.metrics.record(method, code.name, time.perf_counter() - start, {"peer": context.peer(), **info})
+
+    def refused(self, method: str, error: PackstoreError, peer: str) -> None:
+        """Count and log a call refused before it ran (its token, or its share of the calls in flight)."""
+        self.metrics.record(method, status_for(error).name, 0.0, {"peer": peer, "error": str(error)})
 
     def _track_store_gauges(self) -> None:
         """Have each scrape read, per open namespace, its packs and stored bytes (running counters in an embedded
@@ -442,7 +449,7 @@ class _Handlers:
         self.service, self.handlers = service, dict(handlers)
 
 
-def add_pack_store(service: PackStoreService, server: grpc.Server) -> None:
+def add_pack_store(service: PackStoreService, server: Registrar) -> None:
     """Register the PackStore methods as generated, except GetPack's serializer, which passes the chunk
     messages ``chunk_responses`` wrote through as they are."""
     caught = _Handlers()
@@ -472,9 +479,10 @@ def build_server(config: ServiceConfig, stores: NamespaceStores, metrics: Servic
         )
     service = PackStoreService(stores, config, metrics, auth, bulk, hot)
     service._track_store_gauges()
+    admission = Admission(auth, ROLE_OF, TRANSFERS, in_flight=config.workers * IN_FLIGHT_PER_WORKER, refused=service.refused)
     server = Server(
         SERVICE_NAME, lambda grpc_server: add_pack_store(service, grpc_server), config.listen, log=log,
-        workers=config.workers, max_concurrent_rpcs=config.workers * 4, options=limits,
+        admission=admission, workers=config.workers, options=limits,
         tls_cert=config.tls_cert, tls_key=config.tls_key, tls_client_ca=config.tls_client_ca,
     )
     return server, service

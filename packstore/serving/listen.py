@@ -25,7 +25,7 @@ def _check_tls_files(tls_cert: str, tls_key: str, tls_client_ca: str) -> None:
         raise InvalidInput("a TLS client CA (mutual TLS) needs the server's own certificate and key too")
 
 
-def bind(server: grpc.Server, listen: str, *, tls_cert: str = "", tls_key: str = "", tls_client_ca: str = "") -> bool:
+def bind(server: grpc.Server | grpc.aio.Server, listen: str, *, tls_cert: str = "", tls_key: str = "", tls_client_ca: str = "") -> bool:
     """Add ``listen`` to ``server``: TLS with ``tls_cert``/``tls_key`` (and, with ``tls_client_ca``,
     requiring client certificates signed by it), else plain. Returns whether TLS is on."""
     _check_tls_files(tls_cert, tls_key, tls_client_ca)

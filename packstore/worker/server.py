@@ -28,10 +28,11 @@ from packstore.rpc.status import abort_with_error
 from packstore.security.auth import Auth, Principal
 from packstore.security.shares import ShareRule, Shares, principal_key
 from packstore.security.trust import TrustedKeys
+from packstore.serving.admission import CHEAP_THREADS, Admission
 from packstore.serving.listen import server_ssl_context
 from packstore.serving.metrics_http import serve_metrics
 from packstore.serving.pacing import STREAM_SECONDS, StreamWatch
-from packstore.serving.scaffold import CHEAP_THREADS, Server, log_as_json
+from packstore.serving.scaffold import Server, log_as_json
 from packstore.store.protocol import PackStore
 from packstore.v1 import worker_pb2, worker_pb2_grpc
 from packstore.worker.config import DEFAULT_MAX_CONCURRENT, MAX_REF_TTL, WorkerConfig, decode_modes, decoded_memory_bytes, host_cache_bound
@@ -41,8 +42,9 @@ from packstore.worker.namespace_readers import NamespaceReaders
 from packstore.worker.worker_metrics import WorkerMetrics
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-# gRPC calls beyond the thread pool's (max_concurrent + CHEAP_THREADS) that may wait for a thread before one is refused
+# calls in flight beyond the threads (max_concurrent + CHEAP_THREADS), shared among principals as they are
 QUEUED_RPCS = 16
+ROLE_OF = {"Generate": "read", "Status": "read"}
 log = logging.getLogger("packstore.worker")
 
 
@@ -114,6 +116,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """Whom a call from ``peer`` (a gRPC peer, or an HTTP client's address written as one) by ``principal`` holds
         its generation slot for."""
         return principal_key(principal.token, self.auth.enabled, peer)
+
+    def refused(self, method: str, error: PackstoreError, peer: str) -> None:
+        """Count and log a gRPC call refused before it ran (its token, or its share of the calls in flight)."""
+        log.info(method, extra={"fields": {"method": method, "code": error.grpc_status, "error": str(error), "peer": peer}})
+        self.metrics.record("", method, error.grpc_status, 0.0)
 
     def Generate(self, request, context):
         """The answer's tokens, then its summary; a client that leaves the stream untaken longer than the watch allows
@@ -218,13 +225,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
 def worker_server(service: WorkerService, listen: str, *, tls_cert: str = "", tls_key: str = "", tls_client_ca: str = "") -> Server:
     """The gRPC server of ``service`` on ``listen`` (not started): a thread for each of its generation slots, and the
-    server's CHEAP_THREADS more that ``Status`` and health always find free, however many generations run or wait
-    for the device; up to QUEUED_RPCS more calls may wait for a thread before gRPC refuses them."""
+    cheap-call threads that ``Status`` runs on, however many generations run or wait for the device; a principal may
+    have its share of max_concurrent + CHEAP_THREADS + QUEUED_RPCS calls in flight."""
     slots = service.slots.rule.capacity
+    admission = Admission(
+        service.auth, ROLE_OF, frozenset({"Generate"}), in_flight=slots + CHEAP_THREADS + QUEUED_RPCS, refused=service.refused
+    )
     return Server(
         SERVICE_NAME, lambda grpc_server: worker_pb2_grpc.add_WorkerServicer_to_server(service, grpc_server), listen, log=log,
-        workers=slots, max_concurrent_rpcs=slots + CHEAP_THREADS + QUEUED_RPCS, tls_cert=tls_cert, tls_key=tls_key,
-        tls_client_ca=tls_client_ca,
+        admission=admission, workers=slots, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
     )
 
 

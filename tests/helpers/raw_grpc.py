@@ -111,3 +111,60 @@ def raw_unary(address: str, path: str, request: bytes, headers: list[tuple[bytes
         reply.messages.append(bytes(body[5 : 5 + size]))
         body = body[5 + size :]
     return reply
+
+
+class IdleStreams:
+    """``count`` gRPC calls to ``path`` at ``address`` whose request never comes: HEADERS without END_STREAM, then
+    nothing, with ``headers`` after gRPC's own, ``per_connection`` streams on each connection, from the local address
+    ``source`` (another loopback address is another host to the server). The connections answer the server's SETTINGS and stay open until
+    ``close``; how the server answered each stream is not read."""
+
+    def __init__(
+        self, address: str, path: str, count: int, *, headers: tuple[tuple[bytes, bytes], ...] = (), per_connection: int = 8,
+        source: str = "127.0.0.1", timeout: float = 10.0,
+    ) -> None:
+        host, port = address.rsplit(":", 1)
+        block = b"".join(
+            _literal(name, value)
+            for name, value in [
+                (b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode()), (b":authority", address.encode()),
+                (b"content-type", b"application/grpc"), (b"te", b"trailers"), *headers,
+            ]
+        )
+        self.sockets: list[socket.socket] = []
+        try:
+            for first in range(0, count, per_connection):
+                sock = socket.create_connection((host, int(port)), timeout=timeout, source_address=(source, 0))
+                self.sockets.append(sock)
+                streams = range(1, 2 * min(per_connection, count - first), 2)  # a client's streams are odd
+                sock.sendall(PREFACE + _frame(SETTINGS, 0, 0) + b"".join(_frame(HEADERS, END_HEADERS, s, block) for s in streams))
+                self._acknowledge_settings(sock)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _acknowledge_settings(sock: socket.socket) -> None:
+        """Read the server's first frames until its SETTINGS, and acknowledge them (else it may drop the connection)."""
+        buffer = bytearray()
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                raise ConnectionError("the server closed the connection before its SETTINGS")
+            buffer += data
+            while len(buffer) >= 9 and len(buffer) >= 9 + int.from_bytes(buffer[:3], "big"):
+                length, kind, flags = int.from_bytes(buffer[:3], "big"), buffer[3], buffer[4]
+                del buffer[: 9 + length]
+                if kind == SETTINGS and not flags & ACK:
+                    sock.sendall(_frame(SETTINGS, ACK, 0))
+                    return
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+    def __enter__(self) -> IdleStreams:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

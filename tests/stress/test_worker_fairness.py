@@ -67,12 +67,12 @@ def fair(tmp_path_factory, tiny_lm):
     service = WorkerService(tiny_lm, lambda namespace: store, cache_bytes=1 << 30, auth=auth, max_concurrent=4)
     address = f"127.0.0.1:{free_port()}"
     server = worker_server(service, address)
-    server.grpc.start()
+    server.start()
     http = serve_http("127.0.0.1:0", OpenAIApp(service, body_seconds=BODY_SECONDS), header_seconds=HEADER_SECONDS)
     expected = Answerer(tiny_lm, store).ask(Question(QUESTION, refs=("wexley",), sampling=GREEDY)).answer
     yield SimpleNamespace(service=service, grpc=address, http=http.listening, expected=expected, model=tiny_lm.name)
     http.stop(1)
-    server.grpc.stop(0)
+    server.stop(0)
     store.close()
 
 
