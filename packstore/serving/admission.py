@@ -35,7 +35,7 @@ class Admission:
     def __post_init__(self) -> None:
         self.calls = Shares("calls in flight", ShareRule.default(self.in_flight))
         self.cheap = Shares("cheap-call threads", ShareRule.default(CHEAP_THREADS))
-        self.anonymous = Shares("health and reflection calls", ShareRule.default(ANONYMOUS_CALLS))
+        self.anonymous = Shares("health and reflection calls", ShareRule.default(ANONYMOUS_CALLS, ANONYMOUS_CALLS // 2))
 
     def admit(self, method: str, metadata: Metadata, peer: str) -> ExitStack:
         """The units ``method``'s call holds until it ends (close the stack to give them back); the PackstoreError
