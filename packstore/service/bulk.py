@@ -8,7 +8,9 @@ copy of the pack when the service holds one (``packstore.service.hot``: verified
 read nor hashed again), else read and verified as GetPack's stream does, and written into a new hot copy as they
 go when the ticket is for the whole pack. A ticket is single-use and lapses after TICKET_SECONDS: that is the bound
 within which a revoked token or a deletion is honoured (a chunk deleted before it is read still fails NOT_FOUND,
-unless the pack is hot).
+unless the pack is hot). The MAX_TICKETS outstanding are shared among the GetPack callers by the rule of
+``security/shares.py``, a ticket's unit held until it is presented or lapses, so a caller that takes tickets and
+never presents them cannot push the others off the bulk port: past its share, its own GetPacks stream instead.
 
 Nobody without a ticket holds anything for long: one thread waits on every new connection at once until it has
 finished any TLS handshake and presented a valid ticket, within HELLO_SECONDS, and only then does the connection
@@ -50,7 +52,7 @@ from packstore.v1 import store_pb2
 log = logging.getLogger("packstore.service")
 
 TICKET_SECONDS = 30.0  # how long an issued ticket may wait to be used
-MAX_TICKETS = 4096  # outstanding at once; past it GetPack streams instead
+MAX_TICKETS = 4096  # outstanding at once, shared among principals; past a caller's share its GetPack streams instead
 PEER_PENDING = 16  # connections one peer may have awaiting their ticket at once; more are closed on accept
 MAX_PENDING = 1024  # connections awaiting their ticket, all peers together
 TRANSFER_RATE = STREAM_RATE  # bytes per second: the slowest reader a transfer waits for, as for gRPC streams
@@ -72,11 +74,13 @@ class Transfer:
 
 
 class Tickets:
-    """Single-use tickets for transfers, each valid for TICKET_SECONDS."""
+    """Single-use tickets for transfers, each valid for ``lifetime`` seconds; at most ``limit`` outstanding, shared
+    among principals (a ticket holds its principal's unit until it is taken or lapses)."""
 
     def __init__(self, lifetime: float = TICKET_SECONDS, limit: int = MAX_TICKETS) -> None:
         self.lifetime, self.limit = lifetime, limit
-        self._transfers: dict[bytes, Transfer] = {}
+        self.shares = Shares("bulk tickets", ShareRule.default(limit))
+        self._transfers: dict[bytes, Transfer] = {}  # in the order issued, which is the order they lapse
         self._lock = threading.Lock()
 
     def issue(
@@ -87,22 +91,33 @@ class Tickets:
         indices: Sequence[int],
         fields: dict[str, object],
         principal: str,
-    ) -> bytes | None:
-        """A new ticket for the transfer, or None when MAX_TICKETS are outstanding (the caller streams instead)."""
+    ) -> bytes:
+        """A new ticket for the transfer; LimitExceeded when ``principal`` is past its share of the tickets (the
+        caller streams instead)."""
         now = time.monotonic()
         with self._lock:
-            for ticket in [t for t, transfer in self._transfers.items() if transfer.expires <= now]:
-                del self._transfers[ticket]
-            if len(self._transfers) >= self.limit:
-                return None
+            self._drop_lapsed(now)
+            if not self.shares.try_take(principal):
+                raise self.shares.refused(principal, "bulk ticket")
             ticket = secrets.token_bytes(TICKET_BYTES)
             self._transfers[ticket] = Transfer(store, namespace, header, tuple(indices), dict(fields), principal, now + self.lifetime)
             return ticket
+
+    def _drop_lapsed(self, now: float) -> None:
+        """Forget the tickets that lapsed, giving their units back (the oldest come first: stop at one still valid)."""
+        while self._transfers:
+            ticket, transfer = next(iter(self._transfers.items()))
+            if transfer.expires > now:
+                return
+            del self._transfers[ticket]
+            self.shares.give_back(transfer.principal)
 
     def take(self, ticket: bytes) -> Transfer:
         """The ticket's transfer, which it no longer grants; Unauthenticated for one unknown, used or lapsed."""
         with self._lock:
             transfer = self._transfers.pop(bytes(ticket), None)
+            if transfer is not None:
+                self.shares.give_back(transfer.principal)
         if transfer is None or transfer.expires <= time.monotonic():
             raise Unauthenticated(f"bulk ticket unknown, already used or lapsed (tickets are single-use and last {self.lifetime:g} s)")
         return transfer

@@ -238,8 +238,11 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
         yield store_pb2.GetPackResponse(header=pack_info(stored))
         if request.bulk and self.bulk is not None:
             fields = {k: call[k] for k in ("token", "namespace", "key")}
-            ticket = self.bulk.tickets.issue(call.store, call.principal.namespace, header, indices, fields, call.share_key)
-            if ticket is not None:
+            try:
+                ticket = self.bulk.tickets.issue(call.store, call.principal.namespace, header, indices, fields, call.share_key)
+            except LimitExceeded as exc:  # past the caller's share of the tickets: it streams, on its transfer slot
+                call["bulk_refused"] = str(exc)
+            else:
                 call["bulk"] = True
                 call.complete = True  # the ticket is the call's last message
                 yield store_pb2.GetPackResponse(bulk=self.bulk.ticket_message(ticket))

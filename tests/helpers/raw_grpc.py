@@ -1,10 +1,13 @@
-"""A unary gRPC call written by hand on one HTTP/2 connection, for headers a real gRPC client refuses to send.
+"""gRPC calls written by hand on one HTTP/2 connection each: for headers a real gRPC client refuses to send, from a
+local address of the caller's choosing (127.0.0.2, ...: another principal without tokens), and server streams
+started and then left unread.
 
 gRPC's own clients check metadata before it leaves (printable ASCII values, lowercase keys, 16 KiB); a hostile
 peer need not. ``raw_unary`` sends whatever header bytes it is given (HPACK literals, no Huffman, no indexing;
 CONTINUATION frames past 16 KiB) and a request message, and returns the response messages and how the stream
 ended. It does not decode the response headers (that needs HPACK's Huffman table): a test learns the status the
-service gave from the service's own metrics, and whether it answered from the messages.
+service gave from the service's own metrics, and whether it answered from the messages. ``raw_stream`` starts a
+server stream and stops reading after its first message, never opening the flow-control window.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -48,68 +52,92 @@ class RawReply:
     ended: str = ""  # "trailers", "reset" (RST_STREAM), "goaway", "closed" (the connection ended first)
 
 
-def raw_unary(address: str, path: str, request: bytes, headers: list[tuple[bytes, bytes]], timeout: float = 10.0) -> RawReply:
-    """Call ``path`` (e.g. /packstore.v1.PackStore/StatPack) at ``address`` (host:port, plaintext) with ``request`` (a
-    serialized message) and ``headers`` sent as given, after gRPC's own; TimeoutError when the stream has not ended
-    within ``timeout`` seconds."""
-    host, port = address.rsplit(":", 1)
-    block = b"".join(
+def _header_block(address: str, path: str, headers: Sequence[tuple[bytes, bytes]]) -> bytes:
+    """A call's HEADERS block: gRPC's own fields for ``path``, then ``headers`` as given."""
+    return b"".join(
         _literal(name, value)
         for name, value in [
             (b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode()), (b":authority", address.encode()),
             (b"content-type", b"application/grpc"), (b"te", b"trailers"), *headers,
         ]
     )
+
+
+def _request(address: str, path: str, request: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The bytes of a whole call on a new connection: the preface, SETTINGS, the headers (after gRPC's own) and the
+    request message, which ends the client's side of stream 1."""
+    block = _header_block(address, path, headers)
     pieces = [block[i : i + MAX_FRAME] for i in range(0, len(block), MAX_FRAME)] or [b""]
     out = [PREFACE, _frame(SETTINGS, 0, 0)]
     for number, piece in enumerate(pieces):
         kind = HEADERS if number == 0 else CONTINUATION
         out.append(_frame(kind, END_HEADERS if number == len(pieces) - 1 else 0, 1, piece))
     out.append(_frame(DATA, END_STREAM, 1, b"\x00" + struct.pack(">I", len(request)) + request))
-    reply, body, deadline = RawReply(), bytearray(), time.monotonic() + timeout
-    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+    return b"".join(out)
+
+
+def _connect(address: str, timeout: float, source: str) -> socket.socket:
+    """A TCP connection to ``address`` (host:port), from the local address ``source`` (empty: the system's choice)."""
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=timeout, source_address=(source, 0) if source else None)
+
+
+def _read(sock: socket.socket, path: str, deadline: float, reply: RawReply, enough: Callable[[int], bool]) -> None:
+    """Read frames into ``reply`` (answering SETTINGS and PING) until stream 1 ends or ``enough(bytes of messages
+    received)``; TimeoutError past ``deadline``."""
+    buffer, body = bytearray(), bytearray()
+    while not reply.ended and not enough(len(body)):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"{path}: the stream did not end within its time")
+        sock.settimeout(remaining)
         try:
-            sock.sendall(b"".join(out))
-        except OSError:  # the server may have answered and closed already
-            pass
-        buffer = bytearray()
-        while not reply.ended:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"{path}: the stream did not end within {timeout} s")
-            sock.settimeout(remaining)
-            try:
-                data = sock.recv(65536)
-            except TimeoutError:
-                continue
-            except OSError:
-                data = b""
-            if not data:
-                reply.ended = "closed"
+            data = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except OSError:
+            data = b""
+        if not data:
+            reply.ended = "closed"
+            break
+        buffer += data
+        while len(buffer) >= 9:
+            length = int.from_bytes(buffer[:3], "big")
+            if len(buffer) < 9 + length:
                 break
-            buffer += data
-            while len(buffer) >= 9:
-                length = int.from_bytes(buffer[:3], "big")
-                if len(buffer) < 9 + length:
-                    break
-                kind, flags, stream = buffer[3], buffer[4], int.from_bytes(buffer[5:9], "big") & 0x7FFFFFFF
-                payload, buffer = bytes(buffer[9 : 9 + length]), buffer[9 + length :]
-                if kind == SETTINGS and not flags & ACK:
-                    sock.sendall(_frame(SETTINGS, ACK, 0))
-                elif kind == PING and not flags & ACK:
-                    sock.sendall(_frame(PING, ACK, 0, payload))
-                elif kind == GOAWAY and int.from_bytes(payload[:4], "big") & 0x7FFFFFFF < 1:  # our stream will not be processed
-                    reply.ended = reply.ended or "goaway"
-                elif stream == 1 and kind == RST_STREAM:
-                    reply.ended = "reset"
-                elif stream == 1 and kind == DATA:
-                    body += payload
-                if stream == 1 and kind in (DATA, HEADERS) and flags & END_STREAM:
-                    reply.ended = "trailers"
-    while len(body) >= 5:
+            kind, flags, stream = buffer[3], buffer[4], int.from_bytes(buffer[5:9], "big") & 0x7FFFFFFF
+            payload, buffer = bytes(buffer[9 : 9 + length]), buffer[9 + length :]
+            if kind == SETTINGS and not flags & ACK:
+                sock.sendall(_frame(SETTINGS, ACK, 0))
+            elif kind == PING and not flags & ACK:
+                sock.sendall(_frame(PING, ACK, 0, payload))
+            elif kind == GOAWAY and int.from_bytes(payload[:4], "big") & 0x7FFFFFFF < 1:  # our stream will not be processed
+                reply.ended = reply.ended or "goaway"
+            elif stream == 1 and kind == RST_STREAM:
+                reply.ended = "reset"
+            elif stream == 1 and kind == DATA:
+                body += payload
+            if stream == 1 and kind in (DATA, HEADERS) and flags & END_STREAM:
+                reply.ended = "trailers"
+    while len(body) >= 5 and len(body) >= 5 + int.from_bytes(body[1:5], "big"):
         size = int.from_bytes(body[1:5], "big")
         reply.messages.append(bytes(body[5 : 5 + size]))
         body = body[5 + size :]
+
+
+def raw_unary(
+    address: str, path: str, request: bytes, headers: list[tuple[bytes, bytes]], timeout: float = 10.0, source: str = ""
+) -> RawReply:
+    """Call ``path`` (e.g. /packstore.v1.PackStore/StatPack) at ``address`` (host:port, plaintext) with ``request`` (a
+    serialized message) and ``headers`` sent as given, after gRPC's own, from the local address ``source``;
+    TimeoutError when the stream has not ended within ``timeout`` seconds."""
+    reply = RawReply()
+    with _connect(address, timeout, source) as sock:
+        try:
+            sock.sendall(_request(address, path, request, headers))
+        except OSError:  # the server may have answered and closed already
+            pass
+        _read(sock, path, time.monotonic() + timeout, reply, lambda received: False)
     return reply
 
 
@@ -124,13 +152,7 @@ class IdleStreams:
         source: str = "127.0.0.1", timeout: float = 10.0,
     ) -> None:
         host, port = address.rsplit(":", 1)
-        block = b"".join(
-            _literal(name, value)
-            for name, value in [
-                (b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode()), (b":authority", address.encode()),
-                (b"content-type", b"application/grpc"), (b"te", b"trailers"), *headers,
-            ]
-        )
+        block = _header_block(address, path, headers)
         self.sockets: list[socket.socket] = []
         try:
             for first in range(0, count, per_connection):
@@ -168,3 +190,22 @@ class IdleStreams:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+def raw_stream(
+    address: str, path: str, request: bytes, headers: list[tuple[bytes, bytes]], timeout: float = 10.0, source: str = ""
+) -> tuple[socket.socket | None, RawReply]:
+    """Start the server stream ``path`` as ``raw_unary`` calls it and read no further than its first message: the
+    connection, left open and unread, with the messages that came whole; or None when the stream ended first (the call
+    was refused, or answered at once). The client never opens its flow-control window, so the server sends at most
+    HTTP/2's initial 64 KiB and then waits: a stream held this way costs the caller nothing."""
+    reply, sock = RawReply(), _connect(address, timeout, source)
+    try:
+        sock.sendall(_request(address, path, request, headers))
+        _read(sock, path, time.monotonic() + timeout, reply, lambda received: received > 0)
+    except BaseException:
+        sock.close()
+        raise
+    if reply.ended:
+        sock.close()
+        return None, reply
+    return sock, reply

@@ -195,17 +195,21 @@ def test_with_the_bulk_port_off_or_out_of_reach_a_fetch_streams(tmp_path: Path, 
         assert same(PackReader(remote).fetch("p"), pack)  # straight to the stream from now on
 
 
-def test_tickets_lapse_and_are_bounded() -> None:
-    tickets = Tickets(lifetime=0.05, limit=2)
+def test_tickets_lapse_and_are_shared_among_principals() -> None:
+    tickets = Tickets(lifetime=0.05, limit=4)  # (a reserve of 2 for principals holding none)
     header = encode_pack(make_pack(tokens=4, dim=4)).header
     first = tickets.issue(None, "default", header, [0], {}, "token:a")
     second = tickets.issue(None, "default", header, [0], {}, "token:a")
-    assert first != second and tickets.issue(None, "default", header, [0], {}, "token:a") is None  # at the limit: the caller streams
-    assert tickets.take(second).indices == (0,)
+    assert first != second
+    with pytest.raises(LimitExceeded, match=r"bulk ticket: token:a holds 2 of the bulk tickets, and the last 2 are kept .*; retry in"):
+        tickets.issue(None, "default", header, [0], {}, "token:a")  # past its share: the caller streams
+    assert tickets.issue(None, "default", header, [0], {}, "token:b") is not None  # another is served at once
+    assert tickets.take(second).indices == (0,) and tickets.shares.held("token:a") == 1  # a presented ticket frees its unit
     time.sleep(0.1)
     with pytest.raises(Unauthenticated, match="lapsed"):
         tickets.take(first)
     assert tickets.issue(None, "default", header, [0], {}, "token:a") is not None  # lapsed ones make room
+    assert (tickets.shares.held("token:a"), tickets.shares.held("token:b")) == (1, 0)
 
 
 def test_the_bulk_address_follows_the_grpc_one_unless_told() -> None:
