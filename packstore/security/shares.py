@@ -10,7 +10,7 @@ caller included:
 2. among the principals below their share, units go first to the one holding fewest, then to the one asking
    longest: a principal gets a unit only while more are free than other askers rank before it;
 3. the last ``reserve`` free units go only to principals holding none, so that a newcomer is served at once while
-   fewer than ``capacity`` principals hold units;
+   they last (and otherwise within one holding time, by rule 2);
 4. nobody holds more than ``per_principal`` (a ceiling an operator may set; by default the capacity).
 
 A refused principal is told to retry after ``retry_seconds`` and counts as asking for ``ask_seconds`` (a little more
