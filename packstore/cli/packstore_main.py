@@ -9,6 +9,8 @@ from packstore import __version__
 from packstore.cli.program import CommandLine, emit_json
 from packstore.cli.store_options import connection_options, spec_of
 from packstore.format.header import EXACTNESS_MODES
+from packstore.serving.connections import HTTP_CONNECTIONS, HTTP_CONNECTIONS_PER_PEER, METRICS_CONNECTIONS, METRICS_CONNECTIONS_PER_PEER
+from packstore.serving.pacing import STREAM_SECONDS
 from packstore.worker.config import DEFAULT_CACHE_BYTES, DEFAULT_LISTEN, DEFAULT_MAX_CONCURRENT, WorkerConfig
 
 
@@ -55,6 +57,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "upload_seconds",
         "stream_seconds",
         "metrics",
+        "metrics_connections",
+        "metrics_connections_per_peer",
         "workers",
         "max_message_bytes",
         "max_pack_bytes",
@@ -93,8 +97,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
         threads=args.threads,
         exactness=args.exactness,
         metrics=args.metrics or "",
+        metrics_connections=args.metrics_connections,
+        metrics_connections_per_peer=args.metrics_connections_per_peer,
         http=args.http or "",
+        http_connections=args.http_connections,
+        http_connections_per_peer=args.http_connections_per_peer,
         max_concurrent=args.max_concurrent,
+        stream_seconds=args.stream_seconds,
         tls_cert=args.tls_cert or "",
         tls_key=args.tls_key or "",
         tls_client_ca=args.tls_client_ca or "",
@@ -104,6 +113,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
     )
     run_worker(config)
     return 0
+
+
+def _metrics_connection_options(parser, defaults: bool) -> None:
+    """--metrics-connections and --metrics-connections-per-peer (``defaults``: argparse's; else None, the config's)."""
+    parser.add_argument(
+        "--metrics-connections", type=int, metavar="N", default=METRICS_CONNECTIONS if defaults else None,
+        help=f"scrapes served at once, each on a thread of a pool; more are refused with 503 (default {METRICS_CONNECTIONS})",
+    )
+    parser.add_argument(
+        "--metrics-connections-per-peer", type=int, metavar="N", default=METRICS_CONNECTIONS_PER_PEER if defaults else None,
+        help=f"scrapes at once from one host (default {METRICS_CONNECTIONS_PER_PEER})",
+    )
 
 
 def _listener_options(parser) -> None:
@@ -156,6 +177,7 @@ def build_cli() -> CommandLine:
         "--metrics", metavar="HOST:PORT",
         help="serve Prometheus metrics here (:PORT or PORT: on loopback; with --auth, a scrape needs a bearer token) ($PACKSTORE_METRICS)",
     )
+    _metrics_connection_options(p, defaults=False)
     p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings (see docs/operations.md)")
     p.add_argument("--workers", type=int, help="transfer slots: streams, uploads, bank builds at once, shared per token (default 16)")
     p.add_argument("--max-message-bytes", type=int, help="gRPC message size limit (default 4 MiB)")
@@ -221,10 +243,23 @@ def build_cli() -> CommandLine:
         help="serve Prometheus metrics here (:PORT or PORT: on loopback; with --auth, a scrape needs a bearer token, "
         "and reads its namespaces' series)",
     )
+    _metrics_connection_options(p, defaults=True)
     p.add_argument(
         "--http", metavar="HOST:PORT",
         help="serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) here too (:PORT or PORT: on loopback; "
         "HTTPS with the TLS flags; with --auth, callers send 'Authorization: Bearer TOKEN')",
+    )
+    p.add_argument(
+        "--http-connections", type=int, default=HTTP_CONNECTIONS, metavar="N",
+        help=f"connections the HTTP API holds at once (an open file each, no thread); more get 503 (default {HTTP_CONNECTIONS})",
+    )
+    p.add_argument(
+        "--http-connections-per-peer", type=int, default=HTTP_CONNECTIONS_PER_PEER, metavar="N",
+        help=f"connections to the HTTP API at once from one host (default {HTTP_CONNECTIONS_PER_PEER})",
+    )
+    p.add_argument(
+        "--stream-seconds", type=float, default=STREAM_SECONDS, metavar="S",
+        help="cancel a Generate stream or an HTTP response whose reader took longer than this plus 1 s per 16 MiB sent (default 60)",
     )
     p.add_argument(
         "--max-concurrent", type=int, default=DEFAULT_MAX_CONCURRENT, metavar="N",

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from packstore.errors import InvalidInput
+from packstore.serving.connections import METRICS_CONNECTIONS, METRICS_CONNECTIONS_PER_PEER, ConnectionCaps
 from packstore.store.spec import DEFAULT_OBJECT_CACHE_BYTES
 
 
@@ -26,6 +27,8 @@ class ServiceConfig:
     stream_seconds: float = 60.0  # what a stream or bulk transfer may wait for its reader, plus 1 s per 16 MiB it sends
     upload_seconds: float = 600.0  # a PutPack still running after this is cancelled (gRPC sets no deadline of its own)
     metrics: str = ""  # HOST:PORT for Prometheus (no host: loopback); empty disables
+    metrics_connections: int = METRICS_CONNECTIONS  # scrapes at once (each on a thread of a pool), all hosts together
+    metrics_connections_per_peer: int = METRICS_CONNECTIONS_PER_PEER  # scrapes at once from one host
     workers: int = 16  # transfer slots (streams, uploads, bank builds and routes), shared among principals
     max_message_bytes: int = 4 << 20  # per gRPC message, both directions
     max_pack_bytes: int = 4 << 30  # stored bytes of one uploaded pack
@@ -42,6 +45,11 @@ class ServiceConfig:
     objects: str = ""  # s3://BUCKET/PREFIX to serve from (docs/operations.md, "Object store tier"); empty: the local store
     s3_endpoint: str = ""  # the object store's URL; empty: $AWS_ENDPOINT_URL_S3, else AWS S3
     cache_bytes: int = DEFAULT_OBJECT_CACHE_BYTES  # with objects: the local cache of each namespace
+
+    @property
+    def bulk_connections(self) -> int:
+        """The bulk port's transfers at once (its connections' cap): 4 x ``workers``."""
+        return self.workers * 4
 
 
 # Settings that no longer exist, and what took their place (a config that still names one is refused, not ignored).
@@ -97,6 +105,7 @@ def load_config(config_file: str | None = None, overrides: dict[str, Any] | None
     for name in ("upload_seconds", "stream_seconds"):
         if not 0 < getattr(config, name) <= 86400:  # also refuses NaN
             raise InvalidInput(f"{name} must be from 0 to 86400, got {getattr(config, name)}")
+    ConnectionCaps(metrics=config.metrics_connections, metrics_per_peer=config.metrics_connections_per_peer)  # (refuses caps below 1)
     if config.bulk_local not in ("on", "off"):
         raise InvalidInput(f"bulk_local must be on or off, got {config.bulk_local!r}")
     return config

@@ -29,6 +29,7 @@ from packstore.service.namespace_stores import NamespaceStores
 from packstore.service.service_metrics import ServiceMetrics
 from packstore.service.to_messages import bank_info, pack_info, summary_info
 from packstore.serving.admission import Admission
+from packstore.serving.connections import ensure_open_files
 from packstore.serving.listen import server_ssl_context
 from packstore.serving.metrics_http import serve_metrics
 from packstore.serving.pacing import StreamWatch
@@ -477,7 +478,7 @@ def build_server(config: ServiceConfig, stores: NamespaceStores, metrics: Servic
         tls = server_ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca)
         local = config.bulk_local == "on"
         bulk = BulkServer(
-            address, Tickets(), metrics, tls=tls, max_connections=config.workers * 4, per_principal=config.bulk_per_principal,
+            address, Tickets(), metrics, tls=tls, max_connections=config.bulk_connections, per_principal=config.bulk_per_principal,
             hot=hot, local=local, transfer_seconds=config.stream_seconds,
         )
     service = PackStoreService(stores, config, metrics, auth, bulk, hot)
@@ -495,6 +496,10 @@ def serve(config: ServiceConfig) -> None:
     """Run until SIGTERM/SIGINT, then stop taking calls and let in-flight ones finish (up to the grace
     period); SIGHUP reads the tokens file again."""
     log_as_json(config.log_level)
+    ensure_open_files(
+        (config.metrics_connections if config.metrics else 0) + (config.bulk_connections if config.bulk_listen != "off" else 0),
+        "--metrics-connections and --workers",
+    )
     metrics = ServiceMetrics()
     auth = Auth(config.auth or None)
     stores = NamespaceStores(
@@ -506,7 +511,10 @@ def serve(config: ServiceConfig) -> None:
         metrics_at = None  # where the metrics port listens (loopback unless --metrics names a host)
         if config.metrics:
             tls = server_ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca)
-            metrics_at = serve_metrics(config.metrics, metrics.registry, auth, tls=tls).listening
+            metrics_at = serve_metrics(
+                config.metrics, metrics.registry, auth, tls=tls, connections=config.metrics_connections,
+                per_peer=config.metrics_connections_per_peer,
+            ).listening
         if service.bulk is not None:
             service.bulk.start()
         fields = {

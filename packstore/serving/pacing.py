@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar
 
 STREAM_SECONDS = 60.0  # the wait any stream is allowed, before its bytes earn more
@@ -27,7 +28,7 @@ class Cancellable(Protocol):
     def cancel(self) -> None: ...
 
 
-class _Stream:
+class WatchedStream:
     """One watched stream: the bytes it sent, the time it spent waiting for its client, since when it waits now."""
 
     def __init__(self, context: Cancellable, fields: dict[str, Any]) -> None:
@@ -36,13 +37,24 @@ class _Stream:
         self.waited = 0.0
         self.waiting_since: float | None = None
 
+    def sending(self, size: int) -> None:
+        """A message of ``size`` bytes goes to the client: the wait for it to be taken begins."""
+        self.sent += size
+        self.waiting_since = time.monotonic()
+
+    def taken(self) -> None:
+        """The client took it (or the server may send the next): the wait ends."""
+        if self.waiting_since is not None:
+            self.waited += time.monotonic() - self.waiting_since
+            self.waiting_since = None
+
 
 class StreamWatch:
     """Cancels the server streams (``paced``) whose clients take their messages slower than the rule allows."""
 
     def __init__(self, log: logging.Logger, seconds: float = STREAM_SECONDS, rate: int = STREAM_RATE) -> None:
         self.log, self.seconds, self.rate = log, seconds, rate
-        self._streams: set[_Stream] = set()
+        self._streams: set[WatchedStream] = set()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -54,19 +66,24 @@ class StreamWatch:
     ) -> Iterator[Message]:
         """``messages`` as they are sent, the stream cancelled if its client reads too slowly; ``fields``: the call's
         log fields (who, what), which the cancellation's log line repeats and marks ``slow_reader``."""
-        stream = _Stream(context, fields)
+        with self.watching(context, fields) as stream:
+            for message in messages:
+                stream.sending(size(message))
+                yield message  # gRPC sends it, waiting for the client's flow control, before asking for the next
+                stream.taken()
+
+    @contextmanager
+    def watching(self, context: Cancellable, fields: dict[str, Any]) -> Iterator[WatchedStream]:
+        """A stream watched while the context runs, for a server that sends by itself (the HTTP API): it marks each
+        message's wait with ``sending`` and ``taken``; ``context`` is cancelled once it is past the rule."""
+        stream = WatchedStream(context, fields)
         with self._lock:
             self._streams.add(stream)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._watch, name="packstore-stream-watch", daemon=True)
                 self._thread.start()
         try:
-            for message in messages:
-                stream.sent += size(message)
-                stream.waiting_since = time.monotonic()
-                yield message  # gRPC sends it, waiting for the client's flow control, before asking for the next
-                stream.waited += time.monotonic() - stream.waiting_since
-                stream.waiting_since = None
+            yield stream
         finally:
             with self._lock:
                 self._streams.discard(stream)
@@ -85,6 +102,6 @@ class StreamWatch:
                 }})
                 stream.context.cancel()
 
-    def _overdue(self, stream: _Stream, now: float) -> bool:
+    def _overdue(self, stream: WatchedStream, now: float) -> bool:
         since = stream.waiting_since
         return since is not None and stream.waited + (now - since) > self.seconds + stream.sent / self.rate

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from packstore.errors import InvalidInput
+from packstore.serving.connections import HTTP_CONNECTIONS, HTTP_CONNECTIONS_PER_PEER, METRICS_CONNECTIONS, METRICS_CONNECTIONS_PER_PEER
+from packstore.serving.pacing import STREAM_SECONDS
 
 if TYPE_CHECKING:
     from packstore.store.spec import StoreSpec
@@ -47,8 +49,14 @@ class WorkerConfig:
     # awaits the GPU measurement of tools/eval/eval_exactness.py --variants (issue 56).
     exactness: str = "default"
     metrics: str = ""  # HOST:PORT for Prometheus; empty: none
+    metrics_connections: int = METRICS_CONNECTIONS  # scrapes at once (threads), all hosts together
+    metrics_connections_per_peer: int = METRICS_CONNECTIONS_PER_PEER  # scrapes at once from one host
     http: str = ""  # HOST:PORT of the OpenAI-compatible API; empty: none
+    http_connections: int = HTTP_CONNECTIONS  # connections to the HTTP API at once, all hosts together
+    http_connections_per_peer: int = HTTP_CONNECTIONS_PER_PEER  # connections to the HTTP API at once from one host
     max_concurrent: int = DEFAULT_MAX_CONCURRENT  # generation slots, gRPC and HTTP together, shared among callers
+    # what a Generate stream or an HTTP response may wait for its reader, plus 1 s per 16 MiB it sends (serving/pacing.py)
+    stream_seconds: float = STREAM_SECONDS
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""

@@ -6,15 +6,19 @@ the worker's answer (text and tokens) to the same pack, question and sampling.
 ``GET /v1/models``, ``GET /health``. Callers, tokens and namespaces are the gRPC ones (``Auth.authenticate`` over the
 HTTP headers); a completion holds one of the worker's generation slots (``WorkerService.slots``, shared with gRPC
 ``Generate`` and fair among principals: security/shares.py), taken only once its caller is authenticated and its
-body has arrived. Slow or stalled clients are cut off: headers (``HEADER_SECONDS``), bodies (``BODY_SECONDS``, 408)
-and readers of a response (``SEND_SECONDS``) each have a deadline, and a client gone midway stops its generation
-within one token. Errors are OpenAI's ``{"error": {...}}`` with the status of ``HTTP_STATUS``, unknown paths and
+body has arrived. Slow or stalled clients are cut off: headers (``HEADER_SECONDS``, worker/http_connections.py) and
+bodies (``BODY_SECONDS``, 408) each have a deadline, every response is read at the minimum rate of gRPC's streams
+(the worker's ``StreamWatch``: ``stream_seconds`` in all plus 1 s per 16 MiB, serving/pacing.py) or cut, freeing its
+slot, and a client gone midway stops its generation within one token. Connections are capped in all and per host
+(``HTTP_CONNECTIONS``, ``HTTP_CONNECTIONS_PER_PEER``), refused past that with 503.
+Errors are OpenAI's ``{"error": {...}}`` with the status of ``HTTP_STATUS``, unknown paths and
 methods included. docs/protocol.md, "OpenAI-compatible HTTP API", is the reference.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -37,15 +41,17 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from packstore.answering.records import AnswerResult
 from packstore.errors import InvalidInput, PackstoreError
 from packstore.kv.inject import TextDeltas
 from packstore.security.auth import Auth, Principal
 from packstore.security.shares import Shares, principal_key
+from packstore.serving.connections import HTTP_CONNECTIONS, HTTP_CONNECTIONS_PER_PEER, peer_of
 from packstore.serving.metrics_http import metrics_address
+from packstore.serving.pacing import StreamWatch, WatchedStream
 from packstore.worker.chat import ChatRequest, chat_request, completion_request, packstore_fields, usage
+from packstore.worker.http_connections import ConnectionGuard
 from packstore.worker.worker_metrics import WorkerMetrics
 
 if TYPE_CHECKING:
@@ -53,10 +59,8 @@ if TYPE_CHECKING:
     from packstore.kv.models import LoadedModel
 
 MAX_BODY_BYTES = 8 << 20  # a request body past this is refused (413) before it is read whole
-MAX_HEADER_BYTES = 64 << 10  # a request line and headers past this close the connection
 BODY_SECONDS = 30.0  # a request body must arrive within this, once its headers have (else 408)
 HEADER_SECONDS = 30.0  # a request's line and headers must arrive within this of the connection or of the last response
-SEND_SECONDS = 60.0  # the longest one piece of a response waits for its client to read (else the connection closes)
 STARTUP_SECONDS = 10.0
 HTTP_STATUS = {  # a PackstoreError's gRPC status -> the HTTP status it answers with
     "INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404,
@@ -71,12 +75,13 @@ log = logging.getLogger("packstore.worker")
 
 class HttpBackend(Protocol):
     """What the HTTP API needs of the worker (``server.WorkerService``, which starts it): its model, callers' tokens,
-    metrics, generation slots, and the Answerer of a namespace."""
+    metrics, generation slots, the watch of slow readers, and the Answerer of a namespace."""
 
     lm: LoadedModel
     auth: Auth
     metrics: WorkerMetrics
     slots: Shares
+    watch: StreamWatch
 
     def answerer(self, namespace: str) -> Answerer: ...
 
@@ -94,8 +99,17 @@ class BodyTimeout(PackstoreError):
     grpc_status = "DEADLINE_EXCEEDED"
 
 
-class SlowReader(Exception):
-    """A client that took no part of its response for SEND_SECONDS: the connection is closed, the call cancelled."""
+@dataclass(frozen=True)
+class LoopCancel:
+    """The watch's handle on one response (``Cancellable``): the watch runs on a thread of its own, the response on
+    the event loop, where ``scope`` is cancelled."""
+
+    loop: asyncio.AbstractEventLoop
+    scope: CancelScope
+
+    def cancel(self) -> None:
+        with contextlib.suppress(RuntimeError):  # (the loop has closed: the response is over anyway)
+            self.loop.call_soon_threadsafe(self.scope.cancel)
 
 
 def http_status(exc: PackstoreError) -> int:
@@ -287,11 +301,11 @@ class GeneratingRequest:
 
 
 class OpenAIApp:
-    """The API over ``service`` (``app``, an ASGI app). A request body must arrive within ``body_seconds`` and each
-    piece of a response be taken by its client within ``send_seconds``."""
+    """The API over ``service`` (``app``, an ASGI app). A request body must arrive within ``body_seconds``, and every
+    response be read at the rate of ``service.watch``."""
 
-    def __init__(self, service: HttpBackend, *, body_seconds: float = BODY_SECONDS, send_seconds: float = SEND_SECONDS) -> None:
-        self.service, self.body_seconds, self.send_seconds = service, body_seconds, send_seconds
+    def __init__(self, service: HttpBackend, *, body_seconds: float = BODY_SECONDS) -> None:
+        self.service, self.body_seconds = service, body_seconds
         self.routes = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -303,30 +317,23 @@ class OpenAIApp:
         )
 
     async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The ASGI app: ``routes``, each response's sends under ``send_seconds``; each generating request a ``GeneratingRequest``,
-        whose generation is stopped, slot freed and line logged once its response has ended, however it ended."""
+        """The ASGI app: ``routes``, each response watched by ``service.watch`` (a client reading it too slowly has it
+        cut, its connection closed and the cancellation logged naming it); each generating request a
+        ``GeneratingRequest``, whose generation is stopped, slot freed and line logged once its response has ended,
+        however it ended (``slow_reader: true`` when the watch cut it)."""
         if scope["type"] != "http":
             return await self.routes(scope, receive, send)
         shape = GENERATING.get(scope["path"]) if scope["method"] == "POST" else None
         call = scope[CALL_SCOPE_KEY] = GeneratingRequest(self.service, shape) if shape is not None else None
+        fields = call.fields if call is not None else {"method": f"{scope['method']} {scope['path']}", "protocol": "http"}
+        fields["peer"] = peer_of(*(scope.get("client") or ("", 0)))
+        cut = CancelScope()  # (left unfinished, the response's connection is closed by uvicorn)
         try:
-            await self.routes(scope, receive, self._within(send))
-        except SlowReader:  # the response is left unfinished: uvicorn closes the connection
-            log.info("client not reading its response: connection closed", extra={"fields": {"path": scope["path"]}})
+            with self.service.watch.watching(LoopCancel(asyncio.get_running_loop(), cut), fields) as stream, cut:
+                await self.routes(scope, receive, _paced(send, stream))
         finally:
             if call is not None:
                 await call.end()
-
-    def _within(self, send: Send) -> Send:
-        """``send``, raising SlowReader when the client leaves a message untaken (its connection full) for send_seconds."""
-
-        async def timed(message: Message) -> None:
-            with anyio.move_on_after(self.send_seconds) as waited:
-                await send(message)
-            if waited.cancelled_caught:
-                raise SlowReader
-
-        return timed
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -384,9 +391,7 @@ class OpenAIApp:
     def _share(self, request: Request, principal: Principal) -> str:
         """Whom the call's slot counts for: the token's name with tokens, else the client's host, written as a gRPC
         peer is, so that one host is one principal on both ports."""
-        host, port = request.client or ("", 0)
-        peer = (f"ipv6:%5B{host}%5D:{port}" if ":" in host else f"ipv4:{host}:{port}") if host else ""
-        return principal_key(principal.token, self.service.auth.enabled, peer)
+        return principal_key(principal.token, self.service.auth.enabled, peer_of(*(request.client or ("", 0))))
 
     async def _whole(self, request: Request, call: GeneratingRequest, generation: Generation) -> Response:
         """The whole answer, generated piece by piece; between pieces, a client gone stops it (within one token),
@@ -460,62 +465,24 @@ def _event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-class HeaderDeadline(asyncio.Protocol):
-    """Mixed into uvicorn's HTTP protocol (``header_deadline_protocol``): a connection whose request line and headers
-    have not all arrived ``header_seconds`` after it opened, or after the first byte that follows its last response,
-    is closed, and so is one whose headers pass MAX_HEADER_BYTES. uvicorn has neither bound: without them a client
-    sending its headers a byte at a time keeps its connection (and the worker's memory) as long as it likes."""
+def _paced(send: Send, stream: WatchedStream) -> Send:
+    """``send``, its waits for the client (its connection full: uvicorn waits to write) counted by ``stream``."""
 
-    header_seconds = HEADER_SECONDS
-    # uvicorn's protocol's own (H11Protocol and HttpToolsProtocol alike)
-    cycle: Any
-    loop: asyncio.AbstractEventLoop
-    transport: asyncio.Transport
-    _deadline: asyncio.TimerHandle | None = None
-    _after: object = None  # the request cycle the headers awaited follow (None: the connection's first)
-    _header_bytes = 0
+    async def paced(message: Message) -> None:
+        stream.sending(len(message.get("body", b"")))
+        try:
+            await send(message)
+        finally:
+            stream.taken()
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        self._arm()
-
-    def data_received(self, data: bytes) -> None:
-        waiting = self.cycle is None or self.cycle.response_complete  # these bytes begin (or continue) a request's head
-        if waiting and (self._deadline is None or self._after is not self.cycle):
-            self._arm()
-        super().data_received(data)
-        if waiting and self.cycle is self._after:  # all of them headers: the request has not begun
-            self._header_bytes += len(data)
-            if self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
-                self.transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        super().connection_lost(exc)
-
-    def _arm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        self._after, self._header_bytes = self.cycle, 0
-        self._deadline = self.loop.call_later(self.header_seconds, self._expire)
-
-    def _expire(self) -> None:
-        self._deadline = None
-        if self.cycle is self._after and not self.transport.is_closing():  # no request began since: its head is late
-            self.transport.close()
-
-
-def header_deadline_protocol(header_seconds: float) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol (httptools, else h11) with ``HeaderDeadline``'s bounds, for ``uvicorn.Config(http=...)``."""
-    return type("HeaderDeadlineProtocol", (HeaderDeadline, AutoHTTPProtocol), {"header_seconds": header_seconds})
+    return paced
 
 
 class HttpServer:
-    """uvicorn serving the app on a daemon thread; ``listening`` is HOST:PORT where it listens."""
+    """uvicorn serving the app on a daemon thread; ``listening`` is HOST:PORT where it listens, ``guard`` its connections."""
 
-    def __init__(self, server: uvicorn.Server, sock: socket.socket) -> None:
-        self.server, self.listening = server, "{}:{}".format(*sock.getsockname()[:2])
+    def __init__(self, server: uvicorn.Server, sock: socket.socket, guard: ConnectionGuard) -> None:
+        self.server, self.listening, self.guard = server, "{}:{}".format(*sock.getsockname()[:2]), guard
         self.thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="packstore-http", daemon=True)
 
     def stop(self, grace_seconds: float) -> None:
@@ -526,16 +493,18 @@ class HttpServer:
 
 def serve_http(
     address: str, app: OpenAIApp, *, tls_cert: str = "", tls_key: str = "", tls_client_ca: str = "", grace_seconds: float = 30.0,
-    header_seconds: float = HEADER_SECONDS,
+    header_seconds: float = HEADER_SECONDS, connections: int = HTTP_CONNECTIONS, connections_per_peer: int = HTTP_CONNECTIONS_PER_PEER,
 ) -> HttpServer:
     """Serve ``app`` at ``address`` (by the metrics port's rules: no host means loopback) on a thread, HTTPS with
-    ``tls_cert``/``tls_key`` (client certificates signed by ``tls_client_ca`` required with it), closing connections
-    whose headers take over ``header_seconds`` (``HeaderDeadline``); returns once it takes requests. InvalidInput when
-    the address or the TLS files are unusable."""
+    ``tls_cert``/``tls_key`` (client certificates signed by ``tls_client_ca`` required with it), at most ``connections``
+    at once and ``connections_per_peer`` from one host, closing those whose headers take over ``header_seconds``
+    (``ConnectionGuard``); returns once it takes requests. InvalidInput when the address, the caps or the TLS files are
+    unusable. Forwarded-for headers are not believed: a caller is the address it connects from."""
     host, port = metrics_address(address, "http")
+    guard = ConnectionGuard(connections, connections_per_peer, header_seconds)
     config = uvicorn.Config(
-        app.app, interface="asgi3", log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=int(grace_seconds),
-        http=header_deadline_protocol(header_seconds),
+        guard.app(app.app), interface="asgi3", log_config=None, access_log=False, lifespan="off",
+        timeout_graceful_shutdown=int(grace_seconds), http=guard.protocol(), proxy_headers=False, backlog=socket.SOMAXCONN,
         ssl_certfile=tls_cert or None, ssl_keyfile=tls_key or None, ssl_ca_certs=tls_client_ca or None,
         ssl_cert_reqs=ssl.CERT_REQUIRED if tls_client_ca else ssl.CERT_NONE,
     )
@@ -550,7 +519,7 @@ def serve_http(
     except OSError as exc:
         sock.close()
         raise InvalidInput(f"cannot listen on {host}:{port} for HTTP: {exc.strerror or exc}") from None
-    served = HttpServer(uvicorn.Server(config), sock)
+    served = HttpServer(uvicorn.Server(config), sock, guard)
     served.thread.start()
     deadline = time.monotonic() + STARTUP_SECONDS
     while not served.server.started and served.thread.is_alive() and time.monotonic() < deadline:

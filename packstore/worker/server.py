@@ -29,6 +29,7 @@ from packstore.security.auth import Auth, Principal
 from packstore.security.shares import ShareRule, Shares, principal_key
 from packstore.security.trust import TrustedKeys
 from packstore.serving.admission import CHEAP_THREADS, Admission
+from packstore.serving.connections import ConnectionCaps, ensure_open_files
 from packstore.serving.listen import server_ssl_context
 from packstore.serving.metrics_http import serve_metrics
 from packstore.serving.pacing import STREAM_SECONDS, StreamWatch
@@ -255,6 +256,8 @@ def serve_worker(
     decoder: Decoder | None = None,
     http: str = "",
     max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+    stream_seconds: float = STREAM_SECONDS,
+    caps: ConnectionCaps | None = None,
 ) -> None:
     """Serve Generate on ``listen`` (TLS with ``tls_cert``/``tls_key``, mutual with ``tls_client_ca``)
     until SIGTERM/SIGINT, then finish in-flight generations; with ``trusted``, only packs signed by a
@@ -263,21 +266,29 @@ def serve_worker(
     cache (0: none); ``metrics``: where to serve Prometheus metrics (HOST:PORT; by the rules of serving/metrics_http.py); ``http``:
     where to serve the OpenAI-compatible API (same rules and TLS; ``worker/http.py``); ``max_concurrent``: the
     worker's generation slots, both ports together, shared among callers (``WorkerService.slots``); a caller refused
-    one gets RESOURCE_EXHAUSTED, HTTP 429."""
+    one gets RESOURCE_EXHAUSTED, HTTP 429; ``stream_seconds``: the minimum read rate of Generate's streams and HTTP
+    responses (``StreamWatch``); ``caps``: the metrics and HTTP ports' connections, for which the open files limit is
+    raised, or the start refused (None: the default caps)."""
     log_as_json("INFO")
+    caps = caps or ConnectionCaps()
+    ensure_open_files((caps.metrics if metrics else 0) + (caps.http if http else 0), "--metrics-connections and --http-connections")
     service = WorkerService(
         lm, store_for, cache_bytes=cache_bytes, host_cache_bytes=host_cache_bytes, trusted=trusted, auth=auth, ref_ttl=ref_ttl,
-        decoder=decoder, max_concurrent=max_concurrent,
+        decoder=decoder, max_concurrent=max_concurrent, stream_seconds=stream_seconds,
     )
     server = worker_server(service, listen, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca)
     metrics_at = None  # where the metrics port listens (loopback unless ``metrics`` names a host)
     if metrics:
         tls = server_ssl_context(tls_cert, tls_key, tls_client_ca)
-        metrics_at = serve_metrics(metrics, service.metrics.registry, service.auth, tls=tls).listening
+        metrics_at = serve_metrics(
+            metrics, service.metrics.registry, service.auth, tls=tls, connections=caps.metrics,
+            per_peer=caps.metrics_per_peer,
+        ).listening
     api = None
     if http:
         api = serve_http(
-            http, OpenAIApp(service), grace_seconds=grace_seconds, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca
+            http, OpenAIApp(service), grace_seconds=grace_seconds, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
+            connections=caps.http, connections_per_peer=caps.http_per_peer,
         )
     fields: dict[str, object] = {"listen": listen, "model": lm.name, "model_fp": lm.model_fp, "device": str(lm.device)}
     fields |= {"cache_bytes": cache_bytes, "host_cache_bytes": host_cache_bytes, "metrics": metrics_at}
@@ -301,6 +312,11 @@ def run_worker(config: WorkerConfig) -> None:
         raise InvalidInput(f"ref_ttl must be from 0 to {MAX_REF_TTL:g} seconds, got {config.ref_ttl}")
     if config.max_concurrent < 1:
         raise InvalidInput(f"max_concurrent must be at least 1, got {config.max_concurrent}")
+    if not 0 < config.stream_seconds <= 86400:  # also refuses NaN
+        raise InvalidInput(f"stream_seconds must be from 0 to 86400, got {config.stream_seconds}")
+    caps = ConnectionCaps(
+        config.metrics_connections, config.metrics_connections_per_peer, config.http_connections, config.http_connections_per_peer
+    )
     if config.host_cache_bytes is not None and config.host_cache_bytes < 0:
         raise InvalidInput(f"host_cache_bytes must be 0 or more, got {config.host_cache_bytes}")
     template = Path(config.chat_template).read_text(encoding="utf-8") if config.chat_template else None
@@ -329,4 +345,6 @@ def run_worker(config: WorkerConfig) -> None:
             tls_client_ca=config.tls_client_ca,
             http=config.http,
             max_concurrent=config.max_concurrent,
+            stream_seconds=config.stream_seconds,
+            caps=caps,
         )

@@ -39,7 +39,8 @@ from packstore.serving.pacing import StreamWatch
 from packstore.store import LmdbStore
 from packstore.v1 import worker_pb2_grpc
 from packstore.worker.client import WorkerClient
-from packstore.worker.http import MAX_HEADER_BYTES, OpenAIApp, serve_http
+from packstore.worker.http import OpenAIApp, serve_http
+from packstore.worker.http_connections import MAX_HEADER_BYTES
 from packstore.worker.messages import generate_request
 from packstore.worker.server import WorkerService, worker_server
 from tests.helpers.auth import tokens_file
@@ -361,11 +362,12 @@ def test_a_generate_whose_client_stops_taking_its_tokens_is_cancelled_and_frees_
     assert fair.service.slots.in_use == 0 and not fair.service._device_lock.locked()
 
 
-def test_a_client_that_stops_reading_its_stream_is_cut_off_and_its_slot_freed(fair, caplog) -> None:
-    """A client that stops reading (its connection full: every send waits) loses its stream after ``send_seconds``,
-    not when it likes; the call is logged CANCELLED and its slot is free."""
+def test_a_client_that_stops_reading_its_stream_is_cut_off_and_its_slot_freed(fair, caplog, monkeypatch) -> None:
+    """A client that stops reading (its connection full: every send waits) loses its stream once past the watch's
+    ``stream_seconds``, not when it likes; the call is logged CANCELLED (a slow reader) and its slot is free."""
     caplog.set_level(logging.INFO, logger="packstore.worker")
-    app = OpenAIApp(fair.service, send_seconds=0.5)
+    monkeypatch.setattr(fair.service, "watch", StreamWatch(logging.getLogger("packstore.worker"), seconds=0.5))
+    app = OpenAIApp(fair.service)
     body = json.dumps(chat_body(fair, LONG_PROMPT, stream=True, **LONG_FIELDS)).encode()
     headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer secret-carol")]
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers, "client": ("127.0.0.1", 5555), "query_string": b""}
@@ -386,7 +388,7 @@ def test_a_client_that_stops_reading_its_stream_is_cut_off_and_its_slot_freed(fa
     anyio.run(app.app, scope, receive, send)
     assert sent[0]["status"] == 200
     [line] = logged(caplog, "ChatCompletions", "CANCELLED")
-    assert line["token"] == "carol" and 1 <= line["tokens"] < LONG.max_new_tokens
+    assert line["token"] == "carol" and line["slow_reader"] is True and 1 <= line["tokens"] < LONG.max_new_tokens
     assert fair.service.slots.in_use == 0 and not fair.service._device_lock.locked()
 
 
