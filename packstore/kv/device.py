@@ -23,7 +23,39 @@ from collections.abc import Callable
 
 
 class Left(Exception):
-    """A seat was left (its reader went away) while it waited for the device: it holds nothing."""
+    """A seat was left (its reader went away) while it waited for the device, or an answer's client went
+    (``Cancel``): what it ran has stopped, holding nothing."""
+
+
+class Cancel:
+    """Set (``cancel``, from any thread) once an answer's client has gone: each ``when_cancelled`` action runs then (a
+    generation's seat left, its token queue closed), so what the answer runs stops at its next step, prefill pass or
+    wait, and ``check`` raises Left from then on."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._actions: list[Callable[[], None]] = []
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            actions, self._actions = self._actions, []
+        for action in actions:
+            action()
+
+    def when_cancelled(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once cancelled (now, if it is)."""
+        with self._lock:
+            if not self.cancelled:
+                self._actions.append(action)
+                return
+        action()
+
+    def check(self, *_: object) -> None:
+        """Left once cancelled (its arguments ignored: a prefill's ``after_pass``, say)."""
+        if self.cancelled:
+            raise Left
 
 
 class DeviceLock:

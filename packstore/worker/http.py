@@ -40,6 +40,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from packstore.answering.records import AnswerResult
 from packstore.errors import InvalidInput, LimitExceeded, PackstoreError
+from packstore.kv.device import Cancel, Left
 from packstore.kv.inject import TextDeltas
 from packstore.security.auth import Auth, Principal
 from packstore.security.shares import Shares, principal_key
@@ -125,7 +126,8 @@ class Generation:
     stop string), with the whitespace the answer's text is stripped of held back, so the pieces join to the answer."""
 
     def __init__(self, service: HttpBackend, namespace: str, asked: ChatRequest) -> None:
-        self.tokens = service.answerer(namespace).stream(asked.question)
+        self.cancel = Cancel()  # cancelled once the client has gone: the generation stops within a step (Left)
+        self.tokens = service.answerer(namespace).stream(asked.question, self.cancel)
         self.stop_ids = service.lm.stop_token_ids
         self.deltas = TextDeltas(service.lm.tokenizer, asked.question.sampling.stop)
         self.result: AnswerResult | None = None
@@ -246,6 +248,7 @@ class GeneratingRequest:
     async def stop(self) -> None:
         """Stop the generation (waiting for a token being computed: within one token), then free the slot."""
         if self.generation is not None:
+            self.generation.cancel.cancel()
             with CancelScope(shield=True):  # (also when cancelled because the client went: the clean-up must run)
                 await run_in_threadpool(self.generation.close)
         self.release()
@@ -307,7 +310,7 @@ class OpenAIApp:
         shape = GENERATING.get(scope["path"]) if scope["method"] == "POST" else None
         call = scope[CALL_SCOPE_KEY] = GeneratingRequest(self.service, shape) if shape is not None else None
         try:
-            await self.routes(scope, receive, self._within(send))
+            await self.routes(scope, _heeding(receive, call) if call is not None else receive, self._within(send))
         except SlowReader:  # the response is left unfinished: uvicorn closes the connection
             log.info("client not reading its response: connection closed", extra={"fields": {"path": scope["path"]}})
         finally:
@@ -364,10 +367,14 @@ class OpenAIApp:
             generation = call.generation = Generation(self.service, principal.namespace, asked)
             if not asked.stream:
                 return await self._whole(request, call, generation)
-            first = await run_in_threadpool(generation.next_piece)  # a refusal (unknown pack, mismatch) comes here, as a status
+            first = await _next_piece(request, generation)  # a refusal (unknown pack, mismatch) comes here, as a status
             call.events = self._events(call, generation, first, asked)
             return StreamingResponse(call.events, media_type="text/event-stream")
         except ClientDisconnect:  # the client went while sending its body
+            call.finish()
+            return Response(status_code=CANCELLED_STATUS)
+        except Left:  # the client went while its answer was generated (or compared): stopped within a step
+            await call.stop()
             call.finish()
             return Response(status_code=CANCELLED_STATUS)
         except PackstoreError as exc:
@@ -386,13 +393,11 @@ class OpenAIApp:
         return principal_key(principal.token, self.service.auth.enabled, peer)
 
     async def _whole(self, request: Request, call: GeneratingRequest, generation: Generation) -> Response:
-        """The whole answer, generated piece by piece; between pieces, a client gone stops it (within one token),
-        frees its slot and logs it CANCELLED. The slot frees when the answer is whole, before it is sent."""
-        while (await run_in_threadpool(generation.next_piece)) is not None:
-            if await request.is_disconnected():
-                await call.stop()
-                call.finish()
-                return Response(status_code=CANCELLED_STATUS)
+        """The whole answer, generated piece by piece; a client gone meanwhile stops it (within one step: Left, which
+        ``_generate`` answers), frees its slot and logs it CANCELLED. The slot frees when the answer is whole, before
+        it is sent."""
+        while (await _next_piece(request, generation)) is not None:
+            pass
         call.release()
         call.finish()
         result = generation.result
@@ -428,9 +433,39 @@ class OpenAIApp:
         except PackstoreError as exc:
             failure = exc
             yield _event(error_body(exc))
+        except Left:  # the client has gone (``_heeding``): nothing more is sent
+            pass
         finally:
             await call.stop()
             call.finish(failure)
+
+
+def _heeding(receive: Receive, call: GeneratingRequest) -> Receive:
+    """``receive``, cancelling the call's generation as soon as it reports its client gone (Starlette listens for that
+    while a response streams; ``_next_piece`` while a piece is computed), so the generation stops within a step even
+    while its next piece is being computed (the comparisons of compare_rag, say)."""
+
+    async def heeded() -> Message:
+        message = await receive()
+        if message["type"] == "http.disconnect" and call.generation is not None:
+            call.generation.cancel.cancel()
+        return message
+
+    return heeded
+
+
+async def _next_piece(request: Request, generation: Generation) -> str | None:
+    """``generation``'s next piece, computed in a thread while the client's going is listened for (``_heeding``)."""
+    async with anyio.create_task_group() as group:
+
+        async def listen() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        group.start_soon(listen)
+        piece = await run_in_threadpool(generation.next_piece)
+        group.cancel_scope.cancel()
+    return piece
 
 
 async def _json(request: Request, seconds: float) -> object:
