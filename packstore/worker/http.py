@@ -455,7 +455,10 @@ def _heeding(receive: Receive, call: GeneratingRequest) -> Receive:
 
 
 async def _next_piece(request: Request, generation: Generation) -> str | None:
-    """``generation``'s next piece, computed in a thread while the client's going is listened for (``_heeding``)."""
+    """``generation``'s next piece, computed in a thread while the client's going is listened for (``_heeding``); what
+    the piece raises is raised as it is (not in a task group's ExceptionGroup)."""
+    failure: Exception | None = None
+    piece = None
     async with anyio.create_task_group() as group:
 
         async def listen() -> None:
@@ -463,8 +466,13 @@ async def _next_piece(request: Request, generation: Generation) -> str | None:
                 pass
 
         group.start_soon(listen)
-        piece = await run_in_threadpool(generation.next_piece)
+        try:
+            piece = await run_in_threadpool(generation.next_piece)
+        except Exception as exc:
+            failure = exc
         group.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
     return piece
 
 
