@@ -8,10 +8,7 @@ Every wait is for a state (who holds the device, how many steps ran), bounded by
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,6 +22,7 @@ from packstore.kv.inject import Sampling, cache_from_pack, finish, generate_stre
 from packstore.packs.tensors import encode_pack
 from packstore.store import LmdbStore
 from tests.helpers import device as device_helpers
+from tests.helpers.device import StalledStore, StepCounter
 
 FACTS = {"a": ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."],
          "b": ["Orla keeps bees on the hill above Dunmore.", "Dunmore's honey is sold in May."]}
@@ -35,49 +33,6 @@ WAIT_SECONDS = 60.0  # how long a state is waited for before the test fails (nev
 
 def wait_for(condition, what: str) -> None:
     device_helpers.wait_for(condition, what, WAIT_SECONDS)
-
-
-class StalledStore:
-    """An LmdbStore whose chunks of the packs named in ``stalled`` come only once ``flowing`` is set: a store that
-    stalls after sending a pack's header, in process; ``waiting`` is set once a read waits."""
-
-    def __init__(self, store: LmdbStore, stalled: set[str]) -> None:
-        self.store, self.stalled = store, stalled
-        self.flowing, self.waiting = threading.Event(), threading.Event()
-
-    def __getattr__(self, name: str):
-        return getattr(self.store, name)
-
-    def open_pack(self, ref: str, **options):
-        opened = self.store.open_pack(ref, **options)
-        if opened.header.key not in self.stalled:
-            return opened
-
-        @contextmanager
-        def chunks() -> Iterator:
-            self.waiting.set()
-            assert self.flowing.wait(WAIT_SECONDS)
-            with opened.chunks() as inner:
-                yield inner
-
-        return dataclasses.replace(opened, chunks=chunks)
-
-
-class Steps:
-    """Counts the model's forward passes (a hook registered after the device's own: it counts only steps that ran);
-    ``at`` calls ``action`` when the count reaches it."""
-
-    def __init__(self, model, at: int = 0, action=None) -> None:
-        self.count, self.at, self.action = 0, at, action
-        self._handle = model.register_forward_pre_hook(self._step)
-
-    def _step(self, module, args) -> None:
-        self.count += 1
-        if self.count == self.at and self.action is not None:
-            self.action()
-
-    def remove(self) -> None:
-        self._handle.remove()
 
 
 @pytest.fixture
@@ -112,7 +67,7 @@ def test_a_generation_waiting_on_a_stalled_store_leaves_the_device_to_the_others
     device = DeviceLock()
     answerer = Answerer(tiny_lm, stalled, device_lock=device)
     answerer.pack("a")  # ready: A needs nothing from the store
-    steps = Steps(tiny_lm.model)
+    steps = StepCounter(tiny_lm.model)
     b_thread, b_outcome = run(lambda: list(answerer.stream(b)))
     try:
         # B takes the device, starts its prefill and reaches the first layer, which does not come: it waits without it
@@ -155,7 +110,7 @@ def test_a_reader_that_stops_reading_stops_its_generation_off_the_device(tiny_lm
     device = DeviceLock()
     tokens = generate_stream(tiny_lm, ids, sampling, cache_from_pack(pack, tiny_lm.device), device=device)
     first = next(tokens)
-    steps = Steps(tiny_lm.model)
+    steps = StepCounter(tiny_lm.model)
     try:
         # its reader takes no more: the generation stops a few tokens ahead, without the device
         wait_for(lambda: not device.locked(), "the device is free")
@@ -179,7 +134,7 @@ def test_a_cancelled_answer_stops_its_comparisons_within_a_step(tiny_lm, store, 
     cancel = Cancel()
     stream = answerer.stream(question, cancel)
     # the answer's 200 steps, then the comparisons': the client goes during one of them (at its ``at``-th step)
-    steps = Steps(tiny_lm.model, at, cancel.cancel)
+    steps = StepCounter(tiny_lm.model, at, cancel.cancel)
     try:
         thread, outcome = run(lambda: finish(stream))
         thread.join(WAIT_SECONDS)
