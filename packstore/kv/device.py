@@ -5,6 +5,9 @@ then for one decode step at a time: between two steps it passes the device to wh
 queues again behind them, so the generations running now take steps in turn and a short answer interleaves with long
 ones instead of waiting for them to end. Other device work (a composition's prefill, a bank's facts pack, the
 comparisons of ``compare_rag``'s prefills) holds the lock whole through ``with lock:``, queued in the same order.
+Nothing waits for I/O with the device held: a generation gives it up while it waits for a layer of a pack still
+arriving from the store or for its reader to take its tokens (``kv.inject._off_device``), and an answer whose client
+has gone (``Cancel``) stops at its next step (issue 62).
 
 The order is FIFO over the requests for the device (a ticket lock's: each waiter is served in the order it asked,
 and handed the device directly, so no one overtakes a waiter), not round-robin over principals: the worker's
