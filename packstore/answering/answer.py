@@ -25,7 +25,7 @@ from packstore.errors import InvalidInput, PackNotFound, Untrusted
 from packstore.format import PackHeader, pack_key, parse_key
 from packstore.kv.build import build_pack, clean_facts
 from packstore.kv.compose import check_parts, extend
-from packstore.kv.device import DeviceLock
+from packstore.kv.device import Cancel, DeviceLock
 from packstore.kv.inject import (
     Sampling,
     answer_with_chunked_text,
@@ -44,7 +44,7 @@ from packstore.kv.render import Turn, pack_prefix_ids, render
 from packstore.kv.rope import layer_frequencies
 from packstore.kv.steer import Direction, LayerDeltas, SteeredCache, applied_layers, check_steering, key_space_of, steering_deltas
 from packstore.packs.reader import PackReader
-from packstore.packs.tensors import ArrivingPack, Pack, encode_pack, start_copy
+from packstore.packs.tensors import FETCH_SECONDS, ArrivingPack, Pack, encode_pack, start_copy
 from packstore.store.protocol import DEFAULT_TOP_K, PackStore
 from packstore.store.records import StoredPack
 
@@ -156,7 +156,9 @@ class Answerer:
     Safe to share between threads: lookups and fetches run concurrently, and the device is shared through one fair
     lock (``DeviceLock``, FIFO): generations hold it one decode step at a time, so the generations running now take
     steps in turn (a short answer interleaves with long ones), while other device work (composing, building a
-    bank's facts pack, the prefills of ``compare_rag``'s comparisons) holds it for its whole, short, duration.
+    bank's facts pack, the prefills of ``compare_rag``'s comparisons) holds it for its whole, short, duration. No
+    wait for the store happens with the device held: packs are whole before composing takes it, and a generation
+    waiting for a layer of a pack still arriving gives it up meanwhile (``kv.inject.cache_from_pack``).
     """
 
     def __init__(
@@ -172,6 +174,7 @@ class Answerer:
         ref_ttl: float = REF_TTL_SECONDS,
         decoder: Decoder | None = None,
         bank_cache: BankCache | None = None,
+        fetch_seconds: float = FETCH_SECONDS,
     ) -> None:
         """``trusted``: take from the store only packs a trusted key signed (docs/operations.md, "Signed
         packs"); what this Answerer derives from them in memory (compositions, a bank's fact packs) is
@@ -180,7 +183,8 @@ class Answerer:
         partition of it) packs are fetched into and copied to the device from, under ``ready`` (whose ``below`` it is);
         None fetches straight to the device, and lets a pack stream in while the model runs (``arriving``). ``ref_ttl``: how long
         what the store said of a ref is used without asking again (``RefCache``; 0 asks every time). ``decoder``
-        and ``bank_cache``: the program's chunk decoder and bank cache (this Answerer's own when None)."""
+        and ``bank_cache``: the program's chunk decoder and bank cache (this Answerer's own when None).
+        ``fetch_seconds``: the longest an answer waits for the next layer of a pack from the store (Unavailable past it)."""
         self.lm = lm
         self.store = store
         self.reader = PackReader(store, decoder)
@@ -192,6 +196,7 @@ class Answerer:
         self._reads_lock = threading.Lock()
         self._device_lock = device_lock if device_lock is not None else DeviceLock()
         self.refs = RefCache(ref_ttl)
+        self.fetch_seconds = fetch_seconds
 
     def lookup(self, ref: str) -> StoredPack:
         """What ``ref`` names (key, header, signatures): this model's packs first, then any model's (so a
@@ -283,7 +288,7 @@ class Answerer:
         """The pack ``stored`` describes on the device, whole (``_bring``); with trusted keys, a fetched digest must
         bear a trusted signature."""
         moving = self._bring(stored)
-        return moving if isinstance(moving, Pack) else moving.result()
+        return moving if isinstance(moving, Pack) else moving.result(self.fetch_seconds)
 
     def _start_download(self, stored: StoredPack) -> ArrivingPack:
         """Start fetching the pack ``stored`` describes to the model's device; with trusted keys its header's digest (which the
@@ -454,7 +459,7 @@ class Answerer:
             raise InvalidInput(f"bank {bank!r} routed the question to no facts")
         return facts
 
-    def stream(self, question: Question) -> Generator[int, None, AnswerResult]:
+    def stream(self, question: Question, cancel: Cancel | None = None) -> Generator[int, None, AnswerResult]:
         """Answer ``question``, yielding each generated token id as it exists (the stop token that ends the
         answer too: ``self.lm.stop_token_ids``; it is not part of the answer).
 
@@ -463,7 +468,11 @@ class Answerer:
         prefilled in the passes the pack's header records, then generated as the pack's answer was
         (``chunked_identical``: the exactness a pack promises; None where its header records no prefill).
         Both compare the generated token ids, not just the text.
+
+        ``cancel``, cancelled from any thread (its client has gone), stops the answer and its comparisons at their
+        next step or prefill pass (``kv.inject.generate_stream``): the stream then raises Left.
         """
+        cancel = cancel if cancel is not None else Cancel()
         facts: list[str] | None = None
         reused: bool | None = None
         parts: list[str] | None = None
@@ -496,20 +505,23 @@ class Answerer:
             held = pack if filled else None
             question_start = held.header.positions if held is not None else rendering.prefix_tokens  # soft tokens take positions
             empty = SteeredCache(deltas, question_start) if deltas else None
-            return cache_from_pack(held, self.lm.device, cache=empty) if held is not None else empty
+            return cache_from_pack(held, self.lm.device, cache=empty, wait_seconds=self.fetch_seconds) if held is not None else empty
 
         ids = cache_aligned_ids(pack.header, rendering.token_ids, self.lm.stop_token_ids[0]) if pack is not None else rendering.token_ids
         device = self._device_lock  # taken for each prefill, then one step at a time: in turn with other generations
-        answer = yield from generate_stream(self.lm, ids, question.sampling, cache(filled=True), device=device)
+        cancel.check()
+        answer = yield from generate_stream(self.lm, ids, question.sampling, cache(filled=True), device=device, cancel=cancel)
         if isinstance(pack, ArrivingPack):
-            pack = pack.result()  # whole by now (the model took every layer), and ready for the next request
+            pack = pack.result(self.fetch_seconds)  # whole by now (the model took every layer), and ready for the next request
         rag = chunked = None
         if question.compare_rag and pack is not None:  # (compare_rag comes with refs or a bank: Question checks)
             rag = answer_with_text(
                 self.lm, pack.header.facts, question.text, raw=pack.header.raw, sampling=question.sampling,
-                cache=cache(filled=False), history=question.history, device=device,
+                cache=cache(filled=False), history=question.history, device=device, cancel=cancel,
             )
-            chunked = answer_with_chunked_text(self.lm, pack.header, ids, question.sampling, cache(filled=False), device=device)
+            chunked = answer_with_chunked_text(
+                self.lm, pack.header, ids, question.sampling, cache(filled=False), device=device, cancel=cancel
+            )
         return AnswerResult(
             question=question.text,
             answer=answer.text,

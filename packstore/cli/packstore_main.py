@@ -91,6 +91,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         decode=args.decode,
         plane_join=args.plane_join,
         ref_ttl=args.ref_ttl,
+        fetch_seconds=args.fetch_seconds,
         device=args.device,
         dtype=args.dtype,
         chat_template=args.chat_template or "",
@@ -227,6 +228,11 @@ def build_cli() -> CommandLine:
         "--ref-ttl", type=float, metavar="SECONDS",
         help="use what the store said of a pack ref for this long without asking again: a warm answer makes no store "
         "round trip, and deletions, moved names and new signatures show within it (default 5; 0 asks every time)",
+    )
+    p.add_argument(
+        "--fetch-seconds", type=float, metavar="SECONDS",
+        help="the longest an answer waits for the next layer of a pack from the store (without holding the device); past "
+        "it the answer fails UNAVAILABLE, naming the pack (default 60)",
     )
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))

@@ -5,6 +5,9 @@ then for one decode step at a time: between two steps it passes the device to wh
 queues again behind them, so the generations running now take steps in turn and a short answer interleaves with long
 ones instead of waiting for them to end. Other device work (a composition's prefill, a bank's facts pack, the
 comparisons of ``compare_rag``'s prefills) holds the lock whole through ``with lock:``, queued in the same order.
+Nothing waits for I/O with the device held: a generation gives it up while it waits for a layer of a pack still
+arriving from the store or for its reader to take its tokens (``kv.inject._off_device``), and an answer whose client
+has gone (``Cancel``) stops at its next step (issue 62).
 
 The order is FIFO over the requests for the device (a ticket lock's: each waiter is served in the order it asked,
 and handed the device directly, so no one overtakes a waiter), not round-robin over principals: the worker's
@@ -23,7 +26,39 @@ from collections.abc import Callable
 
 
 class Left(Exception):
-    """A seat was left (its reader went away) while it waited for the device: it holds nothing."""
+    """A seat was left (its reader went away) while it waited for the device, or an answer's client went
+    (``Cancel``): what it ran has stopped, holding nothing."""
+
+
+class Cancel:
+    """Set (``cancel``, from any thread) once an answer's client has gone: each ``when_cancelled`` action runs then (a
+    generation's seat left, its token queue closed), so what the answer runs stops at its next step, prefill pass or
+    wait, and ``check`` raises Left from then on."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._actions: list[Callable[[], None]] = []
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            actions, self._actions = self._actions, []
+        for action in actions:
+            action()
+
+    def when_cancelled(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once cancelled (now, if it is)."""
+        with self._lock:
+            if not self.cancelled:
+                self._actions.append(action)
+                return
+        action()
+
+    def check(self, *_: object) -> None:
+        """Left once cancelled (its arguments ignored: a prefill's ``after_pass``, say)."""
+        if self.cancelled:
+            raise Left
 
 
 class DeviceLock:

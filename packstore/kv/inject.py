@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
-from queue import Queue, SimpleQueue
+from queue import SimpleQueue
 from typing import TypeVar
 
 import torch
@@ -20,16 +22,18 @@ from transformers.generation.streamers import BaseStreamer
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.format import PackHeader
 from packstore.kv.build import cache_tensors, prefill
-from packstore.kv.device import DeviceLock, Left, Seat
+from packstore.kv.device import Cancel, DeviceLock, Left, Seat
 from packstore.kv.models import LoadedModel
 from packstore.kv.render import Rendering, Turn, check_prefix, render
-from packstore.packs.tensors import ArrivingPack, Pack
+from packstore.packs.tensors import FETCH_SECONDS, ArrivingPack, Pack
 
 GREEDY_BELOW = 1e-5
 MAX_TEMPERATURE = 100.0
 MAX_NEW_TOKENS = 1 << 15
 MAX_STOPS = 16  # stop strings one request may give (OpenAI allows 4)
 MAX_STOP_CHARS = 256  # the longest stop string
+QUEUED_TOKENS = 16  # tokens a streamed generation runs ahead of its reader before it waits (off the device) for room
+LOOK_SECONDS = 0.05  # how often a wait for an arriving layer looks whether its reader has gone
 R = TypeVar("R")
 
 
@@ -145,16 +149,25 @@ class PackLayer(DynamicLayer):
 
 
 def cache_from_pack(
-    pack: Pack | ArrivingPack, device: torch.device, tokens: int | None = None, *, cache: DynamicCache | None = None
+    pack: Pack | ArrivingPack,
+    device: torch.device,
+    tokens: int | None = None,
+    *,
+    cache: DynamicCache | None = None,
+    wait_seconds: float = FETCH_SECONDS,
 ) -> DynamicCache:
     """A fresh DynamicCache (or the empty ``cache`` given, e.g. a steered one) holding the pack's K/V
     (its first ``tokens`` positions) on ``device``; generation or a further prefill extends it, leaving the
     pack as it is. Each layer is taken when the model reaches it, so an arriving pack's later layers decode
-    while the model runs the first ones; a layer that fails to arrive raises there."""
+    while the model runs the first ones; a layer that fails to arrive raises there. A generation that reaches a
+    layer not in yet waits for it with the device given up (``_off_device``), at most ``wait_seconds``
+    (Unavailable naming the pack past it: the store has stalled)."""
     cache = DynamicCache() if cache is None else cache
     positions = pack.header.positions if tokens is None else min(tokens, pack.header.positions)
 
     def take(slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(pack, ArrivingPack) and not pack.arrived(slot):
+            _off_device(partial(_await_layer, pack, slot, wait_seconds))
         k, v = pack.layer(slot)
         return k[:, :positions].unsqueeze(0).to(device), v[:, :positions].unsqueeze(0).to(device)
 
@@ -324,6 +337,36 @@ def _between_steps(module: torch.nn.Module, args: tuple) -> None:
         turns.stepped = True
 
 
+def _off_device(wait: Callable[[], R]) -> R:
+    """Run ``wait`` (for the store or for the reader: never for the device) with the device given up when the
+    generation on this thread holds it through a seat, then queue for it again behind those waiting, a seeded
+    generation's random state kept across (as ``Seat.pass_on`` does): so no other generation waits at the device
+    while this one waits on I/O. Left when its reader went meanwhile; a ``wait`` that fails leaves it holding nothing."""
+    turns: _Turns | None = getattr(_turns, "current", None)
+    if turns is None or not turns.seat.held:
+        return wait()
+    restore = turns.saving() if turns.saving is not None else None
+    turns.seat.release()
+    result = wait()
+    if not turns.seat.take():
+        raise Left
+    if restore is not None:
+        restore()
+    return result
+
+
+def _await_layer(pack: ArrivingPack, slot: int, seconds: float) -> None:
+    """Wait for the ``slot``-th layer of ``pack`` at most ``seconds`` (Unavailable past it); Left as soon as the
+    reader of the generation on this thread has gone (its seat left)."""
+    turns: _Turns | None = getattr(_turns, "current", None)
+    deadline = time.monotonic() + seconds
+    while not pack.arrived(slot, min(LOOK_SECONDS, max(deadline - time.monotonic(), 0.0))):
+        if turns is not None and turns.seat.left:
+            raise Left
+        if time.monotonic() >= deadline:
+            raise pack.late(slot, seconds)
+
+
 def _random_state(device: torch.device) -> Callable[[], Callable[[], None]]:
     """What saves the random generators a sampled step draws from (the CPU's, and ``device``'s) and gives back what
     restores them: so a seeded generation draws the same numbers whatever ran between its steps."""
@@ -427,10 +470,15 @@ def _generation_threads() -> _GenerationThreads:
 
 
 class _TokenQueue(BaseStreamer):
-    """Receives token ids from ``generate`` (the first put is the prompt) and hands them to a reader."""
+    """Receives token ids from ``generate`` (the first put is the prompt) and hands them to a reader (``get``; None
+    once the generation has ended), holding at most QUEUED_TOKENS: a generation whose reader stops reading waits for
+    room with the device given up (``_off_device``), so it stops taking turns until its reader reads again or goes
+    (``close``: from then on its tokens are dropped, and no put waits)."""
 
     def __init__(self) -> None:
-        self.queue: Queue = Queue()
+        self._changed = threading.Condition()
+        self._tokens: deque[int | None] = deque()
+        self._closed = False
         self._prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
@@ -438,14 +486,48 @@ class _TokenQueue(BaseStreamer):
             self._prompt_seen = True
             return
         for token in value.reshape(-1).tolist():
-            self.queue.put(token)
+            if not self._add(token, wait=False):
+                _off_device(partial(self._add, token, wait=True))
+
+    def _add(self, token: int, *, wait: bool) -> bool:
+        """Queue ``token`` (dropped once closed), waiting for room if ``wait``; False when it is full and not ``wait``."""
+        with self._changed:
+            while not self._closed and len(self._tokens) >= QUEUED_TOKENS:
+                if not wait:
+                    return False
+                self._changed.wait()
+            if not self._closed:
+                self._tokens.append(token)
+                self._changed.notify_all()
+            return True
 
     def end(self) -> None:
-        self.queue.put(None)
+        with self._changed:
+            self._tokens.append(None)
+            self._changed.notify_all()
+
+    def get(self) -> int | None:
+        with self._changed:
+            while not self._tokens:
+                self._changed.wait()
+            token = self._tokens.popleft()
+            self._changed.notify_all()
+            return token
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
 
 
 def generate_stream(
-    lm: LoadedModel, token_ids: Sequence[int], sampling: Sampling, cache: DynamicCache | None = None, *, device: DeviceLock | None = None
+    lm: LoadedModel,
+    token_ids: Sequence[int],
+    sampling: Sampling,
+    cache: DynamicCache | None = None,
+    *,
+    device: DeviceLock | None = None,
+    cancel: Cancel | None = None,
 ) -> Generator[int, None, Answer]:
     """Like ``generate``, yielding each new token id as soon as it exists, the stop token that ends the answer
     included (it is not part of the answer, but a caller timing the first token sees it come). It runs on one of the
@@ -453,8 +535,10 @@ def generate_stream(
     step at a time, in turn with the other generations running (``_taking_turns``).
 
     The generator's return value is the final Answer. Closing the generator early (a cancelled
-    stream) stops generation at the next token (or, waiting for its turn at the device, at once) and waits for it,
-    so the device is free of it on return.
+    stream) stops generation at the next token (or, waiting for its turn at the device, for room in its token queue
+    or for a layer of an arriving pack, at once) and waits for it, so the device is free of it on return. ``cancel``
+    does the same from any thread (its client has gone while its reader waits for a token), and the stream then
+    raises Left. It runs at most QUEUED_TOKENS ahead of its reader (``_TokenQueue``).
     """
     check_context(lm, len(token_ids))
     cached = cache.get_seq_length() if cache is not None else 0
@@ -463,6 +547,15 @@ def generate_stream(
     failure: list[BaseException] = []
     stop = threading.Event()
     seat = device.seat() if device is not None else None
+
+    def leave() -> None:
+        stop.set()
+        if seat is not None:
+            seat.leave()
+        streamer.close()
+
+    if cancel is not None:
+        cancel.when_cancelled(leave)
 
     def run() -> None:
         try:
@@ -485,16 +578,16 @@ def generate_stream(
     done = _generation_threads().submit(run)
     new: list[int] = []
     try:
-        while (token := streamer.queue.get()) is not None:
+        while (token := streamer.get()) is not None:
             new.append(token)
             yield token
     finally:
-        stop.set()
-        if seat is not None:
-            seat.leave()
+        leave()
         done.result()
     if failure:
         raise failure[0]
+    if cancel is not None:
+        cancel.check()
     return _answer(lm, new, ids.shape[1] - cached, sampling.stop)
 
 
@@ -559,12 +652,13 @@ def answer_with_text(
     cache: DynamicCache | None = None,
     history: Sequence[Turn] = (),
     device: DeviceLock | None = None,
+    cancel: Cancel | None = None,
 ) -> Answer:
     """The RAG baseline: the same facts rendered into the prompt as text, before the ``history`` turns and the question
-    (``cache``: an empty cache to generate with, e.g. one steering the tokens after the facts; ``device``: see
-    ``generate``)."""
+    (``cache``: an empty cache to generate with, e.g. one steering the tokens after the facts; ``device`` and
+    ``cancel``: see ``generate_stream``, which generates it)."""
     rendering = render(lm.tokenizer, facts, question.strip(), raw=raw, history=history)
-    return generate(lm, rendering.token_ids, sampling, cache, device=device)
+    return finish(generate_stream(lm, rendering.token_ids, sampling, cache, device=device, cancel=cancel))
 
 
 def finish(stream: Generator[int, None, R]) -> R:
@@ -584,21 +678,21 @@ def answer_with_chunked_text(
     cache: DynamicCache | None = None,
     *,
     device: DeviceLock | None = None,
+    cancel: Cancel | None = None,
 ) -> Answer | None:
     """The reference a pack's answer must equal bit for bit: the pack's tokens prefilled as text in the passes its
     header records (``prefill_chunks``), then ``token_ids`` (the rendering the pack answered, which starts with
     them) generated exactly as with the pack, through ``generate_stream`` on a generation thread. Only the cache's
     origin differs. ``cache``: an empty cache to fill (a steered one); None where the header records no prefill
     (a pack written before it was recorded, a spliced composition). ``device``: the lock held for the prefill, and
-    taken turns at for the generation (``generate_stream``)."""
+    taken turns at for the generation (``generate_stream``). ``cancel``: once cancelled, Left after the prefill's
+    pass in progress (or the generation's step)."""
     if header.prefill_chunks is None:
         return None
-    if device is None:
-        filled = prefill(lm, header.token_ids, cache=cache, boundaries=header.prefill_chunks)
-    else:
-        with device:
-            filled = prefill(lm, header.token_ids, cache=cache, boundaries=header.prefill_chunks)
-    return finish(generate_stream(lm, token_ids, sampling, filled, device=device))
+    checked = cancel.check if cancel is not None else None
+    with device if device is not None else nullcontext():
+        filled = prefill(lm, header.token_ids, cache=cache, boundaries=header.prefill_chunks, after_pass=checked)
+    return finish(generate_stream(lm, token_ids, sampling, filled, device=device, cancel=cancel))
 
 
 def prefill_divergence(lm: LoadedModel, pack: Pack, question: str) -> tuple[float, float]:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from safetensors.torch import save as safetensors_save
 
-from packstore.errors import IntegrityError, InvalidInput
+from packstore.errors import IntegrityError, InvalidInput, Unavailable
 from packstore.format import codec
 from packstore.format.body import BLOCK_POSITIONS, LAYERS_PER_CHUNK, EncodedPack, TensorEntry, chunk_digest
 from packstore.format.chunks import UNSIGNED, Buffer, ChunkSource, OpenedChunk, adapter_digest, as_3d, open_chunk
@@ -29,6 +29,7 @@ from packstore.packs.buffers import BufferProvider, Fence
 from packstore.packs.decoder import Decoder
 from packstore.packs.plane_join import join_planes_on
 
+FETCH_SECONDS = 60.0  # the longest an answer waits for the next layer of a pack arriving from the store (docs/operations.md)
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -397,6 +398,15 @@ class ArrivingPack:
         self._pack: Pack | None = None
         self._callbacks: list[Callable[[Pack], None]] = []
 
+    def arrived(self, slot: int, seconds: float | None = 0) -> bool:
+        """Whether the ``slot``-th body layer is in (or the pack has failed), waiting up to ``seconds`` for it."""
+        return self._layer_done[slot].wait(seconds)
+
+    def late(self, slot: int, seconds: float) -> Unavailable:
+        """The error of an answer that waited ``seconds`` for the ``slot``-th body layer in vain (a stalled store)."""
+        layer = self.header.body_layers[slot]
+        return Unavailable(f"pack {self.header.key}: layer {layer} did not arrive from the store within {seconds:g} s")
+
     def layer(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the ``slot``-th body layer once every chunk of it is verified and decoded."""
         self._layer_done[slot].wait()
@@ -407,10 +417,15 @@ class ArrivingPack:
             fence()  # the caller's stream waits for this layer's copies (and those issued before them) alone
         return self._assembler.keys[slot], self._assembler.values[slot]
 
-    def result(self) -> Pack:
+    def result(self, seconds: float | None = None) -> Pack:
         """The whole pack, once every chunk is in, the layers are complete and the ``when_complete`` callbacks have
-        run; the first failure otherwise."""
-        self._done.wait()
+        run; the first failure otherwise. ``seconds``: the longest to wait for each next layer, and then for the
+        whole (Unavailable past it: the store stalled); None waits as long as it takes."""
+        for slot in range(len(self._layer_done)):
+            if not self.arrived(slot, seconds):
+                raise self.late(slot, seconds or 0)
+        if not self._done.wait(seconds):
+            raise self.late(len(self._layer_done) - 1, seconds or 0)
         if self._error is not None:
             raise self._error
         assert self._pack is not None

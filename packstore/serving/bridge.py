@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from typing import Any, NoReturn
@@ -49,6 +50,8 @@ class SyncContext:
         self.context, self.loop = context, loop
         self.cancelled = False
         self._waiting: asyncio.Future[Any] | concurrent.futures.Future[Any] | None = None  # the wait for the client
+        self._callbacks: list[Callable[[], object]] | None = []  # None once the call has terminated
+        self._callbacks_lock = threading.Lock()
 
     def invocation_metadata(self) -> Any:
         return self.context.invocation_metadata()
@@ -72,6 +75,24 @@ class SyncContext:
             waiting.cancel()  # a handler's thread reading the request stream
         elif waiting is not None:
             self.loop.call_soon_threadsafe(waiting.cancel)  # a write waiting for the client to read
+        self.terminate()
+
+    def add_callback(self, callback: Callable[[], object]) -> bool:
+        """Have ``callback`` run when the call terminates: it ends, is cancelled, or its client goes away, at once,
+        even while the handler's thread is still busy (so a generation can stop within a step); False if the call
+        has terminated already (as gRPC's ``add_callback``)."""
+        with self._callbacks_lock:
+            if self._callbacks is None:
+                return False
+            self._callbacks.append(callback)
+            return True
+
+    def terminate(self) -> None:
+        """Run the callbacks registered (once; later calls do nothing)."""
+        with self._callbacks_lock:
+            callbacks, self._callbacks = self._callbacks or [], None
+        for callback in callbacks:
+            callback()
 
     async def write(self, message: object) -> None:
         """Send ``message`` when the client takes it; asyncio.CancelledError if the call is cancelled meanwhile."""
@@ -116,9 +137,9 @@ class Bridge:
 
         def body(request: Any, sync: SyncContext) -> Awaitable[Any]:
             if kind == "unary_unary":
-                return _run(pool, behaviour, request, sync)
+                return _run(pool, behaviour, request, sync, cancelled=sync.terminate)
             if kind == "stream_unary":
-                return _run(pool, behaviour, sync.requests(request), sync)
+                return _run(pool, behaviour, sync.requests(request), sync, cancelled=sync.terminate)
             if kind == "unary_stream":
                 return _send(pool, behaviour(request, sync), sync)
             raise ValueError(f"{method}: a bidirectional stream has no synchronous bridge")
@@ -138,6 +159,8 @@ class Bridge:
                     if not sync.cancelled:
                         raise
                     await _abort(context, _Status(grpc.StatusCode.CANCELLED, "the call was cancelled"))
+                finally:
+                    sync.terminate()
 
         return _FACTORIES[kind](call, handler.request_deserializer, handler.response_serializer)
 
@@ -185,13 +208,16 @@ async def _abort(context: grpc.aio.ServicerContext, status: grpc.Status) -> NoRe
     raise AssertionError("a call's abort returned")  # (grpc.aio's abort raises; its stubs do not say so)
 
 
-async def _run(pool: Executor, handler: Callable[..., Any], *args: Any) -> Any:
-    """``handler(*args)`` on ``pool``; if the call is cancelled meanwhile, the handler is waited for (its units are
-    given back only once its thread is free), the cancellation passed on."""
+async def _run(pool: Executor, handler: Callable[..., Any], *args: Any, cancelled: Callable[[], None] | None = None) -> Any:
+    """``handler(*args)`` on ``pool``; if the call is cancelled meanwhile (its client gone), ``cancelled`` runs at
+    once (the call's callbacks: a generation told to stop), then the handler is waited for (its units are given back
+    only once its thread is free) and the cancellation passed on."""
     running = asyncio.get_running_loop().run_in_executor(pool, handler, *args)
     try:
         return await asyncio.shield(running)
     except asyncio.CancelledError:
+        if cancelled is not None:
+            cancelled()
         await asyncio.wait([running])
         raise
 
@@ -200,7 +226,7 @@ async def _send(pool: Executor, messages: Iterator[Any], sync: SyncContext) -> N
     """Write ``messages``, each made on ``pool`` once the one before it was written; a stream cancelled or ended
     early closes the generator on the pool (its cleanup runs as in a synchronous server), then ends CANCELLED."""
     try:
-        while (message := await _run(pool, next, messages, _END)) is not _END:
+        while (message := await _run(pool, next, messages, _END, cancelled=sync.terminate)) is not _END:
             await sync.write(message)
     except asyncio.CancelledError:
         if not sync.cancelled:

@@ -40,6 +40,7 @@ class WorkerConfig:
     decode: str | None = None  # "device", "host"; None: device on CUDA with numba-cuda installed, else host
     plane_join: str | None = None  # deprecated: "device" joins byte planes on the device after a CPU entropy decode
     ref_ttl: float | None = None  # None: answering.answer.REF_TTL_SECONDS
+    fetch_seconds: float | None = None  # None: packs.tensors.FETCH_SECONDS, the wait for a pack's next layer
     device: str | None = None  # torch device; None: cuda if available, else cpu
     dtype: str = "float32"
     chat_template: str = ""  # a file holding the model's chat template

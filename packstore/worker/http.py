@@ -44,6 +44,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from packstore.answering.records import AnswerResult
 from packstore.errors import InvalidInput, PackstoreError
+from packstore.kv.device import Cancel, Left
 from packstore.kv.inject import TextDeltas
 from packstore.security.auth import Auth, Principal
 from packstore.security.shares import Shares, principal_key
@@ -142,7 +143,8 @@ class Generation:
     stop string), with the whitespace the answer's text is stripped of held back, so the pieces join to the answer."""
 
     def __init__(self, service: HttpBackend, namespace: str, asked: ChatRequest) -> None:
-        self.tokens = service.answerer(namespace).stream(asked.question)
+        self.cancel = Cancel()  # cancelled once the client has gone: the generation stops within a step (Left)
+        self.tokens = service.answerer(namespace).stream(asked.question, self.cancel)
         self.stop_ids = service.lm.stop_token_ids
         self.deltas = TextDeltas(service.lm.tokenizer, asked.question.sampling.stop)
         self.result: AnswerResult | None = None
@@ -263,6 +265,7 @@ class GeneratingRequest:
     async def stop(self) -> None:
         """Stop the generation (waiting for a token being computed: within one token), then free the slot."""
         if self.generation is not None:
+            self.generation.cancel.cancel()
             with CancelScope(shield=True):  # (also when cancelled because the client went: the clean-up must run)
                 await run_in_threadpool(self.generation.close)
         self.release()
@@ -330,7 +333,7 @@ class OpenAIApp:
         cut = CancelScope()  # (left unfinished, the response's connection is closed by uvicorn)
         try:
             with self.service.watch.watching(LoopCancel(asyncio.get_running_loop(), cut), fields) as stream, cut:
-                await self.routes(scope, receive, _paced(send, stream))
+                await self.routes(scope, _heeding(receive, call) if call is not None else receive, _paced(send, stream))
         finally:
             if call is not None:
                 await call.end()
@@ -374,10 +377,14 @@ class OpenAIApp:
             generation = call.generation = Generation(self.service, principal.namespace, asked)
             if not asked.stream:
                 return await self._whole(request, call, generation)
-            first = await run_in_threadpool(generation.next_piece)  # a refusal (unknown pack, mismatch) comes here, as a status
+            first = await _next_piece(request, generation)  # a refusal (unknown pack, mismatch) comes here, as a status
             call.events = self._events(call, generation, first, asked)
             return StreamingResponse(call.events, media_type="text/event-stream")
         except ClientDisconnect:  # the client went while sending its body
+            call.finish()
+            return Response(status_code=CANCELLED_STATUS)
+        except Left:  # the client went while its answer was generated (or compared): stopped within a step
+            await call.stop()
             call.finish()
             return Response(status_code=CANCELLED_STATUS)
         except PackstoreError as exc:
@@ -394,13 +401,11 @@ class OpenAIApp:
         return principal_key(principal.token, self.service.auth.enabled, peer_of(*(request.client or ("", 0))))
 
     async def _whole(self, request: Request, call: GeneratingRequest, generation: Generation) -> Response:
-        """The whole answer, generated piece by piece; between pieces, a client gone stops it (within one token),
-        frees its slot and logs it CANCELLED. The slot frees when the answer is whole, before it is sent."""
-        while (await run_in_threadpool(generation.next_piece)) is not None:
-            if await request.is_disconnected():
-                await call.stop()
-                call.finish()
-                return Response(status_code=CANCELLED_STATUS)
+        """The whole answer, generated piece by piece; a client gone meanwhile stops it (within one step: Left, which
+        ``_generate`` answers), frees its slot and logs it CANCELLED. The slot frees when the answer is whole, before
+        it is sent."""
+        while (await _next_piece(request, generation)) is not None:
+            pass
         call.release()
         call.finish()
         result = generation.result
@@ -436,9 +441,47 @@ class OpenAIApp:
         except PackstoreError as exc:
             failure = exc
             yield _event(error_body(exc))
+        except Left:  # the client has gone (``_heeding``): nothing more is sent
+            pass
         finally:
             await call.stop()
             call.finish(failure)
+
+
+def _heeding(receive: Receive, call: GeneratingRequest) -> Receive:
+    """``receive``, cancelling the call's generation as soon as it reports its client gone (Starlette listens for that
+    while a response streams; ``_next_piece`` while a piece is computed), so the generation stops within a step even
+    while its next piece is being computed (the comparisons of compare_rag, say)."""
+
+    async def heeded() -> Message:
+        message = await receive()
+        if message["type"] == "http.disconnect" and call.generation is not None:
+            call.generation.cancel.cancel()
+        return message
+
+    return heeded
+
+
+async def _next_piece(request: Request, generation: Generation) -> str | None:
+    """``generation``'s next piece, computed in a thread while the client's going is listened for (``_heeding``); what
+    the piece raises is raised as it is (not in a task group's ExceptionGroup)."""
+    failure: Exception | None = None
+    piece = None
+    async with anyio.create_task_group() as group:
+
+        async def listen() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        group.start_soon(listen)
+        try:
+            piece = await run_in_threadpool(generation.next_piece)
+        except Exception as exc:
+            failure = exc
+        group.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    return piece
 
 
 async def _json(request: Request, seconds: float) -> object:

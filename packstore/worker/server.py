@@ -18,12 +18,13 @@ from packstore.answering.records import AnswerResult
 from packstore.bank.bank import BankCache
 from packstore.errors import InvalidInput, PackstoreError
 from packstore.kv import exactness
-from packstore.kv.device import DeviceLock
+from packstore.kv.device import Cancel, DeviceLock, Left
 from packstore.kv.inject import TextDeltas
 from packstore.kv.models import LoadedModel, load_model
 from packstore.packs.buffers import HostBuffers
 from packstore.packs.decoder import Decoder
 from packstore.packs.memory import PackMemory
+from packstore.packs.tensors import FETCH_SECONDS
 from packstore.rpc.status import abort_with_error
 from packstore.security.auth import Auth, Principal
 from packstore.security.shares import ShareRule, Shares, principal_key
@@ -77,8 +78,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         decoder: Decoder | None = None,
         max_concurrent: int = DEFAULT_MAX_CONCURRENT,
         stream_seconds: float = STREAM_SECONDS,
+        fetch_seconds: float = FETCH_SECONDS,
     ) -> None:
         self.lm = lm
+        self.fetch_seconds = fetch_seconds
         self.slots = Shares("generation slots", ShareRule.default(max_concurrent))
         self.watch = StreamWatch(log, seconds=stream_seconds)
         self.decoder = decoder if decoder is not None else Decoder()  # one pool and buffer provider for every namespace
@@ -105,6 +108,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     self.lm, self.store_for(namespace), ready=self.ready.partition(namespace),
                     host=self.host.partition(namespace) if self.host is not None else None, device_lock=self._device_lock,
                     trusted=self.trusted, ref_ttl=self.ref_ttl, decoder=self.decoder, bank_cache=self.bank_cache,
+                    fetch_seconds=self.fetch_seconds,
                 )
             return self._answerers[namespace]
 
@@ -143,7 +147,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             if not self.slots.try_take(asking):
                 raise self.slots.refused(asking, "Generate")
             share = asking
-            tokens = answerer.stream(question)
+            cancel = Cancel()
+            context.add_callback(cancel.cancel)  # the client gone: the generation (comparisons too) stops within a step
+            tokens = answerer.stream(question, cancel)
             deltas = TextDeltas(self.lm.tokenizer, question.sampling.stop)
             held: worker_pb2.Token | None = None  # with stop strings, each token goes out one late: see _flush
             try:
@@ -168,6 +174,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         except PackstoreError as exc:
             fields.update(code=exc.grpc_status, error=str(exc))
             abort_with_error(context, exc)
+        except Left:  # the client went (``cancel``): nothing to send; logged CANCELLED below
+            pass
         except Exception as exc:  # an unexpected failure: report INTERNAL with a message, keep serving
             if isinstance(exc, grpc.RpcError) or type(exc).__name__ == "_AbortionError":
                 raise
@@ -257,6 +265,7 @@ def serve_worker(
     http: str = "",
     max_concurrent: int = DEFAULT_MAX_CONCURRENT,
     stream_seconds: float = STREAM_SECONDS,
+    fetch_seconds: float = FETCH_SECONDS,
     caps: ConnectionCaps | None = None,
 ) -> None:
     """Serve Generate on ``listen`` (TLS with ``tls_cert``/``tls_key``, mutual with ``tls_client_ca``)
@@ -267,14 +276,15 @@ def serve_worker(
     where to serve the OpenAI-compatible API (same rules and TLS; ``worker/http.py``); ``max_concurrent``: the
     worker's generation slots, both ports together, shared among callers (``WorkerService.slots``); a caller refused
     one gets RESOURCE_EXHAUSTED, HTTP 429; ``stream_seconds``: the minimum read rate of Generate's streams and HTTP
-    responses (``StreamWatch``); ``caps``: the metrics and HTTP ports' connections, for which the open files limit is
+    responses (``StreamWatch``); ``fetch_seconds``: the longest an answer waits for a pack's next layer from the
+    store (``Answerer``); ``caps``: the metrics and HTTP ports' connections, for which the open files limit is
     raised, or the start refused (None: the default caps)."""
     log_as_json("INFO")
     caps = caps or ConnectionCaps()
     ensure_open_files((caps.metrics if metrics else 0) + (caps.http if http else 0), "--metrics-connections and --http-connections")
     service = WorkerService(
         lm, store_for, cache_bytes=cache_bytes, host_cache_bytes=host_cache_bytes, trusted=trusted, auth=auth, ref_ttl=ref_ttl,
-        decoder=decoder, max_concurrent=max_concurrent, stream_seconds=stream_seconds,
+        decoder=decoder, max_concurrent=max_concurrent, stream_seconds=stream_seconds, fetch_seconds=fetch_seconds,
     )
     server = worker_server(service, listen, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca)
     metrics_at = None  # where the metrics port listens (loopback unless ``metrics`` names a host)
@@ -310,6 +320,9 @@ def run_worker(config: WorkerConfig) -> None:
     ref_ttl = REF_TTL_SECONDS if config.ref_ttl is None else config.ref_ttl
     if not 0 <= ref_ttl <= MAX_REF_TTL:  # also refuses NaN
         raise InvalidInput(f"ref_ttl must be from 0 to {MAX_REF_TTL:g} seconds, got {config.ref_ttl}")
+    fetch_seconds = FETCH_SECONDS if config.fetch_seconds is None else config.fetch_seconds
+    if not fetch_seconds > 0:  # also refuses NaN
+        raise InvalidInput(f"fetch_seconds must be more than 0, got {config.fetch_seconds}")
     if config.max_concurrent < 1:
         raise InvalidInput(f"max_concurrent must be at least 1, got {config.max_concurrent}")
     if not 0 < config.stream_seconds <= 86400:  # also refuses NaN
@@ -346,5 +359,6 @@ def run_worker(config: WorkerConfig) -> None:
             http=config.http,
             max_concurrent=config.max_concurrent,
             stream_seconds=config.stream_seconds,
+            fetch_seconds=fetch_seconds,
             caps=caps,
         )

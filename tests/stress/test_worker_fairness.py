@@ -312,7 +312,7 @@ def test_a_whole_answer_whose_client_has_gone_stops_within_a_token_and_is_logged
     client.close()  # not streamed: the client has nothing to read until the answer is whole, and leaves
     wait_for(lambda: logged(caplog, method, "CANCELLED"), f"{method} logged CANCELLED")
     [line] = logged(caplog, method, "CANCELLED")
-    assert line["token"] == "bob" and 1 <= line["tokens"] < LONG.max_new_tokens, line
+    assert line["token"] == "bob" and line["tokens"] < LONG.max_new_tokens, line  # (none, when it went before the first)
     assert not logged(caplog, method, "OK") and not logged(caplog, method, "INTERNAL")
     wait_for(lambda: fair.service.slots.in_use == 0, "the slot freed")
     assert post(fair, "bob", chat_body(fair))[0] == 200  # and the device is free for the next
@@ -334,13 +334,15 @@ def test_a_cancelled_generate_stops_and_frees_its_slot_and_is_logged_with_its_to
 
 
 def test_a_generate_whose_client_stops_taking_its_tokens_is_cancelled_and_frees_the_device(fair, caplog, monkeypatch) -> None:
-    """A suspended Generate holds its slot and the device; a client that takes no more tokens (its window full: gRPC
-    waits to send) is cancelled by the watch, as a store stream is, and logged so."""
+    """A suspended Generate holds its slot, but not the device once its token queue is full (issue 62); a client that
+    takes no more tokens (its window full: gRPC waits to send) is cancelled by the watch, as a store stream is, and
+    logged so."""
     caplog.set_level(logging.INFO, logger="packstore.worker")
     monkeypatch.setattr(fair.service, "watch", StreamWatch(logging.getLogger("packstore.worker"), seconds=0.3))
 
     class Context:  # what Generate reads of a gRPC call's context
         cancelled = threading.Event()
+        callbacks: list[Callable[[], None]] = []
 
         def invocation_metadata(self) -> list[tuple[str, str]]:
             return [("authorization", f"Bearer {TENANTS['alice'][0]}")]
@@ -348,14 +350,20 @@ def test_a_generate_whose_client_stops_taking_its_tokens_is_cancelled_and_frees_
         def peer(self) -> str:
             return "ipv4:127.0.0.1:5000"
 
-        def cancel(self) -> None:
+        def add_callback(self, callback: Callable[[], None]) -> bool:
+            self.callbacks.append(callback)
+            return True
+
+        def cancel(self) -> None:  # (gRPC runs the call's callbacks once it ends)
             self.cancelled.set()
+            for callback in self.callbacks:
+                callback()
 
     context = Context()
     stream = fair.service.Generate(generate_request(Question(LONG_PROMPT, refs=("wexley",), sampling=LONG)), context)
     next(stream), next(stream)  # two tokens taken, then none: gRPC waits to send the next
     assert context.cancelled.wait(WAIT_SECONDS)
-    assert fair.service.slots.held(share("alice")) == 1 and fair.service._device_lock.locked()
+    assert fair.service.slots.held(share("alice")) == 1
     stream.close()  # (what gRPC does with a cancelled stream's generator)
     [line] = logged(caplog, "Generate", "CANCELLED")
     assert line["slow_reader"] is True and line["token"] == "alice" and line["tokens"] == 2, line
