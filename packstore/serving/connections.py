@@ -75,7 +75,7 @@ def ensure_open_files(capped: int, what: str) -> int:
     if hard != resource.RLIM_INFINITY and hard < needed:
         raise InvalidInput(
             f"{what} need {needed} open files ({capped} connections and {FILES_BESIDE} more), but this process may open only "
-            f"{hard} (ulimit -Hn): raise the limit (LimitNOFILE= in a systemd unit, --ulimit nofile= in docker) or lower them"
+            f"{hard} (ulimit -Hn): raise the limit (LimitNOFILE= in a systemd unit, the nofile ulimit of a docker container) or lower them"
         )
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     return hard

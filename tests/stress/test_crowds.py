@@ -25,17 +25,25 @@ import grpc
 import pytest
 import torch
 
+from packstore.answering.answer import Question
 from packstore.errors import LimitExceeded
+from packstore.kv.build import build_pack
+from packstore.kv.inject import Sampling
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import Pack, encode_pack
 from packstore.rpc.channel import Connection
 from packstore.rpc.frames import FRAME, MAGIC, recv_exact
+from packstore.security.auth import Auth
+from packstore.store import LmdbStore
 from packstore.store.remote.store import RemoteStore
-from packstore.v1 import store_pb2, store_pb2_grpc
+from packstore.v1 import store_pb2, store_pb2_grpc, worker_pb2_grpc
+from packstore.worker.client import WorkerClient
+from packstore.worker.messages import generate_request
+from packstore.worker.server import WorkerService, worker_server
 from tests.helpers.auth import tokens_file
 from tests.helpers.packs import make_pack
 from tests.helpers.raw_grpc import raw_stream, raw_unary
-from tools.lib.servers import RunningServer, running_server
+from tools.lib.servers import RunningServer, free_port, running_server
 
 pytestmark = [pytest.mark.stress, pytest.mark.service]
 
@@ -68,7 +76,7 @@ class Crowd:
     """Each caller on a thread of its own takes units with ``take`` (the connection holding one, or None when refused)
     as long as it gets them, and asks again every CROWD_RETRY once refused, until the crowd leaves."""
 
-    def __init__(self, callers: list[Caller], take: Callable[[Caller], socket.socket | None]) -> None:
+    def __init__(self, callers: list[Caller], take: Callable[[Caller], socket.socket | bool | None]) -> None:
         self.held: list[socket.socket] = []  # every unit taken, lapsed ones too
         self.errors: list[BaseException] = []
         self._leaving = threading.Event()
@@ -86,7 +94,7 @@ class Crowd:
         for sock in self.held:
             sock.close()
 
-    def _greedy(self, caller: Caller, take: Callable[[Caller], socket.socket | None]) -> None:
+    def _greedy(self, caller: Caller, take: Callable[[Caller], socket.socket | bool | None]) -> None:
         while not self._leaving.is_set():
             try:
                 sock = take(caller)
@@ -95,7 +103,7 @@ class Crowd:
                 return
             if sock is None:
                 self._leaving.wait(CROWD_RETRY)
-            else:
+            elif isinstance(sock, socket.socket):  # (a unit held while its connection is; else one already given back)
                 self.held.append(sock)
 
     def wait_full(self, capacity: int) -> None:
@@ -296,3 +304,66 @@ def test_a_tenant_hoarding_bulk_tickets_does_not_push_another_off_the_bulk_port(
     refused = [line for line in lines if line.get("method") == "GetPack" and line.get("bulk_refused")]
     assert refused and {line["token"] for line in refused} == {"p0"}
     assert "token:p0 holds" in refused[0]["bulk_refused"] and "bulk tickets" in refused[0]["bulk_refused"]
+
+
+# -- the worker's generation slots: a crowd generating without end ----------------------------------------------------
+
+CROWD_ANSWER = Sampling(max_new_tokens=48, temperature=1.0, seed=7)  # tiny model: runs its 48 tokens, a holding time
+A_ANSWER = Sampling(max_new_tokens=4)
+
+
+@contextmanager
+def generating(tmp_path: Path, tiny_lm, slots: int) -> Iterator[tuple[WorkerService, str]]:
+    """An in-process worker with the crowd's tokens and ``slots`` generation slots on a gRPC port, a pack for all."""
+    store = LmdbStore(tmp_path / "store")
+    store.put(encode_pack(build_pack(tiny_lm, ["The river Tamsin flows through the town of Wexley."])), name="wexley")
+    service = WorkerService(tiny_lm, lambda namespace: store, cache_bytes=1 << 28, auth=Auth(tokens_file(tmp_path / "tokens.toml", TOKENS)),
+                            max_concurrent=slots)
+    address = f"127.0.0.1:{free_port()}"
+    server = worker_server(service, address)
+    server.start()
+    try:
+        yield service, address
+    finally:
+        server.stop(0)
+        store.close()
+
+
+@pytest.mark.parametrize(("crowd", "slots"), [(6, 4), (20, 4), pytest.param(20, 2, marks=pytest.mark.long, id="20-2-long")])
+def test_a_crowd_generating_in_every_slot_leaves_a_answered_within_the_rules_bound(tmp_path: Path, tiny_lm, crowd: int, slots: int) -> None:
+    """Each principal of the crowd keeps 2 generations of 48 tokens going on the worker (the tiny model), asking again
+    every 50 ms once refused; A's short answer, asked again as its refusals say, is answered within the bound (a
+    holding time being the longest of the crowd's generations) 3 times in a row. Before the max-min rule 3 principals
+    held all 4 slots (2+1+1) and the crowd, asking ten times as often, retook each slot freed."""
+    question = generate_request(Question("Where is Wexley?", refs=("wexley",), sampling=CROWD_ANSWER))
+    longest = [0.0]
+    with generating(tmp_path, tiny_lm, slots) as (service, address):
+        channel = grpc.insecure_channel(address)
+
+        def generation(caller: Caller) -> bool | None:
+            start = time.monotonic()
+            try:
+                for _ in worker_pb2_grpc.WorkerStub(channel).Generate(question, metadata=caller.headers, timeout=WAIT_SECONDS):
+                    pass
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                return None
+            longest[0] = max(longest[0], time.monotonic() - start)
+            return True
+
+        callers = [caller for caller in Caller.crowd(crowd, tokens=True) for _ in range(2)]
+        with Crowd(callers, generation) as attack, WorkerClient(address, connection=Connection(token="secret-a"), timeout=WAIT_SECONDS) as a:
+            deadline = time.monotonic() + WAIT_SECONDS
+            while not (service.slots.in_use == slots and longest[0] > 0):  # every slot the crowd's, a holding time seen
+                assert not attack.errors and time.monotonic() < deadline, attack.errors or "the crowd never held every slot"
+                time.sleep(0.01)
+
+            def answer() -> bool:
+                assert a.ask(Question("Where is Wexley?", refs=("wexley",), sampling=A_ANSWER)).answer is not None
+                return True
+
+            waited = served_within(answer, bound(crowd, slots, max(longest[0], 0.5)) + 2 * CROWD_RETRY * crowd)
+            assert not attack.errors, attack.errors
+        channel.close()
+    print(f"crowd of {crowd} on {slots} generation slots: A answered {SERVED} times, after {waited:.1f} s at most")

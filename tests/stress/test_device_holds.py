@@ -62,12 +62,12 @@ def worker(tmp_path_factory, tiny_lm):
     service = WorkerService(tiny_lm, lambda namespace: stalled, cache_bytes=1 << 30, max_concurrent=4, fetch_seconds=FETCH_SECONDS)
     address = f"127.0.0.1:{free_port()}"
     server = worker_server(service, address)
-    server.grpc.start()
+    server.start()
     http = serve_http("127.0.0.1:0", OpenAIApp(service))
     yield SimpleNamespace(service=service, grpc=address, http=http.listening, store=store, stalled=stalled, model=tiny_lm.name)
     stalled.flowing.set()
     http.stop(1)
-    server.grpc.stop(0)
+    server.stop(0)
     store.close()
 
 
