@@ -17,7 +17,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -44,6 +45,7 @@ from packstore.worker.http_connections import MAX_HEADER_BYTES
 from packstore.worker.messages import generate_request
 from packstore.worker.server import WorkerService, worker_server
 from tests.helpers.auth import tokens_file
+from tests.helpers.device import StepCounter
 from tools.lib.servers import free_port
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
@@ -56,6 +58,7 @@ LONG_FIELDS = {"max_tokens": LONG.max_new_tokens, "temperature": LONG.temperatur
 TENANTS = {name: (f"secret-{name}", ["a"], "read") for name in ("alice", "bob", "carol")}
 BODY_SECONDS = HEADER_SECONDS = 2.0
 WAIT_SECONDS = 120.0  # how long a state is waited for before the test fails (never reached when it passes)
+STEP_SECONDS = 0.02  # what counted_steps adds to each step
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +78,19 @@ def fair(tmp_path_factory, tiny_lm):
     http.stop(1)
     server.stop(0)
     store.close()
+
+
+@contextmanager
+def counted_steps(fair) -> Iterator[StepCounter]:
+    """The model's steps counted while the context runs, each made STEP_SECONDS longer, so that "stopped within a step"
+    is checked in steps, not raced against a fast model."""
+    slowing = fair.service.lm.model.register_forward_pre_hook(lambda module, args: time.sleep(STEP_SECONDS))
+    steps = StepCounter(fair.service.lm.model)
+    try:
+        yield steps
+    finally:
+        slowing.remove()
+        steps.remove()
 
 
 def share(name: str) -> str:
@@ -297,7 +313,7 @@ def _slow_headers_and_half_sent_bodies(fair) -> None:
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-def test_a_whole_answer_whose_client_has_gone_stops_within_a_token_and_is_logged_cancelled(fair, caplog, path) -> None:
+def test_a_whole_answer_whose_client_has_gone_stops_within_a_step_and_is_logged_cancelled(fair, caplog, path) -> None:
     caplog.set_level(logging.INFO, logger="packstore.worker")
     method = {"/v1/chat/completions": "ChatCompletions", "/v1/completions": "Completions"}[path]
     body = (chat_body if path == "/v1/chat/completions" else completion_body)(fair, LONG_PROMPT, **LONG_FIELDS)
@@ -308,11 +324,14 @@ def test_a_whole_answer_whose_client_has_gone_stops_within_a_token_and_is_logged
         f"POST {path} HTTP/1.1\r\nHost: worker\r\nContent-Type: application/json\r\nAuthorization: Bearer secret-bob\r\n"
         f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
     )
-    wait_for(lambda: fair.service.slots.held(share("bob")) == 1 and fair.service._device_lock.locked(), "bob's answer is being generated")
-    client.close()  # not streamed: the client has nothing to read until the answer is whole, and leaves
-    wait_for(lambda: logged(caplog, method, "CANCELLED"), f"{method} logged CANCELLED")
+    with counted_steps(fair) as steps:
+        wait_for(lambda: fair.service.slots.held(share("bob")) == 1 and steps.count > 0, "bob's answer is being generated")
+        client.close()  # not streamed: the client has nothing to read until the answer is whole, and leaves
+        at_close = steps.count
+        wait_for(lambda: logged(caplog, method, "CANCELLED"), f"{method} logged CANCELLED")
+    assert steps.count - at_close <= 3, (at_close, steps.count)  # the step running, and at most two more
     [line] = logged(caplog, method, "CANCELLED")
-    assert line["token"] == "bob" and line["tokens"] < LONG.max_new_tokens, line  # (none, when it went before the first)
+    assert line["token"] == "bob" and line["tokens"] <= at_close + 3, line
     assert not logged(caplog, method, "OK") and not logged(caplog, method, "INTERNAL")
     wait_for(lambda: fair.service.slots.in_use == 0, "the slot freed")
     assert post(fair, "bob", chat_body(fair))[0] == 200  # and the device is free for the next
@@ -324,12 +343,15 @@ def test_a_cancelled_generate_stops_and_frees_its_slot_and_is_logged_with_its_to
         call = worker_pb2_grpc.WorkerStub(channel).Generate(
             generate_request(Question(LONG_PROMPT, refs=("wexley",), sampling=LONG)), metadata=[("authorization", "Bearer secret-carol")]
         )
-        for _ in range(3):
-            next(call)
-        call.cancel()
-    wait_for(lambda: logged(caplog, "Generate", "CANCELLED"), "Generate logged CANCELLED")
+        with counted_steps(fair) as steps:
+            for _ in range(3):
+                next(call)
+            call.cancel()
+            at_cancel = steps.count
+            wait_for(lambda: logged(caplog, "Generate", "CANCELLED"), "Generate logged CANCELLED")
+    assert steps.count - at_cancel <= 3, (at_cancel, steps.count)  # the step running, and at most two more
     [line] = logged(caplog, "Generate", "CANCELLED")
-    assert line["token"] == "carol" and 3 <= line["tokens"] < LONG.max_new_tokens, line
+    assert line["token"] == "carol" and 3 <= line["tokens"] <= at_cancel + 3, line
     wait_for(lambda: fair.service.slots.in_use == 0, "the slot freed")
 
 
