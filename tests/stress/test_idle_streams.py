@@ -102,14 +102,27 @@ def service(tmp_path_factory) -> Iterator[tuple[str, str]]:
         yield server.address, key
 
 
-@pytest.mark.parametrize("count", [pytest.param(24, marks=pytest.mark.fast), 200])
-def test_idle_anonymous_streams_do_not_stop_a_tenants_calls_on_the_service(service, count: int) -> None:
-    """24, then 200, streams without a token whose first message never comes: A's health check, StatPack, ListPacks
-    and export are each answered within a second."""
+IDLE_LONG = pytest.param(2000, 60, marks=pytest.mark.long, id="2000-long")  # (count, seconds held)
+
+
+def repeated(seconds: float) -> Iterator[int]:
+    """Rounds of A's calls: one, then more until ``seconds`` have passed (the long runs hold the streams that long)."""
+    end, round_ = time.monotonic() + seconds, 0
+    while round_ == 0 or time.monotonic() < end:
+        yield round_
+        round_ += 1
+        time.sleep(min(1.0, seconds))
+
+
+@pytest.mark.parametrize(("count", "seconds"), [pytest.param(24, 0, marks=pytest.mark.fast, id="24"), pytest.param(200, 0, id="200"), IDLE_LONG])
+def test_idle_anonymous_streams_do_not_stop_a_tenants_calls_on_the_service(service, count: int, seconds: float) -> None:
+    """24, then 200 (long: 2,000 for a minute), streams without a token whose first message never comes: A's health
+    check, StatPack, ListPacks and export are each answered within a second, every round."""
     address, key = service
     with idle(address, SERVICE_UNARY, count):
-        for what, call in a_store_calls(address, key).items():
-            answered_in_time(what, call)
+        for _ in repeated(seconds):
+            for what, call in a_store_calls(address, key).items():
+                answered_in_time(what, call)
 
 
 def test_a_principal_flooding_cheap_calls_and_calls_in_flight_leaves_anothers_answered(service) -> None:
@@ -174,14 +187,15 @@ def status(address: str) -> dict:
         return client.status()
 
 
-@pytest.mark.parametrize("count", [24, 200])
-def test_idle_anonymous_streams_do_not_stop_a_tenants_calls_on_the_worker(worker, count: int) -> None:
+@pytest.mark.parametrize(("count", "seconds"), [pytest.param(24, 0, id="24"), pytest.param(200, 0, id="200"), IDLE_LONG])
+def test_idle_anonymous_streams_do_not_stop_a_tenants_calls_on_the_worker(worker, count: int, seconds: float) -> None:
     """The same on the worker's gRPC port: A's health check, Status and a short whole answer (Generate) are each
-    answered within a second."""
+    answered within a second, every round."""
     with idle(worker, WORKER_UNARY, count):
-        answered_in_time("health", lambda: healthy(worker))
-        answered_in_time("Status", lambda: status(worker))
-        answered_in_time("Generate", lambda: ask(worker))
+        for _ in repeated(seconds):
+            answered_in_time("health", lambda: healthy(worker))
+            answered_in_time("Status", lambda: status(worker))
+            answered_in_time("Generate", lambda: ask(worker))
 
 
 def test_a_hosts_reflection_streams_are_capped_at_its_share(service) -> None:
