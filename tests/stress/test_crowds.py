@@ -27,14 +27,11 @@ import torch
 
 from packstore.answering.answer import Question
 from packstore.errors import LimitExceeded
-from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import Pack, encode_pack
 from packstore.rpc.channel import Connection
 from packstore.rpc.frames import FRAME, MAGIC, recv_exact
-from packstore.security.auth import Auth
-from packstore.store import LmdbStore
 from packstore.store.remote.store import RemoteStore
 from packstore.v1 import store_pb2, store_pb2_grpc, worker_pb2_grpc
 from packstore.worker.client import WorkerClient
@@ -43,6 +40,7 @@ from packstore.worker.server import WorkerService, worker_server
 from tests.helpers.auth import tokens_file
 from tests.helpers.packs import make_pack
 from tests.helpers.raw_grpc import raw_stream, raw_unary
+from tests.helpers.workers import worker_over_a_pack
 from tools.lib.servers import RunningServer, free_port, running_server
 
 pytestmark = [pytest.mark.stress, pytest.mark.service]
@@ -315,10 +313,7 @@ A_ANSWER = Sampling(max_new_tokens=4)
 @contextmanager
 def generating(tmp_path: Path, tiny_lm, slots: int) -> Iterator[tuple[WorkerService, str]]:
     """An in-process worker with the crowd's tokens and ``slots`` generation slots on a gRPC port, a pack for all."""
-    store = LmdbStore(tmp_path / "store")
-    store.put(encode_pack(build_pack(tiny_lm, ["The river Tamsin flows through the town of Wexley."])), name="wexley")
-    service = WorkerService(tiny_lm, lambda namespace: store, cache_bytes=1 << 28, auth=Auth(tokens_file(tmp_path / "tokens.toml", TOKENS)),
-                            max_concurrent=slots)
+    service, store = worker_over_a_pack(tmp_path, tiny_lm, ["The river Tamsin flows through the town of Wexley."], TOKENS, max_concurrent=slots)
     address = f"127.0.0.1:{free_port()}"
     server = worker_server(service, address)
     server.start()

@@ -18,14 +18,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from packstore.kv.build import build_pack
-from packstore.packs.tensors import encode_pack
-from packstore.security.auth import Auth
 from packstore.security.shares import principal_key
-from packstore.store import LmdbStore
 from packstore.worker.http import OpenAIApp, serve_http
-from packstore.worker.server import WorkerService
-from tests.helpers.auth import tokens_file
+from tests.helpers.workers import worker_over_a_pack
 from tools.lib.servers import running_server
 
 pytestmark = [pytest.mark.stress, pytest.mark.service]
@@ -41,10 +36,7 @@ A_SECONDS = 1.0  # what the issue gives A's answer under a flood
 def worker(tmp_path_factory, tiny_lm):
     """A worker with tokens, 4 generation slots and a 1 s stream allowance, on an HTTP port of 64 connections, 8 a host."""
     root = tmp_path_factory.mktemp("http-connections")
-    store = LmdbStore(root / "store")
-    store.put(encode_pack(build_pack(tiny_lm, FACTS)), name="wexley")
-    auth = Auth(tokens_file(root / "tokens.toml", TENANTS))
-    service = WorkerService(tiny_lm, lambda namespace: store, cache_bytes=1 << 30, auth=auth, max_concurrent=4, stream_seconds=STREAM_SECONDS)
+    service, store = worker_over_a_pack(root, tiny_lm, FACTS, TENANTS, max_concurrent=4, stream_seconds=STREAM_SECONDS)
     http = serve_http("127.0.0.1:0", OpenAIApp(service), connections=CONNECTIONS, connections_per_peer=PER_PEER)
     for listener in http.server.servers[0].sockets:  # connections inherit it: small kernel buffers, so a slow reader shows
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # within an answer of the tiny model (~300 KB)

@@ -30,11 +30,9 @@ from starlette.requests import Request
 
 from packstore.answering.answer import Answerer, Question
 from packstore.errors import LimitExceeded, Unauthenticated
-from packstore.kv.build import build_pack
 from packstore.kv.inject import Sampling
-from packstore.packs.tensors import encode_pack
 from packstore.rpc.channel import Connection
-from packstore.security.auth import Auth, Principal
+from packstore.security.auth import Principal
 from packstore.security.shares import principal_key
 from packstore.serving.pacing import StreamWatch
 from packstore.store import LmdbStore
@@ -44,8 +42,8 @@ from packstore.worker.http import OpenAIApp, serve_http
 from packstore.worker.http_connections import MAX_HEADER_BYTES
 from packstore.worker.messages import generate_request
 from packstore.worker.server import WorkerService, worker_server
-from tests.helpers.auth import tokens_file
 from tests.helpers.device import StepCounter
+from tests.helpers.workers import worker_over_a_pack
 from tools.lib.servers import free_port
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells."]
@@ -64,11 +62,7 @@ STEP_SECONDS = 0.02  # what counted_steps adds to each step
 @pytest.fixture(scope="module")
 def fair(tmp_path_factory, tiny_lm):
     """A worker service with tokens and 4 generation slots (a reserve of 2 for principals holding none) on a gRPC and an HTTP port."""
-    root = tmp_path_factory.mktemp("fair")
-    store = LmdbStore(root / "store")
-    store.put(encode_pack(build_pack(tiny_lm, FACTS)), name="wexley")
-    auth = Auth(tokens_file(root / "tokens.toml", TENANTS))
-    service = WorkerService(tiny_lm, lambda namespace: store, cache_bytes=1 << 30, auth=auth, max_concurrent=4)
+    service, store = worker_over_a_pack(tmp_path_factory.mktemp("fair"), tiny_lm, FACTS, TENANTS, max_concurrent=4)
     address = f"127.0.0.1:{free_port()}"
     server = worker_server(service, address)
     server.start()
