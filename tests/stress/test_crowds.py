@@ -166,7 +166,9 @@ def small_pack() -> Pack:
 
 @pytest.mark.parametrize("tokens", [True, False], ids=["tokens", "addresses"])
 @pytest.mark.parametrize(("crowd", "workers"), [(6, 4), (20, 8), pytest.param(20, 4, marks=pytest.mark.long, id="20-4-long")])
-def test_a_crowd_holding_every_transfer_slot_leaves_a_served_within_the_rules_bound(tmp_path: Path, tokens: bool, crowd: int, workers: int) -> None:
+def test_a_crowd_holding_every_transfer_slot_leaves_a_served_within_the_rules_bound(
+    tmp_path: Path, tokens: bool, crowd: int, workers: int, robustness_report: list[str]
+) -> None:
     """The crowd keeps every transfer slot with GetPack streams it never reads (each held until --stream-seconds
     cancels it) and asks again every 50 ms; A's streamed fetch, retried as its refusals say, is served within the
     bound, and exactly, 3 times in a row. Before the max-min rule, 3 principals took all 4 slots (2+1+1) and whoever asked first took
@@ -190,7 +192,10 @@ def test_a_crowd_holding_every_transfer_slot_leaves_a_served_within_the_rules_bo
         lines = server.log_lines()
     cancelled = [line for line in lines if line.get("method") == "GetPack" and line.get("slow_reader")]
     assert len(cancelled) >= workers, "the crowd's streams were cut off for reading too slowly"
-    print(f"crowd of {crowd} on {workers} transfer slots: A served {SERVED} times, after {waited:.1f} s at most")
+    robustness_report.append(
+        f"crowds: {crowd} {'tokens' if tokens else 'addresses'} on {workers} transfer slots: A served {SERVED} times in a row, "
+        f"after {waited:.1f} s at most (bound {bound(crowd, workers, STREAM_SECONDS + 1):.1f} s); {len(cancelled)} crowd streams cut as slow readers"
+    )
 
 
 # -- the bulk port's transfers: tickets presented and never read ----------------------------------------------------
@@ -210,7 +215,7 @@ def bulk_lines(server: RunningServer, tokens: bool, code: str) -> list[dict]:
 @pytest.mark.parametrize("tokens", [True, False], ids=["tokens", "addresses"])
 @pytest.mark.parametrize(("crowd", "workers"), [(20, 4), pytest.param(20, 2, marks=pytest.mark.long, id="20-2-long")])
 def test_a_crowd_holding_every_bulk_transfer_leaves_a_reading_over_the_bulk_port_within_the_rules_bound(
-    tmp_path: Path, tokens: bool, crowd: int, workers: int
+    tmp_path: Path, tokens: bool, crowd: int, workers: int, robustness_report: list[str]
 ) -> None:
     """The crowd presents bulk tickets from its own addresses and reads nothing (each transfer held until its
     --stream-seconds plus its bytes at 16 MiB/s), asking again every 50 ms, until all 4 x workers bulk transfers are
@@ -247,14 +252,17 @@ def test_a_crowd_holding_every_bulk_transfer_leaves_a_reading_over_the_bulk_port
             holding = STREAM_SECONDS + sum(c.stored_bytes for c in encode_pack(packs["big"]).header.chunks) / (16 << 20) + 1
             waited = served_within(over_the_bulk_port, bound(crowd, capacity, holding))
             assert not attack.errors, attack.errors
-    print(f"crowd of {crowd} on {capacity} bulk transfers: A read over the bulk port {SERVED} times, after {waited:.1f} s at most")
+    robustness_report.append(
+        f"crowds: {crowd} {'tokens' if tokens else 'addresses'} on {capacity} bulk transfers: A read over the bulk port {SERVED} times in a row, "
+        f"after {waited:.1f} s at most (bound {bound(crowd, capacity, holding):.1f} s)"
+    )
 
 
 # -- bulk tickets: a hoarder that never presents them ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("seconds", [0, pytest.param(45, marks=pytest.mark.long)], ids=["short", "long"])
-def test_a_tenant_hoarding_bulk_tickets_does_not_push_another_off_the_bulk_port(tmp_path: Path, seconds: float) -> None:
+def test_a_tenant_hoarding_bulk_tickets_does_not_push_another_off_the_bulk_port(tmp_path: Path, seconds: float, robustness_report: list[str]) -> None:
     """B takes bulk tickets on 4 threads as fast as it can and presents none, until its GetPacks stream instead (past
     its share of the 4,096 tickets; before, once all 4,096 were its, for 30 s at a time, and every other tenant's
     GetPack streamed too). Meanwhile, and for ``seconds`` more while B keeps hoarding (past a ticket's 30 s, so
@@ -302,6 +310,10 @@ def test_a_tenant_hoarding_bulk_tickets_does_not_push_another_off_the_bulk_port(
     refused = [line for line in lines if line.get("method") == "GetPack" and line.get("bulk_refused")]
     assert refused and {line["token"] for line in refused} == {"p0"}
     assert "token:p0 holds" in refused[0]["bulk_refused"] and "bulk tickets" in refused[0]["bulk_refused"]
+    robustness_report.append(
+        f"ticket hoarder: {len(refused)} of its GetPacks refused a ticket past its share (streamed instead) over {seconds:g} s more; "
+        f"A's {fetches} fetches all over the bulk port"
+    )
 
 
 # -- the worker's generation slots: a crowd generating without end ----------------------------------------------------
@@ -325,7 +337,9 @@ def generating(tmp_path: Path, tiny_lm, slots: int) -> Iterator[tuple[WorkerServ
 
 
 @pytest.mark.parametrize(("crowd", "slots"), [(6, 4), (20, 4), pytest.param(20, 2, marks=pytest.mark.long, id="20-2-long")])
-def test_a_crowd_generating_in_every_slot_leaves_a_answered_within_the_rules_bound(tmp_path: Path, tiny_lm, crowd: int, slots: int) -> None:
+def test_a_crowd_generating_in_every_slot_leaves_a_answered_within_the_rules_bound(
+    tmp_path: Path, tiny_lm, crowd: int, slots: int, robustness_report: list[str]
+) -> None:
     """Each principal of the crowd keeps 2 generations of 300 tokens going on the worker (the tiny model), asking again
     every 50 ms once refused; A's short answer, asked again as its refusals say, is answered within the bound (a
     holding time being the longest of the crowd's generations) 3 times in a row. Before the max-min rule 3 principals
@@ -361,4 +375,7 @@ def test_a_crowd_generating_in_every_slot_leaves_a_answered_within_the_rules_bou
             waited = served_within(answer, bound(crowd, slots, max(held)))
             assert not attack.errors, attack.errors
         channel.close()
-    print(f"crowd of {crowd} on {slots} generation slots: A answered {SERVED} times, after {waited:.1f} s at most (holding {max(held):.1f} s)")
+    robustness_report.append(
+        f"crowds: {crowd} tokens on {slots} generation slots: A answered {SERVED} times in a row, after {waited:.1f} s at most "
+        f"(bound {bound(crowd, slots, max(held)):.1f} s, a crowd generation holding its slot up to {max(held):.1f} s)"
+    )

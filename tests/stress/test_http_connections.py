@@ -138,7 +138,7 @@ def held_by_host(opened: dict[str, list[socket.socket]]) -> dict[str, int]:
     [(["127.0.0.2"], 1200), (["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"], 300), pytest.param([f"127.0.0.{n}" for n in range(2, 7)], 2000, marks=pytest.mark.long)],
     ids=["one-host", "four-hosts", "long"],
 )
-def test_a_flood_of_idle_connections_to_the_http_port_holds_only_its_hosts_caps_while_a_is_answered(worker, hosts, each) -> None:
+def test_a_flood_of_idle_connections_to_the_http_port_holds_only_its_hosts_caps_while_a_is_answered(worker, hosts, each, robustness_report) -> None:
     with ExitStack() as stack:
         opened = flood(stack, worker.address, hosts, each)
         a_is_answered(f"http://{worker.address}/health")
@@ -146,6 +146,10 @@ def test_a_flood_of_idle_connections_to_the_http_port_holds_only_its_hosts_caps_
         assert all(1 <= count <= PER_PEER for count in held.values()), held
         assert all(worker.http.guard.shares.held(principal_key("", False, f"ipv4:{host}:0")) <= PER_PEER for host in hosts)
         a_is_answered(f"http://{worker.address}/health")
+    robustness_report.append(
+        f"connection flood, worker HTTP port: {len(hosts)} hosts x {each} idle connections; held at most {max(held.values())} a host "
+        f"(cap {PER_PEER}), the rest refused 503; A answered 200 within {A_SECONDS:g} s"
+    )
     wait_for(lambda: worker.http.guard.shares.in_use == 0, "the flood's connections given back")
 
 
@@ -161,7 +165,7 @@ def threads_of(pid: int) -> int:
     [pytest.param(["127.0.0.2"], 1000, marks=pytest.mark.fast), (["127.0.0.2", "127.0.0.3", "127.0.0.4"], 400), pytest.param([f"127.0.0.{n}" for n in range(2, 6)], 2000, marks=pytest.mark.long)],
     ids=["one-host", "three-hosts", "long"],
 )
-def test_a_flood_of_idle_connections_to_the_metrics_port_of_serve_runs_no_thread_past_its_pool(tmp_path, hosts, each) -> None:
+def test_a_flood_of_idle_connections_to_the_metrics_port_of_serve_runs_no_thread_past_its_pool(tmp_path, hosts, each, robustness_report) -> None:
     with running_server(tmp_path / "data", "--metrics-connections", "16", "--metrics-connections-per-peer", "4") as server:
         url = f"http://{server.metrics}/metrics"
         a_is_answered(url)
@@ -173,3 +177,8 @@ def test_a_flood_of_idle_connections_to_the_metrics_port_of_serve_runs_no_thread
             held = held_by_host(opened)
             assert all(1 <= count <= 4 for count in held.values()), held
             a_is_answered(url)
+            threads = threads_of(server.process.pid) - before
+    robustness_report.append(
+        f"connection flood, serve's metrics port: {len(hosts)} hosts x {each} idle connections; held at most {max(held.values())} a host "
+        f"(cap 4), {threads} threads more than before (pool 16); A answered 200 within {A_SECONDS:g} s"
+    )

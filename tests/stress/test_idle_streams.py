@@ -56,11 +56,22 @@ def idle(address: str, unary: tuple[str, ...], count: int) -> Iterator[None]:
                 held.close()
 
 
+SLOWEST: dict[str, float] = {}  # the longest any of A's calls took, by test, for the robustness report
+
+
 def answered_in_time(what: str, call: Callable[[], object]) -> None:
     start = time.monotonic()
     call()
     seconds = time.monotonic() - start
     assert seconds < BOUND_SECONDS, f"{what} took {seconds:.2f} s beside the idle streams"
+    SLOWEST["now"] = max(SLOWEST.get("now", 0.0), seconds)
+
+
+def report(robustness_report: list[str], where: str, count: int, rounds: int) -> None:
+    robustness_report.append(
+        f"idle streams: {count} anonymous streams whose first message never comes on the {where}: {rounds} rounds of A's calls, "
+        f"the slowest answered in {SLOWEST.pop('now', 0.0) * 1000:.0f} ms (bound {BOUND_SECONDS * 1000:.0f})"
+    )
 
 
 def healthy(address: str) -> None:
@@ -105,24 +116,28 @@ def service(tmp_path_factory) -> Iterator[tuple[str, str]]:
 IDLE_LONG = pytest.param(2000, 60, marks=pytest.mark.long, id="2000-long")  # (count, seconds held)
 
 
-def repeated(seconds: float) -> Iterator[int]:
-    """Rounds of A's calls: one, then more until ``seconds`` have passed (the long runs hold the streams that long)."""
-    end, round_ = time.monotonic() + seconds, 0
-    while round_ == 0 or time.monotonic() < end:
-        yield round_
-        round_ += 1
+def repeated(seconds: float) -> Iterator[None]:
+    """Rounds of A's calls: one, then more, a second apart, until ``seconds`` have passed (the long runs hold the
+    streams that long)."""
+    end, first = time.monotonic() + seconds, True
+    while first or time.monotonic() < end:
+        yield
+        first = False
         time.sleep(min(1.0, seconds))
 
 
 @pytest.mark.parametrize(("count", "seconds"), [pytest.param(24, 0, marks=pytest.mark.fast, id="24"), pytest.param(200, 0, id="200"), IDLE_LONG])
-def test_idle_anonymous_streams_do_not_stop_a_tenants_calls_on_the_service(service, count: int, seconds: float) -> None:
+def test_idle_anonymous_streams_do_not_stop_a_tenants_calls_on_the_service(service, count: int, seconds: float, robustness_report) -> None:
     """24, then 200 (long: 2,000 for a minute), streams without a token whose first message never comes: A's health
     check, StatPack, ListPacks and export are each answered within a second, every round."""
     address, key = service
     with idle(address, SERVICE_UNARY, count):
+        rounds = 0
         for _ in repeated(seconds):
             for what, call in a_store_calls(address, key).items():
                 answered_in_time(what, call)
+            rounds += 1
+    report(robustness_report, "service (health, StatPack, ListPacks, export)", count, rounds)
 
 
 def test_a_principal_flooding_cheap_calls_and_calls_in_flight_leaves_anothers_answered(service) -> None:
@@ -188,14 +203,17 @@ def status(address: str) -> dict:
 
 
 @pytest.mark.parametrize(("count", "seconds"), [pytest.param(24, 0, id="24"), pytest.param(200, 0, id="200"), IDLE_LONG])
-def test_idle_anonymous_streams_do_not_stop_a_tenants_calls_on_the_worker(worker, count: int, seconds: float) -> None:
+def test_idle_anonymous_streams_do_not_stop_a_tenants_calls_on_the_worker(worker, count: int, seconds: float, robustness_report) -> None:
     """The same on the worker's gRPC port: A's health check, Status and a short whole answer (Generate) are each
     answered within a second, every round."""
     with idle(worker, WORKER_UNARY, count):
+        rounds = 0
         for _ in repeated(seconds):
             answered_in_time("health", lambda: healthy(worker))
             answered_in_time("Status", lambda: status(worker))
             answered_in_time("Generate", lambda: ask(worker))
+            rounds += 1
+    report(robustness_report, "worker (health, Status, Generate)", count, rounds)
 
 
 def test_a_hosts_reflection_streams_are_capped_at_its_share(service) -> None:
