@@ -151,16 +151,20 @@ class Bridge:
                 await _abort(context, rich_status(exc))
             with held:
                 sync = SyncContext(context, asyncio.get_running_loop())
+                ending: grpc.Status | None = None
                 try:
                     return await body(request, sync)
                 except Aborted as exc:
-                    await _abort(context, exc.status)
+                    ending = exc.status
                 except grpc.RpcError:
                     if not sync.cancelled:
                         raise
-                    await _abort(context, _Status(grpc.StatusCode.CANCELLED, "the call was cancelled"))
+                    ending = _Status(grpc.StatusCode.CANCELLED, "the call was cancelled")
                 finally:
                     sync.terminate()
+                # (aborted outside the except clauses: the abort then carries no context whose traceback would keep
+                # the handler's frames, and the store transactions they held, alive until the cycle collector ran)
+                await _abort(context, ending)
 
         return _FACTORIES[kind](call, handler.request_deserializer, handler.response_serializer)
 
@@ -220,6 +224,11 @@ async def _run(pool: Executor, handler: Callable[..., Any], *args: Any, cancelle
             cancelled()
         await asyncio.wait([running])
         raise
+    finally:
+        # the future holds the handler's exception, whose traceback holds this frame: a cycle that would keep the
+        # handler's frames (and the LMDB read transactions, each a reader slot, that they held) until the cycle
+        # collector ran; long fuzz runs filled all 126 reader slots so
+        del running
 
 
 async def _send(pool: Executor, messages: Iterator[Any], sync: SyncContext) -> None:
