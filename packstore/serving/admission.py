@@ -37,17 +37,16 @@ class Admission:
         self.cheap = Shares("cheap-call threads", ShareRule.default(CHEAP_THREADS))
         self.anonymous = Shares("health and reflection calls", ShareRule.default(ANONYMOUS_CALLS, ANONYMOUS_CALLS // 2))
 
-    def admit(self, method: str, metadata: Metadata, peer: str) -> ExitStack:
-        """The units ``method``'s call holds until it ends (close the stack to give them back); the PackstoreError
-        its client is answered with when its token or a share refuses it (reported to ``refused``)."""
+    def admit(self, method: str, metadata: Metadata, peer: str) -> tuple[ExitStack, str]:
+        """The unit of calls in flight ``method``'s call holds until it ends (close the stack to give it back) and
+        whom it is counted for; the PackstoreError its client is answered with when its token or the share refuses
+        it (reported to ``refused``). A cheap call then waits its turn for a cheap-call thread (``Bridge``)."""
         try:
             principal = self.auth.authenticate(metadata, method, self.role_of[method])
             key = principal_key(principal.token, self.auth.enabled, peer)
-            with ExitStack() as held:
-                held.enter_context(self.calls.slot(key, method))
-                if method not in self.heavy:
-                    held.enter_context(self.cheap.slot(key, method))
-                return held.pop_all()
+            held = ExitStack()
+            held.enter_context(self.calls.slot(key, method))
+            return held, key
         except PackstoreError as exc:
             self.refused(method, exc, peer)
             raise

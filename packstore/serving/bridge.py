@@ -13,6 +13,7 @@ import inspect
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Executor
+from contextlib import ExitStack
 from typing import Any, NoReturn
 
 import grpc
@@ -22,6 +23,8 @@ from packstore.rpc.status import rich_status
 from packstore.serving.admission import Admission
 
 _END = object()  # a stream has no more messages
+CHEAP_WAIT_SECONDS = 10.0  # the longest a cheap call waits its turn for a cheap-call thread before it is refused
+ASK_AGAIN_SECONDS = 0.05  # a waiting cheap call asks again at least this often (its ask stays remembered meanwhile)
 
 
 class Aborted(grpc.RpcError):
@@ -129,6 +132,7 @@ class Bridge:
 
     def __init__(self, admission: Admission, transfers: Executor, cheap: Executor) -> None:
         self.admission, self.transfers, self.cheap = admission, transfers, cheap
+        self._freed: asyncio.Event | None = None  # set when a cheap-call thread is given back (made on the loop)
 
     def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """``handler`` (a synchronous method, unary or streaming on one side) as the asyncio server runs it."""
@@ -146,10 +150,14 @@ class Bridge:
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                held = self.admission.admit(method, context.invocation_metadata(), context.peer())
+                held, key = self.admission.admit(method, context.invocation_metadata(), context.peer())
             except PackstoreError as exc:
                 await _abort(context, rich_status(exc))
             with held:
+                if method not in self.admission.heavy:
+                    refusal = await self._cheap_thread(method, key, held, context)
+                    if refusal is not None:
+                        await _abort(context, rich_status(refusal))
                 sync = SyncContext(context, asyncio.get_running_loop())
                 ending: grpc.Status | None = None
                 try:
@@ -167,6 +175,36 @@ class Bridge:
                 await _abort(context, ending)
 
         return _FACTORIES[kind](call, handler.request_deserializer, handler.response_serializer)
+
+    async def _cheap_thread(self, method: str, key: str, held: ExitStack, context: grpc.aio.ServicerContext) -> PackstoreError | None:
+        """Wait, on the event loop (no thread held), for a unit of the cheap-call threads for ``key``, in the share
+        rule's order (the callers holding fewest first, then those asking longest), at most CHEAP_WAIT_SECONDS or the
+        call's own deadline; the unit goes back to the share, waking the waiters, when ``held`` closes. A caller past
+        that wait is refused, naming its own use (a burst of cheap calls queues; only a flood that never drains is
+        turned away): None once it holds one, else the refusal."""
+        loop = asyncio.get_running_loop()
+        remaining = context.time_remaining()
+        deadline = loop.time() + min(CHEAP_WAIT_SECONDS, remaining if remaining is not None else CHEAP_WAIT_SECONDS)
+        cheap = self.admission.cheap
+        while not cheap.try_take(key):
+            if loop.time() >= deadline:
+                refusal = cheap.refused(key, method)
+                self.admission.refused(method, refusal, context.peer())
+                return refusal
+            freed = self._freed = self._freed or asyncio.Event()
+            try:
+                await asyncio.wait_for(freed.wait(), min(ASK_AGAIN_SECONDS, max(0.0, deadline - loop.time())))
+            except TimeoutError:
+                pass
+        held.callback(self._give_back_cheap, key)
+        return None
+
+    def _give_back_cheap(self, key: str) -> None:
+        """Return ``key``'s cheap-call thread and wake the calls waiting for one (on the event loop's thread)."""
+        self.admission.cheap.give_back(key)
+        freed, self._freed = self._freed, None
+        if freed is not None:
+            freed.set()
 
     def wrap_anonymous(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """An asyncio handler of the health or reflection service (a coroutine, or an async generator), holding its
