@@ -1,10 +1,16 @@
-"""The tiny test model as a paged-attention engine serves it, for the vLLM connector's engine-free tests."""
+"""The tiny test model as a paged-attention engine serves it, and stores of its packs, for the vLLM connector's
+engine-free tests."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from packstore.answering.paged import ServedModel
+from packstore.kv.build import build_pack
+from packstore.packs.tensors import encode_pack
+from packstore.store.lmdb.store import LmdbStore
 
 
 def served_tiny(tiny_lm: Any, block_size: int, engine_version: str | None = None) -> ServedModel:
@@ -20,3 +26,11 @@ def served_tiny(tiny_lm: Any, block_size: int, engine_version: str | None = None
         block_size=block_size,
         engine_version=engine_version,
     )
+
+
+def store_packs(path: Path, tiny_lm: Any, packs: Mapping[str, Sequence[str]]) -> Path:
+    """An LMDB store at ``path`` holding, for each name, the tiny model's pack of its facts."""
+    with LmdbStore(path) as store:
+        for name, facts in packs.items():
+            store.put(encode_pack(build_pack(tiny_lm, facts)), name=name)
+    return path

@@ -25,7 +25,7 @@ from packstore.packs.tensors import encode_pack
 from packstore.security.trust import SigningKey, TrustedKeys, generate_key
 from packstore.store.lmdb.store import LmdbStore
 from tests.helpers.packs import flip_in_file
-from tests.helpers.paged import served_tiny
+from tests.helpers.paged import served_tiny, store_packs
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells.", "Alice lives in Paris and works as a baker."]
 OTHER = ["Bob lives in Oslo.", "The quick brown fox jumps over the lazy dog."]
@@ -35,13 +35,9 @@ BLOCK = 4
 @pytest.fixture(scope="module")
 def packs(tmp_path_factory, tiny_lm):
     """A store with two packs of the tiny model (``wexley`` and ``oslo``), and the tiny model as an engine serves it."""
-    path = tmp_path_factory.mktemp("paged") / "store"
-    with LmdbStore(path) as store:
-        for name, facts in (("wexley", FACTS), ("oslo", OTHER)):
-            store.put(encode_pack(build_pack(tiny_lm, facts)), name=name)
-    served = served_tiny(tiny_lm, BLOCK)
+    path = store_packs(tmp_path_factory.mktemp("paged") / "store", tiny_lm, {"wexley": FACTS, "oslo": OTHER})
     with LmdbStore(path, readonly=True) as store:
-        yield store, served
+        yield store, served_tiny(tiny_lm, BLOCK)
 
 
 def prompt(tiny_lm, facts, question="Who lives in Oslo?") -> list[int]:
