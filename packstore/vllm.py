@@ -317,14 +317,19 @@ class PackstoreConnector(KVConnectorBase_V1):
                 request.prompt_token_ids or [], request.kv_transfer_params, cache_salt=request.cache_salt, refusal=_engine_refusal(request)
             )
             self._plans[request.request_id] = plan
-        if not plan.applies or num_computed_tokens >= plan.tokens:
-            return 0, False
-        return plan.tokens - num_computed_tokens, False
+        plan.offered = plan.tokens - num_computed_tokens if plan.applies and num_computed_tokens < plan.tokens else 0
+        return plan.offered, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Load what vLLM took of the tokens offered; a pack whose tokens it did not take is not applied, and says so."""
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            return
         if num_external_tokens > 0:
-            self._to_load[request.request_id] = self._plans[request.request_id]
-            self._plans[request.request_id].loaded = num_external_tokens
+            self._to_load[request.request_id] = plan
+            plan.loaded = num_external_tokens
+        elif plan.offered > 0:
+            plan.failure = f"vLLM did not take the pack's {plan.offered} tokens for this request and prefilled them itself"
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """The loads of the requests scheduled this step (new ones, and ones resumed after preemption)."""

@@ -69,7 +69,8 @@ class PackPlan:
     arithmetic: str | None = None  # whose K/V the pack is (packstore.answering.arithmetic), once its header is read
     reason: str | None = None
     loaded: int = 0
-    failure: str | None = None  # set when loading failed and the engine recomputed the blocks
+    offered: int = 0  # the tokens last offered to the engine (beyond its prefix cache's), of which it took ``loaded``
+    failure: str | None = None  # set when loading failed and the engine recomputed the blocks, or it took none
 
     @property
     def applies(self) -> bool:
@@ -338,7 +339,7 @@ class PackMatcher:
             log.exception("packstore: planning a request failed")
             plan = PackPlan(reason=f"internal error: {type(exc).__name__}: {exc}")
         if plan.reason is not None:
-            log.warning("packstore: pack %s not applied: %s", plan.ref or plan.key, plan.reason)
+            log.warning("packstore: pack %s not applied: %s", plan.ref or plan.key or "-", plan.reason)
         return plan
 
     def _plan(self, prompt: list[int], params: dict[str, Any], ask: _Ask) -> PackPlan:

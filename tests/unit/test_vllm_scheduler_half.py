@@ -122,3 +122,15 @@ def test_counters_count_a_load_once_it_finished_and_a_failed_one_as_not_applied(
     assert failed["pack_applied"] is False and "recomputed" in failed["reason"]
     assert counted_failure["packs_applied"] == 0 and counted_failure["pack_tokens_loaded"] == 0
     assert counted_failure["packs_not_applied"] == 1 and counted_failure["pack_load_failures"] == 1
+
+
+def test_tokens_vllm_did_not_take_are_not_counted_as_applied(tiny_lm, store) -> None:
+    """vLLM may set the offered tokens aside (it does for requests that skip its prefix cache): the answer says so."""
+    connector = scheduler_half(tiny_lm, store)
+    one = request(prompt(tiny_lm), {"pack": "wexley"})
+    tokens, _ = connector.get_num_new_matched_tokens(one, 0)
+    connector.update_state_after_alloc(one, None, 0)  # type: ignore[arg-type]  # the blocks are not read
+    report = finished(connector, one)
+    assert tokens > 0 and report is not None and report["pack_applied"] is False
+    assert report["reason"] == f"vLLM did not take the pack's {tokens} tokens for this request and prefilled them itself"
+    assert connector.get_kv_connector_stats().data["packs_applied"] == 0  # type: ignore[union-attr]
