@@ -152,6 +152,18 @@ def test_an_approximate_pack_loads_only_in_a_request_salted_for_it(tiny_lm, buil
         store.close()
 
 
+def test_a_naive_splice_is_refused_even_salted(tiny_lm, built, tmp_path) -> None:
+    """Its later parts' keys sit at positions other than their tokens': no salt makes that K/V the prompt's."""
+    _, served = built
+    naive = splice(tiny_lm, [build_pack(tiny_lm, PART_A), build_pack(tiny_lm, PART_B)], "naive").pack
+    store = store_of(tmp_path, {"naive": naive}, ["naive"])
+    try:
+        plan = matcher_for(store, served).plan(ask(tiny_lm), {"pack": "naive"}, cache_salt=cache_salt_for(naive.header.key))
+        assert not plan.applies and "naive composition" in plan.reason and plan.arithmetic == APPROXIMATE
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("policy", ["unsalted", "salted"])
 def test_exact_packs_of_other_arithmetic_follow_the_connector_setting(tiny_lm, built, tmp_path, policy) -> None:
     packs, served = built
