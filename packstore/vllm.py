@@ -32,8 +32,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from packstore.answering.arithmetic import OTHER_EXACT_POLICIES
+from packstore.answering.config_values import ConfigValues
 from packstore.answering.paged import COUNTERS, PackMatcher, PackPlan, ServedModel, blocks_of, slot_mapping
 from packstore.answering.ready_caches import ReadyCache
+from packstore.answering.transfer_params import engine_refusal
 from packstore.kv.engine_build import CAPTURE_FILE
 from packstore.kv.exactness import machine
 from packstore.kv.identity import directory_model_fingerprint, directory_template_fingerprint
@@ -61,8 +64,9 @@ log = logging.getLogger("packstore.vllm")
 
 SETTINGS = (
     "store", "namespace", "namespaces", "token_file", "tls_ca", "s3_endpoint", "trusted_keys", "automatic", "index_refresh_s",
-    "cache_bytes", "capture_dir",
+    "cache_bytes", "other_exact",
 )
+CAPTURE_SETTING = "capture_dir"  # EngineCaptureConnector's alone: packctl build --engine vllm's capture run
 DEFAULT_CACHE_BYTES = 1 << 30  # decoded packs the worker half keeps in host memory between requests
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -81,36 +85,37 @@ class ConnectorSettings:
     automatic: bool = True
     index_refresh_s: float = 10.0
     cache_bytes: int = DEFAULT_CACHE_BYTES
+    other_exact: str = OTHER_EXACT_POLICIES[0]
     capture_dir: str | None = None  # packctl build --engine vllm: write the K/V the engine computes here
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        """The settings in ``extra``; ValueError naming an unknown or mistyped one (vLLM refuses to start)."""
-        unknown = sorted(set(extra) - set(SETTINGS))
+    def from_extra_config(cls, extra: dict[str, Any], *, capture: bool = False) -> ConnectorSettings:
+        """The settings in ``extra``, each type-checked; ValueError naming an unknown or mistyped one (vLLM refuses to
+        start). ``capture_dir`` is read only for ``capture`` (EngineCaptureConnector), never from users' config."""
+        known = (*SETTINGS, CAPTURE_SETTING) if capture else SETTINGS
+        unknown = sorted(set(extra) - set(known), key=str)
+        if CAPTURE_SETTING in unknown:
+            raise ValueError(
+                f"PackstoreConnector: kv_connector_extra_config key {CAPTURE_SETTING!r} is internal to packctl build --engine vllm, "
+                "not a setting: remove it"
+            )
         if unknown:
             raise ValueError(f"PackstoreConnector: unknown kv_connector_extra_config key {unknown[0]!r} (known: {', '.join(SETTINGS)})")
-        namespace = extra.get("namespace") or DEFAULT_NAMESPACE
-        others = extra.get("namespaces") or ()
-        if isinstance(others, str) or not all(isinstance(n, str) for n in others):
-            raise ValueError("PackstoreConnector: kv_connector_extra_config 'namespaces' must be a list of namespace names")
-        cache_bytes = extra.get("cache_bytes", DEFAULT_CACHE_BYTES)
-        if type(cache_bytes) is not int or cache_bytes < 0:
-            raise ValueError("PackstoreConnector: kv_connector_extra_config 'cache_bytes' must be a whole number of bytes, 0 or more")
-        refresh = extra.get("index_refresh_s", 10.0)
-        if not isinstance(refresh, int | float) or refresh <= 0:
-            raise ValueError("PackstoreConnector: kv_connector_extra_config 'index_refresh_s' must be a positive number of seconds")
+        values = ConfigValues(extra, "PackstoreConnector: kv_connector_extra_config")
+        namespace = values.text("namespace") or DEFAULT_NAMESPACE
         return cls(
-            store=extra.get("store"),
+            store=values.text("store"),
             namespace=namespace,
-            namespaces=tuple(dict.fromkeys([namespace, *others])),
-            token_file=extra.get("token_file"),
-            tls_ca=extra.get("tls_ca"),
-            s3_endpoint=extra.get("s3_endpoint"),
-            trusted_keys=extra.get("trusted_keys"),
-            automatic=bool(extra.get("automatic", True)),
-            index_refresh_s=float(refresh),
-            cache_bytes=cache_bytes,
-            capture_dir=extra.get("capture_dir"),
+            namespaces=tuple(dict.fromkeys([namespace, *values.texts("namespaces")])),
+            token_file=values.text("token_file"),
+            tls_ca=values.text("tls_ca"),
+            s3_endpoint=values.text("s3_endpoint"),
+            trusted_keys=values.text("trusted_keys"),
+            automatic=values.flag("automatic", True),
+            index_refresh_s=values.seconds("index_refresh_s", 10.0),
+            cache_bytes=values.count("cache_bytes", DEFAULT_CACHE_BYTES),
+            other_exact=values.choice("other_exact", OTHER_EXACT_POLICIES),
+            capture_dir=values.text(CAPTURE_SETTING) if capture else None,
         )
 
     def readers(self) -> NamespaceReaders:
@@ -162,6 +167,7 @@ def served_model(vllm_config: VllmConfig) -> ServedModel:
         kv_heads=model.get_num_kv_heads(vllm_config.parallel_config),
         head_dim=model.get_head_size(),
         block_size=vllm_config.cache_config.block_size,
+        engine_version=vllm_version,
     )
 
 
@@ -253,13 +259,25 @@ class _ActiveLoad:
     failure: str | None = None
 
 
+def _engine_refusal(request: Request) -> str | None:
+    """Why vLLM cannot take a pack's K/V into ``request`` at all (a LoRA adapter; no cached K/V read), or None."""
+    lora = getattr(request, "lora_request", None)
+    return engine_refusal(
+        lora=None if lora is None else str(getattr(lora, "lora_name", lora)),
+        skips_prefix_cache=bool(getattr(request, "skip_reading_prefix_cache", False)),
+    )
+
+
 class PackstoreConnector(KVConnectorBase_V1):
     """Loads knowledge packs into vLLM's paged KV cache (module docstring; docs/protocol.md, "vLLM connector")."""
+
+    CAPTURES = False  # whether this connector takes capture_dir (EngineCaptureConnector)
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_engine(vllm_config, kv_cache_config)
-        self.settings = ConnectorSettings.from_extra_config(dict(self._kv_transfer_config.kv_connector_extra_config))
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config)
+        self.settings = ConnectorSettings.from_extra_config(extra, capture=self.CAPTURES)
         self.block_size = vllm_config.cache_config.block_size
         self._readers = self.settings.readers()
         if role == KVConnectorRole.SCHEDULER:
@@ -271,6 +289,7 @@ class PackstoreConnector(KVConnectorBase_V1):
                 automatic=self.settings.automatic,
                 trusted=trusted,
                 refresh_s=self.settings.index_refresh_s,
+                other_exact=self.settings.other_exact,
             )
             self.matcher.start()
             self._plans: dict[str, PackPlan] = {}
@@ -294,16 +313,23 @@ class PackstoreConnector(KVConnectorBase_V1):
         """The pack tokens beyond what vLLM's prefix cache holds (0 when none applies); planned once per request."""
         plan = self._plans.get(request.request_id)
         if plan is None:
-            plan = self.matcher.plan(request.prompt_token_ids or [], request.kv_transfer_params)
+            plan = self.matcher.plan(
+                request.prompt_token_ids or [], request.kv_transfer_params, cache_salt=request.cache_salt, refusal=_engine_refusal(request)
+            )
             self._plans[request.request_id] = plan
-        if not plan.applies or num_computed_tokens >= plan.tokens:
-            return 0, False
-        return plan.tokens - num_computed_tokens, False
+        plan.offered = plan.tokens - num_computed_tokens if plan.applies and num_computed_tokens < plan.tokens else 0
+        return plan.offered, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Load what vLLM took of the tokens offered; a pack whose tokens it did not take is not applied, and says so."""
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            return
         if num_external_tokens > 0:
-            self._to_load[request.request_id] = self._plans[request.request_id]
-            self._plans[request.request_id].loaded = num_external_tokens
+            self._to_load[request.request_id] = plan
+            plan.loaded = num_external_tokens
+        elif plan.offered > 0:
+            plan.failure = f"vLLM did not take the pack's {plan.offered} tokens for this request and prefilled them itself"
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """The loads of the requests scheduled this step (new ones, and ones resumed after preemption)."""
@@ -322,7 +348,6 @@ class PackstoreConnector(KVConnectorBase_V1):
         plan = self._to_load.pop(request_id)
         assert plan.key is not None and plan.pack_sha256 is not None  # only plans that apply are loaded
         start = plan.tokens - plan.loaded
-        self.matcher.counters.add("pack_tokens_loaded", plan.loaded)
         return PackLoad(request_id, plan.key, plan.namespace, plan.pack_sha256, start, plan.tokens, tuple(block_ids))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -340,7 +365,10 @@ class PackstoreConnector(KVConnectorBase_V1):
         """Whether the pack applied, and why not, returned with the answer as its ``kv_transfer_params``."""
         self._to_load.pop(request.request_id, None)
         plan = self._plans.pop(request.request_id, None)
-        if plan is None or plan.mode == "none":
+        if plan is None:
+            return False, None
+        self.matcher.counters.count(plan)
+        if plan.mode == "none" and plan.reason is None:
             return False, None
         return False, plan.report()
 
@@ -492,3 +520,8 @@ class PackstoreConnector(KVConnectorBase_V1):
         self._readers.close()
 
 
+class EngineCaptureConnector(PackstoreConnector):
+    """The connector of ``packctl build --engine vllm``'s capture run (``packstore.vllm_plugin.capture``): it alone takes
+    ``capture_dir``, so a user's config cannot turn on a capture that keeps every row the engine writes."""
+
+    CAPTURES = True

@@ -17,6 +17,7 @@ from pathlib import Path
 
 CONNECTOR = "PackstoreConnector"
 CONNECTOR_MODULE = "packstore.vllm"
+CAPTURE_CONNECTOR = "EngineCaptureConnector"  # the capture run's connector: the only one that takes capture_dir
 
 
 def register() -> None:
@@ -44,7 +45,7 @@ def capture(spec_path: str) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read when the engine is made, not at import
     spec = json.loads(Path(spec_path).read_text())
     transfer = KVTransferConfig(
-        kv_connector=CONNECTOR,
+        kv_connector=CAPTURE_CONNECTOR,
         kv_connector_module_path=CONNECTOR_MODULE,
         kv_role="kv_both",
         kv_load_failure_policy="recompute",

@@ -3,8 +3,9 @@
 An engine with a paged KV cache prefills a prompt it is sent; a pack can only save that prefill for the prompt's first
 tokens, in whole cache blocks, and only when the prompt begins with the pack's exact tokens. This module decides that
 without the engine: ``PackMatcher.plan`` names the pack (asked for by ref, or found by ``PrefixIndex`` from the prompt's
-first tokens), checks its identities against the served model and never raises: a pack that cannot apply gets a plan
-with the reason, which the engine reports with the answer.
+first tokens), checks its identities against the served model and whose arithmetic it is (``arithmetic``: approximate
+K/V only in a request salted for it), and never raises: a pack that cannot apply gets a plan with the reason, which the
+engine reports with the answer.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import hashlib
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from packstore.errors import PackNotFound, PackstoreError
+from packstore.answering.arithmetic import ENGINE, EngineArithmetic, arithmetic_of, preference, salt_refusal
+from packstore.answering.transfer_params import transfer_fields
+from packstore.errors import PackNotFound, PackstoreError, Untrusted
 from packstore.format.header import PackHeader
 from packstore.security.trust import TrustedKeys
 from packstore.store.namespaces import DEFAULT_NAMESPACE
@@ -40,6 +43,13 @@ class ServedModel:
     kv_heads: int
     head_dim: int
     block_size: int
+    engine_version: str | None = None  # the serving engine's version (vLLM's), None where unknown
+    engine_name: str = "vllm"
+
+    @property
+    def arithmetic(self) -> EngineArithmetic:
+        """The engine's own arithmetic, as headers of packs it built record it."""
+        return EngineArithmetic(self.engine_name, self.engine_version, self.block_size, self.dtype)
 
 
 @dataclass
@@ -56,9 +66,11 @@ class PackPlan:
     tokens: int = 0
     pack_sha256: str | None = None
     mode: str = "none"  # "explicit" (kv_transfer_params.pack), "automatic" (the prompt's first tokens), "none"
+    arithmetic: str | None = None  # whose K/V the pack is (packstore.answering.arithmetic), once its header is read
     reason: str | None = None
     loaded: int = 0
-    failure: str | None = None  # set when loading failed and the engine recomputed the blocks
+    offered: int = 0  # the tokens last offered to the engine (beyond its prefix cache's), of which it took ``loaded``
+    failure: str | None = None  # set when loading failed and the engine recomputed the blocks, or it took none
 
     @property
     def applies(self) -> bool:
@@ -72,6 +84,8 @@ class PackPlan:
         if self.key is not None:
             found["pack_key"] = self.key
             found["pack_tokens"] = self.pack_tokens
+        if self.arithmetic is not None:
+            found["pack_arithmetic"] = self.arithmetic
         if self.applies and self.failure is None:
             found["pack_tokens_used"] = self.tokens
             found["pack_tokens_loaded"] = self.loaded
@@ -109,32 +123,34 @@ def blocks_of(block_ids: Sequence[int], block_size: int, start: int, stop: int) 
 class PrefixIndex:
     """Packs by their token ids at block boundaries: a prompt that begins with a pack's tokens finds it.
 
-    Each pack is filed under the digest chain of its whole blocks; ``match`` walks the prompt's chain from the deepest
-    block up and returns the longest pack whose every token begins the prompt (a pack and the question after it)."""
+    Each pack is filed under the digest chain of its whole blocks with its arithmetic; ``matches`` walks the prompt's
+    chain and returns every pack whose every token begins the prompt (a pack and the question after it), best first
+    (``arithmetic.preference``: the longest, then this engine's arithmetic, another's exact, approximate; then by key)."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._by_chain: dict[bytes, list[tuple[str, tuple[int, ...]]]] = {}
+        self._by_chain: dict[bytes, list[tuple[str, tuple[int, ...], str]]] = {}
         self.packs = 0
 
-    def add(self, key: str, token_ids: Sequence[int]) -> None:
+    def add(self, key: str, token_ids: Sequence[int], arithmetic: str = ENGINE) -> None:
         """File pack ``key``; packs shorter than one block are not filed (they save no whole block)."""
         blocks = len(token_ids) // self.block_size
         if blocks == 0:
             return
-        self._by_chain.setdefault(block_chain(token_ids, self.block_size, blocks)[-1], []).append((key, tuple(token_ids)))
+        filed = (key, tuple(token_ids), arithmetic)
+        self._by_chain.setdefault(block_chain(token_ids, self.block_size, blocks)[-1], []).append(filed)
         self.packs += 1
 
-    def match(self, prompt: Sequence[int]) -> tuple[str, int] | None:
-        """(key, pack tokens) of the longest filed pack that the prompt begins with and goes on after, or None."""
+    def matches(self, prompt: Sequence[int]) -> list[tuple[str, int, str]]:
+        """(key, pack tokens, arithmetic) of every filed pack that the prompt begins with and goes on after, best first."""
         blocks = (len(prompt) - 1) // self.block_size
-        chain = block_chain(prompt, self.block_size, blocks)
-        for digest in reversed(chain):
-            filed = self._by_chain.get(digest, ())
-            found = [(key, len(ids)) for key, ids in filed if len(ids) < len(prompt) and tuple(prompt[: len(ids)]) == ids]
-            if found:
-                return max(found, key=lambda item: item[1])
-        return None
+        found = [
+            (key, len(ids), arithmetic)
+            for digest in block_chain(prompt, self.block_size, blocks)
+            for key, ids, arithmetic in self._by_chain.get(digest, ())
+            if len(ids) < len(prompt) and tuple(prompt[: len(ids)]) == ids
+        ]
+        return sorted(found, key=lambda item: preference(item[2], item[1], item[0]))
 
 
 def _refusal(header: PackHeader, served: ServedModel) -> str | None:
@@ -178,12 +194,22 @@ def _token_problem(header: PackHeader, prompt: Sequence[int]) -> str | None:
     return None
 
 
-COUNTERS = ("packs_applied", "packs_not_applied", "pack_load_failures", "pack_tokens_loaded")
+@dataclass(frozen=True)
+class _Ask:
+    """What a request brings besides its prompt and kv_transfer_params: its cache_salt, and why the engine cannot take
+    a pack into it at all (or None)."""
+
+    cache_salt: object
+    refusal: str | None
+
+
+COUNTERS = ("packs_applied", "packs_not_applied", "pack_load_failures", "pack_tokens_loaded", "packs_untrusted_skipped")
 
 
 @dataclass
 class MatcherCounters:
-    """How requests fared since the start (``COUNTERS``): what the connector logs and reports to vLLM's metrics."""
+    """How requests fared since the start (``COUNTERS``): what the connector logs and reports to vLLM's metrics.
+    A request is counted once it finished (``count``), so a pack whose load failed is not counted as applied."""
 
     totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     _reported: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
@@ -192,9 +218,11 @@ class MatcherCounters:
         self.totals[name] += amount
 
     def count(self, plan: PackPlan) -> None:
-        if plan.applies:
+        """Count a finished request's plan: applied (with the tokens written from the pack), or not and why."""
+        if plan.applies and plan.failure is None:
             self.add("packs_applied")
-        elif plan.reason is not None:
+            self.add("pack_tokens_loaded", plan.loaded)
+        elif plan.reason is not None or plan.failure is not None:
             self.add("packs_not_applied")
 
     def take(self) -> dict[str, int]:
@@ -208,7 +236,9 @@ class PackMatcher:
     """Plans each request against packs in ``stores(namespace)``: explicit refs, and (``automatic``) the prompt's first
     tokens through a ``PrefixIndex`` of each namespace, rebuilt in the background every ``refresh_s`` seconds.
 
-    ``namespaces``: the namespaces a request may name (``kv_transfer_params.namespace``); the first is the default."""
+    ``namespaces``: the namespaces a request may name (``kv_transfer_params.namespace``); the first is the default.
+    ``other_exact``: whether exact packs of another engine's arithmetic load unsalted (``arithmetic.OTHER_EXACT_POLICIES``).
+    With ``trusted`` keys, a pack no trusted key signed is left out of the automatic index alone (counted, logged once)."""
 
     def __init__(
         self,
@@ -219,10 +249,12 @@ class PackMatcher:
         automatic: bool = True,
         trusted: TrustedKeys | None = None,
         refresh_s: float = 10.0,
+        other_exact: str = "unsalted",
     ) -> None:
         self.stores, self.served, self.namespaces = stores, served, tuple(namespaces)
-        self.automatic, self.trusted, self.refresh_s = automatic, trusted, refresh_s
+        self.automatic, self.trusted, self.refresh_s, self.other_exact = automatic, trusted, refresh_s, other_exact
         self.counters = MatcherCounters()
+        self._untrusted: set[tuple[str, str]] = set()  # (namespace, key) of packs left out of the index, logged once
         self._headers: OrderedDict[tuple[str, str], PackHeader] = OrderedDict()
         self._indexes: dict[str, PrefixIndex] = {}
         self._lock = threading.Lock()
@@ -262,10 +294,21 @@ class PackMatcher:
         for summary in store.list(model_fp=self.served.model_fp, template_fp=self.served.template_fp):
             if summary.kind != "knowledge" or summary.tokens < self.served.block_size:
                 continue
-            header = self._header(namespace, summary.key)
+            try:
+                header = self._header(namespace, summary.key)
+            except Untrusted as exc:
+                self._skip_untrusted(namespace, summary.key, exc)
+                continue
             if _refusal(header, self.served) is None:
-                index.add(header.key, header.token_ids)
+                index.add(header.key, header.token_ids, arithmetic_of(header, self.served.arithmetic))
         return index
+
+    def _skip_untrusted(self, namespace: str, key: str, exc: Untrusted) -> None:
+        """Leave an unsigned pack out of the index: counted and logged the first time it is seen."""
+        if (namespace, key) not in self._untrusted:
+            self._untrusted.add((namespace, key))
+            self.counters.add("packs_untrusted_skipped")
+            log.warning("packstore: pack %s of namespace %r left out of the automatic index: %s", key[-12:], namespace, exc)
 
     def _header(self, namespace: str, ref: str) -> PackHeader:
         """The header of ``ref`` in ``namespace``; by key from memory once read (names are resolved each time)."""
@@ -285,19 +328,21 @@ class PackMatcher:
                 self._headers.popitem(last=False)
         return stored.header
 
-    def plan(self, prompt: Sequence[int], params: Mapping[str, Any] | None) -> PackPlan:
-        """The pack for a prompt and its ``kv_transfer_params``; never raises (a plan with a reason instead)."""
+    def plan(self, prompt: Sequence[int], params: object, *, cache_salt: object = None, refusal: str | None = None) -> PackPlan:
+        """The pack for a prompt and its ``kv_transfer_params`` (any JSON), in a request with ``cache_salt`` that the
+        engine cannot take a pack into for ``refusal`` (``transfer_params.engine_refusal``; said only where a pack
+        would apply); never raises (a plan with a reason instead). Counted by the caller once the request finished."""
         try:
-            plan = self._plan(list(prompt), dict(params or {}))
+            fields, problem = transfer_fields(params)
+            plan = PackPlan(reason=problem) if problem else self._plan(list(prompt), fields, _Ask(cache_salt, refusal))
         except Exception as exc:  # the engine's scheduler must never see an exception from here
             log.exception("packstore: planning a request failed")
-            plan = PackPlan(mode="explicit" if params and params.get("pack") else "none", reason=f"internal error: {exc}")
-        self.counters.count(plan)
+            plan = PackPlan(reason=f"internal error: {type(exc).__name__}: {exc}")
         if plan.reason is not None:
-            log.warning("packstore: pack %s not applied: %s", plan.ref or plan.key, plan.reason)
+            log.warning("packstore: pack %s not applied: %s", plan.ref or plan.key or "-", plan.reason)
         return plan
 
-    def _plan(self, prompt: list[int], params: dict[str, Any]) -> PackPlan:
+    def _plan(self, prompt: list[int], params: dict[str, Any], ask: _Ask) -> PackPlan:
         namespace = params.get("namespace") or self.namespaces[0]
         ref = params.get("pack")
         if not isinstance(namespace, str) or namespace not in self.namespaces:
@@ -309,18 +354,19 @@ class PackMatcher:
         if ref is not None:
             if not isinstance(ref, str) or not ref:
                 return PackPlan(mode="explicit", reason="kv_transfer_params.pack must be a pack key or name (a string)")
-            return self._explicit(prompt, ref, namespace)
+            return self._explicit(prompt, ref, namespace, ask)
         if not self.automatic:
             return PackPlan()
         with self._lock:
             index = self._indexes.get(namespace)
-        found = index.match(prompt) if index is not None else None
-        if found is None:
+        found = index.matches(prompt) if index is not None else []
+        if not found:
             return PackPlan()
-        key, _ = found
-        return self._checked(PackPlan(key=key, namespace=namespace, mode="automatic"), self._header(namespace, key), prompt)
+        allowed = [match for match in found if salt_refusal(match[2], match[0], ask.cache_salt, self.other_exact) is None]
+        key = (allowed or found)[0][0]  # none allowed: the best says why it did not load
+        return self._checked(PackPlan(key=key, namespace=namespace, mode="automatic"), self._header(namespace, key), prompt, ask)
 
-    def _explicit(self, prompt: list[int], ref: str, namespace: str) -> PackPlan:
+    def _explicit(self, prompt: list[int], ref: str, namespace: str, ask: _Ask) -> PackPlan:
         plan = PackPlan(ref=ref, namespace=namespace, mode="explicit")
         try:
             header = self._header(namespace, ref)
@@ -328,11 +374,17 @@ class PackMatcher:
             plan.reason = f"{type(exc).__name__}: {exc}"
             return plan
         plan.key = header.key
-        return self._checked(plan, header, prompt)
+        return self._checked(plan, header, prompt, ask)
 
-    def _checked(self, plan: PackPlan, header: PackHeader, prompt: Sequence[int]) -> PackPlan:
+    def _checked(self, plan: PackPlan, header: PackHeader, prompt: Sequence[int], ask: _Ask) -> PackPlan:
         plan.pack_tokens, plan.pack_sha256 = header.tokens, header.pack_sha256
-        plan.reason = _refusal(header, self.served) or _token_problem(header, prompt)
+        plan.arithmetic = arithmetic_of(header, self.served.arithmetic)
+        plan.reason = (
+            _refusal(header, self.served)
+            or _token_problem(header, prompt)
+            or ask.refusal
+            or salt_refusal(plan.arithmetic, header.key, ask.cache_salt, self.other_exact)
+        )
         if plan.reason is None:
             plan.tokens = aligned_tokens(header.tokens, len(prompt), self.served.block_size)
             if plan.tokens == 0:

@@ -20,6 +20,7 @@ from packstore.answering.api import (
     store_pack,
     train_adapter_and_store,
 )
+from packstore.answering.arithmetic import pack_salt
 from packstore.answering.facts import read_examples, read_facts, read_pairs, read_questions
 from packstore.cli.program import EXIT_ERROR, emit_json, human_bytes, progress
 from packstore.cli.store_options import connection_of, store_of
@@ -241,7 +242,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     model = args.model or header.model_name
     prompt = pack_prompt(load_tokenizer(model, chat_template=_chat_template(args)), header, args.question, model=model)
     if args.json:
-        emit_json(prompt.to_json())
+        emit_json(prompt.to_json() | {"pack_salt": pack_salt(prompt.key)})  # the cache_salt tail vLLM's connector may ask for
         return 0
     if prompt.messages is None:
         print(

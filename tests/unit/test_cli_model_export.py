@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from packstore.answering.arithmetic import pack_salt
 from packstore.cli.packctl import main
 from packstore.kv.identity import directory_model_fingerprint
 from packstore.kv.models import load_model
@@ -135,7 +136,8 @@ def test_render_gives_the_prompt_the_pack_begins(cli, tiny_lm, facts_file: Path)
     code, out, err = cli("render", "wexley", QUESTION, "--json")
     assert code == 0, err
     rendered = json.loads(out)
-    assert set(rendered) == {"key", "model", "messages", "prompt", "prompt_token_ids", "pack_tokens", "raw"}
+    assert set(rendered) == {"key", "model", "messages", "prompt", "prompt_token_ids", "pack_tokens", "raw", "pack_salt"}
+    assert rendered["pack_salt"] == pack_salt(built["key"])
     header_ids = _header_ids(cli, "wexley")
     assert rendered["key"] == built["key"] and rendered["raw"] is False and rendered["pack_tokens"] == len(header_ids)
     assert rendered["prompt_token_ids"][: rendered["pack_tokens"]] == header_ids

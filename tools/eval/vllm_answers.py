@@ -3,11 +3,13 @@ the engine of tools/eval/eval_vllm.py, run as a process of its own.
 
 Usage: ``python -m tools.eval.vllm_answers SPEC.json`` (or ``-``, below). SPEC: ``model`` (a Hugging Face directory),
 ``dtype``, ``block_size``, ``prefix_caching``, ``max_model_len``, ``connector`` (PackstoreConnector's
-kv_connector_extra_config, or null for no connector) and ``requests``: each ``{"tag", "prompt_token_ids", "max_tokens", "kv_transfer_params"?}``, a list of such
+kv_connector_extra_config, or null for no connector) and ``requests``: each ``{"tag", "prompt_token_ids", "max_tokens", "kv_transfer_params"?,
+"cache_salt"?}`` (``cache_salt`` goes in the prompt dict, as vLLM takes it offline), a list of such
 requests (one ``generate`` call: scheduled together, in one batch), or ``"reset"`` (empty vLLM's prefix cache). A
 request alone is a ``generate`` call of its own, greedy, so no other request shares its batch (batch composition
 changes the GEMM shapes, and so the last bits). Each answer prints as
-``{"tag", "ids", "logprobs", "text", "kv"}`` (``kv``: the response's kv_transfer_params), flushed, so the caller keeps
+``{"tag", "ids", "logprobs", "text", "kv", "cached"}`` (``kv``: the response's kv_transfer_params; ``cached``: its
+prompt tokens found in vLLM's prefix cache), flushed, so the caller keeps
 what a stopped run finished; ``{"event": "ready"}`` prints once the engine has started, ``{"event": "done"}`` once it
 has answered every request (its engine then shuts down).
 
@@ -84,12 +86,13 @@ def serve(spec_path: str) -> None:
             )
             for one in batch
         ]
-        outputs = llm.generate([{"prompt_token_ids": one["prompt_token_ids"]} for one in batch], params, use_tqdm=False)
+        prompts = [{"prompt_token_ids": one["prompt_token_ids"], **({"cache_salt": one["cache_salt"]} if "cache_salt" in one else {})} for one in batch]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
         for one, output in zip(batch, outputs):
             answer = output.outputs[0]
             logprobs = [entry[token].logprob for entry, token in zip(answer.logprobs or [], answer.token_ids)]
             record = {"tag": one["tag"], "ids": list(answer.token_ids), "logprobs": logprobs, "text": answer.text}
-            print(json.dumps(record | {"kv": output.kv_transfer_params}), flush=True)
+            print(json.dumps(record | {"kv": output.kv_transfer_params, "cached": output.num_cached_tokens}), flush=True)
     # Done before the engine is down: its worker's own shutdown (a garbage collection of its whole heap, some seconds)
     # overlaps with what the caller does next; another spec's engine starts only once it has ended
     print(json.dumps({"event": "done"}), flush=True)

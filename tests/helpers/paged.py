@@ -1,0 +1,36 @@
+"""The tiny test model as a paged-attention engine serves it, and stores of its packs, for the vLLM connector's
+engine-free tests."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from packstore.answering.paged import ServedModel
+from packstore.kv.build import build_pack
+from packstore.packs.tensors import encode_pack
+from packstore.store.lmdb.store import LmdbStore
+
+
+def served_tiny(tiny_lm: Any, block_size: int, engine_version: str | None = None) -> ServedModel:
+    """The tiny model served in float32 with ``block_size``-token cache blocks (by vLLM ``engine_version``, if given)."""
+    config = tiny_lm.model.config
+    return ServedModel(
+        model_fp=tiny_lm.model_fp,
+        template_fp=tiny_lm.template_fp,
+        dtype="float32",
+        layers=config.num_hidden_layers,
+        kv_heads=config.num_key_value_heads,
+        head_dim=config.hidden_size // config.num_attention_heads,
+        block_size=block_size,
+        engine_version=engine_version,
+    )
+
+
+def store_packs(path: Path, tiny_lm: Any, packs: Mapping[str, Sequence[str]]) -> Path:
+    """An LMDB store at ``path`` holding, for each name, the tiny model's pack of its facts."""
+    with LmdbStore(path) as store:
+        for name, facts in packs.items():
+            store.put(encode_pack(build_pack(tiny_lm, facts)), name=name)
+    return path
