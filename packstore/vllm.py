@@ -96,7 +96,7 @@ class ConnectorSettings:
         unknown = sorted(set(extra) - set(known), key=str)
         if CAPTURE_SETTING in unknown:
             raise ValueError(
-                f"PackstoreConnector: kv_connector_extra_config key {CAPTURE_SETTING!r} is internal to packctl build --engine vllm, "
+                f"PackstoreConnector: kv_connector_extra_config key {CAPTURE_SETTING!r} is internal to packctl's vLLM builds, "
                 "not a setting: remove it"
             )
         if unknown:

@@ -153,26 +153,29 @@ class Bridge:
                 held, key = self.admission.admit(method, context.invocation_metadata(), context.peer())
             except PackstoreError as exc:
                 await _abort(context, rich_status(exc))
+            ending: grpc.Status | None = None
             with held:
                 if method not in self.admission.heavy:
                     refusal = await self._cheap_thread(method, key, held, context)
                     if refusal is not None:
-                        await _abort(context, rich_status(refusal))
-                sync = SyncContext(context, asyncio.get_running_loop())
-                ending: grpc.Status | None = None
-                try:
-                    return await body(request, sync)
-                except Aborted as exc:
-                    ending = exc.status
-                except grpc.RpcError:
-                    if not sync.cancelled:
-                        raise
-                    ending = _Status(grpc.StatusCode.CANCELLED, "the call was cancelled")
-                finally:
-                    sync.terminate()
-                # (aborted outside the except clauses: the abort then carries no context whose traceback would keep
-                # the handler's frames, and the store transactions they held, alive until the cycle collector ran)
-                await _abort(context, ending)
+                        ending = rich_status(refusal)
+                if ending is None:
+                    sync = SyncContext(context, asyncio.get_running_loop())
+                    try:
+                        return await body(request, sync)
+                    except Aborted as exc:
+                        ending = exc.status
+                    except grpc.RpcError:
+                        if not sync.cancelled:
+                            raise
+                        ending = _Status(grpc.StatusCode.CANCELLED, "the call was cancelled")
+                    finally:
+                        sync.terminate()
+            # The call's units go back before its status is sent: a client that reads nothing (a stream the watch
+            # cancelled) may keep the status from being sent for as long as it keeps its connection, but then holds
+            # none of the shares. Aborted outside the except clauses, the abort carries no context whose traceback
+            # would keep the handler's frames, and the store transactions they held, alive until the cycle collector.
+            await _abort(context, ending)
 
         return _FACTORIES[kind](call, handler.request_deserializer, handler.response_serializer)
 

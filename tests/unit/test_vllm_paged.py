@@ -215,7 +215,7 @@ def test_connector_settings_are_checked() -> None:
         ({"namespace": ""}, "'namespace' must be a non-empty string"),
         ({"trusted_keys": ["k"]}, "'trusted_keys' must be a non-empty string"),
         ({"other_exact": "sometimes"}, "'other_exact' must be one of \"unsalted\", \"salted\""),
-        ({"capture_dir": "/tmp/x"}, "'capture_dir' is internal to packctl build --engine vllm"),
+        ({"capture_dir": "/tmp/x"}, "'capture_dir' is internal to packctl's vLLM builds"),
     ):
         with pytest.raises(ValueError, match=message):
             ConnectorSettings.from_extra_config(bad)
