@@ -12,20 +12,20 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from packstore.answering.pack_headers import HeaderNeeded, PackHeaders
 from packstore.errors import PackNotFound, PackstoreError
 from packstore.format.header import PackHeader
 from packstore.security.trust import TrustedKeys
 from packstore.store.namespaces import DEFAULT_NAMESPACE
 from packstore.store.protocol import PackStore
+from packstore.store.records import StoredPack
 
 log = logging.getLogger("packstore.paged")
 
-HEADERS_REMEMBERED = 256  # pack headers kept by key (a key's header never changes)
 _TOKEN_BYTES = 4  # token ids hash as little-endian uint32, as pack keys do
 
 
@@ -206,7 +206,8 @@ class MatcherCounters:
 
 class PackMatcher:
     """Plans each request against packs in ``stores(namespace)``: explicit refs, and (``automatic``) the prompt's first
-    tokens through a ``PrefixIndex`` of each namespace, rebuilt in the background every ``refresh_s`` seconds.
+    tokens through a ``PrefixIndex`` of each namespace, rebuilt in the background every ``refresh_s`` seconds. Headers
+    come from memory (``PackHeaders``: a name is resolved again after ``refresh_s`` seconds, a key's header is read once).
 
     ``namespaces``: the namespaces a request may name (``kv_transfer_params.namespace``); the first is the default."""
 
@@ -223,7 +224,7 @@ class PackMatcher:
         self.stores, self.served, self.namespaces = stores, served, tuple(namespaces)
         self.automatic, self.trusted, self.refresh_s = automatic, trusted, refresh_s
         self.counters = MatcherCounters()
-        self._headers: OrderedDict[tuple[str, str], PackHeader] = OrderedDict()
+        self.headers = PackHeaders(self._stat, ttl=refresh_s)
         self._indexes: dict[str, PrefixIndex] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -262,16 +263,13 @@ class PackMatcher:
         for summary in store.list(model_fp=self.served.model_fp, template_fp=self.served.template_fp):
             if summary.kind != "knowledge" or summary.tokens < self.served.block_size:
                 continue
-            header = self._header(namespace, summary.key)
+            header = self.headers.get(namespace, summary.key)
             if _refusal(header, self.served) is None:
                 index.add(header.key, header.token_ids)
         return index
 
-    def _header(self, namespace: str, ref: str) -> PackHeader:
-        """The header of ``ref`` in ``namespace``; by key from memory once read (names are resolved each time)."""
-        remembered = self._headers.get((namespace, ref))
-        if remembered is not None:
-            return remembered
+    def _stat(self, namespace: str, ref: str) -> StoredPack:
+        """The stored pack ``ref`` names in ``namespace``, its signatures checked when keys are trusted."""
         store = self.stores(namespace)
         try:
             stored = store.stat(ref, model_fp=self.served.model_fp)
@@ -279,25 +277,31 @@ class PackMatcher:
             stored = store.stat(ref)
         if self.trusted is not None:
             self.trusted.require(f"pack {stored.key}", "pack", stored.header.pack_sha256, stored.signatures)
-        with self._lock:
-            self._headers[(namespace, stored.key)] = stored.header
-            while len(self._headers) > HEADERS_REMEMBERED:
-                self._headers.popitem(last=False)
-        return stored.header
+        return stored
 
     def plan(self, prompt: Sequence[int], params: Mapping[str, Any] | None) -> PackPlan:
-        """The pack for a prompt and its ``kv_transfer_params``; never raises (a plan with a reason instead)."""
+        """The pack for a prompt and its ``kv_transfer_params``, counted; never raises (a plan with a reason instead)."""
+        return self.record(self.decide(prompt, params))
+
+    def decide(self, prompt: Sequence[int], params: Mapping[str, Any] | None, *, lookup: bool = True) -> PackPlan:
+        """``plan`` without counting it. ``lookup`` False: from memory alone, ``HeaderNeeded`` when a header is not in
+        memory (``PlanLookups`` then reads it off the caller's thread); nothing else is raised."""
         try:
-            plan = self._plan(list(prompt), dict(params or {}))
+            return self._plan(list(prompt), dict(params or {}), lookup)
+        except HeaderNeeded:
+            raise
         except Exception as exc:  # the engine's scheduler must never see an exception from here
             log.exception("packstore: planning a request failed")
-            plan = PackPlan(mode="explicit" if params and params.get("pack") else "none", reason=f"internal error: {exc}")
+            return PackPlan(mode="explicit" if params and params.get("pack") else "none", reason=f"internal error: {exc}")
+
+    def record(self, plan: PackPlan) -> PackPlan:
+        """Count ``plan`` (and log why it does not apply); the plan itself."""
         self.counters.count(plan)
         if plan.reason is not None:
             log.warning("packstore: pack %s not applied: %s", plan.ref or plan.key, plan.reason)
         return plan
 
-    def _plan(self, prompt: list[int], params: dict[str, Any]) -> PackPlan:
+    def _plan(self, prompt: list[int], params: dict[str, Any], lookup: bool) -> PackPlan:
         namespace = params.get("namespace") or self.namespaces[0]
         ref = params.get("pack")
         if not isinstance(namespace, str) or namespace not in self.namespaces:
@@ -309,7 +313,7 @@ class PackMatcher:
         if ref is not None:
             if not isinstance(ref, str) or not ref:
                 return PackPlan(mode="explicit", reason="kv_transfer_params.pack must be a pack key or name (a string)")
-            return self._explicit(prompt, ref, namespace)
+            return self._explicit(prompt, ref, namespace, lookup)
         if not self.automatic:
             return PackPlan()
         with self._lock:
@@ -318,12 +322,13 @@ class PackMatcher:
         if found is None:
             return PackPlan()
         key, _ = found
-        return self._checked(PackPlan(key=key, namespace=namespace, mode="automatic"), self._header(namespace, key), prompt)
+        header = self.headers.get(namespace, key, lookup=lookup)
+        return self._checked(PackPlan(key=key, namespace=namespace, mode="automatic"), header, prompt)
 
-    def _explicit(self, prompt: list[int], ref: str, namespace: str) -> PackPlan:
+    def _explicit(self, prompt: list[int], ref: str, namespace: str, lookup: bool) -> PackPlan:
         plan = PackPlan(ref=ref, namespace=namespace, mode="explicit")
         try:
-            header = self._header(namespace, ref)
+            header = self.headers.get(namespace, ref, lookup=lookup)
         except PackstoreError as exc:
             plan.reason = f"{type(exc).__name__}: {exc}"
             return plan
