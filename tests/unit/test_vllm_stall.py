@@ -21,10 +21,15 @@ from packstore.packs.decoder import Decoder
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import decode_pack, start_pack
 from packstore.store.lmdb.store import LmdbStore
-from tests.unit.test_vllm_paged import BLOCK, FACTS, OTHER, prompt
-from tests.unit.test_vllm_paged import packs as packs  # noqa: F401  (the store of packs ``wexley`` and ``oslo``)
+from tests.helpers.paged import BLOCK, FACTS, OTHER, paged_packs, prompt
 
 MARGIN = 5.0  # seconds a deadline may be overrun by a busy machine
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory, tiny_lm):
+    with paged_packs(tmp_path_factory.mktemp("stall") / "store", tiny_lm) as found:
+        yield found
 
 
 class HangingStore:
