@@ -45,10 +45,10 @@ class PlanLookups:
         if pending is None:
             try:
                 return self.matcher.record(self.matcher.decide(prompt, params, lookup=False))
-            except HeaderNeeded as need:
-                deadline = self._clock() + self.seconds
-                future = self._pool.submit(self._look_up, list(prompt), dict(params or {}), deadline)
-                mode = "explicit" if need.ref == (params or {}).get("pack") else "automatic"
+            except HeaderNeeded as need:  # raised only once ``params`` was read as a dict
+                wanted, deadline = dict(params or {}), self._clock() + self.seconds
+                future = self._pool.submit(self._look_up, list(prompt), wanted, deadline)
+                mode = "explicit" if need.ref == wanted.get("pack") else "automatic"
                 self._pending[request_id] = _Lookup(future, need, deadline, mode)
                 return None
         looked_up = pending.future.result() if pending.future.done() else None

@@ -136,7 +136,7 @@ def test_a_hung_lookup_is_given_up_within_lookup_seconds(tiny_lm, packs) -> None
 def test_an_aborted_request_drops_its_lookup(tiny_lm, packs) -> None:
     with hanging(packs) as (hangs, _, lookups):
         hangs.hung.set()
-        assert lookups.plan("r", prompt(tiny_lm, FACTS), {"pack": "wexley"}) is None
+        assert lookups.plan("r", prompt(tiny_lm, FACTS), [("pack", "wexley")]) is None  # any mapping-like JSON: never raises
         lookups.forget("r")
         assert lookups.in_flight == 0
 
