@@ -120,7 +120,7 @@ class StepLoads:
         try:
             pack = self._pack(loading)
             if isinstance(pack, ArrivingPack) and not pack.arrived(index, self._left()):
-                raise pack.late(index, self.seconds)
+                raise Unavailable(f"{pack.late(index, self.seconds)} (load_seconds)")
             keys, values = pack.layer(index)
             write(load, loading.slots, keys[:, load.start : load.stop], values[:, load.start : load.stop])
         except Exception as exc:

@@ -249,7 +249,7 @@ def test_a_store_that_stops_mid_pack_has_the_written_layers_kept_and_the_blocks_
         release.set()
         arriving.result(30)
     assert written == [0] and failed.late == {"default"}
-    assert "layer 1 did not arrive from the store within 0.5 s" in failed.reasons["r"]
+    assert "layer 1 did not arrive from the store within 0.5 s (load_seconds)" in failed.reasons["r"]
     assert failed.blocks == set(range(load.stop // BLOCK))
 
 
