@@ -66,6 +66,7 @@ SETTINGS = (
     "store", "namespace", "namespaces", "token_file", "tls_ca", "s3_endpoint", "trusted_keys", "automatic", "index_refresh_s",
     "cache_bytes", "capture_dir", "lookup_seconds", "load_seconds",
 )
+STORE_GRACE_SECONDS = 1.0  # a store call's deadline beyond the connector's own: the connector's decides, and says so
 DEFAULT_CACHE_BYTES = 1 << 30  # decoded packs the worker half keeps in host memory between requests
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -253,7 +254,7 @@ class PackstoreConnector(KVConnectorBase_V1):
         self.settings = ConnectorSettings.from_extra_config(dict(self._kv_transfer_config.kv_connector_extra_config))
         self.block_size = vllm_config.cache_config.block_size
         if role == KVConnectorRole.SCHEDULER:
-            self._readers = self.settings.readers(self.settings.lookup_seconds)
+            self._readers = self.settings.readers(self.settings.lookup_seconds + STORE_GRACE_SECONDS)
             trusted = TrustedKeys.load(self.settings.trusted_keys) if self.settings.trusted_keys else None
             self.matcher = PackMatcher(
                 self._readers.get,
@@ -270,7 +271,7 @@ class PackstoreConnector(KVConnectorBase_V1):
             self._unwaited: set[str] = set()  # requests planned before their store missed a load deadline
             log.info("packstore: connector serving packs from %s (namespaces %s)", self.settings.store, ", ".join(self.settings.namespaces))
         else:
-            self._readers = self.settings.readers(self.settings.load_seconds)
+            self._readers = self.settings.readers(self.settings.load_seconds + STORE_GRACE_SECONDS)
             self._decoder = Decoder()
             self._packs: dict[str, PackReader] = {}
             self._ready = ReadyCache(self.settings.cache_bytes)  # decoded packs, by namespace and key
