@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -34,8 +35,10 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 from packstore.answering.arithmetic import OTHER_EXACT_POLICIES
 from packstore.answering.config_values import ConfigValues
-from packstore.answering.paged import COUNTERS, PackMatcher, PackPlan, ServedModel, blocks_of, slot_mapping
+from packstore.answering.paged import COUNTERS, PackMatcher, PackPlan, ServedModel
+from packstore.answering.plan_lookups import PlanLookups
 from packstore.answering.ready_caches import ReadyCache
+from packstore.answering.step_loads import PackLoad, StepLoads
 from packstore.answering.transfer_params import engine_refusal
 from packstore.kv.engine_build import CAPTURE_FILE
 from packstore.kv.exactness import machine
@@ -64,9 +67,10 @@ log = logging.getLogger("packstore.vllm")
 
 SETTINGS = (
     "store", "namespace", "namespaces", "token_file", "tls_ca", "s3_endpoint", "trusted_keys", "automatic", "index_refresh_s",
-    "cache_bytes", "other_exact",
+    "cache_bytes", "other_exact", "lookup_seconds", "load_seconds",
 )
 CAPTURE_SETTING = "capture_dir"  # EngineCaptureConnector's alone: packctl build --engine vllm's capture run
+STORE_GRACE_SECONDS = 1.0  # a store call's deadline beyond the connector's own: the connector's decides, and says so
 DEFAULT_CACHE_BYTES = 1 << 30  # decoded packs the worker half keeps in host memory between requests
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -87,6 +91,8 @@ class ConnectorSettings:
     cache_bytes: int = DEFAULT_CACHE_BYTES
     other_exact: str = OTHER_EXACT_POLICIES[0]
     capture_dir: str | None = None  # packctl build --engine vllm: write the K/V the engine computes here
+    lookup_seconds: float = 2.0  # the longest a request waits for its pack's header from the store (then: no pack)
+    load_seconds: float = 10.0  # the longest a step waits for a pack from the store (then: its blocks recomputed)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any], *, capture: bool = False) -> ConnectorSettings:
@@ -116,13 +122,16 @@ class ConnectorSettings:
             cache_bytes=values.count("cache_bytes", DEFAULT_CACHE_BYTES),
             other_exact=values.choice("other_exact", OTHER_EXACT_POLICIES),
             capture_dir=values.text(CAPTURE_SETTING) if capture else None,
+            lookup_seconds=values.seconds("lookup_seconds", 2.0),
+            load_seconds=values.seconds("load_seconds", 10.0),
         )
 
-    def readers(self) -> NamespaceReaders:
-        """Each namespace's store, opened on first use with the token, TLS CA and S3 endpoint given."""
+    def readers(self, timeout: float) -> NamespaceReaders:
+        """Each namespace's store, opened on first use with the token, TLS CA and S3 endpoint given; each call to a
+        service or bucket fails after ``timeout`` seconds."""
         connection = Connection.from_env(token_file=self.token_file, tls_ca=self.tls_ca, namespace=self.namespace)
         spec = StoreSpec.of(self.store, connection=connection, s3_endpoint=self.s3_endpoint, namespace=self.namespace)
-        return NamespaceReaders(spec, per_caller=True)
+        return NamespaceReaders(replace(spec, timeout=timeout), per_caller=True)
 
 
 def check_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
@@ -217,19 +226,6 @@ class PackstorePromMetrics(KVConnectorPromMetrics):
                 cast(Counter, self.counters[name][engine_idx]).inc(value)  # made by metric_types[Counter] above
 
 
-@dataclass(frozen=True)
-class PackLoad:
-    """One request's load this step: positions [start, stop) of pack ``key`` into the request's blocks."""
-
-    request_id: str
-    key: str
-    namespace: str
-    pack_sha256: str
-    start: int
-    stop: int
-    block_ids: tuple[int, ...]
-
-
 @dataclass
 class PackstoreMetadata(KVConnectorMetadata):
     """Scheduler -> worker: the loads of this step."""
@@ -239,24 +235,15 @@ class PackstoreMetadata(KVConnectorMetadata):
 
 @dataclass
 class PackstoreWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: requests whose pack failed to load this step, and why (their blocks were recomputed)."""
+    """Worker -> scheduler: requests whose pack failed to load this step, and why (their blocks were recomputed), and
+    the namespaces whose store missed the load deadline."""
 
     failures: dict[str, str] = field(default_factory=dict)
+    late: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, PackstoreWorkerMetadata)
-        return PackstoreWorkerMetadata({**self.failures, **other.failures})
-
-
-@dataclass
-class _ActiveLoad:
-    """A load in flight on the worker: the arriving pack, its slots, the layers written, and the first failure."""
-
-    load: PackLoad
-    pack: ArrivingPack | Pack | None
-    slots: torch.Tensor
-    written: set[str] = field(default_factory=set)
-    failure: str | None = None
+        return PackstoreWorkerMetadata({**self.failures, **other.failures}, self.late | other.late)
 
 
 def _engine_refusal(request: Request) -> str | None:
@@ -279,8 +266,8 @@ class PackstoreConnector(KVConnectorBase_V1):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config)
         self.settings = ConnectorSettings.from_extra_config(extra, capture=self.CAPTURES)
         self.block_size = vllm_config.cache_config.block_size
-        self._readers = self.settings.readers()
         if role == KVConnectorRole.SCHEDULER:
+            self._readers = self.settings.readers(self.settings.lookup_seconds + STORE_GRACE_SECONDS)
             trusted = TrustedKeys.load(self.settings.trusted_keys) if self.settings.trusted_keys else None
             self.matcher = PackMatcher(
                 self._readers.get,
@@ -292,30 +279,41 @@ class PackstoreConnector(KVConnectorBase_V1):
                 other_exact=self.settings.other_exact,
             )
             self.matcher.start()
+            self.lookups = PlanLookups(self.matcher, self.settings.lookup_seconds)
             self._plans: dict[str, PackPlan] = {}
             self._to_load: dict[str, PackPlan] = {}
+            self._unwaited: set[str] = set()  # requests planned before their store missed a load deadline
             log.info("packstore: connector serving packs from %s (namespaces %s)", self.settings.store, ", ".join(self.settings.namespaces))
         else:
+            self._readers = self.settings.readers(self.settings.load_seconds + STORE_GRACE_SECONDS)
             self._decoder = Decoder()
             self._packs: dict[str, PackReader] = {}
             self._ready = ReadyCache(self.settings.cache_bytes)  # decoded packs, by namespace and key
             self._kv_caches: dict[str, torch.Tensor] = {}
             self._layers: dict[str, Any] = {}
-            self._active: list[_ActiveLoad] = []
+            self._loads = StepLoads(self._ready_pack, self._fetch, self.block_size, self.settings.load_seconds)
             self._failed_blocks: set[int] = set()
             self._failures: dict[str, str] = {}
+            self._late: set[str] = set()
             self._captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
             self._captured_steps: list[int] = []
 
     # ---- scheduler half -------------------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """The pack tokens beyond what vLLM's prefix cache holds (0 when none applies); planned once per request."""
+        """The pack tokens beyond what vLLM's prefix cache holds (0 when none applies); planned once per request, from
+        memory or, while the store is read on a lookup thread, None (vLLM asks again on a later step)."""
         plan = self._plans.get(request.request_id)
         if plan is None:
-            plan = self.matcher.plan(
-                request.prompt_token_ids or [], request.kv_transfer_params, cache_salt=request.cache_salt, refusal=_engine_refusal(request)
+            plan = self.lookups.plan(
+                request.request_id,
+                request.prompt_token_ids or [],
+                request.kv_transfer_params,
+                cache_salt=request.cache_salt,
+                refusal=_engine_refusal(request),
             )
+            if plan is None:
+                return None, False
             self._plans[request.request_id] = plan
         plan.offered = plan.tokens - num_computed_tokens if plan.applies and num_computed_tokens < plan.tokens else 0
         return plan.offered, False
@@ -348,12 +346,18 @@ class PackstoreConnector(KVConnectorBase_V1):
         plan = self._to_load.pop(request_id)
         assert plan.key is not None and plan.pack_sha256 is not None  # only plans that apply are loaded
         start = plan.tokens - plan.loaded
-        return PackLoad(request_id, plan.key, plan.namespace, plan.pack_sha256, start, plan.tokens, tuple(block_ids))
+        wait = request_id not in self._unwaited
+        return PackLoad(request_id, plan.key, plan.namespace, plan.pack_sha256, start, plan.tokens, tuple(block_ids), wait)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Record the worker's load failures: the requests were recomputed, and say so when they finish."""
+        """Record the worker's load failures: the requests were recomputed, and say so when they finish. A namespace
+        whose store missed the load deadline has its headers looked up again (off this thread) before the next load."""
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, PackstoreWorkerMetadata):
+            for namespace in meta.late:
+                self.matcher.headers.forget(namespace)
+                self._unwaited |= {request_id for request_id, plan in self._plans.items() if plan.namespace == namespace}
+                log.warning("packstore: the store of namespace %r missed the load deadline; its packs are looked up again", namespace)
             for request_id, reason in meta.failures.items():
                 self.matcher.counters.add("pack_load_failures")
                 plan = self._plans.get(request_id)
@@ -364,6 +368,8 @@ class PackstoreConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Whether the pack applied, and why not, returned with the answer as its ``kv_transfer_params``."""
         self._to_load.pop(request.request_id, None)
+        self.lookups.forget(request.request_id)
+        self._unwaited.discard(request.request_id)
         plan = self._plans.pop(request.request_id, None)
         if plan is None:
             return False, None
@@ -438,68 +444,53 @@ class PackstoreConnector(KVConnectorBase_V1):
         return self._packs[namespace]
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Start reading this step's packs; each layer is written when the model reaches it (``wait_for_layer_load``)."""
+        """Start opening this step's packs; each layer is written when the model reaches it (``wait_for_layer_load``),
+        none waited for longer than ``load_seconds`` from now."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, PackstoreMetadata)
         if not meta.loads:
             return
         self._layers = {name: layer for name, layer in forward_context.no_compile_layers.items() if hasattr(layer, "kv_cache")}
-        for load in meta.loads:
-            slots = torch.tensor(slot_mapping(load.block_ids, self.block_size, load.start, load.stop), dtype=torch.long)
-            active = _ActiveLoad(load, None, slots)
-            try:
-                active.pack = self._pack_for(load)
-                if active.pack.header.pack_sha256 != load.pack_sha256:
-                    active.failure = f"pack {load.key[-12:]} changed in the store after it was planned"
-            except Exception as exc:
-                active.failure = f"{type(exc).__name__}: {exc}"
-            self._active.append(active)
+        self._loads.start(meta.loads)
 
-    def _pack_for(self, load: PackLoad) -> ArrivingPack | Pack:
-        """The pack ``load`` needs: decoded already (kept from an earlier request), or arriving from the store layer by
-        layer and kept once whole and verified."""
-        ready = self._ready.peek(load.key, load.namespace)
-        if ready is not None:
-            return ready
+    def _ready_pack(self, load: PackLoad) -> Pack | None:
+        """The pack ``load`` needs if it is decoded already (kept from an earlier request)."""
+        return self._ready.peek(load.key, load.namespace)
+
+    def _fetch(self, load: PackLoad) -> ArrivingPack:
+        """The pack ``load`` needs, arriving from the store layer by layer and kept once whole and verified (on one of
+        ``StepLoads``' threads)."""
         arriving = self._reader(load.namespace).start_fetch(load.key)
         arriving.when_complete(lambda pack: self._ready.put(load.key, pack, load.namespace))
         return arriving
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Write layer ``layer_name`` of every pack in flight into vLLM's cache before the layer runs."""
-        for active in self._active:
-            self._write_layer(active, layer_name)
+        if self._loads and layer_name in self._layers:
+            self._loads.write_layer(layer_name, extract_layer_index(layer_name), partial(self._write_layer, layer_name))
 
-    def _write_layer(self, active: _ActiveLoad, layer_name: str) -> None:
-        if active.failure is not None or active.pack is None or layer_name in active.written or layer_name not in self._layers:
-            return
-        load, layer = active.load, self._layers[layer_name]
-        try:
-            keys, values = active.pack.layer(extract_layer_index(layer_name))
-            kv_cache = self._kv_caches.get(layer_name, layer.kv_cache)
-            key = keys[:, load.start : load.stop].transpose(0, 1).to(kv_cache.device, kv_cache.dtype).contiguous()
-            value = values[:, load.start : load.stop].transpose(0, 1).to(kv_cache.device, kv_cache.dtype).contiguous()
-            layer.impl.do_kv_cache_update(layer, key, value, kv_cache, active.slots.to(kv_cache.device))
-        except Exception as exc:
-            active.failure = f"{type(exc).__name__}: {exc}"
-            return
-        active.written.add(layer_name)
+    def _write_layer(self, layer_name: str, load: PackLoad, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Positions [start, stop) of one layer of a pack (``[kv heads, tokens, head dim]``) into the request's slots,
+        with the attention backend's own cache update."""
+        layer = self._layers[layer_name]
+        kv_cache = self._kv_caches.get(layer_name, layer.kv_cache)
+        key = keys.transpose(0, 1).to(kv_cache.device, kv_cache.dtype).contiguous()
+        value = values.transpose(0, 1).to(kv_cache.device, kv_cache.dtype).contiguous()
+        layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slots.to(kv_cache.device))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         """Packs are only read here (built with ``packctl build --engine vllm``), never saved from serving."""
 
     def wait_for_save(self) -> None:
-        """After the forward: a load with a layer not written (or failed) has its blocks reported for recompute."""
-        for active in self._active:
-            missing = sorted(set(self._layers) - active.written)
-            if active.failure is None and missing:
-                active.failure = f"layer {missing[0]} was not written before the model used it"
-            if active.failure is not None:
-                load = active.load
-                self._failed_blocks |= blocks_of(load.block_ids, self.block_size, load.start, load.stop)
-                self._failures[load.request_id] = active.failure
-                log.warning("packstore: pack %s for request %s failed to load: %s", load.key[-12:], load.request_id, active.failure)
-        self._active = []
+        """After the forward: a load that failed, missed the deadline or left a layer unwritten has its blocks reported
+        for recompute."""
+        if self._loads:
+            failed = self._loads.finish(self._layers)
+            self._failed_blocks |= failed.blocks
+            self._failures.update(failed.reasons)
+            self._late |= failed.late
+            for request_id, reason in failed.reasons.items():
+                log.warning("packstore: the pack for request %s failed to load: %s", request_id, reason)
         self._write_capture()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -507,15 +498,18 @@ class PackstoreConnector(KVConnectorBase_V1):
         return failed
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._failures:
+        if not self._failures and not self._late:
             return None
-        failures, self._failures = self._failures, {}
-        return PackstoreWorkerMetadata(failures)
+        meta = PackstoreWorkerMetadata(self._failures, self._late)
+        self._failures, self._late = {}, set()
+        return meta
 
     def shutdown(self) -> None:
         if self.role == KVConnectorRole.SCHEDULER:
             self.matcher.close()
+            self.lookups.close()
         else:
+            self._loads.close()
             self._decoder.close()
         self._readers.close()
 

@@ -13,22 +13,22 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from packstore.answering.arithmetic import ENGINE, EngineArithmetic, arithmetic_of, preference, salt_refusal
+from packstore.answering.pack_headers import HeaderNeeded, PackHeaders
 from packstore.answering.transfer_params import transfer_fields
 from packstore.errors import PackNotFound, PackstoreError, Untrusted
 from packstore.format.header import PackHeader
 from packstore.security.trust import TrustedKeys
 from packstore.store.namespaces import DEFAULT_NAMESPACE
 from packstore.store.protocol import PackStore
+from packstore.store.records import StoredPack
 
 log = logging.getLogger("packstore.paged")
 
-HEADERS_REMEMBERED = 256  # pack headers kept by key (a key's header never changes)
 _TOKEN_BYTES = 4  # token ids hash as little-endian uint32, as pack keys do
 
 
@@ -197,10 +197,11 @@ def _token_problem(header: PackHeader, prompt: Sequence[int]) -> str | None:
 @dataclass(frozen=True)
 class _Ask:
     """What a request brings besides its prompt and kv_transfer_params: its cache_salt, and why the engine cannot take
-    a pack into it at all (or None)."""
+    a pack into it at all (or None); and whether its plan may read the store (else ``HeaderNeeded``)."""
 
     cache_salt: object
     refusal: str | None
+    lookup: bool = True
 
 
 COUNTERS = ("packs_applied", "packs_not_applied", "pack_load_failures", "pack_tokens_loaded", "packs_untrusted_skipped")
@@ -234,7 +235,8 @@ class MatcherCounters:
 
 class PackMatcher:
     """Plans each request against packs in ``stores(namespace)``: explicit refs, and (``automatic``) the prompt's first
-    tokens through a ``PrefixIndex`` of each namespace, rebuilt in the background every ``refresh_s`` seconds.
+    tokens through a ``PrefixIndex`` of each namespace, rebuilt in the background every ``refresh_s`` seconds. Headers
+    come from memory (``PackHeaders``: a name is resolved again after ``refresh_s`` seconds, a key's header is read once).
 
     ``namespaces``: the namespaces a request may name (``kv_transfer_params.namespace``); the first is the default.
     ``other_exact``: whether exact packs of another engine's arithmetic load unsalted (``arithmetic.OTHER_EXACT_POLICIES``).
@@ -255,7 +257,7 @@ class PackMatcher:
         self.automatic, self.trusted, self.refresh_s, self.other_exact = automatic, trusted, refresh_s, other_exact
         self.counters = MatcherCounters()
         self._untrusted: set[tuple[str, str]] = set()  # (namespace, key) of packs left out of the index, logged once
-        self._headers: OrderedDict[tuple[str, str], PackHeader] = OrderedDict()
+        self.headers = PackHeaders(self._stat, ttl=refresh_s)
         self._indexes: dict[str, PrefixIndex] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -295,7 +297,7 @@ class PackMatcher:
             if summary.kind != "knowledge" or summary.tokens < self.served.block_size:
                 continue
             try:
-                header = self._header(namespace, summary.key)
+                header = self.headers.get(namespace, summary.key)
             except Untrusted as exc:
                 self._skip_untrusted(namespace, summary.key, exc)
                 continue
@@ -310,11 +312,8 @@ class PackMatcher:
             self.counters.add("packs_untrusted_skipped")
             log.warning("packstore: pack %s of namespace %r left out of the automatic index: %s", key[-12:], namespace, exc)
 
-    def _header(self, namespace: str, ref: str) -> PackHeader:
-        """The header of ``ref`` in ``namespace``; by key from memory once read (names are resolved each time)."""
-        remembered = self._headers.get((namespace, ref))
-        if remembered is not None:
-            return remembered
+    def _stat(self, namespace: str, ref: str) -> StoredPack:
+        """The stored pack ``ref`` names in ``namespace``, its signatures checked when keys are trusted."""
         store = self.stores(namespace)
         try:
             stored = store.stat(ref, model_fp=self.served.model_fp)
@@ -322,22 +321,33 @@ class PackMatcher:
             stored = store.stat(ref)
         if self.trusted is not None:
             self.trusted.require(f"pack {stored.key}", "pack", stored.header.pack_sha256, stored.signatures)
-        with self._lock:
-            self._headers[(namespace, stored.key)] = stored.header
-            while len(self._headers) > HEADERS_REMEMBERED:
-                self._headers.popitem(last=False)
-        return stored.header
+        return stored
 
     def plan(self, prompt: Sequence[int], params: object, *, cache_salt: object = None, refusal: str | None = None) -> PackPlan:
         """The pack for a prompt and its ``kv_transfer_params`` (any JSON), in a request with ``cache_salt`` that the
         engine cannot take a pack into for ``refusal`` (``transfer_params.engine_refusal``; said only where a pack
         would apply); never raises (a plan with a reason instead). Counted by the caller once the request finished."""
+        return self.logged(self.decide(prompt, params, cache_salt=cache_salt, refusal=refusal))
+
+    def decide(
+        self, prompt: Sequence[int], params: object, *, cache_salt: object = None, refusal: str | None = None, lookup: bool = True
+    ) -> PackPlan:
+        """``plan`` without logging it. ``lookup`` False: from memory alone, ``HeaderNeeded`` when a header is not in
+        memory (``PlanLookups`` then reads it off the caller's thread); nothing else is raised."""
         try:
             fields, problem = transfer_fields(params)
-            plan = PackPlan(reason=problem) if problem else self._plan(list(prompt), fields, _Ask(cache_salt, refusal))
+            if problem:
+                return PackPlan(reason=problem)
+            return self._plan(list(prompt), fields, _Ask(cache_salt, refusal, lookup))
+        except HeaderNeeded:
+            raise
         except Exception as exc:  # the engine's scheduler must never see an exception from here
             log.exception("packstore: planning a request failed")
-            plan = PackPlan(reason=f"internal error: {type(exc).__name__}: {exc}")
+            return PackPlan(reason=f"internal error: {type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def logged(plan: PackPlan) -> PackPlan:
+        """``plan``, its reason logged when it does not apply."""
         if plan.reason is not None:
             log.warning("packstore: pack %s not applied: %s", plan.ref or plan.key or "-", plan.reason)
         return plan
@@ -364,12 +374,13 @@ class PackMatcher:
             return PackPlan()
         allowed = [match for match in found if salt_refusal(match[2], match[0], ask.cache_salt, self.other_exact) is None]
         key = (allowed or found)[0][0]  # none allowed: the best says why it did not load
-        return self._checked(PackPlan(key=key, namespace=namespace, mode="automatic"), self._header(namespace, key), prompt, ask)
+        header = self.headers.get(namespace, key, lookup=ask.lookup)
+        return self._checked(PackPlan(key=key, namespace=namespace, mode="automatic"), header, prompt, ask)
 
     def _explicit(self, prompt: list[int], ref: str, namespace: str, ask: _Ask) -> PackPlan:
         plan = PackPlan(ref=ref, namespace=namespace, mode="explicit")
         try:
-            header = self._header(namespace, ref)
+            header = self.headers.get(namespace, ref, lookup=ask.lookup)
         except PackstoreError as exc:
             plan.reason = f"{type(exc).__name__}: {exc}"
             return plan

@@ -18,18 +18,21 @@ if TYPE_CHECKING:
 
 def open_store(spec: StoreSpec | str | os.PathLike[str] | None = None, *, readonly: bool = False) -> PackStore:
     """The store ``spec`` names (a string or None is read by ``StoreSpec.of``), opened by its tier; each tier is
-    imported only when a store of it is opened. ``readonly`` opens a directory read-only."""
+    imported only when a store of it is opened. ``readonly`` opens a directory read-only; ``spec.timeout`` bounds each
+    call to a service or a bucket."""
     spec = spec if isinstance(spec, StoreSpec) else StoreSpec.of(spec)
     if spec.tier == "s3":
         from packstore.store.objects.store import ObjectStore
 
+        timed: dict[str, Any] = {} if spec.timeout is None else {"timeout": spec.timeout}
         return ObjectStore(
-            spec.location, endpoint=spec.s3_endpoint, cache_dir=spec.cache_dir, cache_bytes=spec.cache_bytes, namespace=spec.namespace
+            spec.location, endpoint=spec.s3_endpoint, cache_dir=spec.cache_dir, cache_bytes=spec.cache_bytes, namespace=spec.namespace,
+            **timed,
         )
     if spec.tier == "grpc":
         from packstore.store.remote.store import RemoteStore
 
-        return RemoteStore(spec.location, connection=spec.connection)
+        return RemoteStore(spec.location, connection=spec.connection, timeout=spec.timeout)
     from packstore.store.lmdb.store import LmdbStore
 
     sized = {} if spec.map_size is None else {"map_size": spec.map_size}

@@ -38,7 +38,8 @@ class StoreSpec:
     ``s3_endpoint``: the object store's URL (None: ``$AWS_ENDPOINT_URL_S3``, else AWS S3); ``namespace``: its tree of
     the bucket; ``cache_dir``/``cache_bytes``: its local cache (None: a temporary one, removed on close).
     ``max_bytes``: the most a directory's data file may hold (None: no limit); ``map_size``: the address space its
-    map reserves (None: the LMDB tier's default)."""
+    map reserves (None: the LMDB tier's default). ``timeout``: the seconds each call to a service or bucket may take
+    (None: the tier's default; a service's calls then have no deadline)."""
 
     location: str
     connection: Connection | None = None
@@ -48,6 +49,7 @@ class StoreSpec:
     cache_bytes: int = DEFAULT_OBJECT_CACHE_BYTES
     max_bytes: int | None = None
     map_size: int | None = None
+    timeout: float | None = None
 
     @classmethod
     def of(

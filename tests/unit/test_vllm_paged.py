@@ -19,29 +19,19 @@ from packstore.answering.paged import (
     slot_mapping,
 )
 from packstore.kv.build import build_pack
-from packstore.kv.render import render
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
 from packstore.security.trust import SigningKey, TrustedKeys, generate_key
 from packstore.store.lmdb.store import LmdbStore
 from tests.helpers.packs import flip_in_file
-from tests.helpers.paged import served_tiny, store_packs
-
-FACTS = ["The river Tamsin flows through the town of Wexley.", "Wexley is famous for its bells.", "Alice lives in Paris and works as a baker."]
-OTHER = ["Bob lives in Oslo.", "The quick brown fox jumps over the lazy dog."]
-BLOCK = 4
+from tests.helpers.paged import BLOCK, FACTS, OTHER, paged_packs, prompt
 
 
 @pytest.fixture(scope="module")
 def packs(tmp_path_factory, tiny_lm):
     """A store with two packs of the tiny model (``wexley`` and ``oslo``), and the tiny model as an engine serves it."""
-    path = store_packs(tmp_path_factory.mktemp("paged") / "store", tiny_lm, {"wexley": FACTS, "oslo": OTHER})
-    with LmdbStore(path, readonly=True) as store:
-        yield store, served_tiny(tiny_lm, BLOCK)
-
-
-def prompt(tiny_lm, facts, question="Who lives in Oslo?") -> list[int]:
-    return render(tiny_lm.tokenizer, facts, question).token_ids
+    with paged_packs(tmp_path_factory.mktemp("paged") / "store", tiny_lm) as found:
+        yield found
 
 
 def matcher_for(store: LmdbStore, served: ServedModel, **options) -> PackMatcher:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from packstore.answering.arithmetic import cache_salt_for
 from packstore.answering.paged import PackMatcher
+from packstore.answering.plan_lookups import PlanLookups
 from packstore.kv.render import render
 from packstore.store.lmdb.store import LmdbStore
 from tests.helpers.fuzz import fuzz
@@ -49,8 +51,19 @@ def scheduler_half(tiny_lm, store: LmdbStore) -> PackstoreConnector:
     connector._role = KVConnectorRole.SCHEDULER
     connector.matcher = PackMatcher(lambda namespace: store, served)
     connector.matcher.refresh()
-    connector._plans, connector._to_load = {}, {}
+    connector.lookups = PlanLookups(connector.matcher, 2.0)
+    connector._plans, connector._to_load, connector._unwaited = {}, {}, set()
     return connector
+
+
+def matched(connector: PackstoreConnector, one: Request) -> tuple[int, bool]:
+    """``get_num_new_matched_tokens`` asked step after step as vLLM's scheduler does while a lookup is in flight."""
+    for _ in range(500):
+        tokens, asynchronous = connector.get_num_new_matched_tokens(one, 0)
+        if tokens is not None:
+            return tokens, asynchronous
+        time.sleep(0.01)
+    raise AssertionError("the connector planned nothing within 5 s")
 
 
 def request(ids: list[int], params: object = None, *, salt: str | None = None, lora: bool = False, logprobs: bool = False) -> Request:
@@ -75,7 +88,7 @@ def test_every_request_is_answered_and_finishes_with_json(tiny_lm, store) -> Non
             one = request(ids, params, salt=salt, lora=lora, logprobs=logprobs)
         except VLLMValidationError:  # vLLM refuses it before the scheduler (integers past 64 bits)
             return
-        tokens, asynchronous = connector.get_num_new_matched_tokens(one, 0)
+        tokens, asynchronous = matched(connector, one)
         assert asynchronous is False and isinstance(tokens, int) and tokens >= 0
         assert tokens == 0 or not (lora or logprobs)  # vLLM could not take them
         finished(connector, one)
@@ -87,7 +100,7 @@ def test_every_request_is_answered_and_finishes_with_json(tiny_lm, store) -> Non
 def test_lora_and_prompt_logprobs_requests_run_without_the_pack_and_say_why(tiny_lm, store, options, reason) -> None:
     connector = scheduler_half(tiny_lm, store)
     one = request(prompt(tiny_lm), {"pack": "wexley"}, **options)
-    assert connector.get_num_new_matched_tokens(one, 0) == (0, False)
+    assert matched(connector, one) == (0, False)
     report = finished(connector, one)
     assert report is not None and report["pack_applied"] is False and reason in report["reason"]
 
@@ -95,7 +108,7 @@ def test_lora_and_prompt_logprobs_requests_run_without_the_pack_and_say_why(tiny
 def test_a_junk_kv_transfer_params_comes_back_with_its_reason(tiny_lm, store) -> None:
     connector = scheduler_half(tiny_lm, store)
     one = request(prompt(tiny_lm), [["pack", "wexley"]])
-    assert connector.get_num_new_matched_tokens(one, 0) == (0, False)
+    assert matched(connector, one) == (0, False)
     report = finished(connector, one)
     assert report == {"pack_applied": False, "pack_mode": "none", "reason": report["reason"]} and "not a list" in report["reason"]
 
@@ -106,7 +119,7 @@ def test_counters_count_a_load_once_it_finished_and_a_failed_one_as_not_applied(
     outcomes = []
     for failure in (None, "IntegrityError: chunk 0"):
         one = request(ids, {"pack": "wexley"}, salt=cache_salt_for("unrelated"))
-        tokens, _ = connector.get_num_new_matched_tokens(one, 0)
+        tokens, _ = matched(connector, one)
         assert tokens > 0
         connector.update_state_after_alloc(one, None, tokens)  # type: ignore[arg-type]  # the blocks are not read
         new = SimpleNamespace(req_id="r", block_ids=(list(range(tokens // BLOCK)),))
@@ -128,7 +141,7 @@ def test_tokens_vllm_did_not_take_are_not_counted_as_applied(tiny_lm, store) -> 
     """vLLM may set the offered tokens aside (it does for requests that skip its prefix cache): the answer says so."""
     connector = scheduler_half(tiny_lm, store)
     one = request(prompt(tiny_lm), {"pack": "wexley"})
-    tokens, _ = connector.get_num_new_matched_tokens(one, 0)
+    tokens, _ = matched(connector, one)
     connector.update_state_after_alloc(one, None, 0)  # type: ignore[arg-type]  # the blocks are not read
     report = finished(connector, one)
     assert tokens > 0 and report is not None and report["pack_applied"] is False

