@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -34,15 +35,17 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from packstore.answering.arithmetic import OTHER_EXACT_POLICIES
+from packstore.answering.background_loads import BackgroundLoads
 from packstore.answering.config_values import ConfigValues
 from packstore.answering.paged import COUNTERS, PackMatcher, PackPlan, ServedModel
 from packstore.answering.plan_lookups import PlanLookups
 from packstore.answering.ready_caches import ReadyCache
 from packstore.answering.step_loads import PackLoad, StepLoads
 from packstore.answering.transfer_params import engine_refusal
+from packstore.errors import InvalidInput
 from packstore.kv.engine_build import CAPTURE_FILE
 from packstore.kv.exactness import machine
-from packstore.kv.identity import directory_model_fingerprint, directory_template_fingerprint
+from packstore.kv.identity import directory_model_fingerprint, directory_template_fingerprint, local_directory
 from packstore.packs.decoder import Decoder
 from packstore.packs.reader import PackReader
 from packstore.rpc.channel import Connection
@@ -71,6 +74,10 @@ SETTINGS = (
 )
 CAPTURE_SETTING = "capture_dir"  # EngineCaptureConnector's alone: packctl build --engine vllm's capture run
 STORE_GRACE_SECONDS = 1.0  # a store call's deadline beyond the connector's own: the connector's decides, and says so
+# Speculative decoding methods whose drafts need no K/V of their own (n-grams of the tokens, or heads on the target's
+# hidden states): a pack's K/V, the target model's, is all they read. The others (EAGLE, MTP, a draft model) would
+# draft from K/V the pack never wrote.
+TOKEN_DRAFTERS = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")
 DEFAULT_CACHE_BYTES = 1 << 30  # decoded packs the worker half keeps in host memory between requests
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -158,8 +165,36 @@ def check_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None)
         problems.append(f"kv cache dtype {vllm_config.cache_config.cache_dtype!r} is not supported: packs hold the model's own dtype")
     if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
         problems.append("KV cache layouts with several groups are not supported")
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if speculative is not None and speculative.method not in TOKEN_DRAFTERS:
+        problems.append(
+            f"speculative decoding by {speculative.method!r} drafts with attention layers of its own, whose K/V packs do not "
+            f"hold: draft by {', '.join(TOKEN_DRAFTERS)}, or serve without speculative decoding"
+        )
     if problems:
         raise ValueError("PackstoreConnector cannot serve this engine: " + "; ".join(problems))
+
+
+FUSED_CACHE_WRITES = ("fuse_rope_kvcache", "fuse_qk_norm_rope_kvcache")  # compile passes that write K/V inside a fused op
+
+
+def check_layers(layers: Mapping[str, Any], pass_config: Any, *, capture: bool) -> None:
+    """Refuse (ValueError, so vLLM's worker does not start) attention layers the connector cannot write a pack into with
+    the backend's own cache update, or, for a capture run, a compiled model whose cache writes it would not see."""
+    problems = []
+    for name, layer in layers.items():
+        backend = getattr(layer, "attn_backend", None)
+        if backend is not None and getattr(backend, "forward_includes_kv_cache_update", True):
+            problems.append(
+                f"attention backend {backend.get_name()} of layer {name} writes the KV cache inside its forward, so a pack "
+                "cannot be written with its cache update: choose another attention backend (--attention-backend)"
+            )
+            break
+    fused = [flag for flag in FUSED_CACHE_WRITES if getattr(pass_config, flag, False)]
+    if capture and fused:
+        problems.append(f"a capture run must see every cache write: turn off the compile pass {fused[0]}")
+    if problems:
+        raise ValueError("PackstoreConnector cannot write into this engine's KV cache: " + "; ".join(problems))
 
 
 def served_model(vllm_config: VllmConfig) -> ServedModel:
@@ -168,9 +203,17 @@ def served_model(vllm_config: VllmConfig) -> ServedModel:
     dtype = _DTYPE_NAMES.get(model.dtype) if isinstance(model.dtype, torch.dtype) else None
     if dtype is None:
         raise ValueError(f"PackstoreConnector: vLLM serves the model in {model.dtype}, which packs do not hold")
+    cache_dir = vllm_config.load_config.download_dir
+    try:  # a hub id (how most people run vllm serve) is read from the local Hugging Face cache vLLM loaded it from
+        model_dir = local_directory(model.model, revision=model.revision, cache_dir=cache_dir)
+        tokenizer_dir = model_dir
+        if model.tokenizer:
+            tokenizer_dir = local_directory(model.tokenizer, revision=model.tokenizer_revision, cache_dir=cache_dir)
+    except InvalidInput as exc:
+        raise ValueError(f"PackstoreConnector: {exc}") from exc
     return ServedModel(
-        model_fp=directory_model_fingerprint(model.model, dtype),
-        template_fp=directory_template_fingerprint(model.tokenizer or model.model),
+        model_fp=directory_model_fingerprint(model_dir, dtype),
+        template_fp=directory_template_fingerprint(tokenizer_dir),
         dtype=dtype,
         layers=model.get_num_layers(vllm_config.parallel_config),
         kv_heads=model.get_num_kv_heads(vllm_config.parallel_config),
@@ -235,15 +278,18 @@ class PackstoreMetadata(KVConnectorMetadata):
 
 @dataclass
 class PackstoreWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: requests whose pack failed to load this step, and why (their blocks were recomputed), and
-    the namespaces whose store missed the load deadline."""
+    """Worker -> scheduler: requests whose pack failed to load this step, and why (their blocks were recomputed), the
+    namespaces whose store missed the load deadline, and (when it changed) the packs the worker holds decoded, by
+    (namespace, key): those load within the forward, any other beside it."""
 
     failures: dict[str, str] = field(default_factory=dict)
     late: set[str] = field(default_factory=set)
+    ready: frozenset[tuple[str, str]] | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, PackstoreWorkerMetadata)
-        return PackstoreWorkerMetadata({**self.failures, **other.failures}, self.late | other.late)
+        ready = other.ready if self.ready is None else self.ready if other.ready is None else self.ready & other.ready
+        return PackstoreWorkerMetadata({**self.failures, **other.failures}, self.late | other.late, ready)
 
 
 def _engine_refusal(request: Request) -> str | None:
@@ -259,6 +305,12 @@ class PackstoreConnector(KVConnectorBase_V1):
     """Loads knowledge packs into vLLM's paged KV cache (module docstring; docs/protocol.md, "vLLM connector")."""
 
     CAPTURES = False  # whether this connector takes capture_dir (EngineCaptureConnector)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True: packs are written layer by layer between the model's layers (``wait_for_layer_load``), which a full
+        CUDA graph would replay without; vLLM then runs PIECEWISE graphs."""
+        return True
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -279,10 +331,7 @@ class PackstoreConnector(KVConnectorBase_V1):
                 other_exact=self.settings.other_exact,
             )
             self.matcher.start()
-            self.lookups = PlanLookups(self.matcher, self.settings.lookup_seconds)
-            self._plans: dict[str, PackPlan] = {}
-            self._to_load: dict[str, PackPlan] = {}
-            self._unwaited: set[str] = set()  # requests planned before their store missed a load deadline
+            self._scheduler_state(self.matcher, PlanLookups(self.matcher, self.settings.lookup_seconds))
             log.info("packstore: connector serving packs from %s (namespaces %s)", self.settings.store, ", ".join(self.settings.namespaces))
         else:
             self._readers = self.settings.readers(self.settings.load_seconds + STORE_GRACE_SECONDS)
@@ -292,6 +341,8 @@ class PackstoreConnector(KVConnectorBase_V1):
             self._kv_caches: dict[str, torch.Tensor] = {}
             self._layers: dict[str, Any] = {}
             self._loads = StepLoads(self._ready_pack, self._fetch, self.block_size, self.settings.load_seconds)
+            self._background_loads = BackgroundLoads(self._ready_pack, self._fetch, self.block_size, self.settings.load_seconds)
+            self._reported_ready: frozenset[tuple[str, str]] = frozenset()
             self._failed_blocks: set[int] = set()
             self._failures: dict[str, str] = {}
             self._late: set[str] = set()
@@ -300,9 +351,20 @@ class PackstoreConnector(KVConnectorBase_V1):
 
     # ---- scheduler half -------------------------------------------------------------------------------------------
 
+    def _scheduler_state(self, matcher: PackMatcher, lookups: PlanLookups) -> None:
+        """The scheduler half's state: requests are planned by ``matcher``, through ``lookups`` off this thread."""
+        self.matcher, self.lookups = matcher, lookups
+        self._plans: dict[str, PackPlan] = {}
+        self._to_load: dict[str, PackPlan] = {}
+        self._unwaited: set[str] = set()  # requests planned before their store missed a load deadline
+        self._background: list[PackLoad] = []  # loads beside the forward, for the next step's metadata
+        self._waiting: set[str] = set()  # requests whose background load the worker has not finished
+        self._worker_ready: frozenset[tuple[str, str]] = frozenset()  # packs the worker holds decoded
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """The pack tokens beyond what vLLM's prefix cache holds (0 when none applies); planned once per request, from
-        memory or, while the store is read on a lookup thread, None (vLLM asks again on a later step)."""
+        """The pack tokens beyond what vLLM's prefix cache holds (0 when none applies), and whether they load beside the
+        forward passes (a pack the worker does not hold decoded: the request waits for it, no forward does); planned
+        once per request, from memory or, while the store is read on a lookup thread, None (vLLM asks again later)."""
         plan = self._plans.get(request.request_id)
         if plan is None:
             plan = self.lookups.plan(
@@ -316,7 +378,8 @@ class PackstoreConnector(KVConnectorBase_V1):
                 return None, False
             self._plans[request.request_id] = plan
         plan.offered = plan.tokens - num_computed_tokens if plan.applies and num_computed_tokens < plan.tokens else 0
-        return plan.offered, False
+        plan.background = plan.offered > 0 and (plan.namespace, plan.key) not in self._worker_ready
+        return plan.offered, plan.background
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Load what vLLM took of the tokens offered; a pack whose tokens it did not take is not applied, and says so."""
@@ -326,12 +389,18 @@ class PackstoreConnector(KVConnectorBase_V1):
         if num_external_tokens > 0:
             self._to_load[request.request_id] = plan
             plan.loaded = num_external_tokens
+            if plan.background:  # the request waits, unscheduled, until the worker reports the load finished
+                self._background.append(self._load_of(request.request_id, blocks.get_block_ids()[0]))
+                self._waiting.add(request.request_id)
+                plan.offered = 0  # taken: vLLM schedules the request once loaded, with no tokens to offer
         elif plan.offered > 0:
             plan.failure = f"vLLM did not take the pack's {plan.offered} tokens for this request and prefilled them itself"
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        """The loads of the requests scheduled this step (new ones, and ones resumed after preemption)."""
-        meta = PackstoreMetadata()
+        """The loads of the requests scheduled this step (new ones, and ones resumed after preemption), and the loads
+        beside the forward of requests that wait for them."""
+        meta = PackstoreMetadata(loads=self._background)
+        self._background = []
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self._to_load:
                 meta.loads.append(self._load_of(new.req_id, new.block_ids[0]))
@@ -347,13 +416,18 @@ class PackstoreConnector(KVConnectorBase_V1):
         assert plan.key is not None and plan.pack_sha256 is not None  # only plans that apply are loaded
         start = plan.tokens - plan.loaded
         wait = request_id not in self._unwaited
-        return PackLoad(request_id, plan.key, plan.namespace, plan.pack_sha256, start, plan.tokens, tuple(block_ids), wait)
+        return PackLoad(
+            request_id, plan.key, plan.namespace, plan.pack_sha256, start, plan.tokens, tuple(block_ids), wait, plan.background
+        )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Record the worker's load failures: the requests were recomputed, and say so when they finish. A namespace
         whose store missed the load deadline has its headers looked up again (off this thread) before the next load."""
+        self._waiting -= set(connector_output.finished_recving or ())
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, PackstoreWorkerMetadata):
+            if meta.ready is not None:
+                self._worker_ready = meta.ready
             for namespace in meta.late:
                 self.matcher.headers.forget(namespace)
                 self._unwaited |= {request_id for request_id, plan in self._plans.items() if plan.namespace == namespace}
@@ -366,17 +440,20 @@ class PackstoreConnector(KVConnectorBase_V1):
                 log.warning("packstore: request %s: pack load failed, recomputed: %s", request_id, reason)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Whether the pack applied, and why not, returned with the answer as its ``kv_transfer_params``."""
+        """Whether the pack applied, and why not, returned with the answer as its ``kv_transfer_params``; and whether
+        vLLM must keep the request's blocks until the worker reports its background load finished (it ended while
+        waiting for it, so the loading thread may still write them)."""
         self._to_load.pop(request.request_id, None)
+        keep_blocks = request.request_id in self._waiting
         self.lookups.forget(request.request_id)
         self._unwaited.discard(request.request_id)
         plan = self._plans.pop(request.request_id, None)
         if plan is None:
-            return False, None
+            return keep_blocks, None
         self.matcher.counters.count(plan)
         if plan.mode == "none" and plan.reason is None:
-            return False, None
-        return False, plan.report()
+            return keep_blocks, None
+        return keep_blocks, plan.report()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """The scheduler half's counts since the last call (vLLM logs them and feeds ``PackstorePromMetrics``)."""
@@ -402,9 +479,14 @@ class PackstoreConnector(KVConnectorBase_V1):
     # ---- worker half ----------------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Keep the engine's caches, once its attention layers are known to take a pack's K/V (``check_layers``)."""
+        compilation = self._vllm_config.compilation_config
+        layers = compilation.static_forward_context
+        capture = self.settings.capture_dir is not None
+        self._layers = {name: layers[name] for name in kv_caches if name in layers}
+        check_layers(self._layers, compilation.pass_config, capture=capture)
         self._kv_caches = dict(kv_caches)
-        if self.settings.capture_dir is not None:
-            layers = self._vllm_config.compilation_config.static_forward_context
+        if capture:
             for name in kv_caches:
                 self._capture(extract_layer_index(name), layers[name].impl)
 
@@ -444,14 +526,16 @@ class PackstoreConnector(KVConnectorBase_V1):
         return self._packs[namespace]
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Start opening this step's packs; each layer is written when the model reaches it (``wait_for_layer_load``),
-        none waited for longer than ``load_seconds`` from now."""
+        """Start this step's loads: a pack in memory is written layer by layer as the model reaches each layer
+        (``wait_for_layer_load``), none waited for longer than ``load_seconds`` from now; any other is read and
+        written on a thread while its request waits (``get_finished`` reports it)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, PackstoreMetadata)
-        if not meta.loads:
-            return
-        self._layers = {name: layer for name, layer in forward_context.no_compile_layers.items() if hasattr(layer, "kv_cache")}
-        self._loads.start(meta.loads)
+        layers = [(name, extract_layer_index(name)) for name in self._layers]
+        for load in meta.loads:
+            if load.background:
+                self._background_loads.start(load, layers, self._write_layer)
+        self._loads.start([load for load in meta.loads if not load.background])
 
     def _ready_pack(self, load: PackLoad) -> Pack | None:
         """The pack ``load`` needs if it is decoded already (kept from an earlier request)."""
@@ -493,15 +577,30 @@ class PackstoreConnector(KVConnectorBase_V1):
                 log.warning("packstore: the pack for request %s failed to load: %s", request_id, reason)
         self._write_capture()
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The requests whose background load ended (written, or failed: their blocks are reported for recompute in
+        this same pass, as vLLM requires)."""
+        ended = self._background_loads.finished()
+        for outcome in ended:
+            if outcome.failure is not None:
+                self._failed_blocks |= outcome.blocks
+                self._failures[outcome.request_id] = outcome.failure
+                if outcome.late:
+                    self._late.add(outcome.namespace)
+                log.warning("packstore: the pack for request %s failed to load: %s", outcome.request_id, outcome.failure)
+        return None, {outcome.request_id for outcome in ended} or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._failures and not self._late:
+        ready = self._ready.keys()
+        changed = ready != self._reported_ready
+        if not self._failures and not self._late and not changed:
             return None
-        meta = PackstoreWorkerMetadata(self._failures, self._late)
-        self._failures, self._late = {}, set()
+        meta = PackstoreWorkerMetadata(self._failures, self._late, ready if changed else None)
+        self._failures, self._late, self._reported_ready = {}, set(), ready
         return meta
 
     def shutdown(self) -> None:
@@ -510,6 +609,7 @@ class PackstoreConnector(KVConnectorBase_V1):
             self.lookups.close()
         else:
             self._loads.close()
+            self._background_loads.close()
             self._decoder.close()
         self._readers.close()
 

@@ -70,6 +70,7 @@ class PackPlan:
     reason: str | None = None
     loaded: int = 0
     offered: int = 0  # the tokens last offered to the engine (beyond its prefix cache's), of which it took ``loaded``
+    background: bool = False  # offered to be loaded beside the forward passes (the pack is not in the worker's memory)
     failure: str | None = None  # set when loading failed and the engine recomputed the blocks, or it took none
 
     @property

@@ -109,6 +109,11 @@ class ReadyCache:
             if (partition, key) in self._packs:
                 self._packs.move_to_end((partition, key))
 
+    def keys(self) -> frozenset[tuple[str, str]]:
+        """(partition, key) of every pack kept now."""
+        with self._lock:
+            return frozenset(self._packs)
+
     @property
     def stats(self) -> tuple[int, int]:
         """(packs cached, bytes cached), all partitions together."""

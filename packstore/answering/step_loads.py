@@ -30,8 +30,8 @@ OPEN_THREADS = 4  # packs opened at once
 
 @dataclass(frozen=True)
 class PackLoad:
-    """One request's load this step: positions [start, stop) of pack ``key`` into the request's blocks. ``wait`` False:
-    its namespace's store missed a load deadline after it was planned, so only a pack already in memory is written."""
+    """One request's load: positions [start, stop) of pack ``key`` into the request's blocks. ``wait`` False: its
+    namespace's store missed a load deadline after it was planned, so only a pack already in memory is written."""
 
     request_id: str
     key: str
@@ -41,6 +41,7 @@ class PackLoad:
     stop: int
     block_ids: tuple[int, ...]
     wait: bool = True
+    background: bool = False  # loaded beside the forward passes (``BackgroundLoads``): its request waits for it
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,32 @@ class _Loading:
 
 # K, V of the layer's [start, stop) positions ([kv heads, tokens, head dim]) into the request's slots
 Write = Callable[[PackLoad, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def load_slots(load: PackLoad, block_size: int) -> torch.Tensor:
+    """The cache slots of ``load``'s positions in its request's blocks."""
+    return torch.tensor(slot_mapping(load.block_ids, block_size, load.start, load.stop), dtype=torch.long)
+
+
+def not_waited(load: PackLoad) -> str:
+    """Why a load planned before its store missed a deadline (``wait`` False), of a pack not in memory, was recomputed."""
+    return f"the store of namespace {load.namespace!r} missed the load deadline after this request was planned: not waited for"
+
+
+def checked(pack: ArrivingPack | Pack, load: PackLoad) -> ArrivingPack | Pack:
+    """``pack``, unless it is not the one ``load`` was planned with (ValueError)."""
+    if pack.header.pack_sha256 != load.pack_sha256:
+        raise ValueError(f"pack {load.key[-12:]} changed in the store after it was planned")
+    return pack
+
+
+def layer_rows(pack: ArrivingPack | Pack, index: int, load: PackLoad, left: float, seconds: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of layer ``index`` at ``load``'s positions, waiting up to ``left`` seconds for the layer to arrive
+    (``Unavailable`` naming the ``seconds`` of load_seconds past that)."""
+    if isinstance(pack, ArrivingPack) and not pack.arrived(index, left):
+        raise Unavailable(f"{pack.late(index, seconds)} (load_seconds)")
+    keys, values = pack.layer(index)
+    return keys[:, load.start : load.stop], values[:, load.start : load.stop]
 
 
 class StepLoads:
@@ -94,8 +121,7 @@ class StepLoads:
         """Begin opening each load's pack; the step's deadline is ``seconds`` from now."""
         self._deadline = self._clock() + self.seconds
         for load in loads:
-            slots = torch.tensor(slot_mapping(load.block_ids, self.block_size, load.start, load.stop), dtype=torch.long)
-            loading = _Loading(load, None, slots)
+            loading = _Loading(load, None, load_slots(load, self.block_size))
             pack = self._ready(load)
             if pack is not None:
                 loading.opening = Future()
@@ -103,10 +129,7 @@ class StepLoads:
             elif load.wait:
                 loading.opening = self._pool.submit(self._fetch, load)
             else:
-                loading.failure = (
-                    f"the store of namespace {load.namespace!r} missed the load deadline after this request was planned: "
-                    "not waited for"
-                )
+                loading.failure = not_waited(load)
             self._loadings.append(loading)
 
     def write_layer(self, name: str, index: int, write: Write) -> None:
@@ -118,11 +141,8 @@ class StepLoads:
     def _write(self, loading: _Loading, name: str, index: int, write: Write) -> None:
         load = loading.load
         try:
-            pack = self._pack(loading)
-            if isinstance(pack, ArrivingPack) and not pack.arrived(index, self._left()):
-                raise Unavailable(f"{pack.late(index, self.seconds)} (load_seconds)")
-            keys, values = pack.layer(index)
-            write(load, loading.slots, keys[:, load.start : load.stop], values[:, load.start : load.stop])
+            keys, values = layer_rows(self._pack(loading), index, load, self._left(), self.seconds)
+            write(load, loading.slots, keys, values)
         except Exception as exc:
             loading.failure = f"{type(exc).__name__}: {exc}"
             loading.late = isinstance(exc, Unavailable)
@@ -136,9 +156,7 @@ class StepLoads:
             pack = loading.opening.result(timeout=self._left())
         except FutureTimeout:
             raise Unavailable(f"pack {load.key[-12:]}: the store did not open it within {self.seconds:g} s (load_seconds)") from None
-        if pack.header.pack_sha256 != load.pack_sha256:
-            raise ValueError(f"pack {load.key[-12:]} changed in the store after it was planned")
-        return pack
+        return checked(pack, load)
 
     def _left(self) -> float:
         return max(0.0, self._deadline - self._clock())

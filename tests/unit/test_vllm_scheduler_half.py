@@ -49,10 +49,9 @@ def scheduler_half(tiny_lm, store: LmdbStore) -> PackstoreConnector:
     served = served_tiny(tiny_lm, BLOCK)
     connector = PackstoreConnector.__new__(PackstoreConnector)
     connector._role = KVConnectorRole.SCHEDULER
-    connector.matcher = PackMatcher(lambda namespace: store, served)
-    connector.matcher.refresh()
-    connector.lookups = PlanLookups(connector.matcher, 2.0)
-    connector._plans, connector._to_load, connector._unwaited = {}, {}, set()
+    matcher = PackMatcher(lambda namespace: store, served)
+    matcher.refresh()
+    connector._scheduler_state(matcher, PlanLookups(matcher, 2.0))
     return connector
 
 
@@ -89,7 +88,7 @@ def test_every_request_is_answered_and_finishes_with_json(tiny_lm, store) -> Non
         except VLLMValidationError:  # vLLM refuses it before the scheduler (integers past 64 bits)
             return
         tokens, asynchronous = matched(connector, one)
-        assert asynchronous is False and isinstance(tokens, int) and tokens >= 0
+        assert isinstance(tokens, int) and tokens >= 0 and asynchronous is (tokens > 0)  # the worker holds no pack yet
         assert tokens == 0 or not (lora or logprobs)  # vLLM could not take them
         finished(connector, one)
 
@@ -121,14 +120,14 @@ def test_counters_count_a_load_once_it_finished_and_a_failed_one_as_not_applied(
         one = request(ids, {"pack": "wexley"}, salt=cache_salt_for("unrelated"))
         tokens, _ = matched(connector, one)
         assert tokens > 0
-        connector.update_state_after_alloc(one, None, tokens)  # type: ignore[arg-type]  # the blocks are not read
-        new = SimpleNamespace(req_id="r", block_ids=(list(range(tokens // BLOCK)),))
+        blocks = SimpleNamespace(get_block_ids=lambda tokens=tokens: (list(range(tokens // BLOCK)),))
+        connector.update_state_after_alloc(one, blocks, tokens)  # type: ignore[arg-type]
         cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set())
-        meta = connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached))  # type: ignore[arg-type]
-        assert [load.stop for load in meta.loads] == [tokens]  # type: ignore[attr-defined]
+        meta = connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached))  # type: ignore[arg-type]
+        assert [(load.stop, load.background) for load in meta.loads] == [(tokens, True)]  # type: ignore[attr-defined]
         assert connector.get_kv_connector_stats() is None  # nothing finished yet
-        if failure is not None:
-            connector.update_connector_output(SimpleNamespace(kv_connector_worker_meta=PackstoreWorkerMetadata({"r": failure})))  # type: ignore[arg-type]
+        worker = PackstoreWorkerMetadata({"r": failure} if failure is not None else {})
+        connector.update_connector_output(SimpleNamespace(finished_recving={"r"}, kv_connector_worker_meta=worker))  # type: ignore[arg-type]
         outcomes.append((finished(connector, one), connector.get_kv_connector_stats().data, tokens))  # type: ignore[union-attr]
     (applied, counted, tokens), (failed, counted_failure, _) = outcomes
     assert applied["pack_applied"] is True and counted["packs_applied"] == 1 and counted["pack_tokens_loaded"] == tokens

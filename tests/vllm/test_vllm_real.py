@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +34,7 @@ from packstore.kv.render import render
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
 from packstore.store.lmdb.store import LmdbStore
+from tests.helpers.hub_cache import hub_cache
 from tests.helpers.packs import flip_in_file
 from tests.helpers.vllm_serve import running_vllm
 
@@ -55,6 +56,7 @@ ORCHARD = [
     "Its trees were planted in 1958 by the brothers Ossian and Paul Tevrin.",
     "The orchard's cider press stands in a barn painted dark green.",
 ]
+ORCHARD_LATE = [*ORCHARD, "The barn's slate roof was mended in 2009 after a winter storm."]  # damaged in its last chunk
 MILLS = [
     "The paper mill at Dunmere closed in 1974 after two hundred years.",
     "Its water wheel, eleven metres across, still turns for visitors.",
@@ -77,12 +79,14 @@ class Engines:
         self.tmp = tmp
         self.log = tmp / "vllm-answers.log"
         self.specs = 0
+        self.done: dict = {}  # the last spec's closing message (its preemptions)
+        self.hub = tmp / "hub"  # the engines' Hugging Face cache (HF_HUB_CACHE): models served by hub id are put there
         self.process: subprocess.Popen | None = None
         self.lines: queue.Queue[str | None] = queue.Queue()
 
     def _running(self) -> subprocess.Popen:
         if self.process is None or self.process.poll() is not None:
-            env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_CACHE": str(self.hub)}
             with self.log.open("a") as log:
                 self.process = subprocess.Popen([sys.executable, str(ENGINE), "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                 stderr=log, text=True, env=env)
@@ -96,8 +100,8 @@ class Engines:
             lines.put(line)
         lines.put(None)  # the process ended
 
-    def run(self, spec: dict) -> dict[str, dict]:
-        """Serve ``spec``; its answer records by tag."""
+    def __call__(self, spec: dict) -> dict[str, dict]:
+        """Serve ``spec``; its answer records by tag (``done``: its closing message)."""
         self.specs += 1
         path = self.tmp / f"spec-{self.specs}.json"
         path.write_text(json.dumps(spec))
@@ -115,6 +119,7 @@ class Engines:
             if line.startswith("{"):
                 message = json.loads(line)
                 if message.get("event") == "done":
+                    self.done = message
                     return {r["tag"]: r for r in records if "ids" in r}
                 records.append(message)
 
@@ -150,6 +155,9 @@ def served(tmp_path_factory):
             build_and_store(store, lm, facts, name=name)
         damaged, _ = build_and_store(store, lm, ORCHARD, name="orchard")
         chunk = PackReader(store).get("orchard").chunks[0]
+        damaged_late, _ = build_and_store(store, lm, ORCHARD_LATE, name="orchard-late")
+        late_chunks = PackReader(store).get("orchard-late").chunks
+        assert len(late_chunks) > 1  # the engine writes the layers of the chunks before the damaged one
         # Another dtype: the same model in bfloat16 has another model_fp, and the engine serves float32.
         build_and_store(store, load_model(str(model_dir), device="cpu", dtype="bfloat16", progress=False), HARBOUR, name="harbour-bf16")
         # Another model: the same shapes and template, one weight changed.
@@ -163,22 +171,27 @@ def served(tmp_path_factory):
         save_file(weights, other_dir / "model.safetensors", metadata={"format": "pt"})
         build_and_store(store, load_model(str(other_dir), device="cpu", progress=False), MILLS, name="mills-other")
     flip_in_file(store_path / "data.mdb", chunk[:4096], 2000)
+    flip_in_file(store_path / "data.mdb", late_chunks[-1][:4096], 2000)
     tokenizer = lm.tokenizer
     prompts = {
         "velmora": render(tokenizer, VELMORA, "Who founded the Velmora Observatory?").token_ids,
         "velmora2": render(tokenizer, VELMORA, "Which comet did the Corvane Telescope discover?").token_ids,
         "harbour": render(tokenizer, HARBOUR, "Who dredged the harbour of Quillon?").token_ids,
         "orchard": render(tokenizer, ORCHARD, "Who planted the Tevrin orchard?").token_ids,
+        "orchard-late": render(tokenizer, ORCHARD_LATE, "When was the barn's roof mended?").token_ids,
         "mills": render(tokenizer, MILLS, "Who was the mill's last owner?").token_ids,
     }
-    return {"model_dir": model_dir, "exported": exported, "store": store_path, "prompts": prompts, "damaged": damaged.key, "tmp": tmp}
+    return {
+        "model_dir": model_dir, "exported": exported, "store": store_path, "prompts": prompts, "damaged": damaged.key,
+        "damaged_late": damaged_late.key, "tmp": tmp,
+    }
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory) -> Iterator[Callable[[dict], dict[str, dict]]]:
+def engines(tmp_path_factory) -> Iterator[Engines]:
     """Serve a spec with an engine of its own, in the module's one process of tools/eval/vllm_answers.py."""
     started = Engines(tmp_path_factory.mktemp("engines"))
-    yield started.run
+    yield started
     started.close()
 
 
@@ -190,9 +203,9 @@ def answers(served, engines):
     requests = [
         [ask("explicit", p["velmora"], "velmora")],
         [ask("automatic", p["velmora2"]), ask("batched", p["harbour"], "harbour")],
-        [ask("damaged", p["orchard"], "orchard")],
+        [ask("damaged", p["orchard"], "orchard"), ask("damaged-late", p["orchard-late"], "orchard-late")],
         [ask("dtype", p["harbour"], "harbour-bf16"), ask("model", p["mills"], "mills-other"), ask("prompt", p["mills"], "velmora")],
-        [ask(f"plain/{name}", p[name], False) for name in ("velmora", "velmora2", "harbour", "orchard", "mills")],
+        [ask(f"plain/{name}", p[name], False) for name in ("velmora", "velmora2", "harbour", "orchard", "orchard-late", "mills")],
     ]
     spec = {"model": str(served["model_dir"]), "block_size": BLOCK, "connector": {"store": str(served["store"])}, "requests": requests}
     return engines(spec)
@@ -224,6 +237,14 @@ def test_a_damaged_chunk_is_recomputed_and_the_answer_is_right(answers, served) 
     assert record["kv"]["pack_applied"] is False and record["kv"]["pack_key"] == served["damaged"]
     assert "recomputed" in record["kv"]["reason"] and "IntegrityError" in record["kv"]["reason"]
     assert record["ids"] == answers["plain/orchard"]["ids"]
+
+
+def test_a_store_failing_after_some_layers_were_written_is_recomputed(answers, served) -> None:
+    """The last chunk of the pack is damaged: its first layers were already in vLLM's cache when the failure came."""
+    record = answers["damaged-late"]
+    assert record["kv"]["pack_applied"] is False and record["kv"]["pack_key"] == served["damaged_late"]
+    assert "recomputed" in record["kv"]["reason"] and "IntegrityError" in record["kv"]["reason"]
+    assert record["ids"] == answers["plain/orchard-late"]["ids"]
 
 
 def test_refusals_come_back_with_the_answer(answers) -> None:
@@ -316,6 +337,49 @@ def test_approximate_blocks_serve_only_requests_salted_for_them(salted) -> None:
     assert loaded["pack_applied"] is True and loaded["pack_tokens_loaded"] == (header.tokens // BLOCK) * BLOCK > 0
     assert records["after"]["kv"] is None and records["after"]["cached"] == 0  # {"pack": false}: none of the pack's blocks
     assert records["after/salted"]["cached"] >= loaded["pack_tokens_loaded"]  # they are in vLLM's cache, under the salt
+
+
+PREEMPTED = ("velmora", "velmora2", "harbour", "mills")
+
+
+@pytest.fixture(scope="module")
+def preempted(served, engines):
+    """A KV cache of 24 blocks of 32 tokens for four requests that grow to 9-13 blocks each: vLLM preempts some and
+    resumes them later, loading their packs again. The same four opted out, under the same cache, are the reference."""
+    p = served["prompts"]
+    long = {"max_tokens": 200, "ignore_eos": True}
+    requests = [
+        [ask(f"packed/{name}", p[name], name.removesuffix("2"), **long) for name in PREEMPTED],
+        [ask(f"plain/{name}", p[name], False, **long) for name in PREEMPTED],
+    ]
+    spec = {"model": str(served["model_dir"]), "block_size": BLOCK, "kv_blocks": 24, "max_model_len": 768,
+            "connector": {"store": str(served["store"])}, "requests": requests}
+    return engines(spec), engines.done["preemptions"]
+
+
+def test_requests_with_packs_preempted_and_resumed_answer_unchanged(preempted) -> None:
+    records, preemptions = preempted
+    assert preemptions > 0
+    for name in PREEMPTED:
+        packed, plain = records[f"packed/{name}"], records[f"plain/{name}"]
+        assert packed["kv"]["pack_applied"] is True, packed["kv"]
+        assert packed["ids"] == plain["ids"], name
+
+
+@pytest.fixture(scope="module")
+def from_hub(served, engines):
+    """vLLM serving the model by hub id from its Hugging Face cache (offline), as most people run ``vllm serve``."""
+    hub_cache(served["model_dir"], engines.hub, "acme/smollm2")
+    p = served["prompts"]
+    spec = {"model": "acme/smollm2", "block_size": BLOCK, "connector": {"store": str(served["store"])},
+            "requests": [ask("explicit", p["velmora"], "velmora")]}
+    return engines(spec)
+
+
+def test_a_model_served_by_hub_id_gets_its_packs(from_hub, answers) -> None:
+    record = from_hub["explicit"]
+    assert record["kv"]["pack_applied"] is True, record["kv"]
+    assert record["ids"] == answers["plain/velmora"]["ids"]
 
 
 @pytest.fixture(scope="module")

