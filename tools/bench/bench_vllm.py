@@ -11,13 +11,24 @@ numba code in vLLM's worker):
        caching off);
    (b) local: the pack through the connector from a local LMDB store (prefix caching off: every request loads it);
    (c) grpc: the same pack from ``grpc://``, a ``packstore serve`` subprocess on loopback serving the same store;
-   (d) floor: no connector, vLLM's own prefix cache warm (prefix caching on; the pack's prompt asked once first).
+   (d) floor: no connector, vLLM's own prefix cache warm (prefix caching on; the pack's prompt asked once first);
+   (e) cold: the pack from the local store with the connector's decoded-pack cache off (``cache_bytes`` 0), prefix caching
+       on as vLLM's default and emptied before each timed request, so every repetition reads, verifies, decodes and
+       writes the pack, beside the forward passes (the connector's default for a pack the worker does not hold);
+   (e') cold-inline: the same, loaded within the forward, layer by layer (``background_loads`` false).
    Every repetition asks another question of the same length whose first token differs from the others', so in (d)
    the question (and the pack's last partial block) is computed as in (b) and (c), and no more is found cached than
    the pack supplies (checked: vLLM's ``num_cached_tokens`` against the connector's ``pack_tokens_used``).
+   The batch's warm-up runs before the TTFT warm-ups, so that its packs do not push the TTFT packs out of (b)'s
+   decoded-pack cache: every timed (b) request finds its pack decoded (checked in the records: (b)'s load is then
+   within the forward).
 2. Batch throughput: ``--batch`` requests in one ``generate`` call, each with its own pack of about ``--batch-tokens``
    tokens and ``--batch-max-tokens`` new tokens (``ignore_eos``, so every run makes the same number), through the
    local connector against the same prompts prefilled: output tokens/s and end-to-end seconds.
+
+3. (f) A hung store: 8 requests that need no pack, batched with one naming a 256-token pack over ``grpc://``, with the
+   store's ``packstore serve`` healthy and stopped (SIGSTOP) in turn, ``--stall-repeats`` times each: the others' seconds
+   from queued to last token (vLLM's request stats), p50 and p99, healthy against hung.
 
 Checked and recorded, so the run cannot silently measure a pack that did not apply: each pack request's returned
 ``kv_transfer_params`` says ``pack_applied`` true with all its whole blocks loaded from the pack; prefilled requests
@@ -65,15 +76,24 @@ from tools.lib.benchlib import JsonlRecords, logger, print_table, source_commit,
 MODEL = "smollm2-135m"
 DTYPE = "float32"
 MAX_CONTEXT = 8192  # smollm2-135m's positions
-MODES = ("prefill", "local", "grpc", "floor")
-MODE_LETTERS = {"prefill": "a", "local": "b", "grpc": "c", "floor": "d"}
+MODES = ("prefill", "local", "grpc", "floor", "cold", "cold-inline")
+PACK_MODES = ("local", "grpc", "cold", "cold-inline")  # modes whose requests load a pack through the connector
+COLD_MODES = ("cold", "cold-inline")  # no decoded-pack cache, prefix caching on and emptied before each timed request
+MODE_LETTERS = {"prefill": "a", "local": "b", "grpc": "c", "floor": "d", "cold": "e", "cold-inline": "e'"}
 MODE_NAMES = {
     "prefill": "(a) vLLM prefills the text",
     "local": "(b) pack, local store",
     "grpc": "(c) pack, grpc://",
     "floor": "(d) vLLM's warm prefix cache",
+    "cold": "(e) cold pack, loaded beside the forward",
+    "cold-inline": "(e') cold pack, loaded within the forward",
 }
-TARGET_PACK_OVER_FLOOR = 1.3  # (b) <= 1.3x (d)
+TARGET_PACK_OVER_FLOOR = 1.3  # (b) <= 1.3x (d), and (e) <= 1.3x (d)
+STALL_PACK_TOKENS = 256  # (f)'s pack: small, so its recompute while the store hangs costs the others little
+TARGET_HUNG_OVER_HEALTHY = 1.5  # (f) other requests' p99 with the store hung <= 1.5x with it healthy
+STALL_QUESTIONS = (  # (f)'s other requests: short prompts that need no pack
+    "Name a colour.", "Name a fruit.", "Name a river.", "Name a tree.", "Name a bird.", "Name a city.", "Name a metal.", "Name a month.",
+)
 TARGET_PREFILL_OVER_PACK = 5.0  # (a) >= 5x (b) at 2k
 TARGET_SIZE = 2048
 OPENERS = (  # one-token openers of the repetitions' questions: "Now, <question>"
@@ -115,6 +135,7 @@ def engine_main(spec_path: Path) -> None:
         enable_prefix_caching=spec["prefix_caching"],
         enforce_eager=True,
         gpu_memory_utilization=spec["memory"],
+        disable_log_stats=not spec.get("latencies", False),  # each request's latency comes with vLLM's stats
         seed=0,
         distributed_executor_backend="mp",  # vLLM's own on CPU: the worker in a process of its own (also with --engine-core-in-process)
         **extra,
@@ -140,15 +161,31 @@ def engine_main(spec_path: Path) -> None:
         inputs = [{"prompt_token_ids": prompts[request["prompt"]]} for request in step["requests"]]
         waited = wait_quiet(spec["wait_quiet_s"])
         others = other_vllm_processes(os.getsid(0))
+        if step.get("reset") and not llm.reset_prefix_cache():
+            raise SystemExit("vLLM did not empty its prefix cache")
         gc.collect()
-        seconds, outputs = timed(lambda inputs=inputs, params=params: llm.generate(inputs, params, use_tqdm=False))
+        with store_stopped(spec.get("service_pid") if step.get("store_hung") else None):
+            seconds, outputs = timed(lambda inputs=inputs, params=params: llm.generate(inputs, params, use_tqdm=False))
         others += other_vllm_processes(os.getsid(0))
         answers = [
-            {"ids": list(o.outputs[0].token_ids), "kv": o.kv_transfer_params, "cached": o.num_cached_tokens, "prompt_tokens": len(o.prompt_token_ids or [])}
+            {"ids": list(o.outputs[0].token_ids), "kv": o.kv_transfer_params, "cached": o.num_cached_tokens, "prompt_tokens": len(o.prompt_token_ids or []),
+             "latency_s": o.metrics.last_token_ts - o.metrics.queued_ts if o.metrics is not None else None}
             for o in outputs
         ]
         print(json.dumps({"step": index, "seconds": seconds, "answers": answers, "contended": bool(others), "waited_s": waited}), flush=True)
     print(json.dumps({"event": "done"}), flush=True)
+
+
+@contextmanager
+def store_stopped(pid: int | None) -> Iterator[None]:
+    """The store's service process ``pid`` stopped (SIGSTOP, as a hung store is) for the block, continued after; no-op for None."""
+    if pid is not None:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
 
 
 # -- results --------------------------------------------------------------------------------
@@ -186,6 +223,8 @@ class Step:
     repeat: int = -1
     question: int = -1
     ignore_eos: bool = False
+    reset: bool = False  # empty vLLM's prefix cache first (untimed): every cold repetition loads its pack
+    store_hung: bool = False  # the store's service stopped (SIGSTOP) during the step
 
 
 @dataclass
@@ -227,8 +266,8 @@ def same_length_questions(tokenizer: Any, facts: Sequence[str], base: str, count
     return list(found.values())[:count]
 
 
-def prepare(args: argparse.Namespace, workdir: Path, results: JsonlRecords) -> tuple[Path, dict[str, Any], dict[int, Case], list[Case]]:
-    """The exported model, a store of every pack, the TTFT cases by size and the batch's cases."""
+def prepare(args: argparse.Namespace, workdir: Path, results: JsonlRecords) -> tuple[Path, dict[str, Any], dict[int, Case], list[Case], list[Case]]:
+    """The exported model, a store of every pack, the TTFT cases by size, the batch's cases and (f)'s pack (if run)."""
     from packstore.answering.api import build_and_store
     from packstore.kv.models import load_model
     from packstore.packs.decoder import Decoder
@@ -243,6 +282,7 @@ def prepare(args: argparse.Namespace, workdir: Path, results: JsonlRecords) -> t
     records = bp.read_records(args.data)
     wanted = [(f"ttft-{t}", t, args.repeats + 1) for t in sorted(args.sizes)]  # a warm-up question, then one per repetition
     wanted += [(f"batch-{i}", args.batch_tokens, 1) for i in range(args.batch)]
+    wanted += [("stall", STALL_PACK_TOKENS, 1)] if args.stall_repeats else []
     built: list[Case] = []
     cursor = 0  # each pack's facts start where the previous one's ended: no two packs share text
     store_path = workdir / "store"
@@ -269,7 +309,8 @@ def prepare(args: argparse.Namespace, workdir: Path, results: JsonlRecords) -> t
     gc.collect()
     cases = {c.target: c for c in built if c.name.startswith("ttft-")}
     batch = [c for c in built if c.name.startswith("batch-")]
-    return store_path, exported, cases, batch
+    stall = [c for c in built if c.name == "stall"]
+    return store_path, exported, cases, batch, stall
 
 
 # -- running engines -------------------------------------------------------------------------
@@ -291,7 +332,10 @@ def run_engine(
     name: str, spec: dict[str, Any], steps: Sequence[Step], args: argparse.Namespace, workdir: Path, on_step: Callable[[Step, dict], None]
 ) -> dict[str, Any]:
     """Run one engine process on ``steps``; ``on_step`` gets each step's result as it comes. Its ready line."""
-    spec = {**spec, "steps": [{"requests": s.requests, "max_tokens": s.max_tokens, "ignore_eos": s.ignore_eos} for s in steps]}
+    spec = {**spec, "steps": [
+        {"requests": s.requests, "max_tokens": s.max_tokens, "ignore_eos": s.ignore_eos, "reset": s.reset, "store_hung": s.store_hung}
+        for s in steps
+    ]}
     spec_path, log_path = workdir / f"engine-{name}.json", workdir / f"engine-{name}.log"
     spec_path.write_text(json.dumps(spec))
     others = other_vllm_processes()
@@ -375,8 +419,8 @@ def wait_quiet(limit_s: float) -> float:
 
 
 @contextmanager
-def grpc_service(store_path: Path, workdir: Path) -> Iterator[str]:
-    """``packstore serve --data STORE`` on loopback, once its health reports SERVING; its address."""
+def grpc_service(store_path: Path, workdir: Path) -> Iterator[tuple[str, int]]:
+    """``packstore serve --data STORE`` on loopback, once its health reports SERVING; its address and process id."""
     from tools.bench import bench_gpu as bg
 
     address = f"127.0.0.1:{bg.free_port()}"
@@ -384,7 +428,7 @@ def grpc_service(store_path: Path, workdir: Path) -> Iterator[str]:
     with bg.running(argv, address, workdir / "serve.log") as server:
         bg.wait_healthy(address, server.process, server.log_file, 60)
         log(f"packstore serve: SERVING at {address}")
-        yield address
+        yield address, server.process.pid
 
 
 def rotated(items: Sequence[str], by: int) -> list[str]:
@@ -397,9 +441,17 @@ def ttft_step(case: Case, mode: str, question: int, repeat: int = -1) -> Step:
     request: dict[str, Any] = {"prompt": f"{case.name}/{question}"}
     if mode == "prefill":
         request["kv"] = {"pack": False}
-    elif mode in ("local", "grpc"):
+    elif mode in PACK_MODES:
         request["kv"] = {"pack": case.name}
-    return Step("ttft" if repeat >= 0 else "warm-up", mode, [request], 1, case.target, repeat, question)
+    timed_step = repeat >= 0
+    return Step("ttft" if timed_step else "warm-up", mode, [request], 1, case.target, repeat, question, reset=timed_step and mode in COLD_MODES)
+
+
+def stall_step(case: Case, others: int, hung: bool, repeat: int) -> Step:
+    """(f): the pack's request over ``grpc://`` and ``others`` requests that need no pack, in one batch, the store hung or not."""
+    requests = [{"prompt": f"{case.name}/0", "kv": {"pack": case.name}}, *({"prompt": f"other/{i}", "kv": {"pack": False}} for i in range(others))]
+    kind = "stall" if repeat >= 0 else "warm-up"
+    return Step(kind, "hung" if hung else "healthy", requests, 16, repeat=repeat, ignore_eos=True, store_hung=hung)
 
 
 def batch_step(batch: Sequence[Case], mode: str, max_tokens: int, repeat: int) -> Step:
@@ -408,26 +460,29 @@ def batch_step(batch: Sequence[Case], mode: str, max_tokens: int, repeat: int) -
     return Step("batch" if repeat >= 0 else "warm-up", mode, requests, max_tokens, repeat=repeat, ignore_eos=True)
 
 
-def plan(args: argparse.Namespace, cases: dict[int, Case], batch: Sequence[Case]) -> dict[str, list[Step]]:
+def plan(args: argparse.Namespace, cases: dict[int, Case], batch: Sequence[Case], stall: Sequence[Case]) -> dict[str, list[Step]]:
     """Each engine's steps: warm-ups (question 0), then the timed repetitions (question r + 1), interleaved."""
     sizes = sorted(cases)
-    plans: dict[str, list[Step]] = {"local": [], "grpc": [], "floor": []}
-    for size in sizes:  # warm-ups: the first load of each pack (numba compiles), the prefix cache of (d)
-        plans["local"].append(ttft_step(cases[size], "local", 0))
-        plans["grpc"].append(ttft_step(cases[size], "grpc", 0))
-        plans["floor"].append(ttft_step(cases[size], "floor", 0))
-    plans["local"].append(ttft_step(cases[sizes[0]], "prefill", 0))
-    if batch:
+    plans: dict[str, list[Step]] = {"local": [], "grpc": [], "floor": [], "cold": [], "cold-inline": []}
+    if batch:  # first: its packs would push the TTFT packs out of the worker's decoded-pack cache after their warm-ups
         plans["local"].append(batch_step(batch, "pack", args.batch_max_tokens, -1))
+    for size in sizes:  # warm-ups: the first load of each pack (numba compiles), the prefix cache of (d)
+        for engine in ("local", "grpc", "floor", *COLD_MODES):
+            plans[engine].append(ttft_step(cases[size], engine, 0))
+    plans["local"].append(ttft_step(cases[sizes[0]], "prefill", 0))
     for r in range(args.repeats):
         for size in sizes:
             for mode in rotated(("prefill", "local"), r):
                 plans["local"].append(ttft_step(cases[size], mode, r + 1, r))
-            plans["grpc"].append(ttft_step(cases[size], "grpc", r + 1, r))
-            plans["floor"].append(ttft_step(cases[size], "floor", r + 1, r))
+            for engine in ("grpc", "floor", *COLD_MODES):
+                plans[engine].append(ttft_step(cases[size], engine, r + 1, r))
     for r in range(args.batch_repeats if batch else 0):
         for mode in rotated(("pack", "prefill"), r):
             plans["local"].append(batch_step(batch, mode, args.batch_max_tokens, r))
+    for case in stall:  # (f): a warm-up (the pack's header read), then healthy and hung repetitions in turn
+        plans["stall"] = [stall_step(case, len(STALL_QUESTIONS), False, -1)]
+        for r in range(args.stall_repeats):
+            plans["stall"] += [stall_step(case, len(STALL_QUESTIONS), hung, r) for hung in (False, True)]
     return plans
 
 
@@ -444,6 +499,8 @@ class Measured:
     batch: dict[str, list[float]] = field(default_factory=dict)
     batch_tokens: dict[str, list[int]] = field(default_factory=dict)
     batch_answers: dict[str, list[list[list[int]]]] = field(default_factory=dict)
+    others_latency: dict[str, list[float]] = field(default_factory=dict)  # (f): the other requests' seconds, healthy / hung
+    stalled_pack: list[dict[str, Any]] = field(default_factory=list)  # (f): what the pack's request reported, store hung
     engines: dict[str, dict[str, Any]] = field(default_factory=dict)
     contended: dict[tuple[int | str, str], int] = field(default_factory=dict)  # timed steps with another vLLM engine running
 
@@ -452,7 +509,7 @@ def check_answer(step: Step, answer: dict, case: Case, block: int, checks: Check
     """Check one answer's report against its mode; the tokens its pack loaded (or the prefix cache held)."""
     where = f"{step.kind} {case.name} {step.mode}" + (f" repeat {step.repeat + 1}" if step.repeat >= 0 else "")
     kv = answer["kv"] or {}
-    if step.mode in ("local", "grpc", "pack"):
+    if step.mode in (*PACK_MODES, "pack"):
         applied = kv.get("pack_applied") is True
         checks.expect(applied, f"{where}: pack not applied ({kv.get('reason', kv or 'no kv_transfer_params returned')})")
         loaded = kv.get("pack_tokens_loaded", 0)
@@ -468,8 +525,12 @@ def check_answer(step: Step, answer: dict, case: Case, block: int, checks: Check
 
 
 def measure(args: argparse.Namespace, workdir: Path, model_dir: Path, store_path: Path, cases: dict[int, Case], batch: Sequence[Case],
-            results: JsonlRecords, checks: Checks) -> Measured:
-    prompts = {f"{c.name}/{i}": ids for c in [*cases.values(), *batch] for i, ids in enumerate(c.prompts)}
+            stall: Sequence[Case], results: JsonlRecords, checks: Checks) -> Measured:
+    from transformers import AutoTokenizer
+
+    prompts = {f"{c.name}/{i}": ids for c in [*cases.values(), *batch, *stall] for i, ids in enumerate(c.prompts)}
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts |= {f"other/{i}": tokenizer.encode(question) for i, question in enumerate(STALL_QUESTIONS)}
     by_name = {c.name: c for c in [*cases.values(), *batch]}
     longest = max(len(ids) for ids in prompts.values()) + max(args.batch_max_tokens, 1)
     base = {
@@ -478,11 +539,14 @@ def measure(args: argparse.Namespace, workdir: Path, model_dir: Path, store_path
         "wait_quiet_s": args.wait_quiet,
     }
     measured = Measured()
-    plans = plan(args, cases, batch)
+    plans = plan(args, cases, batch, stall)
 
     def on_step(engine: str) -> Callable[[Step, dict], None]:
         def handle(step: Step, message: dict) -> None:
             seconds, answers = message["seconds"], message["answers"]
+            if step.mode in ("healthy", "hung"):  # (f)
+                stall_step_done(step, answers, seconds, message, engine)
+                return
             if step.target == 0:  # a batch step (timed, or its warm-up)
                 for answer, case in zip(answers, batch):
                     check_answer(step, answer, case, args.block_size, checks)
@@ -514,15 +578,42 @@ def measure(args: argparse.Namespace, workdir: Path, model_dir: Path, store_path
 
         return handle
 
+    def stall_step_done(step: Step, answers: list[dict], seconds: float, message: dict, engine: str) -> None:
+        pack, others = answers[0], answers[1:]
+        latencies = [a["latency_s"] for a in others]
+        checks.expect(all(a["kv"] is None for a in others), f"(f) {step.mode}: an opted-out request reported a pack")
+        checks.expect(None not in latencies, f"(f) {step.mode}: vLLM gave no request latencies")
+        if step.mode == "healthy":
+            check_answer(Step(step.kind, "grpc", step.requests[:1], 16), pack, stall[0], args.block_size, checks)
+        else:
+            checks.expect((pack["kv"] or {}).get("pack_applied") is False, f"(f) hung: the pack applied from a stopped store: {pack['kv']}")
+        if step.kind == "warm-up":
+            return
+        measured.others_latency.setdefault(step.mode, []).extend(x for x in latencies if x is not None)
+        if step.mode == "hung":
+            measured.stalled_pack.append(pack["kv"] or {})
+        results.record("stall_run", engine=engine, mode=step.mode, repeat=step.repeat, seconds=seconds, others_latency_s=latencies,
+                       pack_kv=pack["kv"], pack_latency_s=pack["latency_s"], contended=message["contended"], waited_s=message["waited_s"])
+        log(f"  (f) {step.mode}, repeat {step.repeat + 1}: others' slowest {max(x or 0 for x in latencies):.2f} s, the pack's request "
+            f"{pack['latency_s'] or 0:.2f} s ({(pack['kv'] or {}).get('reason', 'applied')})")
+
     local = {"store": str(store_path)}
     engines = [("local", {**base, "prefix_caching": False, "connector": local}), ("floor", {**base, "prefix_caching": True, "connector": None})]
     for name, spec in engines[:1]:
         measured.engines[name] = run_engine(name, spec, plans[name], args, workdir, on_step(name))
-    with grpc_service(store_path, workdir) as address:
+    with grpc_service(store_path, workdir) as (address, _):
         spec = {**base, "prefix_caching": False, "connector": {"store": f"grpc://{address}"}}
         measured.engines["grpc"] = run_engine("grpc", spec, plans["grpc"], args, workdir, on_step("grpc"))
+    cold = {"store": str(store_path), "cache_bytes": 0}
+    engines += [("cold", {**base, "prefix_caching": True, "connector": cold}),
+                ("cold-inline", {**base, "prefix_caching": True, "connector": {**cold, "background_loads": False}})]
     for name, spec in engines[1:]:
         measured.engines[name] = run_engine(name, spec, plans[name], args, workdir, on_step(name))
+    if stall:
+        with grpc_service(store_path, workdir) as (address, pid):
+            connector = {"store": f"grpc://{address}", "cache_bytes": 0, "automatic": False, "lookup_seconds": 2, "load_seconds": 4}
+            spec = {**base, "prefix_caching": True, "connector": connector, "latencies": True, "service_pid": pid}
+            measured.engines["stall"] = run_engine("stall", spec, plans["stall"], args, workdir, on_step("stall"))
     for name, ready in measured.engines.items():
         results.record("engine", engine=name, **{k: v for k, v in ready.items() if k != "event"})
         checks.expect(ready.get("block_size") == args.block_size, f"engine {name}: block size {ready.get('block_size')}, not {args.block_size}")
@@ -553,23 +644,28 @@ def summarize(args: argparse.Namespace, cases: dict[int, Case], batch: Sequence[
             "ttft", target=target, pack_tokens=case.pack_tokens, prompt_tokens=case.prompt_tokens, tokens_from_pack=case.used(args.block_size),
             repeats=args.repeats, **{f"{m}_median_s": med[m] for m in MODES}, **{f"{m}_min_s": low[m] for m in MODES},
             read_s=case.read_s, local_over_floor=med["local"] / med["floor"], grpc_over_floor=med["grpc"] / med["floor"],
-            prefill_over_local=med["prefill"] / med["local"], same_ids=same, loaded_or_cached=loaded,
+            prefill_over_local=med["prefill"] / med["local"], cold_over_floor=med["cold"] / med["floor"],
+            cold_inline_over_floor=med["cold-inline"] / med["floor"], same_ids=same, loaded_or_cached=loaded,
             contended_repeats={m: measured.contended.get((target, m), 0) for m in MODES},
         )
         rows.append([
             str(target), str(case.pack_tokens), str(case.used(args.block_size)),
             *(f"{med[m]:.3f} ({low[m]:.3f})" for m in MODES),
             ratio(med["local"], med["floor"]), ratio(med["grpc"], med["floor"]), ratio(med["prefill"], med["local"]),
-            f"{case.read_s:.3f}", "yes" if same else "NO",
+            ratio(med["cold"], med["floor"]), ratio(med["cold-inline"], med["floor"]), f"{case.read_s:.3f}", "yes" if same else "NO",
         ])
     print_table(
         f"1. Time to first token, {MODEL} {DTYPE} on vLLM (CPU), block size {args.block_size}: median (min) of {args.repeats}, seconds",
-        ["size", "pack tokens", "from pack", *(f"({MODE_LETTERS[m]}) {m} s" for m in MODES), "b / d", "c / d", "a / b", "read s", "same ids"],
+        ["size", "pack tokens", "from pack", *(f"({MODE_LETTERS[m]}) {m} s" for m in MODES), "b / d", "c / d", "a / b", "e / d", "e' / d",
+         "read s", "same ids"],
         rows,
     )
     print("   (a) vLLM prefills the prompt (pack opted out); (b) pack from a local LMDB store; (c) pack from grpc:// (packstore serve "
           "on loopback); (d) no connector, vLLM's prefix cache warm. \"from pack\": tokens the pack loads, in whole blocks of prompt[:-1] "
-          "(in (d), the tokens vLLM found cached: the same, checked). \"read s\": the pack read alone (PackReader.fetch: read, verify, "
+          "(in (d), the tokens vLLM found cached: the same, checked). (e) and (e'): the pack from the local store with the connector's "
+          "decoded-pack cache off (cache_bytes 0) and vLLM's prefix cache on, emptied before each timed request, so every one reads, "
+          "verifies, decodes and writes its pack: (e) beside the forward passes (the default: the request waits), (e') within the "
+          "forward, layer by layer (background_loads false). \"read s\": the pack read alone (PackReader.fetch: read, verify, "
           "decode; median, in this script's process before the engines), for scale.")
     engines = measured.engines
     layout = ", vLLM's engine core in each engine's process (--engine-core-in-process)" if args.engine_core_in_process else ""
@@ -585,10 +681,13 @@ def summarize(args: argparse.Namespace, cases: dict[int, Case], batch: Sequence[
     for target in sorted(cases):
         med = summary[target]["median_s"]
         targets.append(("(b) <= 1.3x (d)", target, med["local"] / med["floor"], med["local"] / med["floor"] <= TARGET_PACK_OVER_FLOOR))
+        targets.append(("(e) <= 1.3x (d)", target, med["cold"] / med["floor"], med["cold"] / med["floor"] <= TARGET_PACK_OVER_FLOOR))
     if TARGET_SIZE in cases:
         med = summary[TARGET_SIZE]["median_s"]
         targets.append(("(a) / (b) >= 5x", TARGET_SIZE, med["prefill"] / med["local"], med["prefill"] / med["local"] >= TARGET_PREFILL_OVER_PACK))
-    print("\nTargets (issue 52):")
+    if measured.others_latency:
+        targets.append(stall_summary(args, measured, results))
+    print("\nTargets (issues 52 and 63):")
     for what, target, value, met in targets:
         print(f"   {what} at {target}: {value:.2f}x: {'met' if met else 'MISSED'}")
         results.record("target", target=what, size=target, value=value, met=met)
@@ -624,6 +723,29 @@ def summarize(args: argparse.Namespace, cases: dict[int, Case], batch: Sequence[
     print(f"\n{GPU_UNMEASURED}.")
     results.record("unmeasured", what="GPU", reason=GPU_UNMEASURED)
     return figures
+
+
+def stall_summary(args: argparse.Namespace, measured: Measured, results: JsonlRecords) -> tuple[str, int, float, bool]:
+    """(f)'s table: the other requests' latency with the store healthy and hung; its target."""
+    rows, figures = [], {}
+    for mode in ("healthy", "hung"):
+        latencies = sorted(measured.others_latency[mode])
+        p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+        figures[mode] = {"p50_s": statistics.median(latencies), "p99_s": p99, "max_s": latencies[-1], "requests": len(latencies)}
+        rows.append([mode, str(len(latencies)), f"{figures[mode]['p50_s']:.3f}", f"{p99:.3f}", f"{latencies[-1]:.3f}"])
+    over = figures["hung"]["p99_s"] / figures["healthy"]["p99_s"]
+    reasons = sorted({str(kv.get("reason", "applied")) for kv in measured.stalled_pack})
+    results.record("stall", repeats=args.stall_repeats, others=len(STALL_QUESTIONS), **{f"{m}_{k}": v for m, f in figures.items() for k, v in f.items()},
+                   hung_over_healthy_p99=over, pack_reasons_hung=reasons)
+    print_table(
+        f"3. (f) {len(STALL_QUESTIONS)} requests that need no pack, batched with one naming a {STALL_PACK_TOKENS}-token pack over grpc://, "
+        f"{args.stall_repeats} repetitions each with the store healthy and with its service stopped (SIGSTOP): their seconds from "
+        "queued to last token (16 tokens each)",
+        ["store", "requests", "p50 s", "p99 s", "max s"],
+        rows,
+    )
+    print(f"   hung / healthy p99: {over:.2f}x; the pack's request with the store hung: " + "; ".join(reasons))
+    return "(f) hung p99 <= 1.5x healthy", STALL_PACK_TOKENS, over, over <= TARGET_HUNG_OVER_HEALTHY
 
 
 def plot(path: Path, figures: dict[str, Any], title: str) -> None:
@@ -680,6 +802,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-tokens", type=int, default=2048, help="each batch pack's size in tokens")
     parser.add_argument("--batch-max-tokens", type=int, default=32, help="new tokens per batch request")
     parser.add_argument("--batch-repeats", type=int, default=2, help="timed batch runs per mode")
+    parser.add_argument("--stall-repeats", type=int, default=5, help="(f): repetitions with the store healthy and hung each (0: no (f))")
     parser.add_argument("--block-size", type=int, default=128, help="vLLM's KV block size (its CPU default: 128)")
     parser.add_argument("--kv-space-gib", type=float, default=2, help="VLLM_CPU_KVCACHE_SPACE: the KV cache, GiB")
     parser.add_argument("--memory", type=float, default=0.2, help="vLLM's gpu_memory_utilization")
@@ -702,6 +825,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.quick:
         # the full run's code paths at small sizes: every pack is prefilled by transformers to be built, then by vLLM
         args.sizes, args.repeats, args.batch_tokens, args.batch_max_tokens, args.batch_repeats = [128, 256], 1, 256, 8, 1
+        args.stall_repeats = min(args.stall_repeats, 1)
         args.batch = min(args.batch, 4)  # concurrent requests, each with its own pack, as with 8
         args.kv_space_gib = min(args.kv_space_gib, 1)
     if args.repeats < 1 or args.batch_repeats < 1:
@@ -736,9 +860,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.workdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="packstore-bench-vllm-", dir=args.workdir) as tmp:
         workdir = Path(tmp)
-        store_path, exported, cases, batch = prepare(args, workdir, results)
+        store_path, exported, cases, batch, stall = prepare(args, workdir, results)
         results.record("model", model=MODEL, model_fp=exported["model_fp"], template_fp=exported["template_fp"])
-        measured = measure(args, workdir, workdir / "model", store_path, cases, batch, results, checks)
+        measured = measure(args, workdir, workdir / "model", store_path, cases, batch, stall, results, checks)
     figures = summarize(args, cases, batch, measured, results, checks)
     if args.plot is not None:
         plot(args.plot, figures, f"PackstoreConnector on vLLM {vllm.__version__} (CPU, {os.cpu_count()} cores), {MODEL} {DTYPE}, commit {args.commit}")
