@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from prometheus_client import Counter
 from safetensors.torch import save_file
+from transformers import AutoTokenizer
 from vllm import __version__ as vllm_version
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -46,6 +47,7 @@ from packstore.errors import InvalidInput
 from packstore.kv.engine_build import CAPTURE_FILE
 from packstore.kv.exactness import machine
 from packstore.kv.identity import directory_model_fingerprint, directory_template_fingerprint, local_directory
+from packstore.kv.render import preamble_tokens
 from packstore.packs.decoder import Decoder
 from packstore.packs.reader import PackReader
 from packstore.rpc.channel import Connection
@@ -222,6 +224,7 @@ def served_model(vllm_config: VllmConfig) -> ServedModel:
         head_dim=model.get_head_size(),
         block_size=vllm_config.cache_config.block_size,
         engine_version=vllm_version,
+        preamble_tokens=preamble_tokens(AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)),
     )
 
 

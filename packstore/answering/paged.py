@@ -1,7 +1,9 @@
 """Packs for a paged-attention engine (vLLM): which pack a prompt gets, and how many of its tokens, in whole blocks.
 
 An engine with a paged KV cache prefills a prompt it is sent; a pack can only save that prefill for the prompt's first
-tokens, in whole cache blocks, and only when the prompt begins with the pack's exact tokens. This module decides that
+tokens, in whole cache blocks, and only for the blocks where the prompt's tokens are the pack's exactly (any agreeing
+prefix: causal K/V of a prefix depends on nothing after it, so a pack serves a prompt that extends it, or extends a
+part of it, as a composition or an erratum does). This module decides that
 without the engine: ``PackMatcher.plan`` names the pack (asked for by ref, or found by ``PrefixIndex`` from the prompt's
 first tokens), checks its identities against the served model and whose arithmetic it is (``arithmetic``: approximate
 K/V only in a request salted for it), and never raises: a pack that cannot apply gets a plan with the reason, which the
@@ -22,6 +24,7 @@ from packstore.answering.pack_headers import HeaderNeeded, PackHeaders
 from packstore.answering.transfer_params import transfer_fields
 from packstore.errors import PackNotFound, PackstoreError, Untrusted
 from packstore.format.header import PackHeader
+from packstore.kv.render import common_prefix_length
 from packstore.security.trust import TrustedKeys
 from packstore.store.namespaces import DEFAULT_NAMESPACE
 from packstore.store.protocol import PackStore
@@ -44,6 +47,7 @@ class ServedModel:
     head_dim: int
     block_size: int
     engine_version: str | None = None  # the serving engine's version (vLLM's), None where unknown
+    preamble_tokens: int = 0  # the template's framing every pack begins with (``render.preamble_tokens``): not a match
     engine_name: str = "vllm"
 
     @property
@@ -90,6 +94,7 @@ class PackPlan:
         if self.applies and self.failure is None:
             found["pack_tokens_used"] = self.tokens
             found["pack_tokens_loaded"] = self.loaded
+            found["pack_parts"] = [{"key": self.key, "tokens": self.tokens}]
         reason = self.failure or self.reason
         if reason is not None:
             found["reason"] = reason
@@ -122,11 +127,13 @@ def blocks_of(block_ids: Sequence[int], block_size: int, start: int, stop: int) 
 
 
 class PrefixIndex:
-    """Packs by their token ids at block boundaries: a prompt that begins with a pack's tokens finds it.
+    """Packs by their token ids at block boundaries: a prompt that agrees with a pack's first blocks finds it.
 
-    Each pack is filed under the digest chain of its whole blocks with its arithmetic; ``matches`` walks the prompt's
-    chain and returns every pack whose every token begins the prompt (a pack and the question after it), best first
-    (``arithmetic.preference``: the longest, then this engine's arithmetic, another's exact, approximate; then by key)."""
+    Each pack is filed under the digest chain of every one of its whole blocks, with its arithmetic; ``matches`` walks
+    the prompt's chain and returns, for each pack, its deepest run of whole blocks that agrees with the prompt (the
+    last prompt token is always computed), best first (``arithmetic.preference``: the most tokens, then this engine's
+    arithmetic, another's exact, approximate; then by key). A pack's first blocks are exact K/V of those tokens alone
+    (causal attention), so a composition or an erratum that extends a pack still gets the pack's agreeing blocks."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -139,18 +146,21 @@ class PrefixIndex:
         if blocks == 0:
             return
         filed = (key, tuple(token_ids), arithmetic)
-        self._by_chain.setdefault(block_chain(token_ids, self.block_size, blocks)[-1], []).append(filed)
+        for digest in block_chain(token_ids, self.block_size, blocks):
+            self._by_chain.setdefault(digest, []).append(filed)
         self.packs += 1
 
-    def matches(self, prompt: Sequence[int]) -> list[tuple[str, int, str]]:
-        """(key, pack tokens, arithmetic) of every filed pack that the prompt begins with and goes on after, best first."""
-        blocks = (len(prompt) - 1) // self.block_size
-        found = [
-            (key, len(ids), arithmetic)
-            for digest in block_chain(prompt, self.block_size, blocks)
-            for key, ids, arithmetic in self._by_chain.get(digest, ())
-            if len(ids) < len(prompt) and tuple(prompt[: len(ids)]) == ids
-        ]
+    def matches(self, prompt: Sequence[int], *, beyond: int = 0) -> list[tuple[str, int, str]]:
+        """(key, agreeing tokens, arithmetic) of every filed pack whose first whole blocks agree with ``prompt[:-1]``
+        for more than ``beyond`` tokens (the template's preamble, which every pack shares), each at its deepest
+        agreeing block, best first."""
+        deepest: dict[str, tuple[int, str]] = {}
+        for depth, digest in enumerate(block_chain(prompt, self.block_size, (len(prompt) - 1) // self.block_size), start=1):
+            tokens = depth * self.block_size
+            for key, ids, arithmetic in self._by_chain.get(digest, ()):
+                if tuple(prompt[:tokens]) == ids[:tokens]:
+                    deepest[key] = (tokens, arithmetic)
+        found = [(key, tokens, arithmetic) for key, (tokens, arithmetic) in deepest.items() if tokens > beyond]
         return sorted(found, key=lambda item: preference(item[2], item[1], item[0]))
 
 
@@ -179,20 +189,19 @@ def _refusal(header: PackHeader, served: ServedModel) -> str | None:
     return None
 
 
-def _token_problem(header: PackHeader, prompt: Sequence[int]) -> str | None:
-    """Why the prompt does not begin with the pack's tokens and go on after them, or None."""
-    for position, (mine, theirs) in enumerate(zip(header.token_ids, prompt)):
-        if mine != theirs:
-            return (
-                f"the prompt's tokens differ from the pack's at position {position} (pack {mine}, prompt {theirs}): "
-                "render the prompt with packctl render"
-            )
-    if len(prompt) <= header.tokens:
+def _agreement_problem(header: PackHeader, prompt: Sequence[int], served: ServedModel) -> str | None:
+    """Why the pack's whole blocks that agree with ``prompt[:-1]`` reach none of its facts (past the template's
+    preamble, which every pack shares), or None."""
+    agreed = common_prefix_length(header.token_ids, prompt)
+    if aligned_tokens(agreed, len(prompt), served.block_size) > (0 if header.raw else served.preamble_tokens):
+        return None
+    if agreed < min(header.tokens, len(prompt)):
+        mine, theirs = header.token_ids[agreed], prompt[agreed]
         return (
-            f"the prompt has {len(prompt)} tokens, not more than the pack's {header.tokens}: send the pack's rendering and "
-            "then the question (packctl render)"
+            f"the prompt's tokens differ from the pack's at position {agreed} (pack {mine}, prompt {theirs}), before a "
+            f"whole cache block of {served.block_size} tokens reaches its facts: render the prompt with packctl render"
         )
-    return None
+    return f"the pack's {header.tokens} tokens fill no whole cache block of {served.block_size} tokens before the prompt's last token"
 
 
 @dataclass(frozen=True)
@@ -370,7 +379,7 @@ class PackMatcher:
             return PackPlan()
         with self._lock:
             index = self._indexes.get(namespace)
-        found = index.matches(prompt) if index is not None else []
+        found = index.matches(prompt, beyond=self.served.preamble_tokens) if index is not None else []
         if not found:
             return PackPlan()
         allowed = [match for match in found if salt_refusal(match[2], match[0], ask.cache_salt, self.other_exact) is None]
@@ -393,13 +402,11 @@ class PackMatcher:
         plan.arithmetic = arithmetic_of(header, self.served.arithmetic)
         plan.reason = (
             _refusal(header, self.served)
-            or _token_problem(header, prompt)
+            or _agreement_problem(header, prompt, self.served)
             or ask.refusal
             or salt_refusal(plan.arithmetic, header.key, ask.cache_salt, self.other_exact)
         )
         if plan.reason is None:
-            plan.tokens = aligned_tokens(header.tokens, len(prompt), self.served.block_size)
-            if plan.tokens == 0:
-                plan.reason = f"the pack's {header.tokens} tokens fill no whole cache block of {self.served.block_size} tokens"
+            plan.tokens = aligned_tokens(common_prefix_length(header.token_ids, prompt), len(prompt), self.served.block_size)
         return plan
 

@@ -140,6 +140,22 @@ def pack_prefix_ids(tokenizer: Any, facts: Sequence[str], *, raw: bool = False) 
     return render(tokenizer, facts, QUESTION_SENTINEL, raw=raw).prefix_ids
 
 
+def common_prefix_length(first: Sequence[int], second: Sequence[int]) -> int:
+    """How many leading tokens ``first`` and ``second`` share."""
+    shared = 0
+    for mine, theirs in zip(first, second):
+        if mine != theirs:
+            break
+        shared += 1
+    return shared
+
+
+def preamble_tokens(tokenizer: Any) -> int:
+    """The tokens every pack rendered with ``tokenizer``'s chat template begins with, whatever its facts (the
+    template's framing before them): a prompt that agrees with a pack no further says nothing of its facts."""
+    return common_prefix_length(pack_prefix_ids(tokenizer, ["A."]), pack_prefix_ids(tokenizer, ["Z."]))
+
+
 def group_spans(tokenizer: Any, groups: Sequence[Sequence[str]], *, raw: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
     """The pack ids of all groups' facts in order, and for each group the [start, stop) token range
     lying wholly inside that group's facts text: where a part's own tokens sit in a composition."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from packstore.answering.paged import ServedModel
 from packstore.kv.build import build_pack
-from packstore.kv.render import render
+from packstore.kv.render import preamble_tokens, render
 from packstore.packs.tensors import encode_pack
 from packstore.store.lmdb.store import LmdbStore
 
@@ -31,6 +31,7 @@ def served_tiny(tiny_lm: Any, block_size: int, engine_version: str | None = None
         head_dim=config.hidden_size // config.num_attention_heads,
         block_size=block_size,
         engine_version=engine_version,
+        preamble_tokens=preamble_tokens(tiny_lm.tokenizer),
     )
 
 

@@ -59,7 +59,7 @@ def test_block_chain_depends_on_every_earlier_token() -> None:
     assert block_chain([1, 2, 3, 4], 2, 2) == a[:2]
 
 
-def test_prefix_index_finds_the_longest_pack_the_prompt_begins_with() -> None:
+def test_prefix_index_finds_the_pack_with_the_deepest_agreeing_block() -> None:
     index = PrefixIndex(block_size=2)
     index.add("short", [1, 2, 3])
     index.add("long", [1, 2, 3, 4, 5])
@@ -71,10 +71,11 @@ def test_prefix_index_finds_the_longest_pack_the_prompt_begins_with() -> None:
         found = index.matches(prompt)
         return (found[0][0], found[0][1]) if found else None
 
-    assert [key for key, _, _ in index.matches([1, 2, 3, 4, 5, 6])] == ["long", "short"]
-    assert best([1, 2, 3, 4, 9, 9]) == ("short", 3)  # "long" diverges inside its last block
-    assert best([1, 2, 3, 4, 5]) == ("short", 3)  # a pack must be followed by at least one token
+    assert index.matches([1, 2, 3, 4, 5, 6]) == [("long", 4, "engine"), ("other", 2, "engine"), ("short", 2, "engine")]
+    assert best([1, 2, 3, 4, 9, 9]) == ("long", 4)  # "long" agrees for two whole blocks, then diverges
+    assert best([1, 2, 3, 4, 5]) == ("long", 4)  # the last prompt token is always computed
     assert best([1, 2, 7, 8, 0]) == ("other", 4)
+    assert best([1, 2, 9, 9, 9]) == ("long", 2)  # one agreeing block: every pack has it, the tie goes by key
     assert best([5, 5, 5, 5]) is None
 
 
@@ -122,11 +123,28 @@ def test_a_pack_that_cannot_apply_says_why_and_never_raises(tiny_lm, packs, para
     assert matcher.counters.take()["packs_not_applied"] == 1 and matcher.counters.take()["packs_not_applied"] == 0
 
 
-def test_a_prompt_no_longer_than_the_pack_is_refused(tiny_lm, packs) -> None:
+def test_a_prompt_no_longer_than_the_pack_gets_its_whole_blocks_before_the_last_token(tiny_lm, packs) -> None:
     store, served = packs
     header = store.stat("wexley").header
     plan = matcher_for(store, served).plan(list(header.token_ids), {"pack": "wexley"})
-    assert "not more than the pack's" in plan.reason
+    assert plan.applies and plan.tokens == (header.tokens - 1) // BLOCK * BLOCK
+    short = matcher_for(store, served).plan(list(header.token_ids[:BLOCK]), {"pack": "wexley"})
+    assert not short.applies and "fill no whole cache block of 4 tokens before the prompt's last token" in short.reason
+
+
+@pytest.mark.parametrize("automatic", [False, True], ids=["explicit", "automatic"])
+def test_a_pack_serves_its_agreeing_blocks_to_a_prompt_that_extends_it(tiny_lm, packs, automatic) -> None:
+    """A composition or an erratum renders the pack's facts and then more: their framing differs from the pack's at its
+    end, so the blocks before that come from the pack and the engine prefills the rest."""
+    store, served = packs
+    header = store.stat("wexley").header
+    extended = prompt(tiny_lm, [*FACTS, "Correction: the bells were recast in 1921."])
+    agreed = next(i for i, (a, b) in enumerate(zip(header.token_ids, extended)) if a != b)
+    plan = matcher_for(store, served).plan(extended, None if automatic else {"pack": "wexley"})
+    assert plan.applies and plan.key == header.key and plan.mode == ("automatic" if automatic else "explicit")
+    assert plan.tokens == agreed // BLOCK * BLOCK < header.tokens
+    assert plan.report()["pack_parts"] == [{"key": header.key, "tokens": plan.tokens}]
+    assert 0 < served.preamble_tokens < plan.tokens  # the template's framing alone, which every pack shares, is no match
 
 
 @pytest.mark.parametrize(
