@@ -458,7 +458,7 @@ class PackstoreConnector(KVConnectorBase_V1):
         if plan is None:
             return keep_blocks, None
         self.matcher.counters.count(plan)
-        if plan.mode == "none" and plan.reason is None:
+        if not plan.reported:
             return keep_blocks, None
         return keep_blocks, plan.report()
 

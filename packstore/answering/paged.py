@@ -55,6 +55,15 @@ class ServedModel:
         """The engine's own arithmetic, as headers of packs it built record it."""
         return EngineArithmetic(self.engine_name, self.engine_version, self.block_size, self.dtype)
 
+    def identity(self) -> dict[str, Any]:
+        """Who the engine is, as a client outside it needs to know to compute the keys of packs it builds or to check
+        that it talks to the engine it expects (``kv_transfer_params: {"identity": true}``)."""
+        return {
+            "model_fp": self.model_fp, "template_fp": self.template_fp, "dtype": self.dtype, "layers": self.layers,
+            "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+            "engine": {"name": self.engine_name, "version": self.engine_version, "block_size": self.block_size},
+        }
+
 
 @dataclass
 class PackPlan:
@@ -76,10 +85,17 @@ class PackPlan:
     offered: int = 0  # the tokens last offered to the engine (beyond its prefix cache's), of which it took ``loaded``
     background: bool = False  # offered to be loaded beside the forward passes (the pack is not in the worker's memory)
     failure: str | None = None  # set when loading failed and the engine recomputed the blocks, or it took none
+    identity: dict[str, Any] | None = None  # the engine's identity, where the request asked for it
 
     @property
     def applies(self) -> bool:
         return self.key is not None and self.reason is None and self.tokens > 0
+
+    @property
+    def reported(self) -> bool:
+        """Whether the answer carries a report: a pack was named or matched, something could not be read, or the
+        request asked who the engine is."""
+        return self.mode != "none" or self.reason is not None or self.identity is not None
 
     def report(self) -> dict[str, Any]:
         """What comes back with the answer (vLLM: the response's ``kv_transfer_params``)."""
@@ -98,6 +114,8 @@ class PackPlan:
         reason = self.failure or self.reason
         if reason is not None:
             found["reason"] = reason
+        if self.identity is not None:
+            found["identity"] = self.identity
         return found
 
 
@@ -348,7 +366,12 @@ class PackMatcher:
             fields, problem = transfer_fields(params)
             if problem:
                 return PackPlan(reason=problem)
-            return self._plan(list(prompt), fields, _Ask(cache_salt, refusal, lookup))
+            wants_identity = fields.get("identity", False)
+            if not isinstance(wants_identity, bool):
+                return PackPlan(reason="kv_transfer_params.identity must be true or false (a JSON boolean)")
+            plan = self._plan(list(prompt), fields, _Ask(cache_salt, refusal, lookup))
+            plan.identity = self.served.identity() if wants_identity else None
+            return plan
         except HeaderNeeded:
             raise
         except Exception as exc:  # the engine's scheduler must never see an exception from here

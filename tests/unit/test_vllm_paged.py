@@ -307,3 +307,18 @@ def test_backends_that_write_the_cache_inside_their_forward_are_refused_and_cuda
     with pytest.raises(ValueError, match="turn off the compile pass fuse_rope_kvcache"):
         check_layers({}, fused, capture=True)
     assert PackstoreConnector.requires_piecewise_for_cudagraph({}) is True  # vLLM turns FULL graphs into PIECEWISE
+
+
+def test_a_request_can_ask_who_the_engine_is(tiny_lm, packs) -> None:
+    """``{"identity": true}``: the served model's identities and the engine's arithmetic come back with the answer, so
+    a client outside the engine can compute the keys of the packs it builds, or check whom it talks to."""
+    store, served = packs
+    matcher = matcher_for(store, served)
+    report = matcher.plan(prompt(tiny_lm, ["Nothing packed."]), {"identity": True}).report()
+    assert report == {"pack_applied": False, "pack_mode": "none", "identity": served.identity()}
+    assert report["identity"]["model_fp"] == tiny_lm.model_fp and report["identity"]["engine"]["block_size"] == BLOCK
+    with_pack = matcher.plan(prompt(tiny_lm, FACTS), {"pack": "wexley", "identity": True})
+    assert with_pack.applies and with_pack.report()["identity"]["template_fp"] == tiny_lm.template_fp
+    assert not matcher.plan(prompt(tiny_lm, ["Nothing packed."]), None).reported  # nothing to say: no report at all
+    wrong = matcher.plan(prompt(tiny_lm, FACTS), {"identity": "yes"})
+    assert wrong.reported and wrong.reason == "kv_transfer_params.identity must be true or false (a JSON boolean)"

@@ -205,6 +205,7 @@ def answers(served, engines):
         [ask("automatic", p["velmora2"]), ask("batched", p["harbour"], "harbour")],
         [ask("damaged", p["orchard"], "orchard"), ask("damaged-late", p["orchard-late"], "orchard-late")],
         [ask("dtype", p["harbour"], "harbour-bf16"), ask("model", p["mills"], "mills-other"), ask("prompt", p["mills"], "velmora")],
+        [{"tag": "identity", "prompt_token_ids": p["mills"], "max_tokens": 1, "kv_transfer_params": {"identity": True, "pack": False}}],
         [ask(f"plain/{name}", p[name], False) for name in ("velmora", "velmora2", "harbour", "orchard", "orchard-late", "mills")],
     ]
     spec = {"model": str(served["model_dir"]), "block_size": BLOCK, "connector": {"store": str(served["store"])}, "requests": requests}
@@ -254,6 +255,13 @@ def test_refusals_come_back_with_the_answer(answers) -> None:
     assert other["kv"]["pack_applied"] is False and other["kv"]["reason"].startswith("model mismatch")
     assert wrong_prompt["kv"]["pack_applied"] is False and "differ from the pack's" in wrong_prompt["kv"]["reason"]
     assert dtype["ids"] == answers["plain/harbour"]["ids"] and other["ids"] == answers["plain/mills"]["ids"] == wrong_prompt["ids"]
+
+
+def test_a_request_learns_who_the_engine_is(answers, served) -> None:
+    identity = answers["identity"]["kv"]["identity"]
+    assert identity["model_fp"] == served["exported"]["model_fp"] and identity["template_fp"] == served["exported"]["template_fp"]
+    assert identity["dtype"] == "float32" and identity["engine"]["name"] == "vllm" and identity["engine"]["block_size"] == BLOCK
+    assert identity["engine"]["version"] and answers["identity"]["kv"]["pack_applied"] is False
 
 
 def test_a_request_that_opts_out_gets_no_report(answers) -> None:
