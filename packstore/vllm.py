@@ -46,8 +46,8 @@ from packstore.answering.transfer_params import engine_refusal
 from packstore.errors import InvalidInput
 from packstore.kv.engine_build import CAPTURE_FILE
 from packstore.kv.exactness import machine
-from packstore.kv.identity import directory_model_fingerprint, directory_template_fingerprint, local_directory
-from packstore.kv.render import preamble_tokens
+from packstore.kv.identity import directory_model_fingerprint, local_directory, template_fingerprint
+from packstore.kv.render import pack_prefix_ids, preamble_tokens
 from packstore.packs.decoder import Decoder
 from packstore.packs.reader import PackReader
 from packstore.rpc.channel import Connection
@@ -201,8 +201,9 @@ def check_layers(layers: Mapping[str, Any], pass_config: Any, *, capture: bool) 
         raise ValueError("PackstoreConnector cannot write into this engine's KV cache: " + "; ".join(problems))
 
 
-def served_model(vllm_config: VllmConfig) -> ServedModel:
-    """The identities and cache shape of the model vLLM serves, computed from its Hugging Face directory."""
+def served_model(vllm_config: VllmConfig) -> tuple[ServedModel, Any]:
+    """The identities and cache shape of the model vLLM serves, computed from its Hugging Face directory, and its
+    tokenizer (which renders the facts a request names, as the packs of them were rendered)."""
     model = vllm_config.model_config
     dtype = _DTYPE_NAMES.get(model.dtype) if isinstance(model.dtype, torch.dtype) else None
     if dtype is None:
@@ -215,17 +216,19 @@ def served_model(vllm_config: VllmConfig) -> ServedModel:
             tokenizer_dir = local_directory(model.tokenizer, revision=model.tokenizer_revision, cache_dir=cache_dir)
     except InvalidInput as exc:
         raise ValueError(f"PackstoreConnector: {exc}") from exc
-    return ServedModel(
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    served = ServedModel(
         model_fp=directory_model_fingerprint(model_dir, dtype),
-        template_fp=directory_template_fingerprint(tokenizer_dir),
+        template_fp=template_fingerprint(tokenizer),
         dtype=dtype,
         layers=model.get_num_layers(vllm_config.parallel_config),
         kv_heads=model.get_num_kv_heads(vllm_config.parallel_config),
         head_dim=model.get_head_size(),
         block_size=vllm_config.cache_config.block_size,
         engine_version=vllm_version,
-        preamble_tokens=preamble_tokens(AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)),
+        preamble_tokens=preamble_tokens(tokenizer),
     )
+    return served, tokenizer
 
 
 @dataclass
@@ -326,14 +329,16 @@ class PackstoreConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._readers = self.settings.readers(self.settings.lookup_seconds + STORE_GRACE_SECONDS)
             trusted = TrustedKeys.load(self.settings.trusted_keys) if self.settings.trusted_keys else None
+            served, tokenizer = served_model(vllm_config)
             self.matcher = PackMatcher(
                 self._readers.get,
-                served_model(vllm_config),
+                served,
                 namespaces=self.settings.namespaces,
                 automatic=self.settings.automatic,
                 trusted=trusted,
                 refresh_s=self.settings.index_refresh_s,
                 other_exact=self.settings.other_exact,
+                pack_ids=partial(pack_prefix_ids, tokenizer),
             )
             self.matcher.start()
             lookups = PlanLookups(self.matcher, self.settings.lookup_seconds)

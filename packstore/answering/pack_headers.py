@@ -1,8 +1,10 @@
 """Pack headers as a paged-attention connector needs them: from memory on every request, from the store once.
 
 A key's header never changes, so headers are kept by key; a ref (a name, or a key) is resolved to its key at most
-once per ``ttl`` seconds, since a name may be moved to another pack. ``get(..., lookup=False)`` never touches the
-store: it raises ``HeaderNeeded`` instead, so the caller can look the header up off its own thread.
+once per ``ttl`` seconds, since a name may be moved to another pack, and a ref the store does not hold is remembered as
+missing for as long (a chain's composition looked up on every request would read the store every time).
+``get(..., lookup=False)`` never touches the store: it raises ``HeaderNeeded`` instead, so the caller can look the
+header up off its own thread.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from packstore.errors import PackNotFound
 from packstore.format.header import PackHeader
 from packstore.store.records import StoredPack
 
@@ -34,6 +37,7 @@ class PackHeaders:
         self._stat, self.ttl, self._clock = stat, ttl, clock
         self._by_key: OrderedDict[tuple[str, str], PackHeader] = OrderedDict()
         self._keys: dict[tuple[str, str], tuple[str, float]] = {}  # (namespace, ref) -> (key, when resolved)
+        self._missing: dict[tuple[str, str], tuple[PackNotFound, float]] = {}  # (namespace, ref) -> (why, when found missing)
         self._lock = threading.Lock()
         self.lookups = 0  # reads of the store, for tests and logs
 
@@ -47,12 +51,23 @@ class PackHeaders:
             raise HeaderNeeded(namespace, ref)
         with self._lock:
             self.lookups += 1
-        stored = self._stat(namespace, ref)
+        try:
+            stored = self._stat(namespace, ref)
+        except PackNotFound as missing:
+            with self._lock:
+                self._missing[(namespace, ref)] = (missing, self._clock())
+                if len(self._missing) > KEYS_REMEMBERED:
+                    self._missing = {name: found for name, found in self._missing.items() if self._clock() - found[1] <= self.ttl}
+            raise
         self.keep(namespace, stored.header, ref=ref)
         return stored.header
 
     def remembered(self, namespace: str, ref: str) -> PackHeader | None:
+        """The header ``ref`` names from memory, or None; ``PackNotFound`` for a ref found missing within ``ttl``."""
         with self._lock:
+            missing, when = self._missing.get((namespace, ref), (None, 0.0))
+            if missing is not None and self._clock() - when <= self.ttl:
+                raise missing
             header = self._by_key.get((namespace, ref))  # a key is its own ref, for good
             if header is None:
                 key, when = self._keys.get((namespace, ref), (None, 0.0))
@@ -68,6 +83,7 @@ class PackHeaders:
         with self._lock:
             self._by_key[(namespace, header.key)] = header
             self._by_key.move_to_end((namespace, header.key))
+            self._missing.pop((namespace, header.key), None)
             if ref is not None and ref != header.key:
                 self._keys[(namespace, ref)] = (header.key, self._clock())
             while len(self._by_key) > KEYS_REMEMBERED:
@@ -81,3 +97,4 @@ class PackHeaders:
         with self._lock:
             self._by_key = OrderedDict((found, header) for found, header in self._by_key.items() if found[0] != namespace)
             self._keys = {name: found for name, found in self._keys.items() if name[0] != namespace}
+            self._missing = {name: found for name, found in self._missing.items() if name[0] != namespace}

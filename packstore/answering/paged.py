@@ -23,7 +23,7 @@ from packstore.answering.arithmetic import ENGINE, EngineArithmetic, arithmetic_
 from packstore.answering.pack_headers import HeaderNeeded, PackHeaders
 from packstore.answering.transfer_params import transfer_fields
 from packstore.errors import PackNotFound, PackstoreError, Untrusted
-from packstore.format.header import PackHeader
+from packstore.format.header import PackHeader, pack_key
 from packstore.kv.render import common_prefix_length
 from packstore.security.trust import TrustedKeys
 from packstore.store.namespaces import DEFAULT_NAMESPACE
@@ -72,7 +72,7 @@ class PackPlan:
     ``tokens`` counts the prompt's first tokens whose K/V the pack supplies (whole blocks of ``prompt[:-1]``);
     ``loaded`` how many of them were written from the pack (the rest were already in the engine's prefix cache)."""
 
-    ref: str | None = None
+    ref: Any = None  # what the request named: a key or name, a chain of them (a list), or {"facts": [...]}
     key: str | None = None
     namespace: str = DEFAULT_NAMESPACE
     pack_tokens: int = 0
@@ -232,6 +232,10 @@ class _Ask:
     lookup: bool = True
 
 
+PACK_FIELD = (
+    'kv_transfer_params.pack must be a pack key or name (a string), a chain of them (a list of strings), or '
+    '{"facts": [...]} (a list of non-empty strings)'
+)
 COUNTERS = ("packs_applied", "packs_not_applied", "pack_load_failures", "pack_tokens_loaded", "packs_untrusted_skipped")
 
 
@@ -268,7 +272,9 @@ class PackMatcher:
 
     ``namespaces``: the namespaces a request may name (``kv_transfer_params.namespace``); the first is the default.
     ``other_exact``: whether exact packs of another engine's arithmetic load unsalted (``arithmetic.OTHER_EXACT_POLICIES``).
-    With ``trusted`` keys, a pack no trusted key signed is left out of the automatic index alone (counted, logged once)."""
+    With ``trusted`` keys, a pack no trusted key signed is left out of the automatic index alone (counted, logged once).
+    ``pack_ids``: the token ids of the pack of some facts as the served template renders them (``render.pack_prefix_ids``
+    with the engine's tokenizer), so that a request can name a chain's stored composition, or a pack by its facts."""
 
     def __init__(
         self,
@@ -280,8 +286,9 @@ class PackMatcher:
         trusted: TrustedKeys | None = None,
         refresh_s: float = 10.0,
         other_exact: str = "unsalted",
+        pack_ids: Callable[[Sequence[str]], list[int]] | None = None,
     ) -> None:
-        self.stores, self.served, self.namespaces = stores, served, tuple(namespaces)
+        self.stores, self.served, self.namespaces, self.pack_ids = stores, served, tuple(namespaces), pack_ids
         self.automatic, self.trusted, self.refresh_s, self.other_exact = automatic, trusted, refresh_s, other_exact
         self.counters = MatcherCounters()
         self._untrusted: set[tuple[str, str]] = set()  # (namespace, key) of packs left out of the index, logged once
@@ -394,9 +401,13 @@ class PackMatcher:
             return PackPlan(ref=ref if isinstance(ref, str) else None, reason=reason)
         if ref is False:  # the request opts out: no pack, not even one its first tokens match
             return PackPlan()
+        if isinstance(ref, list):
+            return self._chain(prompt, ref, namespace, ask)
+        if isinstance(ref, dict):
+            return self._of_facts(prompt, ref, namespace, ask)
         if ref is not None:
             if not isinstance(ref, str) or not ref:
-                return PackPlan(mode="explicit", reason="kv_transfer_params.pack must be a pack key or name (a string)")
+                return PackPlan(mode="explicit", reason=PACK_FIELD)
             return self._explicit(prompt, ref, namespace, ask)
         if not self.automatic:
             return PackPlan()
@@ -419,6 +430,56 @@ class PackMatcher:
             return plan
         plan.key = header.key
         return self._checked(plan, header, prompt, ask)
+
+    def _chain(self, prompt: list[int], refs: list[Any], namespace: str, ask: _Ask) -> PackPlan:
+        """A chain of packs (a base and its errata, or packs composed in order): its stored composition when there is
+        one, else the part whose agreeing blocks reach deepest (the first part's, as a rule); vLLM prefills the rest."""
+        if not refs or not all(isinstance(part, str) and part for part in refs):
+            return PackPlan(ref=refs, namespace=namespace, mode="explicit", reason=PACK_FIELD)
+        parts = []
+        for part in refs:
+            try:
+                parts.append(self.headers.get(namespace, part, lookup=ask.lookup))
+            except PackstoreError as exc:
+                return PackPlan(ref=refs, namespace=namespace, mode="explicit", reason=f"chain part {part!r}: {type(exc).__name__}: {exc}")
+        facts = [fact for header in parts for fact in header.facts]
+        return self._deepest(refs, [*self._stored_of(facts, namespace, ask), *parts], namespace, prompt, ask)
+
+    def _of_facts(self, prompt: list[int], ref: dict[str, Any], namespace: str, ask: _Ask) -> PackPlan:
+        """The pack of some facts, by the key this engine's build would have, else packstore's own build's."""
+        facts = ref.get("facts")
+        if set(ref) != {"facts"} or not isinstance(facts, list) or not facts or not all(isinstance(f, str) and f.strip() for f in facts):
+            return PackPlan(ref=ref, namespace=namespace, mode="explicit", reason=PACK_FIELD)
+        if self.pack_ids is None:
+            return PackPlan(ref=ref, namespace=namespace, mode="explicit", reason="this connector cannot render facts: name the pack")
+        stored = self._stored_of(facts, namespace, ask)
+        if not stored:
+            reason = f"no pack of these {len(facts)} facts is stored for the served model in namespace {namespace!r}"
+            return PackPlan(ref=ref, namespace=namespace, mode="explicit", reason=reason)
+        return self._deepest(ref, stored, namespace, prompt, ask)
+
+    def _stored_of(self, facts: Sequence[str], namespace: str, ask: _Ask) -> list[PackHeader]:
+        """The stored packs of ``facts`` rendered with the served template: this engine's build, then packstore's."""
+        if self.pack_ids is None:
+            return []
+        ids, served, found = self.pack_ids(facts), self.served, []
+        own = {"name": served.engine_name, "version": served.engine_version, "block_size": served.block_size}
+        for engine in ((own,) if served.engine_version is not None else ()) + (None,):
+            key = pack_key(served.model_fp, served.template_fp, ids, engine=engine)
+            try:
+                found.append(self.headers.get(namespace, key, lookup=ask.lookup))
+            except PackNotFound:
+                continue
+        return found
+
+    def _deepest(self, ref: Any, headers: Sequence[PackHeader], namespace: str, prompt: Sequence[int], ask: _Ask) -> PackPlan:
+        """Of ``headers``, the pack whose agreeing blocks supply the most tokens (then by the preference rule); where
+        none applies, the first, with its reason."""
+        plans = [self._checked(PackPlan(ref=ref, key=h.key, namespace=namespace, mode="explicit"), h, prompt, ask) for h in headers]
+        applying = [plan for plan in plans if plan.applies]
+        if not applying:
+            return plans[0]
+        return min(applying, key=lambda plan: preference(plan.arithmetic or ENGINE, plan.tokens, plan.key or ""))
 
     def _checked(self, plan: PackPlan, header: PackHeader, prompt: Sequence[int], ask: _Ask) -> PackPlan:
         plan.pack_tokens, plan.pack_sha256 = header.tokens, header.pack_sha256

@@ -53,7 +53,7 @@ class PlanLookups:
             except HeaderNeeded as need:  # raised only once ``params`` was read as a JSON object
                 deadline = self._clock() + self.seconds
                 future = self._pool.submit(self._look_up, decide, deadline)
-                mode = "explicit" if need.ref == transfer_fields(params)[0].get("pack") else "automatic"
+                mode = "explicit" if transfer_fields(params)[0].get("pack") is not None else "automatic"
                 self._pending[request_id] = _Lookup(future, need, deadline, mode)
                 return None
         looked_up = pending.future.result() if pending.future.done() else None

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -19,12 +20,13 @@ from packstore.answering.paged import (
     slot_mapping,
 )
 from packstore.kv.build import build_pack
+from packstore.kv.render import pack_prefix_ids
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
 from packstore.security.trust import SigningKey, TrustedKeys, generate_key
 from packstore.store.lmdb.store import LmdbStore
 from tests.helpers.packs import flip_in_file
-from tests.helpers.paged import BLOCK, FACTS, OTHER, paged_packs, prompt
+from tests.helpers.paged import BLOCK, FACTS, OTHER, paged_packs, prompt, served_tiny, store_packs
 
 
 @pytest.fixture(scope="module")
@@ -322,3 +324,44 @@ def test_a_request_can_ask_who_the_engine_is(tiny_lm, packs) -> None:
     assert not matcher.plan(prompt(tiny_lm, ["Nothing packed."]), None).reported  # nothing to say: no report at all
     wrong = matcher.plan(prompt(tiny_lm, FACTS), {"identity": "yes"})
     assert wrong.reported and wrong.reason == "kv_transfer_params.identity must be true or false (a JSON boolean)"
+
+
+@pytest.fixture(scope="module")
+def chained(tmp_path_factory, tiny_lm):
+    """A store of ``wexley``, ``oslo`` and their sequential composition, and a matcher that renders facts."""
+    path = store_packs(tmp_path_factory.mktemp("chains") / "store", tiny_lm, {"wexley": FACTS, "oslo": OTHER, "both": [*FACTS, *OTHER]})
+    with LmdbStore(path, readonly=True) as store:
+        matcher = PackMatcher(lambda namespace: store, served_tiny(tiny_lm, BLOCK), pack_ids=partial(pack_prefix_ids, tiny_lm.tokenizer))
+        yield store, matcher
+
+
+def test_a_chain_loads_its_stored_composition(tiny_lm, chained) -> None:
+    store, matcher = chained
+    ids = prompt(tiny_lm, [*FACTS, *OTHER])
+    plan = matcher.plan(ids, {"pack": ["wexley", "oslo"]})
+    both = store.stat("both").header
+    assert plan.applies and plan.key == both.key and plan.tokens == (both.tokens // BLOCK) * BLOCK
+    assert plan.report()["pack"] == ["wexley", "oslo"] and plan.report()["pack_parts"] == [{"key": both.key, "tokens": plan.tokens}]
+
+
+def test_a_chain_without_a_stored_composition_loads_its_deepest_agreeing_part(tiny_lm, packs) -> None:
+    """Only the parts are stored: the first part's blocks agree up to where its framing ends; vLLM prefills the rest."""
+    store, served = packs
+    matcher = PackMatcher(lambda namespace: store, served, pack_ids=partial(pack_prefix_ids, tiny_lm.tokenizer))
+    plan = matcher.plan(prompt(tiny_lm, [*FACTS, *OTHER]), {"pack": ["wexley", "oslo"]})
+    assert plan.applies and plan.key == store.stat("wexley").key and 0 < plan.tokens < store.stat("wexley").header.tokens
+    missing = matcher.plan(prompt(tiny_lm, FACTS), {"pack": ["wexley", "nowhere"]})
+    assert not missing.applies and missing.reason.startswith("chain part 'nowhere': PackNotFound")
+
+
+def test_a_pack_named_by_its_facts_is_found_by_the_key_its_build_has(tiny_lm, chained) -> None:
+    store, matcher = chained
+    plan = matcher.plan(prompt(tiny_lm, OTHER), {"pack": {"facts": OTHER}})
+    assert plan.applies and plan.key == store.stat("oslo").key and plan.report()["pack"] == {"facts": OTHER}
+    lookups = matcher.headers.lookups
+    for _ in range(3):  # a composition not stored is remembered missing: asked again, the store is not read
+        unknown = matcher.plan(prompt(tiny_lm, ["Nobody packed this."]), {"pack": {"facts": ["Nobody packed this."]}})
+        assert "no pack of these 1 facts is stored for the served model in namespace 'default'" in unknown.reason
+    assert matcher.headers.lookups == lookups + 1
+    for junk in ({"facts": []}, {"facts": [""]}, {"facts": "x"}, {"facts": ["x"], "more": 1}, [], [7], ["wexley", ""]):
+        assert "kv_transfer_params.pack must be a pack key or name" in matcher.plan(prompt(tiny_lm, FACTS), {"pack": junk}).reason

@@ -179,6 +179,7 @@ def served(tmp_path_factory):
         "harbour": render(tokenizer, HARBOUR, "Who dredged the harbour of Quillon?").token_ids,
         "orchard": render(tokenizer, ORCHARD, "Who planted the Tevrin orchard?").token_ids,
         "orchard-late": render(tokenizer, ORCHARD_LATE, "When was the barn's roof mended?").token_ids,
+        "chain": render(tokenizer, [*VELMORA, *HARBOUR], "Who dredged the harbour of Quillon?").token_ids,
         "mills": render(tokenizer, MILLS, "Who was the mill's last owner?").token_ids,
     }
     return {
@@ -206,7 +207,8 @@ def answers(served, engines):
         [ask("damaged", p["orchard"], "orchard"), ask("damaged-late", p["orchard-late"], "orchard-late")],
         [ask("dtype", p["harbour"], "harbour-bf16"), ask("model", p["mills"], "mills-other"), ask("prompt", p["mills"], "velmora")],
         [{"tag": "identity", "prompt_token_ids": p["mills"], "max_tokens": 1, "kv_transfer_params": {"identity": True, "pack": False}}],
-        [ask(f"plain/{name}", p[name], False) for name in ("velmora", "velmora2", "harbour", "orchard", "orchard-late", "mills")],
+        [ask("chain", p["chain"], ["velmora", "harbour"]), ask("by-facts", p["harbour"], {"facts": HARBOUR})],
+        [ask(f"plain/{name}", p[name], False) for name in ("velmora", "velmora2", "harbour", "orchard", "orchard-late", "mills", "chain")],
     ]
     spec = {"model": str(served["model_dir"]), "block_size": BLOCK, "connector": {"store": str(served["store"])}, "requests": requests}
     return engines(spec)
@@ -255,6 +257,19 @@ def test_refusals_come_back_with_the_answer(answers) -> None:
     assert other["kv"]["pack_applied"] is False and other["kv"]["reason"].startswith("model mismatch")
     assert wrong_prompt["kv"]["pack_applied"] is False and "differ from the pack's" in wrong_prompt["kv"]["reason"]
     assert dtype["ids"] == answers["plain/harbour"]["ids"] and other["ids"] == answers["plain/mills"]["ids"] == wrong_prompt["ids"]
+
+
+def test_a_chain_loads_its_first_part_and_vllm_prefills_the_rest(answers, served) -> None:
+    """No composition of the two is stored: velmora's blocks agree with the chain's rendering up to where velmora's
+    framing ends; the answer is vLLM's on the whole text."""
+    chain = answers["chain"]["kv"]
+    with LmdbStore(served["store"], readonly=True) as store:
+        velmora = store.stat("velmora").header
+    assert chain["pack_applied"] is True and chain["pack_key"] == velmora.key and chain["pack"] == ["velmora", "harbour"]
+    assert 0 < chain["pack_tokens_used"] < velmora.tokens and chain["pack_parts"] == [{"key": velmora.key, "tokens": chain["pack_tokens_used"]}]
+    assert answers["chain"]["ids"] == answers["plain/chain"]["ids"]
+    by_facts = answers["by-facts"]
+    assert by_facts["kv"]["pack_applied"] is True and by_facts["ids"] == answers["plain/harbour"]["ids"]
 
 
 def test_a_request_learns_who_the_engine_is(answers, served) -> None:
