@@ -84,6 +84,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     in_blocks = f", in token blocks of {max(blocks)} positions" if blocks else ""
     print(f"codec:        {record['codec']}, {len(record['chunks'])} chunks{in_blocks}")
     print(f"created:      {record['created']}")
+    engine = record["engine"]
+    print(f"computed by:  {'packstore (transformers)' if engine is None else ' '.join(f'{k} {v}' for k, v in engine.items())}")
+    if record["built_on"] is not None:
+        print(f"built on:     {', '.join(f'{k} {v}' for k, v in record['built_on'].items())}")
     for signature in record["signatures"]:
         print(f"signed by:    {signature['key_id']} ({signature['created']}){'' if signature['valid'] else ' INVALID'}")
     if record["kind"] == "steering":

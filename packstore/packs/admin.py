@@ -37,6 +37,9 @@ def pack_details(stored: StoredPack) -> dict[str, Any]:
         "facts": list(h.facts),
         "errata": [fact[len(ERRATUM_PREFIX) :] for fact in h.facts if fact.startswith(ERRATUM_PREFIX)],
         "token_ids": list(h.token_ids),
+        "engine": dict(h.engine) if h.engine is not None else None,  # the serving engine that prefilled it, or None (packstore)
+        "built_on": dict(h.built_on) if h.built_on is not None else None,  # the machine and software it was computed on
+        "prefill_chunks": list(h.prefill_chunks) if h.prefill_chunks is not None else None,
         "signatures": [
             {"key_id": sig.key_id, "created": sig.created, "valid": sig.subject == "pack" and sig.digest == h.pack_sha256 and sig.valid()}
             for sig in stored.signatures

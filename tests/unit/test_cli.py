@@ -68,6 +68,9 @@ def test_build_ask_ls_inspect_rm(cli, facts_file: Path, tmp_path: Path) -> None:
     code, out, _ = cli("inspect", "wexley", "--json")
     inspected = json.loads(out)
     assert code == 0 and inspected["facts"] == FACTS.strip().splitlines() and inspected["layers"] == 3
+    assert inspected["engine"] is None and inspected["built_on"]["device"] == "cpu" and inspected["prefill_chunks"][-1] == built["tokens"]
+    code, out, _ = cli("inspect", "wexley")
+    assert code == 0 and "computed by:  packstore (transformers)" in out and "built on:     " in out and "device cpu" in out
 
     code, out, _ = cli("rm", "wexley")
     assert code == 0 and built["key"] in out

@@ -320,6 +320,8 @@ def test_an_engine_built_pack_records_the_engine_and_has_its_own_key(engine_buil
     with LmdbStore(served["store"], readonly=True) as store:
         transformers_built = store.stat("harbour").header
     assert header.token_ids == transformers_built.token_ids and built["key"] != transformers_built.key
+    inspected = packctl("--store", str(served["tmp"] / f"engine-{header.dtype}"), "inspect", built["key"])  # which arithmetic it is pinned to
+    assert inspected["engine"] == dict(header.engine) and inspected["built_on"]["device"] == "cpu"
 
 
 def test_an_engine_built_pack_answers_bit_for_bit_as_vllm_own_prefix_cache(engine_built) -> None:
