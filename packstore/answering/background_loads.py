@@ -10,22 +10,15 @@ writes nothing more, though the store call it waits in ends only at the client's
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from packstore.answering.paged import blocks_of
-from packstore.answering.step_loads import PackLoad, checked, layer_rows, load_slots, not_waited
+from packstore.answering.step_loads import PackLoad, PackLoader, checked, layer_rows, load_slots, not_waited
 from packstore.errors import Unavailable
-
-if TYPE_CHECKING:
-    from packstore.packs.tensors import ArrivingPack, Pack
-
-LOAD_THREADS = 4  # packs read and written at once; more wait for a thread, within their own deadline
 
 # layer ``name``'s K, V at a load's positions ([kv heads, tokens, head dim]) into the request's slots
 LayerWrite = Callable[[str, PackLoad, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -51,22 +44,12 @@ class _Job:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class BackgroundLoads:
+class BackgroundLoads(PackLoader):
     """``start(load, layers, write)`` reads ``load``'s pack (``ready(load)`` if in memory, else ``fetch(load)``) and
-    writes each of ``layers`` ((name, index) pairs) on a thread; ``finished()`` hands back what ended."""
+    writes each of ``layers`` ((name, index) pairs) on a pool thread; ``finished()`` hands back what ended."""
 
-    def __init__(
-        self,
-        ready: Callable[[PackLoad], Pack | None],
-        fetch: Callable[[PackLoad], ArrivingPack | Pack],
-        block_size: int,
-        seconds: float,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-        threads: int = LOAD_THREADS,
-    ) -> None:
-        self._ready, self._fetch, self.block_size, self.seconds, self._clock = ready, fetch, block_size, seconds, clock
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="packstore-load")
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._jobs: dict[str, _Job] = {}
 
     def __len__(self) -> int:
@@ -127,5 +110,3 @@ class BackgroundLoads:
                 del self._jobs[request_id]
         return ended
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -94,11 +94,9 @@ def layer_rows(pack: ArrivingPack | Pack, index: int, load: PackLoad, left: floa
     return keys[:, load.start : load.stop], values[:, load.start : load.stop]
 
 
-class StepLoads:
-    """Loads of one step at a time: ``start(loads)``, ``write_layer`` per layer as the model reaches it, ``finish``.
-
-    ``ready(load)``: the pack a load reads if it is in memory (else None), on the caller's thread; ``fetch(load)``: the
-    pack arriving from the store, run on the pool."""
+class PackLoader:
+    """What loads read packs with: ``ready(load)``, the pack a load reads if it is in memory (else None);
+    ``fetch(load)``, the pack arriving from the store, run on a pool of ``threads``; and their deadline, ``seconds``."""
 
     def __init__(
         self,
@@ -108,9 +106,21 @@ class StepLoads:
         seconds: float,
         *,
         clock: Callable[[], float] = time.monotonic,
+        threads: int = OPEN_THREADS,
     ) -> None:
         self._ready, self._fetch, self.block_size, self.seconds, self._clock = ready, fetch, block_size, seconds, clock
-        self._pool = ThreadPoolExecutor(max_workers=OPEN_THREADS, thread_name_prefix="packstore-open")
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"packstore-{type(self).__name__}")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class StepLoads(PackLoader):
+    """Loads of one step at a time: ``start(loads)``, ``write_layer`` per layer as the model reaches it, ``finish``;
+    ``ready`` runs on the caller's thread, ``fetch`` on the pool."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._loadings: list[_Loading] = []
         self._deadline = 0.0
 
@@ -177,6 +187,3 @@ class StepLoads:
                 failures.late.add(load.namespace)
         self._loadings = []
         return failures
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
