@@ -72,7 +72,8 @@ log = logging.getLogger("packstore.vllm")
 
 SETTINGS = (
     "store", "namespace", "namespaces", "token_file", "tls_ca", "s3_endpoint", "trusted_keys", "automatic", "index_refresh_s",
-    "cache_bytes", "other_exact", "lookup_seconds", "load_seconds", "background_loads",
+    "cache_bytes", "other_exact", "lookup_seconds", "load_seconds", "background_loads", "allow_save", "save_bytes_per_hour",
+    "signing_key",
 )
 CAPTURE_SETTING = "capture_dir"  # EngineCaptureConnector's alone: packctl build --engine vllm's capture run
 STORE_GRACE_SECONDS = 1.0  # a store call's deadline beyond the connector's own: the connector's decides, and says so
@@ -103,11 +104,15 @@ class ConnectorSettings:
     lookup_seconds: float = 2.0  # the longest a request waits for its pack's header from the store (then: no pack)
     background_loads: bool = True  # packs not decoded in the worker load beside the forward passes (else within them)
     load_seconds: float = 10.0  # the longest a step waits for a pack from the store (then: its blocks recomputed)
+    allow_save: bool = False  # requests may save what the engine computes as packs (kv_transfer_params save: true)
+    save_bytes_per_hour: int = 0  # the most bytes of K/V each namespace may save within an hour (0: no limit)
+    signing_key: str | None = None  # the key file saved packs are signed with (required with trusted_keys)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any], *, capture: bool = False) -> ConnectorSettings:
         """The settings in ``extra``, each type-checked; ValueError naming an unknown or mistyped one (vLLM refuses to
-        start). ``capture_dir`` is read only for ``capture`` (EngineCaptureConnector), never from users' config."""
+        start). ``capture_dir`` is read only for ``capture`` (EngineCaptureConnector), never from users' config. With
+        ``trusted_keys``, saving needs a ``signing_key``: an unsigned save would be a pack this connector refuses."""
         known = (*SETTINGS, CAPTURE_SETTING) if capture else SETTINGS
         unknown = sorted(set(extra) - set(known), key=str)
         if CAPTURE_SETTING in unknown:
@@ -119,6 +124,13 @@ class ConnectorSettings:
             raise ValueError(f"PackstoreConnector: unknown kv_connector_extra_config key {unknown[0]!r} (known: {', '.join(SETTINGS)})")
         values = ConfigValues(extra, "PackstoreConnector: kv_connector_extra_config")
         namespace = values.text("namespace") or DEFAULT_NAMESPACE
+        trusted_keys, allow_save, signing_key = values.text("trusted_keys"), values.flag("allow_save", False), values.text("signing_key")
+        if trusted_keys and allow_save and not signing_key:
+            raise ValueError(
+                "PackstoreConnector: kv_connector_extra_config sets trusted_keys and allow_save: true but no signing_key, so "
+                "its saves would be unsigned packs that trusted_keys refuses: set signing_key (a key file, packctl keygen) "
+                "or turn allow_save off"
+            )
         return cls(
             store=values.text("store"),
             namespace=namespace,
@@ -126,7 +138,7 @@ class ConnectorSettings:
             token_file=values.text("token_file"),
             tls_ca=values.text("tls_ca"),
             s3_endpoint=values.text("s3_endpoint"),
-            trusted_keys=values.text("trusted_keys"),
+            trusted_keys=trusted_keys,
             automatic=values.flag("automatic", True),
             index_refresh_s=values.seconds("index_refresh_s", 10.0),
             cache_bytes=values.count("cache_bytes", DEFAULT_CACHE_BYTES),
@@ -135,6 +147,9 @@ class ConnectorSettings:
             lookup_seconds=values.seconds("lookup_seconds", 2.0),
             background_loads=values.flag("background_loads", True),
             load_seconds=values.seconds("load_seconds", 10.0),
+            allow_save=allow_save,
+            save_bytes_per_hour=values.count("save_bytes_per_hour", 0),
+            signing_key=signing_key,
         )
 
     def readers(self, timeout: float) -> NamespaceReaders:

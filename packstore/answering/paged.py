@@ -23,7 +23,7 @@ from packstore.answering.arithmetic import ENGINE, EngineArithmetic, arithmetic_
 from packstore.answering.pack_headers import HeaderNeeded, PackHeaders
 from packstore.answering.transfer_params import transfer_fields
 from packstore.errors import PackNotFound, PackstoreError, Untrusted
-from packstore.format.header import PackHeader, pack_key
+from packstore.format.header import DTYPE_SIZES, PackHeader, pack_key
 from packstore.kv.render import common_prefix_length
 from packstore.security.trust import TrustedKeys
 from packstore.store.namespaces import DEFAULT_NAMESPACE
@@ -55,13 +55,22 @@ class ServedModel:
         """The engine's own arithmetic, as headers of packs it built record it."""
         return EngineArithmetic(self.engine_name, self.engine_version, self.block_size, self.dtype)
 
+    @property
+    def engine(self) -> dict[str, Any]:
+        """The engine as the header and key of a pack it computed record it (``PackHeader.engine``)."""
+        return {"name": self.engine_name, "version": self.engine_version, "block_size": self.block_size}
+
+    @property
+    def token_bytes(self) -> int:
+        """The bytes of one token's K/V in the served model: layers x 2 x kv heads x head dim x element size."""
+        return self.layers * 2 * self.kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
+
     def identity(self) -> dict[str, Any]:
         """Who the engine is, as a client outside it needs to know to compute the keys of packs it builds or to check
         that it talks to the engine it expects (``kv_transfer_params: {"identity": true}``)."""
         return {
             "model_fp": self.model_fp, "template_fp": self.template_fp, "dtype": self.dtype, "layers": self.layers,
-            "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-            "engine": {"name": self.engine_name, "version": self.engine_version, "block_size": self.block_size},
+            "kv_heads": self.kv_heads, "head_dim": self.head_dim, "engine": self.engine,
         }
 
 
@@ -86,6 +95,11 @@ class PackPlan:
     background: bool = False  # offered to be loaded beside the forward passes (the pack is not in the worker's memory)
     failure: str | None = None  # set when loading failed and the engine recomputed the blocks, or it took none
     identity: dict[str, Any] | None = None  # the engine's identity, where the request asked for it
+    # A pack named by its facts or as a chain: the facts, their token ids as the served template renders them, and the
+    # keys of the stored packs of exactly those tokens (this engine's build, packstore's); what a save request needs
+    facts: tuple[str, ...] | None = None
+    rendering: tuple[int, ...] | None = None
+    stored: tuple[str, ...] = ()
 
     @property
     def applies(self) -> bool:
@@ -180,6 +194,14 @@ class PrefixIndex:
                     deepest[key] = (tokens, arithmetic)
         found = [(key, tokens, arithmetic) for key, (tokens, arithmetic) in deepest.items() if tokens > beyond]
         return sorted(found, key=lambda item: preference(item[2], item[1], item[0]))
+
+
+def _rendered(plan: PackPlan, facts: Sequence[str], ids: Sequence[int] | None, stored: Sequence[PackHeader]) -> PackPlan:
+    """``plan`` with the facts its request named, their rendering (None where this connector cannot render facts) and
+    the stored packs of that rendering."""
+    plan.facts, plan.stored = tuple(facts), tuple(header.key for header in stored)
+    plan.rendering = tuple(ids) if ids is not None else None
+    return plan
 
 
 def _refusal(header: PackHeader, served: ServedModel) -> str | None:
@@ -443,7 +465,9 @@ class PackMatcher:
             except PackstoreError as exc:
                 return PackPlan(ref=refs, namespace=namespace, mode="explicit", reason=f"chain part {part!r}: {type(exc).__name__}: {exc}")
         facts = [fact for header in parts for fact in header.facts]
-        return self._deepest(refs, [*self._stored_of(facts, namespace, ask), *parts], namespace, prompt, ask)
+        ids = self.pack_ids(facts) if self.pack_ids is not None else None
+        stored = self._stored_of(ids, namespace, ask) if ids is not None else []
+        return _rendered(self._deepest(refs, [*stored, *parts], namespace, prompt, ask), facts, ids, stored)
 
     def _of_facts(self, prompt: list[int], ref: dict[str, Any], namespace: str, ask: _Ask) -> PackPlan:
         """The pack of some facts, by the key this engine's build would have, else packstore's own build's."""
@@ -452,19 +476,18 @@ class PackMatcher:
             return PackPlan(ref=ref, namespace=namespace, mode="explicit", reason=PACK_FIELD)
         if self.pack_ids is None:
             return PackPlan(ref=ref, namespace=namespace, mode="explicit", reason="this connector cannot render facts: name the pack")
-        stored = self._stored_of(facts, namespace, ask)
+        ids = self.pack_ids(facts)
+        stored = self._stored_of(ids, namespace, ask)
         if not stored:
             reason = f"no pack of these {len(facts)} facts is stored for the served model in namespace {namespace!r}"
-            return PackPlan(ref=ref, namespace=namespace, mode="explicit", reason=reason)
-        return self._deepest(ref, stored, namespace, prompt, ask)
+            return _rendered(PackPlan(ref=ref, namespace=namespace, mode="explicit", reason=reason), facts, ids, stored)
+        return _rendered(self._deepest(ref, stored, namespace, prompt, ask), facts, ids, stored)
 
-    def _stored_of(self, facts: Sequence[str], namespace: str, ask: _Ask) -> list[PackHeader]:
-        """The stored packs of ``facts`` rendered with the served template: this engine's build, then packstore's."""
-        if self.pack_ids is None:
-            return []
-        ids, served, found = self.pack_ids(facts), self.served, []
-        own = {"name": served.engine_name, "version": served.engine_version, "block_size": served.block_size}
-        for engine in ((own,) if served.engine_version is not None else ()) + (None,):
+    def _stored_of(self, ids: Sequence[int], namespace: str, ask: _Ask) -> list[PackHeader]:
+        """The stored packs of the token ids ``ids`` (some facts rendered with the served template): this engine's
+        build, then packstore's."""
+        served, found = self.served, []
+        for engine in ((served.engine,) if served.engine_version is not None else ()) + (None,):
             key = pack_key(served.model_fp, served.template_fp, ids, engine=engine)
             try:
                 found.append(self.headers.get(namespace, key, lookup=ask.lookup))

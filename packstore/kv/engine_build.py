@@ -2,6 +2,7 @@
 pack's tokens, in vLLM's own arithmetic, so that loading the pack in the same vLLM answers bit for bit as vLLM reusing
 its own prefix cache. The rendering and split are packstore's (the same token ids as a normal build); the header
 records the engine, its version and block size, and the engine is part of the key's recipe (docs/format.md §1.1).
+``engine_pack`` makes the pack of the rows an engine wrote: this build's capture run, or a request saving what it computed.
 
 vLLM runs in a process of its own (``python -m packstore.vllm_plugin capture``): its CPU worker cannot start from a
 process that has imported numba (packstore.vllm_plugin says why).
@@ -15,7 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -112,18 +113,50 @@ def build_pack_with_engine(
             layers = sorted(int(name[2:]) for name in captured.keys() if name.startswith("k."))
             keys = [captured.get_tensor(f"k.{i}") for i in layers]
             values = [captured.get_tensor(f"v.{i}") for i in layers]
-    if layers != list(range(len(layers))) or any(k.shape[0] != len(token_ids) for k in keys + values):
-        raise InvalidInput(f"vLLM wrote {keys[0].shape[0] if keys else 0} rows of K/V for the pack's {len(token_ids)} tokens")
+    if layers != list(range(len(layers))):
+        raise InvalidInput(f"vLLM wrote the K/V of layers {layers}, not of each layer from 0")
+    return engine_pack(
+        token_ids, facts, keys, values, steps,
+        model_fp=directory_model_fingerprint(model_dir, dtype),
+        template_fp=template_fingerprint(tokenizer),
+        model_name=spec,
+        dtype=dtype,
+        machine=machine_of(metadata),
+        engine={"name": engine, "version": metadata.get("version", "unknown"), "block_size": block_size},
+        raw=raw,
+    )
+
+
+def engine_pack(
+    token_ids: Sequence[int],
+    facts: Sequence[str],
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    steps: Sequence[int],
+    *,
+    model_fp: str,
+    template_fp: str,
+    model_name: str,
+    dtype: str,
+    machine: Mapping[str, Any],
+    engine: Mapping[str, Any],
+    raw: bool = False,
+) -> Pack:
+    """The pack of the K/V rows an engine wrote for ``token_ids`` (per layer, ``[tokens, kv heads, head dim]``), in the
+    ``steps`` forward passes that wrote ``steps[i]`` of them each: what a capture run and a save from serving both build."""
+    if not keys or any(rows.shape[0] != len(token_ids) for rows in [*keys, *values]):
+        written = keys[0].shape[0] if keys else 0
+        raise InvalidInput(f"the engine wrote {written} rows of K/V for the pack's {len(token_ids)} tokens")
     boundaries = [0]
     for count in steps:
         boundaries.append(boundaries[-1] + count)
     header = PackHeader(
         kind="knowledge",
-        model_fp=directory_model_fingerprint(model_dir, dtype),
-        template_fp=template_fingerprint(tokenizer),
-        model_name=spec,
+        model_fp=model_fp,
+        template_fp=template_fp,
+        model_name=model_name,
         token_ids=tuple(token_ids),
-        layers=len(layers),
+        layers=len(keys),
         kv_heads=keys[0].shape[1],
         head_dim=keys[0].shape[2],
         dtype=dtype,
@@ -131,8 +164,8 @@ def build_pack_with_engine(
         raw=raw,
         created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         prefill_chunks=tuple(boundaries),
-        built_on={**machine_of(metadata), "dtype": dtype},
-        engine={"name": engine, "version": metadata.get("version", "unknown"), "block_size": block_size},
+        built_on={**machine, "dtype": dtype},
+        engine=dict(engine),
     )
     pack = Pack(header=header, keys=[k.transpose(0, 1).contiguous() for k in keys], values=[v.transpose(0, 1).contiguous() for v in values])
     pack.check_shapes()
