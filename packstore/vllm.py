@@ -41,6 +41,9 @@ from packstore.answering.config_values import ConfigValues
 from packstore.answering.paged import COUNTERS, PackMatcher, PackPlan, ServedModel
 from packstore.answering.plan_lookups import PlanLookups
 from packstore.answering.ready_caches import ReadyCache
+from packstore.answering.save_capture import SaveCapture
+from packstore.answering.save_writes import SaveWriter
+from packstore.answering.saves import SavePlan, Saves
 from packstore.answering.step_loads import PackLoad, StepLoads
 from packstore.answering.transfer_params import engine_refusal
 from packstore.errors import InvalidInput
@@ -51,7 +54,7 @@ from packstore.kv.render import pack_prefix_ids, preamble_tokens
 from packstore.packs.decoder import Decoder
 from packstore.packs.reader import PackReader
 from packstore.rpc.channel import Connection
-from packstore.security.trust import TrustedKeys
+from packstore.security.trust import SigningKey, TrustedKeys
 from packstore.store import StoreSpec
 from packstore.store.namespaces import DEFAULT_NAMESPACE
 from packstore.worker.namespace_readers import NamespaceReaders
@@ -76,6 +79,7 @@ SETTINGS = (
     "signing_key",
 )
 CAPTURE_SETTING = "capture_dir"  # EngineCaptureConnector's alone: packctl build --engine vllm's capture run
+SAVE_SECONDS = 600.0  # each call the worker's saves make to a service or bucket (a put of a large pack takes a while)
 STORE_GRACE_SECONDS = 1.0  # a store call's deadline beyond the connector's own: the connector's decides, and says so
 # Speculative decoding methods whose drafts need no K/V of their own (n-grams of the tokens, or heads on the target's
 # hidden states): a pack's K/V, the target model's, is all they read. The others (EAGLE, MTP, a draft model) would
@@ -152,12 +156,12 @@ class ConnectorSettings:
             signing_key=signing_key,
         )
 
-    def readers(self, timeout: float) -> NamespaceReaders:
+    def readers(self, timeout: float, *, readonly: bool = True) -> NamespaceReaders:
         """Each namespace's store, opened on first use with the token, TLS CA and S3 endpoint given; each call to a
-        service or bucket fails after ``timeout`` seconds."""
+        service or bucket fails after ``timeout`` seconds. ``readonly`` False: writers (the saves)."""
         connection = Connection.from_env(token_file=self.token_file, tls_ca=self.tls_ca, namespace=self.namespace)
         spec = StoreSpec.of(self.store, connection=connection, s3_endpoint=self.s3_endpoint, namespace=self.namespace)
-        return NamespaceReaders(replace(spec, timeout=timeout), per_caller=True)
+        return NamespaceReaders(replace(spec, timeout=timeout), per_caller=True, readonly=readonly)
 
 
 def check_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
@@ -294,9 +298,14 @@ class PackstorePromMetrics(KVConnectorPromMetrics):
 
 @dataclass
 class PackstoreMetadata(KVConnectorMetadata):
-    """Scheduler -> worker: the loads of this step."""
+    """Scheduler -> worker: the loads of this step; the saves it begins (each with its request's blocks so far), the
+    blocks more of them were given, and the saves to forget; the served model's identity, which saved packs record."""
 
     loads: list[PackLoad] = field(default_factory=list)
+    saves: list[tuple[SavePlan, list[int]]] = field(default_factory=list)
+    save_blocks: dict[str, list[int]] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
+    identity: dict[str, Any] | None = None
 
 
 @dataclass
@@ -308,11 +317,12 @@ class PackstoreWorkerMetadata(KVConnectorWorkerMetadata):
     failures: dict[str, str] = field(default_factory=dict)
     late: set[str] = field(default_factory=set)
     ready: frozenset[tuple[str, str]] | None = None
+    saved: dict[str, str | None] = field(default_factory=dict)  # saves that ended: request id -> None (stored) or why not
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, PackstoreWorkerMetadata)
         ready = other.ready if self.ready is None else self.ready if other.ready is None else self.ready & other.ready
-        return PackstoreWorkerMetadata({**self.failures, **other.failures}, self.late | other.late, ready)
+        return PackstoreWorkerMetadata({**self.failures, **other.failures}, self.late | other.late, ready, {**self.saved, **other.saved})
 
 
 def _engine_refusal(request: Request) -> str | None:
@@ -357,7 +367,9 @@ class PackstoreConnector(KVConnectorBase_V1):
             )
             self.matcher.start()
             lookups = PlanLookups(self.matcher, self.settings.lookup_seconds)
-            self._scheduler_state(self.matcher, lookups, background=self.settings.background_loads)
+            saves = Saves(served, allow=self.settings.allow_save, bytes_per_hour=self.settings.save_bytes_per_hour)
+            self._scheduler_state(self.matcher, lookups, background=self.settings.background_loads, saves=saves)
+            self._identity["model_name"] = vllm_config.model_config.model
             log.info("packstore: connector serving packs from %s (namespaces %s)", self.settings.store, ", ".join(self.settings.namespaces))
         else:
             self._readers = self.settings.readers(self.settings.load_seconds + STORE_GRACE_SECONDS)
@@ -374,13 +386,31 @@ class PackstoreConnector(KVConnectorBase_V1):
             self._late: set[str] = set()
             self._captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
             self._captured_steps: list[int] = []
+            self._save_capture: SaveCapture | None = None  # made once the layers are known (register_kv_caches)
+            self._cache_updates: dict[str, Any] = {}  # each layer's own cache update, where it is watched
+            self._saves_ended: dict[str, str | None] = {}  # saves that ended since the last report: None (stored) or why not
+            self._save_orders: dict[str, SavePlan] = {}
+            self._save_identity: dict[str, Any] = {}
+            self._save_writer: SaveWriter | None = None
+            if self.settings.allow_save:
+                signing = SigningKey.load(self.settings.signing_key) if self.settings.signing_key else None
+                writers = self.settings.readers(SAVE_SECONDS, readonly=False)
+                self._save_writer = SaveWriter(writers.get, machine(torch.device("cpu")), signing)
 
     # ---- scheduler half -------------------------------------------------------------------------------------------
 
-    def _scheduler_state(self, matcher: PackMatcher, lookups: PlanLookups, *, background: bool = True) -> None:
+    def _scheduler_state(
+        self, matcher: PackMatcher, lookups: PlanLookups, *, background: bool = True, saves: Saves | None = None
+    ) -> None:
         """The scheduler half's state: requests are planned by ``matcher``, through ``lookups`` off this thread; packs
-        the worker does not hold decoded load beside the forward passes if ``background``, else within them."""
+        the worker does not hold decoded load beside the forward passes if ``background``, else within them; ``saves``
+        decides save requests (default: saving off)."""
         self.matcher, self.lookups, self._loads_beside = matcher, lookups, background
+        self.saves = saves if saves is not None else Saves(matcher.served, allow=False)
+        self._save_plans: dict[str, SavePlan] = {}  # saves decided, not yet sent to the worker
+        self._saving: set[str] = set()  # saves sent to the worker, until their request ends
+        self._dropped: list[str] = []  # saves whose request ended, for the worker to forget
+        self._identity: dict[str, Any] = matcher.served.identity()  # what the worker's saved packs record
         self._plans: dict[str, PackPlan] = {}
         self._to_load: dict[str, PackPlan] = {}
         self._unwaited: set[str] = set()  # requests planned before their store missed a load deadline
@@ -404,9 +434,25 @@ class PackstoreConnector(KVConnectorBase_V1):
             if plan is None:
                 return None, False
             self._plans[request.request_id] = plan
+            self._decide_save(request, plan, num_computed_tokens)
         plan.offered = plan.tokens - num_computed_tokens if plan.applies and num_computed_tokens < plan.tokens else 0
         plan.background = self._loads_beside and plan.offered > 0 and (plan.namespace, plan.key) not in self._worker_ready
         return plan.offered, plan.background
+
+    def _decide_save(self, request: Request, plan: PackPlan, num_computed_tokens: int) -> None:
+        """Whether ``request`` saves what vLLM computes for its facts (once, with its plan: ``Saves.decide``)."""
+        try:
+            prompt, params = request.prompt_token_ids or [], request.kv_transfer_params
+            decision = self.saves.decide(request.request_id, plan, prompt, params, num_computed_tokens)
+        except Exception as exc:  # the engine's scheduler must never see an exception from here
+            log.exception("packstore: deciding a save failed")
+            plan.save_reason = f"internal error: {type(exc).__name__}: {exc}"
+            return
+        if isinstance(decision, SavePlan):
+            self._save_plans[request.request_id] = decision
+            plan.save_key = decision.key
+        elif decision is not None:
+            plan.save_key, plan.save_reason = decision.key, decision.reason
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Load what vLLM took of the tokens offered; a pack whose tokens it did not take is not applied, and says so."""
@@ -426,16 +472,28 @@ class PackstoreConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """The loads of the requests scheduled this step (new ones, and ones resumed after preemption), and the loads
         beside the forward of requests that wait for them."""
-        meta = PackstoreMetadata(loads=self._background)
-        self._background = []
+        meta = PackstoreMetadata(loads=self._background, dropped=self._dropped)
+        self._background, self._dropped = [], []
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self._to_load:
                 meta.loads.append(self._load_of(new.req_id, new.block_ids[0]))
+            if new.req_id in self._save_plans:
+                meta.saves.append((self._save_plans.pop(new.req_id), list(new.block_ids[0])))
+                self._saving.add(new.req_id)
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[index]
-            if req_id in self._to_load and req_id in cached.resumed_req_ids and new_blocks is not None:
+            resumed = req_id in cached.resumed_req_ids
+            if req_id in self._to_load and resumed and new_blocks is not None:
                 meta.loads.append(self._load_of(req_id, new_blocks[0]))
+            if req_id in self._saving and new_blocks is not None:
+                if resumed:  # preempted: its blocks are new, and the capture so far is lost unless it completed
+                    self._saving.discard(req_id)
+                    meta.dropped.append(req_id)
+                else:
+                    meta.save_blocks[req_id] = list(new_blocks[0])
+        if meta.saves:
+            meta.identity = self._identity
         return meta
 
     def _load_of(self, request_id: str, block_ids: list[int]) -> PackLoad:
@@ -455,6 +513,10 @@ class PackstoreConnector(KVConnectorBase_V1):
         if isinstance(meta, PackstoreWorkerMetadata):
             if meta.ready is not None:
                 self._worker_ready = meta.ready
+            for request_id, failure in meta.saved.items():
+                self.matcher.counters.add("packs_saved" if failure is None else "pack_save_failures")
+                if failure is not None:
+                    log.warning("packstore: request %s: its save was not stored: %s", request_id, failure)
             for namespace in meta.late:
                 self.matcher.headers.forget(namespace)
                 self._unwaited |= {request_id for request_id, plan in self._plans.items() if plan.namespace == namespace}
@@ -471,6 +533,10 @@ class PackstoreConnector(KVConnectorBase_V1):
         vLLM must keep the request's blocks until the worker reports its background load finished (it ended while
         waiting for it, so the loading thread may still write them)."""
         self._to_load.pop(request.request_id, None)
+        self._save_plans.pop(request.request_id, None)
+        if request.request_id in self._saving:  # its capture completed in its prefill; else the worker drops it
+            self._saving.discard(request.request_id)
+            self._dropped.append(request.request_id)
         keep_blocks = request.request_id in self._waiting
         self.lookups.forget(request.request_id)
         self._unwaited.discard(request.request_id)
@@ -509,26 +575,33 @@ class PackstoreConnector(KVConnectorBase_V1):
         """Keep the engine's caches, once its attention layers are known to take a pack's K/V (``check_layers``)."""
         compilation = self._vllm_config.compilation_config
         layers = compilation.static_forward_context
-        capture = self.settings.capture_dir is not None
+        watch = self.settings.capture_dir is not None or self._save_writer is not None
         self._layers = {name: layers[name] for name in kv_caches if name in layers}
-        check_layers(self._layers, compilation.pass_config, capture=capture)
+        check_layers(self._layers, compilation.pass_config, capture=watch)
         self._kv_caches = dict(kv_caches)
-        if capture:
-            for name in kv_caches:
-                self._capture(extract_layer_index(name), layers[name].impl)
+        if self._save_writer is not None:
+            self._save_capture = SaveCapture(len(self._layers), self.block_size)
+        if watch:
+            for name, layer in self._layers.items():
+                self._watch_writes(name, layer.impl)
 
-    def _capture(self, index: int, impl: Any) -> None:
-        """Keep a copy of every K/V row the attention backend writes into layer ``index``'s cache (a capture run
-        serves one request: its prompt's rows, in order, are the pack)."""
-        update = impl.do_kv_cache_update
-        rows = self._captured.setdefault(index, [])
+    def _watch_writes(self, name: str, impl: Any) -> None:
+        """Have the attention backend's cache update of layer ``name`` also hand the rows it writes to the capture
+        run (every row: a capture run serves one request, whose prompt's rows, in order, are the pack) and to the
+        saves (the rows of their requests' slots). Packs the connector loads are written with the update itself."""
+        index, update = extract_layer_index(name), impl.do_kv_cache_update
+        self._cache_updates[name] = update
+        rows = self._captured.setdefault(index, []) if self.settings.capture_dir is not None else None
 
-        def capturing(layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        def watched(layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
             update(layer, key, value, kv_cache, slots)
-            written = slots[slots >= 0].numel()
-            rows.append((key[:written].detach().clone(), value[:written].detach().clone()))
+            if rows is not None:
+                written = slots[slots >= 0].numel()
+                rows.append((key[:written].detach().clone(), value[:written].detach().clone()))
+            if self._save_capture:
+                self._save_capture.write(index, key, value, slots)
 
-        impl.do_kv_cache_update = capturing
+        impl.do_kv_cache_update = watched
 
     def _write_capture(self) -> None:
         """After a step that wrote rows: every row captured so far, per layer, and the rows each step wrote, to
@@ -551,6 +624,24 @@ class PackstoreConnector(KVConnectorBase_V1):
         if namespace not in self._packs:
             self._packs[namespace] = PackReader(self._readers.get(namespace), self._decoder)
         return self._packs[namespace]
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step's forward: begin the saves it starts, give them their new blocks, forget the ended ones."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._save_capture is None or not isinstance(connector_metadata, PackstoreMetadata):
+            return
+        meta = connector_metadata
+        if meta.identity is not None:
+            self._save_identity = meta.identity
+        for plan, block_ids in meta.saves:
+            self._save_capture.begin(plan.request_id, len(plan.token_ids), block_ids)
+            self._save_orders[plan.request_id] = plan
+        for request_id, block_ids in meta.save_blocks.items():
+            self._save_capture.extend(request_id, block_ids)
+        for request_id in meta.dropped:
+            self._save_orders.pop(request_id, None)
+            if self._save_capture.drop(request_id):
+                self._saves_ended[request_id] = "the request ended, or was preempted, before vLLM had written its range whole"
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Start this step's loads: a pack in memory is written layer by layer as the model reaches each layer
@@ -587,7 +678,7 @@ class PackstoreConnector(KVConnectorBase_V1):
         kv_cache = self._kv_caches.get(layer_name, layer.kv_cache)
         key = keys.transpose(0, 1).to(kv_cache.device, kv_cache.dtype).contiguous()
         value = values.transpose(0, 1).to(kv_cache.device, kv_cache.dtype).contiguous()
-        layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slots.to(kv_cache.device))
+        self._cache_updates.get(layer_name, layer.impl.do_kv_cache_update)(layer, key, value, kv_cache, slots.to(kv_cache.device))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         """Packs are only read here (built with ``packctl build --engine vllm``), never saved from serving."""
@@ -603,6 +694,19 @@ class PackstoreConnector(KVConnectorBase_V1):
             for request_id, reason in failed.reasons.items():
                 log.warning("packstore: the pack for request %s failed to load: %s", request_id, reason)
         self._write_capture()
+        self._hand_over_saves()
+
+    def _hand_over_saves(self) -> None:
+        """The saves whose range this step completed go to the writer, off the forward; the ones it stored are noted."""
+        if self._save_capture is None or self._save_writer is None:
+            return
+        self._save_capture.end_step()
+        for captured in self._save_capture.complete():
+            plan = self._save_orders.pop(captured.request_id, None)
+            if plan is not None:
+                self._save_writer.submit(plan, captured, self._save_identity)
+        for written in self._save_writer.finished():
+            self._saves_ended[written.plan.request_id] = written.failure
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """The requests whose background load ended (written, or failed: their blocks are reported for recompute in
@@ -624,10 +728,10 @@ class PackstoreConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         ready = self._ready.keys()
         changed = ready != self._reported_ready
-        if not self._failures and not self._late and not changed:
+        if not self._failures and not self._late and not changed and not self._saves_ended:
             return None
-        meta = PackstoreWorkerMetadata(self._failures, self._late, ready if changed else None)
-        self._failures, self._late, self._reported_ready = {}, set(), ready
+        meta = PackstoreWorkerMetadata(self._failures, self._late, ready if changed else None, self._saves_ended)
+        self._failures, self._late, self._reported_ready, self._saves_ended = {}, set(), ready, {}
         return meta
 
     def shutdown(self) -> None:
@@ -637,6 +741,8 @@ class PackstoreConnector(KVConnectorBase_V1):
         else:
             self._loads.close()
             self._background_loads.close()
+            if self._save_writer is not None:
+                self._save_writer.close(wait=True)  # a save captured is written before the engine goes
             self._decoder.close()
         self._readers.close()
 

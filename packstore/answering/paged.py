@@ -95,6 +95,8 @@ class PackPlan:
     background: bool = False  # offered to be loaded beside the forward passes (the pack is not in the worker's memory)
     failure: str | None = None  # set when loading failed and the engine recomputed the blocks, or it took none
     identity: dict[str, Any] | None = None  # the engine's identity, where the request asked for it
+    save_key: str | None = None  # the key a save request's pack is stored under (being stored, or there already)
+    save_reason: str | None = None  # why a save request stores nothing (or that its pack is there already)
     # A pack named by its facts or as a chain: the facts, their token ids as the served template renders them, and the
     # keys of the stored packs of exactly those tokens (this engine's build, packstore's); what a save request needs
     facts: tuple[str, ...] | None = None
@@ -109,7 +111,7 @@ class PackPlan:
     def reported(self) -> bool:
         """Whether the answer carries a report: a pack was named or matched, something could not be read, or the
         request asked who the engine is."""
-        return self.mode != "none" or self.reason is not None or self.identity is not None
+        return self.mode != "none" or self.reason is not None or self.identity is not None or self.save_reason is not None
 
     def report(self) -> dict[str, Any]:
         """What comes back with the answer (vLLM: the response's ``kv_transfer_params``)."""
@@ -130,6 +132,10 @@ class PackPlan:
             found["reason"] = reason
         if self.identity is not None:
             found["identity"] = self.identity
+        if self.save_key is not None:
+            found["pack_saved"] = self.save_key
+        if self.save_reason is not None:
+            found["pack_save_reason"] = self.save_reason
         return found
 
 
@@ -258,7 +264,10 @@ PACK_FIELD = (
     'kv_transfer_params.pack must be a pack key or name (a string), a chain of them (a list of strings), or '
     '{"facts": [...]} (a list of non-empty strings)'
 )
-COUNTERS = ("packs_applied", "packs_not_applied", "pack_load_failures", "pack_tokens_loaded", "packs_untrusted_skipped")
+COUNTERS = (
+    "packs_applied", "packs_not_applied", "pack_load_failures", "pack_tokens_loaded", "packs_untrusted_skipped", "packs_saved",
+    "pack_save_failures",
+)
 
 
 @dataclass

@@ -92,10 +92,13 @@ class SaveCapture:
             save.block_ids.extend(block_ids)
             self._changed()
 
-    def drop(self, request_id: str) -> None:
-        """Forget a save whose request ended, or was preempted, before its rows were all written."""
-        if self._saves.pop(request_id, None) is not None:
-            self._changed()
+    def drop(self, request_id: str) -> bool:
+        """Forget a save whose request ended, or was preempted, before its rows were all written; whether it was
+        still being captured (False: it completed, or never began)."""
+        if self._saves.pop(request_id, None) is None:
+            return False
+        self._changed()
+        return True
 
     def _changed(self) -> None:
         self._tables.clear()

