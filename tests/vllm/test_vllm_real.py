@@ -364,6 +364,43 @@ def test_approximate_blocks_serve_only_requests_salted_for_them(salted) -> None:
     assert records["after/salted"]["cached"] >= loaded["pack_tokens_loaded"]  # they are in vLLM's cache, under the salt
 
 
+def kv(tag: str, prompt: list[int], params: dict, **more) -> dict:
+    """One request with these ``kv_transfer_params``."""
+    return {"tag": tag, "prompt_token_ids": prompt, "max_tokens": 16, "kv_transfer_params": params, **more}
+
+
+@pytest.fixture(scope="module")
+def saved(served, engines):
+    """An engine that saves (prefix caching on, as vLLM's default): the mills facts saved as ``mills-vllm``, then the
+    same save again (its blocks now in vLLM's prefix cache: refused), then the question answered from vLLM's own prefix
+    cache of the saved range. Then a fresh engine that does not save: the saved pack loaded, and a save refused."""
+    store = served["tmp"] / "saves"
+    store.mkdir()
+    p = served["prompts"]
+    save = {"pack": {"facts": MILLS}, "save": True, "name": "mills-vllm"}
+    first = engines({"model": str(served["model_dir"]), "block_size": BLOCK, "prefix_caching": True,
+                     "connector": {"store": str(store), "allow_save": True, "automatic": False},
+                     "requests": [kv("save", p["mills"], save), kv("again", p["mills"], save), kv("cache", p["mills"], {"pack": False})]})
+    fresh = engines({"model": str(served["model_dir"]), "block_size": BLOCK, "connector": {"store": str(store), "automatic": False},
+                     "requests": [kv("load", p["mills"], {"pack": "mills-vllm"}), kv("off", p["mills"], save)]})
+    return first, fresh, store
+
+
+def test_a_saved_pack_loads_in_a_fresh_engine_as_the_saving_engine_own_prefix_cache(saved, answers) -> None:
+    first, fresh, store = saved
+    key = first["save"]["kv"]["pack_saved"]
+    with LmdbStore(store, readonly=True) as opened:
+        header = opened.stat("mills-vllm").header
+    assert header.key == key and header.engine["name"] == "vllm" and header.facts == tuple(MILLS)
+    assert "prefix cache held" in first["again"]["kv"]["pack_save_reason"]  # not computed by that request: not saved
+    load = fresh["load"]
+    assert load["kv"]["pack_applied"] is True and load["kv"]["pack_key"] == key
+    assert load["ids"] == first["cache"]["ids"] and load["logprobs"] == first["cache"]["logprobs"]  # bit for bit
+    assert load["ids"] == answers["plain/mills"]["ids"]
+    assert fresh["off"]["kv"]["pack_save_reason"].startswith("saving is off")
+    assert [result["ok"] for result in packctl("--store", str(store), "verify")] == [True]
+
+
 PREEMPTED = ("velmora", "velmora2", "harbour", "mills")
 
 
