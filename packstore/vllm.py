@@ -435,7 +435,9 @@ class PackstoreConnector(KVConnectorBase_V1):
                 return None, False
             self._plans[request.request_id] = plan
             self._decide_save(request, plan, num_computed_tokens)
-        plan.offered = plan.tokens - num_computed_tokens if plan.applies and num_computed_tokens < plan.tokens else 0
+        # a load that failed is not offered again: vLLM asks anew for a request whose background load failed
+        loadable = plan.applies and plan.failure is None and num_computed_tokens < plan.tokens
+        plan.offered = plan.tokens - num_computed_tokens if loadable else 0
         plan.background = self._loads_beside and plan.offered > 0 and (plan.namespace, plan.key) not in self._worker_ready
         return plan.offered, plan.background
 

