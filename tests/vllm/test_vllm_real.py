@@ -406,7 +406,7 @@ PREEMPTED = ("velmora", "velmora2", "harbour", "mills")
 
 @pytest.fixture(scope="module")
 def preempted(served, engines):
-    """A KV cache of 24 blocks of 32 tokens for four requests that grow to 9-13 blocks each: vLLM preempts some and
+    """A KV cache of 25 blocks of 32 tokens (one is vLLM's own) for four requests that grow to 9-13 blocks each: vLLM preempts some and
     resumes them later, loading their packs again. The same four opted out, under the same cache, are the reference."""
     p = served["prompts"]
     long = {"max_tokens": 200, "ignore_eos": True}
@@ -414,7 +414,7 @@ def preempted(served, engines):
         [ask(f"packed/{name}", p[name], name.removesuffix("2"), **long) for name in PREEMPTED],
         [ask(f"plain/{name}", p[name], False, **long) for name in PREEMPTED],
     ]
-    spec = {"model": str(served["model_dir"]), "block_size": BLOCK, "kv_blocks": 24, "max_model_len": 768,
+    spec = {"model": str(served["model_dir"]), "block_size": BLOCK, "kv_blocks": 25, "max_model_len": 768,
             "connector": {"store": str(served["store"])}, "requests": requests}
     return engines(spec), engines.done["preemptions"]
 
