@@ -451,7 +451,8 @@ def stall_step(case: Case, others: int, hung: bool, repeat: int) -> Step:
     """(f): the pack's request over ``grpc://`` and ``others`` requests that need no pack, in one batch, the store hung or not."""
     requests = [{"prompt": f"{case.name}/0", "kv": {"pack": case.name}}, *({"prompt": f"other/{i}", "kv": {"pack": False}} for i in range(others))]
     kind = "stall" if repeat >= 0 else "warm-up"
-    return Step(kind, "hung" if hung else "healthy", requests, 16, repeat=repeat, ignore_eos=True, store_hung=hung)
+    # vLLM's prefix cache emptied first: else the pack's blocks cached by the step before answer it, and no load is tried
+    return Step(kind, "hung" if hung else "healthy", requests, 16, repeat=repeat, ignore_eos=True, reset=True, store_hung=hung)
 
 
 def batch_step(batch: Sequence[Case], mode: str, max_tokens: int, repeat: int) -> Step:
