@@ -59,7 +59,7 @@ def test_bench_vllm_quick(tmp_path: Path) -> None:
                                                                            "(g) saving <= 1.10x not saving"}
     (saved,) = [r for r in records if r["part"] == "save"]
     assert saved["same_ids"] and saved["cold_median_s"] > 0 and saved["warm_median_s"] > 0
-    assert {r["mode"] for r in records if r["part"] == "save_run"} == {"text", "cold", "warm"}
+    assert {r["mode"] for r in records if r["part"] == "save_run"} == {"as-text", "saving", "saved"}
     (stall,) = [r for r in records if r["part"] == "stall"]
     assert stall["healthy_requests"] == stall["hung_requests"] == 8 and stall["hung_p99_s"] > 0
     assert all("lookup_seconds" in reason or "load_seconds" in reason for reason in stall["pack_reasons_hung"])

@@ -96,6 +96,7 @@ MODE_NAMES = {
 }
 TARGET_PACK_OVER_FLOOR = 1.3  # (b) <= 1.3x (d), and (e) <= 1.3x (d)
 SAVE_PAUSE_S = 3.0  # before a warm request: the save is written off the forward, and its key was found missing (index_refresh_s 1)
+SAVE_MODES = ("as-text", "saving", "saved")  # (g)/(h): text, cold (prefilled and saved), warm (the saved pack loaded)
 TARGET_SAVE_OVER_TEXT = 1.1  # (g) a saving request <= 1.10x the same request not saving
 STALL_PACK_TOKENS = 256  # (f)'s pack: small, so its recompute while the store hangs costs the others little
 TARGET_HUNG_OVER_HEALTHY = 1.5  # (f) other requests' p99 with the store hung <= 1.5x with it healthy
@@ -470,10 +471,11 @@ def ttft_step(case: Case, mode: str, question: int, repeat: int = -1) -> Step:
 
 
 def save_step(case: Case, mode: str, repeat: int) -> Step:
-    """(g)/(h): the case's prompt as text (``text``), saving its facts (``cold``), or loading the saved pack (``warm``)."""
-    params = {"text": {"pack": False}, "cold": {"pack": {"facts": case.facts}, "save": True}, "warm": {"pack": {"facts": case.facts}}}
+    """(g)/(h): the case's prompt as text (``as-text``), saving its facts (``saving``: cold), or loading the saved pack
+    (``saved``: warm). Modes of their own: ``cold`` is (e)'s."""
+    params = {"as-text": {"pack": False}, "saving": {"pack": {"facts": case.facts}, "save": True}, "saved": {"pack": {"facts": case.facts}}}
     return Step("save" if repeat >= 0 else "warm-up", mode, [{"prompt": f"{case.name}/0", "kv": params[mode]}], 1, case.target, repeat,
-                reset=True, pause_s=SAVE_PAUSE_S if mode == "warm" else 0.0)
+                reset=True, pause_s=SAVE_PAUSE_S if mode == "saved" else 0.0)
 
 
 def stall_step(case: Case, others: int, hung: bool, repeat: int) -> Step:
@@ -516,9 +518,9 @@ def plan(
         for r in range(args.stall_repeats):
             plans["stall"] += [stall_step(case, len(STALL_QUESTIONS), hung, r) for hung in (False, True)]
     if saves:  # (g)/(h): one fact set warms the engine up (numba compiles, the capture's first save), then one per repetition
-        plans["save"] = [save_step(saves[0], mode, -1) for mode in ("text", "cold", "warm")]
+        plans["save"] = [save_step(saves[0], mode, -1) for mode in SAVE_MODES]
         for r, case in enumerate(saves[1:]):
-            plans["save"] += [save_step(case, mode, r) for mode in ("text", "cold", "warm")]
+            plans["save"] += [save_step(case, mode, r) for mode in SAVE_MODES]
     return plans
 
 
@@ -586,7 +588,7 @@ def measure(args: argparse.Namespace, workdir: Path, model_dir: Path, store_path
             if step.mode in ("healthy", "hung"):  # (f)
                 stall_step_done(step, answers, seconds, message, engine)
                 return
-            if step.mode in ("text", "cold", "warm"):  # (g)/(h)
+            if step.mode in SAVE_MODES:  # (g)/(h)
                 save_step_done(step, answers[0], seconds, message, engine)
                 return
             if step.target == 0:  # a batch step (timed, or its warm-up)
@@ -643,9 +645,9 @@ def measure(args: argparse.Namespace, workdir: Path, model_dir: Path, store_path
         name = step.requests[0]["prompt"].split("/")[0]
         kv = answer["kv"] or {}
         where = f"{step.kind} {name} {step.mode}"
-        if step.mode == "text":
+        if step.mode == "as-text":
             checks.expect(answer["kv"] is None, f"{where}: an opted-out request reported {answer['kv']}")
-        elif step.mode == "cold":
+        elif step.mode == "saving":
             saved = kv.get("pack_saved")
             checks.expect(saved is not None and "pack_save_reason" not in kv, f"{where}: nothing saved ({kv})")
             measured.saved_keys[name] = saved or ""
@@ -819,18 +821,19 @@ def stall_summary(args: argparse.Namespace, measured: Measured, results: JsonlRe
 
 def save_summary(args: argparse.Namespace, measured: Measured, results: JsonlRecords, checks: Checks) -> tuple[str, int, float, bool]:
     """(g) and (h)'s table: a fact set's prompt as text, saving its facts (cold), loading the saved pack (warm)."""
-    med = {mode: statistics.median(measured.saves[mode]) for mode in ("text", "cold", "warm")}
+    med = {mode: statistics.median(measured.saves[mode]) for mode in SAVE_MODES}
     same = all(len({tuple(ids) for ids in by_mode.values()}) == 1 for by_mode in measured.save_ids.values())
     checks.expect(same, "(g)/(h): the answers' token ids differ between text, saving and the saved pack")
-    over = med["cold"] / med["text"]
-    results.record("save", repeats=args.save_repeats - 1, tokens=args.batch_tokens, **{f"{m}_median_s": v for m, v in med.items()},
-                   cold_over_text=over, warm_over_text=med["warm"] / med["text"], same_ids=same)
+    over = med["saving"] / med["as-text"]
+    results.record("save", repeats=args.save_repeats - 1, tokens=args.batch_tokens, text_median_s=med["as-text"],
+                   cold_median_s=med["saving"], warm_median_s=med["saved"], cold_over_text=over,
+                   warm_over_text=med["saved"] / med["as-text"], same_ids=same)
     print_table(
         f"4. (g) and (h) saves: {args.save_repeats - 1} fact sets of about {args.batch_tokens} tokens, each as text, saving "
         "(cold) and from its saved pack (warm), prefix cache emptied before each; seconds to the first token, median",
         ["text s", "saving (cold) s", "saved pack (warm) s", "cold / text", "warm / text", "same ids"],
-        [[f"{med['text']:.3f}", f"{med['cold']:.3f}", f"{med['warm']:.3f}", ratio(med["cold"], med["text"]), ratio(med["warm"], med["text"]),
-          "yes" if same else "NO"]],
+        [[f"{med['as-text']:.3f}", f"{med['saving']:.3f}", f"{med['saved']:.3f}", ratio(med["saving"], med["as-text"]),
+          ratio(med["saved"], med["as-text"]), "yes" if same else "NO"]],
     )
     return "(g) saving <= 1.10x not saving", args.batch_tokens, over, over <= TARGET_SAVE_OVER_TEXT
 
