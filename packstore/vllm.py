@@ -79,7 +79,6 @@ SETTINGS = (
     "signing_key",
 )
 CAPTURE_SETTING = "capture_dir"  # EngineCaptureConnector's alone: packctl build --engine vllm's capture run
-SAVE_SECONDS = 600.0  # each call the worker's saves make to a service or bucket (a put of a large pack takes a while)
 STORE_GRACE_SECONDS = 1.0  # a store call's deadline beyond the connector's own: the connector's decides, and says so
 # Speculative decoding methods whose drafts need no K/V of their own (n-grams of the tokens, or heads on the target's
 # hidden states): a pack's K/V, the target model's, is all they read. The others (EAGLE, MTP, a draft model) would
@@ -372,7 +371,10 @@ class PackstoreConnector(KVConnectorBase_V1):
             self._identity["model_name"] = vllm_config.model_config.model
             log.info("packstore: connector serving packs from %s (namespaces %s)", self.settings.store, ", ".join(self.settings.namespaces))
         else:
-            self._readers = self.settings.readers(self.settings.load_seconds + STORE_GRACE_SECONDS)
+            # with saves, the worker reads and writes through one store per namespace (LMDB opens a directory once
+            # per process); each call still fails after load_seconds + 1 s
+            deadline = self.settings.load_seconds + STORE_GRACE_SECONDS
+            self._readers = self.settings.readers(deadline, readonly=not self.settings.allow_save)
             self._decoder = Decoder()
             self._packs: dict[str, PackReader] = {}
             self._ready = ReadyCache(self.settings.cache_bytes)  # decoded packs, by namespace and key
@@ -394,8 +396,7 @@ class PackstoreConnector(KVConnectorBase_V1):
             self._save_writer: SaveWriter | None = None
             if self.settings.allow_save:
                 signing = SigningKey.load(self.settings.signing_key) if self.settings.signing_key else None
-                writers = self.settings.readers(SAVE_SECONDS, readonly=False)
-                self._save_writer = SaveWriter(writers.get, machine(torch.device("cpu")), signing)
+                self._save_writer = SaveWriter(self._readers.get, machine(torch.device("cpu")), signing)
 
     # ---- scheduler half -------------------------------------------------------------------------------------------
 
