@@ -28,12 +28,12 @@ def test_bench_vllm_quick(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "tools.bench.bench_vllm", *argv], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for line in ("1. Time to first token", "b / d", "engine core in each engine's process", "2. 4 concurrent requests", "output tokens/s",
-                 "Targets (issues 52 and 63)", "3. (f)", "hung / healthy p99", "GPU figures unmeasured", "Checks: every pack request reported pack_applied true", "Total run time"):
+                 "Targets (issues 52, 63 and 64)", "3. (f)", "hung / healthy p99", "4. (g) and (h) saves", "GPU figures unmeasured", "Checks: every pack request reported pack_applied true", "Total run time"):
         assert line in done.stdout, line
     records = [json.loads(line) for line in out.read_text().splitlines()]
     parts = [r["part"] for r in records]
     assert parts[0] == "machine" and parts[-1] == "total"
-    assert {r["engine"] for r in records if r["part"] == "engine"} == {"local", "grpc", "floor", "cold", "cold-inline", "stall"}
+    assert {r["engine"] for r in records if r["part"] == "engine"} == {"local", "grpc", "floor", "cold", "cold-inline", "stall", "save"}
 
     runs = [r for r in records if r["part"] == "ttft_run"]
     assert {(r["target"], r["mode"]) for r in runs} == {(size, mode) for size in (128, 256) for mode in MODES}
@@ -55,7 +55,11 @@ def test_bench_vllm_quick(tmp_path: Path) -> None:
     assert batch["pack_tokens_per_s"] > 0 and batch["prefill_tokens_per_s"] > 0
     assert all(kv["pack_applied"] for r in records if r["part"] == "batch_run" and r["mode"] == "pack" for kv in r["kv"])
     assert [r["what"] for r in records if r["part"] == "unmeasured"] == ["GPU"]
-    assert {r["target"] for r in records if r["part"] == "target"} == {"(b) <= 1.3x (d)", "(e) <= 1.3x (d)", "(f) hung p99 <= 1.5x healthy"}
+    assert {r["target"] for r in records if r["part"] == "target"} == {"(b) <= 1.3x (d)", "(e) <= 1.3x (d)", "(f) hung p99 <= 1.5x healthy",
+                                                                           "(g) saving <= 1.10x not saving"}
+    (saved,) = [r for r in records if r["part"] == "save"]
+    assert saved["same_ids"] and saved["cold_median_s"] > 0 and saved["warm_median_s"] > 0
+    assert {r["mode"] for r in records if r["part"] == "save_run"} == {"as-text", "saving", "saved"}
     (stall,) = [r for r in records if r["part"] == "stall"]
     assert stall["healthy_requests"] == stall["hung_requests"] == 8 and stall["hung_p99_s"] > 0
     assert all("lookup_seconds" in reason or "load_seconds" in reason for reason in stall["pack_reasons_hung"])

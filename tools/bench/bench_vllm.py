@@ -30,6 +30,12 @@ numba code in vLLM's worker):
    store's ``packstore serve`` healthy and stopped (SIGSTOP) in turn, ``--stall-repeats`` times each: the others' seconds
    from queued to last token (vLLM's request stats), p50 and p99, healthy against hung.
 
+4. (g) and (h), saves (issue 64): an engine that saves (``allow_save``, prefix caching on and emptied before each timed
+   request), ``--save-repeats`` fact sets of about 2k tokens never stored, each asked three ways in turn: its prompt
+   prefilled (text, the pack opted out), the same prompt saving its facts (``save: true``: prefilled, the rows captured
+   and the pack written off the forward: "cold"), and after a pause for the write, loading the saved pack ("warm").
+   (g) is the saving request against the same request not saving (target <= 1.10x); (h) is cold against warm against text.
+
 Checked and recorded, so the run cannot silently measure a pack that did not apply: each pack request's returned
 ``kv_transfer_params`` says ``pack_applied`` true with all its whole blocks loaded from the pack; prefilled requests
 report nothing; the answers' token ids are the same in every mode (float32). A failed check is printed with the
@@ -89,6 +95,9 @@ MODE_NAMES = {
     "cold-inline": "(e') cold pack, loaded within the forward",
 }
 TARGET_PACK_OVER_FLOOR = 1.3  # (b) <= 1.3x (d), and (e) <= 1.3x (d)
+SAVE_PAUSE_S = 3.0  # before a warm request: the save is written off the forward, and its key was found missing (index_refresh_s 1)
+SAVE_MODES = ("as-text", "saving", "saved")  # (g)/(h): text, cold (prefilled and saved), warm (the saved pack loaded)
+TARGET_SAVE_OVER_TEXT = 1.1  # (g) a saving request <= 1.10x the same request not saving
 STALL_PACK_TOKENS = 256  # (f)'s pack: small, so its recompute while the store hangs costs the others little
 TARGET_HUNG_OVER_HEALTHY = 1.5  # (f) other requests' p99 with the store hung <= 1.5x with it healthy
 STALL_QUESTIONS = (  # (f)'s other requests: short prompts that need no pack
@@ -161,6 +170,7 @@ def engine_main(spec_path: Path) -> None:
         inputs = [{"prompt_token_ids": prompts[request["prompt"]]} for request in step["requests"]]
         waited = wait_quiet(spec["wait_quiet_s"])
         others = other_vllm_processes(os.getsid(0))
+        time.sleep(step.get("pause_s", 0))
         if step.get("reset") and not llm.reset_prefix_cache():
             raise SystemExit("vLLM did not empty its prefix cache")
         gc.collect()
@@ -201,6 +211,7 @@ class Case:
     stored_mb: float
     prompts: list[list[int]]  # one prompt per question, all of one length
     read_s: float = 0.0  # the pack read alone (PackReader.fetch: read, verify, decode), in this process, median
+    facts: list[str] = field(default_factory=list)
 
     @property
     def prompt_tokens(self) -> int:
@@ -224,6 +235,7 @@ class Step:
     question: int = -1
     ignore_eos: bool = False
     reset: bool = False  # empty vLLM's prefix cache first (untimed): every cold repetition loads its pack
+    pause_s: float = 0.0  # wait first (untimed): a saved pack is written off the forward, and its key was looked up missing
     store_hung: bool = False  # the store's service stopped (SIGSTOP) during the step
 
 
@@ -266,10 +278,14 @@ def same_length_questions(tokenizer: Any, facts: Sequence[str], base: str, count
     return list(found.values())[:count]
 
 
-def prepare(args: argparse.Namespace, workdir: Path, results: JsonlRecords) -> tuple[Path, dict[str, Any], dict[int, Case], list[Case], list[Case]]:
-    """The exported model, a store of every pack, the TTFT cases by size, the batch's cases and (f)'s pack (if run)."""
+def prepare(
+    args: argparse.Namespace, workdir: Path, results: JsonlRecords
+) -> tuple[Path, dict[str, Any], dict[int, Case], list[Case], list[Case], list[Case]]:
+    """The exported model, a store of every pack, the TTFT cases by size, the batch's cases, (f)'s pack (if run) and
+    the fact sets (g) and (h) save (not stored)."""
     from packstore.answering.api import build_and_store
     from packstore.kv.models import load_model
+    from packstore.kv.render import pack_prefix_ids
     from packstore.packs.decoder import Decoder
     from packstore.packs.reader import PackReader
     from packstore.store import LmdbStore
@@ -283,6 +299,7 @@ def prepare(args: argparse.Namespace, workdir: Path, results: JsonlRecords) -> t
     wanted = [(f"ttft-{t}", t, args.repeats + 1) for t in sorted(args.sizes)]  # a warm-up question, then one per repetition
     wanted += [(f"batch-{i}", args.batch_tokens, 1) for i in range(args.batch)]
     wanted += [("stall", STALL_PACK_TOKENS, 1)] if args.stall_repeats else []
+    wanted += [(f"save-{i}", args.batch_tokens, 1) for i in range(args.save_repeats)]  # never stored: the engine saves them
     built: list[Case] = []
     cursor = 0  # each pack's facts start where the previous one's ended: no two packs share text
     store_path = workdir / "store"
@@ -290,8 +307,12 @@ def prepare(args: argparse.Namespace, workdir: Path, results: JsonlRecords) -> t
         for name, target, count in wanted:
             facts, question = bp.select_facts(lm, records[cursor:], target)
             cursor += len(facts)
+            prompts = same_length_questions(lm.tokenizer, facts, question, count)
+            if name.startswith("save-"):
+                built.append(Case(name, target, len(pack_prefix_ids(lm.tokenizer, facts)), 0.0, prompts, facts=facts))
+                continue
             stored, _ = build_and_store(store, lm, facts, name=name)
-            case = Case(name, target, stored.header.tokens, stored.stored_bytes / 1e6, same_length_questions(lm.tokenizer, facts, question, count))
+            case = Case(name, target, stored.header.tokens, stored.stored_bytes / 1e6, prompts, facts=facts)
             if case.prompt_tokens + args.max_tokens_needed > MAX_CONTEXT:
                 raise SystemExit(f"{name}: a prompt of {case.prompt_tokens} tokens does not fit {MODEL}'s {MAX_CONTEXT} positions")
             results.record("pack", name=name, target=target, pack_tokens=case.pack_tokens, prompt_tokens=case.prompt_tokens,
@@ -310,7 +331,8 @@ def prepare(args: argparse.Namespace, workdir: Path, results: JsonlRecords) -> t
     cases = {c.target: c for c in built if c.name.startswith("ttft-")}
     batch = [c for c in built if c.name.startswith("batch-")]
     stall = [c for c in built if c.name == "stall"]
-    return store_path, exported, cases, batch, stall
+    saves = [c for c in built if c.name.startswith("save-")]
+    return store_path, exported, cases, batch, stall, saves
 
 
 # -- running engines -------------------------------------------------------------------------
@@ -333,7 +355,8 @@ def run_engine(
 ) -> dict[str, Any]:
     """Run one engine process on ``steps``; ``on_step`` gets each step's result as it comes. Its ready line."""
     spec = {**spec, "steps": [
-        {"requests": s.requests, "max_tokens": s.max_tokens, "ignore_eos": s.ignore_eos, "reset": s.reset, "store_hung": s.store_hung}
+        {"requests": s.requests, "max_tokens": s.max_tokens, "ignore_eos": s.ignore_eos, "reset": s.reset, "store_hung": s.store_hung,
+         "pause_s": s.pause_s}
         for s in steps
     ]}
     spec_path, log_path = workdir / f"engine-{name}.json", workdir / f"engine-{name}.log"
@@ -447,6 +470,14 @@ def ttft_step(case: Case, mode: str, question: int, repeat: int = -1) -> Step:
     return Step("ttft" if timed_step else "warm-up", mode, [request], 1, case.target, repeat, question, reset=timed_step and mode in COLD_MODES)
 
 
+def save_step(case: Case, mode: str, repeat: int) -> Step:
+    """(g)/(h): the case's prompt as text (``as-text``), saving its facts (``saving``: cold), or loading the saved pack
+    (``saved``: warm). Modes of their own: ``cold`` is (e)'s."""
+    params = {"as-text": {"pack": False}, "saving": {"pack": {"facts": case.facts}, "save": True}, "saved": {"pack": {"facts": case.facts}}}
+    return Step("save" if repeat >= 0 else "warm-up", mode, [{"prompt": f"{case.name}/0", "kv": params[mode]}], 1, case.target, repeat,
+                reset=True, pause_s=SAVE_PAUSE_S if mode == "saved" else 0.0)
+
+
 def stall_step(case: Case, others: int, hung: bool, repeat: int) -> Step:
     """(f): the pack's request over ``grpc://`` and ``others`` requests that need no pack, in one batch, the store hung or not."""
     requests = [{"prompt": f"{case.name}/0", "kv": {"pack": case.name}}, *({"prompt": f"other/{i}", "kv": {"pack": False}} for i in range(others))]
@@ -461,7 +492,9 @@ def batch_step(batch: Sequence[Case], mode: str, max_tokens: int, repeat: int) -
     return Step("batch" if repeat >= 0 else "warm-up", mode, requests, max_tokens, repeat=repeat, ignore_eos=True)
 
 
-def plan(args: argparse.Namespace, cases: dict[int, Case], batch: Sequence[Case], stall: Sequence[Case]) -> dict[str, list[Step]]:
+def plan(
+    args: argparse.Namespace, cases: dict[int, Case], batch: Sequence[Case], stall: Sequence[Case], saves: Sequence[Case]
+) -> dict[str, list[Step]]:
     """Each engine's steps: warm-ups (question 0), then the timed repetitions (question r + 1), interleaved."""
     sizes = sorted(cases)
     plans: dict[str, list[Step]] = {"local": [], "grpc": [], "floor": [], "cold": [], "cold-inline": []}
@@ -484,6 +517,10 @@ def plan(args: argparse.Namespace, cases: dict[int, Case], batch: Sequence[Case]
         plans["stall"] = [stall_step(case, len(STALL_QUESTIONS), False, -1)]
         for r in range(args.stall_repeats):
             plans["stall"] += [stall_step(case, len(STALL_QUESTIONS), hung, r) for hung in (False, True)]
+    if saves:  # (g)/(h): one fact set warms the engine up (numba compiles, the capture's first save), then one per repetition
+        plans["save"] = [save_step(saves[0], mode, -1) for mode in SAVE_MODES]
+        for r, case in enumerate(saves[1:]):
+            plans["save"] += [save_step(case, mode, r) for mode in SAVE_MODES]
     return plans
 
 
@@ -502,6 +539,9 @@ class Measured:
     batch_answers: dict[str, list[list[list[int]]]] = field(default_factory=dict)
     others_latency: dict[str, list[float]] = field(default_factory=dict)  # (f): the other requests' seconds, healthy / hung
     stalled_pack: list[dict[str, Any]] = field(default_factory=list)  # (f): what the pack's request reported, store hung
+    saves: dict[str, list[float]] = field(default_factory=dict)  # (g)/(h): seconds to the first token by text / cold / warm
+    saved_keys: dict[str, str] = field(default_factory=dict)  # (g)/(h): the key each fact set was saved under
+    save_ids: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # (g)/(h): each fact set's answer by mode
     engines: dict[str, dict[str, Any]] = field(default_factory=dict)
     contended: dict[tuple[int | str, str], int] = field(default_factory=dict)  # timed steps with another vLLM engine running
 
@@ -526,10 +566,10 @@ def check_answer(step: Step, answer: dict, case: Case, block: int, checks: Check
 
 
 def measure(args: argparse.Namespace, workdir: Path, model_dir: Path, store_path: Path, cases: dict[int, Case], batch: Sequence[Case],
-            stall: Sequence[Case], results: JsonlRecords, checks: Checks) -> Measured:
+            stall: Sequence[Case], saves: Sequence[Case], results: JsonlRecords, checks: Checks) -> Measured:
     from transformers import AutoTokenizer
 
-    prompts = {f"{c.name}/{i}": ids for c in [*cases.values(), *batch, *stall] for i, ids in enumerate(c.prompts)}
+    prompts = {f"{c.name}/{i}": ids for c in [*cases.values(), *batch, *stall, *saves] for i, ids in enumerate(c.prompts)}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts |= {f"other/{i}": tokenizer.encode(question) for i, question in enumerate(STALL_QUESTIONS)}
     by_name = {c.name: c for c in [*cases.values(), *batch]}
@@ -540,13 +580,16 @@ def measure(args: argparse.Namespace, workdir: Path, model_dir: Path, store_path
         "wait_quiet_s": args.wait_quiet,
     }
     measured = Measured()
-    plans = plan(args, cases, batch, stall)
+    plans = plan(args, cases, batch, stall, saves)
 
     def on_step(engine: str) -> Callable[[Step, dict], None]:
         def handle(step: Step, message: dict) -> None:
             seconds, answers = message["seconds"], message["answers"]
             if step.mode in ("healthy", "hung"):  # (f)
                 stall_step_done(step, answers, seconds, message, engine)
+                return
+            if step.mode in SAVE_MODES:  # (g)/(h)
+                save_step_done(step, answers[0], seconds, message, engine)
                 return
             if step.target == 0:  # a batch step (timed, or its warm-up)
                 for answer, case in zip(answers, batch):
@@ -598,6 +641,27 @@ def measure(args: argparse.Namespace, workdir: Path, model_dir: Path, store_path
         log(f"  (f) {step.mode}, repeat {step.repeat + 1}: others' slowest {max(x or 0 for x in latencies):.2f} s, the pack's request "
             f"{pack['latency_s'] or 0:.2f} s ({(pack['kv'] or {}).get('reason', 'applied')})")
 
+    def save_step_done(step: Step, answer: dict, seconds: float, message: dict, engine: str) -> None:
+        name = step.requests[0]["prompt"].split("/")[0]
+        kv = answer["kv"] or {}
+        where = f"{step.kind} {name} {step.mode}"
+        if step.mode == "as-text":
+            checks.expect(answer["kv"] is None, f"{where}: an opted-out request reported {answer['kv']}")
+        elif step.mode == "saving":
+            saved = kv.get("pack_saved")
+            checks.expect(saved is not None and "pack_save_reason" not in kv, f"{where}: nothing saved ({kv})")
+            measured.saved_keys[name] = saved or ""
+        else:
+            checks.expect(kv.get("pack_applied") is True and kv.get("pack_key") == measured.saved_keys.get(name),
+                          f"{where}: the saved pack did not load ({kv})")
+        measured.save_ids.setdefault(name, {})[step.mode] = answer["ids"]
+        if step.kind == "warm-up":
+            return
+        measured.saves.setdefault(step.mode, []).append(seconds)
+        results.record("save_run", engine=engine, mode=step.mode, repeat=step.repeat, name=name, seconds=seconds, kv=answer["kv"],
+                       ids=answer["ids"], contended=message["contended"], waited_s=message["waited_s"])
+        log(f"  (g/h) {name} {step.mode}, repeat {step.repeat + 1}: {seconds:.3f} s")
+
     local = {"store": str(store_path)}
     engines = [("local", {**base, "prefix_caching": False, "connector": local}), ("floor", {**base, "prefix_caching": True, "connector": None})]
     for name, spec in engines[:1]:
@@ -615,6 +679,10 @@ def measure(args: argparse.Namespace, workdir: Path, model_dir: Path, store_path
             connector = {"store": f"grpc://{address}", "cache_bytes": 0, "automatic": False, "lookup_seconds": 2, "load_seconds": 4}
             spec = {**base, "prefix_caching": True, "connector": connector, "latencies": True, "service_pid": pid}
             measured.engines["stall"] = run_engine("stall", spec, plans["stall"], args, workdir, on_step("stall"))
+    if saves:
+        connector = {"store": str(store_path), "allow_save": True, "automatic": False, "index_refresh_s": 1}
+        spec = {**base, "prefix_caching": True, "connector": connector}
+        measured.engines["save"] = run_engine("save", spec, plans["save"], args, workdir, on_step("save"))
     for name, ready in measured.engines.items():
         results.record("engine", engine=name, **{k: v for k, v in ready.items() if k != "event"})
         checks.expect(ready.get("block_size") == args.block_size, f"engine {name}: block size {ready.get('block_size')}, not {args.block_size}")
@@ -688,7 +756,9 @@ def summarize(args: argparse.Namespace, cases: dict[int, Case], batch: Sequence[
         targets.append(("(a) / (b) >= 5x", TARGET_SIZE, med["prefill"] / med["local"], med["prefill"] / med["local"] >= TARGET_PREFILL_OVER_PACK))
     if measured.others_latency:
         targets.append(stall_summary(args, measured, results))
-    print("\nTargets (issues 52 and 63):")
+    if measured.saves:
+        targets.append(save_summary(args, measured, results, checks))
+    print("\nTargets (issues 52, 63 and 64):")
     for what, target, value, met in targets:
         print(f"   {what} at {target}: {value:.2f}x: {'met' if met else 'MISSED'}")
         results.record("target", target=what, size=target, value=value, met=met)
@@ -749,6 +819,25 @@ def stall_summary(args: argparse.Namespace, measured: Measured, results: JsonlRe
     return "(f) hung p99 <= 1.5x healthy", STALL_PACK_TOKENS, over, over <= TARGET_HUNG_OVER_HEALTHY
 
 
+def save_summary(args: argparse.Namespace, measured: Measured, results: JsonlRecords, checks: Checks) -> tuple[str, int, float, bool]:
+    """(g) and (h)'s table: a fact set's prompt as text, saving its facts (cold), loading the saved pack (warm)."""
+    med = {mode: statistics.median(measured.saves[mode]) for mode in SAVE_MODES}
+    same = all(len({tuple(ids) for ids in by_mode.values()}) == 1 for by_mode in measured.save_ids.values())
+    checks.expect(same, "(g)/(h): the answers' token ids differ between text, saving and the saved pack")
+    over = med["saving"] / med["as-text"]
+    results.record("save", repeats=args.save_repeats - 1, tokens=args.batch_tokens, text_median_s=med["as-text"],
+                   cold_median_s=med["saving"], warm_median_s=med["saved"], cold_over_text=over,
+                   warm_over_text=med["saved"] / med["as-text"], same_ids=same)
+    print_table(
+        f"4. (g) and (h) saves: {args.save_repeats - 1} fact sets of about {args.batch_tokens} tokens, each as text, saving "
+        "(cold) and from its saved pack (warm), prefix cache emptied before each; seconds to the first token, median",
+        ["text s", "saving (cold) s", "saved pack (warm) s", "cold / text", "warm / text", "same ids"],
+        [[f"{med['as-text']:.3f}", f"{med['saving']:.3f}", f"{med['saved']:.3f}", ratio(med["saving"], med["as-text"]),
+          ratio(med["saved"], med["as-text"]), "yes" if same else "NO"]],
+    )
+    return "(g) saving <= 1.10x not saving", args.batch_tokens, over, over <= TARGET_SAVE_OVER_TEXT
+
+
 def plot(path: Path, figures: dict[str, Any], title: str) -> None:
     """Time to first token per mode and size (log scale), and the batch's output tokens/s."""
     import matplotlib
@@ -803,6 +892,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-tokens", type=int, default=2048, help="each batch pack's size in tokens")
     parser.add_argument("--batch-max-tokens", type=int, default=32, help="new tokens per batch request")
     parser.add_argument("--batch-repeats", type=int, default=2, help="timed batch runs per mode")
+    parser.add_argument("--save-repeats", type=int, default=4,
+                        help="(g)/(h): fact sets saved, the first a warm-up (0: no (g)/(h); else at least 2)")
     parser.add_argument("--stall-repeats", type=int, default=5, help="(f): repetitions with the store healthy and hung each (0: no (f))")
     parser.add_argument("--block-size", type=int, default=128, help="vLLM's KV block size (its CPU default: 128)")
     parser.add_argument("--kv-space-gib", type=float, default=2, help="VLLM_CPU_KVCACHE_SPACE: the KV cache, GiB")
@@ -827,10 +918,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         # the full run's code paths at small sizes: every pack is prefilled by transformers to be built, then by vLLM
         args.sizes, args.repeats, args.batch_tokens, args.batch_max_tokens, args.batch_repeats = [128, 256], 1, 256, 8, 1
         args.stall_repeats = min(args.stall_repeats, 1)
+        args.save_repeats = min(args.save_repeats, 2)
         args.batch = min(args.batch, 4)  # concurrent requests, each with its own pack, as with 8
         args.kv_space_gib = min(args.kv_space_gib, 1)
-    if args.repeats < 1 or args.batch_repeats < 1:
-        parser.error("repetitions must be at least 1")
+    if args.repeats < 1 or args.batch_repeats < 1 or args.save_repeats == 1:
+        parser.error("repetitions must be at least 1 (--save-repeats: 0, or 2 and more)")
     if args.block_size % 32:
         parser.error("vLLM on CPU needs a block size that is a multiple of 32")
     args.max_tokens_needed = max(args.batch_max_tokens if args.batch else 1, 1)
@@ -861,9 +953,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.workdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="packstore-bench-vllm-", dir=args.workdir) as tmp:
         workdir = Path(tmp)
-        store_path, exported, cases, batch, stall = prepare(args, workdir, results)
+        store_path, exported, cases, batch, stall, saves = prepare(args, workdir, results)
         results.record("model", model=MODEL, model_fp=exported["model_fp"], template_fp=exported["template_fp"])
-        measured = measure(args, workdir, workdir / "model", store_path, cases, batch, stall, results, checks)
+        measured = measure(args, workdir, workdir / "model", store_path, cases, batch, stall, saves, results, checks)
     figures = summarize(args, cases, batch, measured, results, checks)
     if args.plot is not None:
         plot(args.plot, figures, f"PackstoreConnector on vLLM {vllm.__version__} (CPU, {os.cpu_count()} cores), {MODEL} {DTYPE}, commit {args.commit}")
