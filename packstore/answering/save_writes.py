@@ -87,7 +87,7 @@ class SaveWriter:
 def _stored(store: PackStore, ref: str, model_fp: str | None = None) -> bool:
     """Whether ``store`` holds a pack ``ref`` names (a key; or a name, of ``model_fp``'s packs where given)."""
     try:
-        store.stat(ref, model_fp=model_fp)
+        store.resolve(ref, model_fp=model_fp)  # the index alone: no header is read
     except PackNotFound:
         return False
     return True
