@@ -84,6 +84,9 @@ STORE_GRACE_SECONDS = 1.0  # a store call's deadline beyond the connector's own:
 # hidden states): a pack's K/V, the target model's, is all they read. The others (EAGLE, MTP, a draft model) would
 # draft from K/V the pack never wrote.
 TOKEN_DRAFTERS = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")
+# the longest a step that schedules nothing waits for a background load to end: a request arriving meanwhile waits
+# for it, and any shorter and vLLM's polling takes the cores the load decodes on
+IDLE_WAIT_SECONDS = 0.01
 DEFAULT_CACHE_BYTES = 1 << 30  # decoded packs the worker half keeps in host memory between requests
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -219,6 +222,17 @@ def check_layers(layers: Mapping[str, Any], pass_config: Any, *, capture: bool) 
         raise ValueError("PackstoreConnector cannot write into this engine's KV cache: " + "; ".join(problems))
 
 
+def reads_strided_rows(impl: Any) -> bool:
+    """Whether an attention backend's cache update reads each row through its strides, so a pack's layer
+    (``[kv heads, tokens, head dim]``) is written as a transposed view, without copying it first: vLLM's CPU backend
+    (its kernel takes the token and head strides; an engine test checks the loaded K/V bit for bit)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    except ImportError:  # a build without the CPU backend
+        return False
+    return isinstance(impl, CPUAttentionBackendImpl)
+
+
 def served_model(vllm_config: VllmConfig) -> tuple[ServedModel, Any]:
     """The identities and cache shape of the model vLLM serves, computed from its Hugging Face directory, and its
     tokenizer (which renders the facts a request names, as the packs of them were rendered)."""
@@ -305,6 +319,7 @@ class PackstoreMetadata(KVConnectorMetadata):
     save_blocks: dict[str, list[int]] = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)
     identity: dict[str, Any] | None = None
+    idle: bool = False  # the step schedules no tokens: the engine only polls for loads that are ending
 
 
 @dataclass
@@ -379,6 +394,7 @@ class PackstoreConnector(KVConnectorBase_V1):
             self._packs: dict[str, PackReader] = {}
             self._ready = ReadyCache(self.settings.cache_bytes)  # decoded packs, by namespace and key
             self._kv_caches: dict[str, torch.Tensor] = {}
+            self._strided_rows: set[str] = set()  # layers whose cache update takes a pack's rows as strided views
             self._layers: dict[str, Any] = {}
             self._loads = StepLoads(self._ready_pack, self._fetch, self.block_size, self.settings.load_seconds)
             self._background_loads = BackgroundLoads(self._ready_pack, self._fetch, self.block_size, self.settings.load_seconds)
@@ -475,7 +491,7 @@ class PackstoreConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """The loads of the requests scheduled this step (new ones, and ones resumed after preemption), and the loads
         beside the forward of requests that wait for them."""
-        meta = PackstoreMetadata(loads=self._background, dropped=self._dropped)
+        meta = PackstoreMetadata(loads=self._background, dropped=self._dropped, idle=not scheduler_output.total_num_scheduled_tokens)
         self._background, self._dropped = [], []
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self._to_load:
@@ -582,6 +598,7 @@ class PackstoreConnector(KVConnectorBase_V1):
         self._layers = {name: layers[name] for name in kv_caches if name in layers}
         check_layers(self._layers, compilation.pass_config, capture=watch)
         self._kv_caches = dict(kv_caches)
+        self._strided_rows = {name for name, layer in self._layers.items() if reads_strided_rows(layer.impl)}
         if self._save_writer is not None:
             self._save_capture = SaveCapture(len(self._layers), self.block_size)
         if watch:
@@ -679,8 +696,10 @@ class PackstoreConnector(KVConnectorBase_V1):
         with the attention backend's own cache update."""
         layer = self._layers[layer_name]
         kv_cache = self._kv_caches.get(layer_name, layer.kv_cache)
-        key = keys.transpose(0, 1).to(kv_cache.device, kv_cache.dtype).contiguous()
-        value = values.transpose(0, 1).to(kv_cache.device, kv_cache.dtype).contiguous()
+        key = keys.transpose(0, 1).to(kv_cache.device, kv_cache.dtype)  # [tokens, kv heads, head dim]
+        value = values.transpose(0, 1).to(kv_cache.device, kv_cache.dtype)
+        if layer_name not in self._strided_rows:  # a backend that reads rows as laid out by the forward
+            key, value = key.contiguous(), value.contiguous()
         self._cache_updates.get(layer_name, layer.impl.do_kv_cache_update)(layer, key, value, kv_cache, slots.to(kv_cache.device))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
@@ -713,7 +732,12 @@ class PackstoreConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """The requests whose background load ended (written, or failed: their blocks are reported for recompute in
-        this same pass, as vLLM requires)."""
+        this same pass, as vLLM requires). In a step that schedules nothing, wait up to ``IDLE_WAIT_SECONDS`` for a
+        load to end: vLLM steps again at once, and that polling would take the cores the load decodes on."""
+        if self._background_loads and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, PackstoreMetadata) and meta.idle:
+                self._background_loads.wait(IDLE_WAIT_SECONDS)
         ended = self._background_loads.finished()
         for outcome in ended:
             if outcome.failure is not None:

@@ -51,6 +51,7 @@ class BackgroundLoads(PackLoader):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._jobs: dict[str, _Job] = {}
+        self._ended = threading.Event()  # set when a load ends (cleared by ``wait``)
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -71,6 +72,7 @@ class BackgroundLoads(PackLoader):
         with job.lock:
             if not job.given_up:
                 job.outcome = self._outcome(load, failure, late)
+        self._ended.set()
 
     def _write(self, job: _Job, layers: list[tuple[str, int]], write: LayerWrite) -> str | None:
         """Read ``job``'s pack and write its layers until done or given up; why it was not read, or None."""
@@ -93,6 +95,16 @@ class BackgroundLoads(PackLoader):
             return LoadOutcome(load.request_id, load.namespace)
         blocks = frozenset(blocks_of(load.block_ids, self.block_size, load.start, load.stop))
         return LoadOutcome(load.request_id, load.namespace, failure, blocks, late)
+
+    def wait(self, seconds: float) -> None:
+        """Return once a load has ended (at once if one has and was not handed back), its deadline has passed, or
+        ``seconds`` have."""
+        self._ended.clear()
+        now = self._clock()
+        if not self._jobs or any(job.outcome is not None or now >= job.deadline for job in list(self._jobs.values())):
+            return
+        deadline = min(job.deadline for job in list(self._jobs.values()))
+        self._ended.wait(max(0.0, min(seconds, deadline - now)))
 
     def finished(self) -> list[LoadOutcome]:
         """The loads that ended since the last call: written, failed, or past their deadline (given up)."""

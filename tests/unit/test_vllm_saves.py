@@ -376,13 +376,13 @@ def test_the_scheduler_half_sends_a_save_with_its_blocks_and_reports_it(tiny_lm,
     connector.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([3, 4],)), 0)
     new = SimpleNamespace(req_id="s", block_ids=([3, 4],))
     cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set())
-    meta = connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached))
+    meta = connector.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=2, scheduled_new_reqs=[new], scheduled_cached_reqs=cached))
     [(plan, blocks)] = meta.saves
     assert blocks == [3, 4] and plan.token_ids == tuple(pack_prefix_ids(tiny_lm.tokenizer, FACTS)) and meta.identity["engine"]["version"] == VERSION
     more = SimpleNamespace(req_ids=["s"], new_block_ids=[([5],)], resumed_req_ids=set())
-    assert connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=more)).save_blocks == {"s": [5]}
+    assert connector.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0, scheduled_new_reqs=[], scheduled_cached_reqs=more)).save_blocks == {"s": [5]}
     keep, report = connector.request_finished(request, [])
     assert keep is False and report["pack_saved"] == plan.key and "pack_save_reason" not in report
-    assert connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached)).dropped == ["s"]
+    assert connector.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0, scheduled_new_reqs=[], scheduled_cached_reqs=cached)).dropped == ["s"]
     connector.update_connector_output(SimpleNamespace(finished_recving=set(), kv_connector_worker_meta=PackstoreWorkerMetadata(saved={"s": None})))
     assert connector.get_kv_connector_stats().data["packs_saved"] == 1

@@ -123,7 +123,7 @@ def test_counters_count_a_load_once_it_finished_and_a_failed_one_as_not_applied(
         blocks = SimpleNamespace(get_block_ids=lambda tokens=tokens: (list(range(tokens // BLOCK)),))
         connector.update_state_after_alloc(one, blocks, tokens)  # type: ignore[arg-type]
         cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set())
-        meta = connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached))  # type: ignore[arg-type]
+        meta = connector.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0, scheduled_new_reqs=[], scheduled_cached_reqs=cached))  # type: ignore[arg-type]
         assert [(load.stop, load.background) for load in meta.loads] == [(tokens, True)]  # type: ignore[attr-defined]
         assert connector.get_kv_connector_stats() is None  # nothing finished yet
         worker = PackstoreWorkerMetadata({"r": failure} if failure is not None else {})

@@ -324,6 +324,32 @@ def test_a_hung_background_load_is_given_up_at_its_deadline_and_writes_nothing_a
     assert written == [] and loads.finished() == []
 
 
+def test_an_idle_step_waits_for_a_background_load_to_end_but_no_longer_than_asked(tiny_lm, packs) -> None:
+    """vLLM polls for loads with steps that schedule nothing; such a step waits for the load (so the polling leaves the
+    cores to the decode), and returns at once when a load has ended, or after ``seconds`` when the store hangs."""
+    store, served = packs
+    hangs = HangingStore(store)
+    ids = prompt(tiny_lm, FACTS)
+    load = dataclasses.replace(_load(store, ids, tuple(range(40, 80))), background=True)
+    loads = BackgroundLoads(lambda load: None, lambda load: decode_pack(PackReader(hangs).get(load.key)), BLOCK, 30.0)
+    loads.wait(5.0)  # nothing in flight: at once
+    hangs.hung.set()
+    loads.start(load, [("layers.0.attn", 0)], lambda *rows: None)
+    started = time.monotonic()
+    loads.wait(0.2)
+    assert 0.15 <= time.monotonic() - started < MARGIN and loads.finished() == []  # hung: waited as long as asked
+    hangs.release.set()
+    loads.wait(MARGIN)
+    [outcome] = loads.finished()
+    assert outcome.failure is None
+    loads.start(dataclasses.replace(load, request_id="s"), [("layers.0.attn", 0)], lambda *rows: None)
+    loads.wait(MARGIN)
+    started = time.monotonic()
+    loads.wait(MARGIN)  # ended and not yet handed back: at once
+    assert time.monotonic() - started < 1.0 and [o.request_id for o in loads.finished()] == ["s"]
+    loads.close()
+
+
 def test_a_background_load_planned_before_its_store_was_late_is_not_waited_for(tiny_lm, packs) -> None:
     store, served = packs
     ids = prompt(tiny_lm, FACTS)
@@ -407,10 +433,11 @@ def test_a_pack_the_worker_does_not_hold_loads_beside_the_forward_while_its_requ
     assert tokens > 0 and background is True
     blocks = SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 10],))
     connector.update_state_after_alloc(request, blocks, tokens)
-    meta = connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[])))
+    meta = connector.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0, scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[])))
     [load] = meta.loads
     assert load.background and load.block_ids == (7, 8, 9, 10) and load.stop == tokens
-    assert connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]))).loads == []
+    assert meta.idle  # a step that schedules no tokens: the worker waits there for the load (IDLE_WAIT_SECONDS)
+    assert connector.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0, scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]))).loads == []
     keep, report = connector.request_finished(request, [])  # aborted while waiting: vLLM keeps its blocks for the thread
     assert keep is True and report["pack_applied"] is True
     ready = frozenset({("default", load.key)})
