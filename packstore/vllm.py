@@ -43,7 +43,7 @@ from packstore.answering.plan_lookups import PlanLookups
 from packstore.answering.ready_caches import ReadyCache
 from packstore.answering.save_capture import SaveCapture
 from packstore.answering.save_writes import SaveWriter
-from packstore.answering.saves import SavePlan, Saves
+from packstore.answering.saves import SavePlan, Saves, WriteRoles
 from packstore.answering.step_loads import PackLoad, StepLoads
 from packstore.answering.transfer_params import engine_refusal
 from packstore.errors import InvalidInput
@@ -381,7 +381,8 @@ class PackstoreConnector(KVConnectorBase_V1):
             )
             self.matcher.start()
             lookups = PlanLookups(self.matcher, self.settings.lookup_seconds)
-            saves = Saves(served, allow=self.settings.allow_save, bytes_per_hour=self.settings.save_bytes_per_hour)
+            roles = WriteRoles(self._readers.get, self.settings.namespaces) if self.settings.allow_save else None
+            saves = Saves(served, allow=self.settings.allow_save, roles=roles, bytes_per_hour=self.settings.save_bytes_per_hour)
             self._scheduler_state(self.matcher, lookups, background=self.settings.background_loads, saves=saves)
             self._identity["model_name"] = vllm_config.model_config.model
             log.info("packstore: connector serving packs from %s (namespaces %s)", self.settings.store, ", ".join(self.settings.namespaces))

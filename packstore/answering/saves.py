@@ -6,22 +6,28 @@ them is stored under this engine's key. ``Saves.decide`` says, once per request,
 ``SavePlan``) or why nothing is saved (a ``SaveRefusal``, never an exception: this runs in the engine's scheduler):
 saving is off, a field has the wrong type, no facts are named, the prompt does not begin with their rendering and go
 on after it, the pack is stored already (no failure: it is there), some of its tokens were not computed by this
-request, or the namespace's hourly byte quota would be passed.
+request, the store's service does not let this connector's token write there (``WriteRoles``), or the namespace's
+hourly byte quota would be passed.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from packstore.answering.paged import PackPlan, ServedModel
 from packstore.answering.transfer_params import transfer_fields
+from packstore.errors import PackstoreError
 from packstore.format.header import pack_key
 from packstore.kv.render import common_prefix_length
+from packstore.store.protocol import ReportsCaller
 
 HOUR_S = 3600.0  # the window of save_bytes_per_hour
+ASK_AGAIN_S = 30.0  # how soon a namespace whose service did not say who the connector is there is asked again
 
 SAVE_FIELD = "kv_transfer_params.save must be true or false (a JSON boolean)"
 SAVING_OFF = "saving is off: this server's connector does not set allow_save: true in its kv_connector_extra_config"
@@ -78,6 +84,46 @@ class SaveQuota:
         return None
 
 
+class WriteRoles:
+    """Whether this connector may write in each namespace, asked of each store's service (``ReportsCaller``: the role
+    of the connector's token there) on a thread, never on the scheduler's: a store that does not authenticate (a local
+    directory, a bucket) is written as opened. Until a service has answered, saves go ahead (one its token may not
+    make fails at the store, and is counted); one that did not answer is asked again after ``ASK_AGAIN_S``."""
+
+    def __init__(self, store_of: Callable[[str], object], namespaces: Iterable[str], clock: Callable[[], float] = time.monotonic) -> None:
+        self._store_of, self._clock = store_of, clock
+        self._refusals: dict[str, str | None] = {}  # namespace -> why this connector may not write there, or None
+        self._asked: dict[str, float] = {}
+        for namespace in namespaces:
+            self._ask(namespace)
+
+    def _ask(self, namespace: str) -> None:
+        self._asked[namespace] = self._clock()
+        threading.Thread(target=self._check, args=(namespace,), name="packstore-write-role", daemon=True).start()
+
+    def _check(self, namespace: str) -> None:
+        try:
+            store = self._store_of(namespace)
+            if not isinstance(store, ReportsCaller):
+                self._refusals[namespace] = None
+                return
+            caller = store.caller()
+        except PackstoreError:
+            return  # unknown: asked again later
+        self._refusals[namespace] = None if caller.may_write else (
+            f"this server's connector may not write in namespace {namespace!r}: its token {caller.token!r} is {caller.role} "
+            "there, and a save needs a write token (token_file in kv_connector_extra_config): nothing is saved"
+        )
+
+    def refusal(self, namespace: str) -> str | None:
+        """Why a save in ``namespace`` would be refused by its store, if its service said so; else None."""
+        if namespace in self._refusals:
+            return self._refusals[namespace]
+        if self._clock() - self._asked.get(namespace, -math.inf) >= ASK_AGAIN_S:
+            self._ask(namespace)
+        return None
+
+
 def rendering_problem(rendering: Sequence[int], prompt: Sequence[int]) -> str | None:
     """Why ``prompt`` does not begin with the facts' ``rendering`` and go on after it (a save prefills exactly the
     rendering's positions, then the question), or None."""
@@ -97,13 +143,22 @@ def rendering_problem(rendering: Sequence[int], prompt: Sequence[int]) -> str | 
 
 
 class Saves:
-    """The scheduler's save decisions for ``served``: ``allow`` (allow_save) turns saving on, ``bytes_per_hour``
-    (save_bytes_per_hour, 0: no limit) holds each namespace to a byte quota over the last hour of ``clock``."""
+    """The scheduler's save decisions for ``served``: ``allow`` (allow_save) turns saving on, ``roles`` says where the
+    connector may not write, ``bytes_per_hour`` (save_bytes_per_hour, 0: no limit) holds each namespace to a byte quota
+    over the last hour of ``clock``."""
 
-    def __init__(self, served: ServedModel, *, allow: bool, bytes_per_hour: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        served: ServedModel,
+        *,
+        allow: bool,
+        roles: WriteRoles | None = None,
+        bytes_per_hour: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if allow and served.engine_version is None:
             raise ValueError("saving needs the serving engine's version, which the keys of packs it computes record")
-        self.served, self.allow = served, allow
+        self.served, self.allow, self.roles = served, allow, roles
         self.quota = SaveQuota(bytes_per_hour, clock)
 
     def decide(
@@ -140,7 +195,8 @@ class Saves:
                 "earlier request computed them, or a pack loaded them), so this request did not compute them: nothing is "
                 "saved; send the request with a cache_salt of its own, so that it computes them all"
             )
-        problem = self.quota.charge(plan.namespace, tokens * served.token_bytes)
+        problem = self.roles.refusal(plan.namespace) if self.roles is not None else None
+        problem = problem or self.quota.charge(plan.namespace, tokens * served.token_bytes)
         if problem is not None:
             return SaveRefusal(problem)
         plan.tokens, plan.reason = 0, None

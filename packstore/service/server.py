@@ -44,7 +44,7 @@ log = logging.getLogger("packstore.service")
 
 # The role each RPC needs (security/auth.py: read < write < admin).
 ROLE_OF = {
-    "GetPack": "read", "StatPack": "read", "ListPacks": "read", "VerifyPacks": "read", "StoreStats": "read",
+    "GetPack": "read", "StatPack": "read", "ListPacks": "read", "VerifyPacks": "read", "StoreStats": "read", "WhoAmI": "read",
     "RouteQuery": "read", "ListBanks": "read", "StatBank": "read",
     "PutPack": "write", "DeletePack": "write", "SetName": "write", "DeleteName": "write", "SignPack": "write",
     "BuildBank": "write", "AddFacts": "write", "DeleteBank": "write", "SignBank": "write",
@@ -322,6 +322,11 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
         with self._call("StoreStats", context) as call:
             counts = call.store.counts()
             return store_pb2.StoreStatsResponse(packs=counts.packs, stored_bytes=counts.stored_bytes)
+
+    def WhoAmI(self, request: store_pb2.WhoAmIRequest, context: grpc.ServicerContext) -> store_pb2.Caller:
+        with self._call("WhoAmI", context) as call:
+            who = call.principal
+            return store_pb2.Caller(token=who.token, role=who.role, namespace=who.namespace)
 
     def CollectGarbage(self, request: store_pb2.CollectGarbageRequest, context: grpc.ServicerContext) -> store_pb2.CollectGarbageResponse:
         with self._call("CollectGarbage", context, compact=request.compact) as call:

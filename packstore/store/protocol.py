@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from packstore.errors import AmbiguousRef, InvalidInput, PackNotFound
 from packstore.format.bank import DEFAULT_VECTORS
 from packstore.format.chunks import Buffer, ChunkSource
-from packstore.store.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
+from packstore.store.records import Caller, GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -228,6 +228,13 @@ class VerifiesWhereStored(Protocol):
     def verify(self, ref: str) -> VerifyResult: ...
 
     def verify_all(self) -> list[VerifyResult]: ...
+
+
+@runtime_checkable
+class ReportsCaller(Protocol):
+    """A tier that authenticates its callers (the service): it says who it takes this client to be."""
+
+    def caller(self) -> Caller: ...
 
 
 @runtime_checkable

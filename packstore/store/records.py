@@ -133,6 +133,19 @@ class MigrateReport:
 
 
 @dataclass(frozen=True)
+class Caller:
+    """Who a service takes a client's calls to be: its token's name, its role (read, write, admin), its namespace."""
+
+    token: str
+    role: str
+    namespace: str
+
+    @property
+    def may_write(self) -> bool:
+        return self.role in ("write", "admin")
+
+
+@dataclass(frozen=True)
 class StoreCounts:
     """Running totals a store keeps in the same transactions as its writes (for metrics)."""
 

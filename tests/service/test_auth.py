@@ -23,6 +23,7 @@ from packstore.packs.tensors import encode_pack
 from packstore.rpc.channel import Connection
 from packstore.security.auth import Auth, load_tokens
 from packstore.store.namespaces import namespace_path
+from packstore.store.records import Caller
 from packstore.store.remote.store import RemoteStore
 from packstore.worker.client import WorkerClient
 from tests.helpers.auth import TOKENS, refusal, tokens_file
@@ -98,6 +99,17 @@ def test_roles_bound_what_a_token_may_do(server) -> None:
             writer.gc()
     with client(server, "operator", namespace="a") as operator:
         assert operator.gc().orphan_chunks >= 0 and operator.stat("mine", model_fp="a" * 64).names == ("mine",)
+
+
+def test_whoami_says_whose_token_a_call_carries_its_role_and_namespace(server) -> None:
+    """A client checks its role before it offers to write (the vLLM connector's saves): WhoAmI needs only a read token."""
+    with client(server, "a-reader") as reader, client(server, "a-writer") as writer:
+        assert reader.caller() == Caller("a-reader", "read", "a") and not reader.caller().may_write
+        assert writer.caller() == Caller("a-writer", "write", "a") and writer.caller().may_write
+    with client(server, "operator", namespace="a") as operator:
+        assert operator.caller().role == "admin" and operator.caller().may_write
+    with client(server, None) as anonymous, pytest.raises(Unauthenticated):
+        anonymous.caller()
 
 
 def test_a_token_with_several_namespaces_names_one_and_only_its_own(server) -> None:

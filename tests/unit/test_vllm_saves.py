@@ -14,14 +14,15 @@ import torch
 
 from packstore.answering.paged import PackMatcher, ServedModel
 from packstore.answering.save_capture import SaveCapture
-from packstore.answering.saves import NAME_FIELD, NO_FACTS, SAVE_FIELD, SAVING_OFF, SavePlan, SaveRefusal, Saves
-from packstore.errors import InvalidInput
+from packstore.answering.saves import NAME_FIELD, NO_FACTS, SAVE_FIELD, SAVING_OFF, SavePlan, SaveRefusal, Saves, WriteRoles
+from packstore.errors import InvalidInput, Unavailable
 from packstore.format.header import pack_key
 from packstore.kv.build import build_pack
 from packstore.kv.engine_build import engine_pack
 from packstore.kv.render import pack_prefix_ids
 from packstore.packs.tensors import encode_pack
 from packstore.store.lmdb.store import LmdbStore
+from packstore.store.records import Caller
 from tests.helpers.paged import BLOCK, FACTS, OTHER, prompt, served_tiny, store_packs
 
 VERSION = "0.0-test"  # the serving engine's version in these tests
@@ -171,6 +172,59 @@ def test_each_namespace_saves_at_most_save_bytes_per_hour(tiny_lm, saving) -> No
     assert isinstance(decided(matcher, ids, params, saves=saves)[1], SavePlan)
     unlimited = Saves(served, allow=True, bytes_per_hour=0, clock=clock)
     assert all(isinstance(decided(matcher, ids, params, saves=unlimited)[1], SavePlan) for _ in range(5))
+
+
+class _Service:
+    """A store whose service says who the connector is there (``ReportsCaller``)."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+
+    def caller(self) -> Caller:
+        return Caller("connector", self.role, "default")
+
+
+def _roles_settled(roles: WriteRoles, namespace: str) -> str | None:
+    for _ in range(200):  # each namespace is asked on a thread of its own
+        if namespace in roles._refusals:
+            break
+        time.sleep(0.01)
+    return roles.refusal(namespace)
+
+
+def test_a_token_that_may_not_write_is_refused_up_front_and_a_local_store_is_not(tiny_lm, saving) -> None:
+    _, matcher = saving
+    ids, params = prompt(tiny_lm, FACTS), {"pack": {"facts": FACTS}, "save": True}
+    stores = {"default": _Service("read"), "team": _Service("write"), "local": object()}
+    roles = WriteRoles(stores.__getitem__, stores)
+    assert _roles_settled(roles, "team") is None and _roles_settled(roles, "local") is None
+    refusal = _roles_settled(roles, "default")
+    assert "its token 'connector' is read there, and a save needs a write token" in refusal
+    saves = Saves(matcher.served, allow=True, roles=roles, bytes_per_hour=1)  # refused before the quota is charged
+    assert decided(matcher, ids, params, saves=saves)[1] == SaveRefusal(refusal)
+    assert saves.quota._saved == {}
+
+
+def test_a_service_that_does_not_answer_lets_saves_go_ahead_and_is_asked_again() -> None:
+    asked, clock = [], Clock()
+
+    def store_of(namespace: str) -> object:
+        asked.append(namespace)
+        raise Unavailable("the service did not answer within 3 s")
+
+    roles = WriteRoles(store_of, ["default"], clock=clock)
+    for _ in range(200):
+        if asked:
+            break
+        time.sleep(0.01)
+    assert roles.refusal("default") is None and asked == ["default"]
+    clock.now = 31.0
+    assert roles.refusal("default") is None  # asked again, on a thread
+    for _ in range(200):
+        if len(asked) == 2:
+            break
+        time.sleep(0.01)
+    assert asked == ["default", "default"]
 
 
 def test_saving_needs_the_engines_version(tiny_lm) -> None:

