@@ -37,7 +37,9 @@ class PackHeaders:
         self._stat, self.ttl, self._clock = stat, ttl, clock
         self._by_key: OrderedDict[tuple[str, str], PackHeader] = OrderedDict()
         self._keys: dict[tuple[str, str], tuple[str, float]] = {}  # (namespace, ref) -> (key, when resolved)
-        self._missing: dict[tuple[str, str], tuple[PackNotFound, float]] = {}  # (namespace, ref) -> (why, when found missing)
+        # (namespace, ref) -> (why, when found missing): the message, not the exception, whose traceback would keep the
+        # frames of the store's read alive (an LMDB read transaction holds its reader slot until it is freed)
+        self._missing: dict[tuple[str, str], tuple[str, float]] = {}
         self._lock = threading.Lock()
         self.lookups = 0  # reads of the store, for tests and logs
 
@@ -55,7 +57,7 @@ class PackHeaders:
             stored = self._stat(namespace, ref)
         except PackNotFound as missing:
             with self._lock:
-                self._missing[(namespace, ref)] = (missing, self._clock())
+                self._missing[(namespace, ref)] = (str(missing), self._clock())
                 if len(self._missing) > KEYS_REMEMBERED:
                     self._missing = {name: found for name, found in self._missing.items() if self._clock() - found[1] <= self.ttl}
             raise
@@ -67,7 +69,7 @@ class PackHeaders:
         with self._lock:
             missing, when = self._missing.get((namespace, ref), (None, 0.0))
             if missing is not None and self._clock() - when <= self.ttl:
-                raise missing
+                raise PackNotFound(missing)
             header = self._by_key.get((namespace, ref))  # a key is its own ref, for good
             if header is None:
                 key, when = self._keys.get((namespace, ref), (None, 0.0))

@@ -19,6 +19,7 @@ from packstore.answering.pack_headers import HeaderNeeded, PackHeaders
 from packstore.answering.paged import PackMatcher, aligned_tokens
 from packstore.answering.plan_lookups import PlanLookups
 from packstore.answering.step_loads import PackLoad, StepLoads
+from packstore.errors import PackNotFound
 from packstore.packs.decoder import Decoder
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import decode_pack, start_pack
@@ -161,6 +162,20 @@ def test_a_named_pack_is_looked_up_once_per_ttl_and_a_key_once(tiny_lm, packs) -
     headers.forget("default")  # the namespace's store missed a load deadline
     with pytest.raises(HeaderNeeded):
         headers.get("default", key, lookup=False)
+
+
+def test_refs_remembered_missing_hold_no_reader_slot_of_the_store(packs) -> None:
+    """A missing ref is remembered for the ttl by its message: the exception's traceback would keep the store's read
+    transaction alive, and LMDB has 126 reader slots (an engine that saved 32 packs refused every later request with
+    MDB_READERS_FULL before this)."""
+    store, served = packs
+    headers = PackHeaders(lambda namespace, ref: store.stat(ref), ttl=10.0)
+    for number in range(300):
+        for _ in range(2):  # read from the store, then from memory
+            with pytest.raises(PackNotFound, match=f"no pack named 'missing-{number}'"):
+                headers.get("default", f"missing-{number}")
+    readers = [line for line in store._env._env.readers().splitlines()[1:] if line.strip()]
+    assert len(readers) <= 1 and headers.lookups == 300
 
 
 def test_requests_naming_a_pack_read_its_header_once(tiny_lm, packs) -> None:
