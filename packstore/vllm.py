@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from prometheus_client import Counter
@@ -55,7 +56,7 @@ from packstore.packs.decoder import Decoder
 from packstore.packs.reader import PackReader
 from packstore.rpc.channel import Connection
 from packstore.security.trust import SigningKey, TrustedKeys
-from packstore.store import StoreSpec
+from packstore.store import PackStore, StoreSpec
 from packstore.store.namespaces import DEFAULT_NAMESPACE
 from packstore.worker.namespace_readers import NamespaceReaders
 
@@ -158,12 +159,56 @@ class ConnectorSettings:
             signing_key=signing_key,
         )
 
-    def readers(self, timeout: float, *, readonly: bool = True) -> NamespaceReaders:
+    def readers(self, timeout: float) -> ConnectorStores:
         """Each namespace's store, opened on first use with the token, TLS CA and S3 endpoint given; each call to a
-        service or bucket fails after ``timeout`` seconds. ``readonly`` False: writers (the saves)."""
+        service or bucket fails after ``timeout`` seconds. A local directory is opened writable when saving is on."""
         connection = Connection.from_env(token_file=self.token_file, tls_ca=self.tls_ca, namespace=self.namespace)
         spec = StoreSpec.of(self.store, connection=connection, s3_endpoint=self.s3_endpoint, namespace=self.namespace)
-        return NamespaceReaders(replace(spec, timeout=timeout), per_caller=True, readonly=readonly)
+        return ConnectorStores.open(replace(spec, timeout=timeout), readonly=not self.allow_save)
+
+
+class ConnectorStores:
+    """A connector half's stores by namespace (``get``, ``close``). A local directory is opened once per process and
+    shared by both halves, closed when the last closes: LMDB opens a directory once per process, and vLLM's
+    UniProcExecutor (its default for one GPU) runs the scheduler and the worker halves in one process. A service or
+    bucket gets clients of each half's own (their deadlines differ)."""
+
+    _local: ClassVar[dict[str, tuple[NamespaceReaders, int]]] = {}  # directory -> (its stores, halves holding them)
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, readers: NamespaceReaders, directory: str | None) -> None:
+        self._readers, self._directory = readers, directory
+
+    @classmethod
+    def open(cls, spec: StoreSpec, *, readonly: bool) -> ConnectorStores:
+        if not spec.is_directory:
+            return cls(NamespaceReaders(spec, per_caller=True, readonly=readonly), None)
+        directory = str(Path(spec.location).resolve())
+        with cls._lock:
+            readers, holders = cls._local.get(directory) or (NamespaceReaders(spec, per_caller=True, readonly=readonly), 0)
+            cls._local[directory] = (readers, holders + 1)
+        return cls(readers, directory)
+
+    def get(self, namespace: str) -> PackStore:
+        return self._readers.get(namespace)
+
+    def close(self) -> None:
+        if self._directory is None:
+            self._readers.close()
+            return
+        with self._lock:
+            readers, holders = self._local[self._directory]
+            if holders > 1:
+                self._local[self._directory] = (readers, holders - 1)
+                return
+            del self._local[self._directory]
+        readers.close()
+
+    def __enter__(self) -> ConnectorStores:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def check_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
@@ -387,10 +432,8 @@ class PackstoreConnector(KVConnectorBase_V1):
             self._identity["model_name"] = vllm_config.model_config.model
             log.info("packstore: connector serving packs from %s (namespaces %s)", self.settings.store, ", ".join(self.settings.namespaces))
         else:
-            # with saves, the worker reads and writes through one store per namespace (LMDB opens a directory once
-            # per process); each call still fails after load_seconds + 1 s
-            deadline = self.settings.load_seconds + STORE_GRACE_SECONDS
-            self._readers = self.settings.readers(deadline, readonly=not self.settings.allow_save)
+            # each call to a service or bucket fails after load_seconds + 1 s
+            self._readers = self.settings.readers(self.settings.load_seconds + STORE_GRACE_SECONDS)
             self._decoder = Decoder()
             self._packs: dict[str, PackReader] = {}
             self._ready = ReadyCache(self.settings.cache_bytes)  # decoded packs, by namespace and key

