@@ -115,9 +115,10 @@ eval-packet: install
 		--out results/eval_packet
 
 # vLLM with packs against vLLM prefilling the text (issue 52): smollm2-135m, float32 and bfloat16, all held-out ckc
-# questions plus 10 vLLM-built packs per dtype, into results/eval_vllm/ (resumes) and docs/figures/eval_vllm.png.
+# questions plus 10 vLLM-built packs and 100 packs vLLM saved while serving (issue 64) per dtype, into results/eval_vllm/
+# (resumes) and docs/figures/eval_vllm.png.
 eval-vllm: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_vllm --engine-packs 10 --out results/eval_vllm
+	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_vllm --engine-packs 10 --saved-packs 100 --out results/eval_vllm
 
 # Short versions of the seven, into results/*-small/ (plots too).
 EVAL_SMALL_ROWS ?= 20
@@ -134,7 +135,7 @@ eval-small: install
 		--out results/eval_steering-small --figures results/eval_steering-small
 	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_packet --models smollm2-135m --seeds 0 --questions 10 --examples 16 \
 		--steps 30 --timing 2 --repeats 1 --out results/eval_packet-small --figures results/eval_packet-small
-	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_vllm --limit $(EVAL_SMALL_ROWS) --engine-packs 1 \
+	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_vllm --limit $(EVAL_SMALL_ROWS) --engine-packs 1 --saved-packs 2 \
 		--out results/eval_vllm-small --figures results/eval_vllm-small
 
 clean:

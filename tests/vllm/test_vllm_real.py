@@ -185,6 +185,7 @@ def served(tmp_path_factory):
         "chain": render(tokenizer, [*VELMORA, *HARBOUR], "Who dredged the harbour of Quillon?").token_ids,
         "mills": render(tokenizer, MILLS, "Who was the mill's last owner?").token_ids,
         "erratum": render(tokenizer, [*VELMORA, ERRATUM], "Which comet did the Corvane Telescope discover?").token_ids,
+        "mills-harbour": render(tokenizer, [*MILLS, *HARBOUR], "Who dredged the harbour of Quillon?").token_ids,
     }
     return {
         "model_dir": model_dir, "exported": exported, "store": store_path, "prompts": prompts, "damaged": damaged.key,
@@ -414,7 +415,9 @@ def saved(served, engines, tmp_path_factory):
         fresh = engines({"model": str(served["model_dir"]), "block_size": BLOCK,
                          "connector": {"store": server.url, "token_file": str(tmp / "token"), "allow_save": True, "automatic": False},
                          "requests": [kv("load", p["mills"], {"pack": "mills-vllm"}),
-                                      kv("read-only", p["velmora"], {"pack": {"facts": VELMORA}, "save": True})]})
+                                      kv("read-only", p["velmora"], {"pack": {"facts": VELMORA}, "save": True}),
+                                      kv("chain", p["mills-harbour"], {"pack": ["mills-vllm", first["taken"]["kv"]["pack_saved"]]}),
+                                      kv("chain-text", p["mills-harbour"], {"pack": False})]})
     return first, fresh, store
 
 
@@ -439,6 +442,16 @@ def test_saves_are_refused_with_saving_off_past_the_quota_and_for_a_read_only_to
     refused = fresh["read-only"]["kv"]["pack_save_reason"]
     assert "may not write in namespace 'default': its token 'engine-reader' is read there" in refused
     assert "pack_saved" not in fresh["read-only"]["kv"]
+
+
+def test_a_chain_of_saved_packs_loads_its_deepest_prefix_and_answers_as_vllm_on_the_text(saved) -> None:
+    """vLLM-built parts (both saved by the engine): no composition is stored, so the first part's agreeing blocks load
+    and vLLM prefills the rest; the answer is vLLM's on the whole text, bit for bit in float32."""
+    first, fresh, _ = saved
+    chain = fresh["chain"]
+    assert chain["kv"]["pack_applied"] is True and chain["kv"]["pack_key"] == first["save"]["kv"]["pack_saved"]
+    assert 0 < chain["kv"]["pack_tokens_used"] and chain["kv"]["pack_tokens_used"] % BLOCK == 0
+    assert chain["ids"] == fresh["chain-text"]["ids"] and chain["logprobs"] == fresh["chain-text"]["logprobs"]
 
 
 def test_a_save_never_moves_a_name_it_does_not_find_free(saved) -> None:

@@ -20,7 +20,11 @@ a cache block): packs built with vLLM's own prefill (``packctl build --engine vl
 answered in an engine with prefix caching on, and compared with vLLM's own prefix cache for the same prompt (the pack's
 tokens prefilled alone, then the question reusing their blocks: must be identical, ids and logprobs) as well as with
 the text prefilled in one pass: where this arm differs from the text, the split alone (same kernels) makes the
-difference.
+difference. Arm ``saved`` (``--saved-packs N``, issue 64): packs vLLM stores while serving. In an engine that saves,
+each question is asked once naming its paragraph with ``save: true`` (the one-pass answer: vLLM prefills paragraph and
+question together, and the paragraph's range becomes a pack), then from vLLM's own prefix cache of the paragraph's
+tokens alone; a fresh engine then answers it with the saved pack loaded. The saved pack's answer is compared with the
+saving request's own one-pass answer ("text") and with the saving engine's prefix cache (must be identical).
 
 Per question a record says whether the pack applied (``pack_applied`` from the response's kv_transfer_params, else the
 ``reason``), whether the two answers have identical token ids (and bit-identical logprobs), the first position where
@@ -72,7 +76,12 @@ from tools.lib.evallib import (  # noqa: E402
 
 DRIVER = Path(__file__).resolve().with_name("vllm_answers.py")
 DTYPES = ("float32", "bfloat16")
-ARMS = {"transformers": "transformers-built pack", "vllm": "vLLM-built pack (--engine vllm)"}
+ARMS = {
+    "transformers": "transformers-built pack",
+    "vllm": "vLLM-built pack (--engine vllm)",
+    "saved": "pack vLLM saved while serving (save: true)",
+}
+SHORT = {"transformers": "transformers-built", "vllm": "vLLM-built", "saved": "vLLM-saved"}
 Z95 = 1.959963984540054  # the standard normal's 97.5th percentile
 log = logger("eval_vllm")
 
@@ -239,19 +248,19 @@ class Context:
             self._model_dir = exported.directory
         return self._model_dir
 
-    def spec(self, dtype: str, store: Path, requests: list, *, prefix_caching: bool) -> dict:
+    def spec(self, dtype: str, store: Path, requests: list, *, prefix_caching: bool, **connector: object) -> dict:
         return {
             "model": str(self.model_dir),
             "dtype": dtype,
             "block_size": self.args.block_size,
             "prefix_caching": prefix_caching,
             "max_model_len": 4096,
-            "connector": {"store": str(store), "automatic": False},
+            "connector": {"store": str(store), "automatic": False, **connector},
             "requests": requests,
         }
 
 
-def base_record(row: Row, args: argparse.Namespace, arm: str, dtype: str, header, prompt: list[int]) -> dict:
+def base_record(row: Row, args: argparse.Namespace, arm: str, dtype: str, pack_tokens: int, prompt: list[int]) -> dict:
     return {
         "model": args.model,
         "arm": arm,
@@ -262,7 +271,7 @@ def base_record(row: Row, args: argparse.Namespace, arm: str, dtype: str, header
         "prompt": args.prompt,
         "block_size": args.block_size,
         "max_tokens": args.max_new_tokens,
-        "pack_tokens": header.tokens,
+        "pack_tokens": pack_tokens,
         "prompt_tokens": len(prompt),
     }
 
@@ -271,6 +280,68 @@ def rendered(tokenizer, header, row: Row, prompt: str) -> list[int]:
     from packstore.kv.render import render
 
     return list(render(tokenizer, list(header.facts), asked(row.question, prompt), raw=header.raw).token_ids)
+
+
+def run_saved_arm(context: Context, dtype: str, rows: Sequence[Row], keep: Callable[[dict], None]) -> int:
+    """Packs vLLM saves while it serves (issue 64): in an engine that saves (prefix caching on), each question asked
+    once naming its paragraph with ``save: true`` (vLLM prefills paragraph and question in one pass, and the
+    paragraph's range is stored as a pack), then from vLLM's own prefix cache of the paragraph's tokens alone; then, in
+    a fresh engine, with the saved pack loaded. Compared: the loaded pack against the saving request's own one-pass
+    answer ("text"), and against the saving engine's prefix cache (must be identical, ids and logprobs)."""
+    from packstore.kv.models import load_tokenizer
+    from packstore.kv.render import pack_prefix_ids, render
+
+    args = context.args
+    work = context.scratch / f"saved-{dtype}"
+    work.mkdir()
+    tokenizer = load_tokenizer(str(context.model_dir))
+    saving: list = []
+    loading: list = []
+    prepared: dict[str, tuple[Row, dict, list[int]]] = {}
+    for row in rows:
+        facts = [row.context]
+        rendering = list(pack_prefix_ids(tokenizer, facts))
+        prompt = list(render(tokenizer, facts, asked(row.question, args.prompt)).token_ids)
+        prepared[row.id] = (row, base_record(row, args, "saved", dtype, len(rendering), prompt), rendering)
+        ask = {"prompt_token_ids": prompt, "max_tokens": args.max_new_tokens}
+        saving += [
+            "reset",
+            {"tag": f"{row.id}/text", **ask, "kv_transfer_params": {"pack": {"facts": facts}, "save": True, "name": pack_name(row)}},
+            "reset",
+            {"tag": f"{row.id}/prime", "prompt_token_ids": rendering, "max_tokens": 1, "kv_transfer_params": {"pack": False}},
+            {"tag": f"{row.id}/cache", **ask, "kv_transfer_params": {"pack": False}},
+        ]
+        loading += ["reset", {"tag": f"{row.id}/pack", **ask, "kv_transfer_params": {"pack": pack_name(row)}}]
+    answers: dict[str, dict[str, dict]] = {}
+    for spec in (
+        context.spec(dtype, work / "store", saving, prefix_caching=True, allow_save=True),
+        context.spec(dtype, work / "store", loading, prefix_caching=True),
+    ):
+        for answer in context.engines.answers(spec, work):
+            row_id, part = answer["tag"].rsplit("/", 1)
+            answers.setdefault(row_id, {})[part] = answer
+    done = 0
+    for row_id, (row, record, rendering) in prepared.items():
+        parts = answers.get(row_id, {})
+        if not {"text", "cache", "pack"} <= set(parts):
+            raise RuntimeError(f"saved {dtype}: the engines did not answer every request of question {row_id}")
+        pack, text = parts["pack"], parts["text"]
+        record = dict(record) | pack_report(pack, rendering, record_prompt(saving, row_id))
+        record["saved"] = (text.get("kv") or {}).get("pack_saved") is not None
+        record["save_reason"] = (text.get("kv") or {}).get("pack_save_reason")
+        record |= compared(pack, text)
+        record["cache"] = compared(pack, parts["cache"])
+        record["pack"] = answer_part(pack, row.answers)
+        record["text"] = answer_part(text, row.answers)
+        keep(record)
+        done += 1
+    log(f"saved {dtype}: {done} questions")
+    return done
+
+
+def record_prompt(requests: list, row_id: str) -> list[int]:
+    """The prompt of question ``row_id``'s one-pass request among ``requests``."""
+    return next(r["prompt_token_ids"] for r in requests if r != "reset" and r["tag"] == f"{row_id}/text")
 
 
 def run_transformers_arm(context: Context, dtype: str, rows: Sequence[Row], keep: Callable[[dict], None]) -> int:
@@ -293,7 +364,7 @@ def run_transformers_arm(context: Context, dtype: str, rows: Sequence[Row], keep
         for row in rows:
             stored, _ = build_and_store(store, lm, [row.context], name=pack_name(row))
             prompt = rendered(lm.tokenizer, stored.header, row, args.prompt)
-            prepared[row.id] = (row, base_record(row, args, "transformers", dtype, stored.header, prompt), list(stored.header.token_ids))
+            prepared[row.id] = (row, base_record(row, args, "transformers", dtype, stored.header.tokens, prompt), list(stored.header.token_ids))
             for part, transfer in (("pack", {"pack": pack_name(row)}), ("text", {"pack": False})):
                 requests.append({"tag": f"{row.id}/{part}", "prompt_token_ids": prompt, "max_tokens": args.max_new_tokens,
                                  "kv_transfer_params": transfer})
@@ -324,7 +395,7 @@ def run_engine_arm(context: Context, dtype: str, rows: Sequence[Row], keep: Call
             pack = build_pack_with_engine(str(context.model_dir), [row.context], dtype=dtype, block_size=args.block_size)
             stored, _ = store_pack(store, pack, name=pack_name(row))
             prompt = rendered(tokenizer, stored.header, row, args.prompt)
-            prepared[row.id] = (row, base_record(row, args, "vllm", dtype, stored.header, prompt), list(stored.header.token_ids))
+            prepared[row.id] = (row, base_record(row, args, "vllm", dtype, stored.header.tokens, prompt), list(stored.header.token_ids))
             ask = {"prompt_token_ids": prompt, "max_tokens": args.max_new_tokens}
             requests += [
                 "reset",
@@ -497,19 +568,19 @@ def plot(records: Sequence[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     summaries = [s for s in summarize(records) if s["applied"]]
-    figure, (bars, positions) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1.3, 1]})
-    labels = [f"{'transformers' if s['arm'] == 'transformers' else 'vLLM'}-built\n{s['dtype']} (n={s['applied']})" for s in summaries]
+    figure, (bars, positions) = plt.subplots(1, 2, figsize=(16, 5.4), gridspec_kw={"width_ratios": [1.7, 1]})
+    labels = [f"{SHORT[s['arm']]}\n{s['dtype']} (n={s['applied']})" for s in summaries]
     measures = [("identical token ids", "identical_interval"), ("contains agrees (both or neither hold the gold answer)", "agree_interval")]
     if any("cache_interval" in s for s in summaries):
-        measures.append(("vLLM-built: ids = own prefix cache", "cache_interval"))
+        measures.append(("vLLM-built or saved: ids = own prefix cache", "cache_interval"))
     width = 0.8 / len(measures)
     for index, (name, key) in enumerate(measures):
         xs = [i + (index - (len(measures) - 1) / 2) * width for i, s in enumerate(summaries) if key in s]
         points = [s[key].scaled(100) for s in summaries if key in s]
         errors = [[p.mean - p.low for p in points], [p.high - p.mean for p in points]]
         drawn = bars.bar(xs, [p.mean for p in points], width, yerr=errors, capsize=3, label=name)
-        bars.bar_label(drawn, fmt="%.1f", fontsize=7, padding=2)
-    bars.set_xticks(range(len(summaries)), labels, fontsize=8)
+        bars.bar_label(drawn, fmt="%.1f", fontsize=6, padding=2)
+    bars.set_xticks(range(len(summaries)), labels, fontsize=7)
     bars.set_ylabel("% of questions (Wilson 95% interval)")
     bars.set_ylim(0, 112)
     bars.set_title("vLLM with the pack vs vLLM prefilling the text", fontsize=10)
@@ -558,6 +629,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
     parser.add_argument("--limit", type=int, default=None, help="only the first N held-out questions")
     parser.add_argument("--engine-packs", type=int, default=0, help="arm vllm: packs built by vLLM for the first N held-out rows that fill a block (0: none)")
+    parser.add_argument("--saved-packs", type=int, default=0, help="arm saved: packs vLLM saves while serving, for the first N held-out rows that fill a block (0: none)")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "eval_vllm", help="results directory")
     parser.add_argument("--figures", type=Path, default=REPO / "docs" / "figures", help="where eval_vllm.png goes")
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -576,6 +648,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.engine_packs > 0:
             engine_rows = block_filling_rows(args.model, rows, args.block_size, args.engine_packs)
             plan += [("vllm", dtype, engine_rows) for dtype in args.dtypes]
+        if args.saved_packs > 0:
+            saved_rows = block_filling_rows(args.model, rows, args.block_size, args.saved_packs)
+            plan += [("saved", dtype, saved_rows) for dtype in args.dtypes]
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="eval-vllm-") as scratch:
             context = Context(args, Path(scratch))
@@ -586,7 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     todo = [row for row in wanted if row.id not in done]
                     log(f"{part}: {len(todo)} of {len(wanted)} questions to ask")
                     if todo:
-                        run = run_transformers_arm if arm == "transformers" else run_engine_arm
+                        run = {"transformers": run_transformers_arm, "vllm": run_engine_arm, "saved": run_saved_arm}[arm]
                         run(context, dtype, todo, jsonl_appender(args.out / f"{part}.jsonl"))
             finally:
                 context.engines.close()
