@@ -52,7 +52,9 @@ from packstore.kv.engine_build import CAPTURE_FILE
 from packstore.kv.exactness import machine
 from packstore.kv.identity import directory_model_fingerprint, local_directory, template_fingerprint
 from packstore.kv.render import pack_prefix_ids, preamble_tokens
+from packstore.packs.buffers import HostBuffers
 from packstore.packs.decoder import Decoder
+from packstore.packs.memory import PackMemory
 from packstore.packs.reader import PackReader
 from packstore.rpc.channel import Connection
 from packstore.security.trust import SigningKey, TrustedKeys
@@ -77,7 +79,7 @@ log = logging.getLogger("packstore.vllm")
 SETTINGS = (
     "store", "namespace", "namespaces", "token_file", "tls_ca", "s3_endpoint", "trusted_keys", "automatic", "index_refresh_s",
     "cache_bytes", "other_exact", "lookup_seconds", "load_seconds", "background_loads", "allow_save", "save_bytes_per_hour",
-    "signing_key",
+    "signing_key", "reserve_bytes",
 )
 CAPTURE_SETTING = "capture_dir"  # EngineCaptureConnector's alone: packctl build --engine vllm's capture run
 STORE_GRACE_SECONDS = 1.0  # a store call's deadline beyond the connector's own: the connector's decides, and says so
@@ -89,6 +91,7 @@ TOKEN_DRAFTERS = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")
 # for it, and any shorter and vLLM's polling takes the cores the load decodes on
 IDLE_WAIT_SECONDS = 0.01
 DEFAULT_CACHE_BYTES = 1 << 30  # decoded packs the worker half keeps in host memory between requests
+LOAD_ROOM_BYTES = 512 << 20  # reserved memory beside the decoded-pack cache's, for packs being loaded
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -114,6 +117,9 @@ class ConnectorSettings:
     allow_save: bool = False  # requests may save what the engine computes as packs (kv_transfer_params save: true)
     save_bytes_per_hour: int = 0  # the most bytes of K/V each namespace may save within an hour (0: no limit)
     signing_key: str | None = None  # the key file saved packs are signed with (required with trusted_keys)
+    # host memory packs are decoded into, touched at start (a fresh page costs a fault on first write): the decoded-pack
+    # cache's and room for the packs being loaded; 0: none, packs are decoded into memory allocated as they come
+    reserve_bytes: int = DEFAULT_CACHE_BYTES + LOAD_ROOM_BYTES
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any], *, capture: bool = False) -> ConnectorSettings:
@@ -157,6 +163,7 @@ class ConnectorSettings:
             allow_save=allow_save,
             save_bytes_per_hour=values.count("save_bytes_per_hour", 0),
             signing_key=signing_key,
+            reserve_bytes=values.count("reserve_bytes", values.count("cache_bytes", DEFAULT_CACHE_BYTES) + LOAD_ROOM_BYTES),
         )
 
     def readers(self, timeout: float) -> ConnectorStores:
@@ -434,7 +441,10 @@ class PackstoreConnector(KVConnectorBase_V1):
         else:
             # each call to a service or bucket fails after load_seconds + 1 s
             self._readers = self.settings.readers(self.settings.load_seconds + STORE_GRACE_SECONDS)
-            self._decoder = Decoder()
+            # packs are decoded into memory touched beforehand (on a thread of its own): in vLLM's worker, a cold 2k pack
+            # took 90-137 ms to load into fresh pages against 85 ms into touched ones (docs/benchmarks.md)
+            memory = PackMemory(self.settings.reserve_bytes, background=True) if self.settings.reserve_bytes else None
+            self._decoder = Decoder(buffers=HostBuffers(memory))
             self._packs: dict[str, PackReader] = {}
             self._ready = ReadyCache(self.settings.cache_bytes)  # decoded packs, by namespace and key
             self._kv_caches: dict[str, torch.Tensor] = {}

