@@ -480,6 +480,7 @@ class PackstoreConnector(KVConnectorBase_V1):
         self.saves = saves if saves is not None else Saves(matcher.served, allow=False)
         self._save_plans: dict[str, SavePlan] = {}  # saves decided, not yet sent to the worker
         self._saving: set[str] = set()  # saves sent to the worker, until their request ends
+        self._saves_pending: dict[str, tuple[str, str]] = {}  # saves decided, until stored or failed: (namespace, key)
         self._dropped: list[str] = []  # saves whose request ended, for the worker to forget
         self._identity: dict[str, Any] = matcher.served.identity()  # what the worker's saved packs record
         self._plans: dict[str, PackPlan] = {}
@@ -523,6 +524,7 @@ class PackstoreConnector(KVConnectorBase_V1):
             return
         if isinstance(decision, SavePlan):
             self._save_plans[request.request_id] = decision
+            self._saves_pending[request.request_id] = (decision.namespace, decision.key)
             plan.save_key = decision.key
         elif decision is not None:
             plan.save_key, plan.save_reason = decision.key, decision.reason
@@ -588,8 +590,11 @@ class PackstoreConnector(KVConnectorBase_V1):
                 self._worker_ready = meta.ready
             for request_id, failure in meta.saved.items():
                 self.matcher.counters.add("packs_saved" if failure is None else "pack_save_failures")
+                saved = self._saves_pending.pop(request_id, None)
                 if failure is not None:
                     log.warning("packstore: request %s: its save was not stored: %s", request_id, failure)
+                elif saved is not None:  # found missing when this request was planned: the next request finds it stored
+                    self.matcher.headers.stored(*saved)
             for namespace in meta.late:
                 self.matcher.headers.forget(namespace)
                 self._unwaited |= {request_id for request_id, plan in self._plans.items() if plan.namespace == namespace}
@@ -606,7 +611,8 @@ class PackstoreConnector(KVConnectorBase_V1):
         vLLM must keep the request's blocks until the worker reports its background load finished (it ended while
         waiting for it, so the loading thread may still write them)."""
         self._to_load.pop(request.request_id, None)
-        self._save_plans.pop(request.request_id, None)
+        if self._save_plans.pop(request.request_id, None) is not None:  # never sent to the worker: it will not report it
+            self._saves_pending.pop(request.request_id, None)
         if request.request_id in self._saving:  # its capture completed in its prefill; else the worker drops it
             self._saving.discard(request.request_id)
             self._dropped.append(request.request_id)
@@ -619,7 +625,10 @@ class PackstoreConnector(KVConnectorBase_V1):
         self.matcher.counters.count(plan)
         if not plan.reported:
             return keep_blocks, None
-        return keep_blocks, plan.report()
+        report = plan.report()
+        if plan.identity is not None:  # what a front needs besides who the engine is: whether saves go, which namespaces
+            report["identity"] = plan.identity | {"saves": self.saves.allow, "namespaces": list(self.matcher.namespaces)}
+        return keep_blocks, report
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """The scheduler half's counts since the last call (vLLM logs them and feeds ``PackstorePromMetrics``)."""

@@ -93,6 +93,11 @@ class PackHeaders:
             if len(self._keys) > KEYS_REMEMBERED:
                 self._keys = {name: found for name, found in self._keys.items() if self._clock() - found[1] <= self.ttl}
 
+    def stored(self, namespace: str, key: str) -> None:
+        """Pack ``key`` was stored now (a save): forget that it was found missing, so the next request looks it up."""
+        with self._lock:
+            self._missing.pop((namespace, key), None)
+
     def forget(self, namespace: str) -> None:
         """Forget every header and name of ``namespace`` (its store failed to deliver a pack: look it up again before
         another load is planned from it)."""
