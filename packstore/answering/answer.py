@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from packstore.answering.composing import check_composition, compose, composition_key
 from packstore.answering.ready_caches import ReadyCache, ReadyPartition, to_host
@@ -78,12 +78,62 @@ class RefCache:
             self._refs.move_to_end(ref)
             return found[0]
 
+    def lookup(self, store: PackStore, ref: str, model_fp: str) -> StoredPack:
+        """What ``ref`` names in ``store``: packs of ``model_fp`` first, then any model's (so a refusal can name the
+        model); asked of the store at most once per ttl."""
+        stored = self.get(ref)
+        if stored is None:
+            try:
+                stored = store.stat(ref, model_fp=model_fp)
+            except PackNotFound:
+                if (key := parse_key(ref)) is not None and key[0] == model_fp:
+                    raise  # a key of this model (a composition not stored, say): no other model's pack has it
+                stored = store.stat(ref)
+            self.put(ref, stored)
+            if stored.key != ref:
+                self.put(stored.key, stored)  # the key itself needs no asking again either
+        return stored
+
     def put(self, ref: str, stored: StoredPack) -> None:
         with self._lock:
             self._refs[ref] = (stored, self.clock())
             self._refs.move_to_end(ref)
             while len(self._refs) > self.entries:
                 self._refs.popitem(last=False)
+
+
+def route_bank(
+    store: PackStore,
+    bank_cache: BankCache,
+    bank: str,
+    question: str,
+    *,
+    top_k: int = DEFAULT_TOP_K,
+    probe: int | None = None,
+    embedder: str | None = None,
+    rerank: str = "none",
+    rerank_weight: float = DEFAULT_WEIGHT,
+    trusted: TrustedKeys | None = None,
+    lm: LoadedModel | None = None,
+) -> list[str]:
+    """The facts ``bank`` routes ``question`` to, best first, reranked by ``rerank`` (``lm``: the model ``lm`` scores
+    them, so it needs one); InvalidInput when there are none. With ``trusted`` the bank must bear a trusted signature
+    over its current digest. The one routing of every answerer (the local model's, and a serving engine's front)."""
+    banks = open_banks(store, bank_cache)
+    if trusted is not None:
+        trusted.require(f"bank {bank!r}", "bank", banks.digest(bank), banks.signatures(bank))
+    second = None
+    if rerank != "none":
+        spec = (embedder or recorded_embedder(banks, bank)) if rerank == "late" else None
+        embedded = bank_cache.embedder(spec) if spec else None
+        if rerank == "lm" and lm is None:
+            raise InvalidInput("rerank 'lm' scores the facts with the model's weights, which this worker does not load", param="rerank")
+        second = reranker(rerank, embedder=embedded, lm=(lm.tokenizer, lm.model) if lm is not None else None, weight=rerank_weight)
+    routed = reranked_route(banks, bank, [question], embedder, top_k=top_k, probe=probe, reranker=second)[0]
+    facts = [text for text, _ in routed.facts]
+    if not facts:
+        raise InvalidInput(f"bank {bank!r} routed the question to no facts")
+    return facts
 
 
 @dataclass(frozen=True)
@@ -149,6 +199,15 @@ class Question:
                 raise InvalidInput(f"invalid layer range {first}-{last}: FIRST-LAST, 0-based, with FIRST <= LAST")
 
 
+class Answers(Protocol):
+    """What answers a namespace's questions as a token stream: ``Answerer`` (the worker's own model) and
+    ``engine_answer.EngineAnswerer`` (a serving engine behind the worker)."""
+
+    store_reads: int
+
+    def stream(self, question: Question, cancel: Cancel | None = None) -> Generator[int, None, AnswerResult]: ...
+
+
 class Answerer:
     """Answers questions on one model with packs from one store, keeping ready packs in an LRU (and, given a host
     cache, the packs it fetched in host memory too: ``ready_caches``).
@@ -201,18 +260,7 @@ class Answerer:
     def lookup(self, ref: str) -> StoredPack:
         """What ``ref`` names (key, header, signatures): this model's packs first, then any model's (so a
         refusal can name the model). Asks the store at most once per ``REF_TTL_SECONDS`` per ref."""
-        stored = self.refs.get(ref)
-        if stored is None:
-            try:
-                stored = self.store.stat(ref, model_fp=self.lm.model_fp)
-            except PackNotFound:
-                if (key := parse_key(ref)) is not None and key[0] == self.lm.model_fp:
-                    raise  # a key of this model (a composition not stored, say): no other model's pack has it
-                stored = self.store.stat(ref)
-            self.refs.put(ref, stored)
-            if stored.key != ref:
-                self.refs.put(stored.key, stored)  # the key itself needs no asking again either
-        return stored
+        return self.refs.lookup(self.store, ref, self.lm.model_fp)
 
     def resolve(self, ref: str) -> str:
         """The key ``ref`` names (see ``lookup``)."""
@@ -445,19 +493,10 @@ class Answerer:
         """The facts ``bank`` routes ``question`` to, best first, reranked by ``rerank`` (``lm``: this model
         scores them); InvalidInput when there are none. With trusted keys the bank must bear a trusted
         signature over its current digest."""
-        banks = open_banks(self.store, self.bank_cache)
-        if self.trusted is not None:
-            self.trusted.require(f"bank {bank!r}", "bank", banks.digest(bank), banks.signatures(bank))
-        second = None
-        if rerank != "none":
-            spec = (embedder or recorded_embedder(banks, bank)) if rerank == "late" else None
-            embedded = self.bank_cache.embedder(spec) if spec else None
-            second = reranker(rerank, embedder=embedded, lm=(self.lm.tokenizer, self.lm.model), weight=rerank_weight)
-        routed = reranked_route(banks, bank, [question], embedder, top_k=top_k, probe=probe, reranker=second)[0]
-        facts = [text for text, _ in routed.facts]
-        if not facts:
-            raise InvalidInput(f"bank {bank!r} routed the question to no facts")
-        return facts
+        return route_bank(
+            self.store, self.bank_cache, bank, question, top_k=top_k, probe=probe, embedder=embedder, rerank=rerank,
+            rerank_weight=rerank_weight, trusted=self.trusted, lm=self.lm,
+        )
 
     def stream(self, question: Question, cancel: Cancel | None = None) -> Generator[int, None, AnswerResult]:
         """Answer ``question``, yielding each generated token id as it exists (the stop token that ends the

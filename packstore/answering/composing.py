@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from packstore.errors import InvalidInput
 from packstore.format import PackHeader, pack_key
 from packstore.kv.compose import COMPOSE_MODES, Composition, compose_exact, splice
-from packstore.kv.models import LoadedModel
+from packstore.kv.models import LoadedModel, ModelSide
 from packstore.kv.packet import packet_compose
 from packstore.kv.render import pack_prefix_ids
 from packstore.packs.tensors import Pack
@@ -26,7 +26,7 @@ def check_composition(mode: str, adapter: str | None, parts: int) -> None:
         raise InvalidInput(f"a composition ({mode}) needs at least 2 packs (or packs and a bank), got {parts}")
 
 
-def composition_key(lm: LoadedModel, facts: Sequence[str], *, raw: bool, mode: str = "exact", parents: Sequence[str] = ()) -> str:
+def composition_key(lm: ModelSide, facts: Sequence[str], *, raw: bool, mode: str = "exact", parents: Sequence[str] = ()) -> str:
     """The key of the ``mode`` composition holding ``facts`` in order, made of the parts ``parents`` (an adapter
     last); an exact composition's key is its tokens' alone, whatever its parts."""
     return pack_key(lm.model_fp, lm.template_fp, pack_prefix_ids(lm.tokenizer, facts, raw=raw), mode, parents)

@@ -84,6 +84,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     config = WorkerConfig(
         model=args.model,
         store=spec_of(args, prefix="store_"),
+        engine=args.engine,
+        engine_url=args.engine_url or "",
         listen=args.listen,
         cache_bytes=args.cache_bytes,
         host_cache_bytes=args.host_cache_bytes,
@@ -197,8 +199,14 @@ def build_cli() -> CommandLine:
     )
     _listener_options(p)
 
-    p = cli.command("worker", cmd_worker, "load a model next to the accelerator and answer with packs from --store")
+    p = cli.command("worker", cmd_worker, "answer with packs from --store: a model next to the accelerator, or a vLLM server's front")
     p.add_argument("--model", required=True, metavar="M", help="smollm2-135m, gemma3-270m, or a local Hugging Face model directory")
+    p.add_argument(
+        "--engine", choices=("transformers", "vllm"), default="transformers",
+        help="who generates: transformers (the worker loads the model) or vllm (the vLLM OpenAI server at --engine-url, running "
+        "PackstoreConnector over the same store; the worker loads only the tokenizer and renders, routes and streams)",
+    )
+    p.add_argument("--engine-url", metavar="URL", help="--engine vllm: the vLLM OpenAI server (http://HOST:PORT), private to the worker")
     p.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT", help="gRPC address of the Worker service")
     p.add_argument(
         "--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES, metavar="N", help="LRU of ready packs, in decoded KV bytes (default 2 GiB)"

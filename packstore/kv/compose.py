@@ -23,7 +23,7 @@ from packstore.format.body import ERRATUM_PREFIX
 from packstore.format.header import COMPOSITIONS
 from packstore.kv.build import clean_facts, common_prefix, extension_point, knowledge_pack, prefill, prefill_boundaries
 from packstore.kv.inject import cache_from_pack, check_identity
-from packstore.kv.models import LoadedModel, embedding_weight
+from packstore.kv.models import LoadedModel, ModelSide, embedding_weight
 from packstore.kv.render import group_spans, pack_prefix_ids
 from packstore.kv.rope import layer_frequencies, rotate_keys
 from packstore.packs.tensors import Pack
@@ -45,7 +45,7 @@ class Composition:
         return {"reused_tokens": self.reused_tokens, "prefilled_tokens": self.prefilled_tokens}
 
 
-def check_parts(lm: LoadedModel, headers: Sequence[PackHeader]) -> bool:
+def check_parts(lm: ModelSide, headers: Sequence[PackHeader]) -> bool:
     """Refuse parts that cannot be composed on ``lm``; returns whether they are raw (all alike)."""
     if not headers:
         raise InvalidInput("nothing to compose: give at least one pack")

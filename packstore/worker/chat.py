@@ -198,6 +198,8 @@ def packstore_fields(result: AnswerResult) -> dict[str, Any]:
     fields |= {"cache_hit": result.cache_hit, "prompt_tokens_saved": (result.pack_tokens or 0) - _prefilled_facts(result)}
     if result.facts is not None:
         fields["facts"] = result.facts
+        if result.pack_reused is not None:  # the routed facts' pack: read from the store, or computed for this answer
+            fields["facts_pack"] = "loaded" if result.pack_reused else "computed"
     if result.steering is not None:
         fields |= {"steering": result.steering, "steer_on": result.steer_on}
     if result.identical is not None:  # asked with compare_rag

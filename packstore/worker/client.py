@@ -29,7 +29,7 @@ class WorkerClient(GrpcClient):
     def ask(self, question: Question, *, on_token: Callable[[str], None] | None = None) -> AnswerResult:
         """Answer ``question`` on the worker; ``on_token`` receives the text of each token as it comes.
 
-        The result has the fields of a local ``Answerer.ask`` except ``pack_reused``, which the worker does not report.
+        The result has the fields of a local ``Answerer.ask``.
         """
         done = None
         try:

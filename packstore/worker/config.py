@@ -33,6 +33,10 @@ class WorkerConfig:
 
     model: str  # smollm2-135m, gemma3-270m, or a local Hugging Face model directory
     store: StoreSpec  # where packs are read (with a token, the caller's namespace of it)
+    # who generates: "transformers" (the worker's own model) or "vllm" (the vLLM OpenAI server at engine_url, running
+    # PackstoreConnector over the same store: the worker is its front, worker/front.py)
+    engine: str = "transformers"
+    engine_url: str = ""
     listen: str = DEFAULT_LISTEN  # gRPC address of the Worker service
     cache_bytes: int = DEFAULT_CACHE_BYTES
     host_cache_bytes: int | None = None  # None: DEFAULT_HOST_CACHE_BYTES on an accelerator, 0 (none) on a CPU

@@ -56,8 +56,8 @@ from packstore.worker.http_connections import ConnectionGuard
 from packstore.worker.worker_metrics import WorkerMetrics
 
 if TYPE_CHECKING:
-    from packstore.answering.answer import Answerer
-    from packstore.kv.models import LoadedModel
+    from packstore.answering.answer import Answers
+    from packstore.kv.models import ModelSide
 
 MAX_BODY_BYTES = 8 << 20  # a request body past this is refused (413) before it is read whole
 BODY_SECONDS = 30.0  # a request body must arrive within this, once its headers have (else 408)
@@ -76,15 +76,17 @@ log = logging.getLogger("packstore.worker")
 
 class HttpBackend(Protocol):
     """What the HTTP API needs of the worker (``server.WorkerService``, which starts it): its model, callers' tokens,
-    metrics, generation slots, the watch of slow readers, and the Answerer of a namespace."""
+    metrics, generation slots, the watch of slow readers, and what answers a namespace's questions."""
 
-    lm: LoadedModel
+    @property
+    def lm(self) -> ModelSide: ...
+
     auth: Auth
     metrics: WorkerMetrics
     slots: Shares
     watch: StreamWatch
 
-    def answerer(self, namespace: str) -> Answerer: ...
+    def answerer(self, namespace: str) -> Answers: ...
 
 
 class BodyTooLarge(InvalidInput):

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # GenerateRequest
 QUESTION_FIELDS = ("bank", "top_k", "probe", "embedder", "rerank", "rerank_weight", "compare_rag", "steer_on", "mode", "adapter")
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed", "stop")  # Sampling, both records and messages
-RESULT_FIELDS = ("pack", "parts", "steer_on", "pack_tokens")  # GenerateDone, unset meaning None
+RESULT_FIELDS = ("pack", "parts", "steer_on", "pack_tokens", "pack_reused")  # GenerateDone, unset meaning None
 RESULT_VALUES = ("answer", "kv_prompt_tokens", "cache_hit")  # GenerateDone, as they are (False is no None)
 RAG_VALUES = ("rag_answer", "rag_prompt_tokens", "identical")  # GenerateDone, as they are when it says ``compared``
 RAG_FIELDS = ("chunked_identical",)  # GenerateDone when it says ``compared``, unset meaning None
@@ -102,7 +102,7 @@ def generate_done(result: AnswerResult, generated_tokens: int) -> worker_pb2.Gen
 
 
 def answer_result(done: worker_pb2.GenerateDone, question: Question) -> AnswerResult:
-    """The AnswerResult a GenerateDone reports for ``question``; without ``pack_reused``, which the worker does not send."""
+    """The AnswerResult a GenerateDone reports for ``question``."""
     return AnswerResult(
         question=question.text,
         bank=question.bank,

@@ -12,7 +12,9 @@ from pathlib import Path
 import grpc
 import torch
 
-from packstore.answering.answer import REF_TTL_SECONDS, Answerer
+from packstore.answering.answer import REF_TTL_SECONDS, Answerer, Answers, RefCache
+from packstore.answering.engine_answer import EngineAnswerer
+from packstore.answering.engine_client import EngineClient, EngineIdentity
 from packstore.answering.ready_caches import ReadyCache
 from packstore.answering.records import AnswerResult
 from packstore.bank.bank import BankCache
@@ -20,7 +22,7 @@ from packstore.errors import InvalidInput, PackstoreError
 from packstore.kv import exactness
 from packstore.kv.device import Cancel, DeviceLock, Left
 from packstore.kv.inject import TextDeltas
-from packstore.kv.models import LoadedModel, load_model
+from packstore.kv.models import LoadedModel, RenderingModel, load_model
 from packstore.packs.buffers import HostBuffers
 from packstore.packs.decoder import Decoder
 from packstore.packs.memory import PackMemory
@@ -38,6 +40,7 @@ from packstore.serving.scaffold import Server, log_as_json
 from packstore.store.protocol import PackStore
 from packstore.v1 import worker_pb2, worker_pb2_grpc
 from packstore.worker.config import DEFAULT_MAX_CONCURRENT, MAX_REF_TTL, WorkerConfig, decode_modes, decoded_memory_bytes, host_cache_bound
+from packstore.worker.front import check_engine_config, engine_front
 from packstore.worker.http import OpenAIApp, serve_http
 from packstore.worker.messages import generate_done, question_of
 from packstore.worker.namespace_readers import NamespaceReaders
@@ -56,7 +59,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     tenants never share ready packs).
 
     ``store_for(namespace)`` gives the store a namespace reads; ``auth`` (the worker's own tokens file)
-    decides each caller's namespace; without one every caller is in ``default``.
+    decides each caller's namespace; without one every caller is in ``default``. With ``engine`` (a vLLM server's client
+    and identity) the worker is its front: ``lm`` is a ``RenderingModel`` (no weights) and each namespace is answered by
+    an ``EngineAnswerer`` instead (worker/front.py).
 
     ``slots``: the worker's ``max_concurrent`` generation slots, taken by gRPC ``Generate`` and the HTTP API's
     completions alike, per principal (a token's name; without tokens, the caller's host) by ``ShareRule.default``:
@@ -67,9 +72,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def __init__(
         self,
-        lm: LoadedModel,
+        lm: LoadedModel | RenderingModel,
         store_for: Callable[[str], PackStore],
         *,
+        engine: tuple[EngineClient, EngineIdentity] | None = None,
         cache_bytes: int,
         host_cache_bytes: int = 0,
         trusted: TrustedKeys | None = None,
@@ -81,6 +87,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         fetch_seconds: float = FETCH_SECONDS,
     ) -> None:
         self.lm = lm
+        self.engine = engine
         self.fetch_seconds = fetch_seconds
         self.slots = Shares("generation slots", ShareRule.default(max_concurrent))
         self.watch = StreamWatch(log, seconds=stream_seconds)
@@ -98,19 +105,31 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             buffers.stats if isinstance(buffers, HostBuffers) else None,
         )
         self._device_lock = DeviceLock()  # every namespace's Answerer's: generations take steps in turn (kv/device.py)
-        self._answerers: dict[str, Answerer] = {}
+        self._answerers: dict[str, Answerer | EngineAnswerer] = {}
         self._lock = threading.Lock()
 
-    def answerer(self, namespace: str) -> Answerer:
+    def answerer(self, namespace: str) -> Answers:
         with self._lock:
             if namespace not in self._answerers:
-                self._answerers[namespace] = Answerer(
-                    self.lm, self.store_for(namespace), ready=self.ready.partition(namespace),
-                    host=self.host.partition(namespace) if self.host is not None else None, device_lock=self._device_lock,
-                    trusted=self.trusted, ref_ttl=self.ref_ttl, decoder=self.decoder, bank_cache=self.bank_cache,
-                    fetch_seconds=self.fetch_seconds,
-                )
+                self._answerers[namespace] = self._new_answerer(namespace)
             return self._answerers[namespace]
+
+    def _new_answerer(self, namespace: str) -> Answerer | EngineAnswerer:
+        store = self.store_for(namespace)
+        if self.engine is not None:
+            assert isinstance(self.lm, RenderingModel)
+            client, identity = self.engine
+            return EngineAnswerer(
+                self.lm, store, client, identity, namespace=namespace, trusted=self.trusted, bank_cache=self.bank_cache,
+                refs=RefCache(self.ref_ttl),
+            )
+        assert isinstance(self.lm, LoadedModel)
+        return Answerer(
+            self.lm, store, ready=self.ready.partition(namespace),
+            host=self.host.partition(namespace) if self.host is not None else None, device_lock=self._device_lock,
+            trusted=self.trusted, ref_ttl=self.ref_ttl, decoder=self.decoder, bank_cache=self.bank_cache,
+            fetch_seconds=self.fetch_seconds,
+        )
 
     def store_reads(self) -> dict[str, int]:
         """Packs fetched from the store so far, by namespace."""
@@ -210,10 +229,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         except PackstoreError as exc:
             self.metrics.record("", "Status", exc.grpc_status, time.perf_counter() - start)
             abort_with_error(context, exc)
-        answerer = self.answerer(principal.namespace)
-        lm, store = self.lm, answerer.store
-        packs, size = answerer.ready.stats  # the caller's own partition: never what other tenants made ready
-        host_packs, host_bytes = answerer.host.stats if answerer.host is not None else (0, 0)
+        lm, store = self.lm, self.store_for(principal.namespace)
+        packs, size = self.ready.partition(principal.namespace).stats  # the caller's own: never what other tenants made ready
+        host_packs, host_bytes = self.host.partition(principal.namespace).stats if self.host is not None else (0, 0)
         self.metrics.record(principal.namespace, "Status", "OK", time.perf_counter() - start)
         return worker_pb2.WorkerStatus(
             model=lm.name,
@@ -247,7 +265,7 @@ def worker_server(service: WorkerService, listen: str, *, tls_cert: str = "", tl
 
 
 def serve_worker(
-    lm: LoadedModel,
+    lm: LoadedModel | RenderingModel,
     store_for: Callable[[str], PackStore],
     listen: str,
     cache_bytes: int,
@@ -267,6 +285,7 @@ def serve_worker(
     stream_seconds: float = STREAM_SECONDS,
     fetch_seconds: float = FETCH_SECONDS,
     caps: ConnectionCaps | None = None,
+    engine: tuple[EngineClient, EngineIdentity] | None = None,
 ) -> None:
     """Serve Generate on ``listen`` (TLS with ``tls_cert``/``tls_key``, mutual with ``tls_client_ca``)
     until SIGTERM/SIGINT, then finish in-flight generations; with ``trusted``, only packs signed by a
@@ -278,13 +297,14 @@ def serve_worker(
     one gets RESOURCE_EXHAUSTED, HTTP 429; ``stream_seconds``: the minimum read rate of Generate's streams and HTTP
     responses (``StreamWatch``); ``fetch_seconds``: the longest an answer waits for a pack's next layer from the
     store (``Answerer``); ``caps``: the metrics and HTTP ports' connections, for which the open files limit is
-    raised, or the start refused (None: the default caps)."""
+    raised, or the start refused (None: the default caps); ``engine``: answer with this vLLM server (``WorkerService``)."""
     log_as_json("INFO")
     caps = caps or ConnectionCaps()
     ensure_open_files((caps.metrics if metrics else 0) + (caps.http if http else 0), "--metrics-connections and --http-connections")
     service = WorkerService(
         lm, store_for, cache_bytes=cache_bytes, host_cache_bytes=host_cache_bytes, trusted=trusted, auth=auth, ref_ttl=ref_ttl,
         decoder=decoder, max_concurrent=max_concurrent, stream_seconds=stream_seconds, fetch_seconds=fetch_seconds,
+        engine=engine,
     )
     server = worker_server(service, listen, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca)
     metrics_at = None  # where the metrics port listens (loopback unless ``metrics`` names a host)
@@ -301,6 +321,7 @@ def serve_worker(
             connections=caps.http, connections_per_peer=caps.http_per_peer,
         )
     fields: dict[str, object] = {"listen": listen, "model": lm.name, "model_fp": lm.model_fp, "device": str(lm.device)}
+    fields |= {"engine": engine[0].url if engine else "transformers"}
     fields |= {"cache_bytes": cache_bytes, "host_cache_bytes": host_cache_bytes, "metrics": metrics_at}
     fields |= {"http": api.listening if api else None, "max_concurrent": max_concurrent}
     fields |= {"auth": f"callers need a token from {auth.path}" if auth and auth.enabled else "none: callers need no token"}
@@ -310,8 +331,11 @@ def serve_worker(
 
 def run_worker(config: WorkerConfig) -> None:
     """Check ``config``, load the model, build the decoder (its host memory, where it decodes) and the stores of the
-    callers' namespaces, and serve until stopped. Every check that needs no model runs before the model loads."""
-    decode_on_device, join_on_device = decode_modes(config)
+    callers' namespaces, and serve until stopped. Every check that needs no model runs before the model loads. With
+    engine 'vllm', load the front's tokenizer and identities instead and check the engine (worker/front.py)."""
+    check_engine_config(config)
+    front = config.engine == "vllm"
+    decode_on_device, join_on_device = decode_modes(config) if not front else (False, False)
     if config.threads is not None:
         if config.threads < 1:
             raise InvalidInput(f"threads must be at least 1, got {config.threads}")
@@ -332,6 +356,19 @@ def run_worker(config: WorkerConfig) -> None:
     )
     if config.host_cache_bytes is not None and config.host_cache_bytes < 0:
         raise InvalidInput(f"host_cache_bytes must be 0 or more, got {config.host_cache_bytes}")
+    auth = Auth(config.auth) if config.auth else None
+    if front:
+        rendering, client, identity = engine_front(config)
+        with NamespaceReaders(config.store, per_caller=auth is not None) as stores:
+            try:
+                serve_worker(
+                    rendering, stores.get, config.listen, 0, metrics=config.metrics, trusted=trusted, auth=auth, ref_ttl=ref_ttl,
+                    tls_cert=config.tls_cert, tls_key=config.tls_key, tls_client_ca=config.tls_client_ca, http=config.http,
+                    max_concurrent=config.max_concurrent, stream_seconds=config.stream_seconds, caps=caps, engine=(client, identity),
+                )
+            finally:
+                client.close()
+        return
     template = Path(config.chat_template).read_text(encoding="utf-8") if config.chat_template else None
     exactness.apply(config.exactness)  # before the model first runs (cuBLAS reads its workspace setting once); refuses an unknown mode
     lm = load_model(config.model, device=config.device, dtype=config.dtype, chat_template=template, progress=config.progress)
@@ -340,7 +377,6 @@ def run_worker(config: WorkerConfig) -> None:
     pinned = lm.device.type == "cuda"  # the host cache's packs cross to the GPU at link speed only from page-locked memory
     memory = PackMemory(reserved, background=True, pinned=pinned) if reserved else None
     decoder = Decoder(buffers=HostBuffers(memory, join_on_device=join_on_device, decode_on_device=decode_on_device))
-    auth = Auth(config.auth) if config.auth else None
     with NamespaceReaders(config.store, per_caller=auth is not None) as stores:
         serve_worker(
             lm,

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -20,9 +20,12 @@ START_SECONDS = 600  # engine start on 2 cores takes 20-60 s; a loaded CI machin
 
 
 @contextmanager
-def running_vllm(model_dir: Path, connector: dict[str, Any], log_path: Path, *, block_size: int = 32) -> Iterator[str]:
+def running_vllm(
+    model_dir: Path, connector: dict[str, Any], log_path: Path, *, block_size: int = 32, extra: Sequence[str] = ()
+) -> Iterator[str]:
     """vLLM serving ``model_dir`` as ``smollm2`` (float32, eager, prefix caching off) with ``PackstoreConnector`` and
-    ``connector`` as its ``kv_connector_extra_config``; yields the server's ``/v1`` URL once ``/health`` answers."""
+    ``connector`` as its ``kv_connector_extra_config``, and the flags ``extra``; yields the server's ``/v1`` URL once
+    ``/health`` answers."""
     port = free_port()
     config = {"kv_connector": "PackstoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": connector}
@@ -31,7 +34,7 @@ def running_vllm(model_dir: Path, connector: dict[str, Any], log_path: Path, *, 
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", "smollm2",
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size", str(block_size), "--max-model-len", "4096",
-        "--enforce-eager", "--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(config),
+        "--enforce-eager", "--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(config), *extra,
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     with log_path.open("w") as log:

