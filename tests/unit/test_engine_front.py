@@ -15,7 +15,8 @@ from packstore.answering.engine_client import EngineClient, EngineIdentity
 from packstore.errors import InvalidInput, PackMismatch, Unavailable
 from packstore.format.header import pack_key
 from packstore.kv.build import build_pack
-from packstore.kv.inject import Sampling
+from packstore.kv.device import Cancel
+from packstore.kv.inject import Sampling, finish
 from packstore.kv.models import load_rendering_model
 from packstore.kv.render import pack_prefix_ids, render
 from packstore.packs.tensors import encode_pack
@@ -143,3 +144,15 @@ def test_an_engine_that_does_not_answer_is_unavailable_naming_its_url() -> None:
         wait_for_engine(EngineClient(url + "/v1"), 0.5)
     with pytest.raises(InvalidInput, match="must start with http"):
         EngineClient("127.0.0.1:8000")
+
+
+def test_a_completion_from_an_engine_that_does_not_answer_is_unavailable_naming_its_url() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(Unavailable, match=f"the vLLM server at {url} did not answer: ConnectError"):
+        finish(EngineClient(url).complete({"model": "m", "prompt": [1]}, Cancel()))
+
+
+def test_a_namespace_the_connector_does_not_read_is_unavailable_before_vllm_is_asked(model, store) -> None:
+    answerer = front(model, store, namespaces=("tenant-a",))
+    with pytest.raises(Unavailable, match="does not read namespace 'default' \\(it reads tenant-a\\)"):
+        finish(answerer.stream(Question(QUESTION, refs=("wexley",))))

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from packstore.answering.answer import Question
-from packstore.answering.api import build_and_store
+from packstore.answering.api import amend_and_store, build_and_store
 from packstore.bank.bank import open_banks
 from packstore.errors import PackNotFound
 from packstore.kv.inject import Sampling
@@ -23,9 +23,7 @@ from packstore.kv.render import render
 from packstore.store import LmdbStore
 from packstore.worker.client import WorkerClient
 from tests.helpers.banks import TEST_BANK_CACHE
-from tests.helpers.vllm_serve import running_vllm
-from tools.lib.servers import free_port, running_worker
-
+from tools.lib.servers import free_port, running_vllm, running_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
@@ -45,6 +43,7 @@ ISLES = [
     "The isle of Tarsk holds a music festival every August.",
 ]
 QUESTION = "Who founded the Velmora Observatory?"
+ERRATUM = "The Corvane Telescope discovered the comet Halvard-9 in March 2011."
 
 
 def packctl(*args: str) -> dict:
@@ -63,6 +62,7 @@ def world(tmp_path_factory):
     with LmdbStore(store_path) as store:
         keys = {name: build_and_store(store, lm, facts, name=name)[0].key for name, facts in (("velmora", VELMORA), ("harbour", HARBOUR))}
         open_banks(store, TEST_BANK_CACHE).build("isles", ISLES)
+        keys["velmora-e1"] = amend_and_store(store, lm, "velmora", ERRATUM, name="velmora-e1")[0].key
     connector = {"store": str(store_path), "allow_save": True}
     extra = ("--enable-prompt-tokens-details", "--enable-log-requests")  # (vLLM logs the requests it aborts)
     with running_vllm(model_dir, connector, tmp / "vllm.log", block_size=BLOCK, extra=extra) as vllm_url:
@@ -147,6 +147,17 @@ def test_a_chain_is_computed_and_saved_once_then_loaded_whole(world) -> None:
     answer = vllm_on_the_text(world, VELMORA + HARBOUR, question)
     assert first["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"] == answer and "Toft" in answer
     assert streamed_object["pack"] == key and streamed_object["prompt_tokens_saved"] == again["packstore"]["prompt_tokens_saved"]
+
+
+def test_an_amended_pack_and_a_chain_after_it_answer_as_vllm_on_the_text(world) -> None:
+    question = "Which comet did the Corvane Telescope discover?"
+    amended = chat(world, question, packs=["velmora-e1"])
+    facts = [*VELMORA, "Correction: " + ERRATUM]
+    assert amended["packstore"]["pack"] == world["keys"]["velmora-e1"] and amended["packstore"]["cache_hit"] is True
+    assert amended["choices"][0]["message"]["content"] == vllm_on_the_text(world, facts, question)
+    chain = chat(world, question, packs=["velmora-e1", "harbour"], compare_rag=True)
+    assert chain["packstore"]["identical"] is True and chain["packstore"]["packs"] == [world["keys"]["velmora-e1"], world["keys"]["harbour"]]
+    assert chain["choices"][0]["message"]["content"] == vllm_on_the_text(world, facts + HARBOUR, question)
 
 
 def test_a_bank_question_computes_and_saves_its_facts_then_loads_them(world) -> None:

