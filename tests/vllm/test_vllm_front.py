@@ -14,19 +14,20 @@ import httpx
 import pytest
 
 from packstore.answering.answer import Question
-from packstore.answering.api import amend_and_store, build_and_store
-from packstore.bank.bank import open_banks
-from packstore.errors import PackNotFound
+from packstore.answering.api import amend_and_store
 from packstore.kv.inject import Sampling
-from packstore.kv.models import load_model
 from packstore.kv.render import render
 from packstore.store import LmdbStore
 from packstore.worker.client import WorkerClient
 from tests.helpers.banks import TEST_BANK_CACHE
-from tools.lib.servers import free_port, running_vllm, running_worker
+from tools.bench.bench_front import Workload, measure
+from tools.eval.eval_front import evaluate, summary
+from tools.lib.evallib import Row
+from tools.lib.front_stack import front_stack, wait_stored
+from tools.lib.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-BLOCK = 32
+BLOCK = 32  # front_stack's block size
 VELMORA = (ROOT / "examples" / "facts.txt").read_text().splitlines()
 HARBOUR = [
     "The harbour of Quillon was dredged by the engineer Maren Toft in 1887.",
@@ -46,33 +47,24 @@ QUESTION = "Who founded the Velmora Observatory?"
 ERRATUM = "The Corvane Telescope discovered the comet Halvard-9 in March 2011."
 
 
-def packctl(*args: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "packstore.cli.packctl", "--json", *args], capture_output=True, text=True, check=True)
-    return json.loads(done.stdout)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """The exported model, a store with two packs and a bank, vLLM with the connector (saving on) and the front."""
+    """The exported model, a store with two packs, an erratum and a bank, vLLM with the connector (saving on) and the
+    front: the stack the front's benchmark and evaluation run on (tools/lib/front_stack.py)."""
     tmp = tmp_path_factory.mktemp("front")
-    model_dir = tmp / "smollm2"
-    packctl("model", "export", "smollm2-135m", str(model_dir))
-    store_path = tmp / "store"
-    lm = load_model(str(model_dir), device="cpu", progress=False)
-    with LmdbStore(store_path) as store:
-        keys = {name: build_and_store(store, lm, facts, name=name)[0].key for name, facts in (("velmora", VELMORA), ("harbour", HARBOUR))}
-        open_banks(store, TEST_BANK_CACHE).build("isles", ISLES)
-        keys["velmora-e1"] = amend_and_store(store, lm, "velmora", ERRATUM, name="velmora-e1")[0].key
-    connector = {"store": str(store_path), "allow_save": True}
-    extra = ("--enable-prompt-tokens-details", "--enable-log-requests")  # (vLLM logs the requests it aborts)
-    with running_vllm(model_dir, connector, tmp / "vllm.log", block_size=BLOCK, extra=extra) as vllm_url:
-        http = f"127.0.0.1:{free_port()}"
-        args = ("--engine", "vllm", "--engine-url", vllm_url.removesuffix("/v1"), "--http", http, "--max-concurrent", "4")
-        with running_worker(str(store_path), str(model_dir), tmp, *args) as front:
-            yield {
-                "vllm": vllm_url, "http": f"http://{http}/v1", "grpc": front.address, "store": store_path, "keys": keys,
-                "tokenizer": lm.tokenizer, "model_dir": model_dir, "tmp": tmp,
-            }
+
+    def erratum(store, lm) -> dict[str, str]:
+        return {"velmora-e1": amend_and_store(store, lm, "velmora", ERRATUM, name="velmora-e1")[0].key}
+
+    packs = {"velmora": VELMORA, "harbour": HARBOUR}
+    with (
+        front_stack(tmp, packs, {"isles": ISLES}, bank_cache=TEST_BANK_CACHE, more=erratum) as stack,
+        LmdbStore(stack.store, readonly=True) as store,  # (one environment per process: every test reads through this one)
+    ):
+        yield {
+            "stack": stack, "vllm": stack.vllm, "http": stack.http, "grpc": stack.grpc, "store": stack.store, "keys": stack.keys,
+            "tokenizer": stack.tokenizer, "model_dir": stack.model_dir, "log": tmp / "vllm-float32.log", "open_store": store,
+        }
 
 
 def chat(world, question: str, **fields) -> dict:
@@ -105,23 +97,6 @@ def vllm_on_the_text(world, facts: list[str], question: str, max_tokens: int = 2
     return answer["choices"][0]["text"].strip()
 
 
-def stored(world, key: str) -> bool:
-    with LmdbStore(world["store"], readonly=True) as store:
-        try:
-            store.stat(key)
-        except PackNotFound:
-            return False
-        return True
-
-
-def wait_stored(world, key: str, seconds: float = 60) -> None:
-    """Saves are written in the background, after the answer: wait for the pack to be there."""
-    deadline = time.monotonic() + seconds
-    while not stored(world, key):
-        assert time.monotonic() < deadline, f"pack {key} was not saved"
-        time.sleep(0.5)
-
-
 def test_a_named_pack_answers_as_vllm_on_the_text_and_says_so_streamed_or_not(world) -> None:
     whole = chat(world, QUESTION, packs=["velmora"])
     text, streamed_object = streamed(world, QUESTION, packs=["velmora"])
@@ -140,7 +115,7 @@ def test_a_chain_is_computed_and_saved_once_then_loaded_whole(world) -> None:
     key = first["packstore"]["pack"]
     assert first["packstore"]["packs"] == [world["keys"]["velmora"], world["keys"]["harbour"]]
     assert first["packstore"]["cache_hit"] is False and first["packstore"]["prompt_tokens_saved"] == 0
-    wait_stored(world, key)
+    wait_stored(world["open_store"], key)
     again = chat(world, question, packs=["velmora", "harbour"])
     _, streamed_object = streamed(world, question, packs=["velmora", "harbour"])
     assert again["packstore"]["pack"] == key and again["packstore"]["cache_hit"] is True and again["packstore"]["prompt_tokens_saved"] > 0
@@ -166,7 +141,7 @@ def test_a_bank_question_computes_and_saves_its_facts_then_loads_them(world) -> 
     facts = first["packstore"]["facts"]
     assert first["status"] == 200 and len(facts) == 3 and ISLES[2] in facts
     assert first["packstore"]["facts_pack"] == "computed" and first["packstore"]["identical"] is True
-    wait_stored(world, first["packstore"]["pack"])
+    wait_stored(world["open_store"], first["packstore"]["pack"])
     text, streamed_object = streamed(world, question, bank="isles", top_k=3)
     again = chat(world, question, bank="isles", top_k=3)
     assert again["packstore"]["facts"] == facts and again["packstore"]["facts_pack"] == "loaded"
@@ -200,7 +175,7 @@ def test_the_worker_default_max_tokens_applies_not_vllm_16(world) -> None:
 
 
 def test_a_client_gone_midway_aborts_the_vllm_request(world) -> None:
-    log = world["tmp"] / "vllm.log"
+    log = world["log"]
     before = log.read_text().count("Aborted request")
     body = {"model": str(world["model_dir"]), "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
             "packs": ["harbour"], "max_tokens": 2000, "stream": True}
@@ -222,3 +197,28 @@ def test_a_front_for_another_dtype_refuses_to_start_naming_both(world) -> None:
         capture_output=True, text=True, timeout=600,
     )
     assert done.returncode != 0 and "dtype mismatch" in done.stderr and "bfloat16" in done.stderr and "float32" in done.stderr
+
+
+def test_the_front_benchmark_runs_short(world) -> None:
+    """tools/bench/bench_front.py's three parts on this stack, a question or two each (the full run: docs/benchmarks.md)."""
+    parts: list[str] = []
+    questions = ["Which isle exports smoked herring?", "Who kept the lighthouse of Tarsk?", "What are the houses on Cael built of?"]
+    work = Workload("isles", questions, "harbour", HARBOUR, "Who dredged the harbour of Quillon?", top_k=2, part1=1, concurrent=2,
+                    overhead_repeats=2, max_tokens=2)
+    with httpx.Client(timeout=600) as client:
+        found = measure(world["stack"], world["open_store"], TEST_BANK_CACHE, client, work, lambda part, **fields: parts.append(part))
+    assert {"bank", "concurrent", "overhead", "overhead_summary"} <= set(parts)
+    assert found["warm_over_rag"] > 0 and "overhead_s" in found
+
+
+def test_the_front_evaluation_runs_short(world) -> None:
+    """tools/eval/eval_front.py on this stack: one question (a vLLM-built pack, a bank route) and one chain."""
+    rows = [Row("isle-1", "Who founded the school on Brennock?", ISLES[2], ("Ilsa Marrow",))]
+    with httpx.Client(timeout=600) as client:
+        records = evaluate(world["stack"], world["open_store"], TEST_BANK_CACHE, client, rows, "isles",
+                           [("composition", ["velmora", "harbour"])], dtype="float32", top_k=2, max_tokens=16)
+    question, chain = records
+    assert question["pack_identical"] and question["bank_identical"] and question["bank_same_route"] and question["gold_routed"]
+    assert (question["bank_first"], question["bank_again"]) == ("computed", "loaded") and question["pack_gold"]
+    assert chain["identical"] and chain["loaded"]
+    assert "| pack (vLLM-built, named) | 1/1 |" in summary(records)

