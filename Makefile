@@ -62,7 +62,7 @@ lint: install
 # Every evaluation of docs/evaluation.md (hours on a 2-core CPU; each part resumes or can run alone). Records under
 # results/ are kept gzip-compressed: a resumed run appends to NAME.jsonl beside NAME.jsonl.gz, and
 # `python -m tools.eval.compress_records DIR` folds them before they are committed (results/README.md).
-eval: eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-packet eval-vllm
+eval: eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-packet eval-vllm eval-front
 
 # Rewrite docs/evaluation.md's marked tables from the records under results/ (tests/unit/test_doc_tables.py
 # fails while one differs); seconds, no model is loaded.
@@ -120,7 +120,12 @@ eval-packet: install
 eval-vllm: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_vllm --engine-packs 10 --saved-packs 100 --out results/eval_vllm
 
-# Short versions of the seven, into results/*-small/ (plots too).
+# The worker as a front for vLLM (issue 65): 60 held-out ckc questions per dtype through packstore worker --engine vllm,
+# each as a vLLM-built pack and as a bank route, against vLLM on the text; a composition and an erratum chain.
+eval-front: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_front --limit 60 --out results/eval_front
+
+# Short versions of the eight, into results/*-small/ (plots too).
 EVAL_SMALL_ROWS ?= 20
 eval-small: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_packs --models smollm2-135m --limit $(EVAL_SMALL_ROWS) \
@@ -137,6 +142,7 @@ eval-small: install
 		--steps 30 --timing 2 --repeats 1 --out results/eval_packet-small --figures results/eval_packet-small
 	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_vllm --limit $(EVAL_SMALL_ROWS) --engine-packs 1 --saved-packs 2 \
 		--out results/eval_vllm-small --figures results/eval_vllm-small
+	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_front --dtypes float32 --limit 3 --out results/eval_front-small
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache packstore/v1

@@ -67,6 +67,16 @@ def local_engine_only(question: Question) -> None:
         raise InvalidInput("adapter needs the local engine: vLLM cannot run a pack's soft tokens", param="adapter")
 
 
+def check_namespace(engine: EngineIdentity, namespace: str, url: str) -> None:
+    """Unavailable unless the engine's connector reads ``namespace`` (a front's caller must get its own packs there)."""
+    if namespace not in engine.namespaces:
+        raise Unavailable(
+            f"the vLLM server's connector does not read namespace {namespace!r} (it reads {', '.join(engine.namespaces)}): "
+            "add it to its kv_connector_extra_config namespaces",
+            url=url,
+        )
+
+
 def fresh_salt(purpose: str) -> str:
     """A ``cache_salt`` no other request sends, so vLLM's prefix cache serves this one nothing (and it serves none)."""
     return f"{SALT_PREFIX}{purpose}-{uuid.uuid4().hex}"
@@ -172,12 +182,7 @@ class EngineAnswerer:
         ends the answer too); returns the AnswerResult. ``cancel`` aborts the engine's request (Left)."""
         cancel = cancel if cancel is not None else Cancel()
         local_engine_only(question)
-        if self.namespace not in self.engine.namespaces:
-            raise Unavailable(
-                f"the vLLM server's connector does not read namespace {self.namespace!r} (it reads "
-                f"{', '.join(self.engine.namespaces)}): add it to its kv_connector_extra_config namespaces",
-                url=self.client.url,
-            )
+        check_namespace(self.engine, self.namespace, self.client.url)
         facts = None
         if question.bank:
             facts = clean_facts(route_bank(

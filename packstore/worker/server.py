@@ -13,7 +13,7 @@ import grpc
 import torch
 
 from packstore.answering.answer import REF_TTL_SECONDS, Answerer, Answers, RefCache
-from packstore.answering.engine_answer import EngineAnswerer
+from packstore.answering.engine_answer import EngineAnswerer, check_namespace
 from packstore.answering.engine_client import EngineClient, EngineIdentity
 from packstore.answering.ready_caches import ReadyCache
 from packstore.answering.records import AnswerResult
@@ -115,17 +115,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             return self._answerers[namespace]
 
     def _new_answerer(self, namespace: str) -> Answerer | EngineAnswerer:
-        store = self.store_for(namespace)
         if self.engine is not None:
             assert isinstance(self.lm, RenderingModel)
             client, identity = self.engine
+            check_namespace(identity, namespace, client.url)  # (before the namespace's store is opened)
             return EngineAnswerer(
-                self.lm, store, client, identity, namespace=namespace, trusted=self.trusted, bank_cache=self.bank_cache,
-                refs=RefCache(self.ref_ttl),
+                self.lm, self.store_for(namespace), client, identity, namespace=namespace, trusted=self.trusted,
+                bank_cache=self.bank_cache, refs=RefCache(self.ref_ttl),
             )
         assert isinstance(self.lm, LoadedModel)
         return Answerer(
-            self.lm, store, ready=self.ready.partition(namespace),
+            self.lm, self.store_for(namespace), ready=self.ready.partition(namespace),
             host=self.host.partition(namespace) if self.host is not None else None, device_lock=self._device_lock,
             trusted=self.trusted, ref_ttl=self.ref_ttl, decoder=self.decoder, bank_cache=self.bank_cache,
             fetch_seconds=self.fetch_seconds,

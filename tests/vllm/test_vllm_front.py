@@ -19,12 +19,13 @@ from packstore.kv.inject import Sampling
 from packstore.kv.render import render
 from packstore.store import LmdbStore
 from packstore.worker.client import WorkerClient
+from tests.helpers.auth import tokens_file
 from tests.helpers.banks import TEST_BANK_CACHE
 from tools.bench.bench_front import Workload, measure
 from tools.eval.eval_front import evaluate, summary
 from tools.lib.evallib import Row
 from tools.lib.front_stack import front_stack, wait_stored
-from tools.lib.servers import free_port
+from tools.lib.servers import free_port, running_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32  # front_stack's block size
@@ -87,11 +88,12 @@ def streamed(world, question: str, **fields) -> tuple[str, dict]:
     return text, last
 
 
-def vllm_on_the_text(world, facts: list[str], question: str, max_tokens: int = 24) -> str:
-    """vLLM's own answer to the facts as prompt text, computed whole (no pack, a salt no other request sends)."""
-    prompt = render(world["tokenizer"], facts, question).token_ids
+def vllm_on_the_text(world, facts: list[str], question: str, max_tokens: int = 24, history=(), **sampling) -> str:
+    """vLLM's own answer to the facts as prompt text (and ``history`` before the question), computed whole (no pack, a
+    salt no other request sends)."""
+    prompt = render(world["tokenizer"], facts, question, history=history).token_ids
     body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "cache_salt": f"text-{time.time_ns()}",
-            "kv_transfer_params": {"pack": False}}
+            "kv_transfer_params": {"pack": False}} | sampling
     answer = httpx.post(f"{world['vllm']}/completions", json=body, timeout=600).json()
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     return answer["choices"][0]["text"].strip()
@@ -156,6 +158,37 @@ def test_generate_over_grpc_is_the_same_answer(world) -> None:
     assert result.answer == chat(world, QUESTION, packs=["velmora"])["choices"][0]["message"]["content"]
     assert result.pack == world["keys"]["velmora"] and result.cache_hit is True
     assert status["device"].startswith("vllm at http://127.0.0.1:") and status["dtype"] == "float32"
+
+
+def test_history_and_stop_strings_reach_vllm_and_a_seed_repeats_a_sampled_answer(world) -> None:
+    earlier = [("user", QUESTION), ("assistant", "Ilse Brandqvist founded it.")]
+    messages = [{"role": role, "content": text} for role, text in earlier] + [{"role": "user", "content": "When did she found it?"}]
+    body = {"model": str(world["model_dir"]), "messages": messages, "max_tokens": 24, "packs": ["velmora"]}
+    followed = httpx.post(f"{world['http']}/chat/completions", json=body, timeout=600).json()
+    assert followed["choices"][0]["message"]["content"] == vllm_on_the_text(world, VELMORA, "When did she found it?", history=earlier)
+    stopped = chat(world, QUESTION, packs=["velmora"], stop=["Brandqvist"])
+    assert stopped["choices"][0]["finish_reason"] == "stop" and "Brandqvist" not in stopped["choices"][0]["message"]["content"]
+    assert stopped["choices"][0]["message"]["content"] == vllm_on_the_text(world, VELMORA, QUESTION, stop=["Brandqvist"])
+    sampled = [chat(world, QUESTION, packs=["velmora"], temperature=0.9, top_p=0.9, seed=11)["choices"][0]["message"]["content"]
+               for _ in range(2)]
+    assert sampled[0] == sampled[1] and sampled[0]
+
+
+def test_a_front_with_tokens_and_metrics_reads_each_caller_namespace(world, tmp_path) -> None:
+    tokens = tokens_file(tmp_path / "tokens.toml", {"reader": ("secret-r", ["default"], "read"), "elsewhere": ("secret-e", ["b"], "read")})
+    http, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    args = ("--engine", "vllm", "--engine-url", world["vllm"], "--http", http, "--auth", str(tokens), "--metrics", metrics)
+    body = {"model": str(world["model_dir"]), "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, "packs": ["velmora"]}
+    with running_worker(str(world["store"]), str(world["model_dir"]), tmp_path, *args):
+        url = f"http://{http}/v1/chat/completions"
+        assert httpx.post(url, json=body, timeout=600).status_code == 401
+        ok = httpx.post(url, json=body, headers={"Authorization": "Bearer secret-r"}, timeout=600)
+        assert ok.status_code == 200 and ok.json()["packstore"]["cache_hit"] is True
+        other = httpx.post(url, json=body, headers={"Authorization": "Bearer secret-e"}, timeout=600)
+        assert other.status_code == 503 and "does not read namespace 'b'" in other.json()["error"]["message"]
+        scraped = httpx.get(f"http://{metrics}/metrics", headers={"Authorization": "Bearer secret-r"}, timeout=60).text
+    counted = [line for line in scraped.splitlines() if line.startswith("packstore_worker_requests_total{")]
+    assert any('method="ChatCompletions"' in line and 'code="OK"' in line and line.endswith(" 1.0") for line in counted), counted
 
 
 def test_what_needs_the_local_engine_is_refused_naming_the_field(world) -> None:
