@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from packstore.answering.composing import check_composition, compose, composition_key
 from packstore.answering.ready_caches import ReadyCache, ReadyPartition, to_host
@@ -479,24 +479,10 @@ class Answerer:
         pack, hit = self.ready.get(key, load)
         return pack, stored, hit
 
-    def route(
-        self,
-        bank: str,
-        question: str,
-        *,
-        top_k: int = DEFAULT_TOP_K,
-        probe: int | None = None,
-        embedder: str | None = None,
-        rerank: str = "none",
-        rerank_weight: float = DEFAULT_WEIGHT,
-    ) -> list[str]:
-        """The facts ``bank`` routes ``question`` to, best first, reranked by ``rerank`` (``lm``: this model
-        scores them); InvalidInput when there are none. With trusted keys the bank must bear a trusted
-        signature over its current digest."""
-        return route_bank(
-            self.store, self.bank_cache, bank, question, top_k=top_k, probe=probe, embedder=embedder, rerank=rerank,
-            rerank_weight=rerank_weight, trusted=self.trusted, lm=self.lm,
-        )
+    def route(self, bank: str, question: str, **options: Any) -> list[str]:
+        """The facts ``bank`` routes ``question`` to (``route_bank``'s ``options``: top_k, probe, embedder, rerank,
+        rerank_weight), with this Answerer's trusted keys and model (``rerank`` ``lm``: this model scores them)."""
+        return route_bank(self.store, self.bank_cache, bank, question, trusted=self.trusted, lm=self.lm, **options)
 
     def stream(self, question: Question, cancel: Cancel | None = None) -> Generator[int, None, AnswerResult]:
         """Answer ``question``, yielding each generated token id as it exists (the stop token that ends the

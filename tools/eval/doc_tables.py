@@ -199,6 +199,12 @@ def _eval_vllm(out: Path) -> str:
     return tool.table(tool.read_records(out))
 
 
+def _eval_front(out: Path) -> str:
+    """The front's fidelity per dtype, from every records file OUT/<dtype>.jsonl."""
+    tool = _tool("eval_front")
+    return tool.summary(tool.read_records(out))
+
+
 def _steering_set(name: str) -> Callable[[ModuleType], Sequence[str]]:
     return lambda tool: tool.TABLE_SETS[name][1]
 
@@ -228,6 +234,7 @@ GENERATORS: dict[str, Generator] = {
     },
     "eval_exactness": Generator(("*.json",), _eval_exactness),
     "eval_vllm": Generator(("*.jsonl",), _eval_vllm),
+    "eval_front": Generator(("*.jsonl",), _eval_front),
 }
 
 

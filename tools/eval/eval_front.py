@@ -39,7 +39,17 @@ from packstore.kv.models import LoadedModel  # noqa: E402
 from packstore.kv.render import render  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
 from tools.lib.benchlib import logger, machine_description, source_description  # noqa: E402
-from tools.lib.evallib import REPO, Row, bare_question, contains_answer, frozen_split, load_rows, markdown_table, wilson_interval  # noqa: E402
+from tools.lib.evallib import (  # noqa: E402
+    REPO,
+    Row,
+    bare_question,
+    contains_answer,
+    frozen_split,
+    load_rows,
+    markdown_table,
+    read_jsonl,
+    wilson_interval,
+)
 from tools.lib.front_stack import SERVED, FrontStack, ask_front, ask_vllm, front_stack, wait_stored  # noqa: E402
 
 log = logger("eval_front")
@@ -133,6 +143,11 @@ def run_dtype(dtype: str, rows: Sequence[Row], paragraphs: list[str], args: argp
         return evaluate(stack, store, cache, client, rows, "ckc", chains, dtype=dtype, top_k=args.top_k, max_tokens=args.max_tokens)
 
 
+def read_records(out: Path) -> list[dict]:
+    """Every record of OUT/<dtype>.jsonl, in dtype order."""
+    return [record for path in sorted(out.glob("*.jsonl")) for record in read_jsonl(path)]
+
+
 def summary(records: list[dict]) -> str:
     lines = []
     for dtype in sorted({r["dtype"] for r in records}):
@@ -163,7 +178,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--report-only", action="store_true", help="print the summary of the records in --out, run nothing")
     args = parser.parse_args(argv)
+    if args.report_only:
+        print(summary(read_records(args.out)))
+        return 0
     rows = load_rows()
     _, held = frozen_split(rows)
     asked = held[: args.limit]
