@@ -525,6 +525,7 @@ class PackstoreConnector(KVConnectorBase_V1):
         if isinstance(decision, SavePlan):
             self._save_plans[request.request_id] = decision
             self._saves_pending[request.request_id] = (decision.namespace, decision.key)
+            self.matcher.headers.saving(decision.namespace, decision.key)
             plan.save_key = decision.key
         elif decision is not None:
             plan.save_key, plan.save_reason = decision.key, decision.reason
@@ -591,10 +592,10 @@ class PackstoreConnector(KVConnectorBase_V1):
             for request_id, failure in meta.saved.items():
                 self.matcher.counters.add("packs_saved" if failure is None else "pack_save_failures")
                 saved = self._saves_pending.pop(request_id, None)
+                if saved is not None:
+                    self.matcher.headers.save_ended(*saved)
                 if failure is not None:
                     log.warning("packstore: request %s: its save was not stored: %s", request_id, failure)
-                elif saved is not None:  # found missing when this request was planned: the next request finds it stored
-                    self.matcher.headers.stored(*saved)
             for namespace in meta.late:
                 self.matcher.headers.forget(namespace)
                 self._unwaited |= {request_id for request_id, plan in self._plans.items() if plan.namespace == namespace}
@@ -612,7 +613,8 @@ class PackstoreConnector(KVConnectorBase_V1):
         waiting for it, so the loading thread may still write them)."""
         self._to_load.pop(request.request_id, None)
         if self._save_plans.pop(request.request_id, None) is not None:  # never sent to the worker: it will not report it
-            self._saves_pending.pop(request.request_id, None)
+            if (saved := self._saves_pending.pop(request.request_id, None)) is not None:
+                self.matcher.headers.save_ended(*saved)
         if request.request_id in self._saving:  # its capture completed in its prefill; else the worker drops it
             self._saving.discard(request.request_id)
             self._dropped.append(request.request_id)

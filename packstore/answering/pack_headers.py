@@ -40,6 +40,7 @@ class PackHeaders:
         # (namespace, ref) -> (why, when found missing): the message, not the exception, whose traceback would keep the
         # frames of the store's read alive (an LMDB read transaction holds its reader slot until it is freed)
         self._missing: dict[tuple[str, str], tuple[str, float]] = {}
+        self._saving: set[tuple[str, str]] = set()  # keys a request is saving: never remembered missing meanwhile
         self._lock = threading.Lock()
         self.lookups = 0  # reads of the store, for tests and logs
 
@@ -57,6 +58,8 @@ class PackHeaders:
             stored = self._stat(namespace, ref)
         except PackNotFound as missing:
             with self._lock:
+                if (namespace, ref) in self._saving:  # it may be stored any moment: the next request looks again
+                    raise
                 self._missing[(namespace, ref)] = (str(missing), self._clock())
                 if len(self._missing) > KEYS_REMEMBERED:
                     self._missing = {name: found for name, found in self._missing.items() if self._clock() - found[1] <= self.ttl}
@@ -93,9 +96,17 @@ class PackHeaders:
             if len(self._keys) > KEYS_REMEMBERED:
                 self._keys = {name: found for name, found in self._keys.items() if self._clock() - found[1] <= self.ttl}
 
-    def stored(self, namespace: str, key: str) -> None:
-        """Pack ``key`` was stored now (a save): forget that it was found missing, so the next request looks it up."""
+    def saving(self, namespace: str, key: str) -> None:
+        """A request will save pack ``key``: until ``save_ended``, a lookup that finds it missing is not remembered (the
+        next request, which may come the moment it is stored, reads the store again)."""
         with self._lock:
+            self._saving.add((namespace, key))
+            self._missing.pop((namespace, key), None)
+
+    def save_ended(self, namespace: str, key: str) -> None:
+        """The save of ``key`` ended (stored, or failed): lookups of it are remembered again."""
+        with self._lock:
+            self._saving.discard((namespace, key))
             self._missing.pop((namespace, key), None)
 
     def forget(self, namespace: str) -> None:

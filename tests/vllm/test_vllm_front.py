@@ -251,7 +251,8 @@ def test_the_front_evaluation_runs_short(world) -> None:
         records = evaluate(world["stack"], world["open_store"], TEST_BANK_CACHE, client, rows, "isles",
                            [("composition", ["velmora", "harbour"])], dtype="float32", top_k=2, max_tokens=16)
     question, chain = records
+    assert question["pack_saved_tokens"] > 0  # the vLLM-built pack was loaded (saved just before: never remembered missing)
     assert question["pack_identical"] and question["bank_identical"] and question["bank_same_route"] and question["gold_routed"]
     assert (question["bank_first"], question["bank_again"]) == ("computed", "loaded") and question["pack_gold"]
     assert chain["identical"] and chain["loaded"]
-    assert "| pack (vLLM-built, named) | 1/1 |" in summary(records)
+    assert "| pack (vLLM-built, named) | 1/1 | 1/1 |" in summary(records)

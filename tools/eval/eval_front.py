@@ -158,10 +158,11 @@ def summary(records: list[dict]) -> str:
             same = sum(r[f"{prefix}_identical"] for r in asked)
             low, high = wilson_interval(same, n)
             agree = sum(r[f"{prefix}_gold"] == r[f"{prefix}_text_gold"] for r in asked)
-            rows_out.append([arm, f"{same}/{n}", f"{100 * same / n:.1f} % [{100 * low:.1f}, {100 * high:.1f}]",
+            loaded = sum(r["pack_saved_tokens"] > 0 if prefix == "pack" else r["bank_again"] == "loaded" for r in asked)
+            rows_out.append([arm, f"{loaded}/{n}", f"{same}/{n}", f"{100 * same / n:.1f} % [{100 * low:.1f}, {100 * high:.1f}]",
                              f"{sum(r[f'{prefix}_gold'] for r in asked)}/{n}", f"{sum(r[f'{prefix}_text_gold'] for r in asked)}/{n}",
                              f"{agree}/{n}"])
-        headers = ["arm", "identical ids", "share [Wilson 95 %]", "gold held (loaded)", "gold held (text)", "verdicts agree"]
+        headers = ["arm", "pack loaded", "identical ids", "share [Wilson 95 %]", "gold held (loaded)", "gold held (text)", "verdicts agree"]
         lines.append(f"{dtype}:\n" + markdown_table(headers, rows_out))
         routes = sum(r["bank_same_route"] for r in asked)
         lifecycle = sum((r["bank_first"], r["bank_again"]) == ("computed", "loaded") for r in asked)
