@@ -19,7 +19,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "model": ("torch", "transformers", "safetensors", "accelerate", "gguf", "tqdm", "jinja2"),
     "lexical": ("bm25s", "Stemmer"),
     "bank": ("sentence_transformers", "faiss"),
-    "server": ("grpc_health", "grpc_reflection", "prometheus_client", "starlette", "uvicorn", "anyio"),
+    "server": ("grpc_health", "grpc_reflection", "prometheus_client", "starlette", "uvicorn", "anyio", "httpx"),
     "s3": ("boto3", "botocore"),
 }
 INCLUDED: dict[str, tuple[str, ...]] = {"bank": ("model", "lexical"), "server": ("lexical",)}
