@@ -82,14 +82,14 @@ class EngineClient:
         found = report.get("identity") if isinstance(report, dict) else None
         if not isinstance(found, dict):
             raise Unavailable(
-                f"the vLLM server at {self.url} did not say who it is: it does not run PackstoreConnector "
-                "(--kv-transfer-config with kv_connector PackstoreConnector), or runs an older one",
+                f"the vLLM server at {self.url} did not say who it is: it does not run PackstoreConnector (its KV "
+                "transfer config must name kv_connector PackstoreConnector), or runs an older one",
                 url=self.url,
             )
         if not isinstance(answer.get("usage"), dict) or answer["usage"].get("prompt_tokens_details") is None:
             raise Unavailable(
                 f"the vLLM server at {self.url} does not report cached prompt tokens, which the answers' packstore object "
-                "is made from: start it with --enable-prompt-tokens-details",
+                "is made from: start it with vLLM's enable_prompt_tokens_details on",
                 url=self.url,
             )
         try:
