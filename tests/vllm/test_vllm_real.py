@@ -392,7 +392,7 @@ TOKEN_BYTES = 30 * 2 * 3 * 64 * 4  # smollm2-135m's K and V of one token in floa
 @pytest.fixture(scope="module")
 def saved(served, engines, tmp_path_factory):
     """An engine that saves (prefix caching on, as vLLM's default), its quota room for the mills and harbour packs: the
-    mills facts saved as ``mills-vllm``; the same save again (its blocks now in vLLM's prefix cache: refused); the question
+    mills facts saved as ``mills-vllm``; the same save again (refused: stored already, or its blocks in vLLM's prefix cache); the question
     answered from vLLM's own prefix cache of the saved range; the harbour facts saved under the name taken (saved, the
     name left where it was); the velmora facts (past the quota: refused). Then a fresh engine over ``packstore serve``
     with a read-only token and saving on: the saved pack loaded, and a save refused up front for the token."""
@@ -426,7 +426,10 @@ def test_a_saved_pack_loads_in_a_fresh_engine_as_the_saving_engine_own_prefix_ca
     with LmdbStore(store, readonly=True) as opened:
         header = opened.stat("mills-vllm").header
     assert header.key == key and header.engine["name"] == "vllm" and header.facts == tuple(MILLS)
-    assert "prefix cache held" in first["again"]["kv"]["pack_save_reason"]  # not computed by that request: not saved
+    # Not saved twice: found stored already (a key being saved is looked up again, never remembered missing), or, where
+    # the lookup ran before the first save was written, refused because vLLM's prefix cache held its blocks.
+    again = first["again"]["kv"]["pack_save_reason"]
+    assert "stored already" in again or "prefix cache held" in again, again
     load = fresh["load"]
     assert load["kv"]["pack_applied"] is True and load["kv"]["pack_key"] == key
     assert load["ids"] == first["cache"]["ids"] and load["logprobs"] == first["cache"]["logprobs"]  # bit for bit
