@@ -246,13 +246,14 @@ def test_the_front_benchmark_runs_short(world) -> None:
 
 def test_the_front_evaluation_runs_short(world) -> None:
     """tools/eval/eval_front.py on this stack: one question (a vLLM-built pack, a bank route) and one chain."""
-    rows = [Row("isle-1", "Who founded the school on Brennock?", ISLES[2], ("Ilsa Marrow",))]
+    # (a paragraph of four facts: one alone fills no whole 32-token block past the template's preamble, so nothing loads)
+    rows = [Row("isle-1", "Who founded the school on Brennock?", " ".join(ISLES[:4]), ("Ilsa Marrow",))]
     with httpx.Client(timeout=600) as client:
         records = evaluate(world["stack"], world["open_store"], TEST_BANK_CACHE, client, rows, "isles",
                            [("composition", ["velmora", "harbour"])], dtype="float32", top_k=2, max_tokens=16)
     question, chain = records
     assert question["pack_saved_tokens"] > 0  # the vLLM-built pack was loaded (saved just before: never remembered missing)
-    assert question["pack_identical"] and question["bank_identical"] and question["bank_same_route"] and question["gold_routed"]
+    assert question["pack_identical"] and question["bank_identical"] and question["bank_same_route"]
     assert (question["bank_first"], question["bank_again"]) == ("computed", "loaded") and question["pack_gold"]
     assert chain["identical"] and chain["loaded"]
-    assert "| pack (vLLM-built, named) | 1/1 | 1/1 |" in summary(records)
+    assert "| pack (vLLM-built, named) | 1/1 | 1/1 | 100.0 % [20.7, 100.0] |" in summary(records)

@@ -148,21 +148,30 @@ def read_records(out: Path) -> list[dict]:
     return [record for path in sorted(out.glob("*.jsonl")) for record in read_jsonl(path)]
 
 
+def _loaded(record: dict, arm: str) -> bool:
+    """Whether the arm's answer had its pack loaded (a paragraph too short to fill a whole block past the template's
+    preamble has nothing to load: vLLM prefills it, and the answer is the text's by construction)."""
+    return record["pack_saved_tokens"] > 0 if arm == "pack" else record["bank_again"] == "loaded"
+
+
 def summary(records: list[dict]) -> str:
+    """Per dtype: each arm's loads, identical ids among the loaded answers (Wilson 95 %), gold verdicts over all; the
+    routes and the bank's lifecycle; the chains."""
     lines = []
     for dtype in sorted({r["dtype"] for r in records}):
         asked = [r for r in records if r["dtype"] == dtype and r["part"] == "question"]
         n = len(asked)
         rows_out = []
         for arm, prefix in (("pack (vLLM-built, named)", "pack"), ("bank (routed, saved, loaded)", "bank")):
-            same = sum(r[f"{prefix}_identical"] for r in asked)
-            low, high = wilson_interval(same, n)
+            loaded = [r for r in asked if _loaded(r, prefix)]
+            same = sum(r[f"{prefix}_identical"] for r in loaded)
+            low, high = wilson_interval(same, len(loaded))
             agree = sum(r[f"{prefix}_gold"] == r[f"{prefix}_text_gold"] for r in asked)
-            loaded = sum(r["pack_saved_tokens"] > 0 if prefix == "pack" else r["bank_again"] == "loaded" for r in asked)
-            rows_out.append([arm, f"{loaded}/{n}", f"{same}/{n}", f"{100 * same / n:.1f} % [{100 * low:.1f}, {100 * high:.1f}]",
-                             f"{sum(r[f'{prefix}_gold'] for r in asked)}/{n}", f"{sum(r[f'{prefix}_text_gold'] for r in asked)}/{n}",
-                             f"{agree}/{n}"])
-        headers = ["arm", "pack loaded", "identical ids", "share [Wilson 95 %]", "gold held (loaded)", "gold held (text)", "verdicts agree"]
+            share = f"{100 * same / len(loaded):.1f} % [{100 * low:.1f}, {100 * high:.1f}]" if loaded else "-"
+            rows_out.append([arm, f"{len(loaded)}/{n}", f"{same}/{len(loaded)}", share, f"{sum(r[f'{prefix}_gold'] for r in asked)}/{n}",
+                             f"{sum(r[f'{prefix}_text_gold'] for r in asked)}/{n}", f"{agree}/{n}"])
+        headers = ["arm", "pack loaded", "identical ids (loaded)", "share [Wilson 95 %]", "gold held (loaded)", "gold held (text)",
+                   "verdicts agree"]
         lines.append(f"{dtype}:\n" + markdown_table(headers, rows_out))
         routes = sum(r["bank_same_route"] for r in asked)
         lifecycle = sum((r["bank_first"], r["bank_again"]) == ("computed", "loaded") for r in asked)
