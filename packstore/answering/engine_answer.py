@@ -34,7 +34,7 @@ from packstore.kv.compose import check_parts
 from packstore.kv.device import Cancel
 from packstore.kv.inject import Sampling, answer_of, finish, prepare
 from packstore.kv.models import RenderingModel
-from packstore.kv.render import pack_prefix_ids, render
+from packstore.kv.render import render
 from packstore.security.trust import TrustedKeys
 from packstore.store.protocol import PackStore
 
@@ -130,13 +130,13 @@ class EngineAnswerer:
             self.trusted.require(f"pack {stored.key}", "pack", stored.header.pack_sha256, stored.signatures)
         return stored.header
 
-    def stored_key(self, facts: Sequence[str], raw: bool) -> str | None:
-        """The key of a stored pack of exactly ``facts`` (this engine's build first, then packstore's), or None."""
-        ids = pack_prefix_ids(self.model.tokenizer, facts, raw=raw)
+    def stored_key(self, ids: Sequence[int]) -> str | None:
+        """The key of a stored pack of exactly the token ids ``ids`` (this engine's build first, then packstore's), or
+        None; a pack found is remembered for the ref ttl (``RefCache``), so a warm ask makes no store round trip."""
         m, t = self.model.model_fp, self.model.template_fp
         for key in (pack_key(m, t, ids, engine=self.engine.engine), pack_key(m, t, ids)):
             try:
-                stored = self.store.stat(key)
+                stored = self.refs.lookup(self.store, key, m)
             except PackNotFound:
                 continue
             if self.trusted is None or self._signed(stored.header.pack_sha256, stored.signatures):
@@ -164,7 +164,7 @@ class EngineAnswerer:
             return EngineAsk(rendering.token_ids, {"pack": header.key} | namespace, salt, header.key, None, header.tokens, True)
         rendering = render(self.model.tokenizer, every, question.text.strip(), raw=raw, history=question.history)
         parts = [header.key for header in headers] or None
-        found = self.stored_key(every, raw)
+        found = self.stored_key(rendering.prefix_ids)  # (the facts' tokens: this rendering's, split in one pass)
         if found is not None:
             params: dict[str, Any] = {"pack": {"facts": every}}
             return EngineAsk(rendering.token_ids, params | namespace, None, found, parts, rendering.prefix_tokens, True)
