@@ -4,7 +4,8 @@ vLLM builds ``PackstoreConnector`` twice, a scheduler half in the engine process
 (``KVConnectorBase_V1``). The scheduler half plans each request (``packstore.answering.paged``: the pack a request
 names in ``kv_transfer_params.pack``, or the one its first tokens match; identities, tokens and whole blocks checked)
 and never raises; the worker half reads the pack through the pack reader (every tier, chunk check and signature rule
-applies) and writes each layer with the attention backend's own cache update as the model reaches it. A pack that
+applies) and writes each layer with the attention backend's own cache update as the model reaches it (or, where a
+probe at start finds it writes the same bits, ``answering.cache_scatter``, without the update's token loop). A pack that
 fails while loading is reported as failed blocks, which vLLM recomputes; the reason comes back with the answer
 (docs/protocol.md, "vLLM connector"). This is the only module that imports vLLM.
 """
@@ -38,6 +39,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 from packstore.answering.arithmetic import OTHER_EXACT_POLICIES
 from packstore.answering.background_loads import BackgroundLoads
+from packstore.answering.cache_scatter import scatter_rows, writes_like
 from packstore.answering.config_values import ConfigValues
 from packstore.answering.paged import COUNTERS, PackMatcher, PackPlan, ServedModel
 from packstore.answering.plan_lookups import PlanLookups
@@ -449,6 +451,7 @@ class PackstoreConnector(KVConnectorBase_V1):
             self._ready = ReadyCache(self.settings.cache_bytes)  # decoded packs, by namespace and key
             self._kv_caches: dict[str, torch.Tensor] = {}
             self._strided_rows: set[str] = set()  # layers whose cache update takes a pack's rows as strided views
+            self._scattered: set[str] = set()  # layers whose cache ``scatter_rows`` writes as their own update does
             self._layers: dict[str, Any] = {}
             self._loads = StepLoads(self._ready_pack, self._fetch, self.block_size, self.settings.load_seconds)
             self._background_loads = BackgroundLoads(self._ready_pack, self._fetch, self.block_size, self.settings.load_seconds)
@@ -664,6 +667,9 @@ class PackstoreConnector(KVConnectorBase_V1):
         check_layers(self._layers, compilation.pass_config, capture=watch)
         self._kv_caches = dict(kv_caches)
         self._strided_rows = {name for name, layer in self._layers.items() if reads_strided_rows(layer.impl)}
+        updates = {name: layer.impl.do_kv_cache_update for name, layer in self._layers.items()}  # before any is watched
+        self._scattered = {name for name, layer in self._layers.items() if writes_like(updates[name], layer, kv_caches[name])}
+        log.info("packstore: %d of %d layers take packs written straight into their blocks", len(self._scattered), len(self._layers))
         if self._save_writer is not None:
             self._save_capture = SaveCapture(len(self._layers), self.block_size)
         if watch:
@@ -758,9 +764,12 @@ class PackstoreConnector(KVConnectorBase_V1):
 
     def _write_layer(self, layer_name: str, load: PackLoad, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Positions [start, stop) of one layer of a pack (``[kv heads, tokens, head dim]``) into the request's slots,
-        with the attention backend's own cache update."""
+        with the attention backend's own cache update, or ``scatter_rows`` where it was found to write the same."""
         layer = self._layers[layer_name]
         kv_cache = self._kv_caches.get(layer_name, layer.kv_cache)
+        if layer_name in self._scattered and keys.dtype == kv_cache.dtype:  # runs of slots at once, no token loop
+            scatter_rows(keys, values, kv_cache, slots)
+            return
         key = keys.transpose(0, 1).to(kv_cache.device, kv_cache.dtype)  # [tokens, kv heads, head dim]
         value = values.transpose(0, 1).to(kv_cache.device, kv_cache.dtype)
         if layer_name not in self._strided_rows:  # a backend that reads rows as laid out by the forward
