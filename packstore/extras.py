@@ -21,8 +21,9 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "bank": ("sentence_transformers", "faiss"),
     "server": ("grpc_health", "grpc_reflection", "prometheus_client", "starlette", "uvicorn", "anyio", "httpx"),
     "s3": ("boto3", "botocore"),
+    "route": ("onnxruntime", "tokenizers", "faiss"),
 }
-INCLUDED: dict[str, tuple[str, ...]] = {"bank": ("model", "lexical"), "server": ("lexical",)}
+INCLUDED: dict[str, tuple[str, ...]] = {"bank": ("model", "lexical"), "server": ("lexical",), "route": ("lexical",)}
 
 
 def missing(extra: str, module: str) -> MissingExtra:

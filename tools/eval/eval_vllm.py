@@ -69,6 +69,7 @@ from tools.lib.evallib import (  # noqa: E402
     jsonl_appender,
     load_rows,
     markdown_table,
+    mcnemar_exact,
     read_jsonl,
     record_files,
     resumed_records,
@@ -500,12 +501,6 @@ def summarize(records: Sequence[dict]) -> list[dict]:
             summary["cache_interval"] = wilson(summary["cache_identical"], len(cached))
         summaries.append(summary)
     return summaries
-
-
-def mcnemar_exact(first_only: int, second_only: int) -> float:
-    """The exact (binomial) two-sided McNemar p-value of discordant pairs: whether one side is right alone more often."""
-    n, k = first_only + second_only, min(first_only, second_only)
-    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
 
 
 def _count(count: int, total: int, interval: Interval | None = None) -> str:

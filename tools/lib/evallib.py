@@ -21,6 +21,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import math
 import os
 import re
 import string
@@ -483,3 +484,9 @@ def grouped_bars(
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def mcnemar_exact(first_only: int, second_only: int) -> float:
+    """The exact (binomial) two-sided McNemar p-value of discordant pairs: whether one side is right alone more often."""
+    n, k = first_only + second_only, min(first_only, second_only)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0

@@ -1,0 +1,255 @@
+"""Choose the cross-encoder stage (``--rerank cross``) on the tuning data only, by paired tests (issue 66).
+
+Two steps, so that the choice reads no data it may not, as tools/eval/eval_fusion.py does:
+
+``dump``: for each tuning data set (own, second and third generators at ``--sizes``; the ckc tuning half), build the
+bank (MiniLM, the default vectors, kept under ``--banks``) and route every question as ``route`` would
+(``route_candidates``: each candidate's cosine and BM25), with ``--embedder``'s bank. Per question keep: the shipped fusion's scores
+(``bank.FUSION``) of its top ``POOL`` candidates in its order, where the answering fact is in that order (recall@N), where
+the rule before issue 54 (additive w=0.2) puts it, and the cross-encoder's logit of each of the top ``POOL``, one pair
+per run, with the milliseconds it took. One ``.npz`` per data set under ``--dumps``/EMBEDDER.
+
+``sweep``: every (N, weight) of ``NS`` x ``WEIGHTS`` ranks each question's top N by logit + weight x fused score, the
+rest below in fused order, exactly as ``Reranker.apply`` does; per data set top-1 and top-5 with Wilson intervals, and
+for each rule, question by question against the shipped fusion and against additive w=0.2, the exact McNemar p-value of
+top-1 and top-5. The rule chosen has the least worst top-1 shortfall (then top-5) among the rules that lose top-5 on
+ckc tuning to neither (p < 0.05 with more losses than gains). Records: OUT/EMBEDDER/sweep.jsonl and sweep.md (with the costs).
+
+The fourth and fifth generators and the ckc held-out half are never read here.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python -m tools.eval.eval_cross dump [--embedder bge-small-en] [--sizes 5000] [--questions 500]
+    .venv/bin/python -m tools.eval.eval_cross sweep [--embedder bge-small-en]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+
+from packstore.bank.bank import FUSION, route_candidates  # noqa: E402
+from packstore.bank.fusion import Additive  # noqa: E402
+from packstore.bank.onnx_models import load_cross_encoder  # noqa: E402
+from packstore.format.bank import DEFAULT_VECTORS  # noqa: E402
+from packstore.store import LmdbStore  # noqa: E402
+from tools.eval.eval_banks import BANK_CACHE, Dataset, ckc_datasets, kept_bank, own_dataset, second_dataset, third_dataset  # noqa: E402
+from tools.lib.benchlib import logger, source_commit  # noqa: E402
+from tools.lib.evallib import REPO, discard_records, jsonl_appender, markdown_table, mcnemar_exact, read_jsonl, wilson_interval  # noqa: E402
+
+EMBEDDERS = ("all-minilm-l6-v2", "bge-small-en")  # the bank's embedder: today's default, and the ONNX one (item 3)
+SCRATCH = Path(os.environ.get("PACKSTORE_EVAL_SCRATCH", "/tmp/packstore-eval"))
+POOL = 30  # candidates cross-scored per question: the largest N of the sweep
+NS = (5, 10, 15, 20, 30)
+WEIGHTS = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+OLD = Additive(0.2)
+CKC = "ckc_tuning"
+log = logger("eval_cross")
+
+
+def tuning_datasets(sizes: Sequence[int], questions: int) -> list[Dataset]:
+    """The tuning data: own, second and third generators at each size, and the ckc tuning half (never held-out)."""
+    found = [maker(size, questions) for size in sizes for maker in (own_dataset, second_dataset, third_dataset)]
+    return found + [ckc_datasets()[0]]
+
+
+def _order(scores: np.ndarray) -> np.ndarray:
+    return np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")
+
+
+def dump(datasets: Sequence[Dataset], embedder_spec: str, banks: Path, out: Path) -> None:
+    """Per question: the fused scores of the top ``POOL`` (in fused order), the answering fact's place in the fused
+    and the old orders (-1: not among the candidates), and the cross-encoder's logits and milliseconds."""
+    out.mkdir(parents=True, exist_ok=True)
+    cross = load_cross_encoder()
+    with LmdbStore(banks) as store:
+        for dataset in datasets:
+            target = out / embedder_spec / f"{dataset.name.replace(' ', '_').replace(',', '')}.npz"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.exists():
+                log(f"{dataset.name}: kept from an earlier run")
+                continue
+            name, about = kept_bank(store, dataset.facts, embedder_spec, DEFAULT_VECTORS)
+            log(f"{dataset.name}: {embedder_spec} bank ready ({about['build_s']:.0f} s to build)")
+            embedder = BANK_CACHE.embedder(embedder_spec)
+            route_ms = []
+            fused_rows, logit_rows, gold_fused, gold_old, ms = [], [], [], [], []
+            for index, (question, fact) in enumerate(dataset.questions):
+                started = time.perf_counter()
+                [(texts, candidates)] = route_candidates(store, name, [question], embedder, cache=BANK_CACHE)
+                route_ms.append(1000 * (time.perf_counter() - started))
+                fused = FUSION(candidates) if candidates.bm25.any() else candidates.cosine
+                order = _order(fused)
+                gold = texts.index(fact.strip()) if fact.strip() in texts else -1
+                old = OLD(candidates) if candidates.bm25.any() else candidates.cosine
+                gold_fused.append(int(np.flatnonzero(order == gold)[0]) if gold >= 0 else -1)
+                gold_old.append(int(np.flatnonzero(_order(old) == gold)[0]) if gold >= 0 else -1)
+                top = order[:POOL]
+                started = time.perf_counter()
+                logits = cross.score(question, [texts[i] for i in top])
+                ms.append(1000 * (time.perf_counter() - started) / max(len(top), 1))
+                fused_rows.append(np.pad(np.asarray(fused, dtype=np.float64)[top], (0, POOL - len(top)), constant_values=np.nan))
+                logit_rows.append(np.pad(logits, (0, POOL - len(top)), constant_values=np.nan))
+                if index % 100 == 99:
+                    log(f"{dataset.name}: {index + 1} questions ({np.median(ms):.1f} ms a pair)")
+            np.savez_compressed(target, fused=np.array(fused_rows), logits=np.array(logit_rows), gold=np.array(gold_fused),
+                                old=np.array(gold_old), pair_ms=np.array(ms), route_ms=np.array(route_ms), build_s=about["build_s"])
+            log(f"{dataset.name}: {len(ms)} questions, answering fact in the top {POOL} for {sum(0 <= g < POOL for g in gold_fused)}")
+
+
+def reranked_place(fused: np.ndarray, logits: np.ndarray, gold: int, n: int, weight: float) -> int:
+    """Where the answering fact lands (0-based; -1 absent) when the top ``n`` of the fused order are re-scored by
+    logit + ``weight`` x fused (``Reranker.apply`` with ``leads``) and the rest follow in fused order."""
+    if gold < 0:
+        return -1
+    if gold >= n:
+        return gold
+    count = int(np.sum(~np.isnan(fused[:n])))
+    scores = logits[:count] + weight * fused[:count]
+    return int(np.flatnonzero(_order(scores) == gold)[0])
+
+
+def rule_name(n: int, weight: float) -> str:
+    return f"cross N={n} w={weight:g}"
+
+
+def sweep(dumps: Path, out: Path) -> list[dict]:
+    """One record per rule and data set, with every question's place (for the paired tests)."""
+    records = out / "sweep.jsonl"
+    discard_records(records)
+    keep = jsonl_appender(records)
+    commit = source_commit()
+    for path in sorted(dumps.glob("*.npz")):
+        data = np.load(path)
+        shipped, old = [int(g) for g in data["gold"]], [int(g) for g in data["old"]]
+        keep({"commit": commit, "dataset": path.stem, "rule": FUSION.name + " (shipped)", "places": shipped, "pair_ms": float(np.median(data["pair_ms"]))})
+        keep({"commit": commit, "dataset": path.stem, "rule": OLD.name, "places": old})
+        for n in NS:
+            for weight in WEIGHTS:
+                places = [reranked_place(f, lg, g, n, weight) for f, lg, g in zip(data["fused"], data["logits"], shipped)]
+                keep({"commit": commit, "dataset": path.stem, "rule": rule_name(n, weight), "places": places})
+        log(f"{path.stem}: {len(shipped)} questions")
+    return read_jsonl(records)
+
+
+def hits(places: Sequence[int], k: int) -> np.ndarray:
+    return np.array([0 <= p < k for p in places])
+
+
+def paired(first: Sequence[int], second: Sequence[int], k: int) -> tuple[int, int, float]:
+    """Questions only ``first`` has in its top ``k``, only ``second`` has, and the exact McNemar p-value."""
+    a, b = hits(first, k), hits(second, k)
+    only_first, only_second = int(np.sum(a & ~b)), int(np.sum(b & ~a))
+    return only_first, only_second, mcnemar_exact(only_first, only_second)
+
+
+def loses(rule: Sequence[int], other: Sequence[int], k: int) -> bool:
+    """Whether ``rule`` loses top-``k`` to ``other`` question by question (more losses than gains, p < 0.05)."""
+    gained, lost, p = paired(rule, other, k)
+    return lost > gained and p < 0.05
+
+
+def choose(records: Sequence[dict]) -> tuple[str, list[list[str]]]:
+    """The cross rule of least worst top-1 shortfall (then top-5) over the data sets among those that lose top-5 on
+    the ckc tuning half neither to the shipped fusion nor to additive w=0.2; and the table, best first."""
+    by_rule: dict[str, dict[str, list[int]]] = {}
+    for record in records:
+        by_rule.setdefault(record["rule"], {})[record["dataset"]] = record["places"]
+    datasets = sorted({record["dataset"] for record in records})
+    shipped = FUSION.name + " (shipped)"
+
+    def share(rule: str, dataset: str, k: int) -> float:
+        return float(np.mean(hits(by_rule[rule][dataset], k)))
+
+    best = {(d, k): max(share(rule, d, k) for rule in by_rule) for d in datasets for k in (1, 5)}
+
+    def shortfall(rule: str, k: int) -> float:
+        return max(best[d, k] - share(rule, d, k) for d in datasets)
+
+    ordered = sorted(by_rule, key=lambda rule: (shortfall(rule, 1), shortfall(rule, 5)))
+    ckc = next(d for d in datasets if d.startswith(CKC))
+    eligible = [
+        rule for rule in ordered
+        if rule.startswith("cross") and not any(loses(by_rule[rule][ckc], by_rule[other][ckc], 5) for other in (shipped, OLD.name))
+    ]
+    rows = []
+    for rule in ordered:
+        cells = [rule, f"{100 * shortfall(rule, 1):.1f}", f"{100 * shortfall(rule, 5):.1f}"]
+        for d in datasets:
+            places = by_rule[rule][d]
+            top1, top5 = int(hits(places, 1).sum()), int(hits(places, 5).sum())
+            low, high = wilson_interval(top1, len(places))
+            cells.append(f"{100 * top1 / len(places):.1f} [{100 * low:.1f}, {100 * high:.1f}] / {100 * top5 / len(places):.1f}")
+        rows.append(cells)
+    headers = ["rule", "worst top-1 shortfall (points)", "worst top-5 shortfall", *[f"{d}: top-1 % [95% CI] / top-5 %" for d in datasets]]
+    return eligible[0], [headers, *rows]
+
+
+def paired_table(records: Sequence[dict], chosen: str) -> str:
+    """The chosen rule against the shipped fusion and additive w=0.2, per data set: top-1 and top-5 gained / lost and
+    the exact McNemar p-value; and recall@N of the fused order (where the cross-encoder can find the fact at all)."""
+    by_rule: dict[str, dict[str, list[int]]] = {}
+    for record in records:
+        by_rule.setdefault(record["rule"], {})[record["dataset"]] = record["places"]
+    shipped = FUSION.name + " (shipped)"
+    rows = []
+    for dataset in sorted(by_rule[chosen]):
+        cells = [dataset]
+        for other in (shipped, OLD.name):
+            for k in (1, 5):
+                gained, lost, p = paired(by_rule[chosen][dataset], by_rule[other][dataset], k)
+                cells.append(f"+{gained} / -{lost} (p {p:.3g})")
+        cells += [f"{100 * hits(by_rule[shipped][dataset], n).mean():.1f}" for n in NS]
+        rows.append(cells)
+    headers = ["data set", "vs shipped top-1", "vs shipped top-5", "vs additive w=0.2 top-1", "vs additive w=0.2 top-5",
+               *[f"recall@{n} %" for n in NS]]
+    return markdown_table(headers, rows)
+
+
+def cost_table(dumps: Path) -> str:
+    """Per data set: the bank's build seconds, the first stage's milliseconds a question (embed, probe, BM25, fuse;
+    median and p95) and the cross-encoder's a pair (median and p95 of per-question means), one thread."""
+    rows = []
+    for path in sorted(dumps.glob("*.npz")):
+        data = np.load(path)
+        route, pair = data["route_ms"], data["pair_ms"]
+        rows.append([path.stem, f"{float(data['build_s']):.0f}", f"{np.median(route):.1f}", f"{np.percentile(route, 95):.1f}",
+                     f"{np.median(pair):.1f}", f"{np.percentile(pair, 95):.1f}"])
+    return markdown_table(["data set", "bank build s", "route ms, median", "p95", "cross ms a pair, median", "p95"], rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("step", choices=("dump", "sweep"))
+    parser.add_argument("--sizes", nargs="+", type=int, default=[5000])
+    parser.add_argument("--embedder", choices=EMBEDDERS, default=EMBEDDERS[0], help="the banks' embedder (the route's first stage)")
+    parser.add_argument("--questions", type=int, default=500)
+    parser.add_argument("--banks", type=Path, default=SCRATCH / "banks", help="where built banks are kept for reuse")
+    parser.add_argument("--dumps", type=Path, default=SCRATCH / "cross")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "eval_cross")
+    args = parser.parse_args(argv)
+    if args.step == "dump":
+        dump(tuning_datasets(args.sizes, args.questions), args.embedder, args.banks, args.dumps)
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    dumps, out = args.dumps / args.embedder, args.out / args.embedder
+    out.mkdir(parents=True, exist_ok=True)
+    records = sweep(dumps, out)
+    chosen, rows = choose(records)
+    shown = [rows[0]] + [row for row in rows[1:] if row[0] == chosen] + [row for row in rows[1:13] if row[0] != chosen]
+    shown += [row for row in rows[1:] if row[0] in (FUSION.name + " (shipped)", OLD.name) and row not in shown]
+    text = (f"Chosen: **{chosen}**\n\n" + markdown_table(shown[0], shown[1:]) + "\n\nPaired, question by question:\n\n"
+            + paired_table(records, chosen) + "\n\nCost:\n\n" + cost_table(dumps) + "\n")
+    (out / "sweep.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
