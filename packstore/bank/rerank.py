@@ -102,8 +102,9 @@ class Reranker:
     def __post_init__(self) -> None:
         if self.candidates < 1:
             raise InvalidInput(f"a reranker needs at least 1 candidate, not {self.candidates}")
-        if not np.isfinite(self.weight) or self.weight <= 0:
-            raise InvalidInput(f"the rerank weight must be a positive number, not {self.weight}")
+        if not np.isfinite(self.weight) or self.weight < 0 or (self.weight == 0 and not self.leads):
+            least = "0 or more" if self.leads else "a positive number"  # a leading stage's score may stand alone
+            raise InvalidInput(f"the rerank weight must be {least}, not {self.weight}")
 
     def routed_for(self, top_k: int) -> int:
         """How many facts to route for so that ``top_k`` are kept after rescoring."""
@@ -144,8 +145,10 @@ def reranker(name: str, *, embedder: Any = None, lm: tuple[Any, torch.nn.Module]
             raise InvalidInput("the cross reranker needs a cross-encoder")
         return Reranker(name, cross_scorer(cross), count, weight, leads=True, fingerprint=cross.fingerprint)
     if name == "late":
-        if embedder is None or not hasattr(embedder, "model"):
-            raise InvalidInput("the late reranker needs the token embeddings of a sentence-transformers embedder (the bank's is not one)")
+        if embedder is None:
+            raise InvalidInput("the late reranker needs the bank's embedder")
+        if not hasattr(embedder, "model"):
+            raise InvalidInput(f"the late reranker needs a sentence-transformers embedder's token embeddings; {embedder.name} is not one")
         scorer = late_scorer(embedder)
     else:
         if lm is None:

@@ -49,7 +49,9 @@ def test_a_reranker_adds_its_weighted_score_and_keeps_top_k() -> None:
 
 def test_reranker_settings_are_checked(tiny_lm) -> None:
     assert reranker("none") is None
-    with pytest.raises(InvalidInput, match="unknown reranker 'cross'"):
+    with pytest.raises(InvalidInput, match="unknown reranker 'bogus'"):
+        reranker("bogus")
+    with pytest.raises(InvalidInput, match="needs a cross-encoder"):
         reranker("cross")
     with pytest.raises(InvalidInput, match="needs the bank's embedder"):
         reranker("late")
@@ -87,8 +89,9 @@ def test_late_reranking_on_the_real_embedder_keeps_the_answering_fact_first(bank
 
 def test_questions_check_their_reranker() -> None:
     assert Question("Q?", bank="b", rerank="").rerank == "none"
-    with pytest.raises(InvalidInput, match="unknown reranker 'cross'"):
-        Question("Q?", bank="b", rerank="cross")
+    with pytest.raises(InvalidInput, match="unknown reranker 'bogus'"):
+        Question("Q?", bank="b", rerank="bogus")
+    assert Question("Q?", bank="b", rerank="cross").rerank_weight is None  # each stage's own default
     with pytest.raises(InvalidInput, match="reranking reorders a bank's routed facts"):
         Question("Q?", refs=("a",), rerank="lm")
 
@@ -121,7 +124,7 @@ def test_bank_route_and_ask_take_the_rerank_flags(tmp_path: Path, tiny_model_dir
     assert packctl([*ask, "--rerank", "lm", "--rerank-weight", "0.5"]) == 0
     assert len(json.loads(capsys.readouterr().out)["facts"]) == 2
     with pytest.raises(SystemExit):
-        packctl([*store, "bank", "route", "b", query, "--rerank", "cross"])
-    assert "invalid choice: 'cross'" in capsys.readouterr().err
+        packctl([*store, "bank", "route", "b", query, "--rerank", "bogus"])
+    assert "invalid choice: 'bogus'" in capsys.readouterr().err
     assert packctl([*store, "bank", "route", "b", query, "--rerank", "late", "--rerank-weight", "-1"]) == 1
     assert "rerank weight must be a positive number" in capsys.readouterr().err
