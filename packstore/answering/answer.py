@@ -20,7 +20,7 @@ from packstore.answering.composing import check_composition, compose, compositio
 from packstore.answering.ready_caches import ReadyCache, ReadyPartition, to_host
 from packstore.answering.records import AnswerResult
 from packstore.bank.bank import BankCache, open_banks
-from packstore.bank.rerank import RERANKERS, recorded_embedder, reranked_route, reranker
+from packstore.bank.rerank import RERANKERS, reranked_route, reranker
 from packstore.errors import InvalidInput, PackNotFound, Untrusted
 from packstore.format import PackHeader, pack_key, parse_key
 from packstore.kv.build import build_pack, clean_facts
@@ -122,16 +122,13 @@ def route_bank(
     banks = open_banks(store, bank_cache)
     if trusted is not None:
         trusted.require(f"bank {bank!r}", "bank", banks.digest(bank), banks.signatures(bank))
-    second = None
-    if rerank != "none":
-        spec = (embedder or recorded_embedder(banks, bank)) if rerank == "late" else None
-        embedded = bank_cache.embedder(spec) if spec else None
-        if rerank == "lm" and lm is None:
+    if rerank == "lm":  # the model's weights score the facts here; every other stage runs where the bank is
+        if lm is None:
             raise InvalidInput("rerank 'lm' scores the facts with the model's weights, which this worker does not load", param="rerank")
-        cross = bank_cache.cross_encoder() if rerank == "cross" else None
-        pair = (lm.tokenizer, lm.model) if lm is not None else None
-        second = reranker(rerank, embedder=embedded, lm=pair, cross=cross, weight=rerank_weight)
-    routed = reranked_route(banks, bank, [question], embedder, top_k=top_k, probe=probe, reranker=second)[0]
+        second = reranker("lm", lm=(lm.tokenizer, lm.model), weight=rerank_weight)
+        routed = reranked_route(banks, bank, [question], embedder, top_k=top_k, probe=probe, reranker=second)[0]
+    else:
+        routed = banks.route(bank, [question], embedder, top_k=top_k, probe=probe, rerank=rerank, rerank_weight=rerank_weight)[0]
     facts = [text for text, _ in routed.facts]
     if not facts:
         raise InvalidInput(f"bank {bank!r} routed the question to no facts")

@@ -16,6 +16,7 @@ from packstore.bank.embedder import BankEmbedder, load_embedder
 from packstore.bank.fusion import Additive, Candidates, Fusion, LexicalLead
 from packstore.bank.lexical import LEXICAL_KIND, LexicalIndex
 from packstore.bank.onnx_models import CROSS_MINILM, CrossEncoder, load_cross_encoder
+from packstore.bank.rerank import Reranker, reranker
 from packstore.errors import InvalidInput, PackMismatch, StoreBusy
 from packstore.extras import check_extra, require_extra
 from packstore.format.bank import DEFAULT_VECTORS, VECTOR_KINDS, BankMeta, Cluster, quantize
@@ -452,9 +453,22 @@ class LocalBanks(StoredBanks):
         top_k: int = DEFAULT_TOP_K,
         probe: int | None = None,
         mode: str = "hybrid",
+        rerank: str = "none",
+        rerank_weight: float | None = None,
     ) -> list[Route]:
         chosen = None if mode == "lexical" else self._embedder(name, embedder)  # BM25 alone: no embedder to load
-        return route(self.store, name, queries, chosen, top_k=top_k, probe=probe, mode=mode, cache=self.cache)
+        second = self._reranker(name, rerank, rerank_weight)
+        top = top_k if second is None else second.routed_for(top_k)
+        routes = route(self.store, name, queries, chosen, top_k=top, probe=probe, mode=mode, cache=self.cache)
+        return routes if second is None else [second.apply(found, top_k) for found in routes]
+
+    def _reranker(self, name: str, rerank: str, weight: float | None) -> Reranker | None:
+        """The second stage ``rerank`` names, with what this process holds (InvalidInput for ``lm``)."""
+        if rerank == "lm":
+            raise InvalidInput("rerank 'lm' scores facts with a language model, which the store does not hold: rerank where the model is")
+        if rerank == "late":
+            return reranker("late", embedder=self._embedder(name, None), weight=weight)
+        return reranker(rerank, cross=self.cache.cross_encoder() if rerank == "cross" else None, weight=weight)
 
     def _embedder(self, name: str, spec: str | None) -> BankEmbedder:
         """The named embedder, or the one the bank records when ``spec`` is None."""

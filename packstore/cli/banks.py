@@ -22,28 +22,23 @@ def _bank_record(meta: Any, stored_bytes: int) -> dict[str, Any]:
     return meta.__dict__ | {"stored_bytes": stored_bytes, "bytes_per_fact": round(stored_bytes / max(meta.facts, 1), 1)}
 
 
-def _route_reranker(args: argparse.Namespace, banks: Any) -> Any:
-    """The Reranker ``bank route --rerank`` asks for: the bank's embedder (late), ``--rerank-model`` (lm) or the
-    cross-encoder (cross)."""
-    from packstore.bank.bank import BankCache
-    from packstore.bank.rerank import recorded_embedder, reranker
+def _routes(args: argparse.Namespace, banks: Any, queries: list[str]) -> Any:
+    """``bank route``'s routes: reranked where the bank is (``--rerank cross`` or ``late``: in this process, or by the
+    service holding the store), or here by ``--rerank-model`` (``lm``)."""
+    from packstore.bank.rerank import reranked_route, reranker
 
-    if args.rerank == "cross":
-        return reranker("cross", cross=BankCache().cross_encoder(), weight=args.rerank_weight)
-    if args.rerank == "late":
-        spec = args.embedder or recorded_embedder(banks, args.name)
-        return reranker("late", embedder=BankCache().embedder(spec), weight=args.rerank_weight)
+    options = {"top_k": args.top_k, "probe": args.probe, "mode": args.mode}
     if args.rerank == "lm":
         from packstore.kv.models import load_model
 
         lm = load_model(args.rerank_model, progress=False)
-        return reranker("lm", lm=(lm.tokenizer, lm.model), weight=args.rerank_weight)
-    return None
+        second = reranker("lm", lm=(lm.tokenizer, lm.model), weight=args.rerank_weight)
+        return reranked_route(banks, args.name, queries, args.embedder, reranker=second, **options)
+    return banks.route(args.name, queries, args.embedder, rerank=args.rerank, rerank_weight=args.rerank_weight, **options)
 
 
 def cmd_bank(args: argparse.Namespace) -> int:
     from packstore.bank.bank import open_banks  # the embedder loads only for what embeds (packstore.extras names a missing extra)
-    from packstore.bank.rerank import reranked_route
 
     with store_of(args, readonly=args.bank_command in ("route", "ls", "verify")) as store:
         banks = open_banks(store)
@@ -65,10 +60,7 @@ def cmd_bank(args: argparse.Namespace) -> int:
             if (args.query is None) == (args.queries is None):
                 raise InvalidInput("give either a QUERY or --queries FILE")
             queries = [args.query] if args.query is not None else read_items(args.queries, "query")
-            second = _route_reranker(args, banks)
-            for result in reranked_route(
-                banks, args.name, queries, args.embedder, top_k=args.top_k, probe=args.probe, mode=args.mode, reranker=second
-            ):
+            for result in _routes(args, banks, queries):
                 if args.json or args.queries is not None:
                     emit_json(result.to_json())
                     continue

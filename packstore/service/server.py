@@ -386,10 +386,15 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
                 top_k=request.top_k or DEFAULT_TOP_K,
                 probe=request.probe or None,
                 mode=request.mode or "hybrid",
+                rerank=request.rerank or "none",
+                rerank_weight=request.rerank_weight if request.HasField("rerank_weight") else None,
             )
             return store_pb2.RouteQueryResponse(
                 routes=[
-                    store_pb2.Route(query=r.query, clusters=r.clusters, facts=[store_pb2.RoutedFact(text=t, score=s) for t, s in r.facts])
+                    store_pb2.Route(
+                        query=r.query, clusters=r.clusters, facts=[store_pb2.RoutedFact(text=t, score=s) for t, s in r.facts],
+                        reranker="" if r.reranker == "none" else r.reranker, reranker_fp=r.reranker_fp,
+                    )
                     for r in routes
                 ]
             )

@@ -110,8 +110,12 @@ class BankStore(BankRecordStore, Protocol):
         top_k: int = DEFAULT_TOP_K,
         probe: int | None = None,
         mode: str = "hybrid",
+        rerank: str = "none",
+        rerank_weight: float | None = None,
     ) -> list[Route]:
-        """Per query, the clusters searched and the ``top_k`` best facts, best first (modes: ``bank.bank.ROUTE_MODES``)."""
+        """Per query, the clusters searched and the ``top_k`` best facts, best first (modes: ``bank.bank.ROUTE_MODES``),
+        reranked where the bank is (``rerank``: ``cross``, or ``late`` with a sentence-transformers bank; ``lm`` needs
+        a language model, which a store does not hold: ``bank.rerank.reranked_route`` runs it with the caller's)."""
 
 
 @dataclass(frozen=True)

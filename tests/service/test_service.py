@@ -330,6 +330,15 @@ def test_banks_over_the_service(server, remote) -> None:
     with pytest.raises(grpc.RpcError) as info:
         stub.RouteQuery(store_pb2.RouteQueryRequest(name="remote-bank", queries=["Who?"], mode="fuzzy"))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown route mode" in info.value.details()
+    # the service reranks with the cross-encoder it holds (no model on the caller's side), and names it
+    [crossed] = banks.route("remote-bank", [cases[3].query], top_k=2, rerank="cross")
+    assert crossed.facts[0][0] == cases[3].fact and crossed.reranker == "cross" and len(crossed.reranker_fp) == 64
+    [alone] = banks.route("remote-bank", [cases[3].query], top_k=2, rerank="cross", rerank_weight=0.0)  # the logit alone
+    assert alone.facts[0][1] != crossed.facts[0][1] and alone.reranker == "cross"
+    for rerank, message in (("lm", "which the store does not hold"), ("bogus", "unknown reranker 'bogus'")):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.RouteQuery(store_pb2.RouteQueryRequest(name="remote-bank", queries=["Who?"], rerank=rerank))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.details()
     banks.delete("remote-bank")
     with pytest.raises(PackNotFound):
         banks.route("remote-bank", ["Who?"])

@@ -335,12 +335,19 @@ class RemoteBanks:
         top_k: int = DEFAULT_TOP_K,
         probe: int | None = None,
         mode: str = "hybrid",
+        rerank: str = "none",
+        rerank_weight: float | None = None,
     ) -> list[Route]:
         request = store_pb2.RouteQueryRequest(
-            name=name, queries=list(queries), top_k=top_k, probe=probe or 0, embedder=embedder or "", mode=mode
+            name=name, queries=list(queries), top_k=top_k, probe=probe or 0, embedder=embedder or "", mode=mode, rerank=rerank,
+            rerank_weight=rerank_weight,
         )
         reply = self.store._call(lambda: self.store._stub.RouteQuery(request, timeout=self.store.timeout))
-        return [Route(query=r.query, clusters=list(r.clusters), facts=[(f.text, f.score) for f in r.facts]) for r in reply.routes]
+        return [
+            Route(query=r.query, clusters=list(r.clusters), facts=[(f.text, f.score) for f in r.facts], reranker=r.reranker or "none",
+                  reranker_fp=r.reranker_fp)
+            for r in reply.routes
+        ]
 
     def list(self) -> list[tuple[BankMeta, int]]:
         reply = self.store._call(lambda: self.store._stub.ListBanks(store_pb2.ListBanksRequest(), timeout=self.store.timeout))
