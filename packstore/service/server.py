@@ -338,12 +338,12 @@ class PackStoreService(store_pb2_grpc.PackStoreServicer):
     @staticmethod
     def _embedder(spec: str) -> str | None:
         """Over the service an embedder is an installed alias, never a path on the server; empty means None."""
-        from packstore.bank.embedder import WHEEL_EMBEDDERS
+        from packstore.bank.embedder import EMBEDDER_ALIASES
 
         if not spec:
             return None
-        if spec not in WHEEL_EMBEDDERS:
-            raise InvalidInput(f"embedder {spec!r}: over the service, use one of {', '.join(WHEEL_EMBEDDERS)}")
+        if spec not in EMBEDDER_ALIASES:
+            raise InvalidInput(f"embedder {spec!r}: over the service, use one of {', '.join(EMBEDDER_ALIASES)}")
         return spec
 
     def _bank_stream(self, request_iterator: Iterator[store_pb2.BankFacts]) -> tuple[str, str | None, str, list[str]]:

@@ -339,6 +339,9 @@ def test_banks_over_the_service(server, remote) -> None:
         with pytest.raises(grpc.RpcError) as info:
             stub.RouteQuery(store_pb2.RouteQueryRequest(name="remote-bank", queries=["Who?"], rerank=rerank))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.details()
+    onnx = banks.build("remote-bge", [c.fact for c in cases[:40]], "bge-small-en")  # torch-free on the server's side
+    assert onnx.embedder == "bge-small-en" and banks.route("remote-bge", [cases[5].query], top_k=1)[0].facts[0][0] == cases[5].fact
+    banks.delete("remote-bge")
     banks.delete("remote-bank")
     with pytest.raises(PackNotFound):
         banks.route("remote-bank", ["Who?"])
