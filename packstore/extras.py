@@ -23,7 +23,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "s3": ("boto3", "botocore"),
     "route": ("onnxruntime", "tokenizers", "faiss"),
 }
-INCLUDED: dict[str, tuple[str, ...]] = {"bank": ("model", "lexical"), "server": ("lexical",), "route": ("lexical",)}
+INCLUDED: dict[str, tuple[str, ...]] = {"bank": ("model", "lexical", "route"), "server": ("lexical",), "route": ("lexical",)}
 
 
 def missing(extra: str, module: str) -> MissingExtra:

@@ -20,7 +20,7 @@ from packstore.answering.composing import check_composition, compose, compositio
 from packstore.answering.ready_caches import ReadyCache, ReadyPartition, to_host
 from packstore.answering.records import AnswerResult
 from packstore.bank.bank import BankCache, open_banks
-from packstore.bank.rerank import RERANKERS, reranked_route, reranker
+from packstore.bank.rerank import RERANKERS, default_rerank, reranked_route, reranker
 from packstore.errors import InvalidInput, PackNotFound, Untrusted
 from packstore.format import PackHeader, pack_key, parse_key
 from packstore.kv.build import build_pack, clean_facts
@@ -159,7 +159,7 @@ class Question:
     top_k: int = DEFAULT_TOP_K
     probe: int | None = None
     embedder: str | None = None
-    rerank: str = "none"
+    rerank: str = ""
     rerank_weight: float | None = None
     compare_rag: bool = False
     sampling: Sampling = Sampling()
@@ -182,7 +182,7 @@ class Question:
             raise InvalidInput("nothing to answer with: give a pack, a bank or a steering pack")
         if self.compare_rag and not self.bank and not self.refs:
             raise InvalidInput("comparing with the facts as prompt text needs a pack or a bank")
-        object.__setattr__(self, "rerank", self.rerank or "none")
+        object.__setattr__(self, "rerank", self.rerank or (default_rerank() if self.bank else "none"))
         if self.rerank not in RERANKERS:
             raise InvalidInput(f"unknown reranker {self.rerank!r}: use one of {', '.join(RERANKERS)}")
         if self.rerank != "none" and not self.bank:

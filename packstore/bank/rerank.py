@@ -26,9 +26,11 @@ if TYPE_CHECKING:
     import torch
 
 RERANKERS = ("none", "late", "lm", "cross")
-CANDIDATES = {"late": 20, "lm": 5, "cross": 20}  # candidates rescored per query: each stage's cost grows with them
+CANDIDATES = {"late": 20, "lm": 5, "cross": 15}  # candidates rescored per query: each stage's cost grows with them
 DEFAULT_WEIGHT = 0.25  # the tuning data's best weight for late and lm (ties with no reranking)
-CROSS_WEIGHT = 2.0  # cross: the route's score counts this many logits
+CROSS_WEIGHT = 8.0  # cross: the route's score counts this many logits (N and weight chosen on the tuning data, issue 66)
+DEFAULT_RERANK = "cross"  # what `bank route`, `ask --bank` and a worker's bank questions rerank with unless told
+
 LM_PROMPT = "Passage: {passage}\nA question this passage answers:"
 
 Scorer = Callable[[str, Sequence[str]], np.ndarray]
@@ -123,6 +125,12 @@ class Reranker:
         best = np.argsort(-scores, kind="stable")[:top_k]
         facts = [(texts[i], float(scores[i])) for i in best]
         return replace(route, facts=facts, seconds=route.seconds | {"rerank": seconds}, reranker=self.name, reranker_fp=self.fingerprint)
+
+
+def default_rerank(mode: str = "hybrid") -> str:
+    """The stage a route of ``mode`` reranks with unless one is named: the cross-encoder after routes by meaning; a
+    lexical route (BM25 alone, for inspecting one side) is left as it is."""
+    return "none" if mode == "lexical" else DEFAULT_RERANK
 
 
 def default_weight(name: str) -> float:

@@ -9,7 +9,7 @@ from typing import Any
 
 from packstore.answering.facts import read_facts, read_items
 from packstore.bank.bank import MIN_PROBE, PROBED_SHARE, ROUTE_MODES
-from packstore.bank.rerank import CANDIDATES, CROSS_WEIGHT, DEFAULT_WEIGHT, RERANKERS
+from packstore.bank.rerank import CANDIDATES, CROSS_WEIGHT, DEFAULT_RERANK, DEFAULT_WEIGHT, RERANKERS, default_rerank
 from packstore.cli.program import EXIT_ERROR, CommandLine, emit_json, global_options, progress
 from packstore.cli.store_options import store_of
 from packstore.errors import InvalidInput
@@ -28,13 +28,14 @@ def _routes(args: argparse.Namespace, banks: Any, queries: list[str]) -> Any:
     from packstore.bank.rerank import reranked_route, reranker
 
     options = {"top_k": args.top_k, "probe": args.probe, "mode": args.mode}
-    if args.rerank == "lm":
+    rerank = args.rerank or default_rerank(args.mode)
+    if rerank == "lm":
         from packstore.kv.models import load_model
 
         lm = load_model(args.rerank_model, progress=False)
         second = reranker("lm", lm=(lm.tokenizer, lm.model), weight=args.rerank_weight)
         return reranked_route(banks, args.name, queries, args.embedder, reranker=second, **options)
-    return banks.route(args.name, queries, args.embedder, rerank=args.rerank, rerank_weight=args.rerank_weight, **options)
+    return banks.route(args.name, queries, args.embedder, rerank=rerank, rerank_weight=args.rerank_weight, **options)
 
 
 def cmd_bank(args: argparse.Namespace) -> int:
@@ -109,11 +110,12 @@ def bank_options(parser: argparse.ArgumentParser) -> None:
     if not any(a.dest == "embedder" for a in parser._actions):
         parser.add_argument("--embedder", default=None, help="the bank's own embedder (default); another is refused")
     parser.add_argument(
-        "--rerank", choices=RERANKERS, default="none",
-        help="none (default): the route's own order; late: MaxSim over the embedder's token embeddings of the top "
-        f"{CANDIDATES['late']}; lm: the language model's likelihood of the question after each of the top {CANDIDATES['lm']} "
-        f"(neither beat none on the tuning data); cross: a cross-encoder reads the question with each of the top {CANDIDATES['cross']} "
-        "(ms-marco-MiniLM-L-12 over onnxruntime; MS MARCO's terms are non-commercial). docs/evaluation.md",
+        "--rerank", choices=RERANKERS, default=None,
+        help=f"{DEFAULT_RERANK} (the default, except with --mode lexical): a cross-encoder reads the question with each of the "
+        f"top {CANDIDATES['cross']} (ms-marco-MiniLM-L-12 over onnxruntime; MS MARCO's terms are non-commercial); none: the "
+        f"route's own order; late: MaxSim over the embedder's token embeddings of the top {CANDIDATES['late']}; lm: the "
+        f"language model's likelihood of the question after each of the top {CANDIDATES['lm']} (neither beat none on the "
+        "tuning data). docs/evaluation.md",
     )
     parser.add_argument(
         "--rerank-weight", type=float, default=None, metavar="W",

@@ -153,7 +153,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     layers = parse_layers(args.layers) if args.layers is not None else None
     question_for = lambda text: Question(  # noqa: E731
         text, refs=refs, bank=args.bank, top_k=args.top_k, probe=args.probe,
-        embedder=args.embedder, rerank=args.rerank, rerank_weight=args.rerank_weight, compare_rag=args.compare_rag, sampling=sampling,
+        embedder=args.embedder, rerank=args.rerank or "", rerank_weight=args.rerank_weight, compare_rag=args.compare_rag, sampling=sampling,
         steering=steering, steer_layers=layers, steer_on=args.steer_on, mode=args.mode, adapter=args.adapter,
     )
     as_lines = args.json or args.questions is not None

@@ -88,7 +88,8 @@ def test_late_reranking_on_the_real_embedder_keeps_the_answering_fact_first(bank
 
 
 def test_questions_check_their_reranker() -> None:
-    assert Question("Q?", bank="b", rerank="").rerank == "none"
+    assert Question("Q?", bank="b", rerank="").rerank == "cross"  # the default stage of a bank question (issue 66)
+    assert Question("Q?", refs=("a",)).rerank == "none" and Question("Q?", bank="b", rerank="none").rerank == "none"
     with pytest.raises(InvalidInput, match="unknown reranker 'bogus'"):
         Question("Q?", bank="b", rerank="bogus")
     assert Question("Q?", bank="b", rerank="cross").rerank_weight is None  # each stage's own default

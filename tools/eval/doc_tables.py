@@ -124,6 +124,24 @@ def _eval_rerank(out: Path) -> str:
     return eval_rerank.table(read_jsonl(out / "questions.jsonl"))
 
 
+def _eval_cross(part: str) -> Callable[[Path], str]:
+    """A table of tools/eval/eval_cross.py from one embedder's records (OUT/EMBEDDER: ``sweep``, ``paired``, ``cost``,
+    ``measured``) or, for ``embedders``, from OUT itself (both embedders' sweeps)."""
+
+    def make(out: Path) -> str:
+        tool = _tool("eval_cross")
+        if part == "embedders":
+            return tool.embedders_table(out)
+        if part == "measured":
+            return tool.measured_table(read_jsonl(out / "measured.jsonl"))
+        records = read_jsonl(out / "sweep.jsonl")
+        if part == "paired":
+            return tool.paired_table(records, tool.choose(records)[0])
+        return tool.cost_table(records) if part == "cost" else tool.sweep_table(records)
+
+    return make
+
+
 def _eval_packs(out: Path) -> str:
     eval_packs = _tool("eval_packs")
     return eval_packs.table(eval_packs.summarize(read_jsonl(out / "questions.jsonl")))
@@ -217,6 +235,9 @@ GENERATORS: dict[str, Generator] = {
     "eval_banks-targets-54": Generator(("questions.jsonl",), _eval_banks_targets_54, several=True),
     "eval_banks-targets": Generator(("questions.jsonl",), _eval_banks_targets, several=True),
     "eval_rerank": Generator(("questions.jsonl",), _eval_rerank),
+    **{f"eval_cross-{part}": Generator(("sweep.jsonl",), _eval_cross(part)) for part in ("sweep", "paired", "cost")},
+    "eval_cross-embedders": Generator(("*/sweep.jsonl",), _eval_cross("embedders")),
+    "eval_cross-measured": Generator(("measured.jsonl",), _eval_cross("measured")),
     "eval_packs": Generator(("questions.jsonl",), _eval_packs),
     "eval_bank_answers": Generator(("questions.jsonl",), _eval_bank_answers),
     **{f"eval_compose-{part}": Generator((f"{part}.jsonl",), _eval_compose(part)) for part in ("accumulation", "modes", "timing", "errata", "diagnosis")},
