@@ -13,12 +13,10 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
-import re
 import sys
-from collections import Counter, defaultdict
 from pathlib import Path
 
-import pytest
+from tests.helpers import fact_generators as checks
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools" / "data"
 
@@ -28,16 +26,6 @@ from tools.data.fifth_facts import FIFTH_SEED, KINDS, _records, fifth_facts, jso
 NAMED_LIMIT, DESCRIBED_LIMIT = 0.03, 0.15
 LITTLE_WORDS = {"a", "an", "the", "in", "on", "of", "at", "and", "by", "to", "for", "with", "it", "is", "was", "from"}
 LARGE = 100_000
-
-
-def _pinned() -> dict[tuple[int, int], str]:
-    """(count, seed) -> hex digest, from tools/data/fifth_facts.sha256."""
-    pinned = {}
-    for line in (TOOLS / "fifth_facts.sha256").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            count, seed, digest = line.split()
-            pinned[int(count), int(seed)] = digest
-    return pinned
 
 
 @functools.cache
@@ -50,26 +38,13 @@ def _medium() -> list:
     return _records(20_000, 3)
 
 
-def _content_words(text: str) -> set[str]:
-    """Lowercase words of four letters or more."""
-    return set(re.findall(r"[a-z]{4,}", text.lower()))
-
-
-def _stemmer():
-    return pytest.importorskip("Stemmer").Stemmer("english")
-
-
-def _stems(stemmer, text: str) -> set[str]:
-    return set(stemmer.stemWords(re.findall(r"\w+", text.lower())))
-
-
 def _rewordings() -> dict[tuple[str, str], str]:
     """(family, attribute as in the fact) -> its rewording."""
     return {(family.kind, fact_words): question_words for family in KINDS for fact_words, question_words in family.one + family.two}
 
 
 def test_output_matches_the_committed_digests() -> None:
-    pinned = _pinned()
+    pinned = checks.pinned_digests(TOOLS / "fifth_facts.sha256")
     assert set(pinned) == {(5_000, FIFTH_SEED), (LARGE, FIFTH_SEED)}
     for (count, seed), digest in pinned.items():
         cases = [record.case for record in _large()] if (count, seed) == (LARGE, FIFTH_SEED) else fifth_facts(count, seed=seed)
@@ -98,10 +73,7 @@ def test_another_seed_gives_other_cases() -> None:
 
 
 def test_more_cases_than_the_combinations_allow_are_refused() -> None:
-    capacity = min(family.space for family in KINDS) * len(KINDS)
-    assert capacity >= 150_000
-    with pytest.raises(ValueError):
-        fifth_facts(capacity + 1)
+    checks.assert_capacity_refused(KINDS, fifth_facts, at_least=150_000)
 
 
 def test_the_other_generators_are_not_imported() -> None:
@@ -119,54 +91,27 @@ def test_the_other_generators_are_not_imported() -> None:
 
 
 def test_facts_questions_and_names_are_unique_at_100000_cases() -> None:
-    records = _large()
-    for field in ("fact", "question"):
-        assert len({getattr(record.case, field) for record in records}) == len(records), field
-    assert len({record.name.lower() for record in records}) == len(records)
-    families_of_core = defaultdict(set)
-    for record in records:
-        families_of_core[record.core.lower()].add(record.case.kind)
-    assert all(len(kinds) == 1 for kinds in families_of_core.values())
+    checks.assert_unique_facts_questions_and_names(_large())
 
 
 def test_attribute_combinations_are_unique_within_a_family_at_100000_cases() -> None:
-    records = _large()
-    assert len({(record.case.kind, record.combo) for record in records}) == len(records)
+    checks.assert_unique_combinations(_large())
 
 
 def test_cores_are_their_own_distinct_stems_at_100000_cases() -> None:
     """A stemming index must not fold two groups' names into one."""
-    stemmer = _stemmer()
+    snowball = checks.stemmer()
     cores = sorted({record.core.lower() for record in _large()})
-    assert stemmer.stemWords(cores) == cores
+    assert snowball.stemWords(cores) == cores
 
 
 def test_cases_are_well_formed() -> None:
-    for record in _records(3_000, seed=1):
-        case = record.case
-        assert case.answer.lower() in case.fact.lower(), case
-        assert not re.search(rf"\b{re.escape(case.answer)}\b", case.question, re.IGNORECASE), case
-        assert 60 <= len(case.fact) <= 200 and case.question.endswith("?"), case
-        assert bool(re.search(rf"\b{re.escape(record.name)}\b", case.question, re.IGNORECASE)) == (case.form == "named"), case
-        if case.form == "described":
-            assert record.core.lower() not in case.question.lower(), case
+    checks.assert_well_formed(_records(3_000, seed=1), endings=("?",))
 
 
 def test_a_named_question_names_exactly_one_fact() -> None:
     """The core occurs in its group's facts only, and the full name in one of them."""
-    records = _medium()
-    facts_with_word = defaultdict(set)
-    for index, record in enumerate(records):
-        for word in set(re.findall(r"\w+", record.case.fact.lower())):
-            facts_with_word[word].add(index)
-    group = defaultdict(set)
-    for index, record in enumerate(records):
-        group[record.case.kind, record.core].add(index)
-    for index, record in enumerate(records):
-        holders = facts_with_word[record.core.lower()]
-        assert holders == group[record.case.kind, record.core], record
-        named = re.compile(rf"\b{re.escape(record.name)}\b", re.IGNORECASE)  # "Kvagnith FR5" is not in "Kvagnith FR9"
-        assert [i for i in holders if named.search(records[i].case.fact)] == [index], record
+    checks.assert_named_questions_name_one_fact(_medium(), core_words=lambda record: [record.core.lower()])
 
 
 def test_a_described_question_states_its_facts_unique_combination() -> None:
@@ -174,14 +119,7 @@ def test_a_described_question_states_its_facts_unique_combination() -> None:
     for family in KINDS:
         for table in (family.one, family.two):
             assert len({question for _, question in table}) == len(table), family.kind
-    reworded = _rewordings()
-    records = _medium()
-    assert len({(record.case.kind, record.combo) for record in records}) == len(records)
-    for record in records:
-        if record.case.form == "described":
-            place, one, two = record.combo
-            for words in (place, reworded[record.case.kind, one], reworded[record.case.kind, two]):
-                assert words in record.case.question, (words, record.case)
+    checks.assert_described_questions_state_their_combination(_medium(), _rewordings())
 
 
 def test_families_and_question_forms() -> None:
@@ -196,62 +134,30 @@ def test_families_and_question_forms() -> None:
 
 def test_near_namesakes_share_all_but_one_token() -> None:
     """About 30 % of facts are in groups of 2 or 3 whose names differ in one token, with distinct stems."""
-    stemmer = _stemmer()
-    records = _medium()
-    share = sum(record.case.namesakes > 1 for record in records) / len(records)
-    assert 0.25 <= share <= 0.36, share
-    groups = defaultdict(list)
-    for record in records:
-        groups[record.case.kind, record.core].append(record)
-    for members in groups.values():
-        assert len(members) <= 3 and all(record.case.namesakes == len(members) for record in members)
-        tokens = [re.findall(r"\w+", record.name.lower()) for record in members]
-        for one in tokens[1:]:
-            assert len(one) == len(tokens[0]) and sum(a != b for a, b in zip(one, tokens[0])) == 1, tokens
-        assert len({stemmer.stemWord(record.token.lower()) for record in members}) == len(members), tokens
+    checks.assert_near_namesakes(_medium(), low=0.25, high=0.36)
 
 
 def test_shares_of_described_and_namesake_questions() -> None:
-    cases = fifth_facts(5_000)
-    described = sum(case.form == "described" for case in cases) / len(cases)
-    named_namesakes = sum(case.form == "named" and case.namesakes > 1 for case in cases) / len(cases)
-    assert 0.35 <= described <= 0.45, described
-    assert named_namesakes >= 0.15, named_namesakes
+    checks.assert_form_shares(fifth_facts(5_000), described=(0.35, 0.45), named_namesakes=0.15)
 
 
 def test_questions_share_few_words_with_their_fact() -> None:
-    shares = {"named": [], "described": []}
-    for record in _records(2_000, seed=5):
-        words = _content_words(record.case.question) - set(re.findall(r"[a-z]+", record.name.lower()))
-        assert words, record.case
-        shares[record.case.form].append(len(words & _content_words(record.case.fact)) / len(words))
-    assert sum(shares["named"]) / len(shares["named"]) < NAMED_LIMIT
-    assert sum(shares["described"]) / len(shares["described"]) < DESCRIBED_LIMIT
+    checks.assert_mean_word_shares(_records(2_000, seed=5), NAMED_LIMIT, DESCRIBED_LIMIT)
 
 
 def test_questions_share_no_rare_stem_with_their_fact_but_the_name_or_the_place() -> None:
     """BM25's only rare evidence is the name (named questions) or the place (described questions)."""
-    stemmer = _stemmer()
-    records = _medium()
-    fact_stems = [_stems(stemmer, record.case.fact) for record in records]
-    frequency = Counter(stem for stems in fact_stems for stem in stems)
-    for record, stems in zip(records, fact_stems):
-        shared = {stem for stem in _stems(stemmer, record.case.question) & stems if frequency[stem] < 0.02 * len(records)}
-        allowed = _stems(stemmer, record.name if record.case.form == "named" else record.combo[0])
-        assert shared <= allowed, (shared - allowed, record.case)
+    checks.assert_no_rare_stem_shared_but_the_name_or_the_place(_medium(), rarity=0.02)
 
 
 def test_rewordings_share_no_stem_with_their_fact() -> None:
     """Each table pair shares no stem, and a described question's rewordings share none but little words with its whole fact."""
-    stemmer = _stemmer()
-    for family in KINDS:
-        for fact_words, question_words in family.one + family.two:
-            common = (_stems(stemmer, fact_words) & _stems(stemmer, question_words)) - LITTLE_WORDS
-            assert not common, (family.kind, fact_words, question_words)
+    checks.assert_rewordings_share_no_stem(((family.kind, *pair) for family in KINDS for pair in family.one + family.two), LITTLE_WORDS)
+    snowball = checks.stemmer()
     reworded = _rewordings()
     for record in _records(3_000, seed=6):
         if record.case.form == "described":
             _, one, two = record.combo
             rewording = reworded[record.case.kind, one] + " " + reworded[record.case.kind, two]
-            common = (_stems(stemmer, rewording) & _stems(stemmer, record.case.fact)) - LITTLE_WORDS
+            common = (checks.stems(snowball, rewording) & checks.stems(snowball, record.case.fact)) - LITTLE_WORDS
             assert not common, (common, record.case)

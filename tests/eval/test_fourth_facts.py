@@ -12,10 +12,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from collections import Counter, defaultdict
 from pathlib import Path
 
-import pytest
+from tests.helpers import fact_generators as checks
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools" / "data"
 
@@ -23,16 +22,6 @@ from tools.data.fourth_facts import FAMILIES, FOURTH_SEED, _rows, fourth_facts, 
 
 NAMED_LIMIT, DESCRIBED_LIMIT = 0.08, 0.20
 FUNCTION_WORDS = {"a", "an", "the", "in", "on", "of", "at", "and", "by", "to", "for", "with"}
-
-
-def _pinned() -> dict[tuple[int, int], str]:
-    """(count, seed) -> hex digest, from tools/data/fourth_facts.sha256."""
-    pinned = {}
-    for line in (TOOLS / "fourth_facts.sha256").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            count, seed, digest = line.split()
-            pinned[int(count), int(seed)] = digest
-    return pinned
 
 
 @functools.cache
@@ -45,21 +34,8 @@ def _medium() -> list:
     return _rows(20_000, 3)
 
 
-def _content_words(text: str) -> set[str]:
-    """Lowercase words of four letters or more."""
-    return set(re.findall(r"[a-z]{4,}", text.lower()))
-
-
-def _stemmer():
-    return pytest.importorskip("Stemmer").Stemmer("english")
-
-
-def _stems(stemmer, text: str) -> set[str]:
-    return set(stemmer.stemWords(re.findall(r"\w+", text.lower())))
-
-
 def test_output_matches_the_committed_digests() -> None:
-    pinned = _pinned()
+    pinned = checks.pinned_digests(TOOLS / "fourth_facts.sha256")
     assert set(pinned) == {(5_000, FOURTH_SEED), (100_000, FOURTH_SEED)}
     for (count, seed), digest in pinned.items():  # 100,000 cases take about 3 s
         assert hashlib.sha256(jsonl(fourth_facts(count, seed=seed)).encode()).hexdigest() == digest, (count, seed)
@@ -80,62 +56,30 @@ def test_another_seed_gives_other_cases() -> None:
 
 
 def test_more_cases_than_the_combinations_allow_are_refused() -> None:
-    capacity = min(family.space for family in FAMILIES) * len(FAMILIES)
-    assert capacity >= 150_000
-    with pytest.raises(ValueError):
-        fourth_facts(capacity + 1)
+    checks.assert_capacity_refused(FAMILIES, fourth_facts, at_least=150_000)
 
 
 def test_facts_questions_and_names_are_unique_at_120000_cases() -> None:
-    rows = _large()
-    for field in ("fact", "question"):
-        assert len({getattr(row.case, field) for row in rows}) == len(rows), field
-    assert len({row.name.lower() for row in rows}) == len(rows)
-    families_of_core = defaultdict(set)
-    for row in rows:
-        families_of_core[row.core.lower()].add(row.case.kind)
-    assert all(len(kinds) == 1 for kinds in families_of_core.values())
+    checks.assert_unique_facts_questions_and_names(_large())
 
 
 def test_attribute_combinations_are_unique_within_a_family_at_120000_cases() -> None:
-    rows = _large()
-    assert len({(row.case.kind, row.combo) for row in rows}) == len(rows)
+    checks.assert_unique_combinations(_large())
 
 
 def test_cores_keep_distinct_stems_at_120000_cases() -> None:
     """A stemming index must not fold two groups' names into one."""
-    stemmer = _stemmer()
     cores = {row.core.lower() for row in _large()}
-    assert len(set(stemmer.stemWords(sorted(cores)))) == len(cores)
+    assert len(set(checks.stemmer().stemWords(sorted(cores)))) == len(cores)
 
 
 def test_cases_are_well_formed() -> None:
-    for row in _rows(3_000, seed=1):
-        case = row.case
-        assert case.answer.lower() in case.fact.lower(), case
-        assert not re.search(rf"\b{re.escape(case.answer)}\b", case.question, re.IGNORECASE), case
-        assert 60 <= len(case.fact) <= 200 and case.question.endswith(("?", ".")), case
-        assert bool(re.search(rf"\b{re.escape(row.name)}\b", case.question, re.IGNORECASE)) == (case.form == "named"), case
-        if case.form == "described":
-            assert row.core.lower() not in case.question.lower(), case
+    checks.assert_well_formed(_rows(3_000, seed=1), endings=("?", "."))
 
 
 def test_a_named_question_names_exactly_one_fact() -> None:
     """The core occurs in its group's facts only, and the full name in one of them."""
-    rows = _medium()
-    facts_with_word = defaultdict(set)
-    for index, row in enumerate(rows):
-        for word in set(re.findall(r"\w+", row.case.fact.lower())):
-            facts_with_word[word].add(index)
-    group = defaultdict(set)
-    for index, row in enumerate(rows):
-        group[row.case.kind, row.core].add(index)
-    for index, row in enumerate(rows):
-        core_words = re.findall(r"\w+", row.core.lower())
-        holders = set.intersection(*(facts_with_word[word] for word in core_words))
-        assert holders == group[row.case.kind, row.core], row
-        named = re.compile(rf"\b{re.escape(row.name)}\b", re.IGNORECASE)  # "Tarnyrrik XI" is not in "Tarnyrrik XII"
-        assert [i for i in holders if named.search(rows[i].case.fact)] == [index], row
+    checks.assert_named_questions_name_one_fact(_medium(), core_words=lambda row: re.findall(r"\w+", row.core.lower()))
 
 
 def test_a_described_question_states_its_facts_unique_combination() -> None:
@@ -146,13 +90,7 @@ def test_a_described_question_states_its_facts_unique_combination() -> None:
             assert len({question for _, question in table}) == len(table), family.kind
             for fact_words, question_words in table:
                 reworded[family.kind, fact_words] = question_words
-    rows = _medium()
-    assert len({(row.case.kind, row.combo) for row in rows}) == len(rows)
-    for row in rows:
-        if row.case.form == "described":
-            anchor, p1, p2 = row.combo
-            for words in (anchor, reworded[row.case.kind, p1], reworded[row.case.kind, p2]):
-                assert words in row.case.question, (words, row.case)
+    checks.assert_described_questions_state_their_combination(_medium(), reworded)
 
 
 def test_families_and_question_forms() -> None:
@@ -166,55 +104,22 @@ def test_families_and_question_forms() -> None:
 
 def test_near_namesakes_share_all_but_one_token() -> None:
     """About 30 % of facts are in groups of 2 or 3 whose names differ in one token, with distinct stems."""
-    stemmer = _stemmer()
-    rows = _medium()
-    share = sum(row.case.namesakes > 1 for row in rows) / len(rows)
-    assert 0.25 <= share <= 0.36, share
-    groups = defaultdict(list)
-    for row in rows:
-        groups[row.case.kind, row.core].append(row)
-    for members in groups.values():
-        assert len(members) <= 3 and all(row.case.namesakes == len(members) for row in members)
-        tokens = [re.findall(r"\w+", row.name.lower()) for row in members]
-        for one in tokens[1:]:
-            assert len(one) == len(tokens[0]) and sum(a != b for a, b in zip(one, tokens[0])) == 1, tokens
-        assert len({stemmer.stemWord(row.token.lower()) for row in members}) == len(members), tokens
+    checks.assert_near_namesakes(_medium(), low=0.25, high=0.36)
 
 
 def test_shares_of_described_and_namesake_questions() -> None:
-    rows = _medium()
-    described = sum(row.case.form == "described" for row in rows) / len(rows)
-    named_namesakes = sum(row.case.form == "named" and row.case.namesakes > 1 for row in rows) / len(rows)
-    assert 0.30 <= described <= 0.40, described
-    assert named_namesakes >= 0.15, named_namesakes
+    checks.assert_form_shares([row.case for row in _medium()], described=(0.30, 0.40), named_namesakes=0.15)
 
 
 def test_questions_share_few_words_with_their_fact() -> None:
-    shares = {"named": [], "described": []}
-    for row in _rows(2_000, seed=5):
-        words = _content_words(row.case.question) - set(re.findall(r"[a-z]+", row.name.lower()))
-        assert words, row.case
-        shares[row.case.form].append(len(words & _content_words(row.case.fact)) / len(words))
-    assert sum(shares["named"]) / len(shares["named"]) < NAMED_LIMIT
-    assert sum(shares["described"]) / len(shares["described"]) < DESCRIBED_LIMIT
+    checks.assert_mean_word_shares(_rows(2_000, seed=5), NAMED_LIMIT, DESCRIBED_LIMIT)
 
 
 def test_questions_share_no_rare_stem_with_their_fact_but_the_name_or_the_place() -> None:
     """BM25's only rare evidence is the name (named questions) or the place (described questions)."""
-    stemmer = _stemmer()
-    rows = _medium()
-    fact_stems = [_stems(stemmer, row.case.fact) for row in rows]
-    frequency = Counter(stem for stems in fact_stems for stem in stems)
-    for row, stems in zip(rows, fact_stems):
-        shared = {stem for stem in _stems(stemmer, row.case.question) & stems if frequency[stem] < 0.02 * len(rows)}
-        allowed = _stems(stemmer, row.name if row.case.form == "named" else row.combo[0])
-        assert shared <= allowed, (shared - allowed, row.case)
+    checks.assert_no_rare_stem_shared_but_the_name_or_the_place(_medium(), rarity=0.02)
 
 
 def test_rewordings_share_no_stem_with_the_fact_wording() -> None:
-    stemmer = _stemmer()
-    for family in FAMILIES:
-        for table in (family.p1, family.p2):
-            for fact_words, question_words in table:
-                common = (_stems(stemmer, fact_words) & _stems(stemmer, question_words)) - FUNCTION_WORDS
-                assert not common, (family.kind, fact_words, question_words)
+    tables = ((family.kind, table) for family in FAMILIES for table in (family.p1, family.p2))
+    checks.assert_rewordings_share_no_stem(((kind, *pair) for kind, table in tables for pair in table), FUNCTION_WORDS)

@@ -10,32 +10,19 @@ import hashlib
 import re
 from pathlib import Path
 
+from tests.helpers import fact_generators as checks
+
 TOOLS = Path(__file__).resolve().parents[2] / "tools" / "data"
 
 from tools.data.third_facts import FAMILIES, THIRD_SEED, _named_cases, jsonl, third_facts  # noqa: E402
-
-
-def _pinned() -> dict[tuple[int, int], str]:
-    """(count, seed) -> hex digest, from tools/data/third_facts.sha256."""
-    pinned = {}
-    for line in (TOOLS / "third_facts.sha256").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            count, seed, digest = line.split()
-            pinned[int(count), int(seed)] = digest
-    return pinned
 
 
 def _digest(count: int, seed: int) -> str:
     return hashlib.sha256(jsonl(third_facts(count, seed=seed)).encode()).hexdigest()
 
 
-def _content_words(text: str) -> set[str]:
-    """Lowercase words of four letters or more."""
-    return set(re.findall(r"[a-z]{4,}", text.lower()))
-
-
 def test_output_matches_the_committed_digests() -> None:
-    pinned = _pinned()
+    pinned = checks.pinned_digests(TOOLS / "third_facts.sha256")
     assert set(pinned) == {(5_000, THIRD_SEED), (100_000, THIRD_SEED)}
     for (count, seed), digest in pinned.items():  # 100,000 cases take about 3 s
         assert _digest(count, seed) == digest, (count, seed)
@@ -79,9 +66,5 @@ def test_some_facts_have_two_sentences() -> None:
 
 
 def test_questions_share_few_words_with_their_fact() -> None:
-    shares = []
-    for name, case in _named_cases(2_000, seed=5):
-        words = _content_words(case.question) - set(re.findall(r"[a-z]+", name.lower()))
-        assert words, case
-        shares.append(len(words & _content_words(case.fact)) / len(words))
+    shares = [checks.word_share(case, name) for name, case in _named_cases(2_000, seed=5)]
     assert sum(shares) / len(shares) < 0.05

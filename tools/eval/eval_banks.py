@@ -39,7 +39,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,6 +192,23 @@ def kept_bank(store: LmdbStore, facts: Sequence[str], spec: str, vectors: str) -
     }
     built.write_text(json.dumps(about))
     return name, about
+
+
+def banks_to_dump(
+    store: LmdbStore, datasets: Sequence[Dataset], out: Path, spec: str, what: str
+) -> Iterator[tuple[Dataset, Path, str, dict]]:
+    """Each data set whose dump (``out``/NAME.npz) an earlier run did not leave, with that path, its bank's name in
+    ``store`` and what was measured of its build (``kept_bank``: built with ``spec`` unless kept); ``what`` names the
+    dump in the log."""
+    out.mkdir(parents=True, exist_ok=True)
+    for dataset in datasets:
+        target = out / f"{dataset.name.replace(' ', '_').replace(',', '')}.npz"
+        if target.exists():
+            log(f"{dataset.name}: {what} kept from an earlier run")
+            continue
+        name, about = kept_bank(store, dataset.facts, spec, DEFAULT_VECTORS)
+        log(f"{dataset.name}: {spec} bank ready ({about['build_s']:.0f} s to build)")
+        yield dataset, target, name, about
 
 
 def evaluate(

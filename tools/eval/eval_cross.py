@@ -52,6 +52,7 @@ from packstore.store import LmdbStore  # noqa: E402
 from tools.eval.eval_banks import (  # noqa: E402
     BANK_CACHE,
     Dataset,
+    banks_to_dump,
     ckc_datasets,
     fourth_dataset,
     kept_bank,
@@ -59,8 +60,8 @@ from tools.eval.eval_banks import (  # noqa: E402
     second_dataset,
     third_dataset,
 )
-from tools.lib.benchlib import logger, source_commit  # noqa: E402
-from tools.lib.evallib import REPO, discard_records, jsonl_appender, markdown_table, mcnemar_exact, read_jsonl, wilson_interval  # noqa: E402
+from tools.lib.benchlib import logger  # noqa: E402
+from tools.lib.evallib import REPO, fresh_appender, markdown_table, mcnemar_exact, read_jsonl, wilson_interval  # noqa: E402
 
 EMBEDDERS = ("all-minilm-l6-v2", "bge-small-en")  # the bank's embedder: today's default, and the ONNX one (item 3)
 SCRATCH = Path(os.environ.get("PACKSTORE_EVAL_SCRATCH", "/tmp/packstore-eval"))
@@ -88,14 +89,7 @@ def dump(datasets: Sequence[Dataset], embedder_spec: str, banks: Path, out: Path
     out.mkdir(parents=True, exist_ok=True)
     cross = load_cross_encoder()
     with LmdbStore(banks) as store:
-        for dataset in datasets:
-            target = out / embedder_spec / f"{dataset.name.replace(' ', '_').replace(',', '')}.npz"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if target.exists():
-                log(f"{dataset.name}: kept from an earlier run")
-                continue
-            name, about = kept_bank(store, dataset.facts, embedder_spec, DEFAULT_VECTORS)
-            log(f"{dataset.name}: {embedder_spec} bank ready ({about['build_s']:.0f} s to build)")
+        for dataset, target, name, about in banks_to_dump(store, datasets, out / embedder_spec, embedder_spec, "dump"):
             embedder = BANK_CACHE.embedder(embedder_spec)
             route_ms = []
             fused_rows, logit_rows, gold_fused, gold_old, ms = [], [], [], [], []
@@ -141,21 +135,19 @@ def rule_name(n: int, weight: float) -> str:
 def sweep(dumps: Path, out: Path) -> list[dict]:
     """One record per rule and data set, with every question's place (for the paired tests)."""
     records = out / "sweep.jsonl"
-    discard_records(records)
-    keep = jsonl_appender(records)
-    commit = source_commit()
+    keep = fresh_appender(records)
     for path in sorted(dumps.glob("*.npz")):
         data = np.load(path)
         shipped, old = [int(g) for g in data["gold"]], [int(g) for g in data["old"]]
         route, pair = data["route_ms"], data["pair_ms"]
         cost = {"build_s": float(data["build_s"]), "route_ms": [float(np.median(route)), float(np.percentile(route, 95))],
                 "pair_ms": [float(np.median(pair)), float(np.percentile(pair, 95))]}
-        keep({"commit": commit, "dataset": path.stem, "rule": FUSION.name + " (shipped)", "places": shipped, "cost": cost})
-        keep({"commit": commit, "dataset": path.stem, "rule": OLD.name, "places": old})
+        keep({"dataset": path.stem, "rule": FUSION.name + " (shipped)", "places": shipped, "cost": cost})
+        keep({"dataset": path.stem, "rule": OLD.name, "places": old})
         for n in NS:
             for weight in WEIGHTS:
                 places = [reranked_place(f, lg, g, n, weight) for f, lg, g in zip(data["fused"], data["logits"], shipped)]
-                keep({"commit": commit, "dataset": path.stem, "rule": rule_name(n, weight), "places": places})
+                keep({"dataset": path.stem, "rule": rule_name(n, weight), "places": places})
         log(f"{path.stem}: {len(shipped)} questions")
     return read_jsonl(records)
 
@@ -297,8 +289,7 @@ def measure(datasets: Sequence[tuple[Dataset, list[str]]], embedder_spec: str, b
     from packstore.bank.bank import open_banks
 
     records = out / "measured.jsonl"
-    keep = jsonl_appender(records)
-    commit = source_commit()
+    keep = fresh_appender(records)
     with LmdbStore(banks_dir) as store:
         banks = open_banks(store, BANK_CACHE)
         for dataset, forms in datasets:
@@ -306,7 +297,7 @@ def measure(datasets: Sequence[tuple[Dataset, list[str]]], embedder_spec: str, b
             log(f"{dataset.name}: {embedder_spec} bank ready ({about['build_s']:.0f} s to build)")
             banks.route(name, [dataset.questions[0][0]], rerank="cross")  # warm: records read, models loaded
             for (question, fact), form in zip(dataset.questions, forms):
-                row = {"commit": commit, "dataset": dataset.name, "embedder": embedder_spec, "form": form, "build_s": about["build_s"]}
+                row = {"dataset": dataset.name, "embedder": embedder_spec, "form": form, "build_s": about["build_s"]}
                 for stage in ("none", "cross"):
                     started = time.perf_counter()
                     [found] = banks.route(name, [question], top_k=5, rerank=stage)
@@ -361,7 +352,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.step == "measure":
         out = args.out / args.embedder
         out.mkdir(parents=True, exist_ok=True)
-        discard_records(out / "measured.jsonl")
         held_out = [fifth_dataset(size, args.questions) for size in args.sizes]
         ckc = ckc_datasets(args.questions)[1]  # read question by question during issue 54: reported, marked as seen
         records = measure([*held_out, (ckc, ["ckc (seen)"] * len(ckc.questions))], args.embedder, args.banks, out)

@@ -36,11 +36,10 @@ import torch  # noqa: E402
 
 from packstore.bank.bank import route_candidates  # noqa: E402
 from packstore.bank.fusion import Additive, Candidates, Fusion, LexicalLead, RankFusion  # noqa: E402
-from packstore.format.bank import DEFAULT_VECTORS  # noqa: E402
 from packstore.store import LmdbStore  # noqa: E402
-from tools.eval.eval_banks import BANK_CACHE, Dataset, ckc_datasets, kept_bank, own_dataset, second_dataset, third_dataset  # noqa: E402
-from tools.lib.benchlib import logger, source_commit  # noqa: E402
-from tools.lib.evallib import REPO, discard_records, jsonl_appender, markdown_table, read_jsonl, wilson_interval  # noqa: E402
+from tools.eval.eval_banks import BANK_CACHE, Dataset, banks_to_dump, ckc_datasets, own_dataset, second_dataset, third_dataset  # noqa: E402
+from tools.lib.benchlib import logger  # noqa: E402
+from tools.lib.evallib import REPO, fresh_appender, markdown_table, read_jsonl, wilson_interval  # noqa: E402
 
 EMBEDDER = "all-minilm-l6-v2"
 SCRATCH = Path(os.environ.get("PACKSTORE_EVAL_SCRATCH", "/tmp/packstore-eval"))
@@ -62,15 +61,8 @@ def tuning_datasets(sizes: Sequence[int], questions: int) -> list[Dataset]:
 
 def dump(datasets: Sequence[Dataset], banks: Path, out: Path) -> None:
     """Each data set's candidates, per question: cosine, BM25 and the answering fact's index among them (-1: absent)."""
-    out.mkdir(parents=True, exist_ok=True)
     with LmdbStore(banks) as store:
-        for dataset in datasets:
-            target = out / f"{dataset.name.replace(' ', '_').replace(',', '')}.npz"
-            if target.exists():
-                log(f"{dataset.name}: candidates kept from an earlier run")
-                continue
-            name, about = kept_bank(store, dataset.facts, EMBEDDER, DEFAULT_VECTORS)
-            log(f"{dataset.name}: bank ready ({about['build_s']:.0f} s to build)")
+        for dataset, target, name, _ in banks_to_dump(store, datasets, out, EMBEDDER, "candidates"):
             embedder = BANK_CACHE.embedder(EMBEDDER)
             cosine, bm25, gold, sizes = [], [], [], []
             for question, fact in dataset.questions:
@@ -98,9 +90,7 @@ def rank_of_gold(rule: Fusion, cosine: np.ndarray, bm25: np.ndarray, gold: int) 
 def sweep(candidates: Path, out: Path) -> list[dict]:
     """Every rule on every dumped data set: one record per rule and data set."""
     records = out / "sweep.jsonl"
-    discard_records(records)
-    keep = jsonl_appender(records)
-    commit = source_commit()
+    keep = fresh_appender(records)
     for path in sorted(candidates.glob("*.npz")):
         data = np.load(path)
         bounds = np.concatenate([[0], np.cumsum(data["sizes"])])
@@ -109,7 +99,7 @@ def sweep(candidates: Path, out: Path) -> list[dict]:
             ranks = [rank_of_gold(rule, cosine, bm25, gold) for cosine, bm25, gold in questions]
             top1 = sum(r == 0 for r in ranks)
             top5 = sum(r is not None and r < 5 for r in ranks)
-            keep({"commit": commit, "dataset": path.stem, "rule": rule.name, "questions": len(ranks), "top1": top1, "top5": top5})
+            keep({"dataset": path.stem, "rule": rule.name, "questions": len(ranks), "top1": top1, "top5": top5})
         log(f"{path.stem}: {len(RULES)} rules")
     return read_jsonl(records)
 

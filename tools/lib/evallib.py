@@ -390,6 +390,12 @@ def jsonl_appender(path: Path) -> Callable[[dict], None]:
     return keep
 
 
+def fresh_appender(path: Path) -> Callable[[dict], None]:
+    """``jsonl_appender`` of ``path`` once its records are started over (``discard_records``)."""
+    discard_records(path)
+    return jsonl_appender(path)
+
+
 def resumed_records(out: Path, part: str, settings: Mapping, *, fresh: bool) -> list[dict]:
     """The records a resumed run keeps of OUT/PART.jsonl (compressed or not): as they stand, unless ``fresh`` (then they
     are discarded).
