@@ -317,6 +317,8 @@ def measured_table(records: Sequence[dict]) -> str:
             groups.setdefault((record["dataset"], form), []).append(record)
     rows = []
     for (dataset, form), group in sorted(groups.items()):
+        if form != "all" and len(group) == len(groups[dataset, "all"]):
+            continue  # one form only (ckc): its row would repeat "all"
         cells = [dataset, form, str(len(group))]
         for stage in ("none", "cross"):
             places = [r[stage]["place"] for r in group]
