@@ -90,8 +90,9 @@ STORE_GRACE_SECONDS = 1.0  # a store call's deadline beyond the connector's own:
 # draft from K/V the pack never wrote.
 TOKEN_DRAFTERS = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")
 # the longest a step that schedules nothing waits for a background load to end: a request arriving meanwhile waits
-# for it, and any shorter and vLLM's polling takes the cores the load decodes on
-IDLE_WAIT_SECONDS = 0.01
+# for it, and any shorter and vLLM's polling takes the cores the load decodes on (each poll's round trip ran on the
+# worker's one core: a cold 2k load took about 10 ms less at 25 ms than at 10 ms, docs/benchmarks.md)
+IDLE_WAIT_SECONDS = 0.025
 DEFAULT_CACHE_BYTES = 1 << 30  # decoded packs the worker half keeps in host memory between requests
 LOAD_ROOM_BYTES = 512 << 20  # reserved memory beside the decoded-pack cache's, for packs being loaded
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
