@@ -21,7 +21,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "bank": ("sentence_transformers", "faiss"),
     "server": ("grpc_health", "grpc_reflection", "prometheus_client", "starlette", "uvicorn", "anyio", "httpx"),
     "s3": ("boto3", "botocore"),
-    "route": ("onnxruntime", "tokenizers", "faiss"),
+    "route": ("onnxruntime", "tokenizers", "faiss", "safetensors"),
 }
 INCLUDED: dict[str, tuple[str, ...]] = {"bank": ("model", "lexical", "route"), "server": ("lexical",), "route": ("lexical",)}
 
@@ -39,6 +39,15 @@ def require_extra(module: str, extra: str) -> ModuleType:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
         raise missing(extra, (exc.name or module).partition(".")[0]) from None
+
+
+def has_extra(extra: str) -> bool:
+    """Whether every module of ``extra`` (and of the extras it includes) is installed; imports nothing."""
+    try:
+        check_extra(extra)
+    except MissingExtra:
+        return False
+    return True
 
 
 def check_extra(extra: str) -> None:

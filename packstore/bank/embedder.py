@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from packstore.bank.bert_numpy import NumpyBert, is_numpy_bert
 from packstore.bank.model_files import files_digest
 from packstore.bank.onnx_models import ONNX_EMBEDDERS, load_onnx_embedder
 from packstore.errors import InvalidInput
-from packstore.extras import check_extra, require_extra
+from packstore.extras import check_extra, has_extra, require_extra
 from packstore.format.header import canonical_json, sha256_hex
 from packstore.store.protocol import DEFAULT_EMBEDDER
 
@@ -156,13 +157,34 @@ class Embedder:
         return self.embed(queries)
 
 
+@dataclass
+class NumpyEmbedder(Embedder):
+    """A sentence-transformers BERT (all-MiniLM-L6-v2) computed in NumPy (``bert_numpy``) where torch is not
+    installed: the same files, so the same ``fingerprint``, and vectors equal to torch's but for the last bits."""
+
+    @cached_property
+    def bert(self) -> NumpyBert:
+        return NumpyBert(self.directory)
+
+    @property
+    def dim(self) -> int:
+        return self.bert.dim
+
+    def embed(self, texts: list[str], *, progress: bool = False) -> np.ndarray:
+        return self.bert.embed(texts) if texts else np.zeros((0, self.dim), dtype=np.float32)
+
+
 def load_embedder(spec: str = DEFAULT_EMBEDDER) -> BankEmbedder:
-    """The embedder ``spec`` names: an ONNX one (``onnx_models``; MissingExtra naming ``route`` without onnxruntime)
-    or a sentence-transformers one (MissingExtra naming ``bank`` first when it is not installed, so that a missing
-    extra is not reported as a missing embedder wheel)."""
+    """The embedder ``spec`` names: an ONNX one (``onnx_models``; MissingExtra naming ``route`` without onnxruntime),
+    a sentence-transformers one, or where the ``bank`` extra (torch) is missing and ``route`` is installed, the same
+    BERT in NumPy (``NumpyEmbedder``); else MissingExtra naming ``bank`` before any missing wheel is reported."""
     onnx = load_onnx_embedder(spec)
     if onnx is not None:
         check_extra("route")
         return onnx
+    if not has_extra("bank") and has_extra("route"):
+        directory = resolve_embedder_dir(spec)
+        if is_numpy_bert(directory):
+            return NumpyEmbedder(name=spec, directory=directory)
     check_extra("bank")
     return Embedder(name=spec, directory=resolve_embedder_dir(spec))
