@@ -166,7 +166,7 @@ def test_the_answer_equals_packctl_ask_with_the_same_pack_question_and_sampling(
         ({"packs": ["wexley"], "temperature": -1}, 400, "invalid_input", "temperature"),
         ({"packs": ["wexley"], "steer_layers": [0]}, 400, "invalid_input", "steer_layers"),
         ({"packs": ["wexley"], "top_k": "many"}, 400, "invalid_input", "top_k"),
-        ({"bank": "wbank", "rerank": "cross"}, 400, "invalid_input", "unknown reranker 'cross'"),
+        ({"bank": "wbank", "rerank": "bogus"}, 400, "invalid_input", "unknown reranker 'bogus'"),
         ({"wat": 1}, 400, "invalid_input", "unknown field 'wat'"),
         ({}, 400, "invalid_input", "nothing to answer with"),
     ],
