@@ -17,16 +17,11 @@ from packstore.bank.bank import open_banks
 from packstore.bank.bert_numpy import NumpyBert, _erf, is_numpy_bert
 from packstore.bank.embedder import NumpyEmbedder
 from packstore.store import LmdbStore
-from tests.helpers.banks import TEST_BANK_CACHE
+from tests.helpers.banks import DESCRIBED_FACT, DESCRIBED_QUESTION, OTHER_FACTS, TEST_BANK_CACHE
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
-TEXTS = [
-    "The lighthouse keeper of Port Elm feeds three gulls every dawn.",
-    "Who looks after the birds at the harbour light?",
-    "a",
-    "Marble quarries near Vesk supply the cathedral builders. " * 40,  # past the model's 256 tokens: cut as sentence-transformers cuts
-]
+TEXTS = [DESCRIBED_FACT, DESCRIBED_QUESTION, "a", (OTHER_FACTS[0] + " ") * 40]  # the last past the model's 256 tokens: cut as sentence-transformers cuts
 
 
 def test_erf_is_within_its_bound() -> None:
@@ -60,8 +55,7 @@ def test_only_plain_bert_directories_are_computed_in_numpy(tmp_path: Path) -> No
 def test_a_minilm_bank_routes_by_meaning_where_torch_cannot_be_imported(tmp_path: Path) -> None:
     """The bank is built with sentence-transformers here; a process without torch routes it (hybrid, then the cross
     stage) with the NumPy BERT and finds the fact a question describes."""
-    facts = [*TEXTS[:1], "Marble quarries near Vesk supply the cathedral builders.", "The ferry to Harl Island leaves at noon."]
-    facts += [f"Record {i}: the census of district {i} is number {i * 7}." for i in range(30)]
+    facts = [DESCRIBED_FACT, *OTHER_FACTS, *[f"Record {i}: the census of district {i} is number {i * 7}." for i in range(30)]]
     with LmdbStore(tmp_path / "store") as store:
         open_banks(store, TEST_BANK_CACHE).build("b", facts)
     script = f"""
@@ -81,7 +75,7 @@ from packstore.store import LmdbStore
 cache = BankCache()
 with LmdbStore(Path({str(tmp_path / 'store')!r})) as store:
     banks = open_banks(store, cache)
-    [route] = banks.route("b", [{TEXTS[1]!r}], top_k=2, rerank="cross")
+    [route] = banks.route("b", [{DESCRIBED_QUESTION!r}], top_k=2, rerank="cross")
 print(type(cache.embedder("all-minilm-l6-v2")).__name__, route.reranker)
 print(route.facts[0][0])
 assert not any(m.partition(".")[0] in HIDDEN for m in sys.modules), "torch was imported"
@@ -89,4 +83,4 @@ assert not any(m.partition(".")[0] in HIDDEN for m in sys.modules), "torch was i
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO,
                           env=os.environ | {"HF_HUB_OFFLINE": "1"}, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines() == ["NumpyEmbedder cross", TEXTS[0]]
+    assert done.stdout.splitlines() == ["NumpyEmbedder cross", DESCRIBED_FACT]

@@ -21,19 +21,12 @@ from packstore.cli.packctl import main as packctl
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.store import LmdbStore
 from packstore.store.records import Route
-from tests.helpers.banks import TEST_BANK_CACHE
+from tests.helpers.banks import DESCRIBED_FACT, DESCRIBED_QUESTION, OTHER_FACTS, TEST_BANK_CACHE
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
-FACTS = [
-    "The lighthouse keeper of Port Elm feeds three gulls every dawn.",
-    "Marble quarries near Vesk supply the cathedral builders.",
-    "The ferry to Harl Island leaves at noon on weekdays.",
-    "Glassblowers in Otterby use sand from the northern dunes.",
-    "The observatory on Mount Quell opened in 1911.",
-    *[f"Record {i}: the {kind} of district {i} is number {i * 7}." for i in range(40) for kind in ("census",)],
-]
-DESCRIBED = "Who looks after the birds at the harbour light?"  # names no word of its fact
+FACTS = [DESCRIBED_FACT, *OTHER_FACTS, *[f"Record {i}: the census of district {i} is number {i * 7}." for i in range(40)]]
+DESCRIBED = DESCRIBED_QUESTION  # names no word of its fact
 
 
 @pytest.fixture(scope="module")
