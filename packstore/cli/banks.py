@@ -65,7 +65,8 @@ def cmd_bank(args: argparse.Namespace) -> int:
                 if args.json or args.queries is not None:
                     emit_json(result.to_json())
                     continue
-                print(f"Q: {result.query}    clusters {result.clusters}")
+                stage = f"    reranked by {result.reranker}" if result.reranker != "none" else ""
+                print(f"Q: {result.query}    clusters {result.clusters}{stage}")
                 for text, score in result.facts:
                     print(f"  {score:6.3f}  {text}")
         elif args.bank_command == "sign":

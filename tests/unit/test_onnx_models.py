@@ -168,3 +168,15 @@ def test_an_answer_routes_through_the_cross_stage(tiny_lm, tmp_path: Path) -> No
         answerer = Answerer(tiny_lm, store, bank_cache=TEST_BANK_CACHE)
         result = answerer.ask(Question(DESCRIBED, bank="b", top_k=2, rerank="cross", sampling=Sampling(max_new_tokens=2)))
         assert result.facts is not None and result.facts[0] == FACTS[0] and len(result.facts) == 2
+
+
+def test_packctl_says_which_stage_reranked_a_route(tmp_path: Path, capsys) -> None:
+    facts = tmp_path / "facts.txt"
+    facts.write_text("\n".join(FACTS[:5]))
+    store = ["--store", str(tmp_path / "store")]
+    assert packctl([*store, "bank", "build", str(facts), "--name", "b"]) == 0
+    capsys.readouterr()
+    assert packctl([*store, "bank", "route", "b", DESCRIBED, "--top-k", "1"]) == 0  # the default stage: cross
+    assert "reranked by cross" in capsys.readouterr().out
+    assert packctl([*store, "bank", "route", "b", DESCRIBED, "--top-k", "1", "--rerank", "none"]) == 0
+    assert "reranked" not in capsys.readouterr().out
