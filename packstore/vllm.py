@@ -668,8 +668,9 @@ class PackstoreConnector(KVConnectorBase_V1):
         check_layers(self._layers, compilation.pass_config, capture=watch)
         self._kv_caches = dict(kv_caches)
         self._strided_rows = {name for name, layer in self._layers.items() if reads_strided_rows(layer.impl)}
-        updates = {name: layer.impl.do_kv_cache_update for name, layer in self._layers.items()}  # before any is watched
-        self._scattered = {name for name, layer in self._layers.items() if writes_like(updates[name], layer, kv_caches[name])}
+        self._scattered = {  # each layer probed against its own update, before _watch_writes wraps it
+            name for name, layer in self._layers.items() if writes_like(layer.impl.do_kv_cache_update, layer, kv_caches[name])
+        }
         log.info("packstore: %d of %d layers take packs written straight into their blocks", len(self._scattered), len(self._layers))
         if self._save_writer is not None:
             self._save_capture = SaveCapture(len(self._layers), self.block_size)

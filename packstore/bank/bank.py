@@ -457,17 +457,18 @@ class LocalBanks(StoredBanks):
         rerank_weight: float | None = None,
     ) -> list[Route]:
         chosen = None if mode == "lexical" else self._embedder(name, embedder)  # BM25 alone: no embedder to load
-        second = self._reranker(name, rerank, rerank_weight)
+        second = self._reranker(name, embedder, rerank, rerank_weight)
         top = top_k if second is None else second.routed_for(top_k)
         routes = route(self.store, name, queries, chosen, top_k=top, probe=probe, mode=mode, cache=self.cache)
         return routes if second is None else [second.apply(found, top_k) for found in routes]
 
-    def _reranker(self, name: str, rerank: str, weight: float | None) -> Reranker | None:
-        """The second stage ``rerank`` names, with what this process holds (InvalidInput for ``lm``)."""
+    def _reranker(self, name: str, embedder: str | None, rerank: str, weight: float | None) -> Reranker | None:
+        """The second stage ``rerank`` names, with what this process holds (``late``: the embedder the route uses;
+        InvalidInput for ``lm``)."""
         if rerank == "lm":
             raise InvalidInput("rerank 'lm' scores facts with a language model, which the store does not hold: rerank where the model is")
         if rerank == "late":
-            return reranker("late", embedder=self._embedder(name, None), weight=weight)
+            return reranker("late", embedder=self._embedder(name, embedder), weight=weight)
         return reranker(rerank, cross=self.cache.cross_encoder() if rerank == "cross" else None, weight=weight)
 
     def _embedder(self, name: str, spec: str | None) -> BankEmbedder:

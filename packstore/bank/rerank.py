@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from packstore.errors import InvalidInput, PackNotFound
+from packstore.errors import InvalidInput
 from packstore.store.protocol import DEFAULT_TOP_K, BankStore
 from packstore.store.records import Route
 
@@ -163,14 +163,6 @@ def reranker(name: str, *, embedder: Any = None, lm: tuple[Any, torch.nn.Module]
             raise InvalidInput("the lm reranker needs a language model")
         scorer = lm_scorer(*lm)
     return Reranker(name, scorer, count, weight)
-
-
-def recorded_embedder(banks: BankStore, name: str) -> str:
-    """The embedder bank ``name`` records (the late stage needs its token embeddings); PackNotFound when there is no bank."""
-    for meta, _ in banks.list():
-        if meta.name == name:
-            return meta.embedder
-    raise PackNotFound(f"no bank named {name!r}", ref=name)
 
 
 def reranked_route(

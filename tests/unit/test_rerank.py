@@ -11,7 +11,7 @@ import pytest
 
 from packstore.answering.answer import Answerer, Question
 from packstore.bank.bank import open_banks
-from packstore.bank.rerank import CANDIDATES, Reranker, lm_scorer, recorded_embedder, reranked_route, reranker
+from packstore.bank.rerank import CANDIDATES, Reranker, lm_scorer, reranked_route, reranker
 from packstore.cli.packctl import main as packctl
 from packstore.errors import InvalidInput, PackNotFound
 from packstore.kv.inject import Sampling
@@ -77,14 +77,14 @@ def test_the_lm_scorer_scores_each_candidate_as_if_alone(tiny_lm) -> None:
 
 def test_late_reranking_on_the_real_embedder_keeps_the_answering_fact_first(banks) -> None:
     """MaxSim over MiniLM's tokens, after the hybrid route: the fact a paraphrased question asks for stays on top."""
-    late = reranker("late", embedder=TEST_BANK_CACHE.embedder(recorded_embedder(banks, "b")))
+    late = reranker("late", embedder=TEST_BANK_CACHE.embedder(banks.store.bank("b").embedder))
     routes = reranked_route(banks, "b", [c.query for c in CASES[:10]], top_k=3, reranker=late)
     assert all(len(r.facts) == 3 and "rerank" in r.seconds for r in routes)
     assert sum(r.facts[0][0] == c.fact for r, c in zip(routes, CASES[:10])) >= 9
     plain = reranked_route(banks, "b", [CASES[0].query], top_k=3)[0]
     assert "rerank" not in plain.seconds
     with pytest.raises(PackNotFound, match="no bank named 'absent'"):
-        recorded_embedder(banks, "absent")
+        banks.route("absent", ["Who?"], rerank="late")  # the late stage needs the bank's embedder: there is no bank
 
 
 def test_questions_check_their_reranker() -> None:
