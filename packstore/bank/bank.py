@@ -311,18 +311,23 @@ def route(
     probe: int | None = None,
     mode: str = "hybrid",
     cache: BankCache | None = None,
+    rare_facts: int = 0,
 ) -> list[Route]:
     """Per query, the ``top_k`` best facts: the facts of the ``probe`` nearest clusters and of the best BM25 hits.
 
     ``mode`` "hybrid" scores by ``FUSION`` (cosine + 0.4 x BM25 / the query's best BM25, a decisive BM25 lead
     first), so a fact whose rare words the query shares can win without its cluster being probed; "dense" ranks the
     probed clusters by cosine alone, "lexical" the BM25 hits by BM25 alone, without the embedder (None there: no
-    model stack needed). ``probe`` None probes ``default_probe`` of the bank's cluster count.
+    model stack needed). ``probe`` None probes ``default_probe`` of the bank's cluster count. ``rare_facts`` widens a
+    hybrid route's pool by the clusters of up to that many facts holding the query's rarest terms
+    (``LexicalIndex.rare_term_documents``): what the cross stage reranks from (``Reranker.rare_facts``).
     """
     if not queries:
         raise InvalidInput("no queries: give at least one")
     if top_k < 1 or (probe is not None and probe < 1):
         raise InvalidInput("top_k and probe must be at least 1")
+    if rare_facts < 0:
+        raise InvalidInput(f"rare_facts must be 0 or more, not {rare_facts}")
     if mode not in ROUTE_MODES:
         raise InvalidInput(f"unknown route mode {mode!r}: use one of {', '.join(ROUTE_MODES)}")
     for query in queries:
@@ -348,7 +353,7 @@ def route(
     routed = time.perf_counter()
     per_query = {"embed": (embedded - started) / len(queries), "route": (routed - embedded) / len(queries)}
     return [
-        _rank(store, name, query, None if vectors is None else vectors[i], nearest[i], lexical, top_k, mode, per_query)
+        _rank(store, name, query, None if vectors is None else vectors[i], nearest[i], lexical, top_k, mode, rare_facts, per_query)
         for i, query in enumerate(queries)
     ]
 
@@ -362,11 +367,14 @@ def _rank(
     lexical: LexicalIndex | None,
     top_k: int,
     mode: str,
+    rare_facts: int,
     seconds: dict[str, float],
 ) -> Route:
-    """Score the facts of the probed clusters and of the clusters holding the best BM25 hits; keep ``top_k``."""
+    """Score the facts of the probed clusters and of the clusters holding the best BM25 hits (and, in a hybrid
+    route, up to ``rare_facts`` facts with the query's rarest terms); keep ``top_k``."""
     started = time.perf_counter()
-    pool, texts, candidates = _candidates(store, name, query, vector, probed, lexical)
+    widen = rare_facts if mode == "hybrid" else 0  # lexical's top facts are among the BM25 hits already
+    pool, texts, candidates = _candidates(store, name, query, vector, probed, lexical, widen)
     searched = time.perf_counter()
     if mode == "dense" or not len(texts):
         scores = candidates.cosine
@@ -389,12 +397,21 @@ def _rank(
 
 
 def _candidates(
-    store: BankReads, name: str, query: str, vector: np.ndarray | None, probed: list[int], lexical: LexicalIndex | None
+    store: BankReads,
+    name: str,
+    query: str,
+    vector: np.ndarray | None,
+    probed: list[int],
+    lexical: LexicalIndex | None,
+    rare_facts: int,
 ) -> tuple[list[int], list[str], Candidates]:
-    """The clusters ranked (the probed ones, then those holding the best BM25 hits), their facts, and each fact's
-    cosine with ``vector`` (zeros without one) and BM25 (zeros without an index)."""
+    """The clusters ranked (the probed ones, then those holding the best BM25 hits, then those holding up to
+    ``rare_facts`` facts with the query's rarest terms), their facts, and each fact's cosine with ``vector`` (zeros
+    without one) and BM25 (zeros without an index)."""
     bm25 = lexical.scores(query) if lexical is not None else None
     hits = _lexical_candidates(bm25, LEXICAL_CANDIDATES) if bm25 is not None else np.zeros(0, dtype=np.int64)
+    if lexical is not None and bm25 is not None and rare_facts and hits.size:
+        hits = np.concatenate([hits, lexical.rare_term_documents(query, bm25, rare_facts)])
     pool = list(dict.fromkeys(probed + [cluster for cluster, _ in lexical.locate(hits)])) if lexical is not None else probed
     found = [(cluster_id, c) for cluster_id, c in store.bank_clusters(name, pool).items() if c is not None and c.texts]
     texts = [t for _, c in found for t in c.texts]
@@ -409,10 +426,17 @@ def _candidates(
 
 
 def route_candidates(
-    store: BankReads, name: str, queries: Sequence[str], embedder: BankEmbedder, *, probe: int | None = None, cache: BankCache | None = None
+    store: BankReads,
+    name: str,
+    queries: Sequence[str],
+    embedder: BankEmbedder,
+    *,
+    probe: int | None = None,
+    cache: BankCache | None = None,
+    rare_facts: int = 0,
 ) -> list[tuple[list[str], Candidates]]:
-    """Per query, every fact a hybrid route ranks and its evidence (cosine, BM25) before fusion: what
-    ``tools/eval_fusion.py`` compares fusion rules on, exactly as ``route`` would rank them."""
+    """Per query, every fact a hybrid route (with ``rare_facts``) ranks and its evidence (cosine, BM25) before
+    fusion: what tools/eval/eval_fusion.py and eval_cross.py compare rules on, exactly as ``route`` would rank them."""
     meta = store.bank(name)
     _check_embedder(meta, embedder)
     lexical = lexical_index_of(store, name, cache)
@@ -420,7 +444,7 @@ def route_candidates(
     nearest = nearest_centroids(vectors, centroids_of(store, name, cache), probe or default_probe(meta.clusters)).tolist()
     found = []
     for query, vector, probed in zip(queries, vectors, nearest):
-        _, texts, candidates = _candidates(store, name, query, vector, probed, lexical)
+        _, texts, candidates = _candidates(store, name, query, vector, probed, lexical, rare_facts)
         found.append((texts, candidates))
     return found
 
@@ -458,8 +482,8 @@ class LocalBanks(StoredBanks):
     ) -> list[Route]:
         chosen = None if mode == "lexical" else self._embedder(name, embedder)  # BM25 alone: no embedder to load
         second = self._reranker(name, embedder, rerank, rerank_weight)
-        top = top_k if second is None else second.routed_for(top_k)
-        routes = route(self.store, name, queries, chosen, top_k=top, probe=probe, mode=mode, cache=self.cache)
+        top, widen = (top_k, 0) if second is None else (second.routed_for(top_k), second.rare_facts)
+        routes = route(self.store, name, queries, chosen, top_k=top, probe=probe, mode=mode, cache=self.cache, rare_facts=widen)
         return routes if second is None else [second.apply(found, top_k) for found in routes]
 
     def _reranker(self, name: str, embedder: str | None, rerank: str, weight: float | None) -> Reranker | None:

@@ -96,6 +96,25 @@ class LexicalIndex:
             return np.zeros(int(self.cluster_starts[-1]), dtype=np.float32)
         return np.asarray(self.retriever.get_scores(terms), dtype=np.float32)
 
+    def rare_term_documents(self, query: str, scores: np.ndarray, bound: int) -> np.ndarray:
+        """Up to ``bound`` documents holding the query's rarest indexed terms: every document of the rarest term, then
+        of the next rarest, while they fit; the term that does not fit wholly gives its best by ``scores`` (the query's
+        BM25). A question that describes a fact shares its rare words (a place, a code) with it but few others, so
+        these documents find facts that neither the query's vector nor its overall BM25 ranks near the top."""
+        terms = list(dict.fromkeys(t for t in _tokens([query], return_ids=False)[0] if t in self.retriever.vocab_dict))
+        if bound < 1 or not terms:
+            return np.zeros(0, dtype=np.int64)
+        indptr, indices = self.retriever.scores["indptr"], self.retriever.scores["indices"]
+        ids = np.asarray(self.retriever.get_tokens_ids(terms), dtype=np.int64)
+        found = np.zeros(0, dtype=np.int64)
+        for term in ids[np.argsort(indptr[ids + 1] - indptr[ids], kind="stable")]:
+            documents = np.setdiff1d(np.asarray(indices[indptr[term] : indptr[term + 1]], dtype=np.int64), found)
+            room = bound - len(found)
+            if len(documents) >= room:
+                return np.concatenate([found, documents[np.argpartition(-scores[documents], room - 1)[:room]]])
+            found = np.concatenate([found, documents])
+        return found
+
     def locate(self, documents: np.ndarray) -> list[tuple[int, int]]:
         """``(cluster, row)`` of each document index."""
         clusters = np.searchsorted(self.cluster_starts, documents, side="right") - 1

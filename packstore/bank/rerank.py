@@ -29,6 +29,9 @@ RERANKERS = ("none", "late", "lm", "cross")
 CANDIDATES = {"late": 20, "lm": 5, "cross": 15}  # candidates rescored per query: each stage's cost grows with them
 DEFAULT_WEIGHT = 0.25  # the tuning data's best weight for late and lm (ties with no reranking)
 CROSS_WEIGHT = 8.0  # cross: the route's score counts this many logits (N and weight chosen on the tuning data, issue 66)
+# cross: the route's pool is widened by up to this many facts holding the question's rarest terms (a question that
+# describes its fact shares a place or a code with it and little else; bank.route's rare_facts), chosen with N and w.
+CROSS_RARE_FACTS = 0
 DEFAULT_RERANK = "cross"  # what `bank route`, `ask --bank` and a worker's bank questions rerank with unless told
 
 LM_PROMPT = "Passage: {passage}\nA question this passage answers:"
@@ -100,6 +103,7 @@ class Reranker:
     weight: float = DEFAULT_WEIGHT
     leads: bool = False
     fingerprint: str = ""
+    rare_facts: int = 0  # facts with the question's rarest terms the route adds to its pool for this stage
 
     def __post_init__(self) -> None:
         if self.candidates < 1:
@@ -151,7 +155,7 @@ def reranker(name: str, *, embedder: Any = None, lm: tuple[Any, torch.nn.Module]
     if name == "cross":
         if cross is None:
             raise InvalidInput("the cross reranker needs a cross-encoder")
-        return Reranker(name, cross_scorer(cross), count, weight, leads=True, fingerprint=cross.fingerprint)
+        return Reranker(name, cross_scorer(cross), count, weight, leads=True, fingerprint=cross.fingerprint, rare_facts=CROSS_RARE_FACTS)
     if name == "late":
         if embedder is None:
             raise InvalidInput("the late reranker needs the bank's embedder")

@@ -21,7 +21,9 @@ def test_eval_cross_small(tmp_path: Path, kept_banks: Path) -> None:
     datasets = {r["dataset"] for r in records}
     assert datasets == {"own_500", "second_500", "third_500", "fourth_500", "ckc_tuning"}
     rules = {r["rule"] for r in records}
-    assert len(rules) == len(eval_cross.NS) * len(eval_cross.WEIGHTS) + 2 and all(len(r["places"]) == 6 for r in records)
+    per_bound = 1 + len(eval_cross.NS) * len(eval_cross.WEIGHTS)  # the fused order, and each cross rule, per pool bound
+    assert len(rules) == len(eval_cross.RARE_BOUNDS) * per_bound + 1 and all(len(r["places"]) == 6 for r in records)
+    assert {r["bound"] for r in records} == set(eval_cross.RARE_BOUNDS)
     chosen, _ = eval_cross.choose(records)
     assert chosen.startswith("cross") and chosen in (tmp_path / eval_cross.EMBEDDERS[0] / "sweep.md").read_text()
     assert eval_cross.main(["measure", *common]) == 0

@@ -66,3 +66,22 @@ def test_route_candidates_are_exactly_what_route_ranks(synthetic_bank) -> None:
         best = np.argsort(-scores, kind="stable")[:5]
         assert [texts[i] for i in best] == [text for text, _ in routed.facts]
         assert np.allclose([scores[i] for i in best], [score for _, score in routed.facts], atol=1e-6)
+
+
+def test_a_widened_pool_holds_every_fact_with_the_query_s_rarest_term(tmp_path) -> None:
+    """30 facts hold "Ferrowick" with the query's other words, so BM25's 20 best are among them; the fact that
+    describes the lamp in other words ("lantern", "rests") holds only the place. The pool widened by the rarest
+    term's facts (issue 66) holds it and every other Ferrowick fact."""
+    facts = [case.fact for case in synthetic_facts(200)]
+    facts += [f"Ferrowick keeps lamp number {i}, a brass lamp kept in hall {i}." for i in range(30)]
+    facts += [f"Dunmore keeps lamp number {i}, an iron lamp kept in shed {i}." for i in range(30)]
+    target = "An old lantern rests by the quay at Ferrowick."
+    embedder = load_embedder()
+    with LmdbStore(tmp_path / "store") as store:
+        build_bank(store, "b", [*facts, target], embedder)
+        query = "Which lamp is kept in Ferrowick?"
+        [(narrow, _)] = route_candidates(store, "b", [query], embedder, probe=1, rare_facts=0)
+        [(wide, found)] = route_candidates(store, "b", [query], embedder, probe=1, rare_facts=40)
+        assert target not in narrow and set(narrow) <= set(wide) and target in wide
+        assert all(fact in wide for fact in facts if "Ferrowick" in fact)
+        assert len(found.cosine) == len(wide) and found.bm25[wide.index(target)] > 0

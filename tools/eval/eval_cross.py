@@ -2,25 +2,29 @@
 
 Two steps, so that the choice reads no data it may not, as tools/eval/eval_fusion.py does:
 
-``dump``: for each tuning data set (own, second, third and fourth generators at ``--sizes``; the ckc tuning half), build the
-bank (MiniLM, the default vectors, kept under ``--banks``) and route every question as ``route`` would
-(``route_candidates``: each candidate's cosine and BM25), with ``--embedder``'s bank. Per question keep: the shipped fusion's scores
-(``bank.FUSION``) of its top ``POOL`` candidates in its order, where the answering fact is in that order (recall@N), where
-the rule before issue 54 (additive w=0.2) puts it, and the cross-encoder's logit of each of the top ``POOL``, one pair
-per run, with the milliseconds it took. One ``.npz`` per data set under ``--dumps``/EMBEDDER.
+``dump``: for each tuning data set (``--data``: own, second, third and fourth generators at ``--sizes``; the ckc tuning
+half), build the bank (``--embedder``, the default vectors, kept under ``--banks``) and route every question as ``route``
+would (``route_candidates``: each candidate's cosine and BM25) once per pool bound of ``RARE_BOUNDS`` (the facts holding
+the question's rarest terms added to the pool, ``rare_facts``). Per question and bound keep: the shipped fusion's scores
+(``bank.FUSION``) of its top ``POOL`` candidates in its order, where the answering fact is in that order (recall@N), the
+route's milliseconds, and the cross-encoder's logit of each of the top ``POOL`` (one pair per run); once per question,
+where the rule before issue 54 (additive w=0.2) puts the fact, and the cross-encoder's milliseconds a pair. One
+``.npz`` per data set under ``--dumps``/EMBEDDER.
 
-``sweep``: every (N, weight) of ``NS`` x ``WEIGHTS`` ranks each question's top N by logit + weight x fused score, the
-rest below in fused order, exactly as ``Reranker.apply`` does; per data set top-1 and top-5 with Wilson intervals, and
-for each rule, question by question against the shipped fusion and against additive w=0.2, the exact McNemar p-value of
-top-1 and top-5. The rule chosen has the least worst top-1 shortfall (then top-5) among the rules that lose top-5 on
-ckc tuning to neither (p < 0.05 with more losses than gains). Records: OUT/EMBEDDER/sweep.jsonl and sweep.md (with the costs).
+``sweep``: every (bound, N, weight) of ``RARE_BOUNDS`` x ``NS`` x ``WEIGHTS`` ranks each question's top N by logit +
+weight x fused score, the rest below in fused order, exactly as ``Reranker.apply`` does over ``route(rare_facts=bound)``;
+per data set top-1 and top-5 with Wilson intervals, and for each rule, question by question against the shipped fusion
+(bound 0, no second stage) and against additive w=0.2, the exact McNemar p-value of top-1 and top-5. The rule chosen
+has the least worst top-1 shortfall (then top-5, then the smaller bound and N) among the rules that lose top-5 on ckc
+tuning to neither (p < 0.05 with more losses than gains). Records: OUT/EMBEDDER/sweep.jsonl and sweep.md (with the
+costs).
 
 The fourth generator, measured once for issue 54 and tuned on by nobody, joins the tuning data here: its described
 questions (no name, three attributes, synonyms) are what the cross stage is for, and the 5,000-fact sets of the others
 are saturated. The fifth generator and the ckc held-out half are never read here (``measure`` reads the fifth once,
 after the choice).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m tools.eval.eval_cross dump [--embedder bge-small-en] [--sizes 5000] [--questions 500]
+    HF_HUB_OFFLINE=1 .venv/bin/python -m tools.eval.eval_cross dump [--embedder bge-small-en] [--sizes 5000] [--questions 500] [--data third fourth]
     .venv/bin/python -m tools.eval.eval_cross sweep [--embedder bge-small-en]
     HF_HUB_OFFLINE=1 .venv/bin/python -m tools.eval.eval_cross measure [--embedder bge-small-en] [--sizes 5000 100000]
 
@@ -66,6 +70,7 @@ from tools.lib.evallib import REPO, fresh_appender, markdown_table, mcnemar_exac
 EMBEDDERS = ("all-minilm-l6-v2", "bge-small-en")  # the bank's embedder: today's default, and the ONNX one (item 3)
 SCRATCH = Path(os.environ.get("PACKSTORE_EVAL_SCRATCH", "/tmp/packstore-eval"))
 POOL = 30  # candidates cross-scored per question: the largest N of the sweep
+RARE_BOUNDS = (0, 100, 300, 1000)  # facts with the question's rarest terms added to the pool (rerank.CROSS_RARE_FACTS)
 NS = (5, 10, 15, 20, 30)
 WEIGHTS = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 OLD = Additive(0.2)
@@ -73,47 +78,64 @@ CKC = "ckc_tuning"
 log = logger("eval_cross")
 
 
-def tuning_datasets(sizes: Sequence[int], questions: int) -> list[Dataset]:
-    """The tuning data: own, second, third and fourth generators at each size, and the ckc tuning half (never held-out)."""
-    found = [maker(size, questions) for size in sizes for maker in (own_dataset, second_dataset, third_dataset, fourth_dataset)]
-    return found + [ckc_datasets(questions)[0]]
+GENERATORS = {"own": own_dataset, "second": second_dataset, "third": third_dataset, "fourth": fourth_dataset}
+
+
+def tuning_datasets(sizes: Sequence[int], questions: int, data: Sequence[str] = (*GENERATORS, "ckc")) -> list[Dataset]:
+    """The tuning data named in ``data``: the own, second, third and fourth generators at each size, and the ckc
+    tuning half (never held-out)."""
+    found = [GENERATORS[name](size, questions) for size in sizes for name in data if name in GENERATORS]
+    return found + ([ckc_datasets(questions)[0]] if "ckc" in data else [])
 
 
 def _order(scores: np.ndarray) -> np.ndarray:
     return np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")
 
 
+def _place(order: np.ndarray, gold: int) -> int:
+    return int(np.flatnonzero(order == gold)[0]) if gold >= 0 else -1
+
+
 def dump(datasets: Sequence[Dataset], embedder_spec: str, banks: Path, out: Path) -> None:
-    """Per question: the fused scores of the top ``POOL`` (in fused order), the answering fact's place in the fused
-    and the old orders (-1: not among the candidates), and the cross-encoder's logits and milliseconds."""
+    """Per question and pool bound (``RARE_BOUNDS``, ``route_candidates``' ``rare_facts``): the fused scores of the top
+    ``POOL`` (in fused order), the answering fact's place in the fused order (-1: not among the candidates), the route's
+    milliseconds, and the cross-encoder's logits of those facts; once per question, its milliseconds a pair and where
+    the answering fact is in the old order (additive w=0.2 over the pool issue 54 routed, bound 0)."""
     out.mkdir(parents=True, exist_ok=True)
     cross = load_cross_encoder()
     with LmdbStore(banks) as store:
         for dataset, target, name, about in banks_to_dump(store, datasets, out / embedder_spec, embedder_spec, "dump"):
             embedder = BANK_CACHE.embedder(embedder_spec)
-            route_ms = []
-            fused_rows, logit_rows, gold_fused, gold_old, ms = [], [], [], [], []
+            shape = (len(RARE_BOUNDS), len(dataset.questions))
+            fused_rows, logit_rows = np.full((*shape, POOL), np.nan), np.full((*shape, POOL), np.nan)
+            gold_fused, route_ms = np.full(shape, -1), np.zeros(shape)
+            gold_old, ms = [], []
             for index, (question, fact) in enumerate(dataset.questions):
-                started = time.perf_counter()
-                [(texts, candidates)] = route_candidates(store, name, [question], embedder, cache=BANK_CACHE)
-                route_ms.append(1000 * (time.perf_counter() - started))
-                fused = FUSION(candidates) if candidates.bm25.any() else candidates.cosine
-                order = _order(fused)
-                gold = texts.index(fact.strip()) if fact.strip() in texts else -1
-                old = OLD(candidates) if candidates.bm25.any() else candidates.cosine
-                gold_fused.append(int(np.flatnonzero(order == gold)[0]) if gold >= 0 else -1)
-                gold_old.append(int(np.flatnonzero(_order(old) == gold)[0]) if gold >= 0 else -1)
-                top = order[:POOL]
-                started = time.perf_counter()
-                logits = cross.score(question, [texts[i] for i in top])
-                ms.append(1000 * (time.perf_counter() - started) / max(len(top), 1))
-                fused_rows.append(np.pad(np.asarray(fused, dtype=np.float64)[top], (0, POOL - len(top)), constant_values=np.nan))
-                logit_rows.append(np.pad(logits, (0, POOL - len(top)), constant_values=np.nan))
+                logits: dict[str, float] = {}  # a pair's logit does not depend on the other pairs (one per run)
+                for b, bound in enumerate(RARE_BOUNDS):
+                    started = time.perf_counter()
+                    [(texts, candidates)] = route_candidates(store, name, [question], embedder, cache=BANK_CACHE, rare_facts=bound)
+                    route_ms[b, index] = 1000 * (time.perf_counter() - started)
+                    fused = FUSION(candidates) if candidates.bm25.any() else candidates.cosine
+                    order = _order(fused)
+                    gold = texts.index(fact.strip()) if fact.strip() in texts else -1
+                    gold_fused[b, index] = _place(order, gold)
+                    if bound == 0:
+                        gold_old.append(_place(_order(OLD(candidates) if candidates.bm25.any() else candidates.cosine), gold))
+                    top = order[:POOL]
+                    new = [texts[i] for i in top if texts[i] not in logits]
+                    started = time.perf_counter()
+                    logits |= dict(zip(new, cross.score(question, new))) if new else {}
+                    if bound == 0:
+                        ms.append(1000 * (time.perf_counter() - started) / max(len(new), 1))
+                    fused_rows[b, index, : len(top)] = np.asarray(fused, dtype=np.float64)[top]
+                    logit_rows[b, index, : len(top)] = [logits[texts[i]] for i in top]
                 if index % 100 == 99:
                     log(f"{dataset.name}: {index + 1} questions ({np.median(ms):.1f} ms a pair)")
-            np.savez_compressed(target, fused=np.array(fused_rows), logits=np.array(logit_rows), gold=np.array(gold_fused),
-                                old=np.array(gold_old), pair_ms=np.array(ms), route_ms=np.array(route_ms), build_s=about["build_s"])
-            log(f"{dataset.name}: {len(ms)} questions, answering fact in the top {POOL} for {sum(0 <= g < POOL for g in gold_fused)}")
+            np.savez_compressed(target, bounds=np.array(RARE_BOUNDS), fused=fused_rows, logits=logit_rows, gold=gold_fused,
+                                old=np.array(gold_old), pair_ms=np.array(ms), route_ms=route_ms, build_s=about["build_s"])
+            found = ", ".join(f"{bound}: {int(np.sum((0 <= g) & (g < POOL)))}" for bound, g in zip(RARE_BOUNDS, gold_fused))
+            log(f"{dataset.name}: {len(ms)} questions, answering fact in the top {POOL} by pool bound {found}")
 
 
 def reranked_place(fused: np.ndarray, logits: np.ndarray, gold: int, n: int, weight: float) -> int:
@@ -128,8 +150,14 @@ def reranked_place(fused: np.ndarray, logits: np.ndarray, gold: int, n: int, wei
     return int(np.flatnonzero(_order(scores) == gold)[0])
 
 
-def rule_name(n: int, weight: float) -> str:
-    return f"cross N={n} w={weight:g}"
+SHIPPED = FUSION.name + " (shipped)"  # the fused order over the pool issue 54 routed (bound 0), no second stage
+
+
+def rule_name(bound: int, n: int | None = None, weight: float = 0.0) -> str:
+    """The fused order over the pool widened by ``bound`` rare-term facts, re-scored by the cross stage when ``n``."""
+    if n is None:
+        return SHIPPED if bound == 0 else f"{FUSION.name} pool {bound}"
+    return f"cross N={n} w={weight:g} pool {bound}"
 
 
 def sweep(dumps: Path, out: Path) -> list[dict]:
@@ -138,17 +166,19 @@ def sweep(dumps: Path, out: Path) -> list[dict]:
     keep = fresh_appender(records)
     for path in sorted(dumps.glob("*.npz")):
         data = np.load(path)
-        shipped, old = [int(g) for g in data["gold"]], [int(g) for g in data["old"]]
-        route, pair = data["route_ms"], data["pair_ms"]
-        cost = {"build_s": float(data["build_s"]), "route_ms": [float(np.median(route)), float(np.percentile(route, 95))],
-                "pair_ms": [float(np.median(pair)), float(np.percentile(pair, 95))]}
-        keep({"dataset": path.stem, "rule": FUSION.name + " (shipped)", "places": shipped, "cost": cost})
-        keep({"dataset": path.stem, "rule": OLD.name, "places": old})
-        for n in NS:
-            for weight in WEIGHTS:
-                places = [reranked_place(f, lg, g, n, weight) for f, lg, g in zip(data["fused"], data["logits"], shipped)]
-                keep({"dataset": path.stem, "rule": rule_name(n, weight), "places": places})
-        log(f"{path.stem}: {len(shipped)} questions")
+        pair = data["pair_ms"]
+        keep({"dataset": path.stem, "rule": OLD.name, "places": [int(g) for g in data["old"]], "bound": 0, "n": 0})
+        for b, bound in enumerate(int(bound) for bound in data["bounds"]):
+            fused = [int(g) for g in data["gold"][b]]
+            route = data["route_ms"][b]
+            cost = {"build_s": float(data["build_s"]), "route_ms": [float(np.median(route)), float(np.percentile(route, 95))],
+                    "pair_ms": [float(np.median(pair)), float(np.percentile(pair, 95))]}
+            keep({"dataset": path.stem, "rule": rule_name(bound), "places": fused, "bound": bound, "n": 0, "cost": cost})
+            for n in NS:
+                for weight in WEIGHTS:
+                    places = [reranked_place(f, lg, g, n, weight) for f, lg, g in zip(data["fused"][b], data["logits"][b], fused)]
+                    keep({"dataset": path.stem, "rule": rule_name(bound, n, weight), "places": places, "bound": bound, "n": n})
+        log(f"{path.stem}: {len(pair)} questions")
     return read_jsonl(records)
 
 
@@ -170,13 +200,15 @@ def loses(rule: Sequence[int], other: Sequence[int], k: int) -> bool:
 
 
 def choose(records: Sequence[dict]) -> tuple[str, list[list[str]]]:
-    """The cross rule of least worst top-1 shortfall (then top-5) over the data sets among those that lose top-5 on
-    the ckc tuning half neither to the shipped fusion nor to additive w=0.2; and the table, best first."""
+    """The cross rule of least worst top-1 shortfall (then top-5, then the smaller pool bound and N: the cheaper
+    route) over the data sets among those that lose top-5 on the ckc tuning half neither to the shipped fusion nor to
+    additive w=0.2; and the table, best first."""
     by_rule: dict[str, dict[str, list[int]]] = {}
+    cheapness: dict[str, tuple[int, int]] = {}
     for record in records:
         by_rule.setdefault(record["rule"], {})[record["dataset"]] = record["places"]
+        cheapness[record["rule"]] = (record.get("bound", 0), record.get("n", 0))  # the first choice's records (fd2db70) have no pool bound
     datasets = sorted({record["dataset"] for record in records})
-    shipped = FUSION.name + " (shipped)"
 
     def share(rule: str, dataset: str, k: int) -> float:
         return float(np.mean(hits(by_rule[rule][dataset], k)))
@@ -186,11 +218,11 @@ def choose(records: Sequence[dict]) -> tuple[str, list[list[str]]]:
     def shortfall(rule: str, k: int) -> float:
         return max(best[d, k] - share(rule, d, k) for d in datasets)
 
-    ordered = sorted(by_rule, key=lambda rule: (shortfall(rule, 1), shortfall(rule, 5)))
+    ordered = sorted(by_rule, key=lambda rule: (round(shortfall(rule, 1), 9), round(shortfall(rule, 5), 9), cheapness[rule]))
     ckc = next(d for d in datasets if d.startswith(CKC))
     eligible = [
         rule for rule in ordered
-        if rule.startswith("cross") and not any(loses(by_rule[rule][ckc], by_rule[other][ckc], 5) for other in (shipped, OLD.name))
+        if rule.startswith("cross") and not any(loses(by_rule[rule][ckc], by_rule[other][ckc], 5) for other in (SHIPPED, OLD.name))
     ]
     rows = []
     for rule in ordered:
@@ -207,35 +239,38 @@ def choose(records: Sequence[dict]) -> tuple[str, list[list[str]]]:
 
 def paired_table(records: Sequence[dict], chosen: str) -> str:
     """The chosen rule against the shipped fusion and additive w=0.2, per data set: top-1 and top-5 gained / lost and
-    the exact McNemar p-value; and recall@N of the fused order (where the cross-encoder can find the fact at all)."""
+    the exact McNemar p-value; and recall@N of the fused order over the pool issue 54 routed and over the chosen rule's
+    widened pool (where a second stage can find the fact at all)."""
     by_rule: dict[str, dict[str, list[int]]] = {}
+    bound = next(record.get("bound", 0) for record in records if record["rule"] == chosen)
     for record in records:
         by_rule.setdefault(record["rule"], {})[record["dataset"]] = record["places"]
-    shipped = FUSION.name + " (shipped)"
     rows = []
     for dataset in sorted(by_rule[chosen]):
         cells = [dataset]
-        for other in (shipped, OLD.name):
+        for other in (SHIPPED, OLD.name):
             for k in (1, 5):
                 gained, lost, p = paired(by_rule[chosen][dataset], by_rule[other][dataset], k)
                 cells.append(f"+{gained} / -{lost} (p {p:.3g})")
-        cells += [f"{100 * hits(by_rule[shipped][dataset], n).mean():.1f}" for n in NS]
+        widened = by_rule[rule_name(bound)][dataset]
+        cells += [f"{100 * hits(by_rule[SHIPPED][dataset], n).mean():.1f} / {100 * hits(widened, n).mean():.1f}" for n in NS]
         rows.append(cells)
     headers = ["data set", "vs shipped top-1", "vs shipped top-5", "vs additive w=0.2 top-1", "vs additive w=0.2 top-5",
-               *[f"recall@{n} %" for n in NS]]
+               *[f"recall@{n} % pool 0 / {bound}" for n in NS]]
     return markdown_table(headers, rows)
 
 
 def cost_table(records: Sequence[dict]) -> str:
-    """Per data set, as the dump measured it (beside the other evaluation work on the machine): the bank's build
-    seconds, the first stage's milliseconds a question (embed, probe, BM25, fuse; median and p95) and the
-    cross-encoder's a pair (median and p95 of per-question means; pairs run side by side, one thread each)."""
+    """Per data set and pool bound, as the dump measured it (beside the other evaluation work on the machine): the
+    bank's build seconds, the first stage's milliseconds a question (embed, probe, BM25, read the pool, fuse; median
+    and p95) and the cross-encoder's a pair (median and p95 of per-question means; pairs run side by side, one thread
+    each)."""
     rows = []
     for record in records:
         if "cost" in record:
             cost = record["cost"]
-            rows.append([record["dataset"], f"{cost['build_s']:.0f}", *(f"{v:.1f}" for v in cost["route_ms"] + cost["pair_ms"])])
-    return markdown_table(["data set", "bank build s", "route ms, median", "p95", "cross ms a pair, median", "p95"], rows)
+            rows.append([record["dataset"], str(record.get("bound", 0)), f"{cost['build_s']:.0f}", *(f"{v:.1f}" for v in cost["route_ms"] + cost["pair_ms"])])
+    return markdown_table(["data set", "pool bound", "bank build s", "route ms, median", "p95", "cross ms a pair, median", "p95"], rows)
 
 
 def sweep_table(records: Sequence[dict], best: int = 8) -> str:
@@ -243,12 +278,12 @@ def sweep_table(records: Sequence[dict], best: int = 8) -> str:
     shipped fusion and additive w=0.2."""
     chosen, rows = choose(records)
     shown = [row for row in rows[1:] if row[0] == chosen] + [row for row in rows[1 : best + 1] if row[0] != chosen]
-    shown += [row for row in rows[1:] if row[0] in (FUSION.name + " (shipped)", OLD.name) and row not in shown]
+    shown += [row for row in rows[1:] if row[0] in (SHIPPED, OLD.name) and row not in shown]
     marked = [[f"**{row[0]}** (chosen)" if row[0] == chosen else row[0], *row[1:]] for row in shown]
     return markdown_table(rows[0], marked)
 
 
-def embedders_table(out: Path, rule: str = FUSION.name + " (shipped)") -> str:
+def embedders_table(out: Path, rule: str = SHIPPED) -> str:
     """The two first stages question by question (the same questions): top-1 and top-5 of ``rule`` with each
     embedder's banks, MiniLM's wins / bge's wins and the exact McNemar p-value, and recall@20 of each."""
     places: dict[str, dict[str, list[int]]] = {}
@@ -284,10 +319,12 @@ def fifth_dataset(size: int, questions: int) -> tuple[Dataset, list[str]]:
 
 
 def measure(datasets: Sequence[tuple[Dataset, list[str]]], embedder_spec: str, banks_dir: Path, out: Path) -> list[dict]:
-    """Route every question as shipped and with ``--rerank cross`` (its defaults: the chosen N and weight), through
+    """Route every question as shipped and with ``--rerank cross`` (its defaults: the chosen N, weight and pool), through
     ``LocalBanks.route`` as `bank route` does, timing each; one record per question."""
     from packstore.bank.bank import open_banks
+    from packstore.bank.rerank import CANDIDATES, CROSS_RARE_FACTS, CROSS_WEIGHT
 
+    shipped_cross = rule_name(CROSS_RARE_FACTS, CANDIDATES["cross"], CROSS_WEIGHT)  # what `--rerank cross` runs
     records = out / "measured.jsonl"
     keep = fresh_appender(records)
     with LmdbStore(banks_dir) as store:
@@ -297,7 +334,7 @@ def measure(datasets: Sequence[tuple[Dataset, list[str]]], embedder_spec: str, b
             log(f"{dataset.name}: {embedder_spec} bank ready ({about['build_s']:.0f} s to build)")
             banks.route(name, [dataset.questions[0][0]], rerank="cross")  # warm: records read, models loaded
             for (question, fact), form in zip(dataset.questions, forms):
-                row = {"dataset": dataset.name, "embedder": embedder_spec, "form": form, "build_s": about["build_s"]}
+                row = {"dataset": dataset.name, "embedder": embedder_spec, "form": form, "build_s": about["build_s"], "rule": shipped_cross}
                 for stage in ("none", "cross"):
                     started = time.perf_counter()
                     [found] = banks.route(name, [question], top_k=5, rerank=stage)
@@ -344,12 +381,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", nargs="+", type=int, default=[5000])
     parser.add_argument("--embedder", choices=EMBEDDERS, default=EMBEDDERS[0], help="the banks' embedder (the route's first stage)")
     parser.add_argument("--questions", type=int, default=500)
+    parser.add_argument("--data", nargs="+", choices=(*GENERATORS, "ckc"), default=(*GENERATORS, "ckc"),
+                        help="dump: the tuning data sets (a generator at each size, or the ckc tuning half)")
     parser.add_argument("--banks", type=Path, default=SCRATCH / "banks", help="where built banks are kept for reuse")
     parser.add_argument("--dumps", type=Path, default=SCRATCH / "cross")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "eval_cross")
     args = parser.parse_args(argv)
     if args.step == "dump":
-        dump(tuning_datasets(args.sizes, args.questions), args.embedder, args.banks, args.dumps)
+        dump(tuning_datasets(args.sizes, args.questions, args.data), args.embedder, args.banks, args.dumps)
         return 0
     if args.step == "measure":
         out = args.out / args.embedder
