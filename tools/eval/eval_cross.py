@@ -72,7 +72,7 @@ SCRATCH = Path(os.environ.get("PACKSTORE_EVAL_SCRATCH", "/tmp/packstore-eval"))
 POOL = 30  # candidates cross-scored per question: the largest N of the sweep
 RARE_BOUNDS = (0, 100, 300, 1000)  # facts with the question's rarest terms added to the pool (rerank.CROSS_RARE_FACTS)
 NS = (5, 10, 15, 20, 30)
-WEIGHTS = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+WEIGHTS = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 OLD = Additive(0.2)
 CKC = "ckc_tuning"
 log = logger("eval_cross")
@@ -252,11 +252,12 @@ def paired_table(records: Sequence[dict], chosen: str) -> str:
             for k in (1, 5):
                 gained, lost, p = paired(by_rule[chosen][dataset], by_rule[other][dataset], k)
                 cells.append(f"+{gained} / -{lost} (p {p:.3g})")
-        widened = by_rule[rule_name(bound)][dataset]
-        cells += [f"{100 * hits(by_rule[SHIPPED][dataset], n).mean():.1f} / {100 * hits(widened, n).mean():.1f}" for n in NS]
+        orders = [by_rule[SHIPPED][dataset]] + ([by_rule[rule_name(bound)][dataset]] if bound else [])
+        cells += [" / ".join(f"{100 * hits(places, n).mean():.1f}" for places in orders) for n in NS]
         rows.append(cells)
+    pools = f" pool 0 / {bound}" if bound else ""
     headers = ["data set", "vs shipped top-1", "vs shipped top-5", "vs additive w=0.2 top-1", "vs additive w=0.2 top-5",
-               *[f"recall@{n} % pool 0 / {bound}" for n in NS]]
+               *[f"recall@{n} %{pools}" for n in NS]]
     return markdown_table(headers, rows)
 
 
