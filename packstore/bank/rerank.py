@@ -26,12 +26,12 @@ if TYPE_CHECKING:
     import torch
 
 RERANKERS = ("none", "late", "lm", "cross")
-CANDIDATES = {"late": 20, "lm": 5, "cross": 15}  # candidates rescored per query: each stage's cost grows with them
+CANDIDATES = {"late": 20, "lm": 5, "cross": 30}  # candidates rescored per query: each stage's cost grows with them
 DEFAULT_WEIGHT = 0.25  # the tuning data's best weight for late and lm (ties with no reranking)
-CROSS_WEIGHT = 8.0  # cross: the route's score counts this many logits (N and weight chosen on the tuning data, issue 66)
+CROSS_WEIGHT = 32.0  # cross: the route's score counts this many logits (N, weight and pool chosen on the tuning data, issue 66)
 # cross: the route's pool is widened by up to this many facts holding the question's rarest terms (a question that
 # describes its fact shares a place or a code with it and little else; bank.route's rare_facts), chosen with N and w.
-CROSS_RARE_FACTS = 0
+CROSS_RARE_FACTS = 1000
 DEFAULT_RERANK = "cross"  # what `bank route`, `ask --bank` and a worker's bank questions rerank with unless told
 
 LM_PROMPT = "Passage: {passage}\nA question this passage answers:"

@@ -9,7 +9,7 @@ from typing import Any
 
 from packstore.answering.facts import read_facts, read_items
 from packstore.bank.bank import MIN_PROBE, PROBED_SHARE, ROUTE_MODES
-from packstore.bank.rerank import CANDIDATES, CROSS_WEIGHT, DEFAULT_RERANK, DEFAULT_WEIGHT, RERANKERS, default_rerank
+from packstore.bank.rerank import CANDIDATES, CROSS_RARE_FACTS, CROSS_WEIGHT, DEFAULT_RERANK, DEFAULT_WEIGHT, RERANKERS, default_rerank
 from packstore.cli.program import EXIT_ERROR, CommandLine, emit_json, global_options, progress
 from packstore.cli.store_options import store_of
 from packstore.errors import InvalidInput
@@ -113,7 +113,8 @@ def bank_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rerank", choices=RERANKERS, default=None,
         help=f"{DEFAULT_RERANK} (the default, except with --mode lexical): a cross-encoder reads the question with each of the "
-        f"top {CANDIDATES['cross']} (ms-marco-MiniLM-L-12 over onnxruntime; MS MARCO's terms are non-commercial); none: the "
+        f"top {CANDIDATES['cross']}, from a pool widened by up to {CROSS_RARE_FACTS} facts holding the question's rarest terms "
+        "(ms-marco-MiniLM-L-12 over onnxruntime; MS MARCO's terms are non-commercial); none: the "
         f"route's own order; late: MaxSim over the embedder's token embeddings of the top {CANDIDATES['late']}; lm: the "
         f"language model's likelihood of the question after each of the top {CANDIDATES['lm']} (neither beat none on the "
         "tuning data). docs/evaluation.md",
