@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from packstore.bank import bank as bank_module
 from packstore.bank import onnx_models
 from packstore.bank.bank import open_banks
 from packstore.bank.onnx_models import BGE_SMALL, CROSS_MINILM, QUERY_PREFIXES, load_cross_encoder, load_onnx_embedder, wheel_directory
-from packstore.bank.rerank import CROSS_WEIGHT, Reranker, reranked_route, reranker
+from packstore.bank.rerank import CROSS_RARE_FACTS, CROSS_WEIGHT, Reranker, reranked_route, reranker
 from packstore.cli.packctl import main as packctl
 from packstore.errors import InvalidInput, PackMismatch
 from packstore.store import LmdbStore
@@ -105,6 +106,22 @@ def test_an_onnx_bank_routes_by_meaning_and_the_cross_stage_names_itself(tmp_pat
             banks.route("b", [DESCRIBED], "all-minilm-l6-v2")  # queries embedded by another model are refused
         with pytest.raises(InvalidInput, match="sentence-transformers embedder"):
             reranker("late", embedder=TEST_BANK_CACHE.embedder(BGE_SMALL))
+
+
+def test_the_cross_stage_routes_from_the_pool_widened_by_rare_terms(tmp_path: Path, cross, monkeypatch) -> None:
+    """A store's route with the cross stage widens its pool by ``CROSS_RARE_FACTS`` facts with the question's rarest
+    terms (what the stage was chosen with); a route without a second stage does not pay for it."""
+    widened: list[int] = []
+    plain_route = bank_module.route
+    monkeypatch.setattr(bank_module, "route", lambda *args, **options: widened.append(options["rare_facts"]) or plain_route(*args, **options))
+    with LmdbStore(tmp_path / "store") as store:
+        banks = open_banks(store, TEST_BANK_CACHE)
+        banks.build("b", FACTS, BGE_SMALL)
+        [crossed] = banks.route("b", [DESCRIBED], top_k=2, rerank="cross")
+        [plain] = banks.route("b", [DESCRIBED], top_k=2)
+    assert widened == [CROSS_RARE_FACTS, 0] and CROSS_RARE_FACTS > 0
+    assert reranker("cross", cross=cross).rare_facts == CROSS_RARE_FACTS
+    assert set(plain.clusters) <= set(crossed.clusters) and crossed.facts[0][0] == FACTS[0]
 
 
 def test_a_bank_builds_and_routes_with_onnx_models_without_torch(tmp_path: Path) -> None:
