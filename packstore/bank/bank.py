@@ -352,29 +352,17 @@ def route(
     nearest = nearest_centroids(vectors, centroids_of(store, name, cache), probe).tolist() if vectors is not None else [[] for _ in queries]
     routed = time.perf_counter()
     per_query = {"embed": (embedded - started) / len(queries), "route": (routed - embedded) / len(queries)}
-    return [
-        _rank(store, name, query, None if vectors is None else vectors[i], nearest[i], lexical, top_k, mode, rare_facts, per_query)
-        for i, query in enumerate(queries)
-    ]
-
-
-def _rank(
-    store: BankReads,
-    name: str,
-    query: str,
-    vector: np.ndarray | None,
-    probed: list[int],
-    lexical: LexicalIndex | None,
-    top_k: int,
-    mode: str,
-    rare_facts: int,
-    seconds: dict[str, float],
-) -> Route:
-    """Score the facts of the probed clusters and of the clusters holding the best BM25 hits (and, in a hybrid
-    route, up to ``rare_facts`` facts with the query's rarest terms); keep ``top_k``."""
-    started = time.perf_counter()
     widen = rare_facts if mode == "hybrid" else 0  # lexical's top facts are among the BM25 hits already
-    pool, texts, candidates = _candidates(store, name, query, vector, probed, lexical, widen)
+    routes = []
+    for i, query in enumerate(queries):
+        started = time.perf_counter()
+        pool, texts, candidates = _candidates(store, name, query, None if vectors is None else vectors[i], nearest[i], lexical, widen)
+        routes.append(_rank(query, pool, texts, candidates, top_k, mode, per_query | {"lexical": time.perf_counter() - started}))
+    return routes
+
+
+def _rank(query: str, pool: list[int], texts: list[str], candidates: Candidates, top_k: int, mode: str, seconds: dict[str, float]) -> Route:
+    """Score the pool's facts (``_candidates``) as ``mode`` ranks them; keep ``top_k``."""
     searched = time.perf_counter()
     if mode == "dense" or not len(texts):
         scores = candidates.cosine
@@ -392,7 +380,7 @@ def _rank(
         query=query,
         clusters=pool,
         facts=[(texts[i], float(scores[i])) for i in best_first],
-        seconds=seconds | {"lexical": searched - started, "rank": finished - searched},
+        seconds=seconds | {"rank": finished - searched},
     )
 
 
