@@ -89,9 +89,14 @@ class LexicalIndex:
         retriever.index(_tokens(texts, return_ids=True), show_progress=False)
         return cls(retriever, np.concatenate([[0], np.cumsum(sizes)]).astype(np.uint32))
 
+    def query_terms(self, query: str) -> list[str]:
+        """The query's stemmed terms that some document holds, in the query's order (a repeated word repeats: BM25
+        counts it again)."""
+        return [t for t in _tokens([query], return_ids=False)[0] if t in self.retriever.vocab_dict]
+
     def scores(self, query: str) -> np.ndarray:
         """BM25 of ``query`` against every document (0 where no query term occurs)."""
-        terms = [t for t in _tokens([query], return_ids=False)[0] if t in self.retriever.vocab_dict]
+        terms = self.query_terms(query)
         if not terms:
             return np.zeros(int(self.cluster_starts[-1]), dtype=np.float32)
         return np.asarray(self.retriever.get_scores(terms), dtype=np.float32)
@@ -101,7 +106,7 @@ class LexicalIndex:
         of the next rarest, while they fit; the term that does not fit wholly gives its best by ``scores`` (the query's
         BM25). A question that describes a fact shares its rare words (a place, a code) with it but few others, so
         these documents find facts that neither the query's vector nor its overall BM25 ranks near the top."""
-        terms = list(dict.fromkeys(t for t in _tokens([query], return_ids=False)[0] if t in self.retriever.vocab_dict))
+        terms = list(dict.fromkeys(self.query_terms(query)))
         if bound < 1 or not terms:
             return np.zeros(0, dtype=np.int64)
         indptr, indices = self.retriever.scores["indptr"], self.retriever.scores["indices"]

@@ -76,11 +76,11 @@ class OnnxRunner:
     def run_all(self, texts: list[str], pairs: list[str] | None = None) -> list[np.ndarray]:
         """``run`` of each text (with its pair), side by side on ``PARALLEL_RUNS`` threads (onnxruntime releases
         the GIL), in order; each result is what ``run`` gives it alone."""
-        seconds = pairs if pairs is not None else [None] * len(texts)
+        partners = pairs if pairs is not None else [None] * len(texts)
         if len(texts) < 2 or PARALLEL_RUNS == 1:
-            return [self.run(text, pair) for text, pair in zip(texts, seconds)]
-        self.run(texts[0], seconds[0])  # the session and tokenizer load here, once, before the threads race to load them
-        return list(self._pool.map(self.run, texts, seconds))
+            return [self.run(text, pair) for text, pair in zip(texts, partners)]
+        self.run(texts[0], partners[0])  # the session and tokenizer load here, once, before the threads race to load them
+        return list(self._pool.map(self.run, texts, partners))
 
     @cached_property
     def tokenizer(self) -> Any:
